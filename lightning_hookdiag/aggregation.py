@@ -1,0 +1,205 @@
+"""Exact pooling of per-layer statistics over calls, micro-batches and processes, in torchmetrics state.
+
+Per-layer states are stacked into a handful of tensors (``[n_layers, n_slots]`` sums, ``[n_layers]`` maxima, one
+flat vector of per-unit maxima), so torchmetrics' distributed reduction issues the same small number of collectives
+whatever the number of layers or statistics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+from lightning_hookdiag import params as P
+from lightning_hookdiag import stats as S
+from lightning_hookdiag.hooks import first_floating_tensor
+
+__all__ = ["LayerStatsAggregator", "StepRecorder"]
+
+
+class LayerStatsAggregator(Metric):
+    """Pooled sufficient statistics of ``n_layers`` modules for one sampled optimizer step.
+
+    ``update`` adds one observation of one layer; ``compute`` returns the finalised per-layer statistics (after
+    torchmetrics has reduced the states over processes); ``reset`` starts the next sampled step.
+
+    Args:
+        n_layers: Number of observed modules; observations refer to them by index.
+        dtype: Dtype of the additive states (float64 keeps variance pooled from sums exact).
+        kwargs: Passed to :class:`torchmetrics.Metric` (e.g. ``process_group``).
+
+    Example:
+        >>> agg = LayerStatsAggregator(n_layers=2)
+        >>> for x in (torch.tensor([1.0, 3.0]), torch.tensor([5.0, 7.0])):  # two micro-batches of layer 0
+        ...     agg.update(0, activation=S.activation_moments(x))
+        >>> out = agg.compute()
+        >>> out["act_mean"][0].item(), out["act_std"][0].item(), out["count"].tolist()
+        (4.0, 2.23606797749979, [4.0, 0.0])
+    """
+
+    full_state_update = False
+    higher_is_better = None
+    is_differentiable = False
+
+    act_moments: Tensor
+    act_absmax: Tensor
+    grad_moments: Tensor
+    unit_max: Tensor
+    param_stats: Tensor
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_params: int = 0,
+        dtype: torch.dtype = torch.float64,
+        sharded_params: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.n_layers = n_layers
+        self.n_params = n_params
+        self.acc_dtype = dtype
+        # Replicated parameters (single process, DDP) hold the same value on every process: reduce with max so
+        # it is counted once. Sharded ones hold disjoint parts: their sums of squares add up.
+        self.add_state(
+            "param_stats",
+            torch.zeros(n_params, P.P_SLOTS, dtype=dtype),
+            dist_reduce_fx="sum" if sharded_params else "max",
+        )
+        self.add_state("act_moments", torch.zeros(n_layers, S.ACT_SLOTS, dtype=dtype), dist_reduce_fx="sum")
+        self.add_state("act_absmax", torch.zeros(n_layers), dist_reduce_fx="max")
+        self.add_state("grad_moments", torch.zeros(n_layers, S.GRAD_SLOTS, dtype=dtype), dist_reduce_fx="sum")
+        self.add_state("unit_max", torch.empty(0), dist_reduce_fx="max")
+        # Unit counts are learned from the first output of each layer; the flat layout follows layer order, so it
+        # is the same on every process whatever order layers happen to run in.
+        self.unit_sizes: list[int] = [0] * n_layers
+        self._unit_owner = torch.empty(0, dtype=torch.long)
+        self.unit_mismatch: set[int] = set()
+        """Layers whose unit count changed after it was learned; their dead fraction is not tracked."""
+        self.grad_scale: Tensor | None = None
+        """AMP loss scale of the step's gradients, divided out of ``act_grad_norm`` at ``compute``."""
+
+    def _offset(self, layer: int) -> int:
+        return sum(self.unit_sizes[:layer])
+
+    def _learn_units(self, layer: int, size: int) -> None:
+        start = self._offset(layer)
+        fill = torch.full((size,), float("-inf"))
+        default = torch.cat([self._defaults["unit_max"][:start], fill, self._defaults["unit_max"][start:]])
+        current = torch.cat([self.unit_max[:start], fill.to(self.unit_max.device), self.unit_max[start:]])
+        self.add_state("unit_max", default, dist_reduce_fx="max")
+        self.unit_max = current
+        self.unit_sizes[layer] = size
+        owners = [torch.full((n,), i, dtype=torch.long) for i, n in enumerate(self.unit_sizes)]
+        self._unit_owner = torch.cat(owners).to(self.unit_max.device)
+
+    def update(
+        self,
+        layer: int | None = None,
+        activation: tuple[Tensor, Tensor] | None = None,
+        units: Tensor | None = None,
+        gradient: Tensor | None = None,
+        params: tuple[Tensor, Tensor, int | slice] | None = None,
+        count: int = 0,
+    ) -> None:
+        """Add one observation of layer ``layer``.
+
+        Args:
+            layer: Index of the layer; ``None`` records nothing (a process whose layers did not run still takes
+                part in the reduction).
+            activation: ``(moments, absmax)`` from :func:`~lightning_hookdiag.stats.activation_moments`.
+            units: Per-unit maxima from :func:`~lightning_hookdiag.stats.unit_maxima`.
+            gradient: Moments from :func:`~lightning_hookdiag.stats.gradient_moments`.
+            params: ``(index, values, columns)``: write ``values`` into the parameter rows ``index`` and columns
+                ``columns`` (see :mod:`lightning_hookdiag.params`).
+            count: Elements observed, when ``activation`` (which carries its own count) is not computed.
+        """
+        if params is not None:
+            index, values, columns = params
+            self.param_stats[:, columns].index_copy_(0, index, values.to(self.param_stats.dtype))
+        if layer is None:
+            return
+        if count:
+            self.act_moments[layer, S.ACT_COUNT] += count
+        if activation is not None:
+            moments, absmax = activation
+            self.act_moments[layer].add_(moments)
+            torch.maximum(self.act_absmax[layer], absmax, out=self.act_absmax[layer])
+        if units is not None and layer not in self.unit_mismatch:
+            if not self.unit_sizes[layer]:
+                self._learn_units(layer, units.numel())
+            if units.numel() != self.unit_sizes[layer]:
+                self.unit_mismatch.add(layer)
+            else:
+                start = self._offset(layer)
+                view = self.unit_max[start : start + units.numel()]
+                torch.fmax(view, units, out=view)
+        if gradient is not None:
+            self.grad_moments[layer].add_(gradient)
+
+    def compute(self) -> dict[str, Tensor]:
+        """Finalised statistics, after torchmetrics has reduced the states over processes.
+
+        Returns:
+            ``[n_layers]`` vectors of every activation and gradient statistic, ``act_dead_frac`` (NaN where not
+            tracked) and ``count`` / ``grad_count`` (elements observed: 0 means the layer never ran), plus the
+            parameter statistics of :func:`~lightning_hookdiag.params.finalize_parameters`.
+        """
+        out = S.finalize_activations(self.act_moments, self.act_absmax)
+        out.update(S.finalize_gradients(self.grad_moments, self.grad_scale))
+        out["act_dead_frac"] = S.finalize_dead_fraction(
+            self.unit_max, self._unit_owner.to(self.unit_max.device), self.n_layers, self.acc_dtype
+        )
+        out["count"] = self.act_moments[:, S.ACT_COUNT]
+        out["grad_count"] = self.grad_moments[:, S.GRAD_COUNT]
+        out.update(P.finalize_parameters(self.param_stats))
+        return out
+
+
+class StepRecorder:
+    """The sinks a :class:`~lightning_hookdiag.hooks.HookSet` writes into.
+
+    Each output or gradient is reduced to the sufficient statistics that the requested statistics need and added to
+    a :class:`LayerStatsAggregator`.
+
+    Args:
+        aggregator: Where observations are pooled.
+        moments: Reduce outputs to activation moments (for ``act_mean``, ``act_std``, ...).
+        unit_layers: Indices of layers whose per-unit activity is tracked (``act_dead_frac``).
+        unit_dim: Override of the unit axis, see :func:`~lightning_hookdiag.stats.unit_dim_for`.
+    """
+
+    def __init__(
+        self,
+        aggregator: LayerStatsAggregator,
+        moments: bool = True,
+        unit_layers: frozenset[int] = frozenset(),
+        unit_dim: int | None = None,
+    ) -> None:
+        self.aggregator = aggregator
+        self.moments = moments
+        self.unit_layers = unit_layers
+        self.unit_dim = unit_dim
+        self.no_float_output: set[int] = set()
+        """Layers whose output held no floating-point tensor (nothing to observe)."""
+
+    def on_output(self, layer: int, output: Any) -> None:
+        """Forward sink: observe the output of layer ``layer``."""
+        tensor = first_floating_tensor(output)
+        if tensor is None:
+            self.no_float_output.add(layer)
+            return
+        agg = self.aggregator
+        agg.update(
+            layer,
+            activation=S.activation_moments(tensor, agg.acc_dtype) if self.moments else None,
+            units=S.unit_maxima(tensor, self.unit_dim) if layer in self.unit_layers else None,
+            count=0 if self.moments else tensor.numel(),
+        )
+
+    def on_grad(self, layer: int, grad: Tensor) -> None:
+        """Gradient sink: observe the gradient of the loss w.r.t. the output of layer ``layer``."""
+        self.aggregator.update(layer, gradient=S.gradient_moments(grad, self.aggregator.acc_dtype))

@@ -1,0 +1,343 @@
+"""``LayerHealthCallback``: when to observe, and where the results go. The only module that knows Lightning."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor, nn
+
+from lightning_hookdiag import params as P
+from lightning_hookdiag import stats as S
+from lightning_hookdiag.aggregation import LayerStatsAggregator, StepRecorder
+from lightning_hookdiag.errors import LayerHealthWarning
+from lightning_hookdiag.hooks import HookSet
+from lightning_hookdiag.params import ParameterTracker, named_parameters_of
+from lightning_hookdiag.selection import import_types, resolve_layers
+
+__all__ = ["LayerHealthCallback"]
+
+_MOMENT_STATS = frozenset({"act_mean", "act_std", "act_absmax", "act_zero_frac", "act_nonfinite"})
+_LAYER_STATS = S.ACTIVATION_STATS + S.GRADIENT_STATS
+_PARAM_STATS = ("param_norm", "param_grad_norm", "param_update_ratio")
+
+
+def _strings(value: str | Sequence[str] | None, argument: str) -> list[str] | None:
+    if value is None:
+        return None
+    items = [value] if isinstance(value, str) else list(value)
+    bad = [v for v in items if not isinstance(v, str) or not v]
+    if bad:
+        raise ValueError(f"{argument}: expected non-empty module names or globs, got {bad!r}")
+    return items
+
+
+class LayerHealthCallback(Callback):
+    r"""Log per-layer activation and gradient health on a fixed interval of optimizer steps.
+
+    Optimizer step ``k`` is the step that starts with ``trainer.global_step == k``; it is *sampled* when
+    ``k % every_n_steps == 0``. On a sampled step, hooks are attached to the selected modules at the start of each
+    of its micro-batches and removed at the end of each; everything observed is pooled exactly (over calls,
+    micro-batches and processes) and, once the optimizer has stepped, logged once to every logger of the Trainer
+    with ``step=k``. The same values are kept in :attr:`last_metrics`, also without a logger. Hooks never exist
+    outside a sampled training batch: not during validation or sanity checking, not after ``fit``, not after an
+    exception. Training is bit-identical with and without the callback.
+
+    Logged keys (``<layer>`` is the module's dotted name in the LightningModule without wrapper segments such as
+    ``_orig_mod``; ``<param>`` is ``<layer>.<parameter name>``):
+
+    ==================================  =========================================================================
+    Key                                 Value on step ``k``
+    ==================================  =========================================================================
+    ``<prefix>/act_mean/<layer>``       mean of the finite elements of the module's output
+    ``<prefix>/act_std/<layer>``        population std of the finite elements of the output
+    ``<prefix>/act_absmax/<layer>``     max ``|x|`` over the finite elements of the output
+    ``<prefix>/act_zero_frac/<layer>``  fraction of output elements exactly 0
+    ``<prefix>/act_nonfinite/<layer>``  number of NaN/Inf output elements
+    ``<prefix>/act_dead_frac/<layer>``  ReLU-family modules: fraction of units ``<= 0`` for every sample/position
+    ``<prefix>/act_grad_norm/<layer>``  L2 norm of d(loss)/d(output), pooled over micro-batches, AMP scale removed
+    ``<prefix>/act_grad_nonfinite/..``  number of NaN/Inf elements of d(loss)/d(output)
+    ``<prefix>/param_norm/<param>``     L2 norm of the weights before the optimizer step
+    ``<prefix>/param_grad_norm/<param>`` L2 norm of the accumulated gradient, unscaled, before clipping
+    ``<prefix>/param_update_ratio/..``  ``||w_after - w_before|| / ||w_before||`` across the step
+    ``<prefix>/grad_norm_total``        L2 norm of all gradients of the selected layers' parameters, pre-clip
+    ==================================  =========================================================================
+
+    Args:
+        every_n_steps: Sample optimizer steps ``0, n, 2n, ...``.
+        layers: Dotted module names or fnmatch globs (``*`` also crosses dots), relative to the LightningModule,
+            as listed by :func:`~lightning_hookdiag.list_layers`. ``None`` selects every leaf module (or, with
+            ``layer_types``, every module of those types).
+        layer_types: Keep only instances of these classes, given as classes or import strings such as
+            ``"torch.nn.Linear"``.
+        exclude: Globs of module names to leave out.
+        stats: Names of the statistics to compute and log; ``None`` for all. Work for statistics not asked for is
+            skipped (e.g. without ``"param_update_ratio"`` no weight copy is made).
+        prefix: First segment of every logged key.
+        dead_unit_types: Module classes (or import strings) whose outputs get ``act_dead_frac``.
+        unit_dim: Axis of the output that indexes units for ``act_dead_frac``. ``None``: dim 1 (channels) for
+            4-D/5-D outputs, the last dim for 1-D to 3-D outputs.
+
+    Raises:
+        ValueError: At construction, for any invalid argument (the message names it and the valid values); when
+            fit starts, for a name, glob or type that matches no module (with the closest names).
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> from lightning.pytorch.demos.boring_classes import BoringModel
+        >>> callback = LayerHealthCallback(every_n_steps=2, stats=["act_mean", "act_std"])
+        >>> trainer = pl.Trainer(max_steps=3, callbacks=[callback], logger=False, enable_progress_bar=False,
+        ...                      enable_model_summary=False, enable_checkpointing=False)
+        >>> trainer.fit(BoringModel())
+        >>> sorted(callback.last_metrics)
+        ['layer_health/act_mean/layer', 'layer_health/act_std/layer']
+        >>> callback.last_step
+        2
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        layers: Sequence[str] | None = None,
+        layer_types: Sequence[str | type[nn.Module]] | None = None,
+        exclude: Sequence[str] = (),
+        stats: Sequence[str] | None = None,
+        prefix: str = "layer_health",
+        dead_unit_types: Sequence[str | type[nn.Module]] = ("torch.nn.ReLU", "torch.nn.ReLU6"),
+        unit_dim: int | None = None,
+    ) -> None:
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"every_n_steps: expected an integer >= 1, got {every_n_steps!r}")
+        if not isinstance(prefix, str) or not prefix.strip("/") or prefix != prefix.strip("/"):
+            raise ValueError(f"prefix: expected a non-empty key segment without leading/trailing '/', got {prefix!r}")
+        if unit_dim is not None and (isinstance(unit_dim, bool) or not isinstance(unit_dim, int)):
+            raise ValueError(f"unit_dim: expected an integer axis or None, got {unit_dim!r}")
+        self.every_n_steps = every_n_steps
+        self.layers = _strings(layers, "layers")
+        self.layer_types = import_types(layer_types, "layer_types")
+        self.exclude = _strings(exclude, "exclude") or []
+        self.stats = S.resolve_stats(stats)
+        self.prefix = prefix
+        self.dead_unit_types = import_types(dead_unit_types, "dead_unit_types")
+        self.unit_dim = unit_dim
+
+        self.last_metrics: dict[str, float] = {}
+        """The values logged on the most recent sampled step (pooled over processes, on every process)."""
+        self.last_step: int | None = None
+        """The optimizer step :attr:`last_metrics` describes."""
+        self.layer_names: list[str] = []
+        """Names of the observed modules, in selection order (set when fit starts)."""
+        self.execution_order: list[str] = []
+        """Names of the modules in the order their forward first ran on the last sampled step."""
+        self._warned: set[str] = set()
+        self._hooks: HookSet | None = None
+        self._recorder: StepRecorder | None = None
+        self._aggregator: LayerStatsAggregator | None = None
+        self._tracker: ParameterTracker | None = None
+        self._param_names: list[str] = []
+        self._window: int | None = None
+
+    @property
+    def state_key(self) -> str:
+        """Identify this callback's state in a checkpoint by its selection and interval."""
+        return self._generate_state_key(
+            every_n_steps=self.every_n_steps, layers=self.layers, exclude=self.exclude, prefix=self.prefix
+        )
+
+    # ----------------------------------------------------------------------------------------------- lifecycle
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Resolve the selection (errors for names that match nothing) and allocate the device state."""
+        modules = resolve_layers(pl_module, self.layers, self.layer_types, self.exclude)
+        self.layer_names = list(modules)
+        wanted = set(self.stats)
+        unit_layers = (
+            frozenset(i for i, m in enumerate(modules.values()) if isinstance(m, self.dead_unit_types))
+            if "act_dead_frac" in wanted
+            else frozenset()
+        )
+        params = named_parameters_of(modules) if wanted & set(S.PARAMETER_STATS) else {}
+        self._param_names = list(params)
+        device = pl_module.device
+        self._aggregator = LayerStatsAggregator(
+            len(modules), len(params), dtype=S.accumulation_dtype(device), sharded_params=False
+        ).to(device)
+        self._recorder = StepRecorder(
+            self._aggregator, moments=bool(wanted & _MOMENT_STATS), unit_layers=unit_layers, unit_dim=self.unit_dim
+        )
+        on_grad = self._recorder.on_grad if wanted & set(S.GRADIENT_STATS) else None
+        self._hooks = HookSet(modules, self._recorder.on_output, on_grad)
+        self._tracker = ParameterTracker(params, snapshot="param_update_ratio" in wanted) if params else None
+        self._window = None
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Attach hooks if this micro-batch belongs to a sampled optimizer step."""
+        if self._hooks is None:
+            return
+        step = trainer.global_step
+        if self._window is not None and self._window != step:
+            # The previous window's optimizer step happened without a batch end in between.
+            self._finish_window(trainer)
+        if step % self.every_n_steps:
+            return
+        if self._window is None:
+            self._window = step
+            self._hooks.clear_order()
+        self._hooks.attach()
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Measure weights and the accumulated, unscaled, unclipped gradients of a sampled step."""
+        if self._window is None or self._aggregator is None:
+            return
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        scale = getattr(scaler, "_scale", None)
+        if isinstance(scale, Tensor):
+            # Tensor hooks saw the scaled gradients; the scale may change in scaler.update() after this step.
+            self._aggregator.grad_scale = scale.detach().clone()
+        if self._tracker is not None:
+            measured = self._tracker.before_step(optimizer.param_groups)
+            if measured is not None:
+                self._aggregator.update(params=(measured[0], measured[1], slice(None)))
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Remove hooks; once the sampled step's optimizer has stepped, pool and log it."""
+        if self._hooks is None:
+            return
+        self._hooks.remove()
+        if self._window is not None and trainer.global_step != self._window:
+            self._finish_window(trainer)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Validation never sees training hooks (an open accumulation window resumes afterwards)."""
+        self._detach()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Remove every hook and drop the unfinished step."""
+        self._detach()
+        self._discard_window()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A step left unfinished at the end of training is dropped, not logged."""
+        self._detach()
+        self._discard_window()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Remove every hook and release the device state."""
+        self._detach()
+        self._discard_window()
+        self._hooks = self._recorder = self._aggregator = self._tracker = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpointed state: the last logged values and which warnings were already given."""
+        return {"last_metrics": dict(self.last_metrics), "last_step": self.last_step, "warned": sorted(self._warned)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        self.last_metrics = dict(state_dict.get("last_metrics", {}))
+        self.last_step = state_dict.get("last_step")
+        self._warned = set(state_dict.get("warned", []))
+
+    # ------------------------------------------------------------------------------------------------ internals
+    def _detach(self) -> None:
+        if self._hooks is not None:
+            self._hooks.remove()
+
+    def _discard_window(self) -> None:
+        self._window = None
+        if self._aggregator is not None:
+            self._aggregator.reset()
+            self._aggregator.grad_scale = None
+        if self._tracker is not None:
+            self._tracker.discard()
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(message, category=LayerHealthWarning)
+
+    def _finish_window(self, trainer: pl.Trainer) -> None:
+        assert self._aggregator is not None
+        assert self._hooks is not None
+        assert self._recorder is not None
+        step = self._window
+        agg = self._aggregator
+        if self._tracker is not None:
+            updated = self._tracker.after_step()
+            if updated is not None:
+                agg.update(params=(updated[0], updated[1], P.P_UPDATE_SQ))
+        agg.update()  # every process takes part in the reduction, also one whose layers did not run
+        values = agg.compute()  # reduced over processes by torchmetrics
+        layer_stats = [s for s in _LAYER_STATS if s in self.stats]
+        param_stats = [s for s in _PARAM_STATS if s in self.stats]
+        parts = [values[s] for s in layer_stats] + [values["count"], values["grad_count"]]
+        parts += [values[s] for s in param_stats] + [values["param_seen"], values["grad_norm_total"]]
+        flat = torch.cat([p.reshape(-1).to(torch.float64) for p in parts]).tolist()  # the one host transfer
+        self.execution_order = self._hooks.fired_names()
+        self._hooks.clear_order()
+        no_float = sorted(self._recorder.no_float_output)
+        self._recorder.no_float_output.clear()
+        agg.reset()
+        agg.grad_scale = None
+        self._window = None
+        self._log(trainer, step, flat, layer_stats, param_stats, no_float)  # type: ignore[arg-type]
+
+    def _log(
+        self,
+        trainer: pl.Trainer,
+        step: int,
+        flat: list[float],
+        layer_stats: list[str],
+        param_stats: list[str],
+        no_float: list[int],
+    ) -> None:
+        n, m = len(self.layer_names), len(self._param_names)
+        rows = {s: flat[i * n : (i + 1) * n] for i, s in enumerate(layer_stats)}
+        offset = len(layer_stats) * n
+        count, grad_count = flat[offset : offset + n], flat[offset + n : offset + 2 * n]
+        offset += 2 * n
+        prows = {s: flat[offset + i * m : offset + (i + 1) * m] for i, s in enumerate(param_stats)}
+        offset += len(param_stats) * m
+        seen, total = flat[offset : offset + m], flat[offset + m]
+
+        metrics: dict[str, float] = {}
+        for stat, row in rows.items():
+            ran = grad_count if stat in S.GRADIENT_STATS else count
+            for name, value, c in zip(self.layer_names, row, ran, strict=True):
+                if c > 0 and not (stat == "act_dead_frac" and value != value):  # NaN: not a ReLU-family layer
+                    metrics[f"{self.prefix}/{stat}/{name}"] = value
+        for stat, row in prows.items():
+            for name, value, s in zip(self._param_names, row, seen, strict=True):
+                if s > 0:
+                    metrics[f"{self.prefix}/{stat}/{name}"] = value
+        if "grad_norm_total" in self.stats and any(s > 0 for s in seen):
+            metrics[f"{self.prefix}/grad_norm_total"] = total
+
+        for i in no_float:
+            name = self.layer_names[i]
+            self._warn_once(
+                f"no_float:{name}",
+                f"LayerHealthCallback: the output of {name!r} holds no floating-point tensor; it is not observed",
+            )
+        no_float_names = {self.layer_names[i] for i in no_float}
+        for name, c in zip(self.layer_names, count, strict=True):
+            if c == 0 and name not in no_float_names:
+                self._warn_once(
+                    f"not_run:{name}",
+                    f"LayerHealthCallback: selected module {name!r} did not run during sampled step {step} (its"
+                    " forward was called directly instead of the module, or a branch was not taken); no statistics"
+                    " for it",
+                )
+
+        self.last_metrics = metrics
+        self.last_step = step
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)

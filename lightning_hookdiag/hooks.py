@@ -1,0 +1,205 @@
+"""The hook lifecycle: attach forward hooks (and output tensor hooks) to resolved modules, remove every one of them.
+
+:class:`HookSet` knows nothing about statistics: it hands each module's output, and later the gradient flowing
+into that output, to the sinks it was given, and records which modules fired and in what order.
+
+Activation gradients come from a tensor hook registered on the module's output inside the forward hook, never
+from ``register_full_backward_hook``: the latter wraps outputs in a ``BackwardHookFunction`` view and breaks as soon
+as an in-place op such as ``nn.ReLU(inplace=True)`` follows the module. A tensor hook registered before an in-place
+op receives the gradient with respect to the value the module produced, which is exactly what we want.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["HookSet", "first_floating_tensor"]
+
+ForwardSink = Callable[[int, Any], None]
+"""Called as ``sink(layer_index, output)`` with the module's raw output, under ``torch.no_grad()``."""
+GradSink = Callable[[int, Tensor], None]
+"""Called as ``sink(layer_index, grad)`` with the gradient of the loss w.r.t. the module's output."""
+
+
+def first_floating_tensor(output: Any) -> Tensor | None:
+    """The first floating-point tensor in ``output``, searched depth-first through tuples, lists and dicts.
+
+    Example:
+        >>> first_floating_tensor((torch.tensor([1]), {"h": torch.tensor([1.5])}))
+        tensor([1.5000])
+    """
+    if isinstance(output, Tensor):
+        return output if output.is_floating_point() else None
+    if isinstance(output, (tuple, list)):
+        items: Any = output
+    elif isinstance(output, Mapping):
+        items = output.values()
+    else:
+        return None
+    for item in items:
+        found = first_floating_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+def _in_backward() -> bool:
+    # Non-reentrant activation checkpointing re-runs forwards (and their hooks) inside backward; those calls
+    # are recomputations of values already observed, so they must not be counted twice.
+    return torch._C._current_graph_task_id() != -1
+
+
+class _EagerStance:
+    """Run compiled code eagerly while hooks are attached, so that hooks registered after compilation fire.
+
+    Dynamo does not guard on module hooks (``skip_nnmodule_hook_guards``), so a compiled graph silently ignores
+    hooks added later. The ``force_eager`` stance makes every ``torch.compile``-d callable run its original Python
+    code without touching the compile cache, so unsampled steps keep using the compiled code and nothing recompiles.
+    """
+
+    def __init__(self) -> None:
+        self._prior: Any = None
+
+    def enter(self) -> None:
+        if self._prior is not None:
+            return
+        from torch._dynamo.eval_frame import DynamoStance, _set_stance
+
+        self._prior = _set_stance(DynamoStance("force_eager"))
+
+    def exit(self) -> None:
+        if self._prior is None:
+            return
+        from torch._dynamo.eval_frame import _set_stance
+
+        _set_stance(self._prior)
+        self._prior = None
+
+
+class HookSet:
+    """Forward hooks (and optional output-gradient hooks) on a fixed, ordered set of modules.
+
+    Hooks exist only between :meth:`attach` and :meth:`remove`. ``remove`` is idempotent, removes only the hooks
+    this object registered (including tensor hooks whose backward never ran) and is called on ``__exit__`` even
+    when the body raises.
+
+    Args:
+        modules: Ordered ``{name: module}``; sinks receive the index of the module in this mapping.
+        on_output: Receives every output, under ``torch.no_grad()``; recomputations inside backward are skipped.
+        on_grad: If given, receives the gradient w.r.t. the first floating-point tensor of every output that
+            requires grad.
+        eager: Run ``torch.compile``-d code eagerly while attached so that the hooks see every module.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+        >>> seen = []
+        >>> with HookSet(dict(net.named_children()), lambda i, out: seen.append((i, tuple(out.shape)))) as hooks:
+        ...     _ = net(torch.zeros(4, 2))
+        >>> seen, hooks.fired_names()
+        ([(0, (4, 3)), (1, (4, 3))], ['0', '1'])
+        >>> len(net[0]._forward_hooks)
+        0
+    """
+
+    def __init__(
+        self,
+        modules: Mapping[str, nn.Module],
+        on_output: ForwardSink,
+        on_grad: GradSink | None = None,
+        eager: bool = True,
+    ) -> None:
+        self.names: list[str] = list(modules)
+        self.modules: list[nn.Module] = list(modules.values())
+        self._on_output = on_output
+        self._on_grad = on_grad
+        self._stance = _EagerStance() if eager else None
+        self._handles: list[RemovableHandle] = []
+        self._tensor_handles: list[RemovableHandle] = []
+        self.fired_order: list[int] = []
+        """Indices of modules in the order their forward first ran since :meth:`clear_order`."""
+        self.grad_order: list[int] = []
+        """Indices of modules in the order their output gradient first arrived since :meth:`clear_order`."""
+        self._fired = [False] * len(self.modules)
+        self._grad_fired = [False] * len(self.modules)
+        # Built once so attaching on a sampled step allocates nothing per module.
+        self._forward_hooks = [self._make_forward_hook(i) for i in range(len(self.modules))]
+        self._grad_hooks = [self._make_grad_hook(i) for i in range(len(self.modules))]
+
+    @property
+    def attached(self) -> bool:
+        """Whether hooks are currently registered."""
+        return bool(self._handles)
+
+    def attach(self) -> HookSet:
+        """Register a forward hook on every module (no-op if already attached)."""
+        if self._handles:
+            return self
+        self._handles = [m.register_forward_hook(h) for m, h in zip(self.modules, self._forward_hooks, strict=True)]
+        if self._stance is not None:
+            self._stance.enter()
+        return self
+
+    def remove(self) -> None:
+        """Remove every hook this set registered; safe to call any number of times."""
+        for handle in self._handles:
+            handle.remove()
+        for handle in self._tensor_handles:
+            handle.remove()
+        self._handles = []
+        self._tensor_handles = []
+        if self._stance is not None:
+            self._stance.exit()
+
+    def clear_order(self) -> None:
+        """Forget which modules fired, to start observing a new step."""
+        self.fired_order = []
+        self.grad_order = []
+        self._fired = [False] * len(self.modules)
+        self._grad_fired = [False] * len(self.modules)
+
+    def fired_names(self) -> list[str]:
+        """Names of the modules that ran, in the order they first ran."""
+        return [self.names[i] for i in self.fired_order]
+
+    def __enter__(self) -> HookSet:
+        return self.attach()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.remove()
+
+    def _make_forward_hook(self, index: int) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if _in_backward():
+                return
+            if not self._fired[index]:
+                self._fired[index] = True
+                self.fired_order.append(index)
+            with torch.no_grad():
+                self._on_output(index, output)
+            if self._on_grad is not None:
+                tensor = first_floating_tensor(output)
+                if tensor is not None and tensor.requires_grad:
+                    self._tensor_handles.append(tensor.register_hook(self._grad_hooks[index]))
+
+        return hook
+
+    def _make_grad_hook(self, index: int) -> Callable[[Tensor], None]:
+        on_grad = self._on_grad
+
+        def hook(grad: Tensor) -> None:
+            if not self._grad_fired[index]:
+                self._grad_fired[index] = True
+                self.grad_order.append(index)
+            if on_grad is not None:
+                with torch.no_grad():
+                    on_grad(index, grad.detach())
+
+        return hook

@@ -1,0 +1,167 @@
+"""Parameter statistics around the optimizer step: weight norms, gradient norms and the update-to-weight ratio.
+
+All reductions are fused ``torch._foreach_norm`` calls over every parameter at once and stay on the device. The
+update ratio needs the weights from before the step: :class:`ParameterTracker` keeps one copy of the tracked
+parameters between ``before_step`` and ``after_step`` of a sampled step only, and drops it right after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["ParameterTracker", "finalize_parameters", "local_tensor", "named_parameters_of", "squared_norms"]
+
+# Columns of the per-parameter state.
+P_WEIGHT_SQ, P_GRAD_SQ, P_UPDATE_SQ, P_SEEN = range(4)
+P_SLOTS = 4
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The locally held part of ``t``: the shard of a ``DTensor``, ``t`` itself otherwise."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64) -> Tensor:
+    """Sums of squares of each tensor, as one ``[len(tensors)]`` vector, with one fused reduction.
+
+    Example:
+        >>> squared_norms([torch.tensor([3.0, 4.0]), torch.tensor([1.0])]).tolist()
+        [25.0, 1.0]
+    """
+    if not tensors:
+        return torch.zeros(0, dtype=dtype)
+    local = [local_tensor(t).detach() for t in tensors]
+    norms = torch._foreach_norm([t if t.dtype in (torch.float32, torch.float64) else t.float() for t in local])
+    return torch.stack(norms).to(dtype).square()
+
+
+def finalize_parameters(param_stats: Tensor) -> dict[str, Tensor]:
+    """Turn a pooled ``[n_params, P_SLOTS]`` state into per-parameter statistics.
+
+    Returns:
+        ``param_norm``, ``param_grad_norm`` and ``param_update_ratio`` (``[n_params]``), ``param_seen``
+        (``[n_params]``, > 0 where the parameter was stepped) and ``grad_norm_total`` (``[1]``: the L2 norm of all
+        stepped gradients together).
+
+    Example:
+        >>> state = torch.tensor([[25.0, 4.0, 0.25, 1.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+        >>> {k: v.tolist() for k, v in finalize_parameters(state).items()}  # doctest: +NORMALIZE_WHITESPACE
+        {'param_norm': [5.0, 0.0], 'param_grad_norm': [2.0, 0.0], 'param_update_ratio': [0.1, nan],
+         'param_seen': [1.0, 0.0], 'grad_norm_total': [2.0]}
+    """
+    weight = param_stats[:, P_WEIGHT_SQ].sqrt()
+    seen = param_stats[:, P_SEEN]
+    return {
+        "param_norm": weight,
+        "param_grad_norm": param_stats[:, P_GRAD_SQ].sqrt(),
+        "param_update_ratio": param_stats[:, P_UPDATE_SQ].sqrt() / weight,
+        "param_seen": seen,
+        "grad_norm_total": (param_stats[:, P_GRAD_SQ] * (seen > 0)).sum().sqrt().reshape(1),
+    }
+
+
+def named_parameters_of(modules: dict[str, nn.Module]) -> dict[str, nn.Parameter]:
+    """Parameters of the selected modules under ``"<module name>.<parameter name>"``, each parameter once.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        >>> list(named_parameters_of({"0": net[0], "1": net[1]}))
+        ['0.weight', '0.bias']
+    """
+    found: dict[str, nn.Parameter] = {}
+    seen: set[int] = set()
+    for module_name, module in modules.items():
+        for param_name, param in module.named_parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            name = ".".join(s for s in param_name.split(".") if s not in ("_orig_mod", "_checkpoint_wrapped_module"))
+            found[f"{module_name}.{name}"] = param
+    return found
+
+
+class ParameterTracker:
+    """Measures the tracked parameters of one optimizer step.
+
+    Args:
+        params: ``{name: parameter}``; results refer to parameters by their position in this mapping.
+        snapshot: Keep a copy of the weights across the step, for the update ratio.
+
+    Example:
+        >>> lin = nn.Linear(2, 1)
+        >>> tracker = ParameterTracker(named_parameters_of({"lin": lin}), snapshot=True)
+        >>> opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+        >>> lin(torch.ones(1, 2)).sum().backward()
+        >>> index, values = tracker.before_step(opt.param_groups)
+        >>> opt.step()
+        >>> index.tolist(), tracker.after_step()[1].shape
+        ([0, 1], torch.Size([2]))
+    """
+
+    def __init__(self, params: dict[str, nn.Parameter], snapshot: bool = True) -> None:
+        self.names = list(params)
+        self.params = list(params.values())
+        self._position = {id(p): i for i, p in enumerate(self.params)}
+        self._snapshot_enabled = snapshot
+        self._snapshots: list[tuple[Tensor, list[Tensor], list[Tensor]]] = []
+        self._index_cache: dict[tuple[int, ...], Tensor] = {}
+
+    def _index(self, positions: tuple[int, ...], device: torch.device) -> Tensor:
+        # One host-to-device copy per distinct parameter set per run, not per step.
+        cached = self._index_cache.get(positions)
+        if cached is None or cached.device != device:
+            cached = torch.tensor(positions, dtype=torch.long, device=device)
+            self._index_cache[positions] = cached
+        return cached
+
+    def before_step(self, param_groups: Iterable[dict]) -> tuple[Tensor, Tensor] | None:
+        """Weight and gradient norms of the tracked parameters an optimizer is about to step.
+
+        Args:
+            param_groups: The optimizer's ``param_groups``.
+
+        Returns:
+            ``(index, values)``: positions of the measured parameters and a ``[n, P_SLOTS]`` matrix of weight
+            sum of squares, gradient sum of squares, zero update (filled in by :meth:`after_step`) and 1 (seen);
+            ``None`` if the optimizer steps none of the tracked parameters with a gradient.
+        """
+        positions: list[int] = []
+        for group in param_groups:
+            for p in group["params"]:
+                pos = self._position.get(id(p))
+                if pos is not None and p.requires_grad and p.grad is not None:
+                    positions.append(pos)
+        if not positions:
+            return None
+        params = [self.params[i] for i in positions]
+        weight_sq = squared_norms(params)
+        grad_sq = squared_norms([p.grad for p in params])  # type: ignore[misc]
+        index = self._index(tuple(positions), weight_sq.device)
+        values = torch.stack([weight_sq, grad_sq, torch.zeros_like(weight_sq), torch.ones_like(weight_sq)], dim=1)
+        if self._snapshot_enabled:
+            local = [local_tensor(p).detach() for p in params]
+            self._snapshots.append((index, local, torch._foreach_mul(local, 1.0)))
+        return index, values
+
+    def after_step(self) -> tuple[Tensor, Tensor] | None:
+        """Squared norms of ``w_after - w_before`` for the parameters snapshotted since the last call.
+
+        Returns:
+            ``(index, update_sq)`` or ``None`` if nothing was snapshotted. The snapshot is released.
+        """
+        if not self._snapshots:
+            return None
+        indices, updates = [], []
+        for index, current, before in self._snapshots:
+            indices.append(index)
+            updates.append(squared_norms(torch._foreach_sub(current, before)))
+        self._snapshots = []
+        return torch.cat(indices), torch.cat(updates)
+
+    def discard(self) -> None:
+        """Drop any snapshot without measuring it (the step was abandoned)."""
+        self._snapshots = []

@@ -1,0 +1,209 @@
+"""Turning a user's layer configuration into an ordered ``{name: module}`` mapping.
+
+Names are the module's dotted path with wrapper segments removed, so the keys a run logs do not change when the
+model is compiled, wrapped for DDP or wrapped for activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import importlib
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
+
+from torch import nn
+
+__all__ = ["LayerInfo", "import_types", "list_layers", "named_modules", "resolve_layers"]
+
+# Attribute names under which wrappers keep the module they wrap. They are private names that no user model
+# would choose, so they are dropped wherever they appear.
+_WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_forward_module"})
+# ``module`` is a name users do choose, so it is only dropped below the wrappers that are known to use it.
+_MODULE_ATTR_WRAPPERS = frozenset({"DistributedDataParallel", "DataParallel", "_LightningModuleWrapperBase"})
+# Containers without a ``forward``: they can never produce an output to observe.
+_NOT_CALLABLE = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+class LayerInfo(NamedTuple):
+    """One selectable module, as returned by :func:`list_layers`."""
+
+    name: str
+    type: str
+    leaf: bool
+
+    def __str__(self) -> str:
+        return f"{self.name}  ({self.type}{', leaf' if self.leaf else ''})"
+
+
+def _walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
+    for attr, child in module.named_children():
+        skip = attr in _WRAPPER_SEGMENTS or (attr == "module" and type(module).__name__ in _MODULE_ATTR_WRAPPERS)
+        name = prefix if skip else (f"{prefix}.{attr}" if prefix else attr)
+        yield name, child
+        yield from _walk(child, name)
+
+
+def named_modules(root: nn.Module) -> dict[str, nn.Module]:
+    """Every submodule of ``root`` under its normalised dotted name, in ``named_modules()`` order.
+
+    A wrapper and the module it wraps share a name; the wrapped module wins, because it is the one whose
+    ``forward`` does the work. The root itself is not included.
+
+    Example:
+        >>> import torch
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        >>> list(named_modules(nn.Sequential(torch.compile(net))))
+        ['0', '0.0', '0.1']
+    """
+    found: dict[str, nn.Module] = {}
+    seen: set[int] = set()
+    for name, module in _walk(root, ""):
+        if id(module) in seen or not name:
+            continue
+        seen.add(id(module))
+        found[name] = module
+    return found
+
+
+def _is_leaf(module: nn.Module) -> bool:
+    return not any(True for _ in module.children()) and not isinstance(module, _NOT_CALLABLE)
+
+
+def list_layers(model: nn.Module) -> list[LayerInfo]:
+    """List the names that ``layers=`` and ``capture_activations`` accept, with their types.
+
+    Args:
+        model: The module to inspect (a ``LightningModule`` or any ``nn.Module``).
+
+    Returns:
+        One :class:`LayerInfo` per submodule, in registration order. ``leaf`` marks modules without children:
+        those are what ``layers=None`` selects.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+        >>> for info in list_layers(net):
+        ...     print(info)
+        0  (Linear, leaf)
+        1  (ReLU, leaf)
+    """
+    return [LayerInfo(name, type(m).__name__, _is_leaf(m)) for name, m in named_modules(model).items()]
+
+
+def import_types(types: Iterable[type[nn.Module] | str] | None, argument: str) -> tuple[type[nn.Module], ...]:
+    """Resolve classes given as objects or import strings such as ``"torch.nn.Linear"``.
+
+    Args:
+        types: Classes or dotted import paths.
+        argument: The configuration argument the types came from, named in errors.
+
+    Raises:
+        ValueError: If a string cannot be imported or a value is not an ``nn.Module`` subclass.
+
+    Example:
+        >>> import_types(["torch.nn.Linear"], "layer_types")
+        (<class 'torch.nn.modules.linear.Linear'>,)
+    """
+    if types is None:
+        return ()
+    if isinstance(types, (str, type)):
+        types = [types]
+    resolved: list[type[nn.Module]] = []
+    for item in types:
+        cls: object = item
+        if isinstance(item, str):
+            module_name, _, attr = item.rpartition(".")
+            try:
+                cls = getattr(importlib.import_module(module_name), attr) if module_name else None
+            except (ImportError, AttributeError):
+                cls = None
+            if cls is None:
+                raise ValueError(
+                    f"{argument}: cannot import {item!r}; expected a full import path of an nn.Module subclass,"
+                    " such as 'torch.nn.Linear'"
+                )
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise ValueError(f"{argument}: expected nn.Module subclasses or import strings, got {item!r}")
+        resolved.append(cls)
+    return tuple(resolved)
+
+
+def _is_pattern(text: str) -> bool:
+    return any(ch in text for ch in "*?[")
+
+
+def _unmatched_error(pattern: str, argument: str, names: Sequence[str]) -> ValueError:
+    close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.5)
+    hint = f" Closest names: {', '.join(close)}." if close else ""
+    return ValueError(
+        f"{argument}: {pattern!r} matches no module.{hint} "
+        "Call lightning_hookdiag.list_layers(model) to see every selectable name."
+    )
+
+
+def _match(patterns: Iterable[str], names: Sequence[str], argument: str) -> set[str]:
+    matched: set[str] = set()
+    for pattern in patterns:
+        hits = fnmatch.filter(names, pattern) if _is_pattern(pattern) else [n for n in names if n == pattern]
+        if not hits:
+            raise _unmatched_error(pattern, argument, names)
+        matched.update(hits)
+    return matched
+
+
+def resolve_layers(
+    model: nn.Module,
+    layers: Sequence[str] | None = None,
+    layer_types: Sequence[type[nn.Module]] = (),
+    exclude: Sequence[str] = (),
+) -> dict[str, nn.Module]:
+    """Select modules of ``model`` by name, glob and type.
+
+    Args:
+        model: The root module; names are relative to it.
+        layers: Dotted names or fnmatch globs (``*`` also crosses dots). ``None`` selects every leaf module, or,
+            when ``layer_types`` is given, every module of those types.
+        layer_types: Keep only instances of these classes.
+        exclude: Globs removed from the selection.
+
+    Returns:
+        The selected modules in registration order, keyed by normalised name.
+
+    Raises:
+        ValueError: If a name, glob or exclude pattern matches nothing, or if the selection ends up empty.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        >>> list(resolve_layers(net, layer_types=(nn.Linear,)))
+        ['0', '2']
+        >>> resolve_layers(net, layers=["2.weight"])
+        Traceback (most recent call last):
+        ...
+        ValueError: layers: '2.weight' matches no module. Closest names: 2. Call lightning_hookdiag.list_layers(...
+    """
+    modules = named_modules(model)
+    names = list(modules)
+    if layers is not None:
+        chosen = _match(layers, names, "layers")
+        candidates = [n for n in names if n in chosen]
+    elif layer_types:
+        candidates = names
+    else:
+        candidates = [n for n in names if _is_leaf(modules[n])]
+    if layer_types:
+        typed = [n for n in candidates if isinstance(modules[n], tuple(layer_types))]
+        if not typed:
+            present = sorted({type(modules[n]).__name__ for n in candidates})
+            wanted = ", ".join(t.__name__ for t in layer_types)
+            raise ValueError(
+                f"layer_types: no selected module is an instance of {wanted}; the selection holds {', '.join(present)}"
+            )
+        candidates = typed
+    if exclude:
+        removed = _match(exclude, names, "exclude")
+        candidates = [n for n in candidates if n not in removed]
+    if not candidates:
+        raise ValueError(
+            f"no module left to observe after exclude={list(exclude)!r}; relax `exclude` or widen `layers`"
+        )
+    return {n: modules[n] for n in candidates}

@@ -1,0 +1,235 @@
+"""Pure tensor statistics: the vocabulary of statistic names, per-tensor sufficient statistics and finalisation.
+
+Every function here is stateless and never leaves the device: no ``.item()``, no host synchronisation. A tensor is
+reduced to a few *additive* sufficient statistics (counts, sums, sums of squares) or *max-reducible* ones (absolute
+maxima, per-unit maxima), so that pooling over calls, micro-batches and processes is exact: it is a sum or a max of
+these vectors, never an average of averages. Finalisation turns the pooled vectors into the logged values.
+
+The reductions were chosen by measurement on a 2-core CPU (16 MB activation): ``count_nonzero``, ``sum``, ``dot``
+and ``aminmax`` take 0.4-1.3 ms, whereas boolean sums (``isfinite(x).sum()``) or float64 sums take 6-22 ms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ACTIVATION_STATS",
+    "ALL_STATS",
+    "GRADIENT_STATS",
+    "PARAMETER_STATS",
+    "accumulation_dtype",
+    "activation_moments",
+    "finalize_dead_fraction",
+    "finalize_activations",
+    "finalize_gradients",
+    "gradient_moments",
+    "resolve_stats",
+    "unit_dim_for",
+    "unit_maxima",
+]
+
+ACTIVATION_STATS: tuple[str, ...] = (
+    "act_mean",
+    "act_std",
+    "act_absmax",
+    "act_zero_frac",
+    "act_nonfinite",
+    "act_dead_frac",
+)
+"""Statistics of a module's output, keyed by module name."""
+
+GRADIENT_STATS: tuple[str, ...] = ("act_grad_norm", "act_grad_nonfinite")
+"""Statistics of the gradient of the loss with respect to a module's output, keyed by module name."""
+
+PARAMETER_STATS: tuple[str, ...] = ("param_norm", "param_grad_norm", "param_update_ratio", "grad_norm_total")
+"""Statistics of parameters around the optimizer step, keyed by parameter name (``grad_norm_total``: no key)."""
+
+ALL_STATS: tuple[str, ...] = ACTIVATION_STATS + GRADIENT_STATS + PARAMETER_STATS
+
+# Columns of the additive activation vector.
+ACT_COUNT, ACT_NONZERO, ACT_NONZERO_FINITE, ACT_SUM, ACT_SUMSQ = range(5)
+ACT_SLOTS = 5
+# Columns of the additive activation-gradient vector.
+GRAD_COUNT, GRAD_SUMSQ, GRAD_NONFINITE = range(3)
+GRAD_SLOTS = 3
+
+
+def resolve_stats(stats: Sequence[str] | None) -> tuple[str, ...]:
+    """Validate a ``stats=`` argument and return it in vocabulary order.
+
+    Args:
+        stats: Statistic names, or ``None`` for all of them.
+
+    Raises:
+        ValueError: If a name is unknown or the list is empty; the message lists the valid names.
+
+    Example:
+        >>> resolve_stats(["act_std", "act_mean"])
+        ('act_mean', 'act_std')
+    """
+    if stats is None:
+        return ALL_STATS
+    if isinstance(stats, str):
+        stats = [stats]
+    unknown = sorted(set(stats) - set(ALL_STATS))
+    if unknown:
+        raise ValueError(f"stats: unknown statistic(s) {unknown}; expected names from {list(ALL_STATS)}")
+    if not stats:
+        raise ValueError(f"stats: expected at least one statistic from {list(ALL_STATS)}, got an empty list")
+    return tuple(s for s in ALL_STATS if s in stats)
+
+
+def accumulation_dtype(device: torch.device) -> torch.dtype:
+    """Dtype for pooled sums: float64 where the device has it, so that variance pooled from sums stays exact."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _as_float32(x: Tensor) -> Tensor:
+    # fp16/bf16 would overflow a sum of squares; float64 inputs keep their precision until the final cast.
+    return x.detach() if x.dtype in (torch.float32, torch.float64) else x.detach().float()
+
+
+def activation_moments(x: Tensor, dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
+    """Additive and max-reducible sufficient statistics of one floating-point tensor.
+
+    NaN and Inf are counted, then treated as absent: they never make the mean, std or absmax unreadable.
+
+    Args:
+        x: Any floating-point tensor (any dtype, any device).
+        dtype: Dtype of the returned additive vector.
+
+    Returns:
+        ``(moments, absmax)``: ``moments`` is a ``[5]`` vector ``[count, nonzero, nonzero_finite, sum, sum_sq]``
+        (sum and sum of squares over finite elements), ``absmax`` the 0-d maximum of ``|x|`` over finite elements.
+
+    Example:
+        >>> moments, absmax = activation_moments(torch.tensor([0.0, 1.0, -3.0, float("nan")]))
+        >>> moments.tolist(), absmax.item()
+        ([4.0, 3.0, 2.0, -2.0, 10.0], 3.0)
+    """
+    x = _as_float32(x).reshape(-1)
+    finite = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    lo, hi = torch.aminmax(finite) if x.numel() else (finite.new_zeros(()), finite.new_zeros(()))
+    moments = torch.stack(
+        [
+            torch.count_nonzero(x).to(dtype),
+            torch.count_nonzero(finite).to(dtype),
+            finite.sum().to(dtype),
+            torch.dot(finite, finite).to(dtype),
+        ]
+    )
+    # numel is known on the host: prepend it without a host-to-device copy.
+    moments = torch.cat([moments.new_full((1,), x.numel()), moments])
+    return moments, torch.maximum(hi, -lo)
+
+
+def gradient_moments(g: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+    """Additive sufficient statistics of one gradient tensor: ``[count, sum_sq over finite, nonfinite count]``.
+
+    Example:
+        >>> gradient_moments(torch.tensor([3.0, 4.0, float("inf")])).tolist()
+        [3.0, 25.0, 1.0]
+    """
+    g = _as_float32(g).reshape(-1)
+    finite = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)
+    nonfinite = torch.count_nonzero(g) - torch.count_nonzero(finite)
+    out = torch.stack([torch.dot(finite, finite).to(dtype), nonfinite.to(dtype)])
+    return torch.cat([out.new_full((1,), g.numel()), out])
+
+
+def unit_dim_for(ndim: int, unit_dim: int | None = None) -> int:
+    """The axis that indexes units: channels (dim 1) of 4-D/5-D outputs, the last dim of 1-D/2-D/3-D outputs.
+
+    Example:
+        >>> unit_dim_for(4), unit_dim_for(3), unit_dim_for(3, unit_dim=1)
+        (1, 2, 1)
+    """
+    if unit_dim is not None:
+        return unit_dim % ndim
+    return 1 if ndim >= 4 else ndim - 1
+
+
+def unit_maxima(x: Tensor, unit_dim: int | None = None) -> Tensor:
+    """Per-unit maximum over every other axis, in float32 (max-reducible activity of ReLU-family outputs).
+
+    A unit is dead when its maximum is ``<= 0``: it was non-positive for every sample and position. Pooling these
+    maxima with ``fmax`` over micro-batches and processes reduces over the batch *first*, as it must.
+
+    Example:
+        >>> unit_maxima(torch.tensor([[0.0, 2.0], [0.0, -1.0]])).tolist()
+        [0.0, 2.0]
+    """
+    x = x.detach()
+    if x.ndim == 0:
+        return x.reshape(1).float()
+    dim = unit_dim_for(x.ndim, unit_dim)
+    others = [d for d in range(x.ndim) if d != dim]
+    if not others:
+        return x.float()
+    return x.amax(dim=others).float()
+
+
+def finalize_activations(moments: Tensor, absmax: Tensor) -> dict[str, Tensor]:
+    """Turn pooled ``[n_layers, 5]`` moments and ``[n_layers]`` absmax into per-layer statistic vectors.
+
+    ``act_std`` is the population standard deviation over the finite elements.
+
+    Example:
+        >>> m, a = activation_moments(torch.tensor([0.0, 1.0, -3.0, float("nan")]))
+        >>> {k: round(v.item(), 4) for k, v in finalize_activations(m[None], a[None]).items()}
+        {'act_mean': -0.6667, 'act_std': 1.6997, 'act_absmax': 3.0, 'act_zero_frac': 0.25, 'act_nonfinite': 1.0}
+    """
+    count = moments[:, ACT_COUNT]
+    nonzero = moments[:, ACT_NONZERO]
+    nonfinite = nonzero - moments[:, ACT_NONZERO_FINITE]
+    finite = count - nonfinite
+    mean = moments[:, ACT_SUM] / finite
+    var = (moments[:, ACT_SUMSQ] / finite - mean.square()).clamp_min(0)
+    return {
+        "act_mean": mean,
+        "act_std": var.sqrt(),
+        "act_absmax": absmax.to(moments.dtype),
+        "act_zero_frac": (count - nonzero) / count,
+        "act_nonfinite": nonfinite,
+    }
+
+
+def finalize_gradients(moments: Tensor, scale: Tensor | None = None) -> dict[str, Tensor]:
+    """Turn pooled ``[n_layers, 3]`` gradient moments into ``act_grad_norm`` and ``act_grad_nonfinite``.
+
+    Args:
+        moments: Sums of :func:`gradient_moments` vectors.
+        scale: The AMP loss scale the gradients were multiplied by, divided out of the norm.
+
+    Example:
+        >>> g = gradient_moments(torch.tensor([6.0, 8.0]))
+        >>> finalize_gradients(g[None], scale=torch.tensor(2.0))["act_grad_norm"].tolist()
+        [5.0]
+    """
+    norm = moments[:, GRAD_SUMSQ].sqrt()
+    if scale is not None:
+        norm = norm / scale.to(norm.dtype)
+    return {"act_grad_norm": norm, "act_grad_nonfinite": moments[:, GRAD_NONFINITE]}
+
+
+def finalize_dead_fraction(unit_max: Tensor, owner: Tensor, n_layers: int, dtype: torch.dtype) -> Tensor:
+    """Per-layer fraction of units whose pooled maximum is ``<= 0``; NaN for layers with no tracked units.
+
+    Args:
+        unit_max: Flat per-unit maxima of every tracked layer.
+        owner: For each entry of ``unit_max``, the index of its layer.
+        n_layers: Length of the result.
+        dtype: Dtype of the result.
+
+    Example:
+        >>> finalize_dead_fraction(torch.tensor([0.0, 2.0, -1.0, 3.0]), torch.tensor([0, 0, 2, 2]), 3, torch.float32)
+        tensor([0.5000,    nan, 0.5000])
+    """
+    counts = torch.zeros(n_layers, dtype=dtype, device=unit_max.device)
+    dead = torch.zeros_like(counts).index_add_(0, owner, (~(unit_max > 0)).to(dtype))
+    counts.index_add_(0, owner, torch.ones_like(unit_max, dtype=dtype))
+    return dead / counts
