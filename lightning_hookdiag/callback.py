@@ -65,6 +65,7 @@ class LayerHealthCallback(Callback):
     ``<prefix>/param_grad_norm/<param>`` L2 norm of the accumulated gradient, unscaled, before clipping
     ``<prefix>/param_update_ratio/..``  ``||w_after - w_before|| / ||w_before||`` across the step
     ``<prefix>/grad_norm_total``        L2 norm of all gradients of the selected layers' parameters, pre-clip
+    ``<prefix>/depth/<layer>``          0-based position of the layer in forward execution order on step ``k``
     ==================================  =========================================================================
 
     Args:
@@ -94,7 +95,7 @@ class LayerHealthCallback(Callback):
         ...                      enable_model_summary=False, enable_checkpointing=False)
         >>> trainer.fit(BoringModel())
         >>> sorted(callback.last_metrics)
-        ['layer_health/act_mean/layer', 'layer_health/act_std/layer']
+        ['layer_health/act_mean/layer', 'layer_health/act_std/layer', 'layer_health/depth/layer']
         >>> callback.last_step
         2
     """
@@ -320,6 +321,10 @@ class LayerHealthCallback(Callback):
                     metrics[f"{self.prefix}/{stat}/{name}"] = value
         if "grad_norm_total" in self.stats and any(s > 0 for s in seen):
             metrics[f"{self.prefix}/grad_norm_total"] = total
+        # Depth travels as data so that a report can order layers from the logs of any logger.
+        observed = {name for name, c in zip(self.layer_names, count, strict=True) if c > 0}
+        for depth, name in enumerate(n for n in self.execution_order if n in observed):
+            metrics[f"{self.prefix}/depth/{name}"] = float(depth)
 
         for i in no_float:
             name = self.layer_names[i]

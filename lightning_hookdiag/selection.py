@@ -133,7 +133,9 @@ def _is_pattern(text: str) -> bool:
 
 
 def _unmatched_error(pattern: str, argument: str, names: Sequence[str]) -> ValueError:
-    close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.5)
+    # A parameter or a too-deep path ("encoder.0.weight") is best answered with the deepest module above it.
+    parents = [n for n in names if pattern.startswith(n + ".")][-1:]
+    close = list(dict.fromkeys(difflib.get_close_matches(pattern, names, n=5, cutoff=0.6) + parents))[:5]
     hint = f" Closest names: {', '.join(close)}." if close else ""
     return ValueError(
         f"{argument}: {pattern!r} matches no module.{hint} "

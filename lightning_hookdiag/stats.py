@@ -98,32 +98,41 @@ def activation_moments(x: Tensor, dtype: torch.dtype = torch.float64) -> tuple[T
 
     NaN and Inf are counted, then treated as absent: they never make the mean, std or absmax unreadable.
 
+    The square term is not a raw sum of squares, which cancels catastrophically in float32 when the mean is large
+    against the spread (values around 1e4 with std 1 lose every digit). It is the centred sum of squares of this
+    tensor plus ``sum**2 / n``, formed in ``dtype``: additive across tensors, and exact for the spread within each.
+
     Args:
         x: Any floating-point tensor (any dtype, any device).
         dtype: Dtype of the returned additive vector.
 
     Returns:
-        ``(moments, absmax)``: ``moments`` is a ``[5]`` vector ``[count, nonzero, nonzero_finite, sum, sum_sq]``
-        (sum and sum of squares over finite elements), ``absmax`` the 0-d maximum of ``|x|`` over finite elements.
+        ``(moments, absmax)``: ``moments`` is a ``[5]`` vector ``[count, nonzero, nonzero_finite, sum, square]``
+        (sum and square term over finite elements), ``absmax`` the 0-d maximum of ``|x|`` over finite elements.
 
     Example:
-        >>> moments, absmax = activation_moments(torch.tensor([0.0, 1.0, -3.0, float("nan")]))
+        >>> moments, absmax = activation_moments(torch.tensor([0.0, 1.0, -3.0, 4.0, float("nan")]))
         >>> moments.tolist(), absmax.item()
-        ([4.0, 3.0, 2.0, -2.0, 10.0], 3.0)
+        ([5.0, 4.0, 3.0, 2.0, 26.0], 4.0)
     """
     x = _as_float32(x).reshape(-1)
+    n = x.numel()
     finite = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-    lo, hi = torch.aminmax(finite) if x.numel() else (finite.new_zeros(()), finite.new_zeros(()))
-    moments = torch.stack(
-        [
-            torch.count_nonzero(x).to(dtype),
-            torch.count_nonzero(finite).to(dtype),
-            finite.sum().to(dtype),
-            torch.dot(finite, finite).to(dtype),
-        ]
-    )
+    nonzero = torch.count_nonzero(x)
+    nonzero_finite = torch.count_nonzero(finite)
+    n_nonfinite = nonzero - nonzero_finite
+    n_finite = (n - n_nonfinite).clamp_min(1)
+    total = finite.sum()
+    mean = total / n_finite
+    centred = finite - mean
+    # Non-finite positions hold 0 in ``finite`` and contributed (0 - mean)^2 each: take that back out.
+    m2 = torch.dot(centred, centred) - n_nonfinite * mean.square()
+    total = total.to(dtype)
+    square = m2.clamp_min(0).to(dtype) + total.square() / n_finite.to(dtype)
+    lo, hi = torch.aminmax(finite) if n else (finite.new_zeros(()), finite.new_zeros(()))
+    moments = torch.stack([nonzero.to(dtype), nonzero_finite.to(dtype), total, square])
     # numel is known on the host: prepend it without a host-to-device copy.
-    moments = torch.cat([moments.new_full((1,), x.numel()), moments])
+    moments = torch.cat([moments.new_full((1,), n), moments])
     return moments, torch.maximum(hi, -lo)
 
 

@@ -1,0 +1,93 @@
+import pytest
+import torch
+
+from lightning_hookdiag import stats as S
+from lightning_hookdiag.aggregation import LayerStatsAggregator, StepRecorder
+
+
+def test_micro_batches_pool_exactly_and_reset_clears():
+    agg = LayerStatsAggregator(n_layers=2)
+    rec = StepRecorder(agg, unit_layers=frozenset({1}))
+    a = torch.tensor([[1.0, -2.0], [0.0, 4.0]])
+    b = torch.tensor([[3.0, -1.0], [-5.0, -1.0]])
+    rec.on_output(0, a)
+    rec.on_output(0, b)
+    rec.on_output(1, a)
+    rec.on_output(1, b)
+    out = agg.compute()
+    union = torch.cat([a.reshape(-1), b.reshape(-1)]).double()
+    assert out["act_mean"][0].item() == pytest.approx(union.mean().item())
+    assert out["act_std"][0].item() == pytest.approx(union.std(correction=0).item())
+    assert out["act_absmax"][0].item() == 5.0
+    assert out["act_zero_frac"][0].item() == pytest.approx(1 / 8)
+    # Unit 0 positive in a and b; unit 1 positive only in a: neither dead after pooling, though b alone has one.
+    assert out["act_dead_frac"][1].item() == 0.0
+    assert torch.isnan(out["act_dead_frac"][0])
+    assert out["count"].tolist() == [8.0, 8.0]
+    agg.reset()
+    rec.on_output(1, b)
+    assert agg.compute()["act_dead_frac"][1].item() == 0.5
+    assert agg.compute()["count"].tolist() == [0.0, 4.0]
+
+
+def test_unit_layout_is_layer_ordered_whatever_the_firing_order():
+    agg = LayerStatsAggregator(n_layers=3)
+    rec = StepRecorder(agg, moments=False, unit_layers=frozenset({0, 2}))
+    rec.on_output(2, torch.tensor([[1.0, -1.0, -1.0]]))  # layer 2 learned first
+    rec.on_output(0, torch.tensor([[-1.0, 1.0]]))
+    out = agg.compute()
+    assert agg.unit_sizes == [2, 0, 3]
+    assert out["act_dead_frac"][0].item() == 0.5
+    assert out["act_dead_frac"][2].item() == pytest.approx(2 / 3)
+    assert out["count"].tolist() == [2.0, 0.0, 3.0]  # counted even without moments
+    agg.reset()
+    assert agg.unit_max.shape == (5,)
+    assert torch.isneginf(agg.unit_max).all()
+
+
+def test_changed_unit_count_is_flagged_not_mixed():
+    agg = LayerStatsAggregator(n_layers=1)
+    rec = StepRecorder(agg, unit_layers=frozenset({0}))
+    rec.on_output(0, torch.ones(2, 3))
+    rec.on_output(0, torch.ones(2, 4))
+    assert agg.unit_mismatch == {0}
+
+
+def test_outputs_without_float_tensor_are_recorded():
+    agg = LayerStatsAggregator(n_layers=1)
+    rec = StepRecorder(agg)
+    rec.on_output(0, (torch.tensor([1, 2]),))
+    assert rec.no_float_output == {0}
+    agg.update()  # as the callback does, so every process takes part in compute
+    assert agg.compute()["count"].reshape(-1).tolist() == [0.0]
+
+
+def test_gradient_pooling_and_scale():
+    agg = LayerStatsAggregator(n_layers=1)
+    rec = StepRecorder(agg)
+    rec.on_grad(0, torch.tensor([6.0, 0.0]))
+    rec.on_grad(0, torch.tensor([8.0, float("nan")]))
+    agg.grad_scale = torch.tensor(2.0)
+    out = agg.compute()
+    assert out["act_grad_norm"].item() == pytest.approx(5.0)
+    assert out["act_grad_nonfinite"].item() == 1
+    assert out["grad_count"].item() == 4
+
+
+def test_parameter_rows_written_by_index():
+    agg = LayerStatsAggregator(n_layers=0, n_params=3)
+    values = torch.tensor([[9.0, 4.0, 0.0, 1.0]], dtype=torch.float64)
+    agg.update(params=(torch.tensor([2]), values, slice(None)))
+    agg.update(params=(torch.tensor([2]), torch.tensor([0.09], dtype=torch.float64), 2))
+    out = agg.compute()
+    assert out["param_norm"].tolist() == [0.0, 0.0, 3.0]
+    assert out["param_grad_norm"][2].item() == 2.0
+    assert out["param_update_ratio"][2].item() == pytest.approx(0.1)
+    assert out["param_seen"].tolist() == [0.0, 0.0, 1.0]
+    assert out["grad_norm_total"].item() == 2.0
+
+
+def test_collective_state_count_does_not_depend_on_layers():
+    small, big = LayerStatsAggregator(2, 3), LayerStatsAggregator(200, 300)
+    assert set(small._defaults) == set(big._defaults)
+    assert small.act_moments.shape[1] == S.ACT_SLOTS

@@ -1,0 +1,397 @@
+"""End-to-end tests of LayerHealthCallback with real Trainers, checked against a hand-written reference."""
+
+import csv
+import gc
+import math
+import warnings
+
+import pytest
+import torch
+from conftest import RecordingLogger, TinyModule, count_hooks, make_data, make_trainer
+from lightning.pytorch.loggers import CSVLogger
+from reference import activation_stats, dead_fraction, flat, l2, replay_sequential, weights_after
+from torch import nn
+
+from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning
+
+P = "layer_health"
+
+
+def by_step(logger: RecordingLogger) -> dict[int, dict[str, float]]:
+    calls = logger.ours()
+    steps = [s for s, _ in calls]
+    assert len(steps) == len(set(steps)), f"logged more than once for a step: {steps}"
+    return dict(calls)
+
+
+def assert_forward_matches(metrics, module, step, accumulate, layers):
+    outputs, _, _, _ = replay_sequential(module, step, accumulate)
+    for i in layers:
+        expected = activation_stats(flat(outputs[i]))
+        for stat, value in expected.items():
+            got = metrics[f"{P}/{stat}/model.{i}"]
+            assert got == pytest.approx(value, rel=1e-5, abs=1e-6), (step, i, stat)
+
+
+# ---------------------------------------------------------------------------------------------- sampling + forward
+def test_forward_statistics_and_schedule_under_accumulation():
+    module = TinyModule(data=make_data(n=96), batch_size=4)
+    logger = RecordingLogger()
+    callback = LayerHealthCallback(every_n_steps=2)
+    make_trainer([callback], max_steps=5, accumulate_grad_batches=3, logger=logger).fit(module)
+
+    logged = by_step(logger)
+    assert sorted(logged) == [0, 2, 4]
+    for step, metrics in logged.items():
+        assert_forward_matches(metrics, module, step, 3, layers=[0, 1, 2])
+        outputs, _, _, _ = replay_sequential(module, step, 3)
+        assert len(outputs[1]) == 3  # pooled over all three micro-batches
+        assert metrics[f"{P}/act_dead_frac/model.1"] == pytest.approx(dead_fraction(outputs[1]))
+        # Only ReLU-family layers get a dead fraction.
+        assert f"{P}/act_dead_frac/model.0" not in metrics
+        assert [metrics[f"{P}/depth/model.{i}"] for i in range(3)] == [0.0, 1.0, 2.0]
+    assert callback.last_step == 4
+    assert callback.last_metrics == logged[4]
+
+
+def test_dead_units_pooled_over_micro_batches_not_averaged():
+    # Units that fire in only one micro-batch are alive for the step; a per-micro-batch average would say otherwise.
+    model = nn.Sequential(nn.Linear(1, 4), nn.ReLU(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.tensor([[1.0], [-1.0], [0.0], [0.0]]))
+        model[0].bias.copy_(torch.tensor([0.0, 0.0, 0.0, -1.0]))
+    x = torch.tensor([[1.0], [2.0], [-1.0], [-2.0]])
+    data = torch.utils.data.TensorDataset(x, torch.zeros(4, 1))
+    module = TinyModule(model=model, data=data, batch_size=2, lr=0.0)
+    logger = RecordingLogger()
+    make_trainer([LayerHealthCallback(every_n_steps=1)], max_steps=1, accumulate_grad_batches=2, logger=logger).fit(
+        module
+    )
+    # Unit 0 fires on the first micro-batch, unit 1 on the second, units 2 and 3 never: 2 of 4 dead.
+    assert by_step(logger)[0][f"{P}/act_dead_frac/model.1"] == 0.5
+
+
+# ---------------------------------------------------------------------------------------------- gradient side
+@pytest.mark.parametrize(("accumulate", "clip"), [(1, None), (2, 0.01)])
+def test_gradient_and_parameter_statistics_match_reference(accumulate, clip):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    module = TinyModule(model=model, data=make_data(n=64), batch_size=4)
+    logger = RecordingLogger()
+    make_trainer(
+        [LayerHealthCallback(every_n_steps=1)],
+        max_steps=3,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
+        logger=logger,
+    ).fit(module)
+    for step, metrics in by_step(logger).items():
+        outputs, grads, param_grads, before = replay_sequential(module, step, accumulate)
+        after = weights_after(module, step)
+        for i in range(5):
+            assert metrics[f"{P}/act_grad_norm/model.{i}"] == pytest.approx(l2(flat(grads[i])), rel=1e-5)
+            assert metrics[f"{P}/act_grad_nonfinite/model.{i}"] == 0
+        # Linear followed by an in-place ReLU: its statistics are those of its own (pre-activation) output.
+        assert_forward_matches(metrics, module, step, accumulate, layers=[0])
+        assert metrics[f"{P}/act_mean/model.0"] != pytest.approx(metrics[f"{P}/act_mean/model.1"])
+        total = 0.0
+        for name, grad in param_grads.items():
+            key = name.split(".")
+            key = f"model.{key[0]}.{key[1]}"
+            gnorm = l2(grad.reshape(-1).tolist())
+            wnorm = l2(before[name].reshape(-1).tolist())
+            update = l2((after[name] - before[name]).reshape(-1).tolist())
+            assert metrics[f"{P}/param_grad_norm/{key}"] == pytest.approx(gnorm, rel=1e-5)  # pre-clip
+            assert metrics[f"{P}/param_norm/{key}"] == pytest.approx(wnorm, rel=1e-5)
+            assert metrics[f"{P}/param_update_ratio/{key}"] == pytest.approx(update / wnorm, rel=1e-4)
+            total += gnorm**2
+        assert metrics[f"{P}/grad_norm_total"] == pytest.approx(math.sqrt(total), rel=1e-5)
+        if clip is not None:
+            assert metrics[f"{P}/grad_norm_total"] > clip * 10  # the logged norm really is the unclipped one
+
+
+def test_frozen_parameters_and_prefix_produce_no_gradient_keys():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    module = TinyModule(model=model)
+    logger = RecordingLogger()
+    make_trainer([LayerHealthCallback(every_n_steps=1)], max_steps=1, logger=logger).fit(module)
+    metrics = by_step(logger)[0]
+    assert not any(k.startswith(f"{P}/param_") and ".0." in k for k in metrics)
+    # model.0's output does not require grad (frozen prefix): skipped for activation gradients, without error.
+    assert f"{P}/act_grad_norm/model.0" not in metrics
+    assert f"{P}/act_grad_norm/model.2" in metrics
+    assert f"{P}/act_mean/model.0" in metrics
+    assert f"{P}/param_norm/model.2.weight" in metrics
+
+
+# ---------------------------------------------------------------------------------------------- logging
+def test_every_logger_receives_one_call_per_sampled_step_and_csv_reads_back(tmp_path):
+    recording = RecordingLogger()
+    csv_logger = CSVLogger(tmp_path, name="run")
+    callback = LayerHealthCallback(every_n_steps=3, stats=["act_mean", "act_grad_norm"])
+    make_trainer([callback], max_steps=7, logger=[csv_logger, recording], log_every_n_steps=1).fit(TinyModule())
+    logged = by_step(recording)
+    assert sorted(logged) == [0, 3, 6]
+    assert all(len(m) == 3 * 2 + 3 for m in logged.values())  # 3 layers x 2 stats + 3 depth keys
+    with open(f"{csv_logger.log_dir}/metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    key = f"{P}/act_mean/model.2"
+    from_csv = {int(r["step"]): float(r[key]) for r in rows if r.get(key)}
+    assert from_csv == pytest.approx({s: m[key] for s, m in logged.items()})
+
+
+def test_stats_selection_limits_keys_and_custom_prefix():
+    logger = RecordingLogger()
+    callback = LayerHealthCallback(every_n_steps=1, stats=["act_dead_frac"], prefix="health")
+    make_trainer([callback], max_steps=1, logger=logger).fit(TinyModule())
+    assert set(logger.ours("health")[0][1]) == {"health/act_dead_frac/model.1"} | {
+        f"health/depth/model.{i}" for i in range(3)
+    }
+
+
+# ---------------------------------------------------------------------------------------------- lifecycle
+class ProbeModule(TinyModule):
+    def __init__(self) -> None:
+        super().__init__(data=make_data(n=32))
+        self.hooks_in_validation: list[int] = []
+        self.hooks_in_training: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        self.hooks_in_training.append(count_hooks(self))
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        self.hooks_in_validation.append(count_hooks(self))
+        x, y = batch
+        return self.loss(self(x), y)
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+
+def test_no_hooks_outside_sampled_training_batches_and_user_hooks_kept():
+    module = ProbeModule()
+    user_calls = []
+    module.model[0].register_forward_hook(lambda m, a, o: user_calls.append(1))
+    baseline = count_hooks(module)
+    make_trainer([LayerHealthCallback(every_n_steps=2)], max_steps=4, val_check_interval=2, num_sanity_val_steps=2).fit(
+        module
+    )
+    assert module.hooks_in_validation
+    assert set(module.hooks_in_validation) == {baseline}  # sanity check and validation: only the user's hook
+    # Sampled steps 0 and 2 carry our 3 hooks; steps 1 and 3 none.
+    assert module.hooks_in_training == [baseline + 3, baseline, baseline + 3, baseline]
+    assert count_hooks(module) == baseline
+    assert len(module.model[0]._forward_hooks) == 1
+    assert user_calls  # the user's hook kept working throughout
+
+
+def test_no_hooks_after_exception_in_training_step():
+    module = TinyModule()
+
+    def fail(mod, batch_idx):
+        if batch_idx == 2:
+            assert count_hooks(mod) == 3  # attached: the failure happens inside a sampled batch
+            raise RuntimeError("exploded in training_step")
+
+    module.on_step = fail
+    with pytest.raises(RuntimeError, match="exploded"):
+        make_trainer([LayerHealthCallback(every_n_steps=1)], max_steps=5).fit(module)
+    assert count_hooks(module) == 0
+
+
+def test_fit_twice_and_teardown_are_safe():
+    callback = LayerHealthCallback(every_n_steps=1)
+    module = TinyModule()
+    make_trainer([callback], max_steps=2).fit(module)
+    make_trainer([callback], max_steps=4).fit(module)
+    callback.teardown(None, module, "fit")  # type: ignore[arg-type]
+    callback.teardown(None, module, "fit")  # type: ignore[arg-type]
+    assert count_hooks(module) == 0
+    assert callback.last_step is not None
+
+
+def train_weights(with_callback: bool, **trainer_kwargs) -> dict[str, torch.Tensor]:
+    torch.manual_seed(123)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(inplace=True), nn.Dropout(0.3), nn.Linear(16, 1))
+    module = TinyModule(model=model, data=make_data(n=64), optimizer="adam", lr=0.01)
+    module.record_enabled = False
+    callbacks = [LayerHealthCallback(every_n_steps=1)] if with_callback else []
+    torch.manual_seed(7)
+    make_trainer(callbacks, max_steps=6, **trainer_kwargs).fit(module)
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.1}])
+def test_training_is_bit_identical_with_and_without_callback(kwargs):
+    plain = train_weights(False, **kwargs)
+    observed = train_weights(True, **kwargs)
+    assert plain.keys() == observed.keys()
+    for k in plain:
+        assert torch.equal(plain[k], observed[k]), k
+
+
+def live_graph_tensors() -> int:
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # isinstance() on torch's deprecated module proxies
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+
+
+def test_no_autograd_graph_retained_after_sampled_batches():
+    callback = LayerHealthCallback(every_n_steps=1)
+    counts = []
+
+    class Probe(pl_callback_base()):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            counts.append(live_graph_tensors())
+
+    make_trainer([callback, Probe()], max_steps=3).fit(TinyModule())
+    assert counts == [0, 0, 0]
+    for value in vars(callback).values():
+        assert not (isinstance(value, torch.Tensor) and value.grad_fn is not None)
+
+
+def pl_callback_base():
+    from lightning.pytorch import Callback
+
+    return Callback
+
+
+# ---------------------------------------------------------------------------------------------- odd modules
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.direct = nn.Linear(4, 4)
+        self.never = nn.Linear(4, 4)
+        self.argmax = ArgMax()
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = self.fc(x) + self.direct.forward(x)  # .forward() bypasses hooks
+        self.argmax(h)
+        return self.out(h)
+
+
+class ArgMax(nn.Module):
+    def forward(self, x):
+        return x.argmax(-1)
+
+
+def test_modules_that_did_not_run_or_have_no_float_output_warn_once():
+    logger = RecordingLogger()
+    callback = LayerHealthCallback(every_n_steps=1)
+    with pytest.warns(LayerHealthWarning) as record:
+        make_trainer([callback], max_steps=3, logger=logger).fit(TinyModule(model=Branchy()))
+    messages = [str(w.message) for w in record if issubclass(w.category, LayerHealthWarning)]
+    assert sum("'model.direct' did not run" in m for m in messages) == 1
+    assert sum("'model.never' did not run" in m for m in messages) == 1
+    assert sum("'model.argmax' holds no floating-point tensor" in m for m in messages) == 1
+    assert not any("'model.fc'" in m for m in messages)
+    metrics = by_step(logger)[0]
+    assert f"{P}/act_mean/model.fc" in metrics
+    assert not any(k.endswith(("/model.direct", "/model.never", "/model.argmax")) for k in metrics)
+
+
+class LSTMNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 3, batch_first=True)
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, x):
+        out, _ = self.lstm(x.unsqueeze(1))
+        return self.head(out[:, -1])
+
+
+def test_tuple_outputs_use_first_floating_tensor():
+    module = TinyModule(model=LSTMNet())
+    logger = RecordingLogger()
+    make_trainer([LayerHealthCallback(every_n_steps=1)], max_steps=1, logger=logger).fit(module)
+    metrics = by_step(logger)[0]
+    _, x, _, weights = module.record[0]
+    ref = module.reference_model(weights)
+    out, _ = ref.lstm(x.unsqueeze(1))
+    expected = activation_stats(out.reshape(-1).tolist())
+    assert metrics[f"{P}/act_std/model.lstm"] == pytest.approx(expected["act_std"], rel=1e-5)
+    assert f"{P}/act_grad_norm/model.lstm" in metrics
+
+
+class InjectNaN(nn.Module):
+    def forward(self, x):
+        x = x.clone()
+        x[0, 0] = float("nan")
+        x[1, 1] = float("inf")
+        return x
+
+
+def test_nonfinite_activations_are_counted_and_other_stats_stay_readable():
+    model = nn.Sequential(nn.Linear(4, 4), InjectNaN(), nn.Linear(4, 1))
+    module = TinyModule(model=model)
+    logger = RecordingLogger()
+    make_trainer([LayerHealthCallback(every_n_steps=1)], max_steps=1, logger=logger).fit(module)
+    metrics = by_step(logger)[0]
+    outputs, _, _, _ = replay_sequential(module, 0, 1)
+    expected = activation_stats(flat(outputs[1]))
+    assert metrics[f"{P}/act_nonfinite/model.1"] == 2
+    assert metrics[f"{P}/act_mean/model.1"] == pytest.approx(expected["act_mean"], rel=1e-5)
+    assert metrics[f"{P}/act_std/model.1"] == pytest.approx(expected["act_std"], rel=1e-5)
+    assert metrics[f"{P}/act_nonfinite/model.2"] > 0
+
+
+def test_bf16_mixed_close_to_fp32():
+    def run(precision):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 1))
+        logger = RecordingLogger()
+        make_trainer([LayerHealthCallback(every_n_steps=1)], max_steps=1, precision=precision, logger=logger).fit(
+            TinyModule(model=model)
+        )
+        return by_step(logger)[0]
+
+    full, half = run("32-true"), run("bf16-mixed")
+    assert full.keys() == half.keys()
+    for key in full:
+        if "nonfinite" in key or "depth" in key:
+            assert half[key] == full[key]
+        elif "update_ratio" not in key:
+            assert half[key] == pytest.approx(full[key], rel=0.05, abs=1e-3), key
+
+
+# ---------------------------------------------------------------------------------------------- configuration
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"every_n_steps": 0}, r"every_n_steps: expected an integer >= 1, got 0"),
+        ({"every_n_steps": True}, r"every_n_steps: expected an integer >= 1, got True"),
+        ({"every_n_steps": 2.5}, r"every_n_steps: expected an integer >= 1, got 2\.5"),
+        ({"stats": ["act_mean", "act_meen"]}, r"unknown statistic\(s\) \['act_meen'\]; expected names from .*act_mean"),
+        ({"prefix": ""}, r"prefix: expected a non-empty key segment"),
+        ({"prefix": "/health"}, r"prefix: .*got '/health'"),
+        ({"layer_types": ["torch.nn.Lineer"]}, r"layer_types: cannot import 'torch\.nn\.Lineer'"),
+        ({"dead_unit_types": ["relu"]}, r"dead_unit_types: cannot import 'relu'"),
+        ({"layers": ["model.0", ""]}, r"layers: expected non-empty module names or globs, got \[''\]"),
+        ({"unit_dim": "last"}, r"unit_dim: expected an integer axis or None, got 'last'"),
+    ],
+)
+def test_invalid_configuration_raises_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LayerHealthCallback(**kwargs)
+
+
+def test_layer_that_matches_nothing_raises_when_fit_starts():
+    callback = LayerHealthCallback(layers=["model.9"])
+    with pytest.raises(ValueError, match=r"'model\.9' matches no module\. Closest names: model\.2, model\.1, model\.0"):
+        make_trainer([callback], max_steps=1).fit(TinyModule())
+
+
+def test_state_dict_round_trip():
+    callback = LayerHealthCallback(every_n_steps=1)
+    make_trainer([callback], max_steps=2).fit(TinyModule())
+    restored = LayerHealthCallback(every_n_steps=1)
+    restored.load_state_dict(callback.state_dict())
+    assert restored.last_metrics == callback.last_metrics
+    assert restored.last_step == 1
+    assert all(not isinstance(v, torch.Tensor) for v in callback.state_dict()["last_metrics"].values())

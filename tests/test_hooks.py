@@ -1,0 +1,151 @@
+import pytest
+import torch
+from conftest import count_hooks
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_hookdiag.hooks import HookSet, first_floating_tensor
+
+
+def mlp(inplace: bool = False) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(3, 5), nn.ReLU(inplace=inplace), nn.Linear(5, 2))
+
+
+def test_attach_remove_is_idempotent_and_leaves_user_hooks():
+    net = mlp()
+    user_calls = []
+    user = net[0].register_forward_hook(lambda m, a, o: user_calls.append(1))
+    baseline = count_hooks(net)
+    hooks = HookSet(dict(net.named_children()), lambda i, o: None)
+    hooks.attach()
+    hooks.attach()  # a second attach must not double-register
+    assert count_hooks(net) == baseline + 3
+    hooks.remove()
+    hooks.remove()
+    assert count_hooks(net) == baseline
+    net(torch.randn(2, 3))
+    assert user_calls == [1]
+    user.remove()
+
+
+def test_hooks_removed_when_body_raises():
+    net = mlp()
+    with pytest.raises(RuntimeError, match="boom"), HookSet(dict(net.named_children()), lambda i, o: None):
+        assert count_hooks(net) == 3
+        raise RuntimeError("boom")
+    assert count_hooks(net) == 0
+
+
+def test_fired_order_is_execution_order_not_registration_order():
+    class Reversed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(2, 2)
+            self.b = nn.Linear(2, 2)
+            self.unused = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(self.b(self.b(x)))
+
+    net = Reversed()
+    calls = []
+    with HookSet(dict(net.named_children()), lambda i, o: calls.append(i)) as hooks:
+        net(torch.randn(1, 2))
+    assert calls == [1, 1, 0]  # b runs twice (weight sharing): both calls are observed
+    assert hooks.fired_names() == ["b", "a"]
+    hooks.clear_order()
+    assert hooks.fired_order == []
+
+
+def test_gradient_hook_survives_inplace_relu_and_sees_pre_activation_gradient():
+    torch.manual_seed(0)
+    net = mlp(inplace=True)
+    reference = mlp(inplace=False)
+    reference.load_state_dict(net.state_dict())
+    x = torch.randn(4, 3)
+
+    grads: dict[int, torch.Tensor] = {}
+    with HookSet(dict(net.named_children()), lambda i, o: None, lambda i, g: grads.__setitem__(i, g.clone())) as hooks:
+        net(x).pow(2).sum().backward()
+
+    pre = reference[0](x)
+    pre.retain_grad()
+    post = reference[1](pre)
+    post.retain_grad()
+    reference[2](post).pow(2).sum().backward()
+    torch.testing.assert_close(grads[0], pre.grad)
+    torch.testing.assert_close(grads[1], post.grad)
+    assert hooks.grad_order == [2, 1, 0]
+
+
+def test_full_backward_hook_would_break_on_inplace_relu():
+    # Documents why tensor hooks are used: the alternative fails on this everyday pattern.
+    net = mlp(inplace=True)
+    net[0].register_full_backward_hook(lambda m, gi, go: None)
+    with pytest.raises(RuntimeError, match="inplace"):
+        net(torch.randn(2, 3)).sum().backward()
+
+
+def test_unfired_tensor_hooks_are_removed():
+    net = mlp()
+    outputs = []
+    with HookSet(dict(net.named_children()), lambda i, o: outputs.append(o), lambda i, g: None):
+        out = net(torch.randn(2, 3))
+        assert all(len(o._backward_hooks) == 1 for o in outputs)
+    # Backward never ran inside the block; the graph must not carry our hooks into a later backward.
+    assert all(not o._backward_hooks for o in outputs)
+    out.sum().backward()
+
+
+def test_outputs_without_grad_get_no_gradient_hook():
+    net = mlp()
+    grads = []
+    with HookSet(dict(net.named_children()), lambda i, o: None, lambda i, g: grads.append(i)), torch.no_grad():
+        net(torch.randn(2, 3))
+    assert grads == []
+
+
+def test_checkpoint_recomputation_is_not_observed_twice():
+    net = mlp()
+    calls = []
+    with HookSet(dict(net.named_children()), lambda i, o: calls.append(i), lambda i, g: None):
+        x = torch.randn(2, 3, requires_grad=True)
+        checkpoint(net, x, use_reentrant=False).sum().backward()
+    assert calls == [0, 1, 2]
+
+
+def test_sink_runs_without_grad_and_sees_values():
+    net = mlp()
+    seen = []
+
+    def sink(i: int, out: torch.Tensor) -> None:
+        seen.append((i, torch.is_grad_enabled(), out.clone()))
+
+    x = torch.randn(2, 3)
+    with HookSet({"0": net[0]}, sink):
+        net(x)
+    assert seen[0][0] == 0
+    assert seen[0][1] is False
+    torch.testing.assert_close(seen[0][2], net[0](x))
+
+
+def test_compiled_module_is_observed_and_stance_restored():
+    from torch._dynamo import eval_frame
+
+    net = mlp()
+    compiled = torch.compile(net, backend="eager")
+    x = torch.randn(2, 3)
+    compiled(x)  # compile first: hooks added afterwards are invisible to the compiled graph
+    calls = []
+    with HookSet(dict(net.named_children()), lambda i, o: calls.append(i)):
+        assert eval_frame._stance.stance == "force_eager"
+        compiled(x)
+    assert calls == [0, 1, 2]
+    assert eval_frame._stance.stance == "default"
+
+
+def test_first_floating_tensor():
+    assert first_floating_tensor(torch.tensor([1])) is None
+    t = torch.tensor([1.0])
+    assert first_floating_tensor([torch.tensor([1]), (None, {"a": t})]) is t
+    assert first_floating_tensor("text") is None

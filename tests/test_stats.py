@@ -1,0 +1,130 @@
+import math
+
+import pytest
+import torch
+
+from lightning_hookdiag import stats as S
+
+
+def reference_activation_stats(values: list[float]) -> dict[str, float]:
+    """Element-by-element reference, written independently of the sufficient-statistics path."""
+    finite = [v for v in values if math.isfinite(v)]
+    mean = sum(finite) / len(finite)
+    var = sum((v - mean) ** 2 for v in finite) / len(finite)
+    return {
+        "act_mean": mean,
+        "act_std": math.sqrt(var),
+        "act_absmax": max(abs(v) for v in finite),
+        "act_zero_frac": sum(1 for v in values if v == 0) / len(values),
+        "act_nonfinite": float(len(values) - len(finite)),
+    }
+
+
+def finalize_one(*tensors: torch.Tensor) -> dict[str, float]:
+    pooled = [S.activation_moments(t) for t in tensors]
+    moments = torch.stack([m for m, _ in pooled]).sum(0, keepdim=True)
+    absmax = torch.stack([a for _, a in pooled]).amax().reshape(1)
+    return {k: v.item() for k, v in S.finalize_activations(moments, absmax).items()}
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [0.0, 1.0, -3.0, 2.5, 0.0],
+        [float("nan"), 1.0, float("inf"), -2.0, 0.0, float("-inf")],
+        [1e4 + 0.5, 1e4 - 0.5, 1e4 + 1.5, 1e4 - 1.5],  # large mean, small spread: cancellation trap
+    ],
+)
+def test_activation_statistics_match_reference(values):
+    expected = reference_activation_stats(values)
+    got = finalize_one(torch.tensor(values))
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+
+
+def test_pooling_over_chunks_equals_statistics_of_the_union():
+    g = torch.Generator().manual_seed(1)
+    chunks = [torch.randn(5, 7, generator=g) * s + m for s, m in ((1.0, 0.0), (10.0, 3.0), (0.1, -5.0))]
+    chunks[1][0, 0] = float("nan")
+    union = torch.cat([c.reshape(-1) for c in chunks]).tolist()
+    expected = reference_activation_stats(union)
+    got = finalize_one(*chunks)
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-6), key
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs_do_not_overflow(dtype):
+    # 60000^2 overflows float16 (max 65504) and loses bf16 precision badly: statistics must be taken in float32+.
+    x = torch.tensor([60000.0, -60000.0, 30000.0, 0.0], dtype=dtype)
+    expected = reference_activation_stats([float(v) for v in x.float()])
+    got = finalize_one(x)
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-6), key
+
+
+def test_all_nonfinite_tensor_keeps_counts_readable():
+    got = finalize_one(torch.tensor([float("nan"), float("inf")]))
+    assert got["act_nonfinite"] == 2
+    assert got["act_zero_frac"] == 0
+    assert got["act_absmax"] == 0
+
+
+def test_gradient_moments_reference():
+    g = torch.tensor([[3.0, -4.0], [float("nan"), 12.0]])
+    count, sumsq, nonfinite = S.gradient_moments(g).tolist()
+    assert (count, nonfinite) == (4, 1)
+    assert sumsq == pytest.approx(9 + 16 + 144)
+    pooled = (S.gradient_moments(g) + S.gradient_moments(torch.tensor([5.0])))[None]
+    out = S.finalize_gradients(pooled, scale=torch.tensor(4.0))
+    assert out["act_grad_norm"].item() == pytest.approx(math.sqrt(9 + 16 + 144 + 25) / 4)
+    assert out["act_grad_nonfinite"].item() == 1
+
+
+def reference_unit_maxima(x: torch.Tensor, unit_dim: int) -> list[float]:
+    units = x.shape[unit_dim]
+    result = []
+    for u in range(units):
+        values = x.select(unit_dim, u).reshape(-1).tolist()
+        result.append(max(values))
+    return result
+
+
+@pytest.mark.parametrize(
+    ("shape", "unit_dim", "expected_dim"),
+    [((6, 5), None, 1), ((2, 3, 5), None, 2), ((2, 4, 3, 3), None, 1), ((2, 4, 2, 3, 3), None, 1), ((2, 4, 5), 1, 1)],
+)
+def test_unit_maxima_axis(shape, unit_dim, expected_dim):
+    x = torch.randn(*shape)
+    got = S.unit_maxima(x, unit_dim)
+    assert got.tolist() == pytest.approx(reference_unit_maxima(x, expected_dim))
+
+
+def test_dead_fraction_reduces_over_batch_before_units():
+    # Unit 0 is active only in sample 0, unit 1 only in sample 1, unit 2 never. Per-sample dead fractions average
+    # to 2/3; the correct answer (dead for every sample) is 1/3.
+    x = torch.tensor([[1.0, -1.0, 0.0], [-1.0, 2.0, -3.0]])
+    maxima = S.unit_maxima(x)
+    dead = S.finalize_dead_fraction(maxima, torch.zeros(3, dtype=torch.long), 1, torch.float64)
+    assert dead.item() == pytest.approx(1 / 3)
+
+
+def test_dead_fraction_nan_for_untracked_layers():
+    dead = S.finalize_dead_fraction(torch.tensor([1.0]), torch.tensor([1]), 3, torch.float64)
+    assert math.isnan(dead[0].item())
+    assert dead[1].item() == 0
+    assert math.isnan(dead[2].item())
+
+
+def test_resolve_stats_orders_and_validates():
+    assert S.resolve_stats(None) == S.ALL_STATS
+    assert S.resolve_stats("act_std") == ("act_std",)
+    with pytest.raises(ValueError, match=r"unknown statistic\(s\) \['act_sdt'\].*act_std"):
+        S.resolve_stats(["act_sdt"])
+    with pytest.raises(ValueError, match="at least one statistic"):
+        S.resolve_stats([])
+
+
+def test_accumulation_dtype():
+    assert S.accumulation_dtype(torch.device("cpu")) == torch.float64
+    assert S.accumulation_dtype(torch.device("mps")) == torch.float32
