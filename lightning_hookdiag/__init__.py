@@ -1,24 +1,60 @@
 """Layer-by-layer activation and gradient health for PyTorch Lightning training runs.
 
 Add :class:`LayerHealthCallback` to a ``Trainer``; use :func:`capture_activations` outside training and
-:func:`list_layers` to find the names a selection accepts.
+:func:`list_layers` to find the names a selection accepts. ``hookdiag report LOG_DIR`` draws what was logged.
 """
 
-from lightning_hookdiag.callback import LayerHealthCallback
-from lightning_hookdiag.capture import capture_activations
-from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
-from lightning_hookdiag.selection import LayerInfo, list_layers
-from lightning_hookdiag.stats import ALL_STATS
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+# Exports load on first use: the ``hookdiag report`` command reads logs without torch or Lightning, and importing
+# the package for it should not cost the seconds those take to import.
+_EXPORTS = {
+    "ALL_STATS": "lightning_hookdiag.stats",
+    "Finding": "lightning_hookdiag.rules",
+    "LayerHealthCallback": "lightning_hookdiag.callback",
+    "LayerHealthError": "lightning_hookdiag.errors",
+    "LayerHealthWarning": "lightning_hookdiag.errors",
+    "LayerInfo": "lightning_hookdiag.selection",
+    "RuleConfig": "lightning_hookdiag.rules",
+    "capture_activations": "lightning_hookdiag.capture",
+    "list_layers": "lightning_hookdiag.selection",
+}
+
 __all__ = [
     "ALL_STATS",
+    "Finding",
     "LayerHealthCallback",
     "LayerHealthError",
     "LayerHealthWarning",
     "LayerInfo",
+    "RuleConfig",
     "__version__",
     "capture_activations",
     "list_layers",
 ]
+
+if TYPE_CHECKING:
+    from lightning_hookdiag.callback import LayerHealthCallback
+    from lightning_hookdiag.capture import capture_activations
+    from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
+    from lightning_hookdiag.rules import Finding, RuleConfig
+    from lightning_hookdiag.selection import LayerInfo, list_layers
+    from lightning_hookdiag.stats import ALL_STATS
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_hookdiag' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -14,9 +14,10 @@ from torch import Tensor, nn
 from lightning_hookdiag import params as P
 from lightning_hookdiag import stats as S
 from lightning_hookdiag.aggregation import LayerStatsAggregator, StepRecorder
-from lightning_hookdiag.errors import LayerHealthWarning
+from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
 from lightning_hookdiag.hooks import HookSet
 from lightning_hookdiag.params import ParameterTracker, named_parameters_of
+from lightning_hookdiag.rules import AlertState, Finding, RuleConfig, evaluate, format_error, values_from_metrics
 from lightning_hookdiag.selection import import_types, resolve_layers
 
 __all__ = ["LayerHealthCallback"]
@@ -24,6 +25,7 @@ __all__ = ["LayerHealthCallback"]
 _MOMENT_STATS = frozenset({"act_mean", "act_std", "act_absmax", "act_zero_frac", "act_nonfinite"})
 _LAYER_STATS = S.ACTIVATION_STATS + S.GRADIENT_STATS
 _PARAM_STATS = ("param_norm", "param_grad_norm", "param_update_ratio")
+ON_ANOMALY = ("warn", "raise", "stop", "ignore")
 
 
 def _strings(value: str | Sequence[str] | None, argument: str) -> list[str] | None:
@@ -82,6 +84,13 @@ class LayerHealthCallback(Callback):
         dead_unit_types: Module classes (or import strings) whose outputs get ``act_dead_frac``.
         unit_dim: Axis of the output that indexes units for ``act_dead_frac``. ``None``: dim 1 (channels) for
             4-D/5-D outputs, the last dim for 1-D to 3-D outputs.
+        on_anomaly: What to do when a health rule fires on a sampled step (see :mod:`lightning_hookdiag.rules`):
+            ``"warn"`` (a :class:`~lightning_hookdiag.LayerHealthWarning` naming the rule and the layer, once per rule
+            and layer until it clears), ``"raise"`` (:class:`~lightning_hookdiag.LayerHealthError` naming the origin
+            of the earliest problem), ``"stop"`` (warn, then stop training gracefully) or ``"ignore"`` (findings are
+            still recorded in :attr:`findings`).
+        rules: Rule settings, e.g. ``{"dead_frac_threshold": 0.5, "enabled": ["nonfinite", "dead_units"]}``; keys
+            are the fields of :class:`~lightning_hookdiag.rules.RuleConfig`.
 
     Raises:
         ValueError: At construction, for any invalid argument (the message names it and the valid values); when
@@ -110,6 +119,8 @@ class LayerHealthCallback(Callback):
         prefix: str = "layer_health",
         dead_unit_types: Sequence[str | type[nn.Module]] = ("torch.nn.ReLU", "torch.nn.ReLU6"),
         unit_dim: int | None = None,
+        on_anomaly: str = "warn",
+        rules: dict[str, Any] | None = None,
     ) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"every_n_steps: expected an integer >= 1, got {every_n_steps!r}")
@@ -117,7 +128,11 @@ class LayerHealthCallback(Callback):
             raise ValueError(f"prefix: expected a non-empty key segment without leading/trailing '/', got {prefix!r}")
         if unit_dim is not None and (isinstance(unit_dim, bool) or not isinstance(unit_dim, int)):
             raise ValueError(f"unit_dim: expected an integer axis or None, got {unit_dim!r}")
+        if on_anomaly not in ON_ANOMALY:
+            raise ValueError(f"on_anomaly: expected one of {list(ON_ANOMALY)}, got {on_anomaly!r}")
         self.every_n_steps = every_n_steps
+        self.on_anomaly = on_anomaly
+        self.rule_config = RuleConfig.from_mapping(rules)
         self.layers = _strings(layers, "layers")
         self.layer_types = import_types(layer_types, "layer_types")
         self.exclude = _strings(exclude, "exclude") or []
@@ -134,6 +149,12 @@ class LayerHealthCallback(Callback):
         """Names of the observed modules, in selection order (set when fit starts)."""
         self.execution_order: list[str] = []
         """Names of the modules in the order their forward first ran on the last sampled step."""
+        self.findings: list[Finding] = []
+        """Every finding that alerted (first appearance of a rule on a layer, or its return after clearing)."""
+        self.last_findings: list[Finding] = []
+        """All findings of the most recent sampled step, earliest origin first."""
+        self._alerts = AlertState()
+        self._layer_types: dict[str, str] = {}
         self._warned: set[str] = set()
         self._hooks: HookSet | None = None
         self._recorder: StepRecorder | None = None
@@ -154,6 +175,7 @@ class LayerHealthCallback(Callback):
         """Resolve the selection (errors for names that match nothing) and allocate the device state."""
         modules = resolve_layers(pl_module, self.layers, self.layer_types, self.exclude)
         self.layer_names = list(modules)
+        self._layer_types = {name: type(m).__name__ for name, m in modules.items()}
         wanted = set(self.stats)
         unit_layers = (
             frozenset(i for i, m in enumerate(modules.values()) if isinstance(m, self.dead_unit_types))
@@ -238,14 +260,25 @@ class LayerHealthCallback(Callback):
         self._hooks = self._recorder = self._aggregator = self._tracker = None
 
     def state_dict(self) -> dict[str, Any]:
-        """Checkpointed state: the last logged values and which warnings were already given."""
-        return {"last_metrics": dict(self.last_metrics), "last_step": self.last_step, "warned": sorted(self._warned)}
+        """Checkpointed state: last logged values, rule alert state and which warnings were already given.
+
+        Plain Python values only: a checkpoint never stores tensors from hooks.
+        """
+        return {
+            "last_metrics": dict(self.last_metrics),
+            "last_step": self.last_step,
+            "warned": sorted(self._warned),
+            "alerts": self._alerts.state_dict(),
+            "findings": [vars(f) for f in self.findings],
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
         self.last_metrics = dict(state_dict.get("last_metrics", {}))
         self.last_step = state_dict.get("last_step")
         self._warned = set(state_dict.get("warned", []))
+        self._alerts.load_state_dict(state_dict.get("alerts", {}))
+        self.findings = [Finding(**f) for f in state_dict.get("findings", [])]
 
     # ------------------------------------------------------------------------------------------------ internals
     def _detach(self) -> None:
@@ -283,13 +316,15 @@ class LayerHealthCallback(Callback):
         parts += [values[s] for s in param_stats] + [values["param_seen"], values["grad_norm_total"]]
         flat = torch.cat([p.reshape(-1).to(torch.float64) for p in parts]).tolist()  # the one host transfer
         self.execution_order = self._hooks.fired_names()
+        backward_order = [self._hooks.names[i] for i in self._hooks.grad_order]
         self._hooks.clear_order()
         no_float = sorted(self._recorder.no_float_output)
         self._recorder.no_float_output.clear()
         agg.reset()
         agg.grad_scale = None
         self._window = None
-        self._log(trainer, step, flat, layer_stats, param_stats, no_float)  # type: ignore[arg-type]
+        metrics = self._log(trainer, step, flat, layer_stats, param_stats, no_float)  # type: ignore[arg-type]
+        self._diagnose(trainer, step, metrics, backward_order)  # type: ignore[arg-type]
 
     def _log(
         self,
@@ -299,7 +334,7 @@ class LayerHealthCallback(Callback):
         layer_stats: list[str],
         param_stats: list[str],
         no_float: list[int],
-    ) -> None:
+    ) -> dict[str, float]:
         n, m = len(self.layer_names), len(self._param_names)
         rows = {s: flat[i * n : (i + 1) * n] for i, s in enumerate(layer_stats)}
         offset = len(layer_stats) * n
@@ -346,3 +381,18 @@ class LayerHealthCallback(Callback):
         self.last_step = step
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
+        return metrics
+
+    def _diagnose(self, trainer: pl.Trainer, step: int, metrics: dict[str, float], backward_order: list[str]) -> None:
+        values = values_from_metrics(metrics, self.prefix)
+        findings = evaluate(values, self.execution_order, backward_order, step, self.rule_config, self._layer_types)
+        self.last_findings = findings
+        new = self._alerts.update(findings)
+        self.findings.extend(new)
+        if self.on_anomaly == "raise" and findings:
+            raise LayerHealthError(format_error(findings))
+        if self.on_anomaly in ("warn", "stop"):
+            for finding in new:
+                rank_zero_warn(f"LayerHealthCallback: {finding.message}", category=LayerHealthWarning)
+        if self.on_anomaly == "stop" and findings:
+            trainer.should_stop = True

@@ -1,0 +1,22 @@
+"""``hookdiag report``: read the statistics a LayerHealthCallback logged, print a summary and plot a heatmap.
+
+This package imports neither torch nor Lightning, so a run can be inspected wherever its logs are. matplotlib
+(``pip install 'lightning-hookdiag[plot]'``) and tensorboard (``[loggers]``) are imported only when needed.
+"""
+
+from lightning_hookdiag.report.errors import MissingExtraError, ReportError
+from lightning_hookdiag.report.health_log import HealthLog, Scalar, build_health_log, depth_order, detect_prefix
+from lightning_hookdiag.report.reading import read_health_log
+from lightning_hookdiag.report.summary import format_summary
+
+__all__ = [
+    "HealthLog",
+    "MissingExtraError",
+    "ReportError",
+    "Scalar",
+    "build_health_log",
+    "depth_order",
+    "detect_prefix",
+    "format_summary",
+    "read_health_log",
+]

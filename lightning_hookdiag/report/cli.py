@@ -1,0 +1,104 @@
+"""The ``hookdiag`` command line: ``hookdiag report LOG_DIR [--stat NAME] [--out FILE.png] [--prefix P]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lightning_hookdiag.report.errors import MissingExtraError, ReportError
+from lightning_hookdiag.report.health_log import HealthLog
+from lightning_hookdiag.report.reading import read_health_log
+from lightning_hookdiag.report.summary import format_summary
+
+__all__ = ["DEFAULT_STAT", "build_parser", "main"]
+
+DEFAULT_STAT = "act_grad_norm"
+_PROG = "hookdiag"
+# argparse's own convention for usage errors, kept for ours so that every failure looks alike to scripts.
+_EXIT_ERROR = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``hookdiag`` and its ``report`` sub-command.
+
+    Example:
+        >>> args = build_parser().parse_args(["report", "logs/version_0", "--stat", "act_std"])
+        >>> args.log_dir, args.stat, args.out, args.prefix
+        ('logs/version_0', 'act_std', None, None)
+    """
+    parser = argparse.ArgumentParser(prog=_PROG, description="Layer health diagnostics for Lightning runs.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    report = commands.add_parser(
+        "report",
+        help="summarise and plot the statistics a LayerHealthCallback logged",
+        description="Print a per-layer summary of one statistic (layers in forward order) and save its heatmap. "
+        "Reads a CSVLogger metrics.csv and/or TensorBoardLogger event files.",
+    )
+    report.add_argument("log_dir", metavar="LOG_DIR", help="the logger's log_dir (e.g. lightning_logs/version_0)")
+    report.add_argument("--stat", default=DEFAULT_STAT, help=f"statistic to report (default: {DEFAULT_STAT})")
+    report.add_argument("--out", default=None, help="heatmap file (default: LOG_DIR/layer_health_<stat>.png)")
+    report.add_argument("--prefix", default=None, help="the callback's prefix= (default: detected from the logs)")
+    return parser
+
+
+def _check_stat(log: HealthLog, stat: str, log_dir: str) -> None:
+    if stat in log.stats:
+        return
+    present = ", ".join(log.stat_names) or "none"
+    if stat in log.totals:
+        raise ReportError(
+            f"'{stat}' is one number per step, not per layer (see the summary); per-layer stats: {present}"
+        )
+    raise ReportError(f"stat '{stat}' is not in the logs of {log_dir}; stats present: {present}")
+
+
+def _default_out(log_dir: Path, stat: str) -> Path:
+    folder = log_dir if log_dir.is_dir() else log_dir.parent
+    return folder / f"layer_health_{stat}.png"
+
+
+def _report(args: argparse.Namespace) -> None:
+    log = read_health_log(args.log_dir, prefix=args.prefix)
+    _check_stat(log, args.stat, args.log_dir)
+    out = Path(args.out) if args.out is not None else _default_out(Path(args.log_dir), args.stat)
+    if not out.parent.is_dir():
+        raise ReportError(f"{out}: the folder {out.parent} does not exist")
+    print(format_summary(log, args.stat))
+    # The summary is printed first: it is useful even when the plot then fails for want of matplotlib.
+    from lightning_hookdiag.report.plot import plot_heatmap
+
+    try:
+        plot_heatmap(log, args.stat, out)
+    except OSError as exc:
+        raise ReportError(f"{out}: cannot write the heatmap ({exc.strerror or exc})") from exc
+    print(f"heatmap: {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``hookdiag`` command line and return its exit status.
+
+    Errors in the input (missing folder, no logs, no health keys, unknown statistic, missing optional
+    dependency) print one ``hookdiag: error: ...`` line to stderr and return 2, never a traceback.
+
+    Args:
+        argv: Arguments without the program name; ``None`` reads ``sys.argv``.
+
+    Returns:
+        0 on success, 2 on an error.
+
+    Example:
+        >>> main(["report", "/no/such/run"])
+        2
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error argparse has already explained
+        return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else _EXIT_ERROR
+    try:
+        _report(args)
+    except (ReportError, MissingExtraError) as exc:
+        print(f"{_PROG}: error: {exc}", file=sys.stderr)
+        return _EXIT_ERROR
+    return 0

@@ -1,0 +1,258 @@
+"""The logged health statistics as plain data: parsing ``(key, step, value)`` scalars into a :class:`HealthLog`.
+
+Nothing here touches files, torch or Lightning, so the report works on any machine that has the logs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from lightning_hookdiag.report.errors import ReportError
+
+__all__ = [
+    "DEFAULT_PREFIX",
+    "LAYER_STATS",
+    "PARAMETER_STATS",
+    "TOTAL_STATS",
+    "HealthLog",
+    "Scalar",
+    "build_health_log",
+    "depth_order",
+    "detect_prefix",
+]
+
+DEFAULT_PREFIX = "layer_health"
+
+# Copies of the vocabulary in ``lightning_hookdiag.stats``: importing that module would import torch, which the
+# report must not need. A test keeps the two in step.
+LAYER_STATS: tuple[str, ...] = (
+    "act_mean",
+    "act_std",
+    "act_absmax",
+    "act_zero_frac",
+    "act_nonfinite",
+    "act_dead_frac",
+    "act_grad_norm",
+    "act_grad_nonfinite",
+)
+"""Statistics keyed by module name."""
+
+PARAMETER_STATS: tuple[str, ...] = ("param_norm", "param_grad_norm", "param_update_ratio")
+"""Statistics keyed by dotted parameter name."""
+
+TOTAL_STATS: tuple[str, ...] = ("grad_norm_total",)
+"""Statistics with one value per step and no layer part in their key."""
+
+_DEPTH = "depth"
+_KNOWN_ORDER = {s: i for i, s in enumerate(LAYER_STATS + PARAMETER_STATS + TOTAL_STATS)}
+
+
+class Scalar(NamedTuple):
+    """One logged number: the metric key, the step it was logged at, and its value."""
+
+    key: str
+    step: int
+    value: float
+
+
+def _prefixes_before(keys: Iterable[str], segments: frozenset[str], allow_last: bool) -> set[str]:
+    found = set()
+    for key in keys:
+        parts = key.split("/")
+        # A layer part follows the statistic segment; only per-step totals may end the key.
+        last = len(parts) if allow_last else len(parts) - 1
+        for i in range(1, last):
+            if parts[i] in segments:
+                found.add("/".join(parts[:i]))
+                break
+    return found
+
+
+def detect_prefix(keys: Iterable[str]) -> str:
+    """The key prefix under which the health statistics were logged.
+
+    Keys ``<prefix>/depth/<layer>`` decide first, because every sampled step logs them; failing those, keys whose
+    statistic segment is a known statistic name; failing both, :data:`DEFAULT_PREFIX`.
+
+    Args:
+        keys: Every metric key found in the logs, including unrelated ones such as ``train_loss``.
+
+    Raises:
+        ReportError: If the logs hold several prefixes (two callbacks with different ``prefix=``), which only the
+            user can choose between.
+
+    Example:
+        >>> detect_prefix(["train_loss", "enc_health/depth/enc.0", "enc_health/act_mean/enc.0"])
+        'enc_health'
+        >>> detect_prefix(["train_loss", "epoch"])
+        'layer_health'
+    """
+    keys = list(keys)
+    candidates = _prefixes_before(keys, frozenset({_DEPTH}), allow_last=False)
+    if not candidates:
+        candidates = _prefixes_before(keys, frozenset(LAYER_STATS + PARAMETER_STATS), allow_last=False)
+        candidates |= _prefixes_before(keys, frozenset(TOTAL_STATS), allow_last=True)
+    if len(candidates) > 1:
+        raise ReportError(
+            f"the logs hold several health prefixes ({', '.join(sorted(candidates))}); pick one with --prefix"
+        )
+    return candidates.pop() if candidates else DEFAULT_PREFIX
+
+
+def owning_layer(parameter: str) -> str:
+    """The module a dotted parameter name belongs to: the name without its last segment.
+
+    Example:
+        >>> owning_layer("model.0.weight")
+        'model.0'
+    """
+    return parameter.rpartition(".")[0]
+
+
+def depth_order(names: Iterable[str], depth: dict[str, int], parameters: bool = False) -> list[str]:
+    """Sort layer (or parameter) names by forward execution depth, shallow first.
+
+    Names without a known depth follow, alphabetically, so that nothing logged is dropped from the report.
+
+    Args:
+        names: Layer names, or dotted parameter names when ``parameters`` is true.
+        depth: 0-based forward position of each layer.
+        parameters: Order parameters by the depth of their owning layer, keeping a layer's parameters together.
+
+    Example:
+        >>> depth_order(["head", "stem", "body"], {"stem": 0, "body": 1, "head": 2})
+        ['stem', 'body', 'head']
+        >>> depth_order(["x.weight", "head.bias", "stem.weight"], {"stem": 0, "head": 1}, parameters=True)
+        ['stem.weight', 'head.bias', 'x.weight']
+    """
+
+    def key(name: str) -> tuple[int, int, str, str]:
+        owner = owning_layer(name) if parameters else name
+        d = depth.get(owner)
+        return (0, d, owner, name) if d is not None else (1, 0, owner, name)
+
+    return sorted(names, key=key)
+
+
+def _stat_sort_key(stat: str) -> tuple[int, str]:
+    return (_KNOWN_ORDER.get(stat, len(_KNOWN_ORDER)), stat)
+
+
+@dataclass(frozen=True)
+class HealthLog:
+    """The health statistics of one run, as read back from its logs.
+
+    Attributes:
+        prefix: The key prefix the statistics were found under.
+        steps: Every step at which a statistic was logged, ascending.
+        stats: ``{stat: {layer: {step: value}}}`` for per-layer and per-parameter statistics.
+        totals: ``{stat: {step: value}}`` for statistics without a layer part, such as ``grad_norm_total``.
+        depth: Forward position of each layer, from the latest step that logged it.
+    """
+
+    prefix: str
+    steps: tuple[int, ...]
+    stats: dict[str, dict[str, dict[int, float]]]
+    totals: dict[str, dict[int, float]]
+    depth: dict[str, int]
+
+    @property
+    def empty(self) -> bool:
+        """Whether no statistic at all was found under :attr:`prefix`."""
+        return not self.stats and not self.totals
+
+    @property
+    def stat_names(self) -> list[str]:
+        """Per-layer statistics present, in the callback's vocabulary order (unknown names last)."""
+        return sorted(self.stats, key=_stat_sort_key)
+
+    @property
+    def total_names(self) -> list[str]:
+        """Per-step statistics present (no layer part)."""
+        return sorted(self.totals, key=_stat_sort_key)
+
+    def is_parameter_stat(self, stat: str) -> bool:
+        """Whether ``stat`` is keyed by parameter name rather than by layer name."""
+        return stat in PARAMETER_STATS or stat.startswith("param_")
+
+    def layers(self, stat: str) -> list[str]:
+        """The names logged for ``stat``, in depth order (shallow first)."""
+        return depth_order(self.stats[stat], self.depth, parameters=self.is_parameter_stat(stat))
+
+    def depth_of(self, name: str, stat: str) -> int | None:
+        """The depth shown for ``name`` under ``stat``: its own, or its owning layer's for a parameter."""
+        return self.depth.get(owning_layer(name) if self.is_parameter_stat(stat) else name)
+
+    def stat_steps(self, stat: str) -> list[int]:
+        """The steps at which ``stat`` was logged for at least one layer, ascending."""
+        return sorted({step for series in self.stats[stat].values() for step in series})
+
+    def matrix(self, stat: str) -> tuple[list[str], list[int], list[list[float]]]:
+        """``stat`` as a layers x steps table; a layer not logged at a step holds NaN.
+
+        Returns:
+            The row names in depth order, the column steps ascending, and the rows of values.
+
+        Example:
+            >>> log = build_health_log([Scalar("layer_health/depth/b", 0, 0.0), Scalar("layer_health/depth/a", 0, 1.0),
+            ...     Scalar("layer_health/act_std/a", 0, 2.0), Scalar("layer_health/act_std/b", 5, 3.0)])
+            >>> log.matrix("act_std")
+            (['b', 'a'], [0, 5], [[nan, 3.0], [2.0, nan]])
+        """
+        names, steps = self.layers(stat), self.stat_steps(stat)
+        series = self.stats[stat]
+        return names, steps, [[series[name].get(step, math.nan) for step in steps] for name in names]
+
+
+def build_health_log(scalars: Iterable[Scalar], prefix: str | None = None) -> HealthLog:
+    """Collect the health statistics among logged scalars; every other key is ignored.
+
+    When a key is logged twice for one step, the later scalar wins, as it does in the loggers' own viewers.
+
+    Args:
+        scalars: Every scalar of the run, from any logger, in the order they were written.
+        prefix: The callback's ``prefix=``; ``None`` detects it with :func:`detect_prefix`.
+
+    Raises:
+        ReportError: If ``prefix`` is ``None`` and the logs hold several prefixes.
+
+    Example:
+        >>> log = build_health_log([
+        ...     Scalar("train_loss", 0, 0.9),
+        ...     Scalar("layer_health/depth/net.head", 0, 1.0),
+        ...     Scalar("layer_health/depth/net.stem", 0, 0.0),
+        ...     Scalar("layer_health/act_grad_norm/net.head", 0, 0.5),
+        ...     Scalar("layer_health/act_grad_norm/net.stem", 0, 0.25),
+        ...     Scalar("layer_health/grad_norm_total", 0, 2.0),
+        ... ])
+        >>> log.layers("act_grad_norm"), log.stats["act_grad_norm"]["net.stem"], log.totals
+        (['net.stem', 'net.head'], {0: 0.25}, {'grad_norm_total': {0: 2.0}})
+    """
+    scalars = list(scalars)
+    if prefix is None:
+        prefix = detect_prefix({s.key for s in scalars})
+    head = prefix + "/"
+    stats: dict[str, dict[str, dict[int, float]]] = {}
+    totals: dict[str, dict[int, float]] = {}
+    depth: dict[str, int] = {}
+    steps: set[int] = set()
+    # sorted() is stable, so within one step the order of writing still decides which duplicate wins.
+    for key, step, value in sorted(scalars, key=lambda s: s.step):
+        if not key.startswith(head):
+            continue
+        stat, has_layer, layer = key[len(head) :].partition("/")
+        if not stat:
+            continue
+        if stat == _DEPTH and has_layer:
+            if math.isfinite(value):
+                depth[layer] = int(value)
+            continue
+        if has_layer:
+            stats.setdefault(stat, {}).setdefault(layer, {})[step] = value
+        else:
+            totals.setdefault(stat, {})[step] = value
+        steps.add(step)
+    return HealthLog(prefix=prefix, steps=tuple(sorted(steps)), stats=stats, totals=totals, depth=depth)

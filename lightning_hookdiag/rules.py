@@ -1,0 +1,617 @@
+"""Health rules: turn one sampled step's pooled statistics into findings, and decide which of them to alert on.
+
+Pure Python on plain floats (no torch, no Lightning), so the rules can be unit-tested by hand and run on the values
+of any logger.
+
+Every rule reads only the statistics it needs and does nothing when one is absent (the user chose a subset) or not
+finite where a finite value is required. The rules and their thresholds (fields of :class:`RuleConfig`):
+
+======================  =================================  ========  ================================================
+Rule                    Field                              Default   Fires when
+======================  =================================  ========  ================================================
+``nonfinite``           (none)                             (none)    ``act_nonfinite > 0``, ``act_grad_nonfinite > 0``
+                                                                     or ``param_grad_norm`` is NaN/Inf; one finding
+                                                                     per origin kind, naming the origin layer
+``dead_units``          ``dead_frac_threshold``            ``0.9``   ``act_dead_frac >= dead_frac_threshold``
+``vanishing_gradient``  ``vanishing_ratio``                ``1e-3``  ``act_grad_norm`` of a layer divided by that of
+                                                                     the output end ``< vanishing_ratio``
+``exploding_gradient``  ``exploding_ratio``                ``1e3``   the same ratio ``> exploding_ratio``
+``saturation``          ``saturation_level``,              ``0.9``,  Tanh/Sigmoid layers: the share of outputs with
+                        ``saturation_frac``                ``0.5``   ``|z| > saturation_level`` is provably
+                                                                     ``>= saturation_frac`` (``z``: output mapped to
+                                                                     ``[-1, 1]``; see below)
+======================  =================================  ========  ================================================
+
+Why these defaults:
+
+* ``dead_frac_threshold=0.9``: a unit counts as dead when it was ``<= 0`` for *every* sample of the step, so a
+  healthy ReLU layer sits near 0 (a random unit is dead with probability about ``2**-batch_size``). With a batch of
+  one sample, though, about half the units of a healthy MLP are "dead" on any step; 0.9 stays silent there and
+  still flags a layer that lost nearly all its capacity (dead ReLU units get no gradient and do not recover). With
+  batches of 8 samples or more, 0.5 gives an earlier warning.
+* ``vanishing_ratio=1e-3`` / ``exploding_ratio=1e3``: with fan-in (He) initialisation the total L2 norm of the
+  output gradient, not its per-element size, is what is preserved from layer to layer, so a healthy network keeps
+  the ratio within about one order of magnitude; PyTorch's default ``nn.Linear`` init loses a factor of about 2.5
+  per Linear+ReLU block, so a plain 8-block MLP reaches 1e-3 - that is a real vanishing gradient. Three orders of
+  magnitude leave room for pooling layers (global average pooling over 7x7 divides the norm by 7) and still catch a
+  signal that the optimiser can no longer use.
+* ``saturation_level=0.9``: for both Tanh and Sigmoid the local derivative relative to its maximum is ``1 - z**2``
+  (``tanh' = 1 - y**2``, ``sigmoid' = y (1 - y) = (1 - z**2) / 4`` with ``z = 2y - 1``), so ``|z| > 0.9`` means the
+  layer passes back less than 19% of the gradient it could. ``saturation_frac=0.5``: at least half of the outputs.
+
+Saturation without a dedicated statistic: only the mean and standard deviation are known, which cannot give the
+saturated share exactly, but give a *guaranteed lower bound*. Since ``z**2 <= 1`` for every output,
+``E[z**2] <= P(|z| > t) + (1 - P(|z| > t)) t**2``, hence ``P(|z| > t) >= (E[z**2] - t**2) / (1 - t**2)`` with
+``E[z**2] = std**2 + mean**2`` (Tanh) or ``4 std**2 + (2 mean - 1)**2`` (Sigmoid; ``act_std`` is the population
+std). A finding is therefore always true; the rule can miss a layer that is saturated on less than about
+``saturation_frac`` of its outputs while the rest sits near 0. Only ``Tanh`` and ``Sigmoid`` modules are checked (by
+class name): other bounded activations (Hardtanh, Softsign) have a different derivative profile, and a functional
+``torch.tanh`` inside a bigger module is not visible as a layer.
+
+Ordering: findings of the forward pass (activations) come first, in forward order, then those of the backward pass
+(gradients), in backward order, so the first finding is the origin of the earliest problem.
+
+Example:
+    >>> values = {"act_nonfinite": {"enc": 0.0, "mid": 12.0, "head": 40.0}}
+    >>> [f.message for f in evaluate(values, ["enc", "mid", "head"], ["head", "mid", "enc"], step=7)]
+    ['nonfinite: 12 NaN/Inf output elements in mid at step 7 (the first non-finite layer in forward order; 1 more layer after it is also non-finite: head)']
+"""  # noqa: E501
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = [
+    "RULES",
+    "SATURATING_TYPES",
+    "AlertState",
+    "Finding",
+    "RuleConfig",
+    "evaluate",
+    "format_error",
+    "values_from_metrics",
+]
+
+RULES: tuple[str, ...] = ("nonfinite", "dead_units", "vanishing_gradient", "exploding_gradient", "saturation")
+"""Names of the health rules, in the order findings of the same layer are listed."""
+
+SATURATING_TYPES: tuple[str, ...] = ("Tanh", "Sigmoid")
+"""Module class names the ``saturation`` rule checks."""
+
+PHASES: tuple[str, ...] = ("forward", "backward")
+
+# Names of the other affected layers listed in a nonfinite message; the count is always complete.
+_MAX_LISTED = 3
+
+
+# ------------------------------------------------------------------------------------------------------ config
+def _number(name: str, value: Any, valid: str, ok: Callable[[float], bool]) -> float:
+    # bool is an int subclass: True would silently become 1.0.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(float(value)):
+        raise ValueError(f"{name}: expected {valid}, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class RuleConfig:
+    """Which rules run, and their thresholds (see the table in :mod:`lightning_hookdiag.rules`).
+
+    Attributes:
+        enabled: Names from :data:`RULES` to evaluate (a single name or any iterable is accepted and stored as a
+            tuple in :data:`RULES` order). Empty: no rule runs.
+        dead_frac_threshold: ``dead_units`` fires when ``act_dead_frac >= dead_frac_threshold``; in ``(0, 1]``.
+        vanishing_ratio: ``vanishing_gradient`` fires when a layer's output-gradient norm over the norm at the
+            output end is ``< vanishing_ratio``; in ``(0, 1)``.
+        exploding_ratio: ``exploding_gradient`` fires when that ratio is ``> exploding_ratio``; finite, ``> 1``.
+        saturation_level: An output ``z`` (mapped to ``[-1, 1]``) counts as saturated when ``|z| >
+            saturation_level``; in ``(0, 1)``.
+        saturation_frac: ``saturation`` fires when the guaranteed share of saturated outputs is ``>=
+            saturation_frac``; in ``(0, 1]``.
+
+    Raises:
+        ValueError: For an invalid field; the message names the field, the value and what is valid.
+
+    Example:
+        >>> RuleConfig(dead_frac_threshold=0.5).dead_frac_threshold
+        0.5
+        >>> RuleConfig(enabled=["saturation", "nonfinite"]).enabled
+        ('nonfinite', 'saturation')
+        >>> RuleConfig(vanishing_ratio=2)
+        Traceback (most recent call last):
+        ...
+        ValueError: vanishing_ratio: expected a number in (0, 1), got 2
+    """
+
+    enabled: tuple[str, ...] = RULES
+    dead_frac_threshold: float = 0.9
+    vanishing_ratio: float = 1e-3
+    exploding_ratio: float = 1e3
+    saturation_level: float = 0.9
+    saturation_frac: float = 0.5
+
+    def __post_init__(self) -> None:
+        enabled = self.enabled
+        if isinstance(enabled, str):
+            enabled = (enabled,)
+        try:
+            items = list(enabled)
+        except TypeError:
+            raise ValueError(f"enabled: expected rule names from {list(RULES)}, got {self.enabled!r}") from None
+        unknown = sorted({repr(r) for r in items if r not in RULES})
+        if unknown:
+            raise ValueError(f"enabled: unknown rule(s) {', '.join(unknown)}; expected names from {list(RULES)}")
+        # frozen: normalise through object.__setattr__ so that equal configurations compare and hash equal.
+        object.__setattr__(self, "enabled", tuple(r for r in RULES if r in items))
+        checks: dict[str, tuple[str, Callable[[float], bool]]] = {
+            "dead_frac_threshold": ("a number in (0, 1]", lambda v: 0.0 < v <= 1.0),
+            "vanishing_ratio": ("a number in (0, 1)", lambda v: 0.0 < v < 1.0),
+            "exploding_ratio": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
+            "saturation_level": ("a number in (0, 1)", lambda v: 0.0 < v < 1.0),
+            "saturation_frac": ("a number in (0, 1]", lambda v: 0.0 < v <= 1.0),
+        }
+        for name, (valid, ok) in checks.items():
+            object.__setattr__(self, name, _number(name, getattr(self, name), valid, ok))
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any] | None) -> RuleConfig:
+        """Build a configuration from a plain mapping, e.g. a YAML section; missing keys keep their defaults.
+
+        Args:
+            d: Field names to values (``enabled`` as a list of rule names); ``None`` for the defaults.
+
+        Raises:
+            ValueError: For an unknown key (the message lists the valid keys, sorted) or an invalid value.
+
+        Example:
+            >>> RuleConfig.from_mapping({"exploding_ratio": 1e4, "enabled": ["nonfinite"]})
+            RuleConfig(enabled=('nonfinite',), dead_frac_threshold=0.9, vanishing_ratio=0.001, exploding_ratio=10000.0, saturation_level=0.9, saturation_frac=0.5)
+            >>> RuleConfig.from_mapping({"dead_frac": 0.5})
+            Traceback (most recent call last):
+            ...
+            ValueError: unknown rule setting(s) ['dead_frac']; valid keys: ['dead_frac_threshold', 'enabled', 'exploding_ratio', 'saturation_frac', 'saturation_level', 'vanishing_ratio']
+        """  # noqa: E501
+        if d is None:
+            return cls()
+        if not isinstance(d, Mapping):
+            raise ValueError(f"rule settings: expected a mapping of setting names to values, got {d!r}")
+        valid = sorted(f.name for f in fields(cls))
+        unknown = sorted(str(k) for k in d if k not in valid)
+        if unknown:
+            raise ValueError(f"unknown rule setting(s) {unknown}; valid keys: {valid}")
+        return cls(**d)
+
+
+# ----------------------------------------------------------------------------------------------------- finding
+@dataclass(frozen=True)
+class Finding:
+    """One rule firing for one layer on one step.
+
+    Attributes:
+        rule: Name from :data:`RULES`.
+        layer: The layer (module name) the finding is about; for parameter gradients, the parameter's module: the
+            longest layer of ``forward_order``/``backward_order`` that prefixes its dotted name, else the name minus
+            its last segment.
+        step: The optimizer step the statistics describe.
+        value: The observed value compared with ``threshold``: a count of non-finite elements or parameters
+            (``nonfinite``), a dead fraction, a gradient-norm ratio, a lower bound on the saturated share.
+        threshold: The threshold it crossed (``0.0`` for ``nonfinite``: any count above it fires).
+        message: Human-readable sentence naming the rule and the layer.
+        phase: ``"forward"`` (about activations) or ``"backward"`` (about gradients).
+        stat: The statistic that triggered it (``act_nonfinite``, ``act_grad_nonfinite``, ``param_grad_norm``,
+            ``act_dead_frac``, ``act_grad_norm``, ``act_std``), e.g. to ignore non-finite gradients on steps that an
+            fp16 ``GradScaler`` skips.
+    """
+
+    rule: str
+    layer: str
+    step: int
+    value: float
+    threshold: float
+    message: str
+    phase: str
+    stat: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class _Orders:
+    """Positions of layers in forward and backward order, with documented fallbacks for layers missing from one."""
+
+    def __init__(self, forward_order: Sequence[str], backward_order: Sequence[str]) -> None:
+        self.forward: dict[str, int] = {}
+        for i, name in enumerate(forward_order):
+            self.forward.setdefault(name, i)  # a module called twice: its first call is its depth
+        self.backward: dict[str, int] = {}
+        for i, name in enumerate(backward_order):
+            self.backward.setdefault(name, i)
+
+    def owner(self, param: str) -> str:
+        # A selected container owns "<container>.<child>.<name>": the longest known layer prefix is the module that
+        # was observed, not the dotted name minus its last segment.
+        parts = param.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            candidate = ".".join(parts[:cut])
+            if candidate in self.forward or candidate in self.backward:
+                return candidate
+        return param.rpartition(".")[0] or param
+
+    def forward_key(self, layer: str) -> tuple[int, int, str]:
+        if layer in self.forward:
+            return (0, self.forward[layer], "")
+        return (1, 0, layer)  # unknown position: after every known layer, deterministically by name
+
+    def backward_key(self, layer: str) -> tuple[int, int, str]:
+        if layer in self.backward:
+            return (0, self.backward[layer], "")
+        # Without a recorded backward order (no gradient hooks), reversed forward order is exact for a chain of
+        # modules and the best available guess otherwise.
+        if layer in self.forward:
+            return (1, -self.forward[layer], "")
+        return (2, 0, layer)
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _listing(names: Sequence[str]) -> str:
+    shown = ", ".join(names[:_MAX_LISTED])
+    return shown + (", ..." if len(names) > _MAX_LISTED else "")
+
+
+# ------------------------------------------------------------------------------------------------------- rules
+@dataclass(frozen=True)
+class _Context:
+    values: Mapping[str, Mapping[str, float]]
+    orders: _Orders
+    step: int
+    config: RuleConfig
+    layer_types: Mapping[str, str]
+
+    def stat(self, name: str) -> Mapping[str, float]:
+        return self.values.get(name) or {}
+
+
+def _nonfinite(ctx: _Context) -> list[Finding]:
+    out: list[Finding] = []
+    # Activations: a NaN propagates forward, so the first non-finite layer in forward order is where it was born.
+    bad = {k: v for k, v in ctx.stat("act_nonfinite").items() if _finite(v) and v > 0}
+    if bad:
+        ranked = sorted(bad, key=ctx.orders.forward_key)
+        origin, others = ranked[0], ranked[1:]
+        tail = (
+            f"; {_plural(len(others), 'more layer')} after it {'is' if len(others) == 1 else 'are'} also non-finite:"
+            f" {_listing(others)}"
+            if others
+            else ""
+        )
+        out.append(
+            Finding(
+                rule="nonfinite",
+                layer=origin,
+                step=ctx.step,
+                value=float(bad[origin]),
+                threshold=0.0,
+                message=f"nonfinite: {bad[origin]:.0f} NaN/Inf output elements in {origin} at step {ctx.step} (the"
+                f" first non-finite layer in forward order{tail})",
+                phase="forward",
+                stat="act_nonfinite",
+            )
+        )
+    # Output gradients: a NaN propagates backward, so the origin is the first non-finite layer in backward order.
+    bad = {k: v for k, v in ctx.stat("act_grad_nonfinite").items() if _finite(v) and v > 0}
+    if bad:
+        ranked = sorted(bad, key=ctx.orders.backward_key)
+        origin, others = ranked[0], ranked[1:]
+        tail = (
+            f"; {_plural(len(others), 'more layer')} after it in backward order"
+            f" {'is' if len(others) == 1 else 'are'} also affected: {_listing(others)}"
+            if others
+            else ""
+        )
+        out.append(
+            Finding(
+                rule="nonfinite",
+                layer=origin,
+                step=ctx.step,
+                value=float(bad[origin]),
+                threshold=0.0,
+                message=f"nonfinite: {bad[origin]:.0f} NaN/Inf elements in the output gradient of {origin} at step"
+                f" {ctx.step} (the first non-finite output gradient in backward order{tail})",
+                phase="backward",
+                stat="act_grad_nonfinite",
+            )
+        )
+    # Parameter gradients are formed from their module's output gradient, so the same backward-order origin holds.
+    by_layer: dict[str, list[tuple[str, float]]] = {}
+    for param, norm in ctx.stat("param_grad_norm").items():
+        if isinstance(norm, (int, float)) and not math.isfinite(norm):
+            layer = ctx.orders.owner(param)
+            by_layer.setdefault(layer, []).append((param, norm))
+    if by_layer:
+        ranked = sorted(by_layer, key=ctx.orders.backward_key)
+        origin, others = ranked[0], ranked[1:]
+        params = by_layer[origin]
+        tail = f"; {_plural(len(others), 'more layer')} also affected: {_listing(others)}" if others else ""
+        shown = ", ".join(f"{p}={n}" for p, n in params)
+        out.append(
+            Finding(
+                rule="nonfinite",
+                layer=origin,
+                step=ctx.step,
+                value=float(len(params)),
+                threshold=0.0,
+                message=f"nonfinite: non-finite parameter gradient norm in {origin} at step {ctx.step} ({shown}; the"
+                f" first such layer in backward order{tail})",
+                phase="backward",
+                stat="param_grad_norm",
+            )
+        )
+    return out
+
+
+def _dead_units(ctx: _Context) -> list[Finding]:
+    threshold = ctx.config.dead_frac_threshold
+    return [
+        Finding(
+            rule="dead_units",
+            layer=layer,
+            step=ctx.step,
+            value=float(frac),
+            threshold=threshold,
+            message=f"dead_units: {frac:.1%} of the units of {layer} were <= 0 for every sample of step {ctx.step}"
+            f" (dead_frac_threshold={threshold:g})",
+            phase="forward",
+            stat="act_dead_frac",
+        )
+        for layer, frac in ctx.stat("act_dead_frac").items()
+        # NaN (a layer whose units are not tracked) compares False and is skipped with the rest.
+        if _finite(frac) and frac >= threshold
+    ]
+
+
+def _gradient_ratios(ctx: _Context) -> tuple[str, float, list[tuple[str, float]]] | None:
+    """The output-end reference layer and norm, and every other usable layer's ratio to it, in backward order."""
+    nonfinite = ctx.stat("act_grad_nonfinite")
+    # A norm taken over only the finite part of a NaN-ridden gradient means nothing; `nonfinite` reports those.
+    usable = [
+        (layer, float(norm))
+        for layer, norm in ctx.stat("act_grad_norm").items()
+        if _finite(norm) and norm >= 0 and not (_finite(nonfinite.get(layer, 0.0)) and nonfinite.get(layer, 0.0) > 0)
+    ]
+    usable.sort(key=lambda item: ctx.orders.backward_key(item[0]))
+    for i, (layer, norm) in enumerate(usable):
+        if norm > 0:
+            return layer, norm, [(name, n / norm) for name, n in usable[i + 1 :]]
+    return None
+
+
+def _gradient_scale(ctx: _Context, rule: str) -> list[Finding]:
+    ratios = _gradient_ratios(ctx)
+    if ratios is None:
+        return []
+    ref_layer, ref_norm, rest = ratios
+    vanishing = rule == "vanishing_gradient"
+    threshold = ctx.config.vanishing_ratio if vanishing else ctx.config.exploding_ratio
+    for layer, ratio in rest:
+        if (ratio < threshold) if vanishing else (ratio > threshold):
+            field, side = ("vanishing_ratio", "below") if vanishing else ("exploding_ratio", "above")
+            return [
+                Finding(
+                    rule=rule,
+                    layer=layer,
+                    step=ctx.step,
+                    value=ratio,
+                    threshold=threshold,
+                    message=f"{rule}: the output-gradient norm of {layer} at step {ctx.step} is {ratio:.3g} times"
+                    f" that of the output end ({ref_layer}, {ref_norm:.3g}), {side} {field}={threshold:g}; the first"
+                    " layer in backward order to cross it",
+                    phase="backward",
+                    stat="act_grad_norm",
+                )
+            ]
+    return []
+
+
+def _saturation(ctx: _Context) -> list[Finding]:
+    level, frac = ctx.config.saturation_level, ctx.config.saturation_frac
+    means, stds = ctx.stat("act_mean"), ctx.stat("act_std")
+    out: list[Finding] = []
+    for layer, kind in ctx.layer_types.items():
+        kind = kind.rpartition(".")[2]  # accept "torch.nn.Tanh" as well as "Tanh"
+        mean, std = means.get(layer, math.nan), stds.get(layer, math.nan)
+        if kind not in SATURATING_TYPES or not (_finite(mean) and _finite(std)):
+            continue
+        # Second moment of z in [-1, 1]: z = y for Tanh, z = 2y - 1 for Sigmoid.
+        m2 = std * std + mean * mean if kind == "Tanh" else 4 * std * std + (2 * mean - 1) ** 2
+        bound = min(1.0, max(0.0, (m2 - level * level) / (1 - level * level)))
+        if bound >= frac:
+            z = "|y|" if kind == "Tanh" else "|2y - 1|"
+            out.append(
+                Finding(
+                    rule="saturation",
+                    layer=layer,
+                    step=ctx.step,
+                    value=bound,
+                    threshold=frac,
+                    message=f"saturation: at least {bound:.1%} of the outputs of {layer} ({kind}) have {z} >"
+                    f" {level:g} at step {ctx.step} (from act_mean={mean:.3g}, act_std={std:.3g}; saturation_frac="
+                    f"{frac:g}): their local gradient is below {1 - level * level:.0%} of its maximum",
+                    phase="forward",
+                    stat="act_std",
+                )
+            )
+    return out
+
+
+_RULE_FUNCTIONS: dict[str, Callable[[_Context], list[Finding]]] = {
+    "nonfinite": _nonfinite,
+    "dead_units": _dead_units,
+    "vanishing_gradient": lambda ctx: _gradient_scale(ctx, "vanishing_gradient"),
+    "exploding_gradient": lambda ctx: _gradient_scale(ctx, "exploding_gradient"),
+    "saturation": _saturation,
+}
+
+
+def evaluate(
+    values: Mapping[str, Mapping[str, float]],
+    forward_order: Sequence[str],
+    backward_order: Sequence[str],
+    step: int,
+    config: RuleConfig | None = None,
+    layer_types: Mapping[str, str] | None = None,
+) -> list[Finding]:
+    """Apply the enabled rules to one sampled step's statistics.
+
+    Args:
+        values: Statistic name to ``{layer or parameter name: value}``; any statistic may be absent.
+        forward_order: Layers in the order their forward first ran (input end first).
+        backward_order: Layers in the order their output gradient arrived (output end first). Layers missing from
+            it (e.g. no gradient statistics were recorded) are placed after it in reversed forward order.
+        step: The optimizer step, copied into each finding.
+        config: Rules and thresholds; ``None`` for :class:`RuleConfig` defaults.
+        layer_types: Layer to module class name (``"Tanh"``), for ``saturation``; without it that rule is silent.
+
+    Returns:
+        Findings with forward ones (in forward order) before backward ones (in backward order); the first is the
+        origin of the earliest problem. Findings of the same layer follow :data:`RULES` order.
+
+    Example:
+        >>> values = {"act_grad_norm": {"fc3": 1.0, "fc2": 0.5, "fc1": 2e-4}, "act_dead_frac": {"relu1": 0.95}}
+        >>> for f in evaluate(values, ["fc1", "relu1", "fc2", "fc3"], ["fc3", "fc2", "fc1"], step=3):
+        ...     print(f.rule, f.layer, f.value)
+        dead_units relu1 0.95
+        vanishing_gradient fc1 0.0002
+    """
+    config = RuleConfig() if config is None else config
+    orders = _Orders(forward_order, backward_order)
+    ctx = _Context(values=values, orders=orders, step=step, config=config, layer_types=layer_types or {})
+    findings = [f for rule in config.enabled for f in _RULE_FUNCTIONS[rule](ctx)]
+
+    def key(f: Finding) -> tuple[Any, ...]:
+        position = orders.forward_key(f.layer) if f.phase == "forward" else orders.backward_key(f.layer)
+        return (PHASES.index(f.phase), position, RULES.index(f.rule), f.stat)
+
+    return sorted(findings, key=key)
+
+
+def format_error(findings: Sequence[Finding]) -> str:
+    """The message of a :class:`~lightning_hookdiag.LayerHealthError`: the earliest origin first, then the rest.
+
+    Args:
+        findings: As returned by :func:`evaluate` (already ordered), not empty.
+
+    Raises:
+        ValueError: If ``findings`` is empty.
+
+    Example:
+        >>> values = {"act_nonfinite": {"b": 3.0}, "act_dead_frac": {"c": 1.0}}
+        >>> print(format_error(evaluate(values, ["a", "b", "c"], [], step=5)))
+        layer health check failed at step 5 in b (rule nonfinite): nonfinite: 3 NaN/Inf output elements in b at step 5 (the first non-finite layer in forward order)
+        1 more finding:
+          - dead_units: 100.0% of the units of c were <= 0 for every sample of step 5 (dead_frac_threshold=0.9)
+    """  # noqa: E501
+    if not findings:
+        raise ValueError("format_error: expected at least one finding, got none")
+    first, rest = findings[0], findings[1:]
+    lines = [f"layer health check failed at step {first.step} in {first.layer} (rule {first.rule}): {first.message}"]
+    if rest:
+        lines.append(f"{_plural(len(rest), 'more finding')}:")
+        lines += [f"  - {f.message}" for f in rest]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------------ alerts
+class AlertState:
+    """Warn once per (rule, layer) until it clears; count every finding per rule.
+
+    A finding is *new* when its (rule, layer) pair was not found on the previously evaluated step. A pair that is
+    absent on a later evaluated step clears, and alerts again when it comes back. The state is plain Python (a set
+    and a dict), so it pickles, and :meth:`state_dict` holds only JSON types for checkpoints.
+
+    Attributes:
+        counts: Rule name to the number of findings seen (alerted or not) since the state was created.
+
+    Example:
+        >>> state = AlertState()
+        >>> dead = evaluate({"act_dead_frac": {"relu": 1.0}}, ["relu"], [], step=0)
+        >>> len(state.update(dead)), len(state.update(dead)), len(state.update([])), len(state.update(dead))
+        (1, 0, 0, 1)
+        >>> state.counts["dead_units"]
+        3
+        >>> state.state_dict()
+        {'active': [['dead_units', 'relu']], 'counts': {'nonfinite': 0, 'dead_units': 3, 'vanishing_gradient': 0, 'exploding_gradient': 0, 'saturation': 0}}
+    """  # noqa: E501
+
+    def __init__(self) -> None:
+        self._active: set[tuple[str, str]] = set()
+        self.counts: dict[str, int] = dict.fromkeys(RULES, 0)
+
+    @property
+    def active(self) -> frozenset[tuple[str, str]]:
+        """The (rule, layer) pairs found on the last evaluated step."""
+        return frozenset(self._active)
+
+    def update(self, findings: Iterable[Finding]) -> list[Finding]:
+        """Record one evaluated step's findings and return those to alert on, in their given order.
+
+        Call it once per evaluated step, also with no findings: that is how pairs clear.
+        """
+        findings = list(findings)
+        new = [f for f in findings if (f.rule, f.layer) not in self._active]
+        self._active = {(f.rule, f.layer) for f in findings}
+        for f in findings:
+            self.counts[f.rule] = self.counts.get(f.rule, 0) + 1
+        return new
+
+    def state_dict(self) -> dict[str, Any]:
+        """Active pairs (sorted ``[rule, layer]`` lists) and counts: only JSON types."""
+        return {"active": [list(pair) for pair in sorted(self._active)], "counts": dict(self.counts)}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (missing keys mean an empty state).
+
+        Raises:
+            ValueError: If the state is malformed.
+        """
+        active = state_dict.get("active", [])
+        counts = state_dict.get("counts", {})
+        pairs: set[tuple[str, str]] = set()
+        for pair in active:
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
+                raise ValueError(f"AlertState.load_state_dict: 'active' expects [rule, layer] pairs, got {pair!r}")
+            pairs.add((pair[0], pair[1]))
+        if not isinstance(counts, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in counts.items()
+        ):
+            raise ValueError(f"AlertState.load_state_dict: 'counts' expects {{rule: count >= 0}}, got {counts!r}")
+        self._active = pairs
+        self.counts = dict.fromkeys(RULES, 0) | dict(counts)
+
+
+# ----------------------------------------------------------------------------------------------------- helpers
+def values_from_metrics(metrics: Mapping[str, float], prefix: str = "layer_health") -> dict[str, dict[str, float]]:
+    """Regroup logged keys ``<prefix>/<stat>/<name>`` into the ``values`` argument of :func:`evaluate`.
+
+    Keys without a name (``<prefix>/grad_norm_total``) or outside ``prefix`` are skipped.
+
+    Example:
+        >>> values_from_metrics({"layer_health/act_mean/fc1": 0.5, "layer_health/grad_norm_total": 2.0})
+        {'act_mean': {'fc1': 0.5}}
+    """
+    head = prefix + "/"
+    out: dict[str, dict[str, float]] = {}
+    for key, value in metrics.items():
+        if key.startswith(head):
+            stat, sep, name = key[len(head) :].partition("/")
+            if sep and name:
+                out.setdefault(stat, {})[name] = float(value)
+    return out

@@ -1,0 +1,540 @@
+import json
+import math
+import pickle
+import re
+
+import pytest
+
+from lightning_hookdiag.rules import (
+    RULES,
+    AlertState,
+    Finding,
+    RuleConfig,
+    evaluate,
+    format_error,
+    values_from_metrics,
+)
+
+# Six layers whose forward order is neither alphabetical nor reverse-alphabetical, so that any accidental sorting
+# by name picks the wrong layer.
+FORWARD = ["net.stem", "net.act0", "net.mix", "net.body", "net.act1", "net.head"]
+BACKWARD = list(reversed(FORWARD))
+TYPES = {
+    "net.stem": "Linear",
+    "net.act0": "Tanh",
+    "net.mix": "Linear",
+    "net.body": "Linear",
+    "net.act1": "ReLU",
+    "net.head": "Linear",
+}
+PARAMS = ["net.stem.weight", "net.stem.bias", "net.mix.weight", "net.body.weight", "net.head.weight"]
+
+
+def healthy_values() -> dict[str, dict[str, float]]:
+    """A plausible step of a healthy network with every statistic present."""
+    return {
+        "act_mean": {n: 0.01 * i for i, n in enumerate(FORWARD)},
+        "act_std": dict.fromkeys(FORWARD, 0.6),
+        "act_absmax": dict.fromkeys(FORWARD, 2.5),
+        "act_zero_frac": {n: 0.5 if n == "net.act1" else 0.0 for n in FORWARD},
+        "act_nonfinite": dict.fromkeys(FORWARD, 0.0),
+        "act_dead_frac": {"net.act1": 0.02},
+        # Within an order of magnitude of the output end, both ways.
+        "act_grad_norm": dict(zip(BACKWARD, [0.3, 0.5, 0.2, 0.9, 0.12, 0.05], strict=True)),
+        "act_grad_nonfinite": dict.fromkeys(FORWARD, 0.0),
+        "param_norm": dict.fromkeys(PARAMS, 3.0),
+        "param_grad_norm": dict.fromkeys(PARAMS, 0.1),
+        "param_update_ratio": dict.fromkeys(PARAMS, 0.001),
+    }
+
+
+def finding(rule: str, layer: str, step: int = 0) -> Finding:
+    return Finding(rule, layer, step, 1.0, 0.5, f"{rule}: {layer}", "forward", "act_dead_frac")
+
+
+# ------------------------------------------------------------------------------------------------- healthy
+
+
+def test_healthy_network_has_no_findings():
+    assert evaluate(healthy_values(), FORWARD, BACKWARD, step=10, layer_types=TYPES) == []
+
+
+def test_default_config_enables_every_rule():
+    assert RuleConfig().enabled == RULES
+
+
+# ----------------------------------------------------------------------------------------------- nonfinite
+
+
+def test_nan_born_at_layer_3_is_reported_once_at_its_origin():
+    values = healthy_values()
+    # NaN appears in the third layer and propagates to every layer after it.
+    values["act_nonfinite"] = {"net.stem": 0.0, "net.act0": 0.0, "net.mix": 12.0, "net.body": 64.0}
+    values["act_nonfinite"] |= {"net.act1": 64.0, "net.head": 10.0}
+    findings = evaluate(values, FORWARD, BACKWARD, step=4)
+    assert [(f.rule, f.layer, f.phase, f.stat) for f in findings] == [
+        ("nonfinite", "net.mix", "forward", "act_nonfinite")
+    ]
+    (f,) = findings
+    assert f.value == 12.0
+    assert f.threshold == 0.0
+    assert f.step == 4
+    assert "net.mix" in f.message
+    assert "nonfinite" in f.message
+    assert "3 more layers" in f.message
+    assert "net.body, net.act1, net.head" in f.message
+
+
+def test_nonfinite_origin_does_not_depend_on_dict_order():
+    values = {"act_nonfinite": {"net.head": 1.0, "net.act1": 1.0, "net.body": 1.0}}
+    (f,) = evaluate(values, FORWARD, BACKWARD, step=0)
+    assert f.layer == "net.body"
+    assert "2 more layers" in f.message
+
+
+def test_single_nonfinite_layer_message_has_no_downstream_count():
+    (f,) = evaluate({"act_nonfinite": {"net.act0": 2.0}}, FORWARD, BACKWARD, step=0)
+    assert f.layer == "net.act0"
+    assert "more layer" not in f.message
+
+
+def test_gradient_nan_origin_is_first_in_backward_order():
+    # A backward order that is not the reversed forward order (e.g. a residual branch finishes first).
+    backward = ["net.head", "net.body", "net.act1", "net.mix", "net.act0", "net.stem"]
+    values = {
+        "act_grad_nonfinite": {"net.stem": 50.0, "net.act0": 50.0, "net.mix": 50.0, "net.act1": 7.0, "net.head": 0.0},
+        # Norms over the finite part of NaN-ridden gradients: must not read as a vanishing gradient.
+        "act_grad_norm": {"net.head": 1.0, "net.body": 0.8, "net.act1": 1e-9, "net.mix": 0.0, "net.stem": 0.0},
+    }
+    findings = evaluate(values, FORWARD, backward, step=2)
+    assert [(f.rule, f.layer, f.phase, f.stat) for f in findings] == [
+        ("nonfinite", "net.act1", "backward", "act_grad_nonfinite")
+    ]
+    assert findings[0].value == 7.0
+    assert "3 more layers" in findings[0].message
+
+
+def test_parameter_gradient_inf_names_the_layer_first_in_backward_order():
+    values = healthy_values()
+    values["param_grad_norm"] |= {"net.stem.weight": math.inf, "net.body.weight": math.nan}
+    findings = evaluate(values, FORWARD, BACKWARD, step=9)
+    assert [(f.rule, f.layer, f.phase, f.stat) for f in findings] == [
+        ("nonfinite", "net.body", "backward", "param_grad_norm")
+    ]
+    (f,) = findings
+    assert f.value == 1.0  # one non-finite parameter gradient in net.body
+    assert "net.body.weight=nan" in f.message
+    assert "1 more layer also affected: net.stem" in f.message
+
+
+def test_parameter_gradient_counts_every_nonfinite_parameter_of_the_origin():
+    values = {"param_grad_norm": {"net.stem.weight": math.inf, "net.stem.bias": -math.inf, "net.head.weight": 1.0}}
+    (f,) = evaluate(values, FORWARD, BACKWARD, step=0)
+    assert (f.layer, f.value) == ("net.stem", 2.0)
+
+
+def test_parameter_of_a_selected_container_maps_to_the_container():
+    values = {"param_grad_norm": {"encoder.0.weight": math.nan}}
+    (f,) = evaluate(values, ["encoder", "decoder"], ["decoder", "encoder"], step=0)
+    assert f.layer == "encoder"
+
+
+def test_parameter_maps_to_the_deepest_known_layer():
+    values = {"param_grad_norm": {"encoder.0.weight": math.nan}}
+    (f,) = evaluate(values, ["encoder", "encoder.0", "decoder"], [], step=0)
+    assert f.layer == "encoder.0"
+
+
+def test_parameter_of_an_unknown_layer_maps_to_its_dotted_parent():
+    (f,) = evaluate({"param_grad_norm": {"a.b.weight": math.nan}}, [], [], step=0)
+    assert f.layer == "a.b"
+
+
+def test_backward_origin_falls_back_to_reversed_forward_order():
+    values = {"param_grad_norm": {"net.stem.weight": math.nan, "net.body.weight": math.nan}}
+    (f,) = evaluate(values, FORWARD, [], step=0)
+    assert f.layer == "net.body"
+
+
+def test_one_nonfinite_finding_per_origin_kind():
+    values = {
+        "act_nonfinite": {"net.body": 1.0, "net.head": 1.0},
+        "act_grad_nonfinite": {"net.head": 1.0, "net.body": 1.0},
+        "param_grad_norm": {"net.head.weight": math.nan, "net.body.weight": math.nan},
+    }
+    findings = evaluate(values, FORWARD, BACKWARD, step=0)
+    assert [(f.layer, f.stat) for f in findings] == [
+        ("net.body", "act_nonfinite"),
+        ("net.head", "act_grad_nonfinite"),
+        ("net.head", "param_grad_norm"),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- dead units
+
+
+@pytest.mark.parametrize(
+    ("frac", "fires"), [(0.9, True), (1.0, True), (0.8999, False), (0.0, False), (math.nan, False)]
+)
+def test_dead_units_threshold_is_inclusive(frac, fires):
+    findings = evaluate({"act_dead_frac": {"net.act1": frac}}, FORWARD, BACKWARD, step=3)
+    assert [(f.rule, f.layer) for f in findings] == ([("dead_units", "net.act1")] if fires else [])
+
+
+def test_dead_units_finding_carries_value_threshold_and_names():
+    (f,) = evaluate({"act_dead_frac": {"net.act1": 0.95}}, FORWARD, BACKWARD, step=3)
+    assert (f.value, f.threshold, f.phase, f.stat) == (0.95, 0.9, "forward", "act_dead_frac")
+    assert f.message.startswith("dead_units: 95.0% of the units of net.act1")
+
+
+def test_dead_units_threshold_is_configurable_and_one_finding_per_layer():
+    values = {"act_dead_frac": {"net.act1": 0.6, "net.act0": 0.5, "net.body": 0.4}}
+    findings = evaluate(values, FORWARD, BACKWARD, step=0, config=RuleConfig(dead_frac_threshold=0.5))
+    assert [f.layer for f in findings] == ["net.act0", "net.act1"]
+    assert {f.threshold for f in findings} == {0.5}
+
+
+# ------------------------------------------------------------------------------------ vanishing / exploding
+
+
+def test_vanishing_gradient_names_first_crossing_layer_with_its_ratio():
+    norms = {"net.head": 2.0, "net.act1": 1.0, "net.body": 1e-3, "net.mix": 1.9e-3, "net.act0": 1e-6}
+    findings = evaluate({"act_grad_norm": norms}, FORWARD, BACKWARD, step=5)
+    assert [(f.rule, f.layer) for f in findings] == [("vanishing_gradient", "net.body")]
+    (f,) = findings
+    assert f.value == pytest.approx(5e-4)
+    assert f.threshold == 1e-3
+    assert (f.phase, f.stat) == ("backward", "act_grad_norm")
+    assert "vanishing_gradient" in f.message
+    assert "net.body" in f.message
+    assert "net.head" in f.message  # the reference
+
+
+def test_exploding_gradient_names_first_crossing_layer_with_its_ratio():
+    norms = {"net.head": 0.01, "net.act1": 0.02, "net.body": 5.0, "net.mix": 20.0, "net.stem": 400.0}
+    findings = evaluate({"act_grad_norm": norms}, FORWARD, BACKWARD, step=5)
+    assert [(f.rule, f.layer) for f in findings] == [("exploding_gradient", "net.mix")]
+    assert findings[0].value == pytest.approx(2000.0)
+    assert findings[0].threshold == 1000.0
+
+
+def test_ratio_exactly_at_threshold_does_not_fire():
+    norms = {"net.head": 1.0, "net.body": 1e-3, "net.stem": 1e3}
+    assert evaluate({"act_grad_norm": norms}, FORWARD, BACKWARD, step=0) == []
+
+
+def test_reference_is_first_finite_positive_norm_in_backward_order():
+    # The output end has no usable norm (NaN, then 0): the reference moves to net.act1.
+    norms = {"net.head": math.nan, "net.act1": 0.0, "net.body": 4.0, "net.mix": 3e-3}
+    (f,) = evaluate({"act_grad_norm": norms}, FORWARD, BACKWARD, step=0)
+    assert (f.rule, f.layer) == ("vanishing_gradient", "net.mix")
+    assert f.value == pytest.approx(7.5e-4)
+
+
+def test_layers_without_finite_norm_are_skipped():
+    norms = {"net.head": 1.0, "net.act1": math.inf, "net.body": math.nan, "net.mix": 0.5}
+    assert evaluate({"act_grad_norm": norms}, FORWARD, BACKWARD, step=0) == []
+
+
+def test_zero_norm_below_a_reference_is_vanishing():
+    (f,) = evaluate({"act_grad_norm": {"net.head": 1.0, "net.body": 0.0}}, FORWARD, BACKWARD, step=0)
+    assert (f.rule, f.layer, f.value) == ("vanishing_gradient", "net.body", 0.0)
+
+
+def test_gradient_ratios_configurable():
+    norms = {"net.head": 1.0, "net.body": 0.05, "net.stem": 30.0}
+    config = RuleConfig(vanishing_ratio=0.1, exploding_ratio=10)
+    findings = evaluate({"act_grad_norm": norms}, FORWARD, BACKWARD, step=0, config=config)
+    assert [(f.rule, f.layer, f.threshold) for f in findings] == [
+        ("vanishing_gradient", "net.body", 0.1),
+        ("exploding_gradient", "net.stem", 10.0),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- saturation
+
+
+def test_saturated_tanh_is_found_with_its_guaranteed_share():
+    values = {"act_mean": {"net.act0": 0.0}, "act_std": {"net.act0": 0.99}}
+    (f,) = evaluate(values, FORWARD, BACKWARD, step=1, layer_types=TYPES)
+    assert (f.rule, f.layer, f.phase) == ("saturation", "net.act0", "forward")
+    # (0.99**2 - 0.9**2) / (1 - 0.9**2)
+    assert f.value == pytest.approx((0.9801 - 0.81) / 0.19)
+    assert f.threshold == 0.5
+    assert "net.act0" in f.message
+    assert "Tanh" in f.message
+
+
+def test_saturated_sigmoid_near_zero_is_found():
+    values = {"act_mean": {"gate": 0.02}, "act_std": {"gate": 0.05}}
+    (f,) = evaluate(values, ["gate"], ["gate"], step=0, layer_types={"gate": "torch.nn.Sigmoid"})
+    # z = 2y - 1: E[z^2] = 4 * 0.05^2 + (2 * 0.02 - 1)^2
+    assert f.value == pytest.approx((4 * 0.0025 + 0.96**2 - 0.81) / 0.19)
+
+
+def test_healthy_sigmoid_and_large_relu_are_not_saturated():
+    values = {"act_mean": {"gate": 0.5, "relu": 50.0}, "act_std": {"gate": 0.2, "relu": 100.0}}
+    types = {"gate": "Sigmoid", "relu": "ReLU"}
+    assert evaluate(values, ["gate", "relu"], [], step=0, layer_types=types) == []
+
+
+def test_saturation_needs_layer_types():
+    values = {"act_mean": {"net.act0": 0.0}, "act_std": {"net.act0": 1.0}}
+    assert evaluate(values, FORWARD, BACKWARD, step=0) == []
+
+
+def test_saturation_bound_threshold_is_inclusive_and_configurable():
+    # Bound (m2 - 0.81) / 0.19 equals exactly 0.5 at m2 = 0.905: use a frac just below/above it.
+    values = {"act_mean": {"t": 0.0}, "act_std": {"t": math.sqrt(0.905)}}
+    low = RuleConfig(saturation_frac=0.49)
+    high = RuleConfig(saturation_frac=0.51)
+    assert len(evaluate(values, ["t"], [], step=0, config=low, layer_types={"t": "Tanh"})) == 1
+    assert evaluate(values, ["t"], [], step=0, config=high, layer_types={"t": "Tanh"}) == []
+
+
+# ------------------------------------------------------------------------------------------ missing stats
+
+
+def test_no_statistics_no_findings():
+    assert evaluate({}, FORWARD, BACKWARD, step=0, layer_types=TYPES) == []
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"act_mean": {"net.act0": 0.0}},  # saturation without act_std
+        {"act_std": {"net.act0": 1.0}},  # saturation without act_mean
+        {"act_grad_norm": {"net.head": 1.0}},  # nothing to compare with
+        {"act_grad_norm": {"net.head": 0.0, "net.body": 0.0}},  # no positive reference
+        {"param_norm": {"net.head.weight": math.nan}, "param_update_ratio": {"net.head.weight": math.inf}},
+        {"act_dead_frac": {}, "act_nonfinite": {}},
+    ],
+)
+def test_partial_statistics_do_not_crash_or_fire(values):
+    assert evaluate(values, FORWARD, BACKWARD, step=0, layer_types=TYPES) == []
+
+
+def test_layers_missing_from_the_orders_are_handled():
+    values = {"act_nonfinite": {"ghost": 1.0}, "act_grad_norm": {"ghost": 1.0, "phantom": 1e-9}}
+    findings = evaluate(values, [], [], step=0)
+    assert [(f.rule, f.layer) for f in findings] == [("nonfinite", "ghost"), ("vanishing_gradient", "phantom")]
+
+
+def test_disabled_rules_do_not_run():
+    values = {"act_nonfinite": {"net.mix": 1.0}, "act_dead_frac": {"net.act1": 1.0}}
+    findings = evaluate(values, FORWARD, BACKWARD, step=0, config=RuleConfig(enabled=["dead_units"]))
+    assert [f.rule for f in findings] == ["dead_units"]
+    assert evaluate(values, FORWARD, BACKWARD, step=0, config=RuleConfig(enabled=())) == []
+
+
+# ------------------------------------------------------------------------------------------------ ordering
+
+
+def test_mixed_findings_forward_first_in_forward_order_then_backward_in_backward_order():
+    values = {
+        "act_nonfinite": {"net.act1": 3.0, "net.head": 3.0},
+        "act_dead_frac": {"net.act1": 1.0},
+        "act_mean": {"net.act0": 0.0},
+        "act_std": {"net.act0": 1.0},
+        "act_grad_norm": {"net.head": 1.0, "net.act1": 2e3, "net.body": 1.0, "net.mix": 1e-5},
+        "param_grad_norm": {"net.stem.weight": math.inf},
+    }
+    findings = evaluate(values, FORWARD, BACKWARD, step=0, layer_types=TYPES)
+    assert [(f.rule, f.layer) for f in findings] == [
+        ("saturation", "net.act0"),  # forward, depth 1
+        ("nonfinite", "net.act1"),  # forward, depth 4; same layer: RULES order
+        ("dead_units", "net.act1"),
+        ("exploding_gradient", "net.act1"),  # backward, position 1
+        ("vanishing_gradient", "net.mix"),  # backward, position 3
+        ("nonfinite", "net.stem"),  # backward, position 5
+    ]
+
+
+# ------------------------------------------------------------------------------------------------- messages
+
+
+def test_format_error_names_origin_first_and_lists_the_rest():
+    values = {"act_nonfinite": {"net.body": 1.0}, "act_dead_frac": {"net.act1": 1.0}}
+    findings = evaluate(values, FORWARD, BACKWARD, step=8)
+    text = format_error(findings)
+    first, *rest = text.splitlines()
+    assert first.startswith("layer health check failed at step 8 in net.body (rule nonfinite)")
+    assert rest[0] == "1 more finding:"
+    assert rest[1] == f"  - {findings[1].message}"
+    assert len(rest) == 2
+
+
+def test_format_error_with_a_single_finding_has_no_list():
+    (f,) = evaluate({"act_dead_frac": {"net.act1": 1.0}}, FORWARD, BACKWARD, step=0)
+    assert format_error([f]).splitlines() == [
+        f"layer health check failed at step 0 in net.act1 (rule dead_units): {f.message}"
+    ]
+
+
+def test_format_error_rejects_no_findings():
+    with pytest.raises(ValueError, match="at least one finding"):
+        format_error([])
+
+
+def test_finding_str_is_its_message():
+    assert str(finding("dead_units", "x")) == "dead_units: x"
+
+
+# ---------------------------------------------------------------------------------------------- AlertState
+
+
+def test_alert_state_warns_once_until_cleared_then_again():
+    state = AlertState()
+    a, b = finding("dead_units", "net.act1"), finding("saturation", "net.act0")
+    assert state.update([a]) == [a]
+    assert state.update([a, b]) == [b]  # a still active; b new
+    assert state.update([a, b]) == []
+    assert state.update([b]) == []  # a clears here
+    assert state.active == frozenset({("saturation", "net.act0")})
+    assert state.update([a, b]) == [a]  # a re-alerts; b still active
+    assert state.update([]) == []  # both clear
+    assert state.update([b]) == [b]
+
+
+def test_alert_state_keys_on_rule_and_layer():
+    state = AlertState()
+    state.update([finding("dead_units", "x")])
+    other_rule, other_layer = finding("saturation", "x"), finding("dead_units", "y")
+    assert state.update([finding("dead_units", "x"), other_rule, other_layer]) == [other_rule, other_layer]
+
+
+def test_alert_state_counts_every_finding_seen():
+    state = AlertState()
+    state.update([finding("dead_units", "x"), finding("dead_units", "y")])
+    state.update([finding("dead_units", "x")])
+    assert state.counts == {"nonfinite": 0, "dead_units": 3, "vanishing_gradient": 0, "exploding_gradient": 0,
+                            "saturation": 0}  # fmt: skip
+
+
+def test_alert_state_round_trips_through_json_and_pickle():
+    state = AlertState()
+    state.update([finding("dead_units", "x"), finding("nonfinite", "y")])
+    state.update([finding("dead_units", "x"), finding("nonfinite", "y")])
+    saved = state.state_dict()
+    assert saved["active"] == [["dead_units", "x"], ["nonfinite", "y"]]
+    assert json.loads(json.dumps(saved)) == saved
+
+    restored = AlertState()
+    restored.load_state_dict(json.loads(json.dumps(saved)))
+    assert restored.state_dict() == saved
+    assert restored.update([finding("dead_units", "x")]) == []  # still active after the restore
+
+    unpickled = pickle.loads(pickle.dumps(state))
+    assert unpickled.state_dict() == saved
+    assert unpickled.update([finding("nonfinite", "y")]) == []
+    assert unpickled.counts["nonfinite"] == 3
+
+
+def test_alert_state_loads_an_empty_state():
+    state = AlertState()
+    state.update([finding("dead_units", "x")])
+    state.load_state_dict({})
+    assert state.active == frozenset()
+    assert state.counts["dead_units"] == 0
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ({"active": [["dead_units"]]}, r"'active' expects \[rule, layer\] pairs, got \['dead_units'\]"),
+        ({"active": [["dead_units", 3]]}, "'active' expects"),
+        ({"counts": {"dead_units": -1}}, r"'counts' expects .*-1"),
+        ({"counts": {"dead_units": True}}, "'counts' expects"),
+        ({"counts": [1]}, "'counts' expects"),
+    ],
+)
+def test_alert_state_rejects_malformed_state(bad, match):
+    with pytest.raises(ValueError, match=match):
+        AlertState().load_state_dict(bad)
+
+
+# ---------------------------------------------------------------------------------------------- RuleConfig
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "valid"),
+    [
+        ("dead_frac_threshold", 0.0, "a number in (0, 1]"),
+        ("dead_frac_threshold", 1.5, "a number in (0, 1]"),
+        ("vanishing_ratio", 1.0, "a number in (0, 1)"),
+        ("vanishing_ratio", -1e-3, "a number in (0, 1)"),
+        ("exploding_ratio", 1.0, "a finite number > 1"),
+        ("exploding_ratio", math.inf, "a finite number > 1"),
+        ("saturation_level", 1.0, "a number in (0, 1)"),
+        ("saturation_frac", 0.0, "a number in (0, 1]"),
+        ("saturation_frac", math.nan, "a number in (0, 1]"),
+        ("vanishing_ratio", True, "a number in (0, 1)"),
+        ("exploding_ratio", "1e3", "a finite number > 1"),
+    ],
+)
+def test_rule_config_rejects_bad_numbers(field, value, valid):
+    with pytest.raises(ValueError, match=f"^{re.escape(f'{field}: expected {valid}, got {value!r}')}$"):
+        RuleConfig(**{field: value})
+
+
+def test_rule_config_rejects_unknown_rule_listing_the_valid_ones():
+    with pytest.raises(ValueError, match=r"enabled: unknown rule\(s\) 'dead'; expected names from \['nonfinite'"):
+        RuleConfig(enabled=["nonfinite", "dead"])
+    with pytest.raises(ValueError, match="enabled: expected rule names"):
+        RuleConfig(enabled=3)  # type: ignore[arg-type]
+
+
+def test_rule_config_normalises_enabled_and_numbers():
+    config = RuleConfig(enabled=["saturation", "nonfinite", "saturation"], exploding_ratio=100)
+    assert config.enabled == ("nonfinite", "saturation")
+    assert isinstance(config.exploding_ratio, float)
+    assert RuleConfig(enabled="dead_units").enabled == ("dead_units",)
+    assert RuleConfig(enabled=["dead_units"]) == RuleConfig(enabled=("dead_units",))
+
+
+def test_rule_config_is_frozen():
+    with pytest.raises(AttributeError):
+        RuleConfig().vanishing_ratio = 0.5  # type: ignore[misc]
+
+
+def test_from_mapping_builds_and_defaults():
+    assert RuleConfig.from_mapping(None) == RuleConfig()
+    assert RuleConfig.from_mapping({}) == RuleConfig()
+    config = RuleConfig.from_mapping({"dead_frac_threshold": 0.5, "enabled": ["dead_units", "nonfinite"]})
+    assert config == RuleConfig(dead_frac_threshold=0.5, enabled=("nonfinite", "dead_units"))
+
+
+def test_from_mapping_rejects_unknown_keys_listing_valid_ones_sorted():
+    valid = (
+        "['dead_frac_threshold', 'enabled', 'exploding_ratio', 'saturation_frac', 'saturation_level',"
+        " 'vanishing_ratio']"
+    )
+    with pytest.raises(ValueError, match=r"unknown rule setting\(s\) \['vanish', 'zzz'\]; valid keys: ") as info:
+        RuleConfig.from_mapping({"zzz": 1, "vanish": 0.1, "exploding_ratio": 10})
+    assert str(info.value).endswith(valid)
+
+
+def test_from_mapping_validates_values_and_type():
+    with pytest.raises(ValueError, match=r"^exploding_ratio: expected a finite number > 1, got 0.5$"):
+        RuleConfig.from_mapping({"exploding_ratio": 0.5})
+    with pytest.raises(ValueError, match="expected a mapping"):
+        RuleConfig.from_mapping([("exploding_ratio", 10)])  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+
+
+def test_values_from_metrics_regroups_logged_keys():
+    metrics = {
+        "lh/act_grad_norm/net.head": 1.0,
+        "lh/act_grad_norm/net.body": 1e-5,
+        "lh/param_grad_norm/net.head.weight": math.inf,
+        "lh/grad_norm_total": 3.0,
+        "other/act_mean/x": 1.0,
+    }
+    values = values_from_metrics(metrics, prefix="lh")
+    assert values == {
+        "act_grad_norm": {"net.head": 1.0, "net.body": 1e-5},
+        "param_grad_norm": {"net.head.weight": math.inf},
+    }
+    assert [f.rule for f in evaluate(values, FORWARD, BACKWARD, step=0)] == ["nonfinite", "vanishing_gradient"]
