@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_hookdiag import params as P
@@ -17,6 +17,7 @@ from lightning_hookdiag.aggregation import LayerStatsAggregator, StepRecorder
 from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
 from lightning_hookdiag.hooks import HookSet
 from lightning_hookdiag.params import ParameterTracker, named_parameters_of
+from lightning_hookdiag.report.summary import format_step_table
 from lightning_hookdiag.rules import AlertState, Finding, RuleConfig, evaluate, format_error, values_from_metrics
 from lightning_hookdiag.selection import import_types, resolve_layers
 
@@ -91,6 +92,8 @@ class LayerHealthCallback(Callback):
             still recorded in :attr:`findings`).
         rules: Rule settings, e.g. ``{"dead_frac_threshold": 0.5, "enabled": ["nonfinite", "dead_units"]}``; keys
             are the fields of :class:`~lightning_hookdiag.rules.RuleConfig`.
+        summary: At the end of fit, print (rank zero) a table of the last sampled step's values per layer in depth
+            order, with the rules that fired marked.
 
     Raises:
         ValueError: At construction, for any invalid argument (the message names it and the valid values); when
@@ -121,6 +124,7 @@ class LayerHealthCallback(Callback):
         unit_dim: int | None = None,
         on_anomaly: str = "warn",
         rules: dict[str, Any] | None = None,
+        summary: bool = True,
     ) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"every_n_steps: expected an integer >= 1, got {every_n_steps!r}")
@@ -132,6 +136,7 @@ class LayerHealthCallback(Callback):
             raise ValueError(f"on_anomaly: expected one of {list(ON_ANOMALY)}, got {on_anomaly!r}")
         self.every_n_steps = every_n_steps
         self.on_anomaly = on_anomaly
+        self.summary = summary
         self.rule_config = RuleConfig.from_mapping(rules)
         self.layers = _strings(layers, "layers")
         self.layer_types = import_types(layer_types, "layer_types")
@@ -249,9 +254,21 @@ class LayerHealthCallback(Callback):
         self._discard_window()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """A step left unfinished at the end of training is dropped, not logged."""
+        """A step left unfinished at the end of training is dropped, not logged; then the summary is printed."""
         self._detach()
         self._discard_window()
+        if self.summary and self.last_step is not None:
+            rank_zero_info(self.summary_table())
+
+    def summary_table(self) -> str:
+        """The end-of-fit table: the last sampled step's values per layer in depth order, findings marked."""
+        marks: dict[str, list[str]] = {}
+        for finding in self.last_findings:
+            marks.setdefault(finding.layer, []).append(finding.rule)
+        values = values_from_metrics(self.last_metrics, self.prefix)
+        n = len(self.last_findings)
+        title = f"LayerHealthCallback: step {self.last_step}, {n} finding{'' if n == 1 else 's'}"
+        return format_step_table(values, self.execution_order, marks, title)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Remove every hook and release the device state."""

@@ -566,8 +566,15 @@ class AlertState:
         Call it once per evaluated step, also with no findings: that is how pairs clear.
         """
         findings = list(findings)
-        new = [f for f in findings if (f.rule, f.layer) not in self._active]
-        self._active = {(f.rule, f.layer) for f in findings}
+        new: list[Finding] = []
+        active: set[tuple[str, str]] = set()
+        for f in findings:
+            pair = (f.rule, f.layer)
+            # Also once within a step: a layer can be both a backward origin and a parameter-gradient origin.
+            if pair not in self._active and pair not in active:
+                new.append(f)
+            active.add(pair)
+        self._active = active
         for f in findings:
             self.counts[f.rule] = self.counts.get(f.rule, 0) + 1
         return new

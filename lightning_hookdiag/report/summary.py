@@ -6,7 +6,7 @@ import math
 
 from lightning_hookdiag.report.health_log import HealthLog
 
-__all__ = ["format_summary", "format_value"]
+__all__ = ["format_step_table", "format_summary", "format_value"]
 
 _COUNT_STATS = ("act_nonfinite", "act_grad_nonfinite")
 _MAX_NAMED = 5
@@ -51,10 +51,10 @@ def _layer_rows(log: HealthLog, stat: str, last_step: int) -> list[list[str]]:
     return rows
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+def _table(header: list[str], rows: list[list[str]], align: list[str] | None = None) -> list[str]:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     # Depth and numbers read best right-aligned, names and notes left-aligned.
-    align = [">", "<", ">", ">", ">", "<"]
+    align = align or [">", "<", ">", ">", ">", "<"]
     return [
         "  " + "  ".join(f"{c:{a}{w}}" for c, a, w in zip(r, align, widths, strict=True)).rstrip()
         for r in [header, *rows]
@@ -120,3 +120,38 @@ def format_summary(log: HealthLog, stat: str) -> str:
     present = ", ".join(f"{s} ({len(log.stats[s])})" for s in log.stat_names)
     lines.append(f"stats present: {present}" + "".join(f", {s}" for s in log.total_names))
     return "\n".join(lines)
+
+
+_TABLE_STATS = ("act_mean", "act_std", "act_dead_frac", "act_grad_norm")
+
+
+def format_step_table(
+    values: dict[str, dict[str, float]], order: list[str], marks: dict[str, list[str]], title: str
+) -> str:
+    """A compact table of one step's values per layer, in depth order, with the rules that fired marked.
+
+    Args:
+        values: Statistic name to ``{layer: value}`` (as logged on one step).
+        order: Layers in depth order; layers of ``values`` missing from it follow in name order.
+        marks: Layer to the names of the rules that fired on it.
+        title: First line.
+
+    Example:
+        >>> values = {"act_std": {"fc1": 1.0, "relu": 0.5}, "act_dead_frac": {"relu": 0.95}}
+        >>> print(format_step_table(values, ["fc1", "relu"], {"relu": ["dead_units"]}, "step 9"))
+        step 9
+          depth  layer  act_std  act_dead_frac  findings
+              0  fc1          1              -
+              1  relu       0.5           0.95  dead_units
+    """
+    stats = [s for s in _TABLE_STATS if s in values]
+    layers = {name for s in stats for name in values[s]}
+    ordered = [n for n in order if n in layers] + sorted(layers - set(order))
+    rows = [
+        [str(i), _display(name)]
+        + [format_value(values[s][name]) if name in values[s] else "-" for s in stats]
+        + [", ".join(marks.get(name, []))]
+        for i, name in enumerate(ordered)
+    ]
+    header = ["depth", "layer", *stats, "findings"]
+    return "\n".join([title, *_table(header, rows, [">", "<", *(">" for _ in stats), "<"])])
