@@ -39,6 +39,16 @@ def _strings(value: str | Sequence[str] | None, argument: str) -> list[str] | No
     return items
 
 
+def _sharded(trainer: pl.Trainer, params: dict[str, nn.Parameter]) -> bool:
+    """Whether each process holds only a shard of the parameters (FSDP, FSDP2 / ModelParallel, DTensor).
+
+    Sharded parameters' local sums of squares add up across processes; replicated ones (DDP) must not be added.
+    """
+    if any(callable(getattr(p, "to_local", None)) for p in params.values()):
+        return True
+    return type(trainer.strategy).__name__ in ("FSDPStrategy", "ModelParallelStrategy")
+
+
 class LayerHealthCallback(Callback):
     r"""Log per-layer activation and gradient health on a fixed interval of optimizer steps.
 
@@ -191,7 +201,7 @@ class LayerHealthCallback(Callback):
         self._param_names = list(params)
         device = pl_module.device
         self._aggregator = LayerStatsAggregator(
-            len(modules), len(params), dtype=S.accumulation_dtype(device), sharded_params=False
+            len(modules), len(params), dtype=S.accumulation_dtype(device), sharded_params=_sharded(trainer, params)
         ).to(device)
         self._recorder = StepRecorder(
             self._aggregator, moments=bool(wanted & _MOMENT_STATS), unit_layers=unit_layers, unit_dim=self.unit_dim

@@ -1,0 +1,154 @@
+"""Structural performance properties: host syncs per sampled step, no per-step growth, nothing on unsampled steps."""
+
+from __future__ import annotations
+
+import gc
+import os
+import warnings
+from contextlib import contextmanager
+
+import pytest
+import torch
+from conftest import TinyModule, count_hooks, make_data, make_trainer
+from lightning.pytorch import Callback
+from torch import nn
+
+from lightning_hookdiag import LayerHealthCallback
+
+# Tensor methods that force a device-to-host copy (and so a sync on an accelerator).
+SYNCING = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
+
+
+@contextmanager
+def count_host_transfers(counter: dict[str, int]):
+    originals = {name: getattr(torch.Tensor, name) for name in SYNCING}
+
+    def wrap(name, original):
+        def counted(self, *args, **kwargs):
+            if counter["active"]:
+                counter["calls"] += 1
+                counter.setdefault(name, 0)
+                counter[name] += 1
+            return original(self, *args, **kwargs)
+
+        return counted
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, wrap(name, original))
+    try:
+        yield counter
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+class CountingCallback(LayerHealthCallback):
+    """Counts host transfers made while any of the callback's hooks or its tensor hooks run."""
+
+    def __init__(self, counter, **kwargs):
+        super().__init__(**kwargs)
+        self.counter = counter
+        self.per_step: dict[int, int] = {}
+
+    def _counted(self, method, *args):
+        self.counter["active"] = True
+        try:
+            return method(*args)
+        finally:
+            self.counter["active"] = False
+
+    def on_train_batch_start(self, *args):
+        self._step = args[0].global_step
+        self.counter["calls"] = 0
+        self._counted(super().on_train_batch_start, *args)
+        self.counter["active"] = True  # forward and backward hooks of the package run during the batch
+
+    def on_before_optimizer_step(self, *args):
+        self._counted(super().on_before_optimizer_step, *args)
+
+    def on_train_batch_end(self, *args):
+        self._counted(super().on_train_batch_end, *args)
+        self.per_step[self._step] = self.counter["calls"]
+
+
+def deep_mlp(blocks: int) -> nn.Module:
+    layers: list[nn.Module] = []
+    for i in range(blocks):
+        layers += [nn.Linear(4 if i == 0 else 16, 16), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(16, 1))
+
+
+class SyncFreeModule(TinyModule):
+    """A module whose own training step makes no host transfer, so every counted transfer is the package's."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.loss(self(x), y)
+
+
+def transfers_per_step(blocks: int) -> dict[int, int]:
+    counter = {"active": False, "calls": 0}
+    callback = CountingCallback(counter, every_n_steps=2)
+    module = SyncFreeModule(model=deep_mlp(blocks))
+    with count_host_transfers(counter):
+        make_trainer([callback], max_steps=5, accumulate_grad_batches=2).fit(module)
+    return callback.per_step
+
+
+def test_host_transfers_per_sampled_step_are_one_and_do_not_grow_with_depth():
+    shallow, deep = transfers_per_step(1), transfers_per_step(12)
+    # Sampled steps 0, 2, 4: one batched transfer each, in the last micro-batch; unsampled steps: none.
+    assert shallow == deep
+    assert shallow == {0: 1, 1: 0, 2: 1, 3: 0, 4: 1}
+
+
+class Probe(Callback):
+    """Samples live tensors and resident memory at two points of a long run."""
+
+    def __init__(self, at: tuple[int, ...]) -> None:
+        self.at = at
+        self.tensors: dict[int, int] = {}
+        self.rss: dict[int, int] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step
+        if step in self.at:
+            gc.collect()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                self.tensors[step] = sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+            with open(f"/proc/{os.getpid()}/statm") as f:
+                self.rss[step] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc to read resident memory")
+def test_memory_and_live_tensors_stay_flat_over_thousands_of_sampled_steps():
+    probe = Probe(at=(200, 2000))
+    callback = LayerHealthCallback(every_n_steps=1, summary=False)
+    module = TinyModule(model=deep_mlp(3), data=make_data(n=64), batch_size=64, optimizer="adam", lr=1e-3)
+    module.record_enabled = False
+    make_trainer([callback, probe], max_steps=2001, max_epochs=-1).fit(module)
+    assert callback.last_step == 2000
+    assert probe.tensors[2000] == probe.tensors[200]
+    assert probe.rss[2000] - probe.rss[200] < 8 * 2**20  # no per-step growth (1800 steps in between)
+
+
+def test_unsampled_steps_have_no_hooks_and_no_package_work(monkeypatch):
+    calls = []
+    import lightning_hookdiag.aggregation as aggregation
+
+    original = aggregation.StepRecorder.on_output
+    monkeypatch.setattr(aggregation.StepRecorder, "on_output", lambda *a: calls.append(1) or original(*a))
+
+    class Check(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.before = len(calls)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if (trainer.global_step - 1) % 5:
+                assert len(calls) == self.before  # unsampled: not a single observation
+
+    module = TinyModule(data=make_data(n=128))
+    make_trainer([Check(), LayerHealthCallback(every_n_steps=5)], max_steps=12).fit(module)
+    assert len(calls) == 3 * 3  # steps 0, 5, 10 x three layers
+    assert count_hooks(module) == 0
