@@ -48,6 +48,8 @@ class LayerStatsAggregator(Metric):
     act_absmax: Tensor
     grad_moments: Tensor
     unit_max: Tensor
+    act_hist: Tensor
+    grad_hist: Tensor
     param_stats: Tensor
 
     def __init__(
@@ -56,6 +58,7 @@ class LayerStatsAggregator(Metric):
         n_params: int = 0,
         dtype: torch.dtype = torch.float64,
         sharded_params: bool = False,
+        histogram_bins: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -73,6 +76,12 @@ class LayerStatsAggregator(Metric):
         self.add_state("act_absmax", torch.zeros(n_layers), dist_reduce_fx="max")
         self.add_state("grad_moments", torch.zeros(n_layers, S.GRAD_SLOTS, dtype=dtype), dist_reduce_fx="sum")
         self.add_state("unit_max", torch.empty(0), dist_reduce_fx="max")
+        # Histograms use fixed edges, so their counts add up exactly; without them the states are empty.
+        self.histogram_edges = S.histogram_edges(histogram_bins) if histogram_bins else torch.empty(0)
+        self.add_state("act_hist", torch.zeros(n_layers if histogram_bins else 0, histogram_bins), dist_reduce_fx="sum")
+        self.add_state(
+            "grad_hist", torch.zeros(n_layers if histogram_bins else 0, histogram_bins), dist_reduce_fx="sum"
+        )
         # Unit counts are learned from the first output of each layer; the flat layout follows layer order, so it
         # is the same on every process whatever order layers happen to run in.
         self.unit_sizes: list[int] = [0] * n_layers
@@ -104,6 +113,8 @@ class LayerStatsAggregator(Metric):
         gradient: Tensor | None = None,
         params: tuple[Tensor, Tensor, int | slice] | None = None,
         count: int = 0,
+        act_hist: Tensor | None = None,
+        grad_hist: Tensor | None = None,
     ) -> None:
         """Add one observation of layer ``layer``.
 
@@ -116,6 +127,8 @@ class LayerStatsAggregator(Metric):
             params: ``(index, values, columns)``: write ``values`` into the parameter rows ``index`` and columns
                 ``columns`` (see :mod:`lightning_hookdiag.params`).
             count: Elements observed, when ``activation`` (which carries its own count) is not computed.
+            act_hist: Histogram counts of the output (:func:`~lightning_hookdiag.stats.histogram_counts`).
+            grad_hist: Histogram counts of the output gradient.
         """
         if params is not None:
             index, values, columns = params
@@ -139,6 +152,10 @@ class LayerStatsAggregator(Metric):
                 torch.fmax(view, units, out=view)
         if gradient is not None:
             self.grad_moments[layer].add_(gradient)
+        if act_hist is not None:
+            self.act_hist[layer].add_(act_hist)
+        if grad_hist is not None:
+            self.grad_hist[layer].add_(grad_hist)
 
     def compute(self) -> dict[str, Tensor]:
         """Finalised statistics, after torchmetrics has reduced the states over processes.
@@ -156,6 +173,8 @@ class LayerStatsAggregator(Metric):
         out["count"] = self.act_moments[:, S.ACT_COUNT]
         out["grad_count"] = self.grad_moments[:, S.GRAD_COUNT]
         out.update(P.finalize_parameters(self.param_stats))
+        out["act_hist"] = self.act_hist
+        out["grad_hist"] = self.grad_hist
         return out
 
 
@@ -185,6 +204,8 @@ class StepRecorder:
         self.unit_dim = unit_dim
         self.no_float_output: set[int] = set()
         """Layers whose output held no floating-point tensor (nothing to observe)."""
+        self.histograms = False
+        """Whether outputs and gradients are also binned into histograms (set per step by the callback)."""
 
     def on_output(self, layer: int, output: Any) -> None:
         """Forward sink: observe the output of layer ``layer``."""
@@ -198,8 +219,14 @@ class StepRecorder:
             activation=S.activation_moments(tensor, agg.acc_dtype) if self.moments else None,
             units=S.unit_maxima(tensor, self.unit_dim) if layer in self.unit_layers else None,
             count=0 if self.moments else tensor.numel(),
+            act_hist=S.histogram_counts(tensor, agg.histogram_edges) if self.histograms else None,
         )
 
     def on_grad(self, layer: int, grad: Tensor) -> None:
         """Gradient sink: observe the gradient of the loss w.r.t. the output of layer ``layer``."""
-        self.aggregator.update(layer, gradient=S.gradient_moments(grad, self.aggregator.acc_dtype))
+        agg = self.aggregator
+        agg.update(
+            layer,
+            gradient=S.gradient_moments(grad, agg.acc_dtype),
+            grad_hist=S.histogram_counts(grad, agg.histogram_edges) if self.histograms else None,
+        )

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
@@ -37,6 +38,41 @@ def _strings(value: str | Sequence[str] | None, argument: str) -> list[str] | No
     if bad:
         raise ValueError(f"{argument}: expected non-empty module names or globs, got {bad!r}")
     return items
+
+
+HistogramWriter = Callable[[str, list[float], list[float], list[float], int], None]
+
+
+def _histogram_writer(logger: Logger) -> HistogramWriter | None:
+    """A function writing one histogram to ``logger``, or ``None`` if the logger cannot store histograms."""
+    if isinstance(logger, TensorBoardLogger):
+
+        def tensorboard(tag: str, counts: list[float], left: list[float], right: list[float], step: int) -> None:
+            filled = [i for i, c in enumerate(counts) if c > 0]
+            centres = [(left[i] + right[i]) / 2 for i in range(len(counts))]
+            logger.experiment.add_histogram_raw(
+                tag,
+                min=left[filled[0]],
+                max=right[filled[-1]],
+                num=sum(counts),
+                sum=sum(c * m for c, m in zip(counts, centres, strict=True)),
+                sum_squares=sum(c * m * m for c, m in zip(counts, centres, strict=True)),
+                bucket_limits=right,
+                bucket_counts=counts,
+                global_step=step,
+            )
+
+        return tensorboard
+    if type(logger).__name__ == "WandbLogger":
+
+        def wandb_histogram(tag: str, counts: list[float], left: list[float], right: list[float], step: int) -> None:
+            import wandb
+
+            histogram = wandb.Histogram(np_histogram=(counts, [left[0], *right]))
+            logger.experiment.log({tag: histogram, "trainer/global_step": step})
+
+        return wandb_histogram
+    return None
 
 
 def _sharded(trainer: pl.Trainer, params: dict[str, nn.Parameter]) -> bool:
@@ -104,6 +140,12 @@ class LayerHealthCallback(Callback):
             are the fields of :class:`~lightning_hookdiag.rules.RuleConfig`.
         summary: At the end of fit, print (rank zero) a table of the last sampled step's values per layer in depth
             order, with the rules that fired marked.
+        histogram_every_n_steps: Also log histograms of every selected layer's output and output gradient
+            (``<prefix>/act_hist/<layer>``, ``<prefix>/act_grad_hist/<layer>``) on steps divisible by this, to the
+            loggers that support histograms (TensorBoard, W&B); other loggers are skipped with a one-time note.
+            Must be a multiple of ``every_n_steps``. ``None`` (default): no histograms.
+        histogram_bins: Number of fixed, symmetric log-spaced bins (``±1e-6`` to ``±1e4`` and 0), computed on the
+            device; fixed edges make histograms pool exactly over micro-batches and processes.
 
     Raises:
         ValueError: At construction, for any invalid argument (the message names it and the valid values); when
@@ -135,6 +177,8 @@ class LayerHealthCallback(Callback):
         on_anomaly: str = "warn",
         rules: dict[str, Any] | None = None,
         summary: bool = True,
+        histogram_every_n_steps: int | None = None,
+        histogram_bins: int = 64,
     ) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"every_n_steps: expected an integer >= 1, got {every_n_steps!r}")
@@ -145,6 +189,25 @@ class LayerHealthCallback(Callback):
         if on_anomaly not in ON_ANOMALY:
             raise ValueError(f"on_anomaly: expected one of {list(ON_ANOMALY)}, got {on_anomaly!r}")
         self.every_n_steps = every_n_steps
+        if histogram_every_n_steps is not None and (
+            isinstance(histogram_every_n_steps, bool)
+            or not isinstance(histogram_every_n_steps, int)
+            or histogram_every_n_steps < 1
+            or histogram_every_n_steps % every_n_steps
+        ):
+            raise ValueError(
+                f"histogram_every_n_steps: expected None or a positive multiple of every_n_steps={every_n_steps},"
+                f" got {histogram_every_n_steps!r}"
+            )
+        if (
+            isinstance(histogram_bins, bool)
+            or not isinstance(histogram_bins, int)
+            or histogram_bins < 4
+            or histogram_bins % 2
+        ):
+            raise ValueError(f"histogram_bins: expected an even integer >= 4, got {histogram_bins!r}")
+        self.histogram_every_n_steps = histogram_every_n_steps
+        self.histogram_bins = histogram_bins
         self.on_anomaly = on_anomaly
         self.summary = summary
         self.rule_config = RuleConfig.from_mapping(rules)
@@ -201,7 +264,11 @@ class LayerHealthCallback(Callback):
         self._param_names = list(params)
         device = pl_module.device
         self._aggregator = LayerStatsAggregator(
-            len(modules), len(params), dtype=S.accumulation_dtype(device), sharded_params=_sharded(trainer, params)
+            len(modules),
+            len(params),
+            dtype=S.accumulation_dtype(device),
+            sharded_params=_sharded(trainer, params),
+            histogram_bins=self.histogram_bins if self.histogram_every_n_steps else 0,
         ).to(device)
         self._recorder = StepRecorder(
             self._aggregator, moments=bool(wanted & _MOMENT_STATS), unit_layers=unit_layers, unit_dim=self.unit_dim
@@ -226,6 +293,9 @@ class LayerHealthCallback(Callback):
         if self._window is None:
             self._window = step
             self._hooks.clear_order()
+            assert self._recorder is not None
+            every = self.histogram_every_n_steps
+            self._recorder.histograms = every is not None and step % every == 0
         self._hooks.attach()
 
     def on_before_optimizer_step(
@@ -320,10 +390,13 @@ class LayerHealthCallback(Callback):
         if self._tracker is not None:
             self._tracker.discard()
 
-    def _warn_once(self, key: str, message: str) -> None:
+    def _warn_once(self, key: str, message: str, info: bool = False) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            rank_zero_warn(message, category=LayerHealthWarning)
+            if info:
+                rank_zero_info(message)
+            else:
+                rank_zero_warn(message, category=LayerHealthWarning)
 
     def _finish_window(self, trainer: pl.Trainer) -> None:
         assert self._aggregator is not None
@@ -341,6 +414,9 @@ class LayerHealthCallback(Callback):
         param_stats = [s for s in _PARAM_STATS if s in self.stats]
         parts = [values[s] for s in layer_stats] + [values["count"], values["grad_count"]]
         parts += [values[s] for s in param_stats] + [values["param_seen"], values["grad_norm_total"]]
+        histograms = self._recorder.histograms
+        if histograms:
+            parts += [values["act_hist"], values["grad_hist"]]
         flat = torch.cat([p.reshape(-1).to(torch.float64) for p in parts]).tolist()  # the one host transfer
         self.execution_order = self._hooks.fired_names()
         backward_order = [self._hooks.names[i] for i in self._hooks.grad_order]
@@ -351,6 +427,10 @@ class LayerHealthCallback(Callback):
         agg.grad_scale = None
         self._window = None
         metrics = self._log(trainer, step, flat, layer_stats, param_stats, no_float)  # type: ignore[arg-type]
+        if histograms:
+            size = len(self.layer_names) * self.histogram_bins
+            act, grad = flat[len(flat) - 2 * size : len(flat) - size], flat[len(flat) - size :]
+            self._log_histograms(trainer, step, act, grad, agg.histogram_edges)  # type: ignore[arg-type]
         self._diagnose(trainer, step, metrics, backward_order)  # type: ignore[arg-type]
 
     def _log(
@@ -409,6 +489,33 @@ class LayerHealthCallback(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
         return metrics
+
+    def _log_histograms(
+        self, trainer: pl.Trainer, step: int, act: list[float], grad: list[float], edges: Tensor
+    ) -> None:
+        bins = self.histogram_bins
+        inner = edges.tolist()
+        # Outer bins are open-ended; give them a finite edge a decade out for loggers that need one.
+        limits = [*inner, inner[-1] * 10]
+        left = [inner[0] * 10, *inner]
+        skipped = []
+        for logger in trainer.loggers:
+            write = _histogram_writer(logger)
+            if write is None:
+                skipped.append(type(logger).__name__)
+                continue
+            for kind, counts in (("act_hist", act), ("act_grad_hist", grad)):
+                for i, name in enumerate(self.layer_names):
+                    row = counts[i * bins : (i + 1) * bins]
+                    if sum(row) > 0:
+                        write(f"{self.prefix}/{kind}/{name}", row, left, limits, step)
+        if skipped:
+            self._warn_once(
+                "histograms:" + ",".join(skipped),
+                f"LayerHealthCallback: {', '.join(skipped)} cannot store histograms; they are logged only to"
+                " TensorBoard and W&B loggers",
+                info=True,
+            )
 
     def _diagnose(self, trainer: pl.Trainer, step: int, metrics: dict[str, float], backward_order: list[str]) -> None:
         values = values_from_metrics(metrics, self.prefix)

@@ -11,6 +11,7 @@ and ``aminmax`` take 0.4-1.3 ms, whereas boolean sums (``isfinite(x).sum()``) or
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -24,6 +25,8 @@ __all__ = [
     "accumulation_dtype",
     "activation_moments",
     "finalize_dead_fraction",
+    "histogram_counts",
+    "histogram_edges",
     "finalize_activations",
     "finalize_gradients",
     "gradient_moments",
@@ -242,3 +245,37 @@ def finalize_dead_fraction(unit_max: Tensor, owner: Tensor, n_layers: int, dtype
     dead = torch.zeros_like(counts).index_add_(0, owner, (~(unit_max > 0)).to(dtype))
     counts.index_add_(0, owner, torch.ones_like(unit_max, dtype=dtype))
     return dead / counts
+
+
+def histogram_edges(bins: int, smallest: float = 1e-6, largest: float = 1e4) -> Tensor:
+    """Fixed, symmetric log-spaced bin boundaries: ``bins - 1`` edges covering ``±[smallest, largest]`` and 0.
+
+    The edges do not depend on the data, so histograms of micro-batches and processes add up exactly. Values beyond
+    ``largest`` land in the two outer bins.
+
+    Example:
+        >>> histogram_edges(6, smallest=0.1, largest=10.0).tolist()
+        [-10.0, -0.10000000149011612, 0.0, 0.10000000149011612, 10.0]
+    """
+    if bins < 4 or bins % 2:
+        raise ValueError(f"histogram bins: expected an even number >= 4, got {bins}")
+    magnitudes = torch.logspace(math.log10(smallest), math.log10(largest), bins // 2 - 1)
+    return torch.cat([-magnitudes.flip(0), torch.zeros(1), magnitudes])
+
+
+def histogram_counts(x: Tensor, edges: Tensor) -> Tensor:
+    """Counts of the finite elements of ``x`` in the bins delimited by ``edges`` (``len(edges) + 1`` bins).
+
+    Bin ``i`` holds ``edges[i-1] < x <= edges[i]``. Uses ``scatter_add`` rather than ``bincount``, whose output size
+    depends on the data and so forces a host synchronisation.
+
+    Example:
+        >>> x = torch.tensor([-5.0, 0.0, 0.05, 3.0, float("nan")])
+        >>> histogram_counts(x, torch.tensor([-1.0, 0.0, 1.0])).tolist()
+        [1.0, 1.0, 1.0, 1.0]
+    """
+    x = _as_float32(x).reshape(-1)
+    finite = torch.isfinite(x)
+    index = torch.bucketize(torch.where(finite, x, 0.0), edges.to(x.device))
+    counts = torch.zeros(edges.numel() + 1, dtype=torch.float32, device=x.device)
+    return counts.scatter_add_(0, index, finite.to(torch.float32))
