@@ -76,12 +76,12 @@ class LayerStatsAggregator(Metric):
         self.add_state("act_absmax", torch.zeros(n_layers), dist_reduce_fx="max")
         self.add_state("grad_moments", torch.zeros(n_layers, S.GRAD_SLOTS, dtype=dtype), dist_reduce_fx="sum")
         self.add_state("unit_max", torch.empty(0), dist_reduce_fx="max")
-        # Histograms use fixed edges, so their counts add up exactly; without them the states are empty.
+        # Histograms use fixed edges, so their counts add up exactly.
+        # Registered only when asked for: every state costs collectives on each sampled step.
         self.histogram_edges = S.histogram_edges(histogram_bins) if histogram_bins else torch.empty(0)
-        self.add_state("act_hist", torch.zeros(n_layers if histogram_bins else 0, histogram_bins), dist_reduce_fx="sum")
-        self.add_state(
-            "grad_hist", torch.zeros(n_layers if histogram_bins else 0, histogram_bins), dist_reduce_fx="sum"
-        )
+        if histogram_bins:
+            self.add_state("act_hist", torch.zeros(n_layers, histogram_bins), dist_reduce_fx="sum")
+            self.add_state("grad_hist", torch.zeros(n_layers, histogram_bins), dist_reduce_fx="sum")
         # Unit counts are learned from the first output of each layer; the flat layout follows layer order, so it
         # is the same on every process whatever order layers happen to run in.
         self.unit_sizes: list[int] = [0] * n_layers
@@ -173,8 +173,9 @@ class LayerStatsAggregator(Metric):
         out["count"] = self.act_moments[:, S.ACT_COUNT]
         out["grad_count"] = self.grad_moments[:, S.GRAD_COUNT]
         out.update(P.finalize_parameters(self.param_stats))
-        out["act_hist"] = self.act_hist
-        out["grad_hist"] = self.grad_hist
+        if self.histogram_edges.numel():
+            out["act_hist"] = self.act_hist
+            out["grad_hist"] = self.grad_hist
         return out
 
 
