@@ -171,18 +171,22 @@ def unit_maxima(x: Tensor, unit_dim: int | None = None) -> Tensor:
     A unit is dead when its maximum is ``<= 0``: it was non-positive for every sample and position. Pooling these
     maxima with ``fmax`` over micro-batches and processes reduces over the batch *first*, as it must.
 
+    A NaN is not ``<= 0``, so a unit that produced one is not dead: NaN maxima become ``+inf`` (they would
+    otherwise vanish in ``fmax`` pooling and leave the unit looking dead). ``act_nonfinite`` reports the NaN.
+
     Example:
-        >>> unit_maxima(torch.tensor([[0.0, 2.0], [0.0, -1.0]])).tolist()
-        [0.0, 2.0]
+        >>> unit_maxima(torch.tensor([[0.0, 2.0, -1.0], [0.0, -1.0, float("nan")]])).tolist()
+        [0.0, 2.0, inf]
     """
     x = x.detach()
     if x.ndim == 0:
-        return x.reshape(1).float()
-    dim = unit_dim_for(x.ndim, unit_dim)
-    others = [d for d in range(x.ndim) if d != dim]
-    if not others:
-        return x.float()
-    return x.amax(dim=others).float()
+        maxima = x.reshape(1)
+    else:
+        dim = unit_dim_for(x.ndim, unit_dim)
+        others = [d for d in range(x.ndim) if d != dim]
+        maxima = x.amax(dim=others) if others else x
+    maxima = maxima.float()
+    return torch.where(maxima.isnan(), float("inf"), maxima)
 
 
 def finalize_activations(moments: Tensor, absmax: Tensor) -> dict[str, Tensor]:

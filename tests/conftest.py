@@ -125,6 +125,11 @@ def make_trainer(callbacks: list[pl.Callback], max_steps: int = 4, **kwargs: Any
     return pl.Trainer(callbacks=callbacks, **defaults)
 
 
+# The models here are tiny: one thread avoids oversubscribing the 2 cores of CI (and of developer machines, where
+# other jobs run beside the tests) and is faster than two for such sizes.
+torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

@@ -128,3 +128,12 @@ def test_resolve_stats_orders_and_validates():
 def test_accumulation_dtype():
     assert S.accumulation_dtype(torch.device("cpu")) == torch.float64
     assert S.accumulation_dtype(torch.device("mps")) == torch.float32
+
+
+def test_units_with_nan_are_not_dead_after_pooling():
+    # One NaN sample in unit 0 (other samples <= 0); unit 1 is <= 0 everywhere. Only unit 1 is dead.
+    a = S.unit_maxima(torch.tensor([[float("nan"), -1.0], [-2.0, 0.0]]))
+    b = S.unit_maxima(torch.tensor([[-1.0, -3.0]]))
+    pooled = torch.fmax(torch.fmax(torch.full((2,), float("-inf")), a), b)
+    dead = S.finalize_dead_fraction(pooled, torch.zeros(2, dtype=torch.long), 1, torch.float64)
+    assert dead.item() == 0.5

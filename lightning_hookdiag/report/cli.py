@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -101,4 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ReportError, MissingExtraError) as exc:
         print(f"{_PROG}: error: {exc}", file=sys.stderr)
         return _EXIT_ERROR
+    except BrokenPipeError:
+        # The reader (``| head``) went away: not an error of ours. Point stdout at devnull so the interpreter's
+        # final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
