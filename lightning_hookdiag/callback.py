@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -174,7 +174,7 @@ class LayerHealthCallback(Callback):
         prefix: str = "layer_health",
         dead_unit_types: Sequence[str | type[nn.Module]] = ("torch.nn.ReLU", "torch.nn.ReLU6"),
         unit_dim: int | None = None,
-        on_anomaly: str = "warn",
+        on_anomaly: Literal["warn", "raise", "stop", "ignore"] = "warn",
         rules: dict[str, Any] | None = None,
         summary: bool = True,
         histogram_every_n_steps: int | None = None,

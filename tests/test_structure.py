@@ -88,7 +88,8 @@ class SyncFreeModule(TinyModule):
 
 def transfers_per_step(blocks: int) -> dict[int, int]:
     counter = {"active": False, "calls": 0}
-    callback = CountingCallback(counter, every_n_steps=2)
+    # The 12-block default-init MLP has a vanishing gradient; the rules' verdict is not what this test is about.
+    callback = CountingCallback(counter, every_n_steps=2, on_anomaly="ignore")
     module = SyncFreeModule(model=deep_mlp(blocks))
     with count_host_transfers(counter):
         make_trainer([callback], max_steps=5, accumulate_grad_batches=2).fit(module)

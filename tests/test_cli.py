@@ -1,0 +1,196 @@
+"""``LayerHealthCallback`` configured from YAML through ``LightningCLI`` (``examples/cli_train.py``).
+
+The valid configuration and one invalid one run the example as real commands in subprocesses, started together by
+one module-scoped fixture (they spend most of their time importing); the other invalid configurations go through
+the example's ``main(args)`` in-process, which fails the same way without the cost of a new interpreter.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse[signatures] (the 'cli' extra)")
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "cli_train.py"
+CONFIG = ROOT / "examples" / "cli_config.yaml"
+TIMEOUT_S = 180
+
+# What cli_config.yaml selects: layers ["encoder.*", "head"], of types Linear/ReLU (drops encoder.2, a LayerNorm),
+# minus exclude ["encoder.0"].
+LAYERS = ["encoder.1", "encoder.3", "encoder.4", "head"]
+RELU_LAYERS = ["encoder.1", "encoder.4"]
+PARAMS = ["encoder.3.weight", "encoder.3.bias", "head.weight", "head.bias"]
+STATS = ["act_mean", "act_std", "act_dead_frac", "act_grad_norm", "param_norm"]
+EVERY_N_STEPS, MAX_STEPS = 2, 6
+
+
+def health_args(config: dict[str, Any]) -> dict[str, Any]:
+    (callback,) = config["trainer"]["callbacks"]
+    assert callback["class_path"] == "lightning_hookdiag.LayerHealthCallback"
+    return callback["init_args"]
+
+
+def bad_stat(config: dict[str, Any]) -> None:
+    health_args(config)["stats"] = ["act_mean", "act_meen"]
+
+
+def zero_interval(config: dict[str, Any]) -> None:
+    health_args(config)["every_n_steps"] = 0
+
+
+def misspelt_rule(config: dict[str, Any]) -> None:
+    health_args(config)["rules"] = {"dead_frac_treshold": 0.5}
+
+
+def bad_layer_type(config: dict[str, Any]) -> None:
+    health_args(config)["layer_types"] = ["torch.nn.Linear", "torch.nn.Relu"]
+
+
+# Each invalid configuration and the text its error message must contain.
+BAD = {
+    "bad_stat": (bad_stat, ["stats", "act_meen"]),
+    "zero_interval": (zero_interval, ["every_n_steps", "got 0"]),
+    "misspelt_rule": (misspelt_rule, ["dead_frac_treshold", "dead_frac_threshold"]),
+    "bad_layer_type": (bad_layer_type, ["layer_types", "torch.nn.Relu"]),
+}
+SUBPROCESS_BAD_CASE = "bad_stat"
+
+
+def start(config: Path, root: Path, *extra: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning"}
+    command = [sys.executable, str(SCRIPT), "fit", "--config", str(config), "--trainer.default_root_dir", str(root)]
+    return subprocess.Popen(
+        [*command, *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+        pytest.fail(f"{proc.args} did not finish in {TIMEOUT_S} s:\n{output}")
+    return proc.returncode, output
+
+
+def write_bad_config(case: str, directory: Path) -> Path:
+    config = yaml.safe_load(CONFIG.read_text())
+    BAD[case][0](config)
+    path = directory / f"{case}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Start the valid run and one invalid one at once; yield ``{case: (process, default_root_dir)}``."""
+    base = tmp_path_factory.mktemp("cli")
+    procs: dict[str, Any] = {}
+    for case in ("good", SUBPROCESS_BAD_CASE):
+        root = base / case
+        config = CONFIG if case == "good" else write_bad_config(case, base)
+        # The CSVLogger's save_dir comes from the YAML (a relative path); point it into the temporary directory.
+        procs[case] = (start(config, root, "--trainer.logger.init_args.save_dir", str(root / "logs")), root)
+    yield procs
+    for proc, _ in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def cli_train() -> ModuleType:
+    """``examples/cli_train.py`` imported as a module, for the in-process cases."""
+    spec = importlib.util.spec_from_file_location("cli_train", SCRIPT)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_config_matches_this_test() -> None:
+    """The constants above describe cli_config.yaml; keep them in step."""
+    config = yaml.safe_load(CONFIG.read_text())
+    args = health_args(config)
+    assert args["every_n_steps"] == EVERY_N_STEPS
+    assert config["trainer"]["max_steps"] == MAX_STEPS
+    assert args["stats"] == STATS
+    assert args["layer_types"] == ["torch.nn.Linear", "torch.nn.ReLU"]  # import strings, not classes
+    assert {"layers", "exclude", "on_anomaly", "rules"} <= set(args)
+    assert "dead_frac_threshold" in args["rules"]
+
+
+def test_cli_run_logs_exactly_the_configured_layers_and_stats(runs: dict[str, Any]) -> None:
+    proc, root = runs["good"]
+    rc, output = finish(proc)
+    assert rc == 0, output
+    (metrics_csv,) = root.glob("logs/**/metrics.csv")
+    with open(metrics_csv, newline="") as f:
+        reader = csv.DictReader(f)
+        header = reader.fieldnames or []
+        rows = list(reader)
+
+    expected = {f"layer_health/{stat}/{layer}" for stat in STATS if stat.startswith("act_") for layer in LAYERS}
+    expected -= {f"layer_health/act_dead_frac/{layer}" for layer in LAYERS if layer not in RELU_LAYERS}
+    expected |= {f"layer_health/param_norm/{param}" for param in PARAMS}
+    expected |= {f"layer_health/depth/{layer}" for layer in LAYERS}  # always logged, for the report's layer order
+    assert {k for k in header if k.startswith("layer_health/")} == expected
+
+    logged = [row for row in rows if any(row[k] for k in expected)]
+    assert [int(row["step"]) for row in logged] == list(range(0, MAX_STEPS, EVERY_N_STEPS))
+    for row in logged:
+        assert all(row[k] != "" for k in expected), row  # every key on every sampled step
+        assert [float(row[f"layer_health/depth/{layer}"]) for layer in LAYERS] == [0.0, 1.0, 2.0, 3.0]
+    # LightningCLI saved the configuration it ran with, callback arguments included.
+    saved = yaml.safe_load((metrics_csv.parent / "config.yaml").read_text())
+    assert health_args(saved)["layer_types"] == ["torch.nn.Linear", "torch.nn.ReLU"]
+
+
+def test_cli_process_exits_non_zero_naming_the_bad_value(runs: dict[str, Any]) -> None:
+    proc, root = runs[SUBPROCESS_BAD_CASE]
+    rc, output = finish(proc)
+    assert rc != 0, output
+    for text in BAD[SUBPROCESS_BAD_CASE][1]:
+        assert text in output, f"{text!r} not in the error output:\n{output[-3000:]}"
+    assert not list(root.glob("**/metrics.csv")), "training must not start"
+
+
+# Lightning 2.6 calls jsonargparse APIs that jsonargparse >= 4.49 deprecates (removed in 5.0, hence the "<5" pin).
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("case", list(BAD))
+def test_cli_rejects_an_invalid_callback_argument(
+    cli_train: ModuleType,
+    case: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # In-process (the subprocess case above shows that this is a non-zero exit): LightningCLI either exits through
+    # the parser (SystemExit) or lets the callback's ValueError propagate from instantiating the classes.
+    args = ["fit", "--config", str(write_bad_config(case, tmp_path)), "--trainer.default_root_dir", str(tmp_path)]
+    args += ["--trainer.logger.init_args.save_dir", str(tmp_path / "logs")]
+    # No global seeding in this process (seed_everything would also set PL_GLOBAL_SEED for every later test).
+    args += ["--seed_everything", "false"]
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT)])  # pytest's own arguments are not the CLI's
+    with pytest.raises((ValueError, SystemExit)) as excinfo:
+        cli_train.main(args)
+    if isinstance(excinfo.value, SystemExit):
+        assert excinfo.value.code not in (0, None)
+    message = str(excinfo.value) + capsys.readouterr().err
+    for text in BAD[case][1]:
+        assert text in message, f"{text!r} not in the error:\n{message[-3000:]}"
+    assert not list(tmp_path.glob("**/metrics.csv")), "training must not start"
