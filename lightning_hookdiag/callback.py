@@ -82,7 +82,9 @@ def _sharded(trainer: pl.Trainer, params: dict[str, nn.Parameter]) -> bool:
     """
     if any(callable(getattr(p, "to_local", None)) for p in params.values()):
         return True
-    return type(trainer.strategy).__name__ in ("FSDPStrategy", "ModelParallelStrategy")
+    # By class name along the MRO: importing the strategies would pull in optional distributed modules, and a
+    # user's subclass of FSDPStrategy shards just the same.
+    return any(c.__name__ in ("FSDPStrategy", "ModelParallelStrategy") for c in type(trainer.strategy).__mro__)
 
 
 class LayerHealthCallback(Callback):
@@ -275,7 +277,11 @@ class LayerHealthCallback(Callback):
         )
         on_grad = self._recorder.on_grad if wanted & set(S.GRADIENT_STATS) else None
         self._hooks = HookSet(modules, self._recorder.on_output, on_grad)
-        self._tracker = ParameterTracker(params, snapshot="param_update_ratio" in wanted) if params else None
+        self._tracker = (
+            ParameterTracker(params, snapshot="param_update_ratio" in wanted, dtype=self._aggregator.acc_dtype)
+            if params
+            else None
+        )
         self._window = None
 
     def on_train_batch_start(

@@ -7,12 +7,20 @@ parameters between ``before_step`` and ``after_step`` of a sampled step only, an
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ParameterTracker", "finalize_parameters", "local_tensor", "named_parameters_of", "squared_norms"]
+__all__ = [
+    "ParameterTracker",
+    "finalize_parameters",
+    "local_tensor",
+    "named_parameters_of",
+    "replicas",
+    "squared_norms",
+]
 
 # Columns of the per-parameter state.
 P_WEIGHT_SQ, P_GRAD_SQ, P_UPDATE_SQ, P_SEEN = range(4)
@@ -23,6 +31,29 @@ def local_tensor(t: Tensor) -> Tensor:
     """The locally held part of ``t``: the shard of a ``DTensor``, ``t`` itself otherwise."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+def replicas(t: Tensor) -> int:
+    """Number of processes that hold the same local part of ``t`` as this one: 1 for a plain tensor.
+
+    Sharded sums of squares are added over processes; dividing each by this count counts a replicated part once.
+    For a ``DTensor``: the processes of the default group divided by the number of distinct
+    shards its placements make (the product of the mesh sizes along ``Shard`` dimensions). That is 1 for FSDP2 over
+    all processes, the replica count for HSDP, and the tensor-parallel size for a parameter FSDP2 shards over the
+    data-parallel dimension only.
+
+    Example:
+        >>> replicas(torch.zeros(3))
+        1
+    """
+    placements = getattr(t, "placements", None)
+    mesh = getattr(t, "device_mesh", None)
+    if placements is None or mesh is None:
+        return 1
+    distinct = math.prod(mesh.size(dim) for dim, placement in enumerate(placements) if placement.is_shard())
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else mesh.size()
+    return max(world // distinct, 1)
 
 
 def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64) -> Tensor:
@@ -102,13 +133,17 @@ class ParameterTracker:
         ([0, 1], torch.Size([2]))
     """
 
-    def __init__(self, params: dict[str, nn.Parameter], snapshot: bool = True) -> None:
+    def __init__(
+        self, params: dict[str, nn.Parameter], snapshot: bool = True, dtype: torch.dtype = torch.float64
+    ) -> None:
         self.names = list(params)
         self.params = list(params.values())
         self._position = {id(p): i for i, p in enumerate(self.params)}
         self._snapshot_enabled = snapshot
-        self._snapshots: list[tuple[Tensor, list[Tensor], list[Tensor]]] = []
+        self.dtype = dtype
+        self._snapshots: list[tuple[Tensor, list[Tensor], list[Tensor], Tensor | None]] = []
         self._index_cache: dict[tuple[int, ...], Tensor] = {}
+        self._share_cache: dict[tuple[int, ...], Tensor | None] = {}
 
     def _index(self, positions: tuple[int, ...], device: torch.device) -> Tensor:
         # One host-to-device copy per distinct parameter set per run, not per step.
@@ -117,6 +152,17 @@ class ParameterTracker:
             cached = torch.tensor(positions, dtype=torch.long, device=device)
             self._index_cache[positions] = cached
         return cached
+
+    def _share(self, positions: tuple[int, ...], device: torch.device) -> Tensor | None:
+        # 1 / replicas per parameter, so that the sum over processes of a replicated shard counts it once; None where
+        # every parameter's local part is held by this process alone (no work at all, the common case).
+        if positions not in self._share_cache:
+            counts = [replicas(self.params[i]) for i in positions]
+            share = None
+            if any(c != 1 for c in counts):
+                share = torch.tensor([1.0 / c for c in counts], dtype=self.dtype, device=device)
+            self._share_cache[positions] = share
+        return self._share_cache[positions]
 
     def before_step(self, param_groups: Iterable[dict]) -> tuple[Tensor, Tensor] | None:
         """Weight and gradient norms of the tracked parameters an optimizer is about to step.
@@ -127,6 +173,7 @@ class ParameterTracker:
         Returns:
             ``(index, values)``: positions of the measured parameters and a ``[n, P_SLOTS]`` matrix of weight
             sum of squares, gradient sum of squares, zero update (filled in by :meth:`after_step`) and 1 (seen);
+            sums of squares of a ``DTensor`` are this process's share of the whole (see :func:`replicas`);
             ``None`` if the optimizer steps none of the tracked parameters with a gradient.
         """
         positions: list[int] = []
@@ -138,13 +185,16 @@ class ParameterTracker:
         if not positions:
             return None
         params = [self.params[i] for i in positions]
-        weight_sq = squared_norms(params)
-        grad_sq = squared_norms([p.grad for p in params])  # type: ignore[misc]
+        weight_sq = squared_norms(params, self.dtype)
+        grad_sq = squared_norms([p.grad for p in params], self.dtype)  # type: ignore[misc]
         index = self._index(tuple(positions), weight_sq.device)
+        share = self._share(tuple(positions), weight_sq.device)
+        if share is not None:
+            weight_sq, grad_sq = weight_sq * share, grad_sq * share
         values = torch.stack([weight_sq, grad_sq, torch.zeros_like(weight_sq), torch.ones_like(weight_sq)], dim=1)
         if self._snapshot_enabled:
             local = [local_tensor(p).detach() for p in params]
-            self._snapshots.append((index, local, torch._foreach_mul(local, 1.0)))
+            self._snapshots.append((index, local, torch._foreach_mul(local, 1.0), share))
         return index, values
 
     def after_step(self) -> tuple[Tensor, Tensor] | None:
@@ -156,9 +206,10 @@ class ParameterTracker:
         if not self._snapshots:
             return None
         indices, updates = [], []
-        for index, current, before in self._snapshots:
+        for index, current, before, share in self._snapshots:
             indices.append(index)
-            updates.append(squared_norms(torch._foreach_sub(current, before)))
+            update_sq = squared_norms(torch._foreach_sub(current, before), self.dtype)
+            updates.append(update_sq if share is None else update_sq * share)
         self._snapshots = []
         return torch.cat(indices), torch.cat(updates)
 
