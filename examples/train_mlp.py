@@ -89,8 +89,8 @@ def main() -> None:
     print(f"CSV log:          {csv_dir / 'metrics.csv'}")
     print(f"TensorBoard logs: {tb_dir}")
     print("Look at them with:")
-    print(f"  tensorboard --logdir {tb_dir}          # filter on 'layer_health/act_grad_norm'")
-    print(f"  python -c \"import csv; print(next(csv.reader(open('{csv_dir / 'metrics.csv'}'))))\"  # the keys")
+    print(f"  hookdiag report {csv_dir} --stat act_grad_norm     # per-layer summary + heatmap PNG")
+    print(f"  tensorboard --logdir {tb_dir}     # filter tags on 'act_grad_norm'")
 
 
 if __name__ == "__main__":
