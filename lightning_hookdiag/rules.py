@@ -280,82 +280,80 @@ class _Context:
         return self.values.get(name) or {}
 
 
+def _origin(
+    ctx: _Context, bad: Mapping[str, float], phase: str, stat: str, describe: Callable[[str, list[str]], str]
+) -> Finding | None:
+    """The ``nonfinite`` finding for the earliest of the ``bad`` layers in ``phase`` order, if any.
+
+    ``describe(origin, others)`` writes the message; the value is ``bad[origin]``.
+    """
+    if not bad:
+        return None
+    key = ctx.orders.forward_key if phase == "forward" else ctx.orders.backward_key
+    origin, *others = sorted(bad, key=key)
+    return Finding(
+        rule="nonfinite",
+        layer=origin,
+        step=ctx.step,
+        value=float(bad[origin]),
+        threshold=0.0,
+        message=describe(origin, others),
+        phase=phase,
+        stat=stat,
+    )
+
+
+def _also(others: Sequence[str], where: str, what: str) -> str:
+    if not others:
+        return ""
+    verb = "is" if len(others) == 1 else "are"
+    return f"; {_plural(len(others), 'more layer')}{where} {verb} also {what}: {_listing(others)}"
+
+
 def _nonfinite(ctx: _Context) -> list[Finding]:
-    out: list[Finding] = []
+    step = ctx.step
     # Activations: a NaN propagates forward, so the first non-finite layer in forward order is where it was born.
-    bad = {k: v for k, v in ctx.stat("act_nonfinite").items() if _finite(v) and v > 0}
-    if bad:
-        ranked = sorted(bad, key=ctx.orders.forward_key)
-        origin, others = ranked[0], ranked[1:]
-        tail = (
-            f"; {_plural(len(others), 'more layer')} after it {'is' if len(others) == 1 else 'are'} also non-finite:"
-            f" {_listing(others)}"
-            if others
-            else ""
-        )
-        out.append(
-            Finding(
-                rule="nonfinite",
-                layer=origin,
-                step=ctx.step,
-                value=float(bad[origin]),
-                threshold=0.0,
-                message=f"nonfinite: {bad[origin]:.0f} NaN/Inf output elements in {origin} at step {ctx.step} (the"
-                f" first non-finite layer in forward order{tail})",
-                phase="forward",
-                stat="act_nonfinite",
-            )
-        )
+    acts = {k: v for k, v in ctx.stat("act_nonfinite").items() if _finite(v) and v > 0}
+    forward = _origin(
+        ctx,
+        acts,
+        "forward",
+        "act_nonfinite",
+        lambda origin, others: (
+            f"nonfinite: {acts[origin]:.0f} NaN/Inf output elements in {origin} at step {step}"
+            f" (the first non-finite layer in forward order{_also(others, ' after it', 'non-finite')})"
+        ),
+    )
     # Output gradients: a NaN propagates backward, so the origin is the first non-finite layer in backward order.
-    bad = {k: v for k, v in ctx.stat("act_grad_nonfinite").items() if _finite(v) and v > 0}
-    if bad:
-        ranked = sorted(bad, key=ctx.orders.backward_key)
-        origin, others = ranked[0], ranked[1:]
-        tail = (
-            f"; {_plural(len(others), 'more layer')} after it in backward order"
-            f" {'is' if len(others) == 1 else 'are'} also affected: {_listing(others)}"
-            if others
-            else ""
-        )
-        out.append(
-            Finding(
-                rule="nonfinite",
-                layer=origin,
-                step=ctx.step,
-                value=float(bad[origin]),
-                threshold=0.0,
-                message=f"nonfinite: {bad[origin]:.0f} NaN/Inf elements in the output gradient of {origin} at step"
-                f" {ctx.step} (the first non-finite output gradient in backward order{tail})",
-                phase="backward",
-                stat="act_grad_nonfinite",
-            )
-        )
+    grads = {k: v for k, v in ctx.stat("act_grad_nonfinite").items() if _finite(v) and v > 0}
+    backward = _origin(
+        ctx,
+        grads,
+        "backward",
+        "act_grad_nonfinite",
+        lambda origin, others: (
+            f"nonfinite: {grads[origin]:.0f} NaN/Inf elements in the output gradient of {origin}"
+            f" at step {step} (the first non-finite output gradient in backward order"
+            f"{_also(others, ' after it in backward order', 'affected')})"
+        ),
+    )
     # Parameter gradients are formed from their module's output gradient, so the same backward-order origin holds.
     by_layer: dict[str, list[tuple[str, float]]] = {}
     for param, norm in ctx.stat("param_grad_norm").items():
         if isinstance(norm, (int, float)) and not math.isfinite(norm):
-            layer = ctx.orders.owner(param)
-            by_layer.setdefault(layer, []).append((param, norm))
-    if by_layer:
-        ranked = sorted(by_layer, key=ctx.orders.backward_key)
-        origin, others = ranked[0], ranked[1:]
-        params = by_layer[origin]
-        tail = f"; {_plural(len(others), 'more layer')} also affected: {_listing(others)}" if others else ""
-        shown = ", ".join(f"{p}={n}" for p, n in params)
-        out.append(
-            Finding(
-                rule="nonfinite",
-                layer=origin,
-                step=ctx.step,
-                value=float(len(params)),
-                threshold=0.0,
-                message=f"nonfinite: non-finite parameter gradient norm in {origin} at step {ctx.step} ({shown}; the"
-                f" first such layer in backward order{tail})",
-                phase="backward",
-                stat="param_grad_norm",
-            )
-        )
-    return out
+            by_layer.setdefault(ctx.orders.owner(param), []).append((param, norm))
+    params = _origin(
+        ctx,
+        {layer: float(len(p)) for layer, p in by_layer.items()},
+        "backward",
+        "param_grad_norm",
+        lambda origin, others: (
+            f"nonfinite: non-finite parameter gradient norm in {origin} at step {step}"
+            f" ({', '.join(f'{p}={n}' for p, n in by_layer[origin])}; the first such layer in backward order"
+            f"{_also(others, '', 'affected')})"
+        ),
+    )
+    return [f for f in (forward, backward, params) if f is not None]
 
 
 def _dead_units(ctx: _Context) -> list[Finding]:

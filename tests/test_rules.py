@@ -124,7 +124,7 @@ def test_parameter_gradient_inf_names_the_layer_first_in_backward_order():
     (f,) = findings
     assert f.value == 1.0  # one non-finite parameter gradient in net.body
     assert "net.body.weight=nan" in f.message
-    assert "1 more layer also affected: net.stem" in f.message
+    assert "1 more layer is also affected: net.stem" in f.message
 
 
 def test_parameter_gradient_counts_every_nonfinite_parameter_of_the_origin():

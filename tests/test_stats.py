@@ -2,22 +2,9 @@ import math
 
 import pytest
 import torch
+from reference import activation_stats
 
 from lightning_hookdiag import stats as S
-
-
-def reference_activation_stats(values: list[float]) -> dict[str, float]:
-    """Element-by-element reference, written independently of the sufficient-statistics path."""
-    finite = [v for v in values if math.isfinite(v)]
-    mean = sum(finite) / len(finite)
-    var = sum((v - mean) ** 2 for v in finite) / len(finite)
-    return {
-        "act_mean": mean,
-        "act_std": math.sqrt(var),
-        "act_absmax": max(abs(v) for v in finite),
-        "act_zero_frac": sum(1 for v in values if v == 0) / len(values),
-        "act_nonfinite": float(len(values) - len(finite)),
-    }
 
 
 def finalize_one(*tensors: torch.Tensor) -> dict[str, float]:
@@ -36,7 +23,7 @@ def finalize_one(*tensors: torch.Tensor) -> dict[str, float]:
     ],
 )
 def test_activation_statistics_match_reference(values):
-    expected = reference_activation_stats(values)
+    expected = activation_stats(values)
     got = finalize_one(torch.tensor(values))
     for key, value in expected.items():
         assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
@@ -47,7 +34,7 @@ def test_pooling_over_chunks_equals_statistics_of_the_union():
     chunks = [torch.randn(5, 7, generator=g) * s + m for s, m in ((1.0, 0.0), (10.0, 3.0), (0.1, -5.0))]
     chunks[1][0, 0] = float("nan")
     union = torch.cat([c.reshape(-1) for c in chunks]).tolist()
-    expected = reference_activation_stats(union)
+    expected = activation_stats(union)
     got = finalize_one(*chunks)
     for key, value in expected.items():
         assert got[key] == pytest.approx(value, rel=1e-6), key
@@ -57,7 +44,7 @@ def test_pooling_over_chunks_equals_statistics_of_the_union():
 def test_half_precision_inputs_do_not_overflow(dtype):
     # 60000^2 overflows float16 (max 65504) and loses bf16 precision badly: statistics must be taken in float32+.
     x = torch.tensor([60000.0, -60000.0, 30000.0, 0.0], dtype=dtype)
-    expected = reference_activation_stats([float(v) for v in x.float()])
+    expected = activation_stats([float(v) for v in x.float()])
     got = finalize_one(x)
     for key, value in expected.items():
         assert got[key] == pytest.approx(value, rel=1e-6), key
