@@ -105,7 +105,7 @@ class LayerStatsAggregator(Metric):
         owners = [torch.full((n,), i, dtype=torch.long) for i, n in enumerate(self.unit_sizes)]
         self._unit_owner = torch.cat(owners).to(self.unit_max.device)
 
-    def update(
+    def add(
         self,
         layer: int | None = None,
         activation: tuple[Tensor, Tensor] | None = None,
@@ -116,7 +116,10 @@ class LayerStatsAggregator(Metric):
         act_hist: Tensor | None = None,
         grad_hist: Tensor | None = None,
     ) -> None:
-        """Add one observation of layer ``layer``.
+        """Add one observation of layer ``layer`` (the hot path: hooks call this, not :meth:`update`).
+
+        torchmetrics wraps ``update`` with bookkeeping that costs tens of microseconds per call; hooks call ``add``
+        once per module call, and the callback calls :meth:`update` once per step so the metric counts as updated.
 
         Args:
             layer: Index of the layer; ``None`` records nothing (a process whose layers did not run still takes
@@ -130,6 +133,7 @@ class LayerStatsAggregator(Metric):
             act_hist: Histogram counts of the output (:func:`~lightning_hookdiag.stats.histogram_counts`).
             grad_hist: Histogram counts of the output gradient.
         """
+        self._computed = None  # what torchmetrics' update wrapper would do: a cached result is stale now
         if params is not None:
             index, values, columns = params
             self.param_stats[:, columns].index_copy_(0, index, values.to(self.param_stats.dtype))
@@ -156,6 +160,10 @@ class LayerStatsAggregator(Metric):
             self.act_hist[layer].add_(act_hist)
         if grad_hist is not None:
             self.grad_hist[layer].add_(grad_hist)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        """Same as :meth:`add`, through torchmetrics' bookkeeping (marks the metric as updated)."""
+        self.add(*args, **kwargs)
 
     def compute(self) -> dict[str, Tensor]:
         """Finalised statistics, after torchmetrics has reduced the states over processes.
@@ -207,6 +215,8 @@ class StepRecorder:
         """Layers whose output held no floating-point tensor (nothing to observe)."""
         self.histograms = False
         """Whether outputs and gradients are also binned into histograms (set per step by the callback)."""
+        self.workspace = S.Workspace()
+        """Scratch memory of the reductions; the callback releases it at the end of each sampled step."""
 
     def on_output(self, layer: int, output: Any) -> None:
         """Forward sink: observe the output of layer ``layer``."""
@@ -215,9 +225,9 @@ class StepRecorder:
             self.no_float_output.add(layer)
             return
         agg = self.aggregator
-        agg.update(
+        agg.add(
             layer,
-            activation=S.activation_moments(tensor, agg.acc_dtype) if self.moments else None,
+            activation=S.activation_moments(tensor, agg.acc_dtype, self.workspace) if self.moments else None,
             units=S.unit_maxima(tensor, self.unit_dim) if layer in self.unit_layers else None,
             count=0 if self.moments else tensor.numel(),
             act_hist=S.histogram_counts(tensor, agg.histogram_edges) if self.histograms else None,
@@ -226,8 +236,8 @@ class StepRecorder:
     def on_grad(self, layer: int, grad: Tensor) -> None:
         """Gradient sink: observe the gradient of the loss w.r.t. the output of layer ``layer``."""
         agg = self.aggregator
-        agg.update(
+        agg.add(
             layer,
-            gradient=S.gradient_moments(grad, agg.acc_dtype),
+            gradient=S.gradient_moments(grad, agg.acc_dtype, self.workspace),
             grad_hist=S.histogram_counts(grad, agg.histogram_edges) if self.histograms else None,
         )

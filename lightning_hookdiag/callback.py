@@ -390,6 +390,8 @@ class LayerHealthCallback(Callback):
 
     def _discard_window(self) -> None:
         self._window = None
+        if self._recorder is not None:
+            self._recorder.workspace.release()
         if self._aggregator is not None:
             self._aggregator.reset()
             self._aggregator.grad_scale = None
@@ -429,6 +431,7 @@ class LayerHealthCallback(Callback):
         self._hooks.clear_order()
         no_float = sorted(self._recorder.no_float_output)
         self._recorder.no_float_output.clear()
+        self._recorder.workspace.release()
         agg.reset()
         agg.grad_scale = None
         self._window = None

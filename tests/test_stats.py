@@ -124,3 +124,23 @@ def test_units_with_nan_are_not_dead_after_pooling():
     pooled = torch.fmax(torch.fmax(torch.full((2,), float("-inf")), a), b)
     dead = S.finalize_dead_fraction(pooled, torch.zeros(2, dtype=torch.long), 1, torch.float64)
     assert dead.item() == 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_workspace_gives_the_same_results_and_is_reused(dtype):
+    ws = S.Workspace()
+    big = torch.tensor([0.0, -0.0, 1.5, float("nan"), float("-inf"), -2.0, 3.0, 0.0], dtype=dtype)
+    small = torch.tensor([-0.0, 4.0, float("inf")], dtype=dtype)
+    for x in (big, small, big):  # a smaller tensor reuses the larger buffer; results must not leak between calls
+        expected = activation_stats([float(v) for v in x.double()])
+        moments, absmax = S.activation_moments(x, workspace=ws)
+        got = {k: v.item() for k, v in S.finalize_activations(moments[None], absmax[None]).items()}
+        for key, value in expected.items():
+            assert got[key] == pytest.approx(value, rel=1e-6), key
+        assert S.gradient_moments(x, workspace=ws).tolist() == S.gradient_moments(x).tolist()
+    assert x.isnan().any()  # the input itself is never modified
+    buffers = list(ws._buffers.values())
+    assert len(buffers) == 1
+    assert buffers[0].numel() == 2 * big.numel()
+    ws.release()
+    assert not ws._buffers
