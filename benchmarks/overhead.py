@@ -1,0 +1,749 @@
+"""Step-time overhead of ``LayerHealthCallback`` against plain training and a tutorial-style reference callback.
+
+Method
+------
+Three standard models are trained on synthetic data (fixed seeds, one pre-generated set of batches per model) with a
+real ``lightning.pytorch.Trainer`` on the CPU and the Adam optimizer:
+
+* ``mlp``: 12 hidden ``Linear(512, 512)`` + ``ReLU`` blocks and a linear head, batch 256;
+* ``transformer``: token embedding, 4 ``nn.TransformerEncoderLayer`` (d_model 256, 4 heads, feed-forward 1024,
+  ``batch_first``), mean pooling and a linear head; sequence 128, batch 16;
+* ``cnn``: 6 ``Conv2d`` 3x3 + ``BatchNorm2d`` + ``ReLU`` (channels 3-32-32-64-64-128-128, max-pooling after the
+  2nd and 4th), global average pooling and a linear head; 32x32 inputs, batch 64.
+
+Every ``ReLU`` is non-inplace so that the ``tutorial`` reference (which uses ``register_full_backward_hook``) runs.
+
+Variants:
+
+* ``plain``: no diagnostics callback;
+* ``every_step``: ``LayerHealthCallback(every_n_steps=1)``: every statistic on every leaf layer, every step;
+* ``default_interval``: ``LayerHealthCallback()``, i.e. one sampled step every 50;
+* ``tutorial``: :class:`TutorialCallback`, diagnostics written the way tutorials write them: always-on forward
+  hooks storing ``output.detach().std().item()``, full backward hooks storing ``grad_output[0].norm().item()`` and
+  ``p.grad.norm().item()`` of every parameter in ``on_before_optimizer_step``, kept in a dict (not logged, so that
+  the reference pays no logging cost the callback does not pay either, since ``logger=False``).
+
+Optional extra variants (``--variants``) split ``every_step`` by statistic family: ``acts_only``, ``grads_only`` and
+``params_only``.
+
+Timing: a :class:`StepTimer` callback, listed first, records ``time.perf_counter_ns()`` in ``on_train_batch_start``.
+The interval between two consecutive starts is one whole training step: data fetch, forward, backward, optimizer
+step and every callback's batch start/end work (including the callback's pooling and host transfer, which happen in
+``on_train_batch_end`` after the optimizer step). The first ``--warmup`` intervals of every fit are dropped.
+
+Drift: the machine is shared and noisy, so variants are interleaved. Each of ``--rounds`` rounds runs every variant
+once, for a block of steps, in a rotated order; a fresh model is built from the same seed for every block, so all
+variants do bit-identical work. Step times are pooled over rounds and summarised by their median.
+
+``default_interval`` is summarised by its amortised cost per step over whole 50-step periods, because its median
+would hide the sampled step. Its block is a multiple of 50 steps, so it holds exactly one sampled step per 50
+(steps ``k`` with ``k % 50 == 0``). Comparing two blocks resolves a few percent at best on a shared machine, below
+a 1 % target, so the reported number is built from differences inside the same blocks: ``plain + (median(sampled)
+- median(unsampled)) / 50 + the callback's own time on an unsampled step`` (timed by wrapping its batch-level
+methods). The raw measurement, the median over 50-step periods of the period's mean step time divided by plain's
+mean step time, is reported next to it.
+
+Floor: the bytes the statistics of one sampled step must read at least, once each: every selected output and its
+gradient, the weights and gradients, and the update snapshot (weights written to a copy, then the new weights and
+the copy read back after the step: ``activations + activation grads + grads + 4 * weights``). Sizes come from one
+forward/backward pass with hooks that only record shapes and dtypes. The floor time is the median time of
+``buffer.sum()`` over a float32 buffer of that many bytes on the same machine (a pure streaming read), so
+``(every_step - plain) / floor`` says how far the sampled step is from a single fused pass over its data.
+
+``--profile`` additionally runs a few ``every_step`` steps per model with the library's functions wrapped in
+wall-clock timers (inclusive time per component) and under ``torch.profiler`` (self CPU time per aten op).
+
+Usage::
+
+    python benchmarks/overhead.py                        # full run, writes benchmarks/results.json
+    python benchmarks/overhead.py --quick                # tiny smoke test, < 60 s
+    python benchmarks/overhead.py --models mlp --rounds 5 --steps 60 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F  # noqa: N812
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_hookdiag import LayerHealthCallback
+from lightning_hookdiag.errors import LayerHealthWarning
+from lightning_hookdiag.stats import ACTIVATION_STATS, GRADIENT_STATS, PARAMETER_STATS
+
+PERIOD = 50
+"""``every_n_steps`` default of ``LayerHealthCallback``: the length of one amortisation period."""
+DEFAULT_VARIANTS = ("plain", "every_step", "default_interval", "tutorial")
+EXTRA_VARIANTS = ("acts_only", "grads_only", "params_only")
+MODELS = ("mlp", "transformer", "cnn")
+
+
+# ------------------------------------------------------------------------------------------------------- models
+def _mlp(width: int, depth: int, classes: int) -> nn.Module:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, classes))
+
+
+class _Transformer(nn.Module):
+    def __init__(self, vocab: int, d_model: int, heads: int, ff: int, depth: int, classes: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(d_model, heads, ff, batch_first=True) for _ in range(depth)
+        )
+        self.head = nn.Linear(d_model, classes)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h.mean(dim=1))
+
+
+def _cnn(channels: tuple[int, ...], classes: int) -> nn.Module:
+    layers: list[nn.Module] = []
+    for i, (c_in, c_out) in enumerate(zip(channels[:-1], channels[1:], strict=True)):
+        layers += [nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU()]
+        if i in (1, 3):
+            layers.append(nn.MaxPool2d(2))
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels[-1], classes)]
+    return nn.Sequential(*layers)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How to build one benchmark model and its synthetic batches."""
+
+    name: str
+    description: str
+    build: Callable[[], nn.Module]
+    batch: Callable[[torch.Generator], tuple[Tensor, Tensor]]
+
+
+def model_specs(quick: bool) -> dict[str, ModelSpec]:
+    """The three benchmark models, full size or (``quick``) tiny."""
+    classes = 10
+    if quick:
+        width, depth, batch_mlp = 64, 4, 32
+        d_model, heads, ff, t_depth, seq, batch_tf, vocab = 32, 4, 64, 2, 16, 4, 100
+        channels, side, batch_cnn = (3, 8, 8, 16, 16, 32, 32), 16, 8
+    else:
+        width, depth, batch_mlp = 512, 12, 256
+        d_model, heads, ff, t_depth, seq, batch_tf, vocab = 256, 4, 1024, 4, 128, 16, 1000
+        channels, side, batch_cnn = (3, 32, 32, 64, 64, 128, 128), 32, 64
+
+    def labels(g: torch.Generator, n: int) -> Tensor:
+        return torch.randint(0, classes, (n,), generator=g)
+
+    return {
+        "mlp": ModelSpec(
+            "mlp",
+            f"{depth}x (Linear({width},{width}) + ReLU) + Linear head, batch {batch_mlp}",
+            lambda: _mlp(width, depth, classes),
+            lambda g: (torch.randn(batch_mlp, width, generator=g), labels(g, batch_mlp)),
+        ),
+        "transformer": ModelSpec(
+            "transformer",
+            f"Embedding + {t_depth}x TransformerEncoderLayer(d_model={d_model}, nhead={heads}, ff={ff},"
+            f" batch_first) + mean pool + Linear head, seq {seq}, batch {batch_tf}",
+            lambda: _Transformer(vocab, d_model, heads, ff, t_depth, classes),
+            lambda g: (torch.randint(0, vocab, (batch_tf, seq), generator=g), labels(g, batch_tf)),
+        ),
+        "cnn": ModelSpec(
+            "cnn",
+            f"6x (Conv2d 3x3 + BatchNorm2d + ReLU), channels {'-'.join(map(str, channels))}, 2 MaxPool2d,"
+            f" avg pool + Linear head, {side}x{side} inputs, batch {batch_cnn}",
+            lambda: _cnn(channels, classes),
+            lambda g: (torch.randn(batch_cnn, 3, side, side, generator=g), labels(g, batch_cnn)),
+        ),
+    }
+
+
+class _Batches(Dataset):
+    """``length`` batches cycling through a few pre-generated ones: one epoch covers the whole fit."""
+
+    def __init__(self, batches: list[tuple[Tensor, Tensor]], length: int) -> None:
+        self.batches = batches
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        return self.batches[index % len(self.batches)]
+
+
+class Task(pl.LightningModule):
+    """Cross-entropy classification of ``net``'s output, trained with Adam."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        """Cross-entropy of one batch."""
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """Adam with default hyper-parameters."""
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def leaf_modules(root: nn.Module) -> dict[str, nn.Module]:
+    """Leaf submodules of ``root`` by name (what ``LayerHealthCallback(layers=None)`` selects)."""
+    return {name: m for name, m in root.named_modules() if name and next(m.children(), None) is None}
+
+
+# ---------------------------------------------------------------------------------------------------- callbacks
+class Step(NamedTuple):
+    """One measured training step."""
+
+    global_step: int
+    wall: float
+    """Seconds from this step's ``on_train_batch_start`` to the next one's."""
+    cpu: float
+    """Process CPU seconds (all threads) over the same interval."""
+    hook: float
+    """Seconds spent in the measured callback's batch-level methods during the step (LayerHealthCallback only)."""
+
+
+_BATCH_METHODS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
+
+
+class StepTimer(Callback):
+    """Records ``(global_step, perf_counter_ns)`` at every batch start; listed first, so it starts first."""
+
+    def __init__(self) -> None:
+        self.starts: list[tuple[int, int]] = []
+        self.cpu: list[int] = []
+        self.hook_ns: list[int] = []
+        """Time spent inside the wrapped batch-level methods of the measured callback, per step."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        """Stamp the start of a step."""
+        self.starts.append((trainer.global_step, time.perf_counter_ns()))
+        self.cpu.append(time.process_time_ns())
+        self.hook_ns.append(0)
+
+    def time_methods(self, callback: Callback, names: tuple[str, ...]) -> None:
+        """Shadow ``callback``'s methods with timed wrappers that add to the current step's ``hook_ns``."""
+        for name in names:
+            method = getattr(callback, name)
+
+            def timed(*args: Any, _method: Callable[..., Any] = method, **kwargs: Any) -> Any:
+                t0 = time.perf_counter_ns()
+                try:
+                    return _method(*args, **kwargs)
+                finally:
+                    if self.hook_ns:
+                        self.hook_ns[-1] += time.perf_counter_ns() - t0
+
+            setattr(callback, name, timed)
+
+    def intervals(self) -> list[tuple[int, float]]:
+        """``(global_step, seconds)`` of every step that has a following start."""
+        return [(s0, (t1 - t0) * 1e-9) for (s0, t0), (_, t1) in zip(self.starts, self.starts[1:], strict=False)]
+
+    def cpu_intervals(self) -> list[float]:
+        """Process CPU seconds (all threads) of the same steps: a cross-check that is less sensitive to load."""
+        return [(t1 - t0) * 1e-9 for t0, t1 in zip(self.cpu, self.cpu[1:], strict=False)]
+
+    def steps(self) -> list[Step]:
+        """Every step that has a following start."""
+        return [
+            Step(s, wall, cpu, hook * 1e-9)
+            for (s, wall), cpu, hook in zip(self.intervals(), self.cpu_intervals(), self.hook_ns, strict=False)
+        ]
+
+
+class TutorialCallback(Callback):
+    """Per-layer diagnostics as tutorials write them: always-on hooks, one ``.item()`` per layer and parameter."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, float] = {}
+        self._handles: list[Any] = []
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Hook every leaf module."""
+        for name, module in leaf_modules(pl_module).items():
+            self._handles.append(module.register_forward_hook(self._forward_hook(name)))
+            self._handles.append(module.register_full_backward_hook(self._backward_hook(name)))
+
+    def _forward_hook(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if isinstance(output, Tensor) and output.is_floating_point():
+                self.values[f"act_std/{name}"] = output.detach().std().item()
+
+        return hook
+
+    def _backward_hook(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+            if grad_output[0] is not None:
+                self.values[f"grad_norm/{name}"] = grad_output[0].norm().item()
+
+        return hook
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Norm of every parameter's gradient."""
+        for name, p in pl_module.named_parameters():
+            if p.grad is not None:
+                self.values[f"param_grad_norm/{name}"] = p.grad.norm().item()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Remove the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def make_callback(variant: str) -> Callback | None:
+    """The diagnostics callback of a variant (``None`` for ``plain``)."""
+    if variant == "plain":
+        return None
+    if variant == "every_step":
+        return LayerHealthCallback(every_n_steps=1)
+    if variant == "default_interval":
+        return LayerHealthCallback()
+    if variant == "tutorial":
+        return TutorialCallback()
+    families = {"acts_only": ACTIVATION_STATS, "grads_only": GRADIENT_STATS, "params_only": PARAMETER_STATS}
+    return LayerHealthCallback(every_n_steps=1, stats=families[variant])
+
+
+# ------------------------------------------------------------------------------------------------------ running
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Silence Lightning's per-fit info lines and the advice it gives about tiny synthetic runs."""
+    lightning_logger = logging.getLogger("lightning.pytorch")
+    level = lightning_logger.level
+    lightning_logger.setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # num_workers, tiny runs, GPU available, ...
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        # The transformer's attention output projection is called functionally, never as a module: the callback
+        # warns once that it did not run. That is expected here.
+        warnings.simplefilter("ignore", LayerHealthWarning)
+        try:
+            yield
+        finally:
+            lightning_logger.setLevel(level)
+
+
+def batches_for(spec: ModelSpec, seed: int, count: int = 4) -> list[tuple[Tensor, Tensor]]:
+    """A few fixed synthetic batches."""
+    g = torch.Generator().manual_seed(seed)
+    return [spec.batch(g) for _ in range(count)]
+
+
+def run_block(
+    spec: ModelSpec, batches: list[tuple[Tensor, Tensor]], variant: str, steps: int, warmup: int, seed: int
+) -> tuple[list[Step], Callback | None]:
+    """Train a fresh model for ``warmup + steps`` steps; return the last ``steps`` of them and the callback."""
+    torch.manual_seed(seed)
+    task = Task(spec.build())
+    timer = StepTimer()
+    extra = make_callback(variant)
+    if isinstance(extra, LayerHealthCallback):
+        timer.time_methods(extra, _BATCH_METHODS)
+    callbacks: list[Callback] = [timer] + ([extra] if extra is not None else [])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        max_steps=warmup + steps + 1,  # the last step has no following start
+        callbacks=callbacks,
+    )
+    loader = DataLoader(_Batches(batches, warmup + steps + 1), batch_size=None, shuffle=False)
+    trainer.fit(task, train_dataloaders=loader)
+    return timer.steps()[warmup : warmup + steps], extra
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def summarise(variant: str, times: list[Step], block: int) -> dict[str, Any]:
+    """Median step time; for ``default_interval`` also the amortised cost per step over whole periods."""
+    seconds = [t.wall for t in times]
+    out: dict[str, Any] = {"steps": len(seconds), "median_ms": _median(seconds) * 1e3}
+    out["mean_ms"] = statistics.fmean(seconds) * 1e3 if seconds else float("nan")
+    out["median_cpu_ms"] = _median([t.cpu for t in times]) * 1e3
+    out["median_hook_ms"] = _median([t.hook for t in times]) * 1e3
+    out["step_ms"] = [round(t * 1e3, 3) for t in seconds]
+    if variant == "default_interval":
+        sampled = [t.wall for t in times if t.global_step % PERIOD == 0]
+        unsampled = [t.wall for t in times if t.global_step % PERIOD]
+        out["sampled_steps"] = len(sampled)
+        out["sampled_median_ms"] = _median(sampled) * 1e3
+        out["unsampled_median_ms"] = _median(unsampled) * 1e3
+        out["amortised_ms"] = ((PERIOD - 1) * _median(unsampled) + _median(sampled)) / PERIOD * 1e3
+        # Extra cost per step, from differences inside the same blocks (drift-free): the sampled step's excess over
+        # the unsampled ones, spread over the period, plus the callback's own time on an unsampled step.
+        out["unsampled_hook_ms"] = _median([t.hook for t in times if t.global_step % PERIOD]) * 1e3
+        out["amortised_extra_ms"] = (_median(sampled) - _median(unsampled)) / PERIOD * 1e3 + out["unsampled_hook_ms"]
+        # Whole periods: consecutive runs of PERIOD steps inside each block (blocks are multiples of PERIOD).
+        periods = [
+            statistics.fmean(seconds[i : i + PERIOD])
+            for start in range(0, len(seconds), block)
+            for i in range(start, start + block - PERIOD + 1, PERIOD)
+        ]
+        out["periods"] = len(periods)
+        out["period_mean_ms"] = _median(periods) * 1e3
+    return out
+
+
+# -------------------------------------------------------------------------------------------------------- floor
+def floor_bytes(spec: ModelSpec, batch: tuple[Tensor, Tensor], seed: int) -> dict[str, int]:
+    """Bytes the statistics of one sampled step must read, from one pass with shape-recording hooks only."""
+    torch.manual_seed(seed)
+    task = Task(spec.build())
+    modules = leaf_modules(task)
+    sizes = {"activations": 0, "activation_grads": 0}
+
+    def record(module: nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, Tensor) and output.is_floating_point():
+            nbytes = output.numel() * output.element_size()
+            sizes["activations"] += nbytes
+            if output.requires_grad:
+                sizes["activation_grads"] += nbytes
+
+    handles = [m.register_forward_hook(record) for m in modules.values()]
+    try:
+        task.training_step(batch, 0).backward()
+    finally:
+        for h in handles:
+            h.remove()
+    params = {id(p): p for m in modules.values() for p in m.parameters()}.values()
+    weights = sum(p.numel() * p.element_size() for p in params)
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    sizes.update(weights=weights, grads=grads, snapshot=3 * weights)  # copy written, copy + new weights read back
+    sizes["total"] = sum(sizes.values())
+    return sizes
+
+
+def time_read(nbytes: int, repeats: int) -> float:
+    """Median seconds of one streaming read (``sum``) over a float32 buffer of ``nbytes``."""
+    buffer = torch.ones(max(nbytes // 4, 1))
+    buffer.sum()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buffer.sum()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+# ------------------------------------------------------------------------------------------------------ profile
+class _Timers:
+    """Inclusive wall-clock time and call counts of wrapped functions."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def wrap(self, owner: Any, attribute: str, label: str) -> Callable[[], None]:
+        original = getattr(owner, attribute)
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[label] += time.perf_counter() - t0
+                self.calls[label] += 1
+
+        setattr(owner, attribute, timed)
+        return lambda: setattr(owner, attribute, original)
+
+
+def profile_model(spec: ModelSpec, batches: list[tuple[Tensor, Tensor]], steps: int, seed: int) -> dict[str, Any]:
+    """Break down the extra time of ``every_step`` sampled steps by component and by aten op."""
+    from lightning_hookdiag import aggregation, callback, hooks, params, stats
+
+    timers = _Timers()
+    targets = [
+        (aggregation.StepRecorder, "on_output", "recorder.on_output (forward sink, total)"),
+        (aggregation.StepRecorder, "on_grad", "recorder.on_grad (gradient sink, total)"),
+        (stats, "activation_moments", "  stats.activation_moments"),
+        (stats, "unit_maxima", "  stats.unit_maxima"),
+        (stats, "gradient_moments", "  stats.gradient_moments"),
+        (aggregation.LayerStatsAggregator, "update", "  LayerStatsAggregator.update body (no torchmetrics wrapper)"),
+        (hooks, "first_floating_tensor", "hooks.first_floating_tensor (in the forward hook)"),
+        (hooks.HookSet, "attach", "HookSet.attach"),
+        (hooks.HookSet, "remove", "HookSet.remove"),
+        (params.ParameterTracker, "before_step", "ParameterTracker.before_step"),
+        (params.ParameterTracker, "after_step", "ParameterTracker.after_step"),
+        (callback.LayerHealthCallback, "_finish_window", "callback._finish_window (compute+transfer+log)"),
+        (aggregation.LayerStatsAggregator, "compute", "  LayerStatsAggregator.compute body (no torchmetrics wrapper)"),
+        (callback.LayerHealthCallback, "_log", "  callback._log"),
+    ]
+    restore = [timers.wrap(owner, attr, label) for owner, attr, label in targets]
+    warmup = 3
+    try:
+        times, _ = run_block(spec, batches, "every_step", steps, warmup, seed)
+        plain, _ = run_block(spec, batches, "plain", steps, warmup, seed)
+    finally:
+        for undo in reversed(restore):
+            undo()
+    total_steps = steps + warmup + 1  # every fit step was sampled, warm-up included
+    components = {k: v / total_steps * 1e3 for k, v in timers.seconds.items()}
+    calls = {k: v / total_steps for k, v in timers.calls.items()}
+
+    # Op-level view: torch.profiler over a few sampled steps (its per-op overhead inflates small ops).
+    torch.manual_seed(seed)
+    task = Task(spec.build())
+    cb = LayerHealthCallback(every_n_steps=1)
+    n_prof = 3
+
+    class _Profile(Callback):
+        def __init__(self) -> None:
+            self.prof: torch.profiler.profile | None = None
+
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, b: Any, i: int) -> None:
+            if trainer.global_step == warmup:
+                self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                self.prof.__enter__()
+
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            if self.prof is not None:
+                self.prof.__exit__(None, None, None)
+
+    prof_cb = _Profile()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        max_steps=warmup + n_prof,
+        callbacks=[prof_cb, cb],
+    )
+    trainer.fit(task, train_dataloaders=DataLoader(_Batches(batches, warmup + n_prof), batch_size=None))
+    ops = []
+    if prof_cb.prof is not None:
+        for e in sorted(prof_cb.prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:25]:
+            per_step = e.self_cpu_time_total / 1e3 / n_prof
+            ops.append({"op": e.key, "calls_per_step": e.count / n_prof, "self_ms_per_step": per_step})
+    return {
+        "every_step_median_ms": _median([t.wall for t in times]) * 1e3,
+        "plain_median_ms": _median([t.wall for t in plain]) * 1e3,
+        "components_ms_per_step": components,
+        "calls_per_step": calls,
+        "top_ops_every_step": ops,
+    }
+
+
+# --------------------------------------------------------------------------------------------------------- main
+def library_fingerprint() -> str:
+    """Short hash of the measured library's source, to tell which version of ``lightning_hookdiag`` ran."""
+    import hashlib
+
+    import lightning_hookdiag
+
+    digest = hashlib.sha256()
+    for path in sorted(Path(lightning_hookdiag.__file__).parent.glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def machine_info() -> dict[str, Any]:
+    """Where the numbers were measured."""
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "lightning": pl.__version__,
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command line."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of mlp,transformer,cnn")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"also: {','.join(EXTRA_VARIANTS)}")
+    p.add_argument("--steps", type=int, default=20, help="measured steps per block (default_interval: --period-steps)")
+    p.add_argument("--period-steps", type=int, default=50, help="measured steps per default_interval block (x50)")
+    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds")
+    p.add_argument("--warmup", type=int, default=3, help="steps dropped at the start of every block")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="benchmarks/results.json", help="where to write the results")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the run (default: torch's)")
+    p.add_argument("--quick", action="store_true", help="tiny models and few steps: a smoke test (1 thread)")
+    p.add_argument("--profile", action="store_true", help="also break down the sampled-step overhead")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.period_steps, args.rounds, args.warmup = 6, PERIOD, 1, 2
+        # One thread: a 2-thread OpenMP team stalls badly on a machine whose other core is busy.
+        args.threads = args.threads or 1
+    args.period_steps = max(PERIOD, args.period_steps // PERIOD * PERIOD)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(args.models) - set(MODELS)) + sorted(
+        set(args.variants) - set(DEFAULT_VARIANTS) - set(EXTRA_VARIANTS)
+    )
+    if unknown:
+        p.error(f"unknown model(s)/variant(s): {unknown}")
+    if "plain" not in args.variants:
+        args.variants.insert(0, "plain")
+    return args
+
+
+def _fmt_table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
+    lines = [f"{'model':<12} {'variant':<17} {'ms/step':>9} {'x plain':>8}  note", "-" * 100]
+    for model, variants in results.items():
+        base = variants["plain"]["median_ms"]
+        for variant, r in variants.items():
+            if variant == "default_interval":
+                ms = base + r["amortised_extra_ms"]
+                note = (
+                    f"plain + amortised extra: sampled step +{r['sampled_median_ms'] - r['unsampled_median_ms']:.1f}"
+                    f" ms over unsampled, /{PERIOD}, + {r['unsampled_hook_ms'] * 1e3:.0f} us callback per unsampled"
+                    f" step; direct: period-mean {r['period_mean_ms'] / variants['plain']['mean_ms']:.3f}x"
+                )
+            else:
+                ms = r["median_ms"]
+                note = f"median of {r['steps']} steps"
+                if r.get("median_hook_ms"):
+                    note += f"; {r['median_hook_ms']:.1f} ms of it in the callback's batch-level methods"
+            lines.append(f"{model:<12} {variant:<17} {ms:>9.2f} {ms / base:>8.3f}  {note}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark, print the table and write the JSON; return the results."""
+    args = parse_args(argv)
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
+    specs = model_specs(args.quick)
+    started = time.perf_counter()
+    load_at_start = os.getloadavg() if hasattr(os, "getloadavg") else None
+    raw: dict[str, dict[str, list[Step]]] = {m: defaultdict(list) for m in args.models}
+    sanity: dict[str, dict[str, int]] = {m: {} for m in args.models}
+    floors: dict[str, dict[str, Any]] = {}
+    profiles: dict[str, Any] = {}
+    with quiet():
+        batches = {m: batches_for(specs[m], args.seed + i) for i, m in enumerate(args.models)}
+        for model in args.models:  # one-time costs (lazy initialisation, first fit of the process) off the record
+            for variant in ("plain", "every_step"):
+                run_block(specs[model], batches[model], variant, 2, 1, args.seed)
+        for r in range(args.rounds):
+            for model in args.models:
+                order = args.variants[r % len(args.variants) :] + args.variants[: r % len(args.variants)]
+                for variant in order:
+                    steps = args.period_steps if variant == "default_interval" else args.steps
+                    times, cb = run_block(specs[model], batches[model], variant, steps, args.warmup, args.seed)
+                    raw[model][variant] += times
+                    if isinstance(cb, LayerHealthCallback):
+                        sanity[model][variant] = len(cb.last_metrics)
+                    elif isinstance(cb, TutorialCallback):
+                        sanity[model][variant] = len(cb.values)
+            print(f"round {r + 1}/{args.rounds} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+
+        results = {
+            m: {
+                v: summarise(v, raw[m][v], args.period_steps if v == "default_interval" else args.steps)
+                for v in args.variants
+            }
+            for m in args.models
+        }
+        for model in args.models:
+            sizes = floor_bytes(specs[model], batches[model][0], args.seed)
+            seconds = time_read(sizes["total"], repeats=5 if args.quick else 30)
+            plain = results[model]["plain"]["median_ms"]
+            floor: dict[str, Any] = {"bytes": sizes, "read_ms": seconds * 1e3}
+            floor["read_GBps"] = sizes["total"] / seconds / 1e9
+            if "every_step" in results[model]:
+                overhead = results[model]["every_step"]["median_ms"] - plain
+                floor["sampled_overhead_ms"] = overhead
+                floor["overhead_over_floor"] = overhead / (seconds * 1e3)
+            floors[model] = floor
+        if args.profile:
+            for model in args.models:
+                profiles[model] = profile_model(specs[model], batches[model], 5 if args.quick else 10, args.seed)
+
+    print(_fmt_table(results))
+    print()
+    for model, f in floors.items():
+        b = f["bytes"]
+        line = (
+            f"floor {model:<12} {b['total'] / 2**20:7.1f} MiB (acts {b['activations'] / 2**20:.1f}, act grads"
+            f" {b['activation_grads'] / 2**20:.1f}, weights {b['weights'] / 2**20:.1f}, grads {b['grads'] / 2**20:.1f},"
+            f" snapshot {b['snapshot'] / 2**20:.1f}): read {f['read_ms']:.2f} ms ({f['read_GBps']:.1f} GB/s)"
+        )
+        if "sampled_overhead_ms" in f:
+            line += f"; sampled overhead {f['sampled_overhead_ms']:.2f} ms = {f['overhead_over_floor']:.1f}x floor"
+        print(line)
+    for model, prof in profiles.items():
+        every, plain = prof["every_step_median_ms"], prof["plain_median_ms"]
+        print(f"\nprofile {model}: every_step {every:.2f} ms, plain {plain:.2f} ms (median of a short run)")
+        for label, ms in prof["components_ms_per_step"].items():
+            print(f"  {label:<62} {ms:8.3f} ms/step  {prof['calls_per_step'][label]:6.1f} calls/step")
+        print("  top aten ops (self CPU, torch.profiler, every_step):")
+        for op in prof["top_ops_every_step"][:15]:
+            print(f"    {op['op']:<40} {op['self_ms_per_step']:8.3f} ms/step {op['calls_per_step']:7.1f} calls/step")
+
+    payload = {
+        "machine": machine_info(),
+        "load_average_at_start": load_at_start,
+        "library_sha256": library_fingerprint(),
+        "config": {k: v for k, v in vars(args).items() if k != "json"},
+        "models": {m: specs[m].description for m in args.models},
+        "results": results,
+        "floor": floors,
+        "sanity_logged_values": sanity,
+        "profile": profiles,
+        "wall_s": time.perf_counter() - started,
+    }
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"\nwrote {path} ({payload['wall_s']:.0f} s)")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
