@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -411,6 +412,7 @@ class LayerHealthCallback(Callback):
         assert self._hooks is not None
         assert self._recorder is not None
         step = self._window
+        assert step is not None
         agg = self._aggregator
         if self._tracker is not None:
             updated = self._tracker.after_step()
@@ -418,14 +420,15 @@ class LayerHealthCallback(Callback):
                 agg.update(params=(updated[0], updated[1], P.P_UPDATE_SQ))
         agg.update()  # every process takes part in the reduction, also one whose layers did not run
         values = agg.compute()  # reduced over processes by torchmetrics
-        layer_stats = [s for s in _LAYER_STATS if s in self.stats]
-        param_stats = [s for s in _PARAM_STATS if s in self.stats]
-        parts = [values[s] for s in layer_stats] + [values["count"], values["grad_count"]]
-        parts += [values[s] for s in param_stats] + [values["param_seen"], values["grad_norm_total"]]
+        wanted = [s for s in (*_LAYER_STATS, *_PARAM_STATS) if s in self.stats]
+        names = [*wanted, "count", "grad_count", "param_seen", "grad_norm_total"]
         histograms = self._recorder.histograms
         if histograms:
-            parts += [values["act_hist"], values["grad_hist"]]
-        flat = torch.cat([p.reshape(-1).to(torch.float64) for p in parts]).tolist()  # the one host transfer
+            names += ["act_hist", "grad_hist"]
+        parts = [values[name].reshape(-1).to(torch.float64) for name in names]
+        flat = torch.cat(parts).tolist()  # the one host transfer
+        ends = list(itertools.accumulate(p.numel() for p in parts))
+        host = {name: flat[end - part.numel() : end] for name, part, end in zip(names, parts, ends, strict=True)}
         self.execution_order = self._hooks.fired_names()
         backward_order = [self._hooks.names[i] for i in self._hooks.grad_order]
         self._hooks.clear_order()
@@ -435,43 +438,27 @@ class LayerHealthCallback(Callback):
         agg.reset()
         agg.grad_scale = None
         self._window = None
-        metrics = self._log(trainer, step, flat, layer_stats, param_stats, no_float)  # type: ignore[arg-type]
+        metrics = self._log(trainer, step, host, wanted, no_float)
         if histograms:
-            size = len(self.layer_names) * self.histogram_bins
-            act, grad = flat[len(flat) - 2 * size : len(flat) - size], flat[len(flat) - size :]
-            self._log_histograms(trainer, step, act, grad, agg.histogram_edges)  # type: ignore[arg-type]
-        self._diagnose(trainer, step, metrics, backward_order)  # type: ignore[arg-type]
+            self._log_histograms(trainer, step, host["act_hist"], host["grad_hist"], agg.histogram_edges)
+        self._diagnose(trainer, step, metrics, backward_order)
 
     def _log(
-        self,
-        trainer: pl.Trainer,
-        step: int,
-        flat: list[float],
-        layer_stats: list[str],
-        param_stats: list[str],
-        no_float: list[int],
+        self, trainer: pl.Trainer, step: int, host: dict[str, list[float]], wanted: list[str], no_float: list[int]
     ) -> dict[str, float]:
-        n, m = len(self.layer_names), len(self._param_names)
-        rows = {s: flat[i * n : (i + 1) * n] for i, s in enumerate(layer_stats)}
-        offset = len(layer_stats) * n
-        count, grad_count = flat[offset : offset + n], flat[offset + n : offset + 2 * n]
-        offset += 2 * n
-        prows = {s: flat[offset + i * m : offset + (i + 1) * m] for i, s in enumerate(param_stats)}
-        offset += len(param_stats) * m
-        seen, total = flat[offset : offset + m], flat[offset + m]
-
+        count, grad_count, seen = host["count"], host["grad_count"], host["param_seen"]
         metrics: dict[str, float] = {}
-        for stat, row in rows.items():
-            ran = grad_count if stat in S.GRADIENT_STATS else count
-            for name, value, c in zip(self.layer_names, row, ran, strict=True):
-                if c > 0 and not (stat == "act_dead_frac" and value != value):  # NaN: not a ReLU-family layer
-                    metrics[f"{self.prefix}/{stat}/{name}"] = value
-        for stat, row in prows.items():
-            for name, value, s in zip(self._param_names, row, seen, strict=True):
-                if s > 0:
+        for stat in wanted:
+            if stat in _PARAM_STATS:
+                names, present = self._param_names, [s > 0 for s in seen]
+            else:
+                ran = grad_count if stat in S.GRADIENT_STATS else count
+                names, present = self.layer_names, [c > 0 for c in ran]
+            for name, value, ok in zip(names, host[stat], present, strict=True):
+                if ok and not (stat == "act_dead_frac" and value != value):  # NaN: not a ReLU-family layer
                     metrics[f"{self.prefix}/{stat}/{name}"] = value
         if "grad_norm_total" in self.stats and any(s > 0 for s in seen):
-            metrics[f"{self.prefix}/grad_norm_total"] = total
+            metrics[f"{self.prefix}/grad_norm_total"] = host["grad_norm_total"][0]
         # Depth travels as data so that a report can order layers from the logs of any logger.
         observed = {name for name, c in zip(self.layer_names, count, strict=True) if c > 0}
         for depth, name in enumerate(n for n in self.execution_order if n in observed):
