@@ -397,3 +397,16 @@ def test_state_dict_round_trip():
     assert restored.last_metrics == callback.last_metrics
     assert restored.last_step == 1
     assert all(not isinstance(v, torch.Tensor) for v in callback.state_dict()["last_metrics"].values())
+
+
+def test_pickling_before_and_after_fit():
+    import pickle
+
+    callback = LayerHealthCallback(every_n_steps=1, layer_types=["torch.nn.Linear"], rules={"dead_frac_threshold": 0.5})
+    restored = pickle.loads(pickle.dumps(callback))
+    assert restored.layer_types == (nn.Linear,)
+    assert restored.rule_config == callback.rule_config
+    make_trainer([callback], max_steps=2).fit(TinyModule())
+    after = pickle.loads(pickle.dumps(callback))
+    assert after.last_metrics == callback.last_metrics
+    assert after.last_step == 1
