@@ -41,6 +41,9 @@ def capture_activations(
         layers: A name or a list of names or globs.
         to_cpu: Move each captured tensor to the CPU as it is captured.
 
+    Inside the block, ``torch.compile``-d code runs eagerly (the compiler ignores hooks added after compilation);
+    the compile cache is untouched, so compiled code runs again as before once the block ends.
+
     Yields:
         A dict filled as modules run: ``acts[name]`` is the detached output of that module's most recent call
         (tensors inside tuples, lists and dicts are detached too). A module that never ran is absent, and a
