@@ -22,12 +22,11 @@ from lightning_hookdiag.params import ParameterTracker, named_parameters_of
 from lightning_hookdiag.report.summary import format_step_table
 from lightning_hookdiag.rules import AlertState, Finding, RuleConfig, evaluate, format_error, values_from_metrics
 from lightning_hookdiag.selection import import_types, resolve_layers
+from lightning_hookdiag.vocabulary import LAYER_STATS, PER_PARAMETER_STATS
 
 __all__ = ["LayerHealthCallback"]
 
 _MOMENT_STATS = frozenset({"act_mean", "act_std", "act_absmax", "act_zero_frac", "act_nonfinite"})
-_LAYER_STATS = S.ACTIVATION_STATS + S.GRADIENT_STATS
-_PARAM_STATS = ("param_norm", "param_grad_norm", "param_update_ratio")
 ON_ANOMALY = ("warn", "raise", "stop", "ignore")
 
 
@@ -420,7 +419,7 @@ class LayerHealthCallback(Callback):
                 agg.update(params=(updated[0], updated[1], P.P_UPDATE_SQ))
         agg.update()  # every process takes part in the reduction, also one whose layers did not run
         values = agg.compute()  # reduced over processes by torchmetrics
-        wanted = [s for s in (*_LAYER_STATS, *_PARAM_STATS) if s in self.stats]
+        wanted = [s for s in (*LAYER_STATS, *PER_PARAMETER_STATS) if s in self.stats]
         names = [*wanted, "count", "grad_count", "param_seen", "grad_norm_total"]
         histograms = self._recorder.histograms
         if histograms:
@@ -449,7 +448,7 @@ class LayerHealthCallback(Callback):
         count, grad_count, seen = host["count"], host["grad_count"], host["param_seen"]
         metrics: dict[str, float] = {}
         for stat in wanted:
-            if stat in _PARAM_STATS:
+            if stat in PER_PARAMETER_STATS:
                 names, present = self._param_names, [s > 0 for s in seen]
             else:
                 ran = grad_count if stat in S.GRADIENT_STATS else count

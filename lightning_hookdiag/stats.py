@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_hookdiag.vocabulary import ACTIVATION_STATS, ALL_STATS, GRADIENT_STATS, PARAMETER_STATS
+
 __all__ = [
     "ACTIVATION_STATS",
     "ALL_STATS",
@@ -35,24 +37,6 @@ __all__ = [
     "unit_maxima",
     "Workspace",
 ]
-
-ACTIVATION_STATS: tuple[str, ...] = (
-    "act_mean",
-    "act_std",
-    "act_absmax",
-    "act_zero_frac",
-    "act_nonfinite",
-    "act_dead_frac",
-)
-"""Statistics of a module's output, keyed by module name."""
-
-GRADIENT_STATS: tuple[str, ...] = ("act_grad_norm", "act_grad_nonfinite")
-"""Statistics of the gradient of the loss with respect to a module's output, keyed by module name."""
-
-PARAMETER_STATS: tuple[str, ...] = ("param_norm", "param_grad_norm", "param_update_ratio", "grad_norm_total")
-"""Statistics of parameters around the optimizer step, keyed by parameter name (``grad_norm_total``: no key)."""
-
-ALL_STATS: tuple[str, ...] = ACTIVATION_STATS + GRADIENT_STATS + PARAMETER_STATS
 
 # Columns of the additive activation vector.
 ACT_COUNT, ACT_NONZERO, ACT_NONZERO_FINITE, ACT_SUM, ACT_SUMSQ = range(5)

@@ -15,10 +15,8 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 import lightning_hookdiag
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag import stats as S
 from lightning_hookdiag.report import ReportError, read_health_log
 from lightning_hookdiag.report.cli import main
-from lightning_hookdiag.report.health_log import LAYER_STATS, PARAMETER_STATS, TOTAL_STATS
 from lightning_hookdiag.report.plot import heatmap_figure, plot_heatmap
 
 REPO = Path(lightning_hookdiag.__file__).resolve().parent.parent
@@ -143,11 +141,6 @@ def test_prefix_is_detected_or_given(tmp_path: Path) -> None:
     with pytest.raises(ReportError, match=r"several health prefixes \(dec_health, enc_health\)"):
         read_health_log(both.log_dir)
     assert read_health_log(both.log_dir, prefix="dec_health").stats == {"act_std": {"b": {0: 2.0}}}
-
-
-def test_vocabulary_matches_the_callback() -> None:
-    assert LAYER_STATS == S.ACTIVATION_STATS + S.GRADIENT_STATS
-    assert PARAMETER_STATS + TOTAL_STATS == S.PARAMETER_STATS
 
 
 # ----------------------------------------------------------------------------------------------- summary

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from lightning_hookdiag.report.errors import ReportError
+from lightning_hookdiag.vocabulary import LAYER_STATS, TOTAL_STATS
+from lightning_hookdiag.vocabulary import PER_PARAMETER_STATS as PARAMETER_STATS
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -25,26 +27,6 @@ __all__ = [
 ]
 
 DEFAULT_PREFIX = "layer_health"
-
-# Copies of the vocabulary in ``lightning_hookdiag.stats``: importing that module would import torch, which the
-# report must not need. A test keeps the two in step.
-LAYER_STATS: tuple[str, ...] = (
-    "act_mean",
-    "act_std",
-    "act_absmax",
-    "act_zero_frac",
-    "act_nonfinite",
-    "act_dead_frac",
-    "act_grad_norm",
-    "act_grad_nonfinite",
-)
-"""Statistics keyed by module name."""
-
-PARAMETER_STATS: tuple[str, ...] = ("param_norm", "param_grad_norm", "param_update_ratio")
-"""Statistics keyed by dotted parameter name."""
-
-TOTAL_STATS: tuple[str, ...] = ("grad_norm_total",)
-"""Statistics with one value per step and no layer part in their key."""
 
 _DEPTH = "depth"
 _KNOWN_ORDER = {s: i for i, s in enumerate(LAYER_STATS + PARAMETER_STATS + TOTAL_STATS)}

@@ -1,0 +1,45 @@
+"""The names of the statistics: one definition for the callback (which needs torch) and the report (which must not).
+
+Example:
+    >>> LAYER_STATS[:2], TOTAL_STATS
+    (('act_mean', 'act_std'), ('grad_norm_total',))
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ACTIVATION_STATS",
+    "ALL_STATS",
+    "GRADIENT_STATS",
+    "LAYER_STATS",
+    "PARAMETER_STATS",
+    "PER_PARAMETER_STATS",
+    "TOTAL_STATS",
+]
+
+ACTIVATION_STATS: tuple[str, ...] = (
+    "act_mean",
+    "act_std",
+    "act_absmax",
+    "act_zero_frac",
+    "act_nonfinite",
+    "act_dead_frac",
+)
+"""Statistics of a module's output, keyed by module name."""
+
+GRADIENT_STATS: tuple[str, ...] = ("act_grad_norm", "act_grad_nonfinite")
+"""Statistics of the gradient of the loss with respect to a module's output, keyed by module name."""
+
+LAYER_STATS: tuple[str, ...] = ACTIVATION_STATS + GRADIENT_STATS
+"""Every statistic keyed by module name."""
+
+PER_PARAMETER_STATS: tuple[str, ...] = ("param_norm", "param_grad_norm", "param_update_ratio")
+"""Statistics of parameters around the optimizer step, keyed by dotted parameter name."""
+
+TOTAL_STATS: tuple[str, ...] = ("grad_norm_total",)
+"""Statistics with one value per step and no name part in their key."""
+
+PARAMETER_STATS: tuple[str, ...] = PER_PARAMETER_STATS + TOTAL_STATS
+"""Every statistic computed from parameters."""
+
+ALL_STATS: tuple[str, ...] = LAYER_STATS + PARAMETER_STATS
