@@ -175,9 +175,12 @@ class LayerStatsAggregator(Metric):
         """
         out = S.finalize_activations(self.act_moments, self.act_absmax)
         out.update(S.finalize_gradients(self.grad_moments, self.grad_scale))
-        out["act_dead_frac"] = S.finalize_dead_fraction(
+        dead = S.finalize_dead_fraction(
             self.unit_max, self._unit_owner.to(self.unit_max.device), self.n_layers, self.acc_dtype
         )
+        for layer in self.unit_mismatch:  # its units stopped being recorded: the fraction would read "all dead"
+            dead[layer] = float("nan")
+        out["act_dead_frac"] = dead
         out["count"] = self.act_moments[:, S.ACT_COUNT]
         out["grad_count"] = self.grad_moments[:, S.GRAD_COUNT]
         out.update(P.finalize_parameters(self.param_stats))

@@ -463,6 +463,13 @@ class LayerHealthCallback(Callback):
         for depth, name in enumerate(n for n in self.execution_order if n in observed):
             metrics[f"{self.prefix}/depth/{name}"] = float(depth)
 
+        for i in sorted(self._aggregator.unit_mismatch if self._aggregator is not None else ()):
+            name = self.layer_names[i]
+            self._warn_once(
+                f"unit_mismatch:{name}",
+                f"LayerHealthCallback: the number of units of {name!r} changed between calls (a module shared by"
+                " inputs of different widths); act_dead_frac is not tracked for it",
+            )
         for i in no_float:
             name = self.layer_names[i]
             self._warn_once(

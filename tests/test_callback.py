@@ -410,3 +410,30 @@ def test_pickling_before_and_after_fit():
     after = pickle.loads(pickle.dumps(callback))
     assert after.last_metrics == callback.last_metrics
     assert after.last_step == 1
+
+
+class SharedReLU(nn.Module):
+    """One ReLU applied to hidden states of two different widths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.narrow = nn.Linear(4, 3)
+        self.wide = nn.Linear(3, 5)
+        self.act = nn.ReLU()
+        self.head = nn.Linear(5, 1)
+
+    def forward(self, x):
+        return self.head(self.act(self.wide(self.act(self.narrow(x)))))
+
+
+def test_unit_count_change_is_warned_once_and_never_reported_as_dead():
+    logger = RecordingLogger()
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore")
+    with pytest.warns(LayerHealthWarning) as record:
+        make_trainer([callback], max_steps=3, logger=logger).fit(TinyModule(model=SharedReLU()))
+    messages = [str(w.message) for w in record if "number of units of 'model.act' changed" in str(w.message)]
+    assert len(messages) == 1
+    for _, metrics in logger.ours():
+        assert f"{P}/act_dead_frac/model.act" not in metrics
+        assert f"{P}/act_mean/model.act" in metrics
+    assert not [f for f in callback.findings if f.rule == "dead_units"]
