@@ -90,6 +90,14 @@ class LayerStatsAggregator(Metric):
         """Layers whose unit count changed after it was learned; their dead fraction is not tracked."""
         self.grad_scale: Tensor | None = None
         """AMP loss scale of the step's gradients, divided out of ``act_grad_norm`` at ``compute``."""
+        self._clear_host()
+
+    def _clear_host(self) -> None:
+        # Observations of the host fast path, in Python floats (float64), until update() folds them into the states.
+        self._host_act = [[0.0] * S.ACT_SLOTS for _ in range(self.n_layers)]
+        self._host_absmax = [0.0] * self.n_layers
+        self._host_grad = [[0.0] * S.GRAD_SLOTS for _ in range(self.n_layers)]
+        self._host_pending = False
 
     def _offset(self, layer: int) -> int:
         return sum(self.unit_sizes[:layer])
@@ -112,7 +120,6 @@ class LayerStatsAggregator(Metric):
         units: Tensor | None = None,
         gradient: Tensor | None = None,
         params: tuple[Tensor, Tensor, int | slice] | None = None,
-        count: int = 0,
         act_hist: Tensor | None = None,
         grad_hist: Tensor | None = None,
     ) -> None:
@@ -129,7 +136,6 @@ class LayerStatsAggregator(Metric):
             gradient: Moments from :func:`~lightning_hookdiag.stats.gradient_moments`.
             params: ``(index, values, columns)``: write ``values`` into the parameter rows ``index`` and columns
                 ``columns`` (see :mod:`lightning_hookdiag.params`).
-            count: Elements observed, when ``activation`` (which carries its own count) is not computed.
             act_hist: Histogram counts of the output (:func:`~lightning_hookdiag.stats.histogram_counts`).
             grad_hist: Histogram counts of the output gradient.
         """
@@ -139,8 +145,6 @@ class LayerStatsAggregator(Metric):
             self.param_stats[:, columns].index_copy_(0, index, values.to(self.param_stats.dtype))
         if layer is None:
             return
-        if count:
-            self.act_moments[layer, S.ACT_COUNT] += count
         if activation is not None:
             moments, absmax = activation
             self.act_moments[layer].add_(moments)
@@ -161,9 +165,59 @@ class LayerStatsAggregator(Metric):
         if grad_hist is not None:
             self.grad_hist[layer].add_(grad_hist)
 
+    def add_host(
+        self,
+        layer: int,
+        activation: tuple[list[float], float] | None = None,
+        gradient: list[float] | None = None,
+        count: int = 0,
+    ) -> None:
+        """Add one observation in Python floats, from the host fast path; :meth:`update` folds it into the states.
+
+        Args:
+            layer: Index of the layer.
+            activation: ``(moments, absmax)`` from :func:`~lightning_hookdiag.stats.host_activation_moments`.
+            gradient: Moments from :func:`~lightning_hookdiag.stats.host_gradient_moments`.
+            count: Elements observed, when no activation moments are computed.
+        """
+        self._computed = None
+        self._host_pending = True
+        row = self._host_act[layer]
+        row[S.ACT_COUNT] += count
+        if activation is not None:
+            moments, absmax = activation
+            for i, value in enumerate(moments):
+                row[i] += value
+            self._host_absmax[layer] = max(self._host_absmax[layer], absmax)
+        if gradient is not None:
+            row = self._host_grad[layer]
+            for i, value in enumerate(gradient):
+                row[i] += value
+
+    def _fold_host(self) -> None:
+        # One tensor per state for every layer at once: the per-call cost of the host path stays in Python.
+        if not self._host_pending:
+            return
+        device = self.act_moments.device
+        self.act_moments += torch.tensor(self._host_act, dtype=self.act_moments.dtype, device=device)
+        absmax = torch.tensor(self._host_absmax, dtype=self.act_absmax.dtype, device=device)
+        torch.maximum(self.act_absmax, absmax, out=self.act_absmax)
+        self.grad_moments += torch.tensor(self._host_grad, dtype=self.grad_moments.dtype, device=device)
+        self._clear_host()
+
     def update(self, *args: Any, **kwargs: Any) -> None:
-        """Same as :meth:`add`, through torchmetrics' bookkeeping (marks the metric as updated)."""
+        """Same as :meth:`add`, through torchmetrics' bookkeeping (marks the metric as updated).
+
+        Also folds the observations of :meth:`add_host` into the states, so call it before ``compute``: the states,
+        not the pending host values, are what torchmetrics reduces over processes.
+        """
         self.add(*args, **kwargs)
+        self._fold_host()
+
+    def reset(self) -> None:
+        """Clear the states and any pending host observations, to start the next sampled step."""
+        super().reset()
+        self._clear_host()
 
     def compute(self) -> dict[str, Tensor]:
         """Finalised statistics, after torchmetrics has reduced the states over processes.
@@ -173,6 +227,7 @@ class LayerStatsAggregator(Metric):
             tracked) and ``count`` / ``grad_count`` (elements observed: 0 means the layer never ran), plus the
             parameter statistics of :func:`~lightning_hookdiag.params.finalize_parameters`.
         """
+        self._fold_host()  # normally done by update(); here it would miss the reduction over processes
         out = S.finalize_activations(self.act_moments, self.act_absmax)
         out.update(S.finalize_gradients(self.grad_moments, self.grad_scale))
         dead = S.finalize_dead_fraction(
@@ -194,7 +249,8 @@ class StepRecorder:
     """The sinks a :class:`~lightning_hookdiag.hooks.HookSet` writes into.
 
     Each output or gradient is reduced to the sufficient statistics that the requested statistics need and added to
-    a :class:`LayerStatsAggregator`.
+    a :class:`LayerStatsAggregator`: by the host fast path for tensors in host memory, by the exact device path
+    otherwise and for tensors holding a NaN or Inf (see :mod:`lightning_hookdiag.stats`).
 
     Args:
         aggregator: Where observations are pooled.
@@ -228,19 +284,30 @@ class StepRecorder:
             self.no_float_output.add(layer)
             return
         agg = self.aggregator
+        activation = None
+        if not self.moments:
+            agg.add_host(layer, count=tensor.numel())
+        else:
+            fast = S.host_activation_moments(tensor, self.workspace) if S.reads_on_host(tensor) else None
+            if fast is None:
+                activation = S.activation_moments(tensor, agg.acc_dtype, self.workspace)
+            else:
+                agg.add_host(layer, activation=fast)
         agg.add(
             layer,
-            activation=S.activation_moments(tensor, agg.acc_dtype, self.workspace) if self.moments else None,
+            activation=activation,
             units=S.unit_maxima(tensor, self.unit_dim) if layer in self.unit_layers else None,
-            count=0 if self.moments else tensor.numel(),
             act_hist=S.histogram_counts(tensor, agg.histogram_edges) if self.histograms else None,
         )
 
     def on_grad(self, layer: int, grad: Tensor) -> None:
         """Gradient sink: observe the gradient of the loss w.r.t. the output of layer ``layer``."""
         agg = self.aggregator
+        fast = S.host_gradient_moments(grad, self.workspace) if S.reads_on_host(grad) else None
+        if fast is not None:
+            agg.add_host(layer, gradient=fast)
         agg.add(
             layer,
-            gradient=S.gradient_moments(grad, agg.acc_dtype, self.workspace),
+            gradient=S.gradient_moments(grad, agg.acc_dtype, self.workspace) if fast is None else None,
             grad_hist=S.histogram_counts(grad, agg.histogram_edges) if self.histograms else None,
         )

@@ -91,3 +91,33 @@ def test_collective_state_count_does_not_depend_on_layers():
     small, big = LayerStatsAggregator(2, 3), LayerStatsAggregator(200, 300)
     assert set(small._defaults) == set(big._defaults)
     assert small.act_moments.shape[1] == S.ACT_SLOTS
+
+
+def test_host_and_device_observations_of_one_layer_pool_together():
+    # Micro-batch a is finite (host fast path), b holds a NaN (exact device path): the layer's statistics are those
+    # of the union of their finite values, whichever path each took.
+    agg = LayerStatsAggregator(n_layers=1)
+    rec = StepRecorder(agg)
+    a = torch.tensor([1.0, -2.0, 0.0, 4.0])
+    b = torch.tensor([3.0, float("nan"), -6.0])
+    rec.on_output(0, a)
+    rec.on_grad(0, a)
+    assert agg.act_moments.sum().item() == 0  # pending in Python floats until update()
+    rec.on_output(0, b)
+    rec.on_grad(0, b)
+    agg.update()
+    out = agg.compute()
+    finite = torch.tensor([1.0, -2.0, 0.0, 4.0, 3.0, -6.0], dtype=torch.float64)
+    assert out["act_mean"].item() == pytest.approx(finite.mean().item())
+    assert out["act_std"].item() == pytest.approx(finite.std(correction=0).item())
+    assert out["act_absmax"].item() == 6.0
+    assert out["act_nonfinite"].item() == 1
+    assert out["act_zero_frac"].item() == pytest.approx(1 / 7)
+    assert out["act_grad_norm"].item() == pytest.approx(finite.norm().item())
+    assert out["act_grad_nonfinite"].item() == 1
+    assert out["count"].item() == 7
+    # reset drops pending host observations too
+    rec.on_output(0, a)
+    agg.reset()
+    agg.update()
+    assert agg.compute()["count"].item() == 0

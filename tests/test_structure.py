@@ -9,11 +9,12 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from conftest import TinyModule, count_hooks, make_data, make_trainer
+from conftest import RecordingLogger, TinyModule, count_hooks, make_data, make_trainer
 from lightning.pytorch import Callback
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
+from lightning_hookdiag import stats as S
 
 # Tensor methods that force a device-to-host copy (and so a sync on an accelerator).
 SYNCING = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
@@ -29,6 +30,7 @@ def count_host_transfers(counter: dict[str, int]):
                 counter["calls"] += 1
                 counter.setdefault(name, 0)
                 counter[name] += 1
+                counter.setdefault("devices", set()).add(self.device.type)
             return original(self, *args, **kwargs)
 
         return counted
@@ -86,21 +88,51 @@ class SyncFreeModule(TinyModule):
         return self.loss(self(x), y)
 
 
-def transfers_per_step(blocks: int) -> dict[int, int]:
+def transfers_per_step(blocks: int) -> tuple[dict[int, int], set[str]]:
     counter = {"active": False, "calls": 0}
     # The 12-block default-init MLP has a vanishing gradient; the rules' verdict is not what this test is about.
     callback = CountingCallback(counter, every_n_steps=2, on_anomaly="ignore")
     module = SyncFreeModule(model=deep_mlp(blocks))
     with count_host_transfers(counter):
         make_trainer([callback], max_steps=5, accumulate_grad_batches=2).fit(module)
-    return callback.per_step
+    return callback.per_step, counter.get("devices", set())
 
 
-def test_host_transfers_per_sampled_step_are_one_and_do_not_grow_with_depth():
-    shallow, deep = transfers_per_step(1), transfers_per_step(12)
+def test_host_transfers_per_sampled_step_are_one_and_do_not_grow_with_depth(monkeypatch):
+    # The path every accelerator takes: tensors that are not in host memory are never read back per layer. This
+    # machine has no accelerator, so the CPU tensors are made to take that path too.
+    monkeypatch.setattr(S, "reads_on_host", lambda t: False)
+    (shallow, _), (deep, _) = transfers_per_step(1), transfers_per_step(12)
     # Sampled steps 0, 2, 4: one batched transfer each, in the last micro-batch; unsampled steps: none.
     assert shallow == deep
     assert shallow == {0: 1, 1: 0, 2: 1, 3: 0, 4: 1}
+
+
+def test_host_fast_path_reads_only_tensors_already_in_host_memory():
+    # On the CPU the fast path reads each reduction back (a memory load, no device to wait for): the count grows
+    # with depth, every read is of a CPU tensor, and unsampled steps still read nothing.
+    (shallow, devices_shallow), (deep, devices_deep) = transfers_per_step(1), transfers_per_step(12)
+    assert devices_shallow == devices_deep == {"cpu"}
+    assert shallow[1] == shallow[3] == deep[1] == deep[3] == 0
+    assert deep[0] > shallow[0] > 1
+
+
+def test_host_fast_path_logs_the_same_statistics_as_the_device_path(monkeypatch):
+    def fit_and_log() -> dict[str, float]:
+        logger = RecordingLogger()
+        torch.manual_seed(0)
+        module = TinyModule(model=deep_mlp(3), optimizer="adam", lr=1e-2)
+        callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
+        make_trainer([callback], logger=logger, max_steps=4, accumulate_grad_batches=2).fit(module)
+        return {f"{k}@{step}": v for step, metrics in logger.ours() for k, v in metrics.items()}
+
+    fast = fit_and_log()
+    monkeypatch.setattr(S, "reads_on_host", lambda t: False)
+    exact = fit_and_log()
+    assert fast.keys() == exact.keys()
+    assert len(fast) > 100
+    for key, value in exact.items():
+        assert fast[key] == pytest.approx(value, rel=1e-5, abs=1e-7, nan_ok=True), key
 
 
 class Probe(Callback):
