@@ -433,7 +433,7 @@ class LayerHealthCallback(Callback):
         self._hooks.clear_order()
         no_float = sorted(self._recorder.no_float_output)
         self._recorder.no_float_output.clear()
-        self._recorder.workspace.release()
+        self._recorder.workspace.release(keep_host=True)  # host scratch is reused by the next sampled step
         agg.reset()
         agg.grad_scale = None
         self._window = None

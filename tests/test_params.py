@@ -1,0 +1,65 @@
+"""ParameterTracker against a hand-written reference, on both the host path and the accelerator path."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_hookdiag import params as P
+from lightning_hookdiag import stats as S
+
+
+def sq(t: torch.Tensor) -> float:
+    return sum(v * v for v in t.double().reshape(-1).tolist())
+
+
+@pytest.fixture(params=["host", "accelerator"])
+def path(request, monkeypatch):
+    if request.param == "accelerator":  # what a GPU takes: fused norms, a fresh copy per sampled step
+        monkeypatch.setattr(S, "reads_on_host", lambda t: False)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tracker_matches_reference_over_several_steps(path, dtype):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).to(dtype)
+    tracker = P.ParameterTracker(P.named_parameters_of({"a": net[0], "b": net[1]}))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    buffers = None
+    for _ in range(3):
+        opt.zero_grad()
+        net(torch.randn(5, 3, dtype=dtype)).square().sum().backward()
+        expected_before = [p.detach().clone() for p in tracker.params]
+        index, values = tracker.before_step(opt.param_groups)
+        opt.step()
+        update_index, update_sq = tracker.after_step()
+        assert index.tolist() == update_index.tolist() == [0, 1, 2, 3]
+        for i, p in enumerate(tracker.params):
+            weight, grad, _, seen = values[i].tolist()
+            assert weight == pytest.approx(sq(expected_before[i]), rel=1e-6)
+            assert grad == pytest.approx(sq(p.grad), rel=1e-6)
+            assert seen == 1
+            update = sq(p.detach().double() - expected_before[i].double())
+            # The difference is taken in the parameter's dtype: bf16 rounds it to 8 significant bits.
+            assert update_sq[i].item() == pytest.approx(update, rel=1e-6 if dtype == torch.float32 else 2e-2)
+        if path == "host":  # the copies are reused, not reallocated, from one sampled step to the next
+            current = [id(b) for b in tracker._host_buffers.values()]
+            assert buffers is None or current == buffers
+            buffers = current
+    tracker.release()
+    assert not tracker._host_buffers
+
+
+def test_parameter_stepped_by_two_optimizers_in_one_window_gets_two_copies(path):
+    # Both optimizers step the same weight before the window ends. Each copy is measured against the weights at the
+    # end of the window: the first copy must still hold the weights from before the first step, not be overwritten.
+    w = nn.Parameter(torch.tensor([1.0, 2.0]))
+    tracker = P.ParameterTracker({"w": w})
+    first, second = torch.optim.SGD([w], lr=0.5), torch.optim.SGD([w], lr=0.25)
+    w.grad = torch.tensor([1.0, 1.0])
+    tracker.before_step(first.param_groups)
+    first.step()  # w = [0.5, 1.5]
+    tracker.before_step(second.param_groups)
+    second.step()  # w = [0.25, 1.25]
+    _, update_sq = tracker.after_step()
+    assert update_sq.tolist() == pytest.approx([2 * 0.75**2, 2 * 0.25**2])
