@@ -493,9 +493,11 @@ def profile_model(spec: ModelSpec, batches: list[tuple[Tensor, Tensor]], steps: 
     targets = [
         (aggregation.StepRecorder, "on_output", "recorder.on_output (forward sink, total)"),
         (aggregation.StepRecorder, "on_grad", "recorder.on_grad (gradient sink, total)"),
-        (stats, "activation_moments", "  stats.activation_moments"),
+        (stats, "host_activation_moments", "  stats.host_activation_moments (CPU fast path)"),
+        (stats, "activation_moments", "  stats.activation_moments (device path, NaN/Inf fallback)"),
         (stats, "unit_maxima", "  stats.unit_maxima"),
-        (stats, "gradient_moments", "  stats.gradient_moments"),
+        (stats, "host_gradient_moments", "  stats.host_gradient_moments (CPU fast path)"),
+        (stats, "gradient_moments", "  stats.gradient_moments (device path, NaN/Inf fallback)"),
         (aggregation.LayerStatsAggregator, "update", "  LayerStatsAggregator.update body (no torchmetrics wrapper)"),
         (hooks, "first_floating_tensor", "hooks.first_floating_tensor (in the forward hook)"),
         (hooks.HookSet, "attach", "HookSet.attach"),

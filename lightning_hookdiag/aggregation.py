@@ -90,14 +90,7 @@ class LayerStatsAggregator(Metric):
         """Layers whose unit count changed after it was learned; their dead fraction is not tracked."""
         self.grad_scale: Tensor | None = None
         """AMP loss scale of the step's gradients, divided out of ``act_grad_norm`` at ``compute``."""
-        self._clear_host()
-
-    def _clear_host(self) -> None:
-        # Observations of the host fast path, in Python floats (float64), until update() folds them into the states.
-        self._host_act = [[0.0] * S.ACT_SLOTS for _ in range(self.n_layers)]
-        self._host_absmax = [0.0] * self.n_layers
-        self._host_grad = [[0.0] * S.GRAD_SLOTS for _ in range(self.n_layers)]
-        self._host_pending = False
+        self._host = _HostRows(n_layers)
 
     def _offset(self, layer: int) -> int:
         return sum(self.unit_sizes[:layer])
@@ -139,7 +132,7 @@ class LayerStatsAggregator(Metric):
             act_hist: Histogram counts of the output (:func:`~lightning_hookdiag.stats.histogram_counts`).
             grad_hist: Histogram counts of the output gradient.
         """
-        self._computed = None  # what torchmetrics' update wrapper would do: a cached result is stale now
+        self._mark_stale()
         if params is not None:
             index, values, columns = params
             self.param_stats[:, columns].index_copy_(0, index, values.to(self.param_stats.dtype))
@@ -180,30 +173,38 @@ class LayerStatsAggregator(Metric):
             gradient: Moments from :func:`~lightning_hookdiag.stats.host_gradient_moments`.
             count: Elements observed, when no activation moments are computed.
         """
-        self._computed = None
-        self._host_pending = True
-        row = self._host_act[layer]
+        self._mark_stale()
+        host = self._host
+        host.pending = True
+        row = host.act[layer]
         row[S.ACT_COUNT] += count
         if activation is not None:
             moments, absmax = activation
             for i, value in enumerate(moments):
                 row[i] += value
-            self._host_absmax[layer] = max(self._host_absmax[layer], absmax)
+            host.absmax[layer] = max(host.absmax[layer], absmax)
         if gradient is not None:
-            row = self._host_grad[layer]
+            row = host.grad[layer]
             for i, value in enumerate(gradient):
                 row[i] += value
 
+    def _mark_stale(self) -> None:
+        # What torchmetrics' update wrapper does: a cached result is stale now. Only assigned when set, because
+        # every attribute assignment on a Metric goes through nn.Module.__setattr__ (microseconds, per hook call).
+        if self._computed is not None:
+            self._computed = None
+
     def _fold_host(self) -> None:
         # One tensor per state for every layer at once: the per-call cost of the host path stays in Python.
-        if not self._host_pending:
+        host = self._host
+        if not host.pending:
             return
         device = self.act_moments.device
-        self.act_moments += torch.tensor(self._host_act, dtype=self.act_moments.dtype, device=device)
-        absmax = torch.tensor(self._host_absmax, dtype=self.act_absmax.dtype, device=device)
+        self.act_moments += torch.tensor(host.act, dtype=self.act_moments.dtype, device=device)
+        absmax = torch.tensor(host.absmax, dtype=self.act_absmax.dtype, device=device)
         torch.maximum(self.act_absmax, absmax, out=self.act_absmax)
-        self.grad_moments += torch.tensor(self._host_grad, dtype=self.grad_moments.dtype, device=device)
-        self._clear_host()
+        self.grad_moments += torch.tensor(host.grad, dtype=self.grad_moments.dtype, device=device)
+        host.clear()
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         """Same as :meth:`add`, through torchmetrics' bookkeeping (marks the metric as updated).
@@ -217,7 +218,7 @@ class LayerStatsAggregator(Metric):
     def reset(self) -> None:
         """Clear the states and any pending host observations, to start the next sampled step."""
         super().reset()
-        self._clear_host()
+        self._host.clear()
 
     def compute(self) -> dict[str, Tensor]:
         """Finalised statistics, after torchmetrics has reduced the states over processes.
@@ -243,6 +244,22 @@ class LayerStatsAggregator(Metric):
             out["act_hist"] = self.act_hist
             out["grad_hist"] = self.grad_hist
         return out
+
+
+class _HostRows:
+    """Observations of the host fast path, in Python floats (float64), until ``update()`` folds them into states."""
+
+    __slots__ = ("absmax", "act", "grad", "n_layers", "pending")
+
+    def __init__(self, n_layers: int) -> None:
+        self.n_layers = n_layers
+        self.clear()
+
+    def clear(self) -> None:
+        self.act = [[0.0] * S.ACT_SLOTS for _ in range(self.n_layers)]
+        self.absmax = [0.0] * self.n_layers
+        self.grad = [[0.0] * S.GRAD_SLOTS for _ in range(self.n_layers)]
+        self.pending = False
 
 
 class StepRecorder:

@@ -231,7 +231,7 @@ def reads_on_host(t: Tensor) -> bool:
         >>> reads_on_host(torch.zeros(1))
         True
     """
-    return t.device.type == "cpu"
+    return t.is_cpu
 
 
 # The smallest integer of each bit-pattern dtype is the pattern of -0.0.
