@@ -158,6 +158,8 @@ def finalize_host(*tensors: torch.Tensor) -> dict[str, float]:
     ("values", "dtype"),
     [
         ([0.0, 1.0, -3.0, 2.5, 0.0], torch.float32),
+        ([0.0, 2.0, 0.5, 0.0, 7.25], torch.float32),  # no sign bit: absmax read from the bit pattern
+        ([0.0, 2.0, 0.5, 0.0, 7.25], torch.float64),
         ([-0.0, 0.0, -0.0, 2.0, -1.0], torch.float32),  # negative zeros (dropout of negative inputs) are zeros
         ([-0.0, -0.0, 3.5], torch.float64),
         ([1e4 + 0.5, 1e4 - 0.5, 1e4 + 1.5, 1e4 - 1.5], torch.float32),  # cancellation trap: centred path
