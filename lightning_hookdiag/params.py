@@ -65,7 +65,10 @@ def replicas(t: Tensor) -> int:
 
 
 def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64) -> Tensor:
-    """Sums of squares of each tensor, as one ``[len(tensors)]`` vector, with one fused reduction.
+    """Sums of squares of each tensor, as one ``[len(tensors)]`` vector.
+
+    One fused ``_foreach_norm`` on an accelerator; one ``dot`` per tensor in host memory, where it is faster and
+    rounds less (a float32 ``_foreach_norm`` was measured 100x further from float64 than ``dot`` on 2 M elements).
 
     Example:
         >>> squared_norms([torch.tensor([3.0, 4.0]), torch.tensor([1.0])]).tolist()
