@@ -396,7 +396,7 @@ class LayerHealthCallback(Callback):
             self._aggregator.reset()
             self._aggregator.grad_scale = None
         if self._tracker is not None:
-            self._tracker.discard()
+            self._tracker.release()
 
     def _warn_once(self, key: str, message: str, info: bool = False) -> None:
         if key not in self._warned:

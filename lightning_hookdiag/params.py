@@ -262,11 +262,7 @@ class ParameterTracker:
         self._snapshots = []
         return torch.cat(indices), torch.cat(updates)
 
-    def discard(self) -> None:
-        """Drop any snapshot without measuring it (the step was abandoned)."""
-        self._snapshots = []
-
     def release(self) -> None:
-        """Drop the snapshot buffers kept across sampled steps in host memory (and any pending snapshot)."""
+        """Drop any pending snapshot without measuring it, and the copies kept across sampled steps in host memory."""
         self._snapshots = []
         self._host_buffers = {}
