@@ -24,7 +24,8 @@ Variants:
   the reference pays no logging cost the callback does not pay either, since ``logger=False``).
 
 Optional extra variants (``--variants``) split ``every_step`` by statistic family: ``acts_only``, ``grads_only`` and
-``params_only``.
+``params_only``; ``hooks_noop`` and ``hooks_one_read`` price the hook machinery alone and with one ``sum`` per output
+and output gradient (:class:`HookFloorCallback`).
 
 Timing: a :class:`StepTimer` callback, listed first, records ``time.perf_counter_ns()`` in ``on_train_batch_start``.
 The interval between two consecutive starts is one whole training step: data fetch, forward, backward, optimizer
@@ -93,7 +94,7 @@ from lightning_hookdiag.stats import ACTIVATION_STATS, GRADIENT_STATS, PARAMETER
 PERIOD = 50
 """``every_n_steps`` default of ``LayerHealthCallback``: the length of one amortisation period."""
 DEFAULT_VARIANTS = ("plain", "every_step", "default_interval", "tutorial")
-EXTRA_VARIANTS = ("acts_only", "grads_only", "params_only")
+EXTRA_VARIANTS = ("acts_only", "grads_only", "params_only", "hooks_noop", "hooks_one_read")
 MODELS = ("mlp", "transformer", "cnn")
 
 
@@ -320,6 +321,45 @@ class TutorialCallback(Callback):
         self._handles = []
 
 
+class HookFloorCallback(Callback):
+    """The library's own hook machinery on every leaf, every step, with sinks that do nothing or one ``sum``.
+
+    ``hooks_noop`` prices observing at all (forward hooks, output tensor hooks, attach/remove); ``hooks_one_read``
+    adds one read of every output and output gradient (the least any per-layer statistic needs). Neither computes
+    parameter statistics, so ``params_only`` + ``hooks_one_read`` is a floor for ``every_step`` of any design that
+    observes through hooks.
+    """
+
+    def __init__(self, read: bool) -> None:
+        self.read = read
+        self.sums: list[Tensor] = []
+        self.hooks: Any = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Build the hook set over every leaf module."""
+        from lightning_hookdiag.hooks import HookSet, first_floating_tensor
+
+        def read(index: int, output: Any) -> None:
+            tensor = first_floating_tensor(output)
+            if tensor is not None:
+                self.sums.append(tensor.sum())
+
+        sink = read if self.read else (lambda index, output: None)
+        self.hooks = HookSet(leaf_modules(pl_module), sink, sink)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        """Attach, as a sampled step does."""
+        self.hooks.attach()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        """Remove, and drop the sums."""
+        self.hooks.remove()
+        self.hooks.clear_order()
+        self.sums.clear()
+
+
 def make_callback(variant: str) -> Callback | None:
     """The diagnostics callback of a variant (``None`` for ``plain``)."""
     if variant == "plain":
@@ -330,6 +370,8 @@ def make_callback(variant: str) -> Callback | None:
         return LayerHealthCallback()
     if variant == "tutorial":
         return TutorialCallback()
+    if variant in ("hooks_noop", "hooks_one_read"):
+        return HookFloorCallback(read=variant == "hooks_one_read")
     families = {"acts_only": ACTIVATION_STATS, "grads_only": GRADIENT_STATS, "params_only": PARAMETER_STATS}
     return LayerHealthCallback(every_n_steps=1, stats=families[variant])
 
