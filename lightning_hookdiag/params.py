@@ -253,8 +253,11 @@ class ParameterTracker:
             indices.append(index)
             # In place on the copy, which is not read again: no second weight-sized allocation.
             if all(S.reads_on_host(t) for t in before):
-                update_sq = torch.stack([_dot(b, b.sub_(c)) for b, c in zip(before, current, strict=True)])
-                update_sq = update_sq.to(self.dtype)
+                squares = []
+                for copy, weight in zip(before, current, strict=True):
+                    difference = copy.sub_(weight)
+                    squares.append(_dot(difference, difference))  # while the difference is still in cache
+                update_sq = torch.stack(squares).to(self.dtype)
             else:
                 torch._foreach_sub_(before, current)
                 update_sq = squared_norms(before, self.dtype)
