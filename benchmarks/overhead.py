@@ -93,6 +93,9 @@ from lightning_hookdiag.stats import ACTIVATION_STATS, GRADIENT_STATS, PARAMETER
 
 PERIOD = 50
 """``every_n_steps`` default of ``LayerHealthCallback``: the length of one amortisation period."""
+TRAINER_DEVICE = {"accelerator": "cpu", "precision": "32-true"}
+"""Where and how every fit of the run trains (``--accelerator``, ``--precision``)."""
+
 DEFAULT_VARIANTS = ("plain", "every_step", "default_interval", "tutorial")
 EXTRA_VARIANTS = ("acts_only", "grads_only", "params_only", "hooks_noop", "hooks_one_read")
 MODELS = ("mlp", "transformer", "cnn")
@@ -243,7 +246,9 @@ class StepTimer(Callback):
         """Time spent inside the wrapped batch-level methods of the measured callback, per step."""
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        """Stamp the start of a step."""
+        """Stamp the start of a step (after the device's queued work: a step's kernels end inside it)."""
+        if torch.cuda.is_available() and TRAINER_DEVICE["accelerator"] == "gpu":
+            torch.cuda.synchronize()
         self.starts.append((trainer.global_step, time.perf_counter_ns()))
         self.cpu.append(time.process_time_ns())
         self.hook_ns.append(0)
@@ -414,7 +419,7 @@ def run_block(
         timer.time_methods(extra, _BATCH_METHODS)
     callbacks: list[Callback] = [timer] + ([extra] if extra is not None else [])
     trainer = pl.Trainer(
-        accelerator="cpu",
+        **TRAINER_DEVICE,
         devices=1,
         logger=False,
         enable_progress_bar=False,
@@ -493,12 +498,17 @@ def floor_bytes(spec: ModelSpec, batch: tuple[Tensor, Tensor], seed: int) -> dic
 
 def time_read(nbytes: int, repeats: int) -> float:
     """Median seconds of one streaming read (``sum``) over a float32 buffer of ``nbytes``."""
-    buffer = torch.ones(max(nbytes // 4, 1))
+    cuda = TRAINER_DEVICE["accelerator"] == "gpu"
+    buffer = torch.ones(max(nbytes // 4, 1), device="cuda" if cuda else "cpu")
     buffer.sum()
     samples = []
     for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         buffer.sum()
+        if cuda:
+            torch.cuda.synchronize()
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
 
@@ -583,7 +593,7 @@ def profile_model(spec: ModelSpec, batches: list[tuple[Tensor, Tensor]], steps: 
 
     prof_cb = _Profile()
     trainer = pl.Trainer(
-        accelerator="cpu",
+        **TRAINER_DEVICE,
         devices=1,
         logger=False,
         enable_progress_bar=False,
@@ -632,6 +642,7 @@ def machine_info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "lightning": pl.__version__,
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 
 
@@ -649,6 +660,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the run (default: torch's)")
     p.add_argument("--quick", action="store_true", help="tiny models and few steps: a smoke test (1 thread)")
     p.add_argument("--profile", action="store_true", help="also break down the sampled-step overhead")
+    p.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu", help="where the fits train")
+    p.add_argument("--precision", default="32-true", help="Trainer precision, e.g. 16-mixed or bf16-mixed")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.period_steps, args.rounds, args.warmup = 6, PERIOD, 1, 2
@@ -662,6 +675,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     if unknown:
         p.error(f"unknown model(s)/variant(s): {unknown}")
+    if args.accelerator == "gpu" and not torch.cuda.is_available():
+        p.error("--accelerator gpu: torch sees no CUDA device on this machine")
     if "plain" not in args.variants:
         args.variants.insert(0, "plain")
     return args
@@ -701,6 +716,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
+    TRAINER_DEVICE.update(accelerator=args.accelerator, precision=args.precision)
     specs = model_specs(args.quick)
     started = time.perf_counter()
     load_at_start = os.getloadavg() if hasattr(os, "getloadavg") else None
