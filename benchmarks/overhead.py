@@ -418,6 +418,12 @@ def run_block(
     if isinstance(extra, LayerHealthCallback):
         timer.time_methods(extra, _BATCH_METHODS)
     callbacks: list[Callback] = [timer] + ([extra] if extra is not None else [])
+    fit(task, batches, warmup + steps + 1, callbacks)  # the last step has no following start
+    return timer.steps()[warmup : warmup + steps], extra
+
+
+def fit(task: pl.LightningModule, batches: list[tuple[Tensor, Tensor]], steps: int, callbacks: list[Callback]) -> None:
+    """Train ``task`` for ``steps`` steps on ``batches`` (cycled) where ``--accelerator`` says, with nothing else on."""
     trainer = pl.Trainer(
         **TRAINER_DEVICE,
         devices=1,
@@ -425,12 +431,10 @@ def run_block(
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
-        max_steps=warmup + steps + 1,  # the last step has no following start
+        max_steps=steps,
         callbacks=callbacks,
     )
-    loader = DataLoader(_Batches(batches, warmup + steps + 1), batch_size=None, shuffle=False)
-    trainer.fit(task, train_dataloaders=loader)
-    return timer.steps()[warmup : warmup + steps], extra
+    trainer.fit(task, train_dataloaders=DataLoader(_Batches(batches, steps), batch_size=None, shuffle=False))
 
 
 def _median(values: list[float]) -> float:
@@ -592,17 +596,7 @@ def profile_model(spec: ModelSpec, batches: list[tuple[Tensor, Tensor]], steps: 
                 self.prof.__exit__(None, None, None)
 
     prof_cb = _Profile()
-    trainer = pl.Trainer(
-        **TRAINER_DEVICE,
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        max_steps=warmup + n_prof,
-        callbacks=[prof_cb, cb],
-    )
-    trainer.fit(task, train_dataloaders=DataLoader(_Batches(batches, warmup + n_prof), batch_size=None))
+    fit(task, batches, warmup + n_prof, [prof_cb, cb])
     ops = []
     if prof_cb.prof is not None:
         for e in sorted(prof_cb.prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:25]:
