@@ -218,7 +218,7 @@ class ParameterTracker:
                 before.append(copy)
             weight_sq = torch.stack(squares).to(self.dtype)
         else:
-            weight_sq = squared_norms(params, self.dtype)
+            weight_sq = squared_norms(local, self.dtype)
             if self._snapshot_enabled:
                 before = torch._foreach_mul(local, 1.0)
         index = self._index(tuple(positions), weight_sq.device)
