@@ -20,7 +20,27 @@ Rule                    Field                              Default   Fires when
                         ``saturation_frac``                ``0.5``   ``|z| > saturation_level`` is provably
                                                                      ``>= saturation_frac`` (``z``: output mapped to
                                                                      ``[-1, 1]``; see below)
+``loss_spike``          ``spike_growth``                   ``10``    only on a step the sentinel tripped on for a
+                                                                     loss spike: names the earliest layer in forward
+                                                                     order whose activation scale grew more than
+                                                                     ``spike_growth``-fold since the last regular
+                                                                     sampled step
 ======================  =================================  ========  ================================================
+
+The sentinel's own settings live here too: ``spike_window`` (``50``), ``spike_warmup`` (``20``), ``spike_zscore``
+(``8``) and ``spike_ratio`` (``10``); see :class:`~lightning_hookdiag.sentinel.SpikeDetector`.
+
+``nonfinite`` and the weights: when the parameter norms measured before the step (``param_norm``) are themselves
+NaN/Inf, every activation and gradient computed from them is non-finite too, and the first non-finite layer in
+forward order is merely the first user of a broken weight. The finding then names the non-finite parameters (and
+the earliest layer owning one), says when they were last observed finite, and no activation or gradient origin is
+named. On a step the sentinel tripped on, a non-finite loss that the observed layers do not explain, or a trip that
+could not be replayed, still gives a ``nonfinite`` finding, about ``loss``.
+
+``loss_spike``'s activation scale is the root mean square of a layer's finite outputs, ``sqrt(act_mean**2 +
+act_std**2)``, or ``act_absmax`` when those two statistics are not computed. The RMS follows the bulk of the
+outputs, so a single large element does not move it; the comparison is with the last regular sampled step, which
+can lie up to ``every_n_steps`` steps back, hence the generous default factor.
 
 Why these defaults:
 
@@ -62,12 +82,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the rules only read a Trip's fields; importing the sentinel at run time would import torch
+    from lightning_hookdiag.sentinel import Trip
 
 __all__ = [
+    "LOSS",
     "RULES",
     "SATURATING_TYPES",
     "AlertState",
+    "Baseline",
     "Finding",
     "RuleConfig",
     "evaluate",
@@ -75,13 +100,23 @@ __all__ = [
     "values_from_metrics",
 ]
 
-RULES: tuple[str, ...] = ("nonfinite", "dead_units", "vanishing_gradient", "exploding_gradient", "saturation")
+RULES: tuple[str, ...] = (
+    "nonfinite",
+    "loss_spike",
+    "dead_units",
+    "vanishing_gradient",
+    "exploding_gradient",
+    "saturation",
+)
 """Names of the health rules, in the order findings of the same layer are listed."""
 
 SATURATING_TYPES: tuple[str, ...] = ("Tanh", "Sigmoid")
 """Module class names the ``saturation`` rule checks."""
 
 PHASES: tuple[str, ...] = ("forward", "backward")
+
+LOSS = "loss"
+"""The ``layer`` of a finding about the loss itself rather than about one layer."""
 
 # Names of the other affected layers listed in a nonfinite message; the count is always complete.
 _MAX_LISTED = 3
@@ -93,6 +128,12 @@ def _number(name: str, value: Any, valid: str, ok: Callable[[float], bool]) -> f
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(float(value)):
         raise ValueError(f"{name}: expected {valid}, got {value!r}")
     return float(value)
+
+
+def _integer(name: str, value: Any, valid: str, ok: Callable[[int], bool]) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
+        raise ValueError(f"{name}: expected {valid}, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -110,6 +151,15 @@ class RuleConfig:
             saturation_level``; in ``(0, 1)``.
         saturation_frac: ``saturation`` fires when the guaranteed share of saturated outputs is ``>=
             saturation_frac``; in ``(0, 1]``.
+        spike_window: The sentinel's loss baseline: the number of recent healthy steps kept; an integer ``>= 3``.
+        spike_warmup: Healthy steps seen before a loss spike can trip the sentinel; an integer in ``[3,
+            spike_window]``.
+        spike_zscore: A spike rises more than this many robust standard deviations above the baseline median;
+            ``> 0``.
+        spike_ratio: ... and more than this factor above it (see
+            :class:`~lightning_hookdiag.sentinel.SpikeDetector`); finite, ``> 1``.
+        spike_growth: ``loss_spike`` names the earliest layer whose activation scale grew more than this factor
+            since the last regular sampled step; finite, ``> 1``.
 
     Raises:
         ValueError: For an invalid field; the message names the field, the value and what is valid.
@@ -131,6 +181,11 @@ class RuleConfig:
     exploding_ratio: float = 1e3
     saturation_level: float = 0.9
     saturation_frac: float = 0.5
+    spike_window: int = 50
+    spike_warmup: int = 20
+    spike_zscore: float = 8.0
+    spike_ratio: float = 10.0
+    spike_growth: float = 10.0
 
     def __post_init__(self) -> None:
         enabled = self.enabled
@@ -151,9 +206,17 @@ class RuleConfig:
             "exploding_ratio": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
             "saturation_level": ("a number in (0, 1)", lambda v: 0.0 < v < 1.0),
             "saturation_frac": ("a number in (0, 1]", lambda v: 0.0 < v <= 1.0),
+            "spike_zscore": ("a finite number > 0", lambda v: 0.0 < v < math.inf),
+            "spike_ratio": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
+            "spike_growth": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
         }
         for name, (valid, ok) in checks.items():
             object.__setattr__(self, name, _number(name, getattr(self, name), valid, ok))
+        _integer("spike_window", self.spike_window, "an integer >= 3", lambda v: v >= 3)
+        window = self.spike_window
+        _integer(
+            "spike_warmup", self.spike_warmup, f"an integer in [3, spike_window={window}]", lambda v: 3 <= v <= window
+        )
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any] | None) -> RuleConfig:
@@ -167,11 +230,11 @@ class RuleConfig:
 
         Example:
             >>> RuleConfig.from_mapping({"exploding_ratio": 1e4, "enabled": ["nonfinite"]})
-            RuleConfig(enabled=('nonfinite',), dead_frac_threshold=0.9, vanishing_ratio=0.001, exploding_ratio=10000.0, saturation_level=0.9, saturation_frac=0.5)
+            RuleConfig(enabled=('nonfinite',), dead_frac_threshold=0.9, vanishing_ratio=0.001, exploding_ratio=10000.0, saturation_level=0.9, saturation_frac=0.5, spike_window=50, spike_warmup=20, spike_zscore=8.0, spike_ratio=10.0, spike_growth=10.0)
             >>> RuleConfig.from_mapping({"dead_frac": 0.5})
             Traceback (most recent call last):
             ...
-            ValueError: unknown rule setting(s) ['dead_frac']; valid keys: ['dead_frac_threshold', 'enabled', 'exploding_ratio', 'saturation_frac', 'saturation_level', 'vanishing_ratio']
+            ValueError: unknown rule setting(s) ['dead_frac']; valid keys: ['dead_frac_threshold', 'enabled', 'exploding_ratio', 'saturation_frac', 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore', 'vanishing_ratio']
         """  # noqa: E501
         if d is None:
             return cls()
@@ -201,7 +264,8 @@ class Finding:
         message: Human-readable sentence naming the rule and the layer.
         phase: ``"forward"`` (about activations) or ``"backward"`` (about gradients).
         stat: The statistic that triggered it (``act_nonfinite``, ``act_grad_nonfinite``, ``param_grad_norm``,
-            ``act_dead_frac``, ``act_grad_norm``, ``act_std``), e.g. to ignore non-finite gradients on steps that an
+            ``param_norm`` (non-finite weights), ``act_dead_frac``, ``act_grad_norm``, ``act_std``, ``act_absmax``,
+            or ``loss`` for a finding about the loss itself), e.g. to ignore non-finite gradients on steps that an
             fp16 ``GradScaler`` skips.
     """
 
@@ -275,9 +339,25 @@ class _Context:
     step: int
     config: RuleConfig
     layer_types: Mapping[str, str]
+    trip: Trip | None = None
+    baseline: Baseline | None = None
+    last_finite: Mapping[str, int] | None = None
 
     def stat(self, name: str) -> Mapping[str, float]:
         return self.values.get(name) or {}
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The values of an earlier, regular sampled step, for rules that compare against the recent past.
+
+    Attributes:
+        step: The optimizer step the values describe.
+        values: As the ``values`` argument of :func:`evaluate`.
+    """
+
+    step: int
+    values: Mapping[str, Mapping[str, float]]
 
 
 def _origin(
@@ -311,6 +391,71 @@ def _also(others: Sequence[str], where: str, what: str) -> str:
 
 
 def _nonfinite(ctx: _Context) -> list[Finding]:
+    found = _nonfinite_origins(ctx)
+    weights = _nonfinite_weights(ctx)
+    if weights is not None:
+        # A broken weight makes everything computed from it non-finite: only a forward origin upstream of every
+        # broken weight is still an origin of its own (its inputs come from healthy layers).
+        first_broken = ctx.orders.forward_key(weights.layer)
+        found = [f for f in found if f.phase == "forward" and ctx.orders.forward_key(f.layer) < first_broken]
+        found.append(weights)
+    trip = ctx.trip
+    if not found and trip is not None and trip.kind in ("nonfinite_loss", "nonfinite_grad"):
+        what = "loss" if trip.kind == "nonfinite_loss" else "parameter gradients"
+        if trip.replayed:
+            detail = (
+                "the observed layers' outputs and output gradients stayed finite, so the NaN/Inf arose outside them"
+                " (in the loss function, in a module that is not selected, or in a non-deterministic op)"
+            )
+        else:
+            detail = f"not replayed because {trip.reason}; step {ctx.step + 1} is sampled"
+        found.append(
+            Finding(
+                rule="nonfinite",
+                layer=LOSS,
+                step=ctx.step,
+                value=1.0,
+                threshold=0.0,
+                message=f"nonfinite: non-finite {what} at step {ctx.step}{_last_finite_loss(trip)}; {detail}",
+                phase="forward",
+                stat="loss",
+            )
+        )
+    return found
+
+
+def _last_finite_loss(trip: Trip | None) -> str:
+    if trip is None or trip.last_finite_step is None:
+        return ""
+    return f" (the sentinel last saw a finite step at step {trip.last_finite_step})"
+
+
+def _nonfinite_weights(ctx: _Context) -> Finding | None:
+    """A finding naming the parameters whose weights are already NaN/Inf before the step, if any."""
+    bad = [
+        p for p, norm in ctx.stat("param_norm").items() if isinstance(norm, (int, float)) and not math.isfinite(norm)
+    ]
+    if not bad:
+        return None
+    owners = sorted({ctx.orders.owner(p) for p in bad}, key=ctx.orders.forward_key)
+    known = [ctx.last_finite[p] for p in bad if ctx.last_finite and p in ctx.last_finite]
+    when = f"; they were last observed finite at step {max(known)}" if known else ""
+    return Finding(
+        rule="nonfinite",
+        layer=owners[0],
+        step=ctx.step,
+        value=float(len(bad)),
+        threshold=0.0,
+        message=f"nonfinite: the weights are already non-finite before step {ctx.step}: {_listing(bad)}"
+        f" ({_plural(len(bad), 'parameter')} in {_plural(len(owners), 'layer')}, the first in forward order:"
+        f" {owners[0]}){when}{_last_finite_loss(ctx.trip)}. The weights broke on an earlier step; every activation and"
+        " gradient computed from them is non-finite as a consequence and is not blamed on its layer",
+        phase="forward",
+        stat="param_norm",
+    )
+
+
+def _nonfinite_origins(ctx: _Context) -> list[Finding]:
     step = ctx.step
     # Activations: a NaN propagates forward, so the first non-finite layer in forward order is where it was born.
     acts = {k: v for k, v in ctx.stat("act_nonfinite").items() if _finite(v) and v > 0}
@@ -450,8 +595,71 @@ def _saturation(ctx: _Context) -> list[Finding]:
     return out
 
 
+def _activation_scale(values: Mapping[str, Mapping[str, float]]) -> tuple[str, dict[str, float]]:
+    """Per-layer activation scale: RMS of the finite outputs from act_mean/act_std, else act_absmax."""
+    means, stds = values.get("act_mean") or {}, values.get("act_std") or {}
+    if means and stds:
+        rms = {k: math.sqrt(means[k] ** 2 + stds[k] ** 2) for k in means.keys() & stds.keys()}
+        return "act_std", {k: v for k, v in rms.items() if _finite(v)}
+    return "act_absmax", {k: v for k, v in (values.get("act_absmax") or {}).items() if _finite(v)}
+
+
+def _loss_spike(ctx: _Context) -> list[Finding]:
+    trip = ctx.trip
+    if trip is None or trip.kind != "loss_spike":
+        return []
+    growth_limit = ctx.config.spike_growth
+    against = "" if trip.baseline is None else f" the median of recent steps ({trip.baseline:.3g})"
+    factor = (
+        f" is {trip.loss / trip.baseline:.3g}x{against}"
+        if trip.baseline and trip.baseline > 0
+        else f" rose far above{against or ' its recent values'}"
+    )
+    head = f"loss_spike: the loss {trip.loss:.3g} at step {ctx.step}{factor}"
+    stat, layer, growth = "loss", LOSS, math.nan
+    if not trip.replayed:
+        tail = f"; not replayed because {trip.reason}; step {ctx.step + 1} is sampled"
+    elif ctx.baseline is None:
+        tail = "; no earlier sampled step to compare the layers with"
+    else:
+        stat, now = _activation_scale(ctx.values)
+        _, before = _activation_scale(ctx.baseline.values)
+        grown = [
+            (name, now[name] / before[name])
+            for name in sorted(now.keys() & before.keys(), key=ctx.orders.forward_key)
+            if before[name] > 0 and now[name] > growth_limit * before[name]
+        ]
+        if grown:
+            layer, growth = grown[0]
+            tail = (
+                f"; the activation scale of {layer} grew {growth:.3g}x since step {ctx.baseline.step}, the first layer"
+                f" in forward order to grow more than spike_growth={growth_limit:g}"
+                f"{_also([n for n, _ in grown[1:]], ' after it', 'grown')}"
+            )
+        else:
+            stat = "loss"
+            tail = (
+                f"; no observed layer's activation scale grew more than spike_growth={growth_limit:g} since step"
+                f" {ctx.baseline.step}, so the spike comes from the loss, the targets or the inputs rather than one"
+                " layer"
+            )
+    return [
+        Finding(
+            rule="loss_spike",
+            layer=layer,
+            step=ctx.step,
+            value=float(growth if layer != LOSS else trip.loss),
+            threshold=growth_limit if layer != LOSS else (trip.baseline or 0.0),
+            message=head + tail,
+            phase="forward",
+            stat=stat,
+        )
+    ]
+
+
 _RULE_FUNCTIONS: dict[str, Callable[[_Context], list[Finding]]] = {
     "nonfinite": _nonfinite,
+    "loss_spike": _loss_spike,
     "dead_units": _dead_units,
     "vanishing_gradient": lambda ctx: _gradient_scale(ctx, "vanishing_gradient"),
     "exploding_gradient": lambda ctx: _gradient_scale(ctx, "exploding_gradient"),
@@ -466,8 +674,11 @@ def evaluate(
     step: int,
     config: RuleConfig | None = None,
     layer_types: Mapping[str, str] | None = None,
+    trip: Trip | None = None,
+    baseline: Baseline | None = None,
+    last_finite: Mapping[str, int] | None = None,
 ) -> list[Finding]:
-    """Apply the enabled rules to one sampled step's statistics.
+    """Apply the enabled rules to one sampled (or sentinel-tripped) step's statistics.
 
     Args:
         values: Statistic name to ``{layer or parameter name: value}``; any statistic may be absent.
@@ -477,6 +688,10 @@ def evaluate(
         step: The optimizer step, copied into each finding.
         config: Rules and thresholds; ``None`` for :class:`RuleConfig` defaults.
         layer_types: Layer to module class name (``"Tanh"``), for ``saturation``; without it that rule is silent.
+        trip: What the sentinel saw, when it tripped on this step (``loss_spike`` needs it; ``nonfinite`` uses it).
+        baseline: The last regular sampled step's values, which ``loss_spike`` compares against.
+        last_finite: Parameter name to the last step its ``param_norm`` was observed finite, for the message about
+            non-finite weights.
 
     Returns:
         Findings with forward ones (in forward order) before backward ones (in backward order); the first is the
@@ -491,7 +706,16 @@ def evaluate(
     """
     config = RuleConfig() if config is None else config
     orders = _Orders(forward_order, backward_order)
-    ctx = _Context(values=values, orders=orders, step=step, config=config, layer_types=layer_types or {})
+    ctx = _Context(
+        values=values,
+        orders=orders,
+        step=step,
+        config=config,
+        layer_types=layer_types or {},
+        trip=trip,
+        baseline=baseline,
+        last_finite=last_finite,
+    )
     findings = [f for rule in config.enabled for f in _RULE_FUNCTIONS[rule](ctx)]
 
     def key(f: Finding) -> tuple[Any, ...]:
@@ -546,7 +770,7 @@ class AlertState:
         >>> state.counts["dead_units"]
         3
         >>> state.state_dict()
-        {'active': [['dead_units', 'relu']], 'counts': {'nonfinite': 0, 'dead_units': 3, 'vanishing_gradient': 0, 'exploding_gradient': 0, 'saturation': 0}}
+        {'active': [['dead_units', 'relu']], 'counts': {'nonfinite': 0, 'loss_spike': 0, 'dead_units': 3, 'vanishing_gradient': 0, 'exploding_gradient': 0, 'saturation': 0}}
     """  # noqa: E501
 
     def __init__(self) -> None:

@@ -306,7 +306,7 @@ def test_no_statistics_no_findings():
         {"act_std": {"net.act0": 1.0}},  # saturation without act_mean
         {"act_grad_norm": {"net.head": 1.0}},  # nothing to compare with
         {"act_grad_norm": {"net.head": 0.0, "net.body": 0.0}},  # no positive reference
-        {"param_norm": {"net.head.weight": math.nan}, "param_update_ratio": {"net.head.weight": math.inf}},
+        {"param_update_ratio": {"net.head.weight": math.inf}},
         {"act_dead_frac": {}, "act_nonfinite": {}},
     ],
 )
@@ -407,8 +407,8 @@ def test_alert_state_counts_every_finding_seen():
     state = AlertState()
     state.update([finding("dead_units", "x"), finding("dead_units", "y")])
     state.update([finding("dead_units", "x")])
-    assert state.counts == {"nonfinite": 0, "dead_units": 3, "vanishing_gradient": 0, "exploding_gradient": 0,
-                            "saturation": 0}  # fmt: skip
+    assert state.counts == {"nonfinite": 0, "loss_spike": 0, "dead_units": 3, "vanishing_gradient": 0,
+                            "exploding_gradient": 0, "saturation": 0}  # fmt: skip
 
 
 def test_alert_state_round_trips_through_json_and_pickle():
@@ -507,7 +507,7 @@ def test_from_mapping_builds_and_defaults():
 def test_from_mapping_rejects_unknown_keys_listing_valid_ones_sorted():
     valid = (
         "['dead_frac_threshold', 'enabled', 'exploding_ratio', 'saturation_frac', 'saturation_level',"
-        " 'vanishing_ratio']"
+        " 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore', 'vanishing_ratio']"
     )
     with pytest.raises(ValueError, match=r"unknown rule setting\(s\) \['vanish', 'zzz'\]; valid keys: ") as info:
         RuleConfig.from_mapping({"zzz": 1, "vanish": 0.1, "exploding_ratio": 10})

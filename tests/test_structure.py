@@ -88,30 +88,32 @@ class SyncFreeModule(TinyModule):
         return self.loss(self(x), y)
 
 
-def transfers_per_step(blocks: int) -> tuple[dict[int, int], set[str]]:
+def transfers_per_step(blocks: int, sentinel: str | None = "loss") -> tuple[dict[int, int], set[str]]:
     counter = {"active": False, "calls": 0}
     # The 12-block default-init MLP has a vanishing gradient; the rules' verdict is not what this test is about.
-    callback = CountingCallback(counter, every_n_steps=2, on_anomaly="ignore")
+    callback = CountingCallback(counter, every_n_steps=2, on_anomaly="ignore", sentinel=sentinel)
     module = SyncFreeModule(model=deep_mlp(blocks))
     with count_host_transfers(counter):
         make_trainer([callback], max_steps=5, accumulate_grad_batches=2).fit(module)
     return callback.per_step, counter.get("devices", set())
 
 
-def test_host_transfers_per_sampled_step_are_one_and_do_not_grow_with_depth(monkeypatch):
+@pytest.mark.parametrize(("sentinel", "per_step"), [(None, 0), ("loss", 1), ("loss+grads", 1)])
+def test_host_transfers_per_sampled_step_are_one_and_do_not_grow_with_depth(monkeypatch, sentinel, per_step):
     # The path every accelerator takes: tensors that are not in host memory are never read back per layer. This
     # machine has no accelerator, so the CPU tensors are made to take that path too.
     monkeypatch.setattr(S, "reads_on_host", lambda t: False)
-    (shallow, _), (deep, _) = transfers_per_step(1), transfers_per_step(12)
-    # Sampled steps 0, 2, 4: one batched transfer each, in the last micro-batch; unsampled steps: none.
+    (shallow, _), (deep, _) = transfers_per_step(1, sentinel), transfers_per_step(12, sentinel)
+    # Sampled steps 0, 2, 4: one batched transfer each, in the last micro-batch; unsampled steps: none. The
+    # sentinel adds one read per optimizer step (its packed flags), sampled or not, with or without gradients.
     assert shallow == deep
-    assert shallow == {0: 1, 1: 0, 2: 1, 3: 0, 4: 1}
+    assert shallow == {0: 1 + per_step, 1: per_step, 2: 1 + per_step, 3: per_step, 4: 1 + per_step}
 
 
 def test_host_fast_path_reads_only_tensors_already_in_host_memory():
     # On the CPU the fast path reads each reduction back (a memory load, no device to wait for): the count grows
     # with depth, every read is of a CPU tensor, and unsampled steps still read nothing.
-    (shallow, devices_shallow), (deep, devices_deep) = transfers_per_step(1), transfers_per_step(12)
+    (shallow, devices_shallow), (deep, devices_deep) = transfers_per_step(1, None), transfers_per_step(12, None)
     assert devices_shallow == devices_deep == {"cpu"}
     assert shallow[1] == shallow[3] == deep[1] == deep[3] == 0
     assert deep[0] > shallow[0] > 1
