@@ -400,7 +400,8 @@ def _nonfinite(ctx: _Context) -> list[Finding]:
         found = [f for f in found if f.phase == "forward" and ctx.orders.forward_key(f.layer) < first_broken]
         found.append(weights)
     trip = ctx.trip
-    if not found and trip is not None and trip.kind in ("nonfinite_loss", "nonfinite_grad"):
+    # A step that was not replayed always says so; a replayed one only when its statistics explain nothing.
+    if trip is not None and trip.kind in ("nonfinite_loss", "nonfinite_grad") and not (found and trip.replayed):
         what = "loss" if trip.kind == "nonfinite_loss" else "parameter gradients"
         if trip.replayed:
             detail = (

@@ -1,0 +1,429 @@
+"""The always-on sentinel: trips between sampled steps, replays of the tripped step, and their side effects (none)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from conftest import RecordingLogger, TinyModule, count_hooks, make_data, make_trainer
+from lightning.pytorch import Callback
+from torch import nn
+from torchmetrics import MeanMetric
+
+from lightning_hookdiag import LayerHealthCallback, LayerHealthError, LayerHealthWarning
+from lightning_hookdiag import sentinel as SN
+from lightning_hookdiag.sentinel import LossSentinel, SpikeDetector, Trip
+
+P = "layer_health"
+
+
+class Clock:
+    """The optimizer step the LightningModule is in, as its training_step sees it (also during a replay)."""
+
+    def __init__(self) -> None:
+        self.step = -1
+        self.calls: list[int] = []
+
+
+def clocked(module: TinyModule) -> Clock:
+    clock = Clock()
+
+    def tick(m: TinyModule, batch_idx: int) -> None:
+        clock.step = m.global_step
+        clock.calls.append(m.global_step)
+
+    module.on_step = tick
+    return clock
+
+
+class NaNAt(nn.Module):
+    """Identity, except NaN in every output on optimizer step ``step``."""
+
+    def __init__(self, clock: Clock, step: int) -> None:
+        super().__init__()
+        self.clock, self.step = clock, step
+
+    def forward(self, x):
+        return x * float("nan") if self.clock.step == self.step else x
+
+
+class ScaleAt(nn.Module):
+    """Identity, except outputs multiplied by ``factor`` on optimizer step ``step`` (a planted blow-up)."""
+
+    def __init__(self, clock: Clock, step: int, factor: float) -> None:
+        super().__init__()
+        self.clock, self.step, self.factor = clock, step, factor
+
+    def forward(self, x):
+        return x * self.factor if self.clock.step == self.step else x
+
+
+class _NaNGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+class BackwardNaNAt(nn.Module):
+    """Identity forward; on optimizer step ``step`` its backward turns the gradient into NaN."""
+
+    def __init__(self, clock: Clock, step: int) -> None:
+        super().__init__()
+        self.clock, self.step = clock, step
+
+    def forward(self, x):
+        return _NaNGradient.apply(x) if self.clock.step == self.step else x
+
+
+def mlp_with(make_sick, blocks: int = 6) -> tuple[TinyModule, Clock]:
+    """``blocks`` x (Linear, ReLU) with a sick module inserted after the third block's Linear, then a head."""
+    module = TinyModule(data=make_data(n=64), lr=0.05)
+    clock = clocked(module)
+    layers: list[nn.Module] = []
+    for i in range(blocks):
+        layers.append(nn.Linear(4 if i == 0 else 16, 16))
+        if i == 2:
+            layers.append(make_sick(clock))
+        layers.append(nn.ReLU())
+    module.model = nn.Sequential(*layers, nn.Linear(16, 1))
+    module.record_enabled = False
+    return module, clock
+
+
+SICK = "model.5"  # the sick module's name in mlp_with: Linear, ReLU, Linear, ReLU, Linear, <sick>
+
+
+def params_finite(module: nn.Module) -> bool:
+    return all(torch.isfinite(p).all() for p in module.parameters())
+
+
+# ------------------------------------------------------------------------------------------ between sampled steps
+def test_a_forward_nan_between_sampled_steps_is_named_on_its_own_step_at_its_module():
+    module, _ = mlp_with(lambda clock: NaNAt(clock, step=13))
+    logger = RecordingLogger()
+    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", summary=False)
+    make_trainer([callback], max_steps=16, logger=logger).fit(module)
+
+    first = callback.findings[0]
+    assert (first.rule, first.step, first.layer) == ("nonfinite", 13, SICK)
+    assert "first non-finite layer in forward order" in first.message
+    assert [t.step for t in callback.trips if t.replayed] == [13]
+    assert callback.trips[0].kind == "nonfinite_loss"
+    assert callback.trips[0].last_finite_step == 12
+    # The replay is logged at its own step with the keys of a sampled step.
+    logged = dict(logger.ours())
+    assert sorted(logged) == [0, 10, 13]
+    assert logged[13][f"{P}/act_nonfinite/{SICK}"] == 8 * 16  # every element of the step's batch of 8
+    assert logged[13][f"{P}/act_nonfinite/model.4"] == 0
+    assert set(logged[13]) == set(logged[10])
+    assert count_hooks(module) == 0
+
+
+def test_raise_stops_before_the_optimizer_step_so_every_weight_stays_finite():
+    module, _ = mlp_with(lambda clock: NaNAt(clock, step=13))
+    trainer = make_trainer([LayerHealthCallback(every_n_steps=10, on_anomaly="raise")], max_steps=16)
+    with pytest.raises(LayerHealthError, match=rf"at step 13 in {SICK} \(rule nonfinite\)"):
+        trainer.fit(module)
+    assert params_finite(module)
+    assert trainer.global_step == 13  # step 13 was never applied
+    assert count_hooks(module) == 0
+
+
+def test_without_the_sentinel_the_failure_is_only_seen_at_the_next_sampled_step():
+    module, _ = mlp_with(lambda clock: NaNAt(clock, step=13))
+    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", summary=False, sentinel=None)
+    make_trainer([callback], max_steps=21).fit(module)
+    assert callback.trips == []
+    assert [f.step for f in callback.findings] == [20]
+    assert "weights are already non-finite before step 20" in callback.findings[0].message
+    assert "they were last observed finite at step 10" in callback.findings[0].message
+
+
+def test_stop_stops_after_the_tripped_step():
+    module, _ = mlp_with(lambda clock: NaNAt(clock, step=13))
+    trainer = make_trainer([LayerHealthCallback(every_n_steps=10, on_anomaly="stop")], max_steps=30)
+    with pytest.warns(LayerHealthWarning) as record:
+        trainer.fit(module)
+    assert any(f"in {SICK} at step 13" in str(w.message) for w in record)
+    assert trainer.global_step == 14  # Lightning stops after the batch: step 13 was applied
+
+
+# ------------------------------------------------------------------------------------------------ replay fidelity
+class Dropping(TinyModule):
+    """Dropout and BatchNorm in the model, a torchmetrics metric and self.log in training_step, Python RNG too."""
+
+    def __init__(self) -> None:
+        model = nn.Sequential(
+            nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 16), nn.ReLU(),
+            nn.Dropout(0.2), nn.Linear(16, 1),
+        )  # fmt: skip
+        super().__init__(model=model, data=make_data(n=64), optimizer="adam", lr=1e-2)
+        self.record_enabled = False
+        self.mean_out = MeanMetric()
+        self.steps_seen: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.steps_seen.append(self.global_step)
+        out = self(x)
+        loss = self.loss(out, y)
+        self.mean_out(out.detach().mean())
+        self.log("user/loss", loss)
+        self.log("user/noise", torch.rand(()) + random.random())  # the RNG streams training continues with
+        self.log("user/mean_out", self.mean_out, on_step=False, on_epoch=True)
+        return loss
+
+
+def force_trips(monkeypatch, steps: set[int]) -> None:
+    """Make the sentinel trip on ``steps`` (a loss spike) without changing what training computes."""
+    original = LossSentinel.check
+
+    def check(self, step, *args, **kwargs):
+        trip = original(self, step, *args, **kwargs)
+        if step not in steps:
+            return trip
+        self.previous_trip = step
+        return Trip(step=step, kind="loss_spike", loss=1.0, baseline=1.0)
+
+    monkeypatch.setattr(LossSentinel, "check", check)
+
+
+def fit_dropping(callbacks, logger, max_steps=8, **kwargs) -> Dropping:
+    torch.manual_seed(0)
+    random.seed(0)
+    module = Dropping()
+    make_trainer(callbacks, max_steps=max_steps, logger=logger, **kwargs).fit(module)
+    return module
+
+
+@pytest.mark.parametrize(("precision", "accumulate"), [("32-true", 1), ("32-true", 2), ("bf16-mixed", 2)])
+def test_a_replay_logs_the_values_a_regular_sampled_step_logs(monkeypatch, precision, accumulate):
+    regular_log = RecordingLogger()
+    fit_dropping([LayerHealthCallback(every_n_steps=3, on_anomaly="ignore", summary=False, sentinel=None)],
+                 regular_log, precision=precision, accumulate_grad_batches=accumulate)  # fmt: skip
+    force_trips(monkeypatch, {3})
+    replay_log = RecordingLogger()
+    callback = LayerHealthCallback(every_n_steps=100, on_anomaly="ignore", summary=False)
+    module = fit_dropping([callback], replay_log, precision=precision, accumulate_grad_batches=accumulate)
+
+    regular, replayed = dict(regular_log.ours())[3], dict(replay_log.ours())[3]
+    assert set(regular) == set(replayed)
+    assert f"{P}/act_grad_norm/model.0" in replayed
+    for key, value in regular.items():
+        assert replayed[key] == pytest.approx(value, rel=1e-6, abs=1e-12), key
+    # Every micro-batch of step 3 ran once in training and once more in the replay.
+    assert module.steps_seen.count(3) == 2 * accumulate
+    assert callback.trips[0].replayed
+
+
+def test_training_and_the_users_logged_values_are_bit_identical_with_replays(monkeypatch):
+    plain_log = RecordingLogger()
+    plain = fit_dropping([], plain_log, accumulate_grad_batches=2)
+    plain_rng = torch.get_rng_state()
+    force_trips(monkeypatch, {2, 5})
+    replay_log = RecordingLogger()
+    callback = LayerHealthCallback(every_n_steps=100, on_anomaly="ignore", summary=False)
+    replayed = fit_dropping([callback], replay_log, accumulate_grad_batches=2)
+
+    assert [t.step for t in callback.trips] == [2, 5]
+    assert all(t.replayed for t in callback.trips)
+    for (name, a), b in zip(plain.state_dict().items(), replayed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name  # weights and BatchNorm running statistics
+    a_opt, b_opt = plain.trainer.optimizers[0].state_dict(), replayed.trainer.optimizers[0].state_dict()
+    for a, b in zip(a_opt["state"].values(), b_opt["state"].values(), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(plain_rng, torch.get_rng_state())
+
+    def users(log: RecordingLogger) -> list[tuple[int | None, dict[str, float]]]:
+        calls = [(s, {k: v for k, v in m.items() if k.startswith("user/")}) for s, m in log.calls]
+        return [(s, m) for s, m in calls if m]
+
+    assert users(plain_log) == users(replay_log)
+    assert any("user/mean_out" in m for _, m in users(plain_log))  # the metric's epoch value is among them
+
+
+class HooksChecked(Callback):
+    """After LayerHealthCallback's on_before_optimizer_step (it runs later): no hook may be left on any module."""
+
+    def __init__(self) -> None:
+        self.checked = 0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        assert count_hooks(pl_module) == 0 or trainer.global_step % 100 == 0
+        self.checked += 1
+
+
+def test_no_hook_is_left_after_any_replay(monkeypatch):
+    force_trips(monkeypatch, {1, 2, 4, 6})
+    checker = HooksChecked()
+    callback = LayerHealthCallback(every_n_steps=100, on_anomaly="ignore", summary=False)
+    module = fit_dropping([callback, checker], RecordingLogger())
+    # Steps 1 and 2 are one persisting failure: only its first step is replayed.
+    assert [(t.step, t.replayed) for t in callback.trips] == [(1, True), (2, False), (4, True), (6, True)]
+    assert "the previous step tripped too" in callback.trips[1].reason
+    assert checker.checked == 8
+    assert count_hooks(module) == 0
+    assert not callback._hooks  # released at teardown
+
+
+# ------------------------------------------------------------------------------------------------ loss spikes
+def test_a_planted_activation_blow_up_is_named_by_loss_spike_at_its_module():
+    module, _ = mlp_with(lambda clock: ScaleAt(clock, step=17, factor=1e4))
+    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", summary=False, rules={"spike_warmup": 5})
+    make_trainer([callback], max_steps=18).fit(module)
+    assert [(t.step, t.kind, t.replayed) for t in callback.trips] == [(17, "loss_spike", True)]
+    spike = [f for f in callback.findings if f.rule == "loss_spike"]
+    assert [(f.step, f.layer) for f in spike] == [(17, SICK)]
+    assert spike[0].value == pytest.approx(1e4, rel=0.05)  # RMS growth since step 10
+    assert "grew" in spike[0].message
+    assert "since step 10" in spike[0].message
+
+
+def test_a_loss_jump_of_1e8_trips_and_healthy_noise_never_does():
+    rng = random.Random(0)
+    for seed in range(5):
+        rng.seed(seed)
+        detector = SpikeDetector()
+        # A decaying loss with heavy multiplicative noise (log-normal, sigma 0.35) over 20 000 steps.
+        losses = [2.0 * math.exp(-i / 4000) * math.exp(rng.gauss(0.0, 0.35)) + 1e-3 for i in range(20_000)]
+        assert not any(detector.observe(v) for v in losses)
+        assert detector.observe(detector.median() * 1e8)
+    # A loss that crosses zero (a likelihood) uses the linear scale.
+    detector = SpikeDetector(warmup=5)
+    assert not any(detector.observe(v) for v in [-1.0, -0.5, 0.2, -0.1, 0.3, -0.4, 0.1])
+    assert detector.observe(1e8)
+
+
+def test_a_long_healthy_run_never_trips():
+    torch.manual_seed(0)
+    data = make_data(n=512, d_in=8)
+    module = TinyModule(
+        model=nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1)), data=data, batch_size=4
+    )
+    module.record_enabled = False
+    callback = LayerHealthCallback(every_n_steps=50, on_anomaly="raise", summary=False, sentinel="loss+grads")
+    make_trainer([callback], max_steps=400).fit(module)
+    assert callback.trips == []
+    assert callback._sentinel.reads == 400
+
+
+# ------------------------------------------------------------------------------------------------ backward NaN
+def test_a_backward_only_nan_is_caught_on_its_step_with_grads_and_one_step_later_with_loss():
+    module, _ = mlp_with(lambda clock: BackwardNaNAt(clock, step=13))
+    with_grads = LayerHealthCallback(every_n_steps=10, on_anomaly="raise", sentinel="loss+grads")
+    with pytest.raises(LayerHealthError, match=r"at step 13 in model\.4 \(rule nonfinite\)") as info:
+        make_trainer([with_grads], max_steps=16).fit(module)
+    assert "output gradient of model.4" in str(info.value)  # the input of the module whose backward broke
+    assert with_grads.trips[0].kind == "nonfinite_grad"
+    assert params_finite(module)
+
+    module, _ = mlp_with(lambda clock: BackwardNaNAt(clock, step=13))
+    loss_only = LayerHealthCallback(every_n_steps=10, on_anomaly="raise", sentinel="loss")
+    with pytest.raises(LayerHealthError, match=r"at step 14 in model\.0 \(rule nonfinite\)") as info:
+        make_trainer([loss_only], max_steps=16).fit(module)
+    message = str(info.value)
+    assert "the weights are already non-finite before step 14" in message
+    assert "last observed finite at step 10" in message
+    assert "the sentinel last saw a finite step at step 13" in message
+
+
+# ------------------------------------------------------------------------------------------------ no replay
+class ManualModule(TinyModule):
+    def __init__(self, clock_step: int) -> None:
+        super().__init__(data=make_data(n=64))
+        self.automatic_optimization = False
+        self.record_enabled = False
+        self.nan_step = clock_step
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt = self.optimizers()
+        loss = self.loss(self(x), y)
+        if self.global_step == self.nan_step:
+            loss = loss * float("nan")
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+
+def test_manual_optimization_is_not_replayed_and_the_next_step_is_sampled():
+    logger = RecordingLogger()
+    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", summary=False)
+    module = ManualModule(clock_step=3)
+    make_trainer([callback], max_steps=6, logger=logger).fit(module)
+    # Step 3's NaN loss is stepped into the weights by the user's own optimizer.step(): steps 4 and 5 trip too.
+    assert [(t.step, t.replayed) for t in callback.trips] == [(3, False), (4, True), (5, False)]
+    first = callback.findings[0]
+    assert (first.rule, first.step, first.layer) == ("nonfinite", 3, "loss")
+    assert "not replayed because of manual optimization" in first.message
+    assert "step 4 is sampled" in first.message
+    steps = [s for s, _ in logger.ours()]
+    assert steps == [0, 3, 4]  # step 3: parameter statistics only; step 4: a full sampled step
+    logged = dict(logger.ours())
+    assert not any(k.startswith(f"{P}/act_") for k in logged[3])
+    assert f"{P}/param_norm/model.0.weight" in logged[3]
+    assert f"{P}/act_mean/model.0" in logged[4]
+    at_4 = [f.message for f in callback.findings if f.step == 4]
+    assert any("the weights are already non-finite before step 4" in m for m in at_4)
+    assert count_hooks(module) == 0
+
+
+# ------------------------------------------------------------------------------------------------ configuration
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sentinel": "grads"}, r"sentinel: expected one of \['loss', 'loss\+grads', None\], got 'grads'"),
+        ({"sentinel": True}, r"sentinel: expected one of .* got True"),
+        ({"rules": {"spike_window": 2}}, r"spike_window: expected an integer >= 3, got 2"),
+        ({"rules": {"spike_warmup": 60}}, r"spike_warmup: expected an integer in \[3, spike_window=50\], got 60"),
+        ({"rules": {"spike_zscore": 0}}, r"spike_zscore: expected a finite number > 0, got 0"),
+        ({"rules": {"spike_ratio": 1.0}}, r"spike_ratio: expected a finite number > 1, got 1.0"),
+        ({"rules": {"spike_growth": math.inf}}, r"spike_growth: expected a finite number > 1, got inf"),
+    ],
+)
+def test_bad_sentinel_settings_are_rejected_naming_the_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LayerHealthCallback(**kwargs)
+
+
+def test_the_sentinel_state_survives_a_checkpoint_round_trip():
+    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", summary=False)
+    module, _ = mlp_with(lambda clock: NaNAt(clock, step=25))
+    make_trainer([callback], max_steps=27).fit(module)
+    state = callback.state_dict()
+    restored = LayerHealthCallback(every_n_steps=10)
+    restored.load_state_dict(state)
+    assert restored.trips == callback.trips
+    assert list(restored._sentinel.detector.losses) == list(callback._sentinel.detector.losses)
+    assert restored._sentinel.last_finite_step == 24
+    assert restored._sentinel.previous_trip == 26  # the NaN weights keep the loss NaN after step 25
+
+
+def test_replay_helper_restores_rng_buffers_and_gradients_even_when_the_step_raises():
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Dropout(0.5))
+    seen: list[int] = []
+    hooks = SN.HookSet({"0": net[0]}, lambda i, out: seen.append(i))
+    micro = SN.MicroBatch(torch.randn(5, 3), 0, SN.capture_rng(torch.device("cpu")))
+    before_rng, before_stats = torch.get_rng_state(), net[1].running_mean.clone()
+
+    def run(m):
+        net(m.batch).sum()
+        torch.rand(3)
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        SN.replay_step([micro], run, net, hooks, torch.device("cpu"))
+    assert seen == [0]
+    assert not hooks.attached
+    assert count_hooks(net) == 0
+    assert torch.equal(before_rng, torch.get_rng_state())
+    assert torch.equal(before_stats, net[1].running_mean)
+    assert int(net[1].num_batches_tracked) == 0
+    assert all(p.grad is None for p in net.parameters())
