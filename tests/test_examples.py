@@ -292,3 +292,20 @@ def test_script_prints_a_report_command_that_works(tmp_path):
     out = tmp_path / "heatmap.png"
     assert report_main([*command.group(1).split(), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------------------------------ sick_between_steps
+def test_between_steps_nan_is_named_on_its_own_step_by_the_sentinel(tmp_path, capsys):
+    ex = example("sick_between_steps")
+    assert ex.SICK_STEP % ex.EVERY_N_STEPS  # the failure falls between two sampled steps
+    (origin,) = child_names(ex.build_model().net, ex.NaNOnStep)
+    callback = ex.main(["--log-dir", str(tmp_path / "raise")])
+    out = capsys.readouterr().out
+    assert f"layer health check failed at step {ex.SICK_STEP} in {origin} (rule nonfinite)" in out
+    assert f"sentinel: step {ex.SICK_STEP} tripped (nonfinite_loss, loss=nan), replayed" in out
+    assert (callback.findings[0].step, callback.findings[0].layer) == (ex.SICK_STEP, origin)
+
+    late = ex.main(["--log-dir", str(tmp_path / "late"), "--sentinel", "none", "--on-anomaly", "ignore"])
+    first_sampled_after = (ex.SICK_STEP // ex.EVERY_N_STEPS + 1) * ex.EVERY_N_STEPS
+    assert late.findings[0].step == first_sampled_after
+    assert "the weights are already non-finite" in late.findings[0].message
