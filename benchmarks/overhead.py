@@ -89,6 +89,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.errors import LayerHealthWarning
+from lightning_hookdiag.sentinel import Trip
 from lightning_hookdiag.stats import ACTIVATION_STATS, GRADIENT_STATS, PARAMETER_STATS
 
 PERIOD = 50
@@ -97,7 +98,20 @@ TRAINER_DEVICE = {"accelerator": "cpu", "precision": "32-true"}
 """Where and how every fit of the run trains (``--accelerator``, ``--precision``)."""
 
 DEFAULT_VARIANTS = ("plain", "every_step", "default_interval", "tutorial")
-EXTRA_VARIANTS = ("acts_only", "grads_only", "params_only", "hooks_noop", "hooks_one_read")
+EXTRA_VARIANTS = (
+    "acts_only",
+    "grads_only",
+    "params_only",
+    "hooks_noop",
+    "hooks_one_read",
+    "no_sentinel",
+    "sentinel_loss",
+    "sentinel_grads",
+    "replay",
+)
+NEVER = 10**9
+"""An interval no benchmark reaches: only step 0 (dropped as warm-up) is sampled, so what remains is the per-step
+cost of the sentinel (``sentinel_*``) or of the callback doing nothing (``no_sentinel``)."""
 MODELS = ("mlp", "transformer", "cnn")
 
 
@@ -365,6 +379,22 @@ class HookFloorCallback(Callback):
         self.sums.clear()
 
 
+class ReplayEveryStep(LayerHealthCallback):
+    """The sentinel trips on every step and replays it (no step is sampled): what one replay costs."""
+
+    def __init__(self) -> None:
+        super().__init__(every_n_steps=NEVER, on_anomaly="ignore", summary=False)
+        assert self._sentinel is not None
+        check = self._sentinel.check
+
+        def always(step: int, *args: Any, **kwargs: Any) -> Trip:
+            check(step, *args, **kwargs)  # the real check's read, as on every step
+            self._sentinel.previous_trip = None  # not a persisting failure: replay each time
+            return Trip(step=step, kind="loss_spike", loss=1.0, baseline=1.0)
+
+        self._sentinel.check = always  # type: ignore[method-assign]
+
+
 def make_callback(variant: str) -> Callback | None:
     """The diagnostics callback of a variant (``None`` for ``plain``)."""
     if variant == "plain":
@@ -377,6 +407,12 @@ def make_callback(variant: str) -> Callback | None:
         return TutorialCallback()
     if variant in ("hooks_noop", "hooks_one_read"):
         return HookFloorCallback(read=variant == "hooks_one_read")
+    if variant == "no_sentinel":
+        return LayerHealthCallback(every_n_steps=NEVER, sentinel=None)
+    if variant in ("sentinel_loss", "sentinel_grads"):
+        return LayerHealthCallback(every_n_steps=NEVER, sentinel="loss" if variant == "sentinel_loss" else "loss+grads")
+    if variant == "replay":
+        return ReplayEveryStep()
     families = {"acts_only": ACTIVATION_STATS, "grads_only": GRADIENT_STATS, "params_only": PARAMETER_STATS}
     return LayerHealthCallback(every_n_steps=1, stats=families[variant])
 
