@@ -48,10 +48,11 @@ class SyncWatch:
         self.first, self.last = First(), Last()
 
 
-def cuda_syncs(blocks: int, observed: bool) -> dict[int, int]:
+def cuda_syncs(blocks: int, observed: bool, sentinel: str | None = None) -> dict[int, int]:
     torch.manual_seed(0)
     watch = SyncWatch()
-    middle = [LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", summary=False)] if observed else []
+    callback = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", summary=False, sentinel=sentinel)
+    middle = [callback] if observed else []
     module = SyncFreeModule(model=deep_mlp(blocks), data=make_data(n=64))
     module.record_enabled = False
     make_trainer([watch.first, *middle, watch.last], max_steps=5, accelerator="cuda").fit(module)
@@ -67,6 +68,15 @@ def test_cuda_syncs_per_sampled_step_are_constant():
     assert added[1] == added[12]  # does not grow with depth
     assert added[1][1] == added[1][3] == 0  # unsampled steps
     assert 1 <= added[1][2] == added[1][4] <= 2  # sampled steps: the one batched transfer (target 1)
+
+
+@pytest.mark.parametrize("sentinel", ["loss", "loss+grads"])
+def test_the_sentinel_adds_one_sync_per_optimizer_step(sentinel):
+    without = cuda_syncs(4, False)
+    base = cuda_syncs(4, True, sentinel=None)
+    with_sentinel = cuda_syncs(4, True, sentinel=sentinel)
+    extra = {step: with_sentinel[step] - base[step] for step in base}
+    assert extra == dict.fromkeys(base, 1), (extra, base, without)
 
 
 def test_16_mixed_gradient_norms_have_the_loss_scale_removed():
