@@ -328,6 +328,14 @@ class LayerHealthCallback(Callback):
         )
 
     # ----------------------------------------------------------------------------------------------- lifecycle
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """A new fit starts from a fresh loss baseline (a checkpoint restores its own afterwards, before training)."""
+        if stage == "fit":
+            if self._sentinel is not None:
+                self._sentinel.reset()
+            self._baseline = None
+            self._last_finite = {}
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Resolve the selection (errors for names that match nothing) and allocate the device state."""
         modules = resolve_layers(pl_module, self.layers, self.layer_types, self.exclude)
@@ -602,6 +610,7 @@ class LayerHealthCallback(Callback):
 
     def _discard_window(self) -> None:
         self._window = None
+        self._trip = None
         if self._recorder is not None:
             self._recorder.workspace.release()
         if self._aggregator is not None:

@@ -207,6 +207,12 @@ class LossSentinel:
         """Forget the losses observed since the last check (an interrupted step)."""
         self._loss = None
 
+    def reset(self) -> None:
+        """Start a new run: no baseline, no trip, nothing observed (a checkpoint may then restore its state)."""
+        self.detector.losses.clear()
+        self.last_finite_step = self.previous_trip = None
+        self._loss = None
+
     def check(self, step: int, grads: Sequence[Tensor] = (), scale: Tensor | None = None) -> Trip | None:
         """Decide whether optimizer step ``step`` trips, with one host read (and one MAX all-reduce).
 

@@ -427,3 +427,16 @@ def test_replay_helper_restores_rng_buffers_and_gradients_even_when_the_step_rai
     assert torch.equal(before_stats, net[1].running_mean)
     assert int(net[1].num_batches_tracked) == 0
     assert all(p.grad is None for p in net.parameters())
+
+
+def test_a_second_fit_starts_from_a_fresh_baseline():
+    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="raise", summary=False, rules={"spike_warmup": 3})
+    module, _ = mlp_with(lambda clock: nn.Identity())
+    make_trainer([callback], max_steps=30).fit(module)
+    assert len(callback._sentinel.detector.losses) == 30
+    # The same callback on a run whose loss is 1e6 times larger: no spike against the first run's losses.
+    big, _ = mlp_with(lambda clock: nn.Identity())
+    big.data.tensors = (big.data.tensors[0], big.data.tensors[1] * 1e3)
+    big.lr = 1e-9  # a loss level of its own, stable
+    make_trainer([callback], max_steps=5).fit(big)
+    assert callback.trips == []
