@@ -1,12 +1,20 @@
 """Exact pooling of per-layer statistics over calls, micro-batches and processes, in torchmetrics state.
 
 Per-layer states are stacked into a handful of tensors (``[n_layers, n_slots]`` sums, ``[n_layers]`` maxima, one
-flat vector of per-unit maxima), so torchmetrics' distributed reduction issues the same small number of collectives
-whatever the number of layers or statistics.
+flat vector of per-unit maxima). torchmetrics keeps them (reset, device moves, ``compute``), but its gather-based sync
+is replaced: every additive state goes into one buffer reduced with one SUM ``all_reduce``, every maximum into one
+buffer reduced with one MAX ``all_reduce`` (:mod:`lightning_hookdiag.distributed`). No all-gather, no barrier, no
+host read once the per-unit layout is agreed, and the bytes per process do not depend on the number of processes.
+
+The per-unit layout (``act_dead_frac``) is the same on every process: a layer's unit count is learned from its
+output shape (host metadata), then agreed through the SUM buffer of the first sync in which any process saw the
+layer, so a layer that first runs on some processes only (a rank-dependent branch, MoE routing) gets the same slots
+everywhere. Until then its maxima wait in a per-layer pending tensor.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -15,6 +23,7 @@ from torchmetrics import Metric
 
 from lightning_hookdiag import params as P
 from lightning_hookdiag import stats as S
+from lightning_hookdiag.distributed import all_reduce_packed
 from lightning_hookdiag.hooks import first_floating_tensor
 
 __all__ = ["LayerStatsAggregator", "StepRecorder"]
@@ -82,29 +91,88 @@ class LayerStatsAggregator(Metric):
         if histogram_bins:
             self.add_state("act_hist", torch.zeros(n_layers, histogram_bins), dist_reduce_fx="sum")
             self.add_state("grad_hist", torch.zeros(n_layers, histogram_bins), dist_reduce_fx="sum")
-        # Unit counts are learned from the first output of each layer; the flat layout follows layer order, so it
-        # is the same on every process whatever order layers happen to run in.
+        # Unit counts are learned from the outputs and agreed over processes (see the module docstring); the flat
+        # layout follows layer order, so it is the same on every process whatever order layers happen to run in.
+        self.sharded_params = sharded_params
+        self.unit_layers: frozenset[int] = frozenset(range(n_layers))
+        """Layers that may report per-unit maxima: the layout agreement waits for these (see :meth:`track_units`)."""
         self.unit_sizes: list[int] = [0] * n_layers
+        """Agreed unit count per layer (0: not known yet); identical on every process."""
+        self._unit_offsets: list[int] = [0] * n_layers
         self._unit_owner = torch.empty(0, dtype=torch.long)
+        self._pending_units: dict[int, Tensor] = {}
+        self._bad_flags: tuple[frozenset[int], Tensor] | None = None
+        self._unit_bad: Tensor | None = None
         self.unit_mismatch: set[int] = set()
-        """Layers whose unit count changed after it was learned; their dead fraction is not tracked."""
+        """Layers whose unit count changed after it was learned, on this process or (when agreed) between
+        processes; their dead fraction is not tracked."""
         self.grad_scale: Tensor | None = None
         """AMP loss scale of the step's gradients, divided out of ``act_grad_norm`` at ``compute``."""
         self._host = _HostRows(n_layers)
 
-    def _offset(self, layer: int) -> int:
-        return sum(self.unit_sizes[:layer])
+    def track_units(self, layers: Iterable[int]) -> None:
+        """Declare the layers that may report per-unit maxima (default: every layer).
 
-    def _learn_units(self, layer: int, size: int) -> None:
-        start = self._offset(layer)
-        fill = torch.full((size,), float("-inf"))
-        default = torch.cat([self._defaults["unit_max"][:start], fill, self._defaults["unit_max"][start:]])
-        current = torch.cat([self.unit_max[:start], fill.to(self.unit_max.device), self.unit_max[start:]])
-        self.add_state("unit_max", default, dist_reduce_fx="max")
-        self.unit_max = current
-        self.unit_sizes[layer] = size
+        In a distributed run, a sync in which the agreed layout lacks one of these layers reads the agreed unit
+        counts back to the host (one small transfer); once every declared layer has run somewhere, no sync does.
+        """
+        layers = frozenset(layers)
+        bad = [i for i in layers if not 0 <= i < self.n_layers]
+        if bad:
+            raise ValueError(f"track_units: expected layer indices in [0, {self.n_layers}), got {sorted(bad)}")
+        self.unit_layers = layers
+
+    def _relayout(self, sizes: dict[int, int]) -> None:
+        """Give the layers of ``sizes`` their slots in layer order, keeping the maxima already recorded.
+
+        Maxima waiting in ``_pending_units`` move into the new slots; every other new slot starts at ``-inf``.
+        """
+        device = self.unit_max.device
+        old_sizes, old_offsets = list(self.unit_sizes), list(self._unit_offsets)
+        for layer, size in sizes.items():
+            self.unit_sizes[layer] = size
+        current, default = [], []
+        offset = 0
+        for layer, size in enumerate(self.unit_sizes):
+            self._unit_offsets[layer] = offset
+            offset += size
+            if not size:
+                continue
+            fill = torch.full((size,), float("-inf"), dtype=self.unit_max.dtype)
+            default.append(fill)
+            if old_sizes[layer]:
+                start = old_offsets[layer]
+                current.append(self.unit_max[start : start + size])
+            elif layer in self._pending_units and self._pending_units[layer].numel() == size:
+                current.append(self._pending_units[layer].to(device, self.unit_max.dtype))
+            else:
+                current.append(fill.to(device))
+        for layer in sizes:
+            self._pending_units.pop(layer, None)
+        self.add_state("unit_max", torch.cat(default) if default else torch.empty(0), dist_reduce_fx="max")
+        self.unit_max = torch.cat(current) if current else torch.empty(0, device=device)
         owners = [torch.full((n,), i, dtype=torch.long) for i, n in enumerate(self.unit_sizes)]
-        self._unit_owner = torch.cat(owners).to(self.unit_max.device)
+        self._unit_owner = torch.cat(owners).to(device)
+
+    def _add_units(self, layer: int, units: Tensor) -> None:
+        size = self.unit_sizes[layer]
+        if size:
+            if units.numel() != size:
+                self.unit_mismatch.add(layer)
+                return
+            start = self._unit_offsets[layer]
+            view = self.unit_max[start : start + size]
+            torch.fmax(view, units, out=view)
+            return
+        # Not agreed yet: keep this process's maxima aside until the next sync (or compute) gives the layer slots.
+        pending = self._pending_units.get(layer)
+        if pending is None:
+            self._pending_units[layer] = units.to(self.unit_max.dtype).clone()
+        elif pending.numel() != units.numel():
+            self.unit_mismatch.add(layer)
+            del self._pending_units[layer]
+        else:
+            torch.fmax(pending, units, out=pending)
 
     def add(
         self,
@@ -143,14 +211,11 @@ class LayerStatsAggregator(Metric):
             self.act_moments[layer].add_(moments)
             torch.maximum(self.act_absmax[layer], absmax, out=self.act_absmax[layer])
         if units is not None and layer not in self.unit_mismatch:
-            if not self.unit_sizes[layer]:
-                self._learn_units(layer, units.numel())
-            if units.numel() != self.unit_sizes[layer]:
-                self.unit_mismatch.add(layer)
-            else:
-                start = self._offset(layer)
-                view = self.unit_max[start : start + units.numel()]
-                torch.fmax(view, units, out=view)
+            if layer not in self.unit_layers:
+                raise ValueError(
+                    f"units: layer {layer} was not declared with track_units (declared: {sorted(self.unit_layers)})"
+                )
+            self._add_units(layer, units)
         if gradient is not None:
             self.grad_moments[layer].add_(gradient)
         if act_hist is not None:
@@ -216,9 +281,82 @@ class LayerStatsAggregator(Metric):
         self._fold_host()
 
     def reset(self) -> None:
-        """Clear the states and any pending host observations, to start the next sampled step."""
+        """Clear the states and any pending observations, to start the next sampled step (the layout stays)."""
         super().reset()
         self._host.clear()
+        self._pending_units = {}
+        self._unit_bad = None
+
+    def _sync_dist(self, dist_sync_fn: Any = None, process_group: Any = None) -> None:
+        """Reduce the states over processes with one SUM and one MAX ``all_reduce`` of packed buffers.
+
+        Replaces torchmetrics' gather-based sync (a barrier and two all-gathers per state); torchmetrics still calls
+        it from ``compute`` after caching the local states, and restores them afterwards. ``dist_sync_fn`` is not
+        used: a sum and a maximum need no gathered copies. Every process must call it (``compute``), also one whose
+        layers did not run.
+
+        Args:
+            dist_sync_fn: Ignored; part of torchmetrics' signature.
+            process_group: The group to reduce over; ``None`` for the metric's ``process_group`` (default: all).
+        """
+        group = process_group or self.process_group
+        changed = self._host.pending
+        self._fold_host()
+        # Layers declared for per-unit maxima without an agreed unit count: the same list on every process, because
+        # the agreed counts are.
+        waiting = [i for i in sorted(self.unit_layers) if not self.unit_sizes[i] and i not in self.unit_mismatch]
+        sum_names = ["act_moments", "grad_moments"]
+        if self.histogram_edges.numel():
+            sum_names += ["act_hist", "grad_hist"]
+        max_names = ["act_absmax"]
+        # Sharded parameters hold disjoint parts whose sums of squares add up; replicated ones hold the same value
+        # on every process, counted once by a maximum.
+        (sum_names if self.sharded_params else max_names).append("param_stats")
+        sums = [getattr(self, name) for name in sum_names]
+        if waiting:
+            # (processes that saw the layer, sum of their unit counts, sum of squares): the counts agree exactly
+            # when seen * squares == total ** 2.
+            claims = [self._claim(i) for i in waiting]
+            sums.append(torch.tensor(claims, dtype=torch.float64, device=self.act_moments.device))
+        reduced = all_reduce_packed(sums, "sum", group)
+        if waiting:
+            agreed: dict[int, int] = {}
+            # The one host read of a sync, only while a declared layer waits for its layout (normally the first).
+            for layer, (seen, total, squares) in zip(waiting, reduced.pop().tolist(), strict=True):
+                if seen and total * total == seen * squares:
+                    agreed[layer] = round(total / seen)
+                elif seen:
+                    self.unit_mismatch.add(layer)  # different counts on different processes
+                    self._pending_units.pop(layer, None)
+            if agreed:
+                self._relayout(agreed)
+                changed = True
+        if changed and self._cache is not None:
+            self._cache = self._copy_state_dict()  # what unsync restores: the local states, now folded and laid out
+        maxima = [getattr(self, name) for name in max_names]
+        if self.unit_layers:
+            max_names.append("unit_max")
+            maxima += [self.unit_max, self._mismatch_flags()]
+        reduced_max = all_reduce_packed(maxima, "max", group)
+        if self.unit_layers:
+            self._unit_bad = reduced_max.pop()
+        for name, value in zip([*sum_names, *max_names], [*reduced, *reduced_max], strict=True):
+            setattr(self, name, value)
+
+    def _claim(self, layer: int) -> list[float]:
+        pending = self._pending_units.get(layer)
+        n = 0 if pending is None or layer in self.unit_mismatch else float(pending.numel())
+        return [1.0 if n else 0.0, n, n * n]
+
+    def _mismatch_flags(self) -> Tensor:
+        # 1 for the layers this process stopped tracking: a maximum over processes makes the decision global. Built
+        # again only when the set changes, so that no sync copies host memory to the device.
+        key = frozenset(self.unit_mismatch)
+        if self._bad_flags is None or self._bad_flags[0] != key or self._bad_flags[1].device != self.unit_max.device:
+            flags = torch.zeros(self.n_layers, dtype=self.act_absmax.dtype)
+            flags[list(key)] = 1.0
+            self._bad_flags = (key, flags.to(self.unit_max.device))
+        return self._bad_flags[1]
 
     def compute(self) -> dict[str, Tensor]:
         """Finalised statistics, after torchmetrics has reduced the states over processes.
@@ -228,7 +366,10 @@ class LayerStatsAggregator(Metric):
             tracked) and ``count`` / ``grad_count`` (elements observed: 0 means the layer never ran), plus the
             parameter statistics of :func:`~lightning_hookdiag.params.finalize_parameters`.
         """
-        self._fold_host()  # normally done by update(); here it would miss the reduction over processes
+        self._fold_host()  # normally done by update() or the sync; here it would miss the reduction over processes
+        if self._pending_units and not self._is_synced:
+            # No sync (one process): this process's unit counts are the agreed ones.
+            self._relayout({layer: t.numel() for layer, t in self._pending_units.items()})
         out = S.finalize_activations(self.act_moments, self.act_absmax)
         out.update(S.finalize_gradients(self.grad_moments, self.grad_scale))
         dead = S.finalize_dead_fraction(
@@ -236,6 +377,8 @@ class LayerStatsAggregator(Metric):
         )
         for layer in self.unit_mismatch:  # its units stopped being recorded: the fraction would read "all dead"
             dead[layer] = float("nan")
+        if self._unit_bad is not None:  # ... on some other process
+            dead = torch.where(self._unit_bad.to(dead.device) > 0, torch.full_like(dead, float("nan")), dead)
         out["act_dead_frac"] = dead
         out["count"] = self.act_moments[:, S.ACT_COUNT]
         out["grad_count"] = self.grad_moments[:, S.GRAD_COUNT]
@@ -286,6 +429,7 @@ class StepRecorder:
         self.aggregator = aggregator
         self.moments = moments
         self.unit_layers = unit_layers
+        aggregator.track_units(unit_layers)
         self.unit_dim = unit_dim
         self.no_float_output: set[int] = set()
         """Layers whose output held no floating-point tensor (nothing to observe)."""

@@ -121,3 +121,29 @@ def test_host_and_device_observations_of_one_layer_pool_together():
     agg.reset()
     agg.update()
     assert agg.compute()["count"].item() == 0
+
+
+def test_units_of_an_undeclared_layer_are_an_error():
+    agg = LayerStatsAggregator(n_layers=2)
+    agg.track_units([1])
+    with pytest.raises(ValueError, match=r"units: layer 0 was not declared with track_units \(declared: \[1\]\)"):
+        agg.add(0, units=torch.ones(3))
+    with pytest.raises(ValueError, match=r"track_units: expected layer indices in \[0, 2\), got \[2, 5\]"):
+        agg.track_units([0, 2, 5])
+
+
+def test_units_wait_for_their_layout_then_keep_it_across_steps():
+    agg = LayerStatsAggregator(n_layers=2)
+    rec = StepRecorder(agg, moments=False, unit_layers=frozenset({0, 1}))
+    rec.on_output(1, torch.tensor([[-1.0, 2.0, -3.0]]))
+    rec.on_output(1, torch.tensor([[-1.0, -2.0, 3.0]]))
+    assert agg.unit_sizes == [0, 0]  # pending until compute (or a sync) lays the layer out
+    assert agg.compute()["act_dead_frac"][1].item() == pytest.approx(1 / 3)
+    assert agg.unit_sizes == [0, 3]
+    agg.reset()
+    rec.on_output(0, torch.tensor([[5.0, -5.0]]))  # a layer laid out later goes before it, in layer order
+    rec.on_output(1, torch.tensor([[1.0, 1.0, -1.0]]))
+    out = agg.compute()
+    assert agg.unit_sizes == [2, 3]
+    assert out["act_dead_frac"].tolist() == pytest.approx([0.5, 1 / 3])
+    assert agg.unit_max.tolist() == [5.0, -5.0, 1.0, 1.0, -1.0]

@@ -1,0 +1,35 @@
+"""The packed all-reduce helper without a process group (tests/test_sync.py runs it on 2 and 4 processes)."""
+
+import pytest
+import torch
+
+from lightning_hookdiag.distributed import all_reduce_packed, distributed_ready, pack, unpack
+
+
+def test_pack_round_trips_shapes_and_dtypes_exactly():
+    parts = [torch.tensor([[1.5, -2.0]]), torch.tensor([3.25], dtype=torch.float64), torch.tensor(float("-inf"))]
+    buffer = pack(parts)
+    assert buffer.dtype == torch.float64
+    assert buffer.tolist() == [1.5, -2.0, 3.25, float("-inf")]
+    back = unpack(buffer, parts)
+    for got, want in zip(back, parts, strict=True):
+        assert got.shape == want.shape
+        assert got.dtype == want.dtype
+        assert torch.equal(got, want)
+
+
+def test_without_a_process_group_values_come_back_unchanged():
+    assert not distributed_ready()
+    x = torch.arange(3.0)
+    (y,) = all_reduce_packed([x], "sum")
+    assert torch.equal(y, x)
+    assert all_reduce_packed([], "max") == []
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match=r"expected op in \['max', 'min', 'sum'\], got 'avg'"):
+        all_reduce_packed([torch.zeros(1)], "avg")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="pack: expected at least one tensor, got none"):
+        pack([])
+    with pytest.raises(ValueError, match="unpack: the buffer holds 3 elements, the tensors 4"):
+        unpack(torch.zeros(3), [torch.zeros(4)])
