@@ -13,13 +13,13 @@ the 12 MiB benchmark MLP (2-core CPU): 6.4 ms per sampled step with fused norms 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from lightning_hookdiag import stats as S
+from lightning_hookdiag.names import logged_name
 
 __all__ = [
     "ParameterTracker",
@@ -41,14 +41,24 @@ def local_tensor(t: Tensor) -> Tensor:
     return to_local() if callable(to_local) else t
 
 
-def replicas(t: Tensor) -> int:
+def replicas(t: Tensor, group_size: int | None = None) -> int:
     """Number of processes that hold the same local part of ``t`` as this one: 1 for a plain tensor.
 
     Sharded sums of squares are added over processes; dividing each by this count counts a replicated part once.
-    For a ``DTensor``: the processes of the default group divided by the number of distinct
-    shards its placements make (the product of the mesh sizes along ``Shard`` dimensions). That is 1 for FSDP2 over
-    all processes, the replica count for HSDP, and the tensor-parallel size for a parameter FSDP2 shards over the
-    data-parallel dimension only.
+    For a ``DTensor`` it comes from the tensor's own device mesh and placements: the product of the mesh sizes along
+    ``Replicate`` dimensions (``Shard`` dimensions hold distinct parts), times the number of copies of the mesh in
+    the reduction group when the mesh is a sub-mesh of it (every process tracks the same parameters, so a process
+    outside this mesh holds the same parameter on a mesh of its own: a tensor-parallel replica of a data-parallel
+    sub-mesh). For FSDP2 that is 1; for HSDP the replicate size; on a ``dp x tp`` mesh, for a parameter sharded over
+    ``dp`` only, the ``tp`` size.
+
+    Args:
+        t: A parameter, plain or ``DTensor``.
+        group_size: Processes the sums are reduced over; ``None`` for the default group's (1 without one).
+
+    Raises:
+        ValueError: For a ``Partial`` placement (partial sums: their squares do not add up to the whole's), or a
+            mesh whose size does not divide ``group_size``.
 
     Example:
         >>> replicas(torch.zeros(3))
@@ -58,10 +68,23 @@ def replicas(t: Tensor) -> int:
     mesh = getattr(t, "device_mesh", None)
     if placements is None or mesh is None:
         return 1
-    distinct = math.prod(mesh.size(dim) for dim, placement in enumerate(placements) if placement.is_shard())
-    dist = torch.distributed
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else mesh.size()
-    return max(world // distinct, 1)
+    within = 1
+    for dim, placement in enumerate(placements):
+        if placement.is_replicate():
+            within *= mesh.size(dim)
+        elif not placement.is_shard():
+            raise ValueError(
+                f"replicas: expected Shard or Replicate placements on a parameter, got {placement!r} in {placements}"
+            )
+    if group_size is None:
+        dist = torch.distributed
+        group_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else mesh.size()
+    if group_size % mesh.size():
+        raise ValueError(
+            f"replicas: the parameter's device mesh has {mesh.size()} processes, which does not divide the"
+            f" {group_size} processes its statistics are reduced over"
+        )
+    return within * (group_size // mesh.size())
 
 
 def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64) -> Tensor:
@@ -130,8 +153,7 @@ def named_parameters_of(modules: dict[str, nn.Module]) -> dict[str, nn.Parameter
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            name = ".".join(s for s in param_name.split(".") if s not in ("_orig_mod", "_checkpoint_wrapped_module"))
-            found[f"{module_name}.{name}"] = param
+            found[f"{module_name}.{logged_name(param_name, module)}"] = param
     return found
 
 

@@ -87,6 +87,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the rules only read a Trip's fields; importing the sentinel at run time would import torch
     from lightning_hookdiag.sentinel import Trip
 
+from lightning_hookdiag.names import owning_layer
+
 __all__ = [
     "LOSS",
     "RULES",
@@ -292,16 +294,12 @@ class _Orders:
         self.backward: dict[str, int] = {}
         for i, name in enumerate(backward_order):
             self.backward.setdefault(name, i)
+        self.layers = self.forward.keys() | self.backward.keys()
 
     def owner(self, param: str) -> str:
         # A selected container owns "<container>.<child>.<name>": the longest known layer prefix is the module that
         # was observed, not the dotted name minus its last segment.
-        parts = param.split(".")
-        for cut in range(len(parts) - 1, 0, -1):
-            candidate = ".".join(parts[:cut])
-            if candidate in self.forward or candidate in self.backward:
-                return candidate
-        return param.rpartition(".")[0] or param
+        return owning_layer(param, self.layers)
 
     def forward_key(self, layer: str) -> tuple[int, int, str]:
         if layer in self.forward:

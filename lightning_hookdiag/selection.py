@@ -1,7 +1,7 @@
 """Turning a user's layer configuration into an ordered ``{name: module}`` mapping.
 
-Names are the module's dotted path with wrapper segments removed, so the keys a run logs do not change when the
-model is compiled, wrapped for DDP or wrapped for activation checkpointing.
+Names are the module's dotted path with wrapper segments removed (:func:`~lightning_hookdiag.names.logged_name`), so
+the keys a run logs do not change when the model is compiled, wrapped for DDP or wrapped for activation checkpointing.
 """
 
 from __future__ import annotations
@@ -9,18 +9,15 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import importlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from torch import nn
 
+from lightning_hookdiag.names import logged_name
+
 __all__ = ["LayerInfo", "import_types", "list_layers", "named_modules", "resolve_layers"]
 
-# Attribute names under which wrappers keep the module they wrap. They are private names that no user model
-# would choose, so they are dropped wherever they appear.
-_WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_forward_module"})
-# ``module`` is a name users do choose, so it is only dropped below the wrappers that are known to use it.
-_MODULE_ATTR_WRAPPERS = frozenset({"DistributedDataParallel", "DataParallel", "_LightningModuleWrapperBase"})
 # Containers without a ``forward``: they can never produce an output to observe.
 _NOT_CALLABLE = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
@@ -36,14 +33,6 @@ class LayerInfo(NamedTuple):
         return f"{self.name}  ({self.type}{', leaf' if self.leaf else ''})"
 
 
-def _walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
-    for attr, child in module.named_children():
-        skip = attr in _WRAPPER_SEGMENTS or (attr == "module" and type(module).__name__ in _MODULE_ATTR_WRAPPERS)
-        name = prefix if skip else (f"{prefix}.{attr}" if prefix else attr)
-        yield name, child
-        yield from _walk(child, name)
-
-
 def named_modules(root: nn.Module) -> dict[str, nn.Module]:
     """Every submodule of ``root`` under its normalised dotted name, in ``named_modules()`` order.
 
@@ -57,12 +46,10 @@ def named_modules(root: nn.Module) -> dict[str, nn.Module]:
         ['0', '0.0', '0.1']
     """
     found: dict[str, nn.Module] = {}
-    seen: set[int] = set()
-    for name, module in _walk(root, ""):
-        if id(module) in seen or not name:
-            continue
-        seen.add(id(module))
-        found[name] = module
+    for path, module in root.named_modules():  # each module once, parents before children
+        name = logged_name(path, root)
+        if name:
+            found[name] = module  # a wrapped module comes after its wrapper, so it wins
     return found
 
 

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from lightning_hookdiag.names import owning_layer
 from lightning_hookdiag.report.errors import ReportError
 from lightning_hookdiag.vocabulary import LAYER_STATS, TOTAL_STATS
 from lightning_hookdiag.vocabulary import PER_PARAMETER_STATS as PARAMETER_STATS
@@ -84,16 +85,6 @@ def detect_prefix(keys: Iterable[str]) -> str:
     return candidates.pop() if candidates else DEFAULT_PREFIX
 
 
-def owning_layer(parameter: str) -> str:
-    """The module a dotted parameter name belongs to: the name without its last segment.
-
-    Example:
-        >>> owning_layer("model.0.weight")
-        'model.0'
-    """
-    return parameter.rpartition(".")[0]
-
-
 def depth_order(names: Iterable[str], depth: dict[str, int], parameters: bool = False) -> list[str]:
     """Sort layer (or parameter) names by forward execution depth, shallow first.
 
@@ -112,7 +103,7 @@ def depth_order(names: Iterable[str], depth: dict[str, int], parameters: bool = 
     """
 
     def key(name: str) -> tuple[int, int, str, str]:
-        owner = owning_layer(name) if parameters else name
+        owner = owning_layer(name, depth) if parameters else name
         d = depth.get(owner)
         return (0, d, owner, name) if d is not None else (1, 0, owner, name)
 
@@ -166,7 +157,7 @@ class HealthLog:
 
     def depth_of(self, name: str, stat: str) -> int | None:
         """The depth shown for ``name`` under ``stat``: its own, or its owning layer's for a parameter."""
-        return self.depth.get(owning_layer(name) if self.is_parameter_stat(stat) else name)
+        return self.depth.get(owning_layer(name, self.depth) if self.is_parameter_stat(stat) else name)
 
     def stat_steps(self, stat: str) -> list[int]:
         """The steps at which ``stat`` was logged for at least one layer, ascending."""

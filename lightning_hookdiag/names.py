@@ -1,0 +1,80 @@
+"""The one mapping from a module or parameter path to the name the callback logs, and from a parameter to its layer.
+
+Wrappers insert segments into module paths: ``torch.compile`` (``_orig_mod``), activation checkpointing
+(``_checkpoint_wrapped_module``), FSDP1 (``_fsdp_wrapped_module``), Lightning's strategy wrappers
+(``_forward_module``) and DDP / DataParallel (``module``). Logged names leave them out, so the keys of a run do not
+change when the model is compiled, wrapped or sharded (FSDP2's ``fully_shard`` renames nothing). Selection,
+parameter tracking, the health rules and the report all go through :func:`logged_name`; the rules and the report
+find a parameter's layer with :func:`owning_layer`, which uses it too.
+
+Pure string logic plus attribute lookups: no torch import, so the report can use it on any machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+__all__ = ["MODULE_ATTR_WRAPPERS", "WRAPPER_SEGMENTS", "logged_name", "owning_layer"]
+
+WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_forward_module"})
+"""Attribute names under which wrappers keep the module they wrap: private names no user model would choose, so
+they are dropped wherever they appear."""
+
+MODULE_ATTR_WRAPPERS = frozenset({"DistributedDataParallel", "DataParallel", "_LightningModuleWrapperBase"})
+"""Classes (or their subclasses) that keep the wrapped module as ``module``: a name users do choose, so it is
+dropped only below these."""
+
+
+def _wraps_as_module(parent: Any) -> bool:
+    return any(cls.__name__ in MODULE_ATTR_WRAPPERS for cls in type(parent).__mro__)
+
+
+def logged_name(path: str, root: Any = None) -> str:
+    """The logged name of the module or parameter at dotted ``path``: the path without wrapper segments.
+
+    Args:
+        path: A dotted path as ``named_modules()`` / ``named_parameters()`` of ``root`` give it.
+        root: The module ``path`` is relative to. With it, a ``module`` segment is dropped where its parent is a
+            DDP-style wrapper (see :data:`MODULE_ATTR_WRAPPERS`); without it, ``module`` segments are kept.
+
+    Example:
+        >>> logged_name("model._orig_mod.encoder._checkpoint_wrapped_module.0.weight")
+        'model.encoder.0.weight'
+        >>> import torch
+        >>> from torch import nn
+        >>> ddp_like = nn.DataParallel(nn.Sequential(nn.Linear(2, 2)))
+        >>> logged_name("module.0.weight", ddp_like), logged_name("module.0.weight")
+        ('0.weight', 'module.0.weight')
+    """
+    kept = []
+    parent = root
+    for segment in path.split("."):
+        drop = segment in WRAPPER_SEGMENTS or (segment == "module" and parent is not None and _wraps_as_module(parent))
+        if not drop:
+            kept.append(segment)
+        parent = getattr(parent, segment, None) if parent is not None else None
+    return ".".join(kept)
+
+
+def owning_layer(parameter: str, layers: Collection[str] = ()) -> str:
+    """The layer a parameter's statistics belong to.
+
+    The longest name in ``layers`` that is a dotted prefix of the parameter's logged name (a selected container
+    owns ``<container>.<child>.weight``); without one, the name minus its last segment.
+
+    Args:
+        parameter: A logged parameter name (or a raw path: it goes through :func:`logged_name` first).
+        layers: The known layer names, e.g. the selection or the layers of a forward order.
+
+    Example:
+        >>> owning_layer("block.0.weight", ["block", "head"]), owning_layer("head._orig_mod.bias")
+        ('block', 'head')
+    """
+    name = logged_name(parameter)
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        candidate = ".".join(parts[:cut])
+        if candidate in layers:
+            return candidate
+    return name.rpartition(".")[0] or name
