@@ -11,12 +11,20 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.logger import _add_prefix
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import Logger, TensorBoardLogger
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+)
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor, nn
+from typing_extensions import override
 
 from lightning_hookdiag import params as P
 from lightning_hookdiag import stats as S
@@ -67,14 +75,20 @@ HistogramWriter = Callable[[str, list[float], list[float], list[float], int], No
 
 
 def _histogram_writer(logger: Logger) -> HistogramWriter | None:
-    """A function writing one histogram to ``logger``, or ``None`` if the logger cannot store histograms."""
+    """A function writing one histogram to ``logger``, or ``None`` if the logger cannot store histograms.
+
+    The logger's own ``prefix`` applies to histogram keys as it does to scalars: W&B histograms go through
+    ``log_metrics``; TensorBoard's ``log_metrics`` takes scalars only, so its key is prefixed by the same Lightning
+    function that ``log_metrics`` uses.
+    """
     if isinstance(logger, TensorBoardLogger):
 
         def tensorboard(tag: str, counts: list[float], left: list[float], right: list[float], step: int) -> None:
             filled = [i for i, c in enumerate(counts) if c > 0]
             centres = [(left[i] + right[i]) / 2 for i in range(len(counts))]
+            (key,) = _add_prefix({tag: 0.0}, getattr(logger, "_prefix", ""), logger.LOGGER_JOIN_CHAR)
             logger.experiment.add_histogram_raw(
-                tag,
+                key,
                 min=left[filled[0]],
                 max=right[filled[-1]],
                 num=sum(counts),
@@ -86,13 +100,13 @@ def _histogram_writer(logger: Logger) -> HistogramWriter | None:
             )
 
         return tensorboard
-    if type(logger).__name__ == "WandbLogger":
+    if isinstance(logger, WandbLogger):
 
         def wandb_histogram(tag: str, counts: list[float], left: list[float], right: list[float], step: int) -> None:
             import wandb
 
             histogram = wandb.Histogram(np_histogram=(counts, [left[0], *right]))
-            logger.experiment.log({tag: histogram, "trainer/global_step": step})
+            logger.log_metrics({tag: histogram}, step=step)  # type: ignore[dict-item]
 
         return wandb_histogram
     return None
@@ -105,9 +119,7 @@ def _sharded(trainer: pl.Trainer, params: dict[str, nn.Parameter]) -> bool:
     """
     if any(callable(getattr(p, "to_local", None)) for p in params.values()):
         return True
-    # By class name along the MRO: importing the strategies would pull in optional distributed modules, and a
-    # user's subclass of FSDPStrategy shards just the same.
-    return any(c.__name__ in ("FSDPStrategy", "ModelParallelStrategy") for c in type(trainer.strategy).__mro__)
+    return isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
 
 
 @contextmanager
@@ -321,6 +333,7 @@ class LayerHealthCallback(Callback):
         self._last_finite: dict[str, int] = {}
 
     @property
+    @override
     def state_key(self) -> str:
         """Identify this callback's state in a checkpoint by its selection and interval."""
         return self._generate_state_key(
@@ -328,6 +341,7 @@ class LayerHealthCallback(Callback):
         )
 
     # ----------------------------------------------------------------------------------------------- lifecycle
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """A new fit starts from a fresh loss baseline (a checkpoint restores its own afterwards, before training)."""
         if stage == "fit":
@@ -336,6 +350,7 @@ class LayerHealthCallback(Callback):
             self._baseline = None
             self._last_finite = {}
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Resolve the selection (errors for names that match nothing) and allocate the device state."""
         modules = resolve_layers(pl_module, self.layers, self.layer_types, self.exclude)
@@ -371,6 +386,7 @@ class LayerHealthCallback(Callback):
         self._sentinel_params = list(named_parameters_of(modules).values()) if self.sentinel == "loss+grads" else []
         self._release_step()
 
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -396,11 +412,13 @@ class LayerHealthCallback(Callback):
             self._recorder.histograms = every is not None and step % every == 0
         self._hooks.attach()
 
+    @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         """Add the micro-batch's loss to the sentinel's total for this step (on the device, no host read)."""
         if self._sentinel is not None and self._hooks is not None:
             self._sentinel.observe_loss(loss)
 
+    @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
@@ -426,6 +444,7 @@ class LayerHealthCallback(Callback):
         elif self.on_anomaly == "stop":
             trainer.should_stop = True
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -438,16 +457,19 @@ class LayerHealthCallback(Callback):
         if self._micro_step is not None and trainer.global_step != self._micro_step:
             self._release_step()
 
+    @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Validation never sees training hooks (an open accumulation window resumes afterwards)."""
         self._detach()
 
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Remove every hook and drop the unfinished step."""
         self._detach()
         self._discard_window()
         self._release_step()
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A step left unfinished at the end of training is dropped, not logged; then the summary is printed."""
         self._detach()
@@ -466,6 +488,7 @@ class LayerHealthCallback(Callback):
         title = f"LayerHealthCallback: step {self.last_step}, {n} finding{'' if n == 1 else 's'}"
         return format_step_table(values, self.execution_order, marks, title)
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Remove every hook and release the device state."""
         self._detach()
@@ -474,6 +497,7 @@ class LayerHealthCallback(Callback):
         self._sentinel_params = []
         self._hooks = self._recorder = self._aggregator = self._tracker = None
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """Checkpointed state: last values, alert state, warnings given, trips and the sentinel's loss baseline.
 
@@ -490,6 +514,7 @@ class LayerHealthCallback(Callback):
             "last_finite": dict(self._last_finite),
         }
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
         self.last_metrics = dict(state_dict.get("last_metrics", {}))
