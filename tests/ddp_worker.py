@@ -106,7 +106,72 @@ def main(out_dir: str) -> None:
             "collectives": callback.collectives,
             "final": {k: v.detach().clone() for k, v in module.model.state_dict().items()},
         }
+    results["branch"] = branch_run(CountingCallback)
     torch.save(results, os.path.join(out_dir, f"rank{int(os.environ.get('LOCAL_RANK', 0))}.pt"))
+
+
+def branch_run(callback_class: type) -> dict:
+    """A ReLU branch (6 units, beside an 8-unit trunk ReLU) that runs on rank 1 only on step 0, then on both ranks.
+
+    Returns the pooled values per sampled step and the branch ReLU's outputs this rank saw, per step.
+    """
+    import lightning.pytorch as pl
+    from conftest import make_data
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    class Branchy(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.trunk = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+            self.branch = nn.Sequential(nn.Linear(8, 6), nn.ReLU())
+            self.head = nn.Linear(8, 1)
+            self.branch_head = nn.Linear(6, 1)
+            self.seen: dict[int, list[torch.Tensor]] = {}
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            h = self.trunk(x)
+            out = self.head(h)
+            if self.global_rank == 1 or self.global_step > 0:
+                b = self.branch(h)
+                self.seen.setdefault(self.global_step, []).append(b.detach().clone())
+                out = out + self.branch_head(b)
+            else:
+                # The branch's parameters take part in the gradient all-reduce without the branch running.
+                out = out + 0.0 * sum(p.sum() for p in [*self.branch.parameters(), *self.branch_head.parameters()])
+            return nn.functional.mse_loss(out, y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            data = make_data(16, seed=self.global_rank)
+            return DataLoader(data, batch_size=4)
+
+    module = Branchy()
+    callback = callback_class(every_n_steps=2, summary=False, on_anomaly="ignore")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=4,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        callbacks=[callback],
+        use_distributed_sampler=False,
+    )
+    trainer.fit(module)
+    return {
+        "pooled": callback.pooled,
+        "collectives": callback.collectives,
+        "seen": module.seen,
+        "global_step": trainer.global_step,
+    }
 
 
 if __name__ == "__main__":

@@ -25,3 +25,45 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path, monkeypatch):
         assert variants["plain"]["median_ms"] > 0
         assert variants["every_step"]["median_ms"] > 0
     assert written["machine"]["torch"]
+
+
+def _sync_cost():
+    path = SCRIPT.with_name("sync_cost.py")
+    spec = importlib.util.spec_from_file_location("sync_cost", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sync_cost"] = module  # dataclasses look their module up while defining
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules["sync_cost"]
+    return module
+
+
+def test_sync_cost_models_the_buffers_the_aggregator_really_packs():
+    import torch
+
+    from lightning_hookdiag.aggregation import LayerStatsAggregator
+    from lightning_hookdiag.distributed import pack
+
+    cost = _sync_cost()
+    model = cost.Model(units=16, dead_unit_share=0.5)
+    layers = 10
+    agg = LayerStatsAggregator(layers, n_params=layers)
+    agg.track_units(range(0, layers, 2))
+    agg._relayout(dict.fromkeys(range(0, layers, 2), 16))  # the layout once every ReLU ran
+    flags = torch.zeros(layers)
+    sums = pack([agg.act_moments, agg.grad_moments])
+    maxima = pack([agg.act_absmax, agg.param_stats, agg.unit_max, flags])
+    assert cost.buffers(layers, model) == (sums.numel() * sums.element_size(), maxima.numel() * maxima.element_size())
+
+
+def test_sync_cost_new_path_bytes_do_not_grow_with_ranks_and_old_path_bytes_do():
+    cost = _sync_cost()
+    model = cost.Model()
+    new = [cost.new_path(1000, p, model) for p in cost.WORLDS]
+    old = [cost.old_path(1000, p, model) for p in cost.WORLDS]
+    bound = 2 * sum(cost.buffers(1000, model))
+    assert all(c.received < bound and c.collectives == 2 and c.host_syncs == 0 for c in new)
+    assert old[-1].received > 1000 * old[0].received / 2  # linear in the ranks: 8 -> 8192
+    text = cost.main(["--markdown"])
+    assert text.count("\n| 8192 |") == 6
