@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> str:
     links = ", ".join(f"{k}: alpha={a * 1e6:.0f} us, beta=1/({1 / b / 1e9:.0f} GB/s)" for k, (a, b) in LINKS.items())
     text = (
         f"Per process and sampled step; {model}; ring collectives ({links}).\n"
-        f"old: torchmetrics gather_all_tensors per state; new: one SUM + one MAX all_reduce of packed float64 buffers"
+        f"old: torchmetrics gather_all_tensors per state; new: one SUM + one MAX all_reduce of packed buffers"
         f"\n\n{table(model, args.markdown)}"
     )
     print(text)

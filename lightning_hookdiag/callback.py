@@ -668,7 +668,7 @@ class LayerHealthCallback(Callback):
                 if updated is not None:
                     agg.update(params=(updated[0], updated[1], P.P_UPDATE_SQ))
         agg.update()  # every process takes part in the reduction, also one whose layers did not run
-        values = agg.compute()  # reduced over processes by torchmetrics
+        values = agg.compute()  # reduced over processes: one SUM and one MAX all-reduce (aggregation.py)
         skip = {"param_update_ratio"} if before_update else set()
         if not self._window_layers:
             skip.update(LAYER_STATS)
