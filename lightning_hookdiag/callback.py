@@ -721,8 +721,8 @@ class LayerHealthCallback(Callback):
             name = self.layer_names[i]
             self._warn_once(
                 f"unit_mismatch:{name}",
-                f"LayerHealthCallback: the number of units of {name!r} changed between calls (a module shared by"
-                " inputs of different widths); act_dead_frac is not tracked for it",
+                f"LayerHealthCallback: the number of units of {name!r} changed between calls or differs between"
+                " processes (a module shared by inputs of different widths); act_dead_frac is not tracked for it",
             )
         for i in no_float:
             name = self.layer_names[i]

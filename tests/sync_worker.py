@@ -160,6 +160,27 @@ def pooled_case(rank: int, world: int, n_layers: int, sharded: bool) -> list[dic
     return steps
 
 
+def mismatch_case(rank: int, world: int) -> list[dict[str, Any]]:
+    """Unit counts that disagree: between ranks when first seen (layer 0), on one rank after agreement (layer 1).
+
+    Layer 2 is healthy. Returns, per step, the pooled ``act_dead_frac`` and this rank's ``unit_mismatch``.
+    """
+    from lightning_hookdiag.aggregation import LayerStatsAggregator, StepRecorder
+
+    agg = LayerStatsAggregator(3)
+    rec = StepRecorder(agg, moments=False, unit_layers=frozenset({0, 1, 2}))
+    last = rank == world - 1
+    steps = []
+    for step in range(2):
+        rec.on_output(0, -torch.ones(2, 4 if last else 3))
+        rec.on_output(1, -torch.ones(2, 6 if last and step == 1 else 5))
+        rec.on_output(2, torch.tensor([[1.0 if last else -1.0, -1.0]]))
+        agg.update()
+        steps.append({"dead": agg.compute()["act_dead_frac"].tolist(), "mismatch": sorted(agg.unit_mismatch)})
+        agg.reset()
+    return steps
+
+
 # ---------------------------------------------------------------------------------------------------- replicas
 def replica_cases(rank: int) -> dict[str, Any]:
     """DTensor parameters on a 2 x 2 mesh (and its 1-D sub-meshes), measured by the tracker and the aggregator."""
@@ -327,7 +348,8 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     instrument()
     try:
         results: dict[str, Any] = {
-            "pooled": {(n, sharded): pooled_case(rank, world, n, sharded) for n in (4, 16) for sharded in (False, True)}
+            "pooled": {(n, shard): pooled_case(rank, world, n, shard) for n in (4, 16) for shard in (False, True)},
+            "mismatch": mismatch_case(rank, world),
         }
         if world == 4:
             results["replicas"] = replica_cases(rank)

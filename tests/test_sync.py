@@ -156,6 +156,23 @@ def test_collectives_do_not_grow_with_the_number_of_layers(worlds):
     assert set(counts.values()) == {2}
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_unit_counts_that_disagree_leave_the_layer_untracked_on_every_rank(worlds, world):
+    last = world - 1
+    for rank, results in enumerate(worlds[world]):
+        step0, step1 = results["mismatch"]
+        # Layer 0: 4 units on the last rank, 3 elsewhere when first seen: no rank tracks it, none crashes.
+        assert math.isnan(step0["dead"][0])
+        assert math.isnan(step1["dead"][0])
+        # Layer 1: agreed at 5 units, then 6 on the last rank: its flag in the MAX buffer reaches every rank.
+        assert step0["dead"][1] == 1.0
+        assert math.isnan(step1["dead"][1])
+        assert step1["mismatch"] == ([0, 1] if rank == last else [0])
+        # Layer 2 is unaffected: unit 0 alive on the last rank only, unit 1 dead everywhere.
+        assert step0["dead"][2] == 0.5
+        assert step1["dead"][2] == 0.5
+
+
 # ------------------------------------------------------------------------------------------------ replicas
 REPLICAS = {
     "hsdp": [2, 2],  # (Replicate, Shard): the replicate dimension holds 2 copies
