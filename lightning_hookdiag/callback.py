@@ -603,8 +603,8 @@ class LayerHealthCallback(Callback):
         except Exception as error:  # a failed replay is reported in the finding; training goes on untouched
             failure = f"the replay raised {type(error).__name__}: {error}"
         flag = torch.tensor([1.0 if failure else 0.0], device=pl_module.device)
-        all_reduce_max(flag)  # every process must agree, or the pooled statistics' collectives would not match
-        if flag.item() > 0:
+        # Every process must agree, or the pooled statistics' collectives would not match.
+        if all_reduce_max(flag).item() > 0:
             self._discard_window()
             return failure or "the replay failed on another process"
         return None

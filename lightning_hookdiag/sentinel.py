@@ -33,6 +33,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from lightning_hookdiag.distributed import all_reduce_packed
 from lightning_hookdiag.hooks import HookSet
 
 __all__ = [
@@ -144,21 +145,18 @@ def _median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-ReduceMax = Callable[[Tensor], None]
-"""Reduces a tensor in place with MAX over every process (a no-op in a single process)."""
+ReduceMax = Callable[[Tensor], Tensor]
+"""Reduces a tensor with MAX over every process (the identity in a single process)."""
 
 
-def all_reduce_max(t: Tensor) -> None:
-    """MAX all-reduce of ``t`` in place over the default process group, if one with several processes exists.
+def all_reduce_max(t: Tensor) -> Tensor:
+    """MAX of ``t`` over the processes of the default group, in one ``all_reduce`` (``t`` itself without one).
 
     Example:
-        >>> t = torch.tensor([1.0, 2.0])
-        >>> all_reduce_max(t); t  # single process: unchanged
+        >>> all_reduce_max(torch.tensor([1.0, 2.0]))  # single process
         tensor([1., 2.])
     """
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return all_reduce_packed([t], "max")[0]
 
 
 class LossSentinel:
@@ -236,9 +234,7 @@ class LossSentinel:
             # The infinity norm: never overflows, and NaN propagates through the max.
             largest = torch.stack(torch._foreach_norm(list(grads), math.inf)).amax()
             parts.append((~torch.isfinite(largest)).float().to(loss.device))
-        packed = torch.stack(parts)
-        self.reduce_max(packed)
-        values = packed.tolist()  # the one host read of the step
+        values = self.reduce_max(torch.stack(parts)).tolist()  # the one host read of the step
         self.reads += 1
         bad_loss, value = values[0] > 0, values[1]
         bad_grad = len(values) > 2 and values[2] > 0
