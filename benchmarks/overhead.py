@@ -247,7 +247,7 @@ class Step(NamedTuple):
     """Seconds spent in the measured callback's batch-level methods during the step (LayerHealthCallback only)."""
 
 
-_BATCH_METHODS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
+_BATCH_METHODS = ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end")
 
 
 class StepTimer(Callback):

@@ -110,6 +110,10 @@ class SpikeDetector:
         self.zscore = zscore
         self.ratio = ratio
         self.losses: deque[float] = deque(maxlen=window)
+        # Logs are taken once, when a loss enters the window (the test runs on every optimizer step); NaN stands for
+        # the log of a loss <= 0, and while one is in the window the linear scale is used.
+        self._logs: deque[float] = deque(maxlen=window)
+        self._nonpositive = 0
 
     def median(self) -> float | None:
         """Median of the healthy losses in the window; ``None`` when it is empty."""
@@ -119,23 +123,35 @@ class SpikeDetector:
         """Whether ``loss`` (finite) is a spike against the window, without recording it."""
         if len(self.losses) < max(self.warmup, 1):
             return False
-        history = list(self.losses)
-        if loss > 0 and all(v > 0 for v in history):
-            logs = [math.log(v) for v in history]
-            centre = _median(logs)
-            spread = 1.4826 * _median([abs(v - centre) for v in logs])
-            rise = math.log(loss) - centre
-            return rise > self.zscore * spread and rise > math.log(self.ratio)
+        positive = loss > 0 and not self._nonpositive
+        history = list(self._logs) if positive else list(self.losses)
         centre = _median(history)
         spread = 1.4826 * _median([abs(v - centre) for v in history])
+        if positive:
+            rise = math.log(loss) - centre
+            return rise > self.zscore * spread and rise > math.log(self.ratio)
         rise = loss - centre
         return rise > self.zscore * spread and rise > (self.ratio - 1) * abs(centre)
+
+    def clear(self) -> None:
+        """Empty the window."""
+        self.losses.clear()
+        self._logs.clear()
+        self._nonpositive = 0
+
+    def record(self, loss: float) -> None:
+        """Add a healthy loss to the window."""
+        if len(self.losses) == self.window and self.losses[0] <= 0:
+            self._nonpositive -= 1  # about to leave the window
+        self.losses.append(loss)
+        self._logs.append(math.log(loss) if loss > 0 else math.nan)
+        self._nonpositive += loss <= 0
 
     def observe(self, loss: float) -> bool:
         """Test ``loss`` and record it as healthy if it did not trip; returns whether it tripped."""
         spike = self.is_spike(loss)
         if not spike:
-            self.losses.append(loss)
+            self.record(loss)
         return spike
 
 
@@ -207,7 +223,7 @@ class LossSentinel:
 
     def reset(self) -> None:
         """Start a new run: no baseline, no trip, nothing observed (a checkpoint may then restore its state)."""
-        self.detector.losses.clear()
+        self.detector.clear()
         self.last_finite_step = self.previous_trip = None
         self._loss = None
 
@@ -263,8 +279,9 @@ class LossSentinel:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
-        self.detector.losses.clear()
-        self.detector.losses.extend(float(v) for v in state.get("losses", []))
+        self.detector.clear()
+        for value in state.get("losses", []):
+            self.detector.record(float(value))
         self.last_finite_step = state.get("last_finite_step")
         self.previous_trip = state.get("previous_trip")
 
