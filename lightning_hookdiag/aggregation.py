@@ -45,8 +45,8 @@ class LayerStatsAggregator(Metric):
         >>> for x in (torch.tensor([1.0, 3.0]), torch.tensor([5.0, 7.0])):  # two micro-batches of layer 0
         ...     agg.update(0, activation=S.activation_moments(x))
         >>> out = agg.compute()
-        >>> out["act_mean"][0].item(), out["act_std"][0].item(), out["count"].tolist()
-        (4.0, 2.23606797749979, [4.0, 0.0])
+        >>> out["act_mean"][0].item(), round(out["act_std"][0].item(), 6), out["count"].tolist()
+        (4.0, 2.236068, [4.0, 0.0])
     """
 
     full_state_update = False
@@ -82,7 +82,7 @@ class LayerStatsAggregator(Metric):
             dist_reduce_fx="sum" if sharded_params else "max",
         )
         self.add_state("act_moments", torch.zeros(n_layers, S.ACT_SLOTS, dtype=dtype), dist_reduce_fx="sum")
-        self.add_state("act_absmax", torch.zeros(n_layers), dist_reduce_fx="max")
+        self.add_state("act_absmax", torch.zeros(n_layers, dtype=dtype), dist_reduce_fx="max")  # float64: finite float64 inputs
         self.add_state("grad_moments", torch.zeros(n_layers, S.GRAD_SLOTS, dtype=dtype), dist_reduce_fx="sum")
         self.add_state("unit_max", torch.empty(0), dist_reduce_fx="max")
         # Histograms use fixed edges, so their counts add up exactly.
