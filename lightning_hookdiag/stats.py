@@ -122,7 +122,7 @@ _MAX_EXPONENT = {torch.float32: 126, torch.float64: 1022}
 
 
 def _row_square_sum(flat: Tensor, dtype: torch.dtype) -> Tensor:
-    """0-d sum of squares of a flat, contiguous float tensor, in ``dtype``, without prescaling (see :func:`square_sum`)."""
+    """0-d sum of squares of a flat, contiguous float tensor in ``dtype``, not prescaled (see :func:`square_sum`)."""
     n = flat.numel()
     k = n // _ROW
     rows = torch.linalg.vector_norm(flat[: k * _ROW].view(k, _ROW), dim=1)
