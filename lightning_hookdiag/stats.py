@@ -47,6 +47,8 @@ __all__ = [
     "finalize_dead_fraction",
     "histogram_counts",
     "histogram_edges",
+    "host_square_sum",
+    "power_of_two",
     "finalize_activations",
     "finalize_gradients",
     "gradient_moments",
@@ -131,8 +133,17 @@ def _row_square_sum(flat: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.linalg.vector_norm(rows, dtype=dtype).square()
 
 
-def _power_of_two(absmax: Tensor) -> tuple[Tensor, Tensor]:
-    """``(scale, exponent)``: ``scale = 2**-exponent`` brings ``absmax`` into ``[0.5, 1)`` (1 for 0), branch-free."""
+def power_of_two(absmax: Tensor) -> tuple[Tensor, Tensor]:
+    """``(scale, exponent)``: ``scale = 2**-exponent`` brings ``absmax`` into ``[0.5, 1)`` (1 for 0), branch-free.
+
+    Multiplying by ``scale`` is exact (short of subnormals), so sums of squares of prescaled values, multiplied by
+    ``4**exponent`` in a wider dtype, are those of the original values without overflow or underflow.
+
+    Example:
+        >>> scale, exponent = power_of_two(torch.tensor([3e20, 0.0, 0.75]))
+        >>> exponent.tolist(), (torch.tensor([3e20, 0.0, 0.75]) * scale).tolist()
+        ([69.0, 0.0, 0.0], [0.5082197785377502, 0.0, 0.75])
+    """
     limit = _MAX_EXPONENT[absmax.dtype]
     exponent = torch.frexp(absmax)[1].clamp(-limit, limit).to(absmax.dtype)
     return torch.exp2(-exponent), exponent
@@ -163,16 +174,20 @@ def _prescaled_square_sum(flat: Tensor, dtype: torch.dtype, in_place: bool) -> T
     if not flat.numel():
         return torch.zeros((), dtype=dtype, device=flat.device)
     lo, hi = torch.aminmax(flat)
-    scale, exponent = _power_of_two(torch.maximum(hi, -lo))
+    scale, exponent = power_of_two(torch.maximum(hi, -lo))
     scaled = flat.mul_(scale) if in_place else flat * scale
     return _row_square_sum(scaled, dtype) * torch.exp2(2 * exponent.to(dtype))
 
 
-def _host_square_sum(flat: Tensor, workspace: Workspace) -> float | None:
+def host_square_sum(flat: Tensor, workspace: Workspace | None = None) -> float | None:
     """:func:`square_sum` for a flat float32/float64 tensor in host memory, as a Python float; ``None`` for NaN/Inf.
 
     One pass when the result lies in the safe range (the common case); otherwise the absolute maximum decides the
-    power of two and a prescaled copy is reduced.
+    power of two and a prescaled copy (in ``workspace`` memory) is reduced.
+
+    Example:
+        >>> f"{host_square_sum(torch.tensor([3e-30, 4e-30])):.6g}", host_square_sum(torch.tensor([float("nan")]))
+        ('2.5e-59', None)
     """
     n = flat.numel()
     square = _row_square_sum(flat, torch.float64).item() if n else 0.0
@@ -186,7 +201,7 @@ def _host_square_sum(flat: Tensor, workspace: Workspace) -> float | None:
         return None
     if absmax == 0.0:
         return 0.0
-    scaled, exponent = _host_prescaled(flat, absmax, workspace)
+    scaled, exponent = _host_prescaled(flat, absmax, workspace or Workspace())
     return math.ldexp(_row_square_sum(scaled, torch.float64).item(), 2 * exponent)
 
 
@@ -296,7 +311,7 @@ def activation_moments(
     n_finite = (n - n_nonfinite).clamp_min(1)
     lo, hi = torch.aminmax(finite) if n else (finite.new_zeros(()), finite.new_zeros(()))
     absmax = torch.maximum(hi, -lo)
-    scale, exponent = _power_of_two(absmax)
+    scale, exponent = power_of_two(absmax)
     unscale = torch.exp2(exponent.to(dtype))
     scaled = finite.mul_(scale)
     total = scaled.sum()
@@ -432,7 +447,7 @@ def host_gradient_moments(g: Tensor, workspace: Workspace | None = None) -> list
     """
     workspace = workspace or Workspace()
     flat = _host_flat(g, workspace)
-    square = _host_square_sum(flat, workspace)
+    square = host_square_sum(flat, workspace)
     return None if square is None else [float(flat.numel()), square, 0.0]
 
 

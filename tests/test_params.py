@@ -1,5 +1,7 @@
 """ParameterTracker against a hand-written reference, on both the host path and the accelerator path."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -63,3 +65,33 @@ def test_parameter_stepped_by_two_optimizers_in_one_window_gets_two_copies(path)
     second.step()  # w = [0.25, 1.25]
     _, update_sq = tracker.after_step()
     assert update_sq.tolist() == pytest.approx([2 * 0.75**2, 2 * 0.25**2])
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e22, 1e-30], ids=["unit", "huge", "tiny"])
+def test_norms_are_finite_and_match_float64_for_any_magnitude(path, scale):
+    # A gradient of 1e22 per element (diverging run) is finite; its float32 square is not. 1 M+ elements: the sums
+    # must also be exact to 1e-6 on any CPU (a BLAS dot was 1e-4 off on an AMD EPYC).
+    g = torch.Generator().manual_seed(1)
+    w = nn.Parameter(torch.randn(1024, 1100, generator=g) * 0.02 + 0.5)
+    w.grad = (torch.randn(1024, 1100, generator=g) + 3.0) * scale
+    tracker = P.ParameterTracker({"w": w})
+    opt = torch.optim.SGD([w], lr=0.5)
+    before = w.detach().double().clone()
+    _, values = tracker.before_step(opt.param_groups)
+    with torch.no_grad():
+        w.mul_(0.999)  # a bounded update whatever the gradient's scale
+    _, update_sq = tracker.after_step()
+    weight, grad, _, _ = values[0].tolist()
+    assert weight == pytest.approx(before.square().sum().item(), rel=1e-6)
+    assert math.isfinite(grad)
+    assert grad == pytest.approx(w.grad.double().square().sum().item(), rel=1e-6)
+    difference = w.detach().double() - before
+    assert update_sq[0].item() == pytest.approx(difference.square().sum().item(), rel=1e-6)
+
+
+def test_nonfinite_gradients_keep_a_nonfinite_norm(path):
+    grads = [torch.tensor([1.0, float("inf")]), torch.tensor([float("nan"), 2.0]), torch.tensor([3.0, 4.0])]
+    norms = P.squared_norms(grads).tolist()
+    assert norms[0] == math.inf
+    assert math.isnan(norms[1])
+    assert norms[2] == pytest.approx(25.0, rel=1e-6)
