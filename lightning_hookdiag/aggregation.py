@@ -418,6 +418,7 @@ class StepRecorder:
         moments: Reduce outputs to activation moments (for ``act_mean``, ``act_std``, ...).
         unit_layers: Indices of layers whose per-unit activity is tracked (``act_dead_frac``).
         unit_dim: Override of the unit axis, see :func:`~lightning_hookdiag.stats.unit_dim_for`.
+        names: Layer names, for error messages (``unit_dim`` out of range for a layer's output).
     """
 
     def __init__(
@@ -426,14 +427,20 @@ class StepRecorder:
         moments: bool = True,
         unit_layers: frozenset[int] = frozenset(),
         unit_dim: int | None = None,
+        names: list[str] | None = None,
     ) -> None:
         self.aggregator = aggregator
         self.moments = moments
         self.unit_layers = unit_layers
         aggregator.track_units(unit_layers)
         self.unit_dim = unit_dim
+        self.names = names
         self.no_float_output: set[int] = set()
         """Layers whose output held no floating-point tensor (nothing to observe)."""
+        self.empty_output: set[int] = set()
+        """Layers with a call whose output had no elements (skipped: there is nothing to reduce)."""
+        self.sparse_output: set[int] = set()
+        """Layers whose output (or its gradient) was a sparse tensor (skipped, like integer outputs)."""
         self.histograms = False
         """Whether outputs and gradients are also binned into histograms (set per step by the callback)."""
         self.workspace = S.Workspace()
@@ -444,6 +451,12 @@ class StepRecorder:
         tensor = first_floating_tensor(output)
         if tensor is None:
             self.no_float_output.add(layer)
+            return
+        if tensor.layout != torch.strided:
+            self.sparse_output.add(layer)
+            return
+        if not tensor.numel():
+            self.empty_output.add(layer)
             return
         agg = self.aggregator
         activation = None
@@ -458,12 +471,25 @@ class StepRecorder:
         agg.add(
             layer,
             activation=activation,
-            units=S.unit_maxima(tensor, self.unit_dim) if layer in self.unit_layers else None,
+            units=self._unit_maxima(layer, tensor) if layer in self.unit_layers else None,
             act_hist=S.histogram_counts(tensor, agg.histogram_edges) if self.histograms else None,
         )
 
+    def _unit_maxima(self, layer: int, tensor: Tensor) -> Tensor:
+        unit_dim = self.unit_dim
+        if unit_dim is not None and tensor.ndim and not -tensor.ndim <= unit_dim < tensor.ndim:
+            name = self.names[layer] if self.names else f"#{layer}"
+            raise ValueError(
+                f"unit_dim: {unit_dim} is out of range for the {tensor.ndim}-D output of {name!r} (shape"
+                f" {tuple(tensor.shape)}); expected an axis in [{-tensor.ndim}, {tensor.ndim - 1}] or None"
+            )
+        return S.unit_maxima(tensor, unit_dim)
+
     def on_grad(self, layer: int, grad: Tensor) -> None:
         """Gradient sink: observe the gradient of the loss w.r.t. the output of layer ``layer``."""
+        if grad.layout != torch.strided:
+            self.sparse_output.add(layer)
+            return
         agg = self.aggregator
         fast = S.host_gradient_moments(grad, self.workspace) if S.reads_on_host(grad) else None
         if fast is not None:

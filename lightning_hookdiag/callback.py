@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Literal
@@ -64,6 +64,8 @@ ON_ANOMALY = ("warn", "raise", "stop", "ignore")
 def _strings(value: str | Sequence[str] | None, argument: str) -> list[str] | None:
     if value is None:
         return None
+    if not isinstance(value, (str, Iterable)):
+        raise ValueError(f"{argument}: expected a module name or glob, or a sequence of them, got {value!r}")
     items = [value] if isinstance(value, str) else list(value)
     bad = [v for v in items if not isinstance(v, str) or not v]
     if bad:
@@ -252,6 +254,8 @@ class LayerHealthCallback(Callback):
             raise ValueError(f"prefix: expected a non-empty key segment without leading/trailing '/', got {prefix!r}")
         if unit_dim is not None and (isinstance(unit_dim, bool) or not isinstance(unit_dim, int)):
             raise ValueError(f"unit_dim: expected an integer axis or None, got {unit_dim!r}")
+        if not isinstance(summary, bool):
+            raise ValueError(f"summary: expected True or False, got {summary!r}")
         if on_anomaly not in ON_ANOMALY:
             raise ValueError(f"on_anomaly: expected one of {list(ON_ANOMALY)}, got {on_anomaly!r}")
         if sentinel is not None and sentinel not in SENTINEL_MODES:
@@ -331,6 +335,8 @@ class LayerHealthCallback(Callback):
         self._sentinel_params: list[nn.Parameter] = []
         self._baseline: Baseline | None = None
         self._last_finite: dict[str, int] = {}
+        self._stepped: set[int] = set()  # optimizers already measured in the open window (LBFGS: one per closure)
+        self._logger_error: BaseException | None = None
 
     @property
     @override
@@ -373,7 +379,11 @@ class LayerHealthCallback(Callback):
             histogram_bins=self.histogram_bins if self.histogram_every_n_steps else 0,
         ).to(device)
         self._recorder = StepRecorder(
-            self._aggregator, moments=bool(wanted & _MOMENT_STATS), unit_layers=unit_layers, unit_dim=self.unit_dim
+            self._aggregator,
+            moments=bool(wanted & _MOMENT_STATS),
+            unit_layers=unit_layers,
+            unit_dim=self.unit_dim,
+            names=self.layer_names,
         )
         on_grad = self._recorder.on_grad if wanted & set(S.GRADIENT_STATS) else None
         self._hooks = HookSet(modules, self._recorder.on_output, on_grad)
@@ -430,13 +440,18 @@ class LayerHealthCallback(Callback):
         trip = self._check(trainer, pl_module, scale if isinstance(scale, Tensor) else None)
         if self._window is None:
             return
-        if isinstance(scale, Tensor):
-            # Tensor hooks saw the scaled gradients; the scale may change in scaler.update() after this step.
-            self._aggregator.grad_scale = scale.detach().clone()
-        if self._tracker is not None:
-            measured = self._tracker.before_step(optimizer.param_groups)
-            if measured is not None:
-                self._aggregator.update(params=(measured[0], measured[1], slice(None)))
+        # Lightning calls this after every closure evaluation; LBFGS evaluates its closure several times per step, at
+        # trial points. The first call sees the weights and gradients from before the step; the update ratio then
+        # spans the whole step (measured in _finish_window).
+        if id(optimizer) not in self._stepped:
+            self._stepped.add(id(optimizer))
+            if isinstance(scale, Tensor):
+                # Tensor hooks saw the scaled gradients; the scale may change in scaler.update() after this step.
+                self._aggregator.grad_scale = scale.detach().clone()
+            if self._tracker is not None:
+                measured = self._tracker.before_step(optimizer.param_groups)
+                if measured is not None:
+                    self._aggregator.update(params=(measured[0], measured[1], slice(None)))
         if trip is None:
             return
         if self.on_anomaly == "raise":
@@ -452,6 +467,7 @@ class LayerHealthCallback(Callback):
         if self._hooks is None:
             return
         self._hooks.remove()
+        self._warn_missing_grads()
         if self._window is not None and trainer.global_step != self._window:
             self._finish_window(trainer)
         if self._micro_step is not None and trainer.global_step != self._micro_step:
@@ -464,10 +480,27 @@ class LayerHealthCallback(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        """Remove every hook and drop the unfinished step."""
+        """Remove every hook, drop the unfinished step and release the state (Lightning skips ``teardown`` then).
+
+        The hook set's closures and the device state go, so the callback pickles and deep-copies after a failed fit.
+        """
         self._detach()
         self._discard_window()
         self._release_step()
+        self._sentinel_params = []
+        self._hooks = self._recorder = self._aggregator = self._tracker = None
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Drop a window whose batch ended without ``on_train_batch_end`` (``on_train_batch_start`` returned -1).
+
+        Hooks still attached here mean Lightning skipped the rest of the epoch after they were attached; they must
+        not see the module's own ``on_train_epoch_end`` (called after the callbacks') or anything later.
+        """
+        if self._hooks is not None and self._hooks.attached:
+            self._detach()
+            self._discard_window()
+            self._release_step()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -496,6 +529,18 @@ class LayerHealthCallback(Callback):
         self._release_step()
         self._sentinel_params = []
         self._hooks = self._recorder = self._aggregator = self._tracker = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle the configuration and results, not the LightningModule.
+
+        Lightning binds ``log``/``log_dict`` of the LightningModule onto every callback at each fit; pickling or
+        deep-copying them would drag in the whole model (and fail on a model that does not pickle). The next fit
+        binds them again.
+        """
+        state = self.__dict__.copy()
+        state.pop("log", None)
+        state.pop("log_dict", None)
+        return state
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -532,6 +577,7 @@ class LayerHealthCallback(Callback):
         assert self._hooks is not None
         self._window = step
         self._window_layers = layers
+        self._stepped.clear()
         self._hooks.clear_order()
 
     def _release_step(self) -> None:
@@ -638,6 +684,9 @@ class LayerHealthCallback(Callback):
         self._trip = None
         if self._recorder is not None:
             self._recorder.workspace.release()
+            self._recorder.no_float_output.clear()
+            self._recorder.empty_output.clear()
+            self._recorder.sparse_output.clear()
         if self._aggregator is not None:
             self._aggregator.reset()
             self._aggregator.grad_scale = None
@@ -694,7 +743,10 @@ class LayerHealthCallback(Callback):
         metrics = self._log(trainer, step, host, wanted, no_float)
         if histograms:
             self._log_histograms(trainer, step, host["act_hist"], host["grad_hist"], agg.histogram_edges)
-        self._diagnose(trainer, step, metrics, backward_order)
+        try:
+            self._diagnose(trainer, step, metrics, backward_order)
+        finally:
+            self._raise_logger_error()
 
     def _log(
         self, trainer: pl.Trainer, step: int, host: dict[str, list[float]], wanted: list[str], no_float: list[int]
@@ -731,8 +783,25 @@ class LayerHealthCallback(Callback):
                 f"LayerHealthCallback: the output of {name!r} holds no floating-point tensor; it is not observed",
             )
         no_float_names = {self.layer_names[i] for i in no_float}
+        assert self._recorder is not None
+        sparse = {self.layer_names[i] for i in self._recorder.sparse_output}
+        for name in sorted(sparse):
+            self._warn_once(
+                f"sparse:{name}",
+                f"LayerHealthCallback: the output of {name!r} (or its gradient) is a sparse tensor; sparse tensors"
+                " are not observed",
+            )
+        empty = {self.layer_names[i] for i in self._recorder.empty_output}
+        self._recorder.sparse_output.clear()
+        self._recorder.empty_output.clear()
         for name, c in zip(self.layer_names, count, strict=True):
-            if c == 0 and name not in no_float_names and self._window_layers:
+            if c == 0 and name in empty:
+                self._warn_once(
+                    f"empty:{name}",
+                    f"LayerHealthCallback: selected module {name!r} ran during sampled step {step} but its output had"
+                    " no elements; no statistics for it",
+                )
+            elif c == 0 and name not in no_float_names and name not in sparse and self._window_layers:
                 self._warn_once(
                     f"not_run:{name}",
                     f"LayerHealthCallback: selected module {name!r} did not run during sampled step {step} (its"
@@ -743,8 +812,27 @@ class LayerHealthCallback(Callback):
         self.last_metrics = metrics
         self.last_step = step
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+            try:
+                logger.log_metrics(metrics, step=step)
+            except Exception as error:  # the other loggers and the rules still get the step; raised after them
+                self._logger_error = self._logger_error or error
         return metrics
+
+    def _raise_logger_error(self) -> None:
+        error, self._logger_error = self._logger_error, None
+        if error is not None:
+            raise error
+
+    def _warn_missing_grads(self) -> None:
+        if self._hooks is None or self._recorder is None:
+            return
+        for name in self._hooks.missing_grads():
+            self._warn_once(
+                f"no_grad:{name}",
+                f"LayerHealthCallback: the output of {name!r} required grad but received no gradient on a sampled"
+                " step (a detached branch, or an output that does not reach the loss); no act_grad statistics for"
+                " it",
+            )
 
     def _log_histograms(
         self, trainer: pl.Trainer, step: int, act: list[float], grad: list[float], edges: Tensor
@@ -760,11 +848,14 @@ class LayerHealthCallback(Callback):
             if write is None:
                 skipped.append(type(logger).__name__)
                 continue
-            for kind, counts in (("act_hist", act), ("act_grad_hist", grad)):
-                for i, name in enumerate(self.layer_names):
-                    row = counts[i * bins : (i + 1) * bins]
-                    if sum(row) > 0:
-                        write(f"{self.prefix}/{kind}/{name}", row, left, limits, step)
+            try:
+                for kind, counts in (("act_hist", act), ("act_grad_hist", grad)):
+                    for i, name in enumerate(self.layer_names):
+                        row = counts[i * bins : (i + 1) * bins]
+                        if sum(row) > 0:
+                            write(f"{self.prefix}/{kind}/{name}", row, left, limits, step)
+            except Exception as error:  # as in _log: the other loggers and the rules first
+                self._logger_error = self._logger_error or error
         if skipped:
             self._warn_once(
                 "histograms:" + ",".join(skipped),

@@ -11,6 +11,7 @@ op receives the gradient with respect to the value the module produced, which is
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
@@ -55,6 +56,33 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+# One process-wide count of the hook sets that want eager execution: the stance is global, so the first to enter
+# saves it and the last to leave restores it, whatever order callbacks and ``capture_activations`` blocks remove
+# their hooks in (each set restoring "its" prior stance leaked ``force_eager`` when two sets overlapped).
+_stance_lock = threading.Lock()
+_stance_users = 0
+_stance_restore: Any = None
+
+
+def _enter_eager() -> None:
+    global _stance_users, _stance_restore
+    with _stance_lock:
+        if _stance_users == 0:
+            # The public API (torch >= 2.6): calling it sets the stance and returns an object whose ``__exit__``
+            # restores the previous one, options included.
+            _stance_restore = torch.compiler.set_stance("force_eager")
+        _stance_users += 1
+
+
+def _exit_eager() -> None:
+    global _stance_users, _stance_restore
+    with _stance_lock:
+        _stance_users -= 1
+        if _stance_users == 0:
+            restore, _stance_restore = _stance_restore, None
+            restore.__exit__(None, None, None)
+
+
 class _EagerStance:
     """Run compiled code eagerly while hooks are attached, so that hooks registered after compilation fire.
 
@@ -64,22 +92,17 @@ class _EagerStance:
     """
 
     def __init__(self) -> None:
-        self._prior: Any = None
+        self._entered = False
 
     def enter(self) -> None:
-        if self._prior is not None:
-            return
-        from torch._dynamo.eval_frame import DynamoStance, _set_stance
-
-        self._prior = _set_stance(DynamoStance("force_eager"))
+        if not self._entered:
+            _enter_eager()
+            self._entered = True
 
     def exit(self) -> None:
-        if self._prior is None:
-            return
-        from torch._dynamo.eval_frame import _set_stance
-
-        _set_stance(self._prior)
-        self._prior = None
+        if self._entered:
+            self._entered = False
+            _exit_eager()
 
 
 class HookSet:
@@ -127,6 +150,8 @@ class HookSet:
         """Indices of modules in the order their output gradient first arrived since :meth:`clear_order`."""
         self._fired = [False] * len(self.modules)
         self._grad_fired = [False] * len(self.modules)
+        self._grad_expected = [False] * len(self.modules)
+        self._no_grad_calls = [0] * len(self.modules)
         # Built once so attaching on a sampled step allocates nothing per module.
         self._forward_hooks = [self._make_forward_hook(i) for i in range(len(self.modules))]
         self._grad_hooks = [self._make_grad_hook(i) for i in range(len(self.modules))]
@@ -162,6 +187,19 @@ class HookSet:
         self.grad_order = []
         self._fired = [False] * len(self.modules)
         self._grad_fired = [False] * len(self.modules)
+        self._grad_expected = [False] * len(self.modules)
+        self._no_grad_calls = [0] * len(self.modules)
+
+    def missing_grads(self) -> list[str]:
+        """Modules whose output required grad in a forward since :meth:`clear_order` but received no gradient.
+
+        A detached branch, or an output that does not reach the loss; meaningful once backward has run.
+        """
+        return [
+            self.names[i]
+            for i, (want, got) in enumerate(zip(self._grad_expected, self._grad_fired))
+            if want and not got
+        ]
 
     def fired_names(self) -> list[str]:
         """Names of the modules that ran, in the order they first ran."""
@@ -178,6 +216,14 @@ class HookSet:
     def _make_forward_hook(self, index: int) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if _in_backward():
+                # Reentrant activation checkpointing runs the forward under no_grad, then again with grad inside
+                # backward, where the gradient reaches only the recomputed output: hook that one, once per
+                # no-grad call (its statistics were taken in the first run).
+                if self._on_grad is not None and self._no_grad_calls[index]:
+                    tensor = first_floating_tensor(output)
+                    if tensor is not None and tensor.requires_grad:
+                        self._no_grad_calls[index] -= 1
+                        self._tensor_handles.append(tensor.register_hook(self._grad_hooks[index]))
                 return
             if not self._fired[index]:
                 self._fired[index] = True
@@ -187,7 +233,10 @@ class HookSet:
             if self._on_grad is not None:
                 tensor = first_floating_tensor(output)
                 if tensor is not None and tensor.requires_grad:
+                    self._grad_expected[index] = True
                     self._tensor_handles.append(tensor.register_hook(self._grad_hooks[index]))
+                elif tensor is not None and not torch.is_grad_enabled():
+                    self._no_grad_calls[index] += 1
 
         return hook
 

@@ -13,6 +13,7 @@ the 12 MiB benchmark MLP (2-core CPU): 6.4 ms per sampled step with fused norms 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch

@@ -95,6 +95,10 @@ def import_types(types: Iterable[type[nn.Module] | str] | None, argument: str) -
         return ()
     if isinstance(types, (str, type)):
         types = [types]
+    if not isinstance(types, Iterable):
+        raise ValueError(
+            f"{argument}: expected an nn.Module subclass, an import string or a sequence of them, got {types!r}"
+        )
     resolved: list[type[nn.Module]] = []
     for item in types:
         cls: object = item

@@ -30,7 +30,7 @@ vector width. The prescaling keeps squares of finite values from overflowing (``
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -87,6 +87,10 @@ def resolve_stats(stats: Sequence[str] | None) -> tuple[str, ...]:
         return ALL_STATS
     if isinstance(stats, str):
         stats = [stats]
+    if isinstance(stats, Iterable):
+        stats = list(stats)
+    if not isinstance(stats, list) or not all(isinstance(s, str) for s in stats):
+        raise ValueError(f"stats: expected None, a statistic name or a sequence of names, got {stats!r}")
     unknown = sorted(set(stats) - set(ALL_STATS))
     if unknown:
         raise ValueError(f"stats: unknown statistic(s) {unknown}; expected names from {list(ALL_STATS)}")

@@ -1,0 +1,397 @@
+"""Inputs users actually have: extreme magnitudes, skipped batches, LBFGS, failing loggers, empty and sparse outputs,
+reentrant checkpointing, failed fits, two callbacks on one Trainer, and bad arguments (issue 12)."""
+
+import copy
+import math
+import pickle
+
+import pytest
+import torch
+from conftest import RecordingLogger, TinyModule, count_hooks, make_trainer
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning, capture_activations
+from lightning_hookdiag.hooks import HookSet
+
+P = "layer_health"
+
+
+def by_step(logger: RecordingLogger) -> dict[int, dict[str, float]]:
+    return {step: metrics for step, metrics in logger.ours()}
+
+
+# ------------------------------------------------------------------------------------------ extreme magnitudes
+class Scale(nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x):
+        return x * self.factor
+
+
+class _GradScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+class GradScale(nn.Module):
+    """Identity forward; multiplies the gradient flowing back through it (what a diverging run does)."""
+
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x):
+        return _GradScale.apply(x, self.factor)
+
+
+@pytest.mark.parametrize("factor", [1e20, 1e30])
+def test_huge_finite_activations_give_finite_exact_statistics(factor):
+    # Linear(x) * 1e20 logged act_std = inf, and * 1e30 NaN with act_nonfinite = 0.
+    model = nn.Sequential(nn.Linear(4, 8), Scale(factor), Scale(1 / factor), nn.Linear(8, 1))
+    module = TinyModule(model=model)
+    logger = RecordingLogger()
+    callback = LayerHealthCallback(every_n_steps=1, layers=["model.1"], on_anomaly="ignore")
+    make_trainer([callback], max_steps=1, logger=logger).fit(module)
+    metrics = by_step(logger)[0]
+    _, x, _, weights = module.record[0]
+    ref = module.reference_model(weights).double()
+    expected = (ref[0](x.double()) * factor).reshape(-1)
+    assert metrics[f"{P}/act_std/model.1"] == pytest.approx(expected.std(correction=0).item(), rel=1e-6)
+    assert metrics[f"{P}/act_mean/model.1"] == pytest.approx(expected.mean().item(), rel=1e-6)
+    assert metrics[f"{P}/act_absmax/model.1"] == pytest.approx(expected.abs().max().item(), rel=1e-6)
+    assert metrics[f"{P}/act_nonfinite/model.1"] == 0
+    assert all(math.isfinite(v) for v in metrics.values())
+
+
+class GradRecorder(LayerHealthCallback.__mro__[1]):  # a plain Lightning Callback
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads = {n: p.grad.detach().double().clone() for n, p in pl_module.named_parameters()}
+
+
+def test_finite_exploding_gradients_fire_exploding_not_nonfinite():
+    # A gradient multiplied by 1e22 between two layers: every element is finite, its float32 square is not.
+    model = nn.Sequential(nn.Linear(4, 8), GradScale(1e22), nn.ReLU(), nn.Linear(8, 1))
+    module = TinyModule(model=model)
+    logger = RecordingLogger()
+    recorder = GradRecorder()
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore")
+    make_trainer([recorder, callback], max_steps=1, logger=logger).fit(module)
+    metrics = by_step(logger)[0]
+    assert all(math.isfinite(v) for v in metrics.values()), metrics
+    grad = recorder.grads["model.0.weight"]
+    assert metrics[f"{P}/param_grad_norm/model.0.weight"] == pytest.approx(grad.norm().item(), rel=1e-6)
+    assert metrics[f"{P}/act_grad_nonfinite/model.0"] == 0
+    rules = {f.rule for f in callback.findings}
+    assert "exploding_gradient" in rules
+    assert "nonfinite" not in rules
+
+
+# ------------------------------------------------------------------------------------------ compile stance
+def compiles() -> bool:
+    """Whether a fresh ``torch.compile``-d function reaches its backend (it does not under ``force_eager``)."""
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.append(1)
+        return gm.forward
+
+    torch.compile(lambda x: x * 2 + 1, backend=backend)(torch.ones(3))
+    return bool(calls)
+
+
+def current_stance() -> str:
+    return torch._dynamo.eval_frame._stance.stance  # test-only peek at the global stance
+
+
+@pytest.mark.slow
+def test_two_callbacks_leave_the_compile_stance_as_it_was():
+    module = TinyModule()
+    callbacks = [LayerHealthCallback(every_n_steps=1, prefix="a"), LayerHealthCallback(every_n_steps=1, prefix="b")]
+    make_trainer(callbacks, max_steps=3).fit(module)
+    assert current_stance() == "default"
+    assert compiles()
+
+
+@pytest.mark.parametrize("order", ["first_in_first_out", "nested"])
+def test_overlapping_hook_sets_restore_the_stance_in_any_order(order):
+    net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    a = HookSet(dict(net.named_children()), lambda i, out: None)
+    b = HookSet(dict(net.named_children()), lambda i, out: None)
+    with torch.compiler.set_stance("eager_on_recompile"):  # a user's own stance must come back too
+        a.attach()
+        b.attach()
+        assert current_stance() == "force_eager"
+        with capture_activations(net, "0"):
+            net(torch.zeros(1, 2))
+            assert current_stance() == "force_eager"
+        first, second = (a, b) if order == "first_in_first_out" else (b, a)
+        first.remove()
+        assert current_stance() == "force_eager"  # the other set still needs it
+        first.remove()  # idempotent: does not release the other set's claim
+        assert current_stance() == "force_eager"
+        second.remove()
+        assert current_stance() == "eager_on_recompile"
+    assert current_stance() == "default"
+    assert compiles()
+
+
+# ------------------------------------------------------------------------------------------ skipped batches
+class SkipSecondBatch(TinyModule):
+    """``on_train_batch_start`` returns -1 on batch 1 (Lightning skips the rest of the epoch), and the module is
+    called in ``on_train_epoch_end`` with values far larger than training ever produces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hooks_at_epoch_end: list[int] = []
+
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if batch_idx == 1 else None
+
+    def on_train_epoch_end(self):
+        self.hooks_at_epoch_end.append(count_hooks(self))
+        with torch.no_grad():
+            self.model(torch.full((2, 4), 30.0))
+
+
+def test_batch_skipped_by_on_train_batch_start_removes_hooks_and_drops_the_window():
+    module = SkipSecondBatch()
+    logger = RecordingLogger()
+    make_trainer([LayerHealthCallback(every_n_steps=1)], max_steps=2, max_epochs=3, logger=logger).fit(module)
+    assert module.hooks_at_epoch_end == [0, 0]
+    assert count_hooks(module) == 0
+    metrics = by_step(logger)
+    assert sorted(metrics) == [0, 1]
+    for step, x, _, weights in module.record:  # each step saw exactly one batch, and nothing else
+        out = module.reference_model(weights)[0](x).detach().double()
+        assert metrics[step][f"{P}/act_absmax/model.0"] == pytest.approx(out.abs().max().item(), rel=1e-6)
+        assert metrics[step][f"{P}/act_mean/model.0"] == pytest.approx(out.mean().item(), rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ LBFGS
+class LBFGSModule(TinyModule):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=4)
+
+
+def test_lbfgs_measures_weights_before_and_update_across_the_whole_step():
+    module = LBFGSModule()
+    logger = RecordingLogger()
+    callback = LayerHealthCallback(every_n_steps=1, layers=["model.0"])
+    make_trainer([callback], max_steps=2, logger=logger).fit(module)
+    # training_step runs once per closure evaluation: the first record of a step holds the weights before it.
+    first = {}
+    for step, x, y, weights in module.record:
+        first.setdefault(step, (x, y, weights))
+    assert len(module.record) > 2  # LBFGS did evaluate several trial points
+    x, y, before = first[0]
+    after = first[1][2]
+    metrics = by_step(logger)[0]
+    w0, w1 = before["0.weight"].double(), after["0.weight"].double()
+    assert metrics[f"{P}/param_norm/model.0.weight"] == pytest.approx(w0.norm().item(), rel=1e-6)
+    ratio = (w1 - w0).norm().item() / w0.norm().item()
+    assert metrics[f"{P}/param_update_ratio/model.0.weight"] == pytest.approx(ratio, rel=1e-5)
+    ref = module.reference_model(before)
+    nn.functional.mse_loss(ref(x), y).backward()
+    assert metrics[f"{P}/param_grad_norm/model.0.weight"] == pytest.approx(ref[0].weight.grad.norm().item(), rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ failing logger
+class BrokenLogger(RecordingLogger):
+    def log_metrics(self, metrics, step=None):
+        raise OSError("disk full")
+
+
+def test_a_failing_logger_does_not_cost_the_other_loggers_or_the_rules_the_step():
+    module = TinyModule()
+    with torch.no_grad():
+        module.model[0].bias.fill_(-100.0)  # every ReLU unit dead: the dead_units rule fires on step 0
+    healthy = RecordingLogger()
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore")
+    with pytest.raises(OSError, match="disk full"):
+        make_trainer([callback], max_steps=2, logger=[BrokenLogger(), healthy]).fit(module)
+    assert sorted(by_step(healthy)) == [0]
+    assert "dead_units" in {f.rule for f in callback.findings}
+    assert callback.last_step == 0
+    assert count_hooks(module) == 0
+
+
+# ------------------------------------------------------------------------------------------ empty and sparse outputs
+class EmptyBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 8)
+        self.relu = nn.ReLU()
+        self.empty_lin = nn.Linear(4, 3)
+        self.empty_relu = nn.ReLU()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        empty = self.empty_relu(self.empty_lin(x[:0]))  # the only call of these two: zero elements
+        mixed = self.relu(self.lin(x[:0]))  # an empty call of modules that also run on real data
+        return self.head(self.relu(self.lin(x))) + empty.sum() + mixed.sum()
+
+
+def test_empty_outputs_are_skipped_and_reported_as_empty():
+    module = TinyModule(model=EmptyBranch())
+    logger = RecordingLogger()
+    with pytest.warns(LayerHealthWarning) as record:
+        make_trainer([LayerHealthCallback(every_n_steps=1)], max_steps=2, logger=logger).fit(module)
+    messages = [str(w.message) for w in record if w.category is LayerHealthWarning]
+    assert len(messages) == 2, messages  # once per layer, not once per step
+    for name in ("model.empty_lin", "model.empty_relu"):
+        assert any(f"{name!r} ran during sampled step 0 but its output had no elements" in m for m in messages)
+    assert not any("did not run" in m for m in messages)
+    metrics = by_step(logger)[0]
+    assert not any(key.endswith(("/model.empty_lin", "/model.empty_relu")) for key in metrics)
+    assert f"{P}/param_norm/model.empty_lin.weight" in metrics  # its parameters are still stepped
+    _, x, _, weights = module.record[0]
+    ref = module.reference_model(weights)
+    out = ref.relu(ref.lin(x)).detach().double()
+    assert metrics[f"{P}/act_mean/model.relu"] == pytest.approx(out.mean().item(), rel=1e-6)
+    dead = (out.amax(0) <= 0).double().mean().item()
+    assert metrics[f"{P}/act_dead_frac/model.relu"] == dead
+
+
+class ToSparse(nn.Module):
+    def forward(self, x):
+        return x.to_sparse()
+
+
+class ToDense(nn.Module):
+    def forward(self, x):
+        return x.to_dense()
+
+
+def test_sparse_outputs_are_skipped_with_one_warning():
+    model = nn.Sequential(nn.Linear(4, 8), ToSparse(), ToDense(), nn.ReLU(), nn.Linear(8, 1))
+    module = TinyModule(model=model)
+    logger = RecordingLogger()
+    with pytest.warns(LayerHealthWarning, match=r"output of 'model\.1' \(or its gradient\) is a sparse tensor") as rec:
+        make_trainer([LayerHealthCallback(every_n_steps=1)], max_steps=2, logger=logger).fit(module)
+    assert len([w for w in rec if w.category is LayerHealthWarning]) == 1
+    metrics = by_step(logger)[1]
+    assert f"{P}/act_mean/model.2" in metrics
+    assert not any(key.endswith("/model.1") for key in metrics)
+    assert count_hooks(module) == 0
+
+
+# ------------------------------------------------------------------------------------------ missing gradients
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 1)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        h = self.inp(x)
+        if self.reentrant is None:
+            h = self.block(h)
+        else:
+            h = checkpoint(self.block, h, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+def _checkpoint_run(reentrant: bool | None) -> dict[str, float]:
+    torch.manual_seed(0)
+    module = TinyModule(model=Checkpointed(reentrant))
+    logger = RecordingLogger()
+    make_trainer([LayerHealthCallback(every_n_steps=1)], max_steps=2, logger=logger).fit(module)
+    assert count_hooks(module) == 0
+    return by_step(logger)[1]
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_keeps_every_statistic(reentrant):
+    plain, checkpointed = _checkpoint_run(None), _checkpoint_run(reentrant)
+    assert f"{P}/act_grad_norm/model.block.0" in checkpointed
+    assert checkpointed.keys() == plain.keys()
+    for key, value in plain.items():
+        assert checkpointed[key] == pytest.approx(value, rel=1e-6, abs=1e-12), key
+
+
+class DetachedSide(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = nn.Linear(4, 1)
+        self.side = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.main(x) + 0 * self.side(x).detach().sum()
+
+
+def test_output_that_receives_no_gradient_is_named_once():
+    module = TinyModule(model=DetachedSide())
+    logger = RecordingLogger()
+    with pytest.warns(LayerHealthWarning, match=r"'model\.side' required grad but received no gradient") as record:
+        make_trainer([LayerHealthCallback(every_n_steps=1)], max_steps=3, logger=logger).fit(module)
+    assert len([w for w in record if w.category is LayerHealthWarning]) == 1
+    metrics = by_step(logger)[2]
+    assert f"{P}/act_grad_norm/model.main" in metrics
+    assert f"{P}/act_grad_norm/model.side" not in metrics
+    assert f"{P}/act_mean/model.side" in metrics
+
+
+# ------------------------------------------------------------------------------------------ failed fit
+def test_callback_pickles_deep_copies_and_refits_after_a_failed_fit():
+    module = TinyModule()
+
+    def fail(mod, batch_idx):
+        if batch_idx == 1:
+            raise RuntimeError("exploded in training_step")
+
+    module.on_step = fail
+    callback = LayerHealthCallback(every_n_steps=1)
+    with pytest.raises(RuntimeError, match="exploded"):
+        make_trainer([callback], max_steps=3).fit(module)
+    restored = pickle.loads(pickle.dumps(callback))
+    assert restored.last_step == callback.last_step == 0
+    copy.deepcopy(callback)
+    module.on_step = None
+    make_trainer([callback], max_steps=2).fit(module)
+    assert callback.last_step == 1
+    assert count_hooks(module) == 0
+
+
+# ------------------------------------------------------------------------------------------ bad arguments
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"layers": 5}, r"layers: expected a module name or glob, or a sequence of them, got 5"),
+        ({"exclude": 5}, r"exclude: expected a module name or glob, or a sequence of them, got 5"),
+        ({"layer_types": 5}, r"layer_types: expected an nn\.Module subclass, an import string or a sequence"),
+        ({"dead_unit_types": 5}, r"dead_unit_types: expected an nn\.Module subclass, an import string or a seq"),
+        ({"stats": 5}, r"stats: expected None, a statistic name or a sequence of names, got 5"),
+        ({"stats": [["act_mean"]]}, r"stats: expected None, a statistic name or a sequence of names, got \[\['act"),
+        ({"summary": "false"}, r"summary: expected True or False, got 'false'"),
+        ({"summary": 1}, r"summary: expected True or False, got 1"),
+    ],
+)
+def test_wrongly_typed_arguments_name_the_argument(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LayerHealthCallback(**kwargs)
+
+
+def test_unit_dim_out_of_range_raises_naming_it_and_the_layer():
+    module = TinyModule()
+    callback = LayerHealthCallback(every_n_steps=1, unit_dim=5)
+    message = r"unit_dim: 5 is out of range for the 2-D output of 'model\.1' \(shape \(8, 8\)\); expected an axis in"
+    with pytest.raises(ValueError, match=message):
+        make_trainer([callback], max_steps=1).fit(module)
+    assert count_hooks(module) == 0
+    logger = RecordingLogger()
+    make_trainer([LayerHealthCallback(every_n_steps=1, unit_dim=-1)], max_steps=1, logger=logger).fit(TinyModule())
+    assert f"{P}/act_dead_frac/model.1" in by_step(logger)[0]
