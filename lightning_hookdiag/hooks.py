@@ -197,7 +197,7 @@ class HookSet:
         """
         return [
             self.names[i]
-            for i, (want, got) in enumerate(zip(self._grad_expected, self._grad_fired))
+            for i, (want, got) in enumerate(zip(self._grad_expected, self._grad_fired, strict=True))
             if want and not got
         ]
 

@@ -18,7 +18,7 @@ P = "layer_health"
 
 
 def by_step(logger: RecordingLogger) -> dict[int, dict[str, float]]:
-    return {step: metrics for step, metrics in logger.ours()}
+    return dict(logger.ours())
 
 
 # ------------------------------------------------------------------------------------------ extreme magnitudes
@@ -298,10 +298,7 @@ class Checkpointed(nn.Module):
 
     def forward(self, x):
         h = self.inp(x)
-        if self.reentrant is None:
-            h = self.block(h)
-        else:
-            h = checkpoint(self.block, h, use_reentrant=self.reentrant)
+        h = self.block(h) if self.reentrant is None else checkpoint(self.block, h, use_reentrant=self.reentrant)
         return self.head(h)
 
 
