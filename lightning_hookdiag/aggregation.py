@@ -82,8 +82,7 @@ class LayerStatsAggregator(Metric):
             dist_reduce_fx="sum" if sharded_params else "max",
         )
         self.add_state("act_moments", torch.zeros(n_layers, S.ACT_SLOTS, dtype=dtype), dist_reduce_fx="sum")
-        # In the accumulation dtype: the absolute maximum of a float64 output may exceed the float32 range.
-        self.add_state("act_absmax", torch.zeros(n_layers, dtype=dtype), dist_reduce_fx="max")
+        self.add_state("act_absmax", torch.zeros(n_layers), dist_reduce_fx="max")
         self.add_state("grad_moments", torch.zeros(n_layers, S.GRAD_SLOTS, dtype=dtype), dist_reduce_fx="sum")
         self.add_state("unit_max", torch.empty(0), dist_reduce_fx="max")
         # Histograms use fixed edges, so their counts add up exactly.
