@@ -120,6 +120,9 @@ _BITS = {
 # Elements per row of a sum of squares: each row is one float32 vector-norm accumulation (at most 16 additions per
 # SIMD lane on AVX2, 8 on AVX-512), so its rounding error is bounded whatever the tensor's size; rows add in float64.
 _ROW = 128
+# Up to this many elements a float64 copy and a float64 dot cost less than the rows (fixed per-op costs) and round
+# like float64: 3.7 us against 15 us for 10 elements, 7.6 against 15 for 5000 (2-core CPU, one thread).
+_SMALL = 8192
 # Absolute maxima within [2**-40, 2**40] need no prescaling: squares of up to 2**47 elements stay finite in float32,
 # and squares that underflow to subnormals are below 2**-46 of the largest, so they cannot shift the sum by 1e-7.
 _SAFE_EXPONENT = 40
@@ -130,11 +133,16 @@ _MAX_EXPONENT = {torch.float32: 126, torch.float64: 1022}
 def _row_square_sum(flat: Tensor, dtype: torch.dtype) -> Tensor:
     """0-d sum of squares of a flat, contiguous float tensor in ``dtype``, not prescaled (see :func:`square_sum`)."""
     n = flat.numel()
+    if n <= _SMALL:
+        exact = flat.to(dtype)
+        return torch.dot(exact, exact)
     k = n // _ROW
     rows = torch.linalg.vector_norm(flat[: k * _ROW].view(k, _ROW), dim=1)
+    total = torch.linalg.vector_norm(rows, dtype=dtype).square()
     if k * _ROW < n:
-        rows = torch.cat([rows, torch.linalg.vector_norm(flat[k * _ROW :]).reshape(1)])
-    return torch.linalg.vector_norm(rows, dtype=dtype).square()
+        tail = flat[k * _ROW :].to(dtype)
+        total = total + torch.dot(tail, tail)
+    return total
 
 
 def power_of_two(absmax: Tensor) -> tuple[Tensor, Tensor]:
