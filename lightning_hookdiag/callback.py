@@ -297,7 +297,6 @@ class LayerHealthCallback(Callback):
             LossSentinel(
                 sentinel,
                 SpikeDetector(config.spike_window, config.spike_warmup, config.spike_zscore, config.spike_ratio),
-                all_reduce_max,
             )
             if sentinel is not None
             else None
@@ -394,6 +393,8 @@ class LayerHealthCallback(Callback):
         )
         self._window = None
         self._sentinel_params = list(named_parameters_of(modules).values()) if self.sentinel == "loss+grads" else []
+        if self._sentinel is not None:  # every process must trip on the same steps
+            self._sentinel.reduce_max = all_reduce_max if trainer.world_size > 1 else None
         self._release_step()
 
     @override

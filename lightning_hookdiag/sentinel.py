@@ -33,6 +33,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from lightning_hookdiag import stats as S
 from lightning_hookdiag.distributed import all_reduce_packed
 from lightning_hookdiag.hooks import HookSet
 
@@ -183,7 +184,8 @@ class LossSentinel:
     Args:
         mode: ``"loss"`` or ``"loss+grads"``.
         detector: The loss-spike test.
-        reduce_max: How the packed per-step flags are reduced over processes.
+        reduce_max: How the packed per-step flags are reduced over processes; ``None`` in a single process (then
+            a loss in host memory is read as it is, without packing).
 
     Example:
         >>> sentinel = LossSentinel("loss", SpikeDetector(warmup=2))
@@ -195,7 +197,7 @@ class LossSentinel:
     """
 
     def __init__(
-        self, mode: str = "loss", detector: SpikeDetector | None = None, reduce_max: ReduceMax = all_reduce_max
+        self, mode: str = "loss", detector: SpikeDetector | None = None, reduce_max: ReduceMax | None = None
     ) -> None:
         if mode not in SENTINEL_MODES:
             raise ValueError(f"sentinel: expected one of {[*SENTINEL_MODES, None]}, got {mode!r}")
@@ -244,16 +246,24 @@ class LossSentinel:
             return None
         if scale is not None:
             loss = loss / scale.to(loss.device, torch.float32)
-        nonfinite = (~torch.isfinite(loss)).float()
-        parts = [nonfinite, torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0)]
+        largest = None
         if self.mode == "loss+grads" and grads:
             # The infinity norm: never overflows, and NaN propagates through the max.
-            largest = torch.stack(torch._foreach_norm(list(grads), math.inf)).amax()
-            parts.append((~torch.isfinite(largest)).float().to(loss.device))
-        values = self.reduce_max(torch.stack(parts)).tolist()  # the one host read of the step
+            largest = torch.stack(torch._foreach_norm(list(grads), math.inf)).amax().to(loss.device)
         self.reads += 1
-        bad_loss, value = values[0] > 0, values[1]
-        bad_grad = len(values) > 2 and values[2] > 0
+        if self.reduce_max is None and S.reads_on_host(loss):
+            # One process, host memory: a read is a load, not a device sync, so read the values as they are.
+            values = [loss.item()] if largest is None else torch.stack([loss, largest.float()]).tolist()
+            value = values[0]
+            bad_loss, bad_grad = not math.isfinite(value), len(values) > 1 and not math.isfinite(values[1])
+        else:
+            parts = [(~torch.isfinite(loss)).float(), torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0)]
+            if largest is not None:
+                parts.append((~torch.isfinite(largest)).float())
+            packed = torch.stack(parts)
+            values = (packed if self.reduce_max is None else self.reduce_max(packed)).tolist()  # the one read
+            bad_loss, value = values[0] > 0, values[1]
+            bad_grad = len(values) > 2 and values[2] > 0
         baseline = self.detector.median()
         kind: TripKind | None = None
         if bad_loss:

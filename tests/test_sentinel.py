@@ -440,3 +440,27 @@ def test_a_second_fit_starts_from_a_fresh_baseline():
     big.lr = 1e-9  # a loss level of its own, stable
     make_trainer([callback], max_steps=5).fit(big)
     assert callback.trips == []
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_the_host_read_and_the_packed_read_trip_on_the_same_steps(monkeypatch, host):
+    if not host:  # the path accelerators (and multi-process runs) take: one packed tensor, read once
+        monkeypatch.setattr(SN.S, "reads_on_host", lambda t: False)
+    sentinel = LossSentinel("loss+grads", SpikeDetector(warmup=3))
+    healthy, bad = [torch.ones(3)], [torch.tensor([1.0, math.inf])]
+    steps = [
+        (1.0, healthy),
+        (1.1, healthy),
+        (0.9, healthy),
+        (1.0, bad),
+        (math.nan, healthy),
+        (1e8, healthy),
+        (1, healthy),
+    ]
+    trips = []
+    for step, (loss, grads) in enumerate(steps):
+        sentinel.observe_loss(torch.tensor(loss))
+        trip = sentinel.check(step, grads, scale=torch.tensor(2.0))
+        trips.append(None if trip is None else (trip.kind, trip.loss if math.isfinite(trip.loss) else "nan"))
+    assert trips == [None, None, None, ("nonfinite_grad", 0.5), ("nonfinite_loss", "nan"), ("loss_spike", 5e7), None]
+    assert sentinel.reads == len(steps)
