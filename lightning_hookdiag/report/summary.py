@@ -122,7 +122,7 @@ def format_summary(log: HealthLog, stat: str) -> str:
     return "\n".join(lines)
 
 
-_TABLE_STATS = ("act_mean", "act_std", "act_dead_frac", "act_grad_norm")
+_TABLE_STATS = ("act_mean", "act_std", "act_dead_frac", "act_grad_norm", "act_saved_bytes")
 
 
 def format_step_table(
