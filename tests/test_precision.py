@@ -94,7 +94,8 @@ def test_counts_match_float_comparisons_on_values_spanning_every_range(dtype):
         _, under, over = reference_counts(x.tolist(), target)
         expected += [float(under), float(over)]
     assert got == expected
-    assert 0 < expected[1] < expected[0] and 0 < expected[2] < expected[0]  # both sides are populated
+    assert 0 < expected[1] < expected[0]
+    assert 0 < expected[2] < expected[0]
 
 
 def test_counts_pool_exactly_and_fractions_are_of_non_zero_elements():
@@ -137,8 +138,12 @@ def test_default_target_follows_the_trainer_precision(precision, expected):
 
 def test_plan_without_a_target_explains_how_to_get_one():
     plan = plan_opt_in(["act_overflow_frac", "act_grad_underflow_frac"], None, "32-true")
-    assert not plan.any and plan.logged == ()
-    assert "32-true" in plan.note and "precision_targets=" in plan.note
+    assert not plan.any
+    assert plan.logged == ()
+    assert "32-true" in plan.note
+    assert "precision_targets=" in plan.note
     plan = plan_opt_in(["act_grad_underflow_frac"], ("float16", "bfloat16"), "32-true")
-    assert plan.note == "" and plan.act_targets == () and plan.grad_targets == ("float16", "bfloat16")
+    assert plan.note == ""
+    assert plan.act_targets == ()
+    assert plan.grad_targets == ("float16", "bfloat16")
     assert plan.logged == ("act_grad_underflow_frac_float16", "act_grad_underflow_frac_bfloat16")
