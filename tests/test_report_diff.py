@@ -67,7 +67,8 @@ def test_alignment_orders_forward_by_depth_and_backward_by_reversed_depth(runs):
     backward = [d.layer for d in step0 if d.stat.startswith("act_grad_")]
     assert forward[0] == "model.2"
     assert not {"model.0", "model.1"} & set(forward)  # upstream of the change: identical outputs and weights
-    assert backward[0] == "model.4" and backward[-1] == "model.0"  # output end first
+    assert backward[0] == "model.4"
+    assert backward[-1] == "model.0"
     assert differences[0].step == 0
     assert all(earlier.step <= later.step for earlier, later in zip(differences, differences[1:], strict=False))
 
