@@ -171,7 +171,7 @@ def test_fit_logs_the_largest_micro_batch_and_shows_it_in_the_summary(capsys):
     assert no_saved_tensor_hooks()
     table = callback.summary_table().splitlines()
     assert table[1].split() == ["depth", "layer", "act_std", "act_saved_bytes", "findings"]
-    assert table[3].split()[-1] == "256"
+    assert table[3].split()[-2:] == ["256", "B"]  # model.1: 8 rows x 8 floats
 
 
 def test_an_exception_in_a_sampled_training_step_leaves_no_hooks():
