@@ -815,7 +815,7 @@ class LayerHealthCallback(Callback):
                 names, present = self.layer_names, [c > 0 for c in ran]
             # NaN: not a ReLU-family layer (act_dead_frac); undefined for this output (an opt-in statistic of an
             # all-zero or constant output).
-            undefined_skipped = stat == "act_dead_frac" or stat not in LAYER_STATS
+            undefined_skipped = stat == "act_dead_frac" or stat in self._opt_in.logged
             for name, value, ok in zip(names, host[stat], present, strict=True):
                 if ok and not (undefined_skipped and value != value):
                     metrics[f"{self.prefix}/{stat}/{name}"] = value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -130,3 +131,16 @@ def test_default_stats_use_the_plain_recorder_and_register_no_opt_in_state():
     assert recorder == "StepRecorder"
     assert saved is None
     assert not {"act_precision", "grad_precision", "act_power", "act_saved"} & states
+
+
+def test_nan_parameter_gradients_are_still_logged_but_undefined_opt_in_values_are_not():
+    module = TinyModule()
+    with torch.no_grad():
+        module.model[2].weight[0, 0] = float("nan")  # every output, loss and gradient of the step is NaN
+    callback = LayerHealthCallback(every_n_steps=1, stats=["param_grad_norm", "act_kurtosis"], on_anomaly="ignore")
+    make_trainer([callback], max_steps=1).fit(module)
+    metrics = callback.last_metrics
+    assert math.isnan(metrics[f"{P}/param_grad_norm/model.0.weight"])  # a default statistic: NaN is the finding
+    assert f"{P}/act_kurtosis/model.0" in metrics  # finite outputs before the NaN weight
+    assert f"{P}/act_kurtosis/model.2" not in metrics  # no finite output: undefined, not logged
+    assert [f.rule for f in callback.findings] == ["nonfinite"]
