@@ -514,8 +514,7 @@ class LayerHealthCallback(Callback):
         self._warn_missing_grads()
         if self._saved is not None and self._saved.attached:
             self._saved.remove()
-            if self._aggregator is not None:
-                self._aggregator.add_saved_bytes(self._saved.take())
+            self._fold_saved_bytes()
         if self._window is not None and trainer.global_step != self._window:
             self._finish_window(trainer)
         if self._micro_step is not None and trainer.global_step != self._micro_step:
@@ -693,10 +692,18 @@ class LayerHealthCallback(Callback):
         every = self.histogram_every_n_steps
         self._recorder.histograms = every is not None and step % every == 0
         failure = ""
+        run = self._replay_run(trainer, pl_module)
+        if self._saved is not None:
+            run = self._measure_saved_bytes(run)
+            self._saved.attach()
         try:
-            replay_step(self._micro, self._replay_run(trainer, pl_module), pl_module, self._hooks, pl_module.device)
+            replay_step(self._micro, run, pl_module, self._hooks, pl_module.device)
         except Exception as error:  # a failed replay is reported in the finding; training goes on untouched
             failure = f"the replay raised {type(error).__name__}: {error}"
+        finally:
+            if self._saved is not None:
+                self._saved.remove()
+                self._fold_saved_bytes()
         flag = torch.tensor([1.0 if failure else 0.0], device=pl_module.device)
         # Every process must agree, or the pooled statistics' collectives would not match.
         if all_reduce_max(flag).item() > 0:
@@ -723,6 +730,20 @@ class LayerHealthCallback(Callback):
             return scaler.scale(loss) if scaler is not None else loss
 
         return run
+
+    def _fold_saved_bytes(self) -> None:
+        """Pool the saved-activation bytes of the micro-batch that just ended (a max over micro-batches)."""
+        if self._saved is not None and self._aggregator is not None:
+            self._aggregator.add_saved_bytes(self._saved.take())
+
+    def _measure_saved_bytes(self, run: Callable[[MicroBatch], Tensor | None]) -> Callable[[MicroBatch], Tensor | None]:
+        """``run`` that first pools the previous replayed micro-batch's saved bytes (freed by its backward)."""
+
+        def measured(micro: MicroBatch) -> Tensor | None:
+            self._fold_saved_bytes()
+            return run(micro)
+
+        return measured
 
     def _detach(self) -> None:
         if self._hooks is not None:

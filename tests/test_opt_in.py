@@ -144,3 +144,26 @@ def test_nan_parameter_gradients_are_still_logged_but_undefined_opt_in_values_ar
     assert f"{P}/act_kurtosis/model.0" in metrics  # finite outputs before the NaN weight
     assert f"{P}/act_kurtosis/model.2" not in metrics  # no finite output: undefined, not logged
     assert [f.rule for f in callback.findings] == ["nonfinite"]
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_replayed_step_logs_the_opt_in_values_a_sampled_step_logs(monkeypatch, accumulate):
+    from test_sentinel import fit_dropping, force_trips
+
+    def opt_in(every: int, **kwargs) -> LayerHealthCallback:
+        stats = list(OPT_IN_STATS)
+        return LayerHealthCallback(every_n_steps=every, stats=stats, precision_targets="float16", on_anomaly="ignore",
+                                   summary=False, **kwargs)  # fmt: skip
+
+    regular_log = RecordingLogger()
+    fit_dropping([opt_in(3, sentinel=None)], regular_log, accumulate_grad_batches=accumulate)
+    force_trips(monkeypatch, {3})
+    replay_log = RecordingLogger()
+    callback = opt_in(100)
+    fit_dropping([callback], replay_log, accumulate_grad_batches=accumulate)
+    regular, replayed = dict(regular_log.ours())[3], dict(replay_log.ours())[3]
+    assert callback.trips[0].replayed
+    assert set(regular) == set(replayed)
+    assert f"{P}/act_saved_bytes/model.0" in replayed
+    for key, value in regular.items():
+        assert replayed[key] == pytest.approx(value, rel=1e-6, abs=1e-12), key
