@@ -46,19 +46,19 @@ def power_sums(x: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
         dtype: Dtype of the computation and of the returned additive vector (float64 except on MPS).
     """
     # Centred sums in the accumulation dtype: float32 sums of cubes would carry a rounding error that the recentring
-    # below multiplies by |mean| / std. Opt-in, so the extra pass and width are paid only when asked for.
-    flat = x.detach().reshape(-1).to(dtype)
-    finite = torch.isfinite(flat)
+    # below multiplies by |mean| / std. Opt-in, so the extra width is paid only when asked for; the work happens in
+    # place in one widened copy plus its square (two full-size buffers at the peak).
+    work = x.detach().reshape(-1).to(dtype, copy=True)
+    finite = torch.isfinite(work)
     n = torch.count_nonzero(finite)
-    values = torch.where(finite, flat, 0.0)
-    mean = values.sum() / n.clamp_min(1)
-    # Centre, keeping non-finite positions at exactly 0 so they add nothing to any centred sum.
-    centred = torch.where(finite, values - mean, 0.0)
+    work.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    mean = work.sum() / n.clamp_min(1)
+    centred = work.sub_(mean).mul_(finite)  # non-finite positions back to exactly 0: they add to no centred sum
     square = centred * centred
     m1 = centred.sum()
     m2 = square.sum()
-    m3 = (square * centred).sum()
-    m4 = (square * square).sum()
+    m3 = torch.dot(square, centred)
+    m4 = torch.dot(square, square)
     # Back to sums about zero, about the same mean the values were centred on (m1 is its rounding).
     mu = mean
     count = n.to(dtype)

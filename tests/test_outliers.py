@@ -103,3 +103,10 @@ def test_default_recorder_path_registers_no_opt_in_state():
     out = agg.compute()
     assert set(out) >= set(S.ACTIVATION_STATS)
     assert not {"act_kurtosis", "act_absmax_over_std", "act_saved_bytes"} & set(out)
+
+
+def test_power_sums_leave_their_input_untouched():
+    x = torch.tensor([1.0, math.nan, -math.inf, 4.0], dtype=torch.float64)
+    before = x.clone()
+    O.power_sums(x)
+    torch.testing.assert_close(x, before, equal_nan=True, rtol=0, atol=0)
