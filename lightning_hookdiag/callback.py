@@ -732,9 +732,10 @@ class LayerHealthCallback(Callback):
         return run
 
     def _fold_saved_bytes(self) -> None:
-        """Pool the saved-activation bytes of the micro-batch that just ended (a max over micro-batches)."""
-        if self._saved is not None and self._aggregator is not None:
-            self._aggregator.add_saved_bytes(self._saved.take())
+        # A max over micro-batches, kept on the host: the step's maxima reach the aggregator once, in _finish_window,
+        # so a sampled step does not copy to the device per micro-batch.
+        if self._saved is not None:
+            self._saved.end_micro_batch()
 
     def _measure_saved_bytes(self, run: Callable[[MicroBatch], Tensor | None]) -> Callable[[MicroBatch], Tensor | None]:
         """``run`` that first pools the previous replayed micro-batch's saved bytes (freed by its backward)."""
@@ -765,6 +766,8 @@ class LayerHealthCallback(Callback):
             self._aggregator.grad_scale = None
         if self._tracker is not None:
             self._tracker.release()
+        if self._saved is not None:
+            self._saved.pop_peak()
 
     def _warn_once(self, key: str, message: str, info: bool = False) -> None:
         if key not in self._warned:
@@ -789,6 +792,8 @@ class LayerHealthCallback(Callback):
                 updated = self._tracker.after_step()
                 if updated is not None:
                     agg.update(params=(updated[0], updated[1], P.P_UPDATE_SQ))
+        if self._saved is not None:
+            agg.add_saved_bytes(self._saved.pop_peak())  # one host-to-device copy per sampled step
         agg.update()  # every process takes part in the reduction, also one whose layers did not run
         values = agg.compute()  # reduced over processes: one SUM and one MAX all-reduce (aggregation.py)
         skip = {"param_update_ratio"} if before_update else set()

@@ -56,6 +56,8 @@ class SavedMemoryTracker:
         self.root = root
         self.bytes: list[int] = [0] * len(self.modules)
         """Bytes saved per module since the last :meth:`take`."""
+        self.peak: list[int] = [0] * len(self.modules)
+        """Per module, the most bytes any one micro-batch saved since the last :meth:`pop_peak`."""
         self._stack: list[int] = []
         self._seen: set[tuple[Any, int]] = set()
         self._own: set[tuple[Any, int]] = set()
@@ -94,6 +96,15 @@ class SavedMemoryTracker:
         """The bytes saved per module since the last call (one micro-batch), and start counting afresh."""
         out, self.bytes = self.bytes, [0] * len(self.modules)
         self._seen = set()
+        return out
+
+    def end_micro_batch(self) -> None:
+        """Fold the current micro-batch into :attr:`peak` (host-side: no device copy per micro-batch)."""
+        self.peak = [max(a, b) for a, b in zip(self.peak, self.take(), strict=True)]
+
+    def pop_peak(self) -> list[int]:
+        """:attr:`peak` (the step's largest micro-batch per module), and start the next step afresh."""
+        out, self.peak = self.peak, [0] * len(self.modules)
         return out
 
     def _make_push(self, index: int) -> Any:
