@@ -25,7 +25,8 @@ Variants:
 
 Optional extra variants (``--variants``) split ``every_step`` by statistic family: ``acts_only``, ``grads_only`` and
 ``params_only``; ``hooks_noop`` and ``hooks_one_read`` price the hook machinery alone and with one ``sum`` per output
-and output gradient (:class:`HookFloorCallback`).
+and output gradient (:class:`HookFloorCallback`); ``opt_in`` is ``every_step`` plus every opt-in statistic
+(``OPT_IN_STATS``) with two precision targets.
 
 Timing: a :class:`StepTimer` callback, listed first, records ``time.perf_counter_ns()`` in ``on_train_batch_start``.
 The interval between two consecutive starts is one whole training step: data fetch, forward, backward, optimizer
@@ -90,7 +91,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.errors import LayerHealthWarning
 from lightning_hookdiag.sentinel import Trip
-from lightning_hookdiag.stats import ACTIVATION_STATS, GRADIENT_STATS, PARAMETER_STATS
+from lightning_hookdiag.stats import ACTIVATION_STATS, ALL_STATS, GRADIENT_STATS, OPT_IN_STATS, PARAMETER_STATS
 
 PERIOD = 50
 """``every_n_steps`` default of ``LayerHealthCallback``: the length of one amortisation period."""
@@ -108,6 +109,7 @@ EXTRA_VARIANTS = (
     "sentinel_loss",
     "sentinel_grads",
     "replay",
+    "opt_in",
 )
 NEVER = 10**9
 """An interval no benchmark reaches: only step 0 (dropped as warm-up) is sampled, so what remains is the per-step
@@ -413,6 +415,9 @@ def make_callback(variant: str) -> Callback | None:
         return LayerHealthCallback(every_n_steps=NEVER, sentinel="loss" if variant == "sentinel_loss" else "loss+grads")
     if variant == "replay":
         return ReplayEveryStep()
+    if variant == "opt_in":  # every statistic, the opt-in ones included, two precision targets
+        stats = [*ALL_STATS, *OPT_IN_STATS]
+        return LayerHealthCallback(every_n_steps=1, stats=stats, precision_targets=["float16", "float8_e4m3fn"])
     families = {"acts_only": ACTIVATION_STATS, "grads_only": GRADIENT_STATS, "params_only": PARAMETER_STATS}
     return LayerHealthCallback(every_n_steps=1, stats=families[variant])
 

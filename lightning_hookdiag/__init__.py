@@ -20,6 +20,7 @@ _EXPORTS = {
     "LayerHealthError": "lightning_hookdiag.errors",
     "LayerHealthWarning": "lightning_hookdiag.errors",
     "LayerInfo": "lightning_hookdiag.selection",
+    "OPT_IN_STATS": "lightning_hookdiag.stats",
     "RuleConfig": "lightning_hookdiag.rules",
     "capture_activations": "lightning_hookdiag.capture",
     "list_layers": "lightning_hookdiag.selection",
@@ -32,6 +33,7 @@ __all__ = [
     "LayerHealthError",
     "LayerHealthWarning",
     "LayerInfo",
+    "OPT_IN_STATS",
     "RuleConfig",
     "__version__",
     "capture_activations",
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
     from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
     from lightning_hookdiag.rules import Finding, RuleConfig
     from lightning_hookdiag.selection import LayerInfo, list_layers
-    from lightning_hookdiag.stats import ALL_STATS
+    from lightning_hookdiag.stats import ALL_STATS, OPT_IN_STATS
 
 
 def __getattr__(name: str) -> Any:

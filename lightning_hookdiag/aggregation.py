@@ -21,7 +21,9 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from lightning_hookdiag import outliers as O
 from lightning_hookdiag import params as P
+from lightning_hookdiag import precision as PR
 from lightning_hookdiag import stats as S
 from lightning_hookdiag.distributed import all_reduce_packed
 from lightning_hookdiag.hooks import first_floating_tensor
@@ -60,6 +62,10 @@ class LayerStatsAggregator(Metric):
     act_hist: Tensor
     grad_hist: Tensor
     param_stats: Tensor
+    act_precision: Tensor
+    grad_precision: Tensor
+    act_power: Tensor
+    act_saved: Tensor
 
     def __init__(
         self,
@@ -68,6 +74,11 @@ class LayerStatsAggregator(Metric):
         dtype: torch.dtype = torch.float64,
         sharded_params: bool = False,
         histogram_bins: int = 0,
+        act_precision: tuple[str, ...] = (),
+        grad_precision: tuple[str, ...] = (),
+        power_sums: bool = False,
+        absmax_over_std: bool = False,
+        saved_bytes: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -91,6 +102,22 @@ class LayerStatsAggregator(Metric):
         if histogram_bins:
             self.add_state("act_hist", torch.zeros(n_layers, histogram_bins), dist_reduce_fx="sum")
             self.add_state("grad_hist", torch.zeros(n_layers, histogram_bins), dist_reduce_fx="sum")
+        # Opt-in statistics (stats=[...]): also registered only when asked for, as plain "sum" or "max" states.
+        self.act_precision_targets = act_precision
+        self.grad_precision_targets = grad_precision
+        self.power_sums = power_sums
+        self.absmax_over_std = absmax_over_std
+        self.saved_bytes = saved_bytes
+        if act_precision:
+            slots = 1 + 2 * len(act_precision)
+            self.add_state("act_precision", torch.zeros(n_layers, slots, dtype=dtype), dist_reduce_fx="sum")
+        if grad_precision:
+            slots = 1 + 2 * len(grad_precision)
+            self.add_state("grad_precision", torch.zeros(n_layers, slots, dtype=dtype), dist_reduce_fx="sum")
+        if power_sums:
+            self.add_state("act_power", torch.zeros(n_layers, O.POWER_SLOTS, dtype=dtype), dist_reduce_fx="sum")
+        if saved_bytes:
+            self.add_state("act_saved", torch.zeros(n_layers, dtype=dtype), dist_reduce_fx="max")
         # Unit counts are learned from the outputs and agreed over processes (see the module docstring); the flat
         # layout follows layer order, so it is the same on every process whatever order layers happen to run in.
         self.sharded_params = sharded_params
@@ -223,6 +250,24 @@ class LayerStatsAggregator(Metric):
         if grad_hist is not None:
             self.grad_hist[layer].add_(grad_hist)
 
+    def add_extra(self, layer: int, state: str, values: Tensor) -> None:
+        """Add an opt-in statistic's additive vector to row ``layer`` of the "sum" state ``state``.
+
+        Args:
+            layer: Index of the layer.
+            state: ``"act_precision"``, ``"grad_precision"`` or ``"act_power"`` (registered when asked for).
+            values: From :func:`~lightning_hookdiag.precision.precision_counts` or
+                :func:`~lightning_hookdiag.outliers.power_sums`.
+        """
+        self._mark_stale()
+        getattr(self, state)[layer].add_(values)
+
+    def add_saved_bytes(self, per_layer: list[int]) -> None:
+        """Pool one micro-batch's saved-activation bytes per layer (max over micro-batches and processes)."""
+        self._mark_stale()
+        saved = torch.tensor(per_layer, dtype=self.act_saved.dtype, device=self.act_saved.device)
+        torch.maximum(self.act_saved, saved, out=self.act_saved)
+
     def add_host(
         self,
         layer: int,
@@ -308,7 +353,11 @@ class LayerStatsAggregator(Metric):
         sum_names = ["act_moments", "grad_moments"]
         if self.histogram_edges.numel():
             sum_names += ["act_hist", "grad_hist"]
+        # Opt-in states, where registered (plain sums; saved-activation bytes a maximum).
+        sum_names += [name for name in ("act_precision", "grad_precision", "act_power") if name in self._defaults]
         max_names = ["act_absmax"]
+        if self.saved_bytes:
+            max_names.append("act_saved")
         # Sharded parameters hold disjoint parts whose sums of squares add up; replicated ones hold the same value
         # on every process, counted once by a maximum.
         (sum_names if self.sharded_params else max_names).append("param_stats")
@@ -386,7 +435,20 @@ class LayerStatsAggregator(Metric):
         if self.histogram_edges.numel():
             out["act_hist"] = self.act_hist
             out["grad_hist"] = self.grad_hist
+        self._compute_opt_in(out)
         return out
+
+    def _compute_opt_in(self, out: dict[str, Tensor]) -> None:
+        if self.act_precision_targets:
+            out.update(PR.finalize_precision(self.act_precision, self.act_precision_targets, "act"))
+        if self.grad_precision_targets:
+            out.update(PR.finalize_precision(self.grad_precision, self.grad_precision_targets, "act_grad"))
+        if self.power_sums:
+            out["act_kurtosis"] = O.finalize_kurtosis(self.act_power)
+        if self.absmax_over_std:
+            out["act_absmax_over_std"] = out["act_absmax"] / out["act_std"]
+        if self.saved_bytes:
+            out["act_saved_bytes"] = self.act_saved
 
 
 class _HostRows:

@@ -31,7 +31,9 @@ from lightning_hookdiag import stats as S
 from lightning_hookdiag.aggregation import LayerStatsAggregator, StepRecorder
 from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
 from lightning_hookdiag.hooks import HookSet
+from lightning_hookdiag.opt_in import OptInPlan, OptInRecorder, plan_opt_in
 from lightning_hookdiag.params import ParameterTracker, named_parameters_of
+from lightning_hookdiag.precision import resolve_targets
 from lightning_hookdiag.report.summary import format_step_table
 from lightning_hookdiag.rules import (
     AlertState,
@@ -42,6 +44,7 @@ from lightning_hookdiag.rules import (
     format_error,
     values_from_metrics,
 )
+from lightning_hookdiag.saved_memory import SavedMemoryTracker
 from lightning_hookdiag.selection import import_types, resolve_layers
 from lightning_hookdiag.sentinel import (
     SENTINEL_MODES,
@@ -57,7 +60,9 @@ from lightning_hookdiag.vocabulary import LAYER_STATS, PER_PARAMETER_STATS
 
 __all__ = ["LayerHealthCallback"]
 
-_MOMENT_STATS = frozenset({"act_mean", "act_std", "act_absmax", "act_zero_frac", "act_nonfinite"})
+_MOMENT_STATS = frozenset(
+    {"act_mean", "act_std", "act_absmax", "act_zero_frac", "act_nonfinite", "act_absmax_over_std"}
+)
 ON_ANOMALY = ("warn", "raise", "stop", "ignore")
 
 
@@ -173,6 +178,22 @@ class LayerHealthCallback(Callback):
     ``<prefix>/depth/<layer>``          0-based position of the layer in forward execution order on step ``k``
     ==================================  =========================================================================
 
+    Opt-in keys, logged only when named in ``stats=`` (``<t>``: a target dtype name, see ``precision_targets``):
+
+    ======================================  =====================================================================
+    Key                                     Value on step ``k``
+    ======================================  =====================================================================
+    ``<prefix>/act_kurtosis/<layer>``       Pearson kurtosis ``m4 / m2**2`` of the finite output elements
+    ``<prefix>/act_absmax_over_std/..``     ``act_absmax / act_std``
+    ``<prefix>/act_underflow_frac_<t>/..``  share of non-zero outputs with ``|x|`` below ``<t>``'s smallest normal
+    ``<prefix>/act_overflow_frac_<t>/..``   share of non-zero outputs with ``|x| >= max(<t>) / 2`` (or Inf)
+    ``<prefix>/act_grad_underflow_..``      the same two for d(loss)/d(output), as autograd holds it (AMP-scaled:
+    ``<prefix>/act_grad_overflow_..``       the values the target dtype must represent)
+    ``<prefix>/act_saved_bytes/<layer>``    bytes autograd saved for backward while the layer was the innermost
+                                            selected module running (largest micro-batch; storages once,
+                                            parameters never)
+    ======================================  =====================================================================
+
     Args:
         every_n_steps: Sample optimizer steps ``0, n, 2n, ...``.
         layers: Dotted module names or fnmatch globs (``*`` also crosses dots), relative to the LightningModule,
@@ -181,8 +202,10 @@ class LayerHealthCallback(Callback):
         layer_types: Keep only instances of these classes, given as classes or import strings such as
             ``"torch.nn.Linear"``.
         exclude: Globs of module names to leave out.
-        stats: Names of the statistics to compute and log; ``None`` for all. Work for statistics not asked for is
-            skipped (e.g. without ``"param_update_ratio"`` no weight copy is made).
+        stats: Names of the statistics to compute and log; ``None`` for the default set
+            (:data:`~lightning_hookdiag.ALL_STATS`). Work for statistics not asked for is skipped (e.g. without
+            ``"param_update_ratio"`` no weight copy is made). The names of
+            :data:`~lightning_hookdiag.OPT_IN_STATS` are computed only when listed here.
         prefix: First segment of every logged key.
         dead_unit_types: Module classes (or import strings) whose outputs get ``act_dead_frac``.
         unit_dim: Axis of the output that indexes units for ``act_dead_frac``. ``None``: dim 1 (channels) for
@@ -213,6 +236,11 @@ class LayerHealthCallback(Callback):
             optimization, sharded strategies, a failure that persists from the previous step) the finding says why
             and the next step is sampled. ``on_anomaly="raise"`` raises before the optimizer step, so the weights
             in memory stay those of step ``k``; ``"stop"`` stops after the batch, when step ``k`` has been applied.
+        precision_targets: Target dtypes of the precision headroom statistics (``act_underflow_frac`` and
+            friends in ``stats=``): names from ``"float16"``, ``"bfloat16"``, ``"float8_e4m3fn"``,
+            ``"float8_e5m2"`` or the torch dtypes. ``None`` derives one from the Trainer's ``precision``
+            (``16-mixed``/``16-true``: float16, ``bf16-mixed``/``bf16-true``: bfloat16); with full precision
+            nothing is computed unless targets are named here (to plan a switch to lower precision).
 
     Raises:
         ValueError: At construction, for any invalid argument (the message names it and the valid values); when
@@ -247,6 +275,7 @@ class LayerHealthCallback(Callback):
         histogram_every_n_steps: int | None = None,
         histogram_bins: int = 64,
         sentinel: Literal["loss", "loss+grads"] | None = "loss",
+        precision_targets: str | torch.dtype | Sequence[str | torch.dtype] | None = None,
     ) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"every_n_steps: expected an integer >= 1, got {every_n_steps!r}")
@@ -287,6 +316,7 @@ class LayerHealthCallback(Callback):
         self.layer_types = import_types(layer_types, "layer_types")
         self.exclude = _strings(exclude, "exclude") or []
         self.stats = S.resolve_stats(stats)
+        self.precision_targets = resolve_targets(precision_targets)
         self.prefix = prefix
         self.dead_unit_types = import_types(dead_unit_types, "dead_unit_types")
         self.unit_dim = unit_dim
@@ -336,6 +366,8 @@ class LayerHealthCallback(Callback):
         self._last_finite: dict[str, int] = {}
         self._stepped: set[int] = set()  # optimizers already measured in the open window (LBFGS: one per closure)
         self._logger_error: BaseException | None = None
+        self._opt_in = OptInPlan()
+        self._saved: SavedMemoryTracker | None = None
 
     @property
     @override
@@ -370,21 +402,31 @@ class LayerHealthCallback(Callback):
         params = named_parameters_of(modules) if wanted & set(S.PARAMETER_STATS) else {}
         self._param_names = list(params)
         device = pl_module.device
+        self._opt_in = plan = plan_opt_in(self.stats, self.precision_targets, trainer.precision)
+        if plan.note:
+            self._warn_once("opt_in_note", f"LayerHealthCallback: {plan.note}", info=True)
         self._aggregator = LayerStatsAggregator(
             len(modules),
             len(params),
             dtype=S.accumulation_dtype(device),
             sharded_params=_sharded(trainer, params),
             histogram_bins=self.histogram_bins if self.histogram_every_n_steps else 0,
+            **plan.aggregator_kwargs(),
         ).to(device)
-        self._recorder = StepRecorder(
-            self._aggregator,
-            moments=bool(wanted & _MOMENT_STATS),
-            unit_layers=unit_layers,
-            unit_dim=self.unit_dim,
-            names=self.layer_names,
+        recorder_args: dict[str, Any] = {
+            "moments": bool(wanted & _MOMENT_STATS),
+            "unit_layers": unit_layers,
+            "unit_dim": self.unit_dim,
+            "names": self.layer_names,
+        }
+        # The default path keeps the plain StepRecorder: opt-in statistics cost nothing unless asked for.
+        self._recorder = (
+            OptInRecorder(self._aggregator, plan, **recorder_args)
+            if plan.any
+            else StepRecorder(self._aggregator, **recorder_args)
         )
-        on_grad = self._recorder.on_grad if wanted & set(S.GRADIENT_STATS) else None
+        self._saved = SavedMemoryTracker(modules, pl_module) if plan.saved_bytes else None
+        on_grad = self._recorder.on_grad if wanted & set(S.GRADIENT_STATS) or plan.grad_targets else None
         self._hooks = HookSet(modules, self._recorder.on_output, on_grad)
         self._tracker = (
             ParameterTracker(params, snapshot="param_update_ratio" in wanted, dtype=self._aggregator.acc_dtype)
@@ -422,6 +464,8 @@ class LayerHealthCallback(Callback):
             assert self._recorder is not None
             self._recorder.histograms = every is not None and step % every == 0
         self._hooks.attach()
+        if self._saved is not None:
+            self._saved.attach()
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -469,6 +513,9 @@ class LayerHealthCallback(Callback):
             return
         self._hooks.remove()
         self._warn_missing_grads()
+        if self._saved is not None and self._saved.attached:
+            self._saved.remove()
+            self._fold_saved_bytes()
         if self._window is not None and trainer.global_step != self._window:
             self._finish_window(trainer)
         if self._micro_step is not None and trainer.global_step != self._micro_step:
@@ -530,6 +577,7 @@ class LayerHealthCallback(Callback):
         self._release_step()
         self._sentinel_params = []
         self._hooks = self._recorder = self._aggregator = self._tracker = None
+        self._saved = None
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle the configuration and results, not the LightningModule.
@@ -645,10 +693,18 @@ class LayerHealthCallback(Callback):
         every = self.histogram_every_n_steps
         self._recorder.histograms = every is not None and step % every == 0
         failure = ""
+        run = self._replay_run(trainer, pl_module)
+        if self._saved is not None:
+            run = self._measure_saved_bytes(run)
+            self._saved.attach()
         try:
-            replay_step(self._micro, self._replay_run(trainer, pl_module), pl_module, self._hooks, pl_module.device)
+            replay_step(self._micro, run, pl_module, self._hooks, pl_module.device)
         except Exception as error:  # a failed replay is reported in the finding; training goes on untouched
             failure = f"the replay raised {type(error).__name__}: {error}"
+        finally:
+            if self._saved is not None:
+                self._saved.remove()
+                self._fold_saved_bytes()
         flag = torch.tensor([1.0 if failure else 0.0], device=pl_module.device)
         # Every process must agree, or the pooled statistics' collectives would not match.
         if all_reduce_max(flag).item() > 0:
@@ -676,9 +732,27 @@ class LayerHealthCallback(Callback):
 
         return run
 
+    def _fold_saved_bytes(self) -> None:
+        # A max over micro-batches, kept on the host: the step's maxima reach the aggregator once, in _finish_window,
+        # so a sampled step does not copy to the device per micro-batch.
+        if self._saved is not None:
+            self._saved.end_micro_batch()
+
+    def _measure_saved_bytes(self, run: Callable[[MicroBatch], Tensor | None]) -> Callable[[MicroBatch], Tensor | None]:
+        """``run`` that first pools the previous replayed micro-batch's saved bytes (freed by its backward)."""
+
+        def measured(micro: MicroBatch) -> Tensor | None:
+            self._fold_saved_bytes()
+            return run(micro)
+
+        return measured
+
     def _detach(self) -> None:
         if self._hooks is not None:
             self._hooks.remove()
+        if self._saved is not None:
+            self._saved.remove()
+            self._saved.take()  # bytes of an interrupted micro-batch are not a measurement
 
     def _discard_window(self) -> None:
         self._window = None
@@ -693,6 +767,8 @@ class LayerHealthCallback(Callback):
             self._aggregator.grad_scale = None
         if self._tracker is not None:
             self._tracker.release()
+        if self._saved is not None:
+            self._saved.pop_peak()
 
     def _warn_once(self, key: str, message: str, info: bool = False) -> None:
         if key not in self._warned:
@@ -717,12 +793,16 @@ class LayerHealthCallback(Callback):
                 updated = self._tracker.after_step()
                 if updated is not None:
                     agg.update(params=(updated[0], updated[1], P.P_UPDATE_SQ))
+        if self._saved is not None:
+            agg.add_saved_bytes(self._saved.pop_peak())  # one host-to-device copy per sampled step
         agg.update()  # every process takes part in the reduction, also one whose layers did not run
         values = agg.compute()  # reduced over processes: one SUM and one MAX all-reduce (aggregation.py)
         skip = {"param_update_ratio"} if before_update else set()
         if not self._window_layers:
             skip.update(LAYER_STATS)
         wanted = [s for s in (*LAYER_STATS, *PER_PARAMETER_STATS) if s in self.stats and s not in skip]
+        if self._window_layers:
+            wanted += self._opt_in.logged
         names = [*wanted, "count", "grad_count", "param_seen", "grad_norm_total"]
         histograms = self._recorder.histograms
         if histograms:
@@ -758,10 +838,13 @@ class LayerHealthCallback(Callback):
             if stat in PER_PARAMETER_STATS:
                 names, present = self._param_names, [s > 0 for s in seen]
             else:
-                ran = grad_count if stat in S.GRADIENT_STATS else count
+                ran = grad_count if stat in S.GRADIENT_STATS or stat.startswith("act_grad_") else count
                 names, present = self.layer_names, [c > 0 for c in ran]
+            # NaN: not a ReLU-family layer (act_dead_frac); undefined for this output (an opt-in statistic of an
+            # all-zero or constant output).
+            undefined_skipped = stat == "act_dead_frac" or stat in self._opt_in.logged
             for name, value, ok in zip(names, host[stat], present, strict=True):
-                if ok and not (stat == "act_dead_frac" and value != value):  # NaN: not a ReLU-family layer
+                if ok and not (undefined_skipped and value != value):
                     metrics[f"{self.prefix}/{stat}/{name}"] = value
         if "grad_norm_total" in self.stats and any(s > 0 for s in seen):
             metrics[f"{self.prefix}/grad_norm_total"] = host["grad_norm_total"][0]

@@ -25,6 +25,11 @@ Rule                    Field                              Default   Fires when
                                                                      order whose activation scale grew more than
                                                                      ``spike_growth``-fold since the last regular
                                                                      sampled step
+``precision_headroom``  ``overflow_frac_threshold``        ``0.0``   ``act_overflow_frac_<t>`` or
+                                                                     ``act_grad_overflow_frac_<t>`` (opt-in
+                                                                     statistics) ``> overflow_frac_threshold``: some
+                                                                     values overflow target dtype ``<t>`` or sit
+                                                                     within 2x of its maximum
 ======================  =================================  ========  ================================================
 
 The sentinel's own settings live here too: ``spike_window`` (``50``), ``spike_warmup`` (``20``), ``spike_zscore``
@@ -55,6 +60,8 @@ Why these defaults:
   per Linear+ReLU block, so a plain 8-block MLP reaches 1e-3 - that is a real vanishing gradient. Three orders of
   magnitude leave room for pooling layers (global average pooling over 7x7 divides the norm by 7) and still catch a
   signal that the optimiser can no longer use.
+* ``overflow_frac_threshold=0.0``: one value within a factor 2 of the target's maximum is already one doubling
+  (a learning-rate spike, a loss-scale step) away from Inf, which in fp16/fp8 turns the whole step non-finite.
 * ``saturation_level=0.9``: for both Tanh and Sigmoid the local derivative relative to its maximum is ``1 - z**2``
   (``tanh' = 1 - y**2``, ``sigmoid' = y (1 - y) = (1 - z**2) / 4`` with ``z = 2y - 1``), so ``|z| > 0.9`` means the
   layer passes back less than 19% of the gradient it could. ``saturation_frac=0.5``: at least half of the outputs.
@@ -109,6 +116,7 @@ RULES: tuple[str, ...] = (
     "vanishing_gradient",
     "exploding_gradient",
     "saturation",
+    "precision_headroom",
 )
 """Names of the health rules, in the order findings of the same layer are listed."""
 
@@ -162,6 +170,8 @@ class RuleConfig:
             :class:`~lightning_hookdiag.sentinel.SpikeDetector`); finite, ``> 1``.
         spike_growth: ``loss_spike`` names the earliest layer whose activation scale grew more than this factor
             since the last regular sampled step; finite, ``> 1``.
+        overflow_frac_threshold: ``precision_headroom`` fires when the share of non-zero values at risk of
+            overflowing a target dtype is ``> overflow_frac_threshold``; in ``[0, 1)``.
 
     Raises:
         ValueError: For an invalid field; the message names the field, the value and what is valid.
@@ -188,6 +198,7 @@ class RuleConfig:
     spike_zscore: float = 8.0
     spike_ratio: float = 10.0
     spike_growth: float = 10.0
+    overflow_frac_threshold: float = 0.0
 
     def __post_init__(self) -> None:
         enabled = self.enabled
@@ -211,6 +222,7 @@ class RuleConfig:
             "spike_zscore": ("a finite number > 0", lambda v: 0.0 < v < math.inf),
             "spike_ratio": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
             "spike_growth": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
+            "overflow_frac_threshold": ("a number in [0, 1)", lambda v: 0.0 <= v < 1.0),
         }
         for name, (valid, ok) in checks.items():
             object.__setattr__(self, name, _number(name, getattr(self, name), valid, ok))
@@ -232,11 +244,11 @@ class RuleConfig:
 
         Example:
             >>> RuleConfig.from_mapping({"exploding_ratio": 1e4, "enabled": ["nonfinite"]})
-            RuleConfig(enabled=('nonfinite',), dead_frac_threshold=0.9, vanishing_ratio=0.001, exploding_ratio=10000.0, saturation_level=0.9, saturation_frac=0.5, spike_window=50, spike_warmup=20, spike_zscore=8.0, spike_ratio=10.0, spike_growth=10.0)
+            RuleConfig(enabled=('nonfinite',), dead_frac_threshold=0.9, vanishing_ratio=0.001, exploding_ratio=10000.0, saturation_level=0.9, saturation_frac=0.5, spike_window=50, spike_warmup=20, spike_zscore=8.0, spike_ratio=10.0, spike_growth=10.0, overflow_frac_threshold=0.0)
             >>> RuleConfig.from_mapping({"dead_frac": 0.5})
             Traceback (most recent call last):
             ...
-            ValueError: unknown rule setting(s) ['dead_frac']; valid keys: ['dead_frac_threshold', 'enabled', 'exploding_ratio', 'saturation_frac', 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore', 'vanishing_ratio']
+            ValueError: unknown rule setting(s) ['dead_frac']; valid keys: ['dead_frac_threshold', 'enabled', 'exploding_ratio', 'overflow_frac_threshold', 'saturation_frac', 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore', 'vanishing_ratio']
         """  # noqa: E501
         if d is None:
             return cls()
@@ -656,6 +668,39 @@ def _loss_spike(ctx: _Context) -> list[Finding]:
     ]
 
 
+# The opt-in precision statistics are logged per target dtype: "<base>_<target>".
+_OVERFLOW_STATS = (("act_grad_overflow_frac_", "backward"), ("act_overflow_frac_", "forward"))
+
+
+def _precision_headroom(ctx: _Context) -> list[Finding]:
+    threshold = ctx.config.overflow_frac_threshold
+    out: list[Finding] = []
+    for stat, per_layer in ctx.values.items():
+        for head, phase in _OVERFLOW_STATS:
+            if not stat.startswith(head):
+                continue
+            target = stat[len(head) :]
+            what = "outputs" if phase == "forward" else "output gradients"
+            for layer, frac in per_layer.items():
+                if _finite(frac) and frac > threshold:
+                    out.append(
+                        Finding(
+                            rule="precision_headroom",
+                            layer=layer,
+                            step=ctx.step,
+                            value=float(frac),
+                            threshold=threshold,
+                            message=f"precision_headroom: {frac:.3g} of the non-zero {what} of {layer} at step"
+                            f" {ctx.step} would overflow {target} or sit within 2x of its maximum"
+                            f" (overflow_frac_threshold={threshold:g})",
+                            phase=phase,
+                            stat=stat,
+                        )
+                    )
+            break
+    return out
+
+
 _RULE_FUNCTIONS: dict[str, Callable[[_Context], list[Finding]]] = {
     "nonfinite": _nonfinite,
     "loss_spike": _loss_spike,
@@ -663,6 +708,7 @@ _RULE_FUNCTIONS: dict[str, Callable[[_Context], list[Finding]]] = {
     "vanishing_gradient": lambda ctx: _gradient_scale(ctx, "vanishing_gradient"),
     "exploding_gradient": lambda ctx: _gradient_scale(ctx, "exploding_gradient"),
     "saturation": _saturation,
+    "precision_headroom": _precision_headroom,
 }
 
 
@@ -769,7 +815,7 @@ class AlertState:
         >>> state.counts["dead_units"]
         3
         >>> state.state_dict()
-        {'active': [['dead_units', 'relu']], 'counts': {'nonfinite': 0, 'loss_spike': 0, 'dead_units': 3, 'vanishing_gradient': 0, 'exploding_gradient': 0, 'saturation': 0}}
+        {'active': [['dead_units', 'relu']], 'counts': {'nonfinite': 0, 'loss_spike': 0, 'dead_units': 3, 'vanishing_gradient': 0, 'exploding_gradient': 0, 'saturation': 0, 'precision_headroom': 0}}
     """  # noqa: E501
 
     def __init__(self) -> None:

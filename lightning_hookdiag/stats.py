@@ -35,12 +35,13 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from lightning_hookdiag.vocabulary import ACTIVATION_STATS, ALL_STATS, GRADIENT_STATS, PARAMETER_STATS
+from lightning_hookdiag.vocabulary import ACTIVATION_STATS, ALL_STATS, GRADIENT_STATS, OPT_IN_STATS, PARAMETER_STATS
 
 __all__ = [
     "ACTIVATION_STATS",
     "ALL_STATS",
     "GRADIENT_STATS",
+    "OPT_IN_STATS",
     "PARAMETER_STATS",
     "accumulation_dtype",
     "activation_moments",
@@ -74,14 +75,15 @@ def resolve_stats(stats: Sequence[str] | None) -> tuple[str, ...]:
     """Validate a ``stats=`` argument and return it in vocabulary order.
 
     Args:
-        stats: Statistic names, or ``None`` for all of them.
+        stats: Statistic names from :data:`ALL_STATS` and :data:`OPT_IN_STATS`, or ``None`` for the default set,
+            :data:`ALL_STATS`.
 
     Raises:
         ValueError: If a name is unknown or the list is empty; the message lists the valid names.
 
     Example:
-        >>> resolve_stats(["act_std", "act_mean"])
-        ('act_mean', 'act_std')
+        >>> resolve_stats(["act_kurtosis", "act_std", "act_mean"])
+        ('act_mean', 'act_std', 'act_kurtosis')
     """
     if stats is None:
         return ALL_STATS
@@ -91,12 +93,13 @@ def resolve_stats(stats: Sequence[str] | None) -> tuple[str, ...]:
         stats = list(stats)
     if not isinstance(stats, list) or not all(isinstance(s, str) for s in stats):
         raise ValueError(f"stats: expected None, a statistic name or a sequence of names, got {stats!r}")
-    unknown = sorted(set(stats) - set(ALL_STATS))
+    known = ALL_STATS + OPT_IN_STATS
+    unknown = sorted(set(stats) - set(known))
     if unknown:
-        raise ValueError(f"stats: unknown statistic(s) {unknown}; expected names from {list(ALL_STATS)}")
+        raise ValueError(f"stats: unknown statistic(s) {unknown}; expected names from {list(known)}")
     if not stats:
-        raise ValueError(f"stats: expected at least one statistic from {list(ALL_STATS)}, got an empty list")
-    return tuple(s for s in ALL_STATS if s in stats)
+        raise ValueError(f"stats: expected at least one statistic from {list(known)}, got an empty list")
+    return tuple(s for s in known if s in stats)
 
 
 def accumulation_dtype(device: torch.device) -> torch.dtype:

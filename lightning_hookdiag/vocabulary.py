@@ -12,6 +12,7 @@ __all__ = [
     "ALL_STATS",
     "GRADIENT_STATS",
     "LAYER_STATS",
+    "OPT_IN_STATS",
     "PARAMETER_STATS",
     "PER_PARAMETER_STATS",
     "TOTAL_STATS",
@@ -43,3 +44,16 @@ PARAMETER_STATS: tuple[str, ...] = PER_PARAMETER_STATS + TOTAL_STATS
 """Every statistic computed from parameters."""
 
 ALL_STATS: tuple[str, ...] = LAYER_STATS + PARAMETER_STATS
+"""Every statistic computed when ``stats=None`` (the default set)."""
+
+OPT_IN_STATS: tuple[str, ...] = (
+    "act_kurtosis",
+    "act_absmax_over_std",
+    "act_underflow_frac",
+    "act_overflow_frac",
+    "act_grad_underflow_frac",
+    "act_grad_overflow_frac",
+    "act_saved_bytes",
+)
+"""Statistics computed only when named in ``stats=``; the precision ones are logged once per target dtype, as
+``<name>_<target>`` (e.g. ``act_overflow_frac_float16``)."""

@@ -36,7 +36,7 @@ def main(out_dir: str) -> None:
     from torch import nn
     from torch.utils.data import TensorDataset
 
-    from lightning_hookdiag import LayerHealthCallback
+    from lightning_hookdiag import OPT_IN_STATS, LayerHealthCallback
 
     counting = {"active": False, "calls": 0}
     for name in COLLECTIVES:
@@ -76,7 +76,10 @@ def main(out_dir: str) -> None:
             return torch.utils.data.DataLoader(TensorDataset(x, y), batch_size=4)
 
     results = {}
-    for depth in (1, 6):
+    # "opt_in": depth 1 again, with every opt-in statistic (pooled over processes like the rest).
+    for depth in (1, 6, "opt_in"):
+        opt_in = depth == "opt_in"
+        depth = 1 if opt_in else depth
         torch.manual_seed(0)
         layers: list[nn.Module] = []
         width = 8
@@ -84,7 +87,11 @@ def main(out_dir: str) -> None:
             layers += [nn.Linear(4 if i == 0 else width, width), nn.ReLU()]
         model = nn.Sequential(*layers, nn.Linear(width, 1))
         module = PerRankData(model=model, lr=0.01)
-        callback = CountingCallback(every_n_steps=2)
+        callback = (
+            CountingCallback(every_n_steps=2, stats=list(OPT_IN_STATS), precision_targets=["float16", "float8_e5m2"])
+            if opt_in
+            else CountingCallback(every_n_steps=2)
+        )
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=2,
@@ -100,7 +107,7 @@ def main(out_dir: str) -> None:
             use_distributed_sampler=False,
         )
         trainer.fit(module)
-        results[depth] = {
+        results["opt_in" if opt_in else depth] = {
             "record": module.record,
             "pooled": callback.pooled,
             "collectives": callback.collectives,

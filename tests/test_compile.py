@@ -66,3 +66,26 @@ def test_inductor_compiled_model_is_observed():
     assert sorted(calls) == [0, 1, 2]
     assert "layer_health/act_grad_norm/model.2" in calls[2]
     assert "layer_health/param_update_ratio/model.4.weight" in calls[2]
+
+
+def test_compiled_model_gets_the_same_opt_in_statistics_as_eager():
+    from lightning_hookdiag import OPT_IN_STATS
+
+    def opt_in_run(model: nn.Module) -> dict:
+        logger = RecordingLogger()
+        module = TinyModule(model=model, data=make_data(n=256), optimizer="adam", lr=0.01)
+        module.record_enabled = False
+        callback = LayerHealthCallback(every_n_steps=2, stats=list(OPT_IN_STATS), precision_targets="float8_e5m2")
+        make_trainer([callback], max_steps=5, logger=logger).fit(module)
+        assert count_hooks(module) == 0
+        return dict(logger.ours())
+
+    eager = opt_in_run(net())
+    compiled = opt_in_run(torch.compile(net(), backend="eager"))
+    assert sorted(compiled) == [0, 2, 4]
+    for step in compiled:
+        assert compiled[step].keys() == eager[step].keys()
+        assert "layer_health/act_saved_bytes/model.1" in compiled[step]
+        for key, value in eager[step].items():
+            assert compiled[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None

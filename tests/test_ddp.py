@@ -105,3 +105,26 @@ def test_a_relu_branch_first_run_on_one_rank_gets_the_same_layout_everywhere(ran
         step2[0] + step2[1]
     )
     assert set(branch[0]["collectives"].values()) == {2}
+
+
+def test_opt_in_statistics_pool_over_processes(ranks):
+    from test_outliers import reference as outlier_reference
+    from test_precision import reference_counts
+
+    assert ranks[0]["opt_in"]["pooled"] == ranks[1]["opt_in"]["pooled"]
+    # The opt-in states ride in the same packed SUM and MAX all-reduces.
+    assert set(ranks[0]["opt_in"]["collectives"].values()) == {2}
+    module = union_module(ranks, "opt_in")
+    targets = {"float16": torch.float16, "float8_e5m2": torch.float8_e5m2}
+    for step, metrics in ranks[0]["opt_in"]["pooled"].items():
+        outputs, grads, _, _ = replay_sequential(module, step, accumulate=2)
+        for i in range(len(module.model)):
+            for stat, value in outlier_reference(outputs[i]).items():
+                assert metrics[f"{P}/{stat}/model.{i}"] == pytest.approx(value, rel=1e-6), (step, i, stat)
+            for kind, tensors in (("act", outputs[i]), ("act_grad", grads[i])):
+                for name, dtype in targets.items():
+                    nonzero, under, over = reference_counts(flat(tensors), dtype)
+                    assert metrics[f"{P}/{kind}_underflow_frac_{name}/model.{i}"] == pytest.approx(under / nonzero)
+                    assert metrics[f"{P}/{kind}_overflow_frac_{name}/model.{i}"] == pytest.approx(over / nonzero)
+            # Every micro-batch of both processes has 4 rows: Linear saves its input, ReLU its output.
+            assert metrics[f"{P}/act_saved_bytes/model.{i}"] == 4 * (4, 8, 0)[i] * 4

@@ -408,7 +408,8 @@ def test_alert_state_counts_every_finding_seen():
     state.update([finding("dead_units", "x"), finding("dead_units", "y")])
     state.update([finding("dead_units", "x")])
     assert state.counts == {"nonfinite": 0, "loss_spike": 0, "dead_units": 3, "vanishing_gradient": 0,
-                            "exploding_gradient": 0, "saturation": 0}  # fmt: skip
+                            "exploding_gradient": 0, "saturation": 0,
+                            "precision_headroom": 0}  # fmt: skip
 
 
 def test_alert_state_round_trips_through_json_and_pickle():
@@ -470,6 +471,8 @@ def test_alert_state_rejects_malformed_state(bad, match):
         ("saturation_frac", math.nan, "a number in (0, 1]"),
         ("vanishing_ratio", True, "a number in (0, 1)"),
         ("exploding_ratio", "1e3", "a finite number > 1"),
+        ("overflow_frac_threshold", 1.0, "a number in [0, 1)"),
+        ("overflow_frac_threshold", -0.1, "a number in [0, 1)"),
     ],
 )
 def test_rule_config_rejects_bad_numbers(field, value, valid):
@@ -506,8 +509,9 @@ def test_from_mapping_builds_and_defaults():
 
 def test_from_mapping_rejects_unknown_keys_listing_valid_ones_sorted():
     valid = (
-        "['dead_frac_threshold', 'enabled', 'exploding_ratio', 'saturation_frac', 'saturation_level',"
-        " 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore', 'vanishing_ratio']"
+        "['dead_frac_threshold', 'enabled', 'exploding_ratio', 'overflow_frac_threshold', 'saturation_frac',"
+        " 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore',"
+        " 'vanishing_ratio']"
     )
     with pytest.raises(ValueError, match=r"unknown rule setting\(s\) \['vanish', 'zzz'\]; valid keys: ") as info:
         RuleConfig.from_mapping({"zzz": 1, "vanish": 0.1, "exploding_ratio": 10})
@@ -538,3 +542,36 @@ def test_values_from_metrics_regroups_logged_keys():
         "param_grad_norm": {"net.head.weight": math.inf},
     }
     assert [f.rule for f in evaluate(values, FORWARD, BACKWARD, step=0)] == ["nonfinite", "vanishing_gradient"]
+
+
+# ------------------------------------------------------------------------------------------ precision_headroom
+ORDER = ["fc1", "fc2"]
+
+
+def test_precision_headroom_fires_per_layer_and_target_forward_then_backward():
+    values = {
+        "act_overflow_frac_float16": {"fc1": 0.0, "fc2": 0.25},
+        "act_overflow_frac_float8_e4m3fn": {"fc1": 0.5},
+        "act_grad_overflow_frac_float16": {"fc1": 1e-3, "fc2": 0.0},
+        "act_underflow_frac_float16": {"fc1": 0.9},  # underflow alone is not an overflow risk
+    }
+    findings = evaluate(values, ORDER, ORDER[::-1], step=4)
+    got = [(f.rule, f.layer, f.stat, f.phase, f.value) for f in findings]
+    assert got == [
+        ("precision_headroom", "fc1", "act_overflow_frac_float8_e4m3fn", "forward", 0.5),
+        ("precision_headroom", "fc2", "act_overflow_frac_float16", "forward", 0.25),
+        ("precision_headroom", "fc1", "act_grad_overflow_frac_float16", "backward", 1e-3),
+    ]
+    assert findings[0].message == (
+        "precision_headroom: 0.5 of the non-zero outputs of fc1 at step 4 would overflow float8_e4m3fn or sit within"
+        " 2x of its maximum (overflow_frac_threshold=0)"
+    )
+    assert "output gradients of fc1" in findings[2].message
+
+
+def test_precision_headroom_threshold_is_exclusive_and_configurable():
+    values = {"act_overflow_frac_bfloat16": {"fc1": 0.1, "fc2": 0.2}}
+    config = RuleConfig(overflow_frac_threshold=0.1)
+    assert [f.layer for f in evaluate(values, ORDER, ORDER[::-1], step=0, config=config)] == ["fc2"]
+    config = RuleConfig(enabled=["nonfinite"])
+    assert evaluate(values, ORDER, ORDER[::-1], step=0, config=config) == []

@@ -1,8 +1,13 @@
-"""The ``hookdiag`` command line: ``hookdiag report LOG_DIR [--stat NAME] [--out FILE.png] [--prefix P]``."""
+"""The ``hookdiag`` command line: ``hookdiag report LOG_DIR [--stat NAME] [--out FILE.png] [--prefix P]``.
+
+``hookdiag report --diff RUN_A RUN_B [--stat NAME] [--rtol R] [--atol A]`` compares two runs instead (see
+:mod:`lightning_hookdiag.report.diff`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -18,6 +23,9 @@ DEFAULT_STAT = "act_grad_norm"
 _PROG = "hookdiag"
 # argparse's own convention for usage errors, kept for ours so that every failure looks alike to scripts.
 _EXIT_ERROR = 2
+# diff(1) and cmp(1): 0 when the inputs match, 1 when they differ.
+_EXIT_DIFFERENT = 1
+_DEFAULT_RTOL = 1e-4
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,10 +44,32 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print a per-layer summary of one statistic (layers in forward order) and save its heatmap. "
         "Reads a CSVLogger metrics.csv and/or TensorBoardLogger event files.",
     )
-    report.add_argument("log_dir", metavar="LOG_DIR", help="the logger's log_dir (e.g. lightning_logs/version_0)")
-    report.add_argument("--stat", default=DEFAULT_STAT, help=f"statistic to report (default: {DEFAULT_STAT})")
-    report.add_argument("--out", default=None, help="heatmap file (default: LOG_DIR/layer_health_<stat>.png)")
+    report.add_argument(
+        "log_dir", metavar="LOG_DIR", nargs="?", help="the logger's log_dir (e.g. lightning_logs/version_0)"
+    )
+    report.add_argument(
+        "--stat",
+        default=None,
+        help=f"statistic to report (default: {DEFAULT_STAT}; with --diff, that of the first difference)",
+    )
+    report.add_argument(
+        "--out",
+        default=None,
+        help="heatmap file (default: LOG_DIR/layer_health_<stat>.png; with --diff, RUN_B/layer_health_diff_<stat>.png)",
+    )
     report.add_argument("--prefix", default=None, help="the callback's prefix= (default: detected from the logs)")
+    report.add_argument(
+        "--diff",
+        nargs=2,
+        metavar=("RUN_A", "RUN_B"),
+        default=None,
+        help="compare two runs: print the first (step, layer, statistic) where they differ, in depth order, and"
+        " draw the B/A ratio heatmap of --stat; exit status 1 if they differ, 0 if not",
+    )
+    report.add_argument(
+        "--rtol", type=float, default=_DEFAULT_RTOL, help=f"--diff: relative tolerance (default: {_DEFAULT_RTOL:g})"
+    )
+    report.add_argument("--atol", type=float, default=0.0, help="--diff: absolute tolerance (default: 0)")
     return parser
 
 
@@ -59,7 +89,14 @@ def _default_out(log_dir: Path, stat: str) -> Path:
     return folder / f"layer_health_{stat}.png"
 
 
-def _report(args: argparse.Namespace) -> None:
+def _report(args: argparse.Namespace) -> int:
+    if args.diff is not None:
+        if args.log_dir is not None:
+            raise ReportError(f"give LOG_DIR or --diff RUN_A RUN_B, not both (got LOG_DIR {args.log_dir})")
+        return _diff(args)
+    if args.log_dir is None:
+        raise ReportError("expected LOG_DIR, or --diff RUN_A RUN_B")
+    args.stat = args.stat or DEFAULT_STAT
     log = read_health_log(args.log_dir, prefix=args.prefix)
     _check_stat(log, args.stat, args.log_dir)
     out = Path(args.out) if args.out is not None else _default_out(Path(args.log_dir), args.stat)
@@ -74,6 +111,42 @@ def _report(args: argparse.Namespace) -> None:
     except OSError as exc:
         raise ReportError(f"{out}: cannot write the heatmap ({exc.strerror or exc})") from exc
     print(f"heatmap: {out}")
+    return 0
+
+
+def _tolerance(name: str, value: float) -> float:
+    if not (math.isfinite(value) and value >= 0):
+        raise ReportError(f"--{name}: expected a finite number >= 0, got {value}")
+    return value
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from lightning_hookdiag.report.diff import align, find_differences, format_diff
+
+    rtol, atol = _tolerance("rtol", args.rtol), _tolerance("atol", args.atol)
+    run_a, run_b = args.diff
+    alignment = align(read_health_log(run_a, prefix=args.prefix), read_health_log(run_b, prefix=args.prefix))
+    differences = find_differences(alignment, rtol=rtol, atol=atol)
+    stat = args.stat
+    if stat is None:
+        stat = differences[0].stat if differences else DEFAULT_STAT
+        if stat not in alignment.names:
+            stat = alignment.stats[0]
+    elif stat not in alignment.names:
+        raise ReportError(f"--stat {stat} is not logged by both runs; common statistics: {', '.join(alignment.stats)}")
+    out = Path(args.out) if args.out is not None else _default_out(Path(run_b), f"diff_{stat}")
+    if not out.parent.is_dir():
+        raise ReportError(f"{out}: the folder {out.parent} does not exist")
+    print(f"RUN_A: {run_a}\nRUN_B: {run_b}")
+    print(format_diff(alignment, differences, rtol, atol))
+    from lightning_hookdiag.report.diff import plot_ratio_heatmap
+
+    try:
+        plot_ratio_heatmap(alignment, stat, out)
+    except OSError as exc:
+        raise ReportError(f"{out}: cannot write the heatmap ({exc.strerror or exc})") from exc
+    print(f"ratio heatmap (B/A of {stat}): {out}")
+    return _EXIT_DIFFERENT if differences else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         argv: Arguments without the program name; ``None`` reads ``sys.argv``.
 
     Returns:
-        0 on success, 2 on an error.
+        0 on success, 2 on an error; with ``--diff``, 1 when the runs differ.
 
     Example:
         >>> main(["report", "/no/such/run"])
@@ -97,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error argparse has already explained
         return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else _EXIT_ERROR
+    code = 0
     try:
-        _report(args)
+        code = _report(args)
     except (ReportError, MissingExtraError) as exc:
         print(f"{_PROG}: error: {exc}", file=sys.stderr)
         return _EXIT_ERROR
@@ -106,4 +180,4 @@ def main(argv: list[str] | None = None) -> int:
         # The reader (``| head``) went away: not an error of ours. Point stdout at devnull so the interpreter's
         # final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0
+    return code

@@ -6,7 +6,7 @@ import math
 
 from lightning_hookdiag.report.health_log import HealthLog
 
-__all__ = ["format_step_table", "format_summary", "format_value"]
+__all__ = ["format_bytes", "format_step_table", "format_summary", "format_value"]
 
 _COUNT_STATS = ("act_nonfinite", "act_grad_nonfinite")
 _MAX_NAMED = 5
@@ -20,6 +20,24 @@ def format_value(value: float) -> str:
         ('0.0001235', 'nan', '1.235e+06')
     """
     return f"{value:.4g}"
+
+
+def format_bytes(value: float) -> str:
+    """A byte count in binary units, as memory tools print it.
+
+    Example:
+        >>> format_bytes(512.0), format_bytes(33792.0), format_bytes(3 * 2**30)
+        ('512 B', '33.0 KiB', '3.0 GiB')
+    """
+    if not math.isfinite(value):
+        return format_value(value)
+    if abs(value) < 1024:
+        return f"{value:.0f} B"
+    for unit in ("KiB", "MiB"):
+        value /= 1024
+        if abs(value) < 1024:
+            return f"{value:.1f} {unit}"
+    return f"{value / 1024:.1f} GiB"
 
 
 def _display(name: str) -> str:
@@ -122,7 +140,8 @@ def format_summary(log: HealthLog, stat: str) -> str:
     return "\n".join(lines)
 
 
-_TABLE_STATS = ("act_mean", "act_std", "act_dead_frac", "act_grad_norm")
+_TABLE_STATS = ("act_mean", "act_std", "act_dead_frac", "act_grad_norm", "act_saved_bytes")
+_FORMATS = {"act_saved_bytes": format_bytes}
 
 
 def format_step_table(
@@ -149,7 +168,7 @@ def format_step_table(
     ordered = [n for n in order if n in layers] + sorted(layers - set(order))
     rows = [
         [str(i), _display(name)]
-        + [format_value(values[s][name]) if name in values[s] else "-" for s in stats]
+        + [(_FORMATS.get(s, format_value))(values[s][name]) if name in values[s] else "-" for s in stats]
         + [", ".join(marks.get(name, []))]
         for i, name in enumerate(ordered)
     ]

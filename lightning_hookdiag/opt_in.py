@@ -1,0 +1,141 @@
+"""The opt-in statistics (``stats=[...]`` names of :data:`~lightning_hookdiag.vocabulary.OPT_IN_STATS`).
+
+They live apart from the default path: :func:`plan_opt_in` decides once, when fit starts, which extra states and
+reductions a run needs, and :class:`OptInRecorder` (a :class:`~lightning_hookdiag.aggregation.StepRecorder` that
+adds them after the default sinks) is used only when at least one was asked for. With ``stats=None`` nothing here
+runs, so the default cost is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from lightning_hookdiag import outliers as O
+from lightning_hookdiag import precision as PR
+from lightning_hookdiag.aggregation import LayerStatsAggregator, StepRecorder
+from lightning_hookdiag.hooks import first_floating_tensor
+
+__all__ = ["OptInPlan", "OptInRecorder", "plan_opt_in"]
+
+
+@dataclass(frozen=True)
+class OptInPlan:
+    """What the opt-in statistics of one fit need.
+
+    Attributes:
+        act_targets: Target dtype names of the activation precision headroom (empty: not computed).
+        grad_targets: Target dtype names of the output-gradient precision headroom.
+        power_sums: Pool power sums for ``act_kurtosis``.
+        absmax_over_std: Finalise ``act_absmax_over_std``.
+        saved_bytes: Track ``act_saved_bytes``.
+        logged: Logged statistic names, in vocabulary order (precision ones expanded per target).
+        note: Why a requested statistic is not computed (precision headroom without a target), or ``""``.
+    """
+
+    act_targets: tuple[str, ...] = ()
+    grad_targets: tuple[str, ...] = ()
+    power_sums: bool = False
+    absmax_over_std: bool = False
+    saved_bytes: bool = False
+    logged: tuple[str, ...] = ()
+    note: str = ""
+
+    @property
+    def any(self) -> bool:
+        """Whether anything beyond the default statistics is computed."""
+        return bool(self.act_targets or self.grad_targets or self.power_sums or self.absmax_over_std) or (
+            self.saved_bytes
+        )
+
+    def aggregator_kwargs(self) -> dict[str, Any]:
+        """The :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator` arguments that register the states."""
+        return {
+            "act_precision": self.act_targets,
+            "grad_precision": self.grad_targets,
+            "power_sums": self.power_sums,
+            "absmax_over_std": self.absmax_over_std,
+            "saved_bytes": self.saved_bytes,
+        }
+
+
+def plan_opt_in(
+    stats: Sequence[str], precision_targets: Sequence[str] | None, trainer_precision: str | int | None
+) -> OptInPlan:
+    """Decide what the requested opt-in statistics need.
+
+    Args:
+        stats: The resolved ``stats=`` names.
+        precision_targets: Resolved ``precision_targets=`` names; ``None`` derives the target from the Trainer.
+        trainer_precision: ``trainer.precision`` (``"16-mixed"``, ``"bf16-mixed"``, ``"32-true"``, ...).
+
+    Example:
+        >>> plan = plan_opt_in(["act_overflow_frac", "act_kurtosis"], None, "16-mixed")
+        >>> plan.act_targets, plan.grad_targets, plan.logged
+        (('float16',), (), ('act_kurtosis', 'act_overflow_frac_float16'))
+        >>> plan_opt_in(["act_overflow_frac"], None, "32-true").note[:60]
+        'act_overflow_frac: the Trainer runs in 32-true precision, wh'
+    """
+    wanted = set(stats)
+    precision_stats = [s for s in PR.PRECISION_BASE_STATS if s in wanted]
+    targets = tuple(precision_targets) if precision_targets is not None else PR.default_targets(trainer_precision)
+    note = ""
+    if precision_stats and not targets:
+        note = (
+            f"{', '.join(precision_stats)}: the Trainer runs in {trainer_precision} precision, which implies no"
+            " lower-precision target, so no precision headroom is computed; to plan a switch, pass"
+            f" precision_targets= with names from {list(PR.PRECISION_TARGETS)}"
+        )
+    act = targets if {"act_underflow_frac", "act_overflow_frac"} & wanted else ()
+    grad = targets if {"act_grad_underflow_frac", "act_grad_overflow_frac"} & wanted else ()
+    logged = [s for s in ("act_kurtosis", "act_absmax_over_std") if s in wanted]
+    logged += PR.logged_names(precision_stats, targets)
+    if "act_saved_bytes" in wanted:
+        logged.append("act_saved_bytes")
+    return OptInPlan(
+        act_targets=act,
+        grad_targets=grad,
+        power_sums="act_kurtosis" in wanted,
+        absmax_over_std="act_absmax_over_std" in wanted,
+        saved_bytes="act_saved_bytes" in wanted,
+        logged=tuple(logged),
+        note=note,
+    )
+
+
+class OptInRecorder(StepRecorder):
+    """The default sinks, then the opt-in reductions of ``plan`` into the states the plan registered.
+
+    Args:
+        aggregator: Where observations are pooled; built with ``plan.aggregator_kwargs()``.
+        plan: What to compute.
+        kwargs: The :class:`~lightning_hookdiag.aggregation.StepRecorder` arguments.
+    """
+
+    def __init__(self, aggregator: LayerStatsAggregator, plan: OptInPlan, **kwargs: Any) -> None:
+        super().__init__(aggregator, **kwargs)
+        self.plan = plan
+        self._act_dtypes = [PR.PRECISION_TARGETS[t] for t in plan.act_targets]
+        self._grad_dtypes = [PR.PRECISION_TARGETS[t] for t in plan.grad_targets]
+
+    def on_output(self, layer: int, output: Any) -> None:
+        """Forward sink: the default statistics, then precision counts and power sums of the output."""
+        super().on_output(layer, output)
+        tensor = first_floating_tensor(output)
+        if tensor is None:
+            return
+        agg = self.aggregator
+        if self._act_dtypes:
+            agg.add_extra(layer, "act_precision", PR.precision_counts(tensor, self._act_dtypes, agg.acc_dtype))
+        if self.plan.power_sums:
+            agg.add_extra(layer, "act_power", O.power_sums(tensor, agg.acc_dtype))
+
+    def on_grad(self, layer: int, grad: Tensor) -> None:
+        """Gradient sink: the default statistics, then precision counts of the gradient as autograd holds it."""
+        super().on_grad(layer, grad)
+        if self._grad_dtypes:
+            agg = self.aggregator
+            agg.add_extra(layer, "grad_precision", PR.precision_counts(grad, self._grad_dtypes, agg.acc_dtype))

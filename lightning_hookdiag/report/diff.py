@@ -1,0 +1,268 @@
+"""``hookdiag report --diff RUN_A RUN_B``: where two runs' health statistics first part ways.
+
+The runs are aligned by step and by layer (or parameter) name; only what both logged is compared. Differences are
+ordered the way a change propagates, so that the first one points at its origin:
+
+1. by step (the earliest sampled step first);
+2. forward statistics (outputs and weights: ``act_mean``, ``param_norm``, ...) before backward ones (``act_grad_*``,
+   ``param_grad_norm``, ``param_update_ratio``): within a step, the forward pass runs first;
+3. forward statistics in depth order (input end first), backward ones in reversed depth order (output end first),
+   as a difference propagates in each pass; a parameter sits at its module's depth;
+4. statistics in the callback's vocabulary order.
+
+A planted change to one layer's initial weights therefore shows first at that layer's outputs on step 0, not at the
+output gradients of the layers below it, which it also changes. Two values differ when ``|a - b| > atol + rtol *
+max(|a|, |b|)``; NaN equals NaN, and a value logged by one run only is not a difference (it is not aligned).
+
+Example:
+    >>> from lightning_hookdiag.report.health_log import Scalar, build_health_log
+    >>> def run(scale):
+    ...     return build_health_log([Scalar("layer_health/depth/fc1", 0, 0.0), Scalar("layer_health/depth/fc2", 0, 1.0),
+    ...         Scalar("layer_health/act_std/fc1", 0, 1.0), Scalar("layer_health/act_std/fc2", 0, 2.0 * scale),
+    ...         Scalar("layer_health/act_grad_norm/fc1", 0, 0.5 * scale)])
+    >>> first = find_differences(align(run(1.0), run(3.0)))[0]
+    >>> first.step, first.layer, first.stat, first.a, first.b
+    (0, 'fc2', 'act_std', 2.0, 6.0)
+"""  # noqa: E501
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_hookdiag.report.errors import ReportError
+from lightning_hookdiag.report.health_log import HealthLog, _stat_sort_key, depth_order, owning_layer
+from lightning_hookdiag.report.plot import _matplotlib, _tick_positions
+from lightning_hookdiag.report.summary import format_value
+
+__all__ = ["Alignment", "Difference", "align", "find_differences", "format_diff", "plot_ratio_heatmap"]
+
+_BACKWARD_PARAMETER_STATS = ("param_grad_norm", "param_update_ratio")
+_MAX_LISTED = 5
+
+
+def is_backward(stat: str) -> bool:
+    """Whether ``stat`` is measured in the backward pass (or from gradients), not from outputs or weights.
+
+    Example:
+        >>> is_backward("act_grad_norm"), is_backward("param_update_ratio"), is_backward("act_std")
+        (True, True, False)
+    """
+    return stat.startswith("act_grad_") or stat in _BACKWARD_PARAMETER_STATS
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One (step, layer, statistic) whose values differ between run A and run B."""
+
+    step: int
+    layer: str
+    stat: str
+    a: float
+    b: float
+
+    @property
+    def ratio(self) -> float:
+        """``b / a`` (``inf`` or NaN where ``a`` is 0)."""
+        return self.b / self.a if self.a != 0 else (math.nan if self.b == 0 else math.copysign(math.inf, self.b))
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """What two runs have in common.
+
+    Attributes:
+        a: Run A's statistics.
+        b: Run B's statistics.
+        steps: Steps both runs logged, ascending.
+        stats: Per-layer statistics both runs logged, in vocabulary order.
+        names: For each common statistic, the layer (or parameter) names both runs logged.
+        depth: Depth of each layer (run A's, completed with run B's).
+    """
+
+    a: HealthLog
+    b: HealthLog
+    steps: tuple[int, ...]
+    stats: tuple[str, ...]
+    names: dict[str, tuple[str, ...]]
+    depth: dict[str, int]
+
+    def order_key(self, stat: str, name: str) -> tuple[int, int, str]:
+        """Position of ``name`` for ``stat`` in the order differences are reported (see the module docstring)."""
+        layer = owning_layer(name) if self.a.is_parameter_stat(stat) else name
+        d = self.depth.get(layer)
+        if d is None:
+            return (1, 0, name)  # no known depth: after every known layer, by name
+        return (0, -d if is_backward(stat) else d, name)
+
+
+def _describe(log: HealthLog, label: str) -> str:
+    steps = log.steps
+    return f"{label} has steps {steps[0]}..{steps[-1]}" if steps else f"{label} has no steps"
+
+
+def align(a: HealthLog, b: HealthLog) -> Alignment:
+    """Align two runs by step and by layer name.
+
+    Raises:
+        ReportError: If the runs were logged under different prefixes, share no step, or share no layer name for
+            any statistic; the message says what each run holds.
+    """
+    if a.prefix != b.prefix:
+        raise ReportError(
+            f"the runs use different prefixes (RUN_A: '{a.prefix}', RUN_B: '{b.prefix}'); logs of one callback"
+            " configuration can be compared, or pass --prefix to read both under one"
+        )
+    steps = tuple(sorted(set(a.steps) & set(b.steps)))
+    if not steps:
+        raise ReportError(f"the runs share no step: {_describe(a, 'RUN_A')}, {_describe(b, 'RUN_B')}")
+    stats = tuple(sorted(set(a.stats) & set(b.stats), key=_stat_sort_key))
+    names = {s: tuple(sorted(set(a.stats[s]) & set(b.stats[s]))) for s in stats}
+    names = {s: n for s, n in names.items() if n}
+    if not names:
+        some_a = ", ".join(sorted({n for s in a.stats.values() for n in s})[:_MAX_LISTED])
+        some_b = ", ".join(sorted({n for s in b.stats.values() for n in s})[:_MAX_LISTED])
+        raise ReportError(
+            f"the runs share no layer for any statistic (RUN_A logs e.g. {some_a or 'none'}; RUN_B logs e.g."
+            f" {some_b or 'none'})"
+        )
+    depth = {**b.depth, **a.depth}
+    return Alignment(a=a, b=b, steps=steps, stats=tuple(names), names=names, depth=depth)
+
+
+def _differ(x: float, y: float, rtol: float, atol: float) -> bool:
+    if math.isnan(x) or math.isnan(y):
+        return math.isnan(x) != math.isnan(y)
+    if x == y:  # also equal infinities
+        return False
+    return not abs(x - y) <= atol + rtol * max(abs(x), abs(y))
+
+
+def find_differences(alignment: Alignment, rtol: float = 1e-4, atol: float = 0.0) -> list[Difference]:
+    """Every aligned (step, layer, statistic) whose values differ, in the order of the module docstring."""
+    keyed = []
+    for stat in alignment.stats:
+        series_a, series_b = alignment.a.stats[stat], alignment.b.stats[stat]
+        for name in alignment.names[stat]:
+            values_a, values_b = series_a[name], series_b[name]
+            for step in alignment.steps:
+                if step in values_a and step in values_b and _differ(values_a[step], values_b[step], rtol, atol):
+                    key = (step, is_backward(stat), alignment.order_key(stat, name), _stat_sort_key(stat))
+                    keyed.append((key, Difference(step, name, stat, values_a[step], values_b[step])))
+    keyed.sort(key=lambda item: item[0])
+    return [d for _, d in keyed]
+
+
+def _line(d: Difference, with_stat: bool = True) -> str:
+    stat = f", {d.stat}" if with_stat else ""
+    return (
+        f"step {d.step}, {d.layer or '(root)'}{stat}: A={format_value(d.a)} B={format_value(d.b)}"
+        f" (B/A={format_value(d.ratio)})"
+    )
+
+
+def format_diff(alignment: Alignment, differences: list[Difference], rtol: float, atol: float) -> str:
+    """The text report: what was aligned, the first difference, then the first difference of each statistic.
+
+    Example:
+        >>> from lightning_hookdiag.report.health_log import Scalar, build_health_log
+        >>> a = build_health_log([Scalar("layer_health/act_std/fc", s, 1.0) for s in (0, 2)])
+        >>> b = build_health_log([Scalar("layer_health/act_std/fc", s, 1.0 + s) for s in (0, 2)])
+        >>> al = align(a, b)
+        >>> print(format_diff(al, find_differences(al), rtol=1e-4, atol=0.0))
+        aligned: 2 common steps (0..2), 1 common layer, 1 common statistic
+        first difference: step 2, fc, act_std: A=1 B=3 (B/A=3)
+        first difference per statistic (forward statistics in depth order, then backward ones):
+          act_std: step 2, fc: A=1 B=3 (B/A=3)
+    """
+
+    def counted(n: int, word: str) -> str:
+        return f"{n} common {word}{'s' if n != 1 else ''}"
+
+    names = alignment.names
+    layers = {n for s, ns in names.items() if not alignment.a.is_parameter_stat(s) for n in ns}
+    params = {n for s, ns in names.items() if alignment.a.is_parameter_stat(s) for n in ns}
+    steps = alignment.steps
+    parts = [f"{counted(len(steps), 'step')} ({steps[0]}..{steps[-1]})", counted(len(layers), "layer")]
+    if params:
+        parts.append(counted(len(params), "parameter"))
+    lines = [f"aligned: {', '.join(parts)}, {counted(len(alignment.stats), 'statistic')}"]
+    only_a = sorted(set(alignment.a.stats) - set(alignment.stats), key=_stat_sort_key)
+    only_b = sorted(set(alignment.b.stats) - set(alignment.stats), key=_stat_sort_key)
+    if only_a or only_b:
+        lines.append(f"not compared: only in A: {', '.join(only_a) or '-'}; only in B: {', '.join(only_b) or '-'}")
+    if not differences:
+        lines.append(f"no difference beyond rtol={rtol:g}, atol={atol:g}")
+        return "\n".join(lines)
+    lines.append(f"first difference: {_line(differences[0])}")
+    firsts: dict[str, Difference] = {}
+    for d in differences:
+        firsts.setdefault(d.stat, d)
+    lines.append("first difference per statistic (forward statistics in depth order, then backward ones):")
+    for stat in sorted(firsts, key=lambda s: (is_backward(s), _stat_sort_key(s))):
+        lines.append(f"  {stat}: {_line(firsts[stat], with_stat=False)}")
+    return "\n".join(lines)
+
+
+def ratio_figure(alignment: Alignment, stat: str) -> Any:
+    """A matplotlib ``Figure``: ``B / A`` of ``stat`` per layer (depth order) and common step, log colour scale.
+
+    The colour scale is symmetric around a ratio of 1 (white); cells where either run has no value, or the ratio
+    is not a positive finite number, are grey.
+
+    Raises:
+        MissingExtraError: If matplotlib is not installed.
+        KeyError: If ``stat`` is not a common statistic.
+    """
+    mpl = _matplotlib()
+    np = mpl.np
+    names = depth_order(alignment.names[stat], alignment.depth, parameters=alignment.a.is_parameter_stat(stat))
+    steps = list(alignment.steps)
+    series_a, series_b = alignment.a.stats[stat], alignment.b.stats[stat]
+    rows = []
+    for name in names:
+        row = []
+        for step in steps:
+            a, b = series_a[name].get(step, math.nan), series_b[name].get(step, math.nan)
+            ratio = b / a if a != 0 and math.isfinite(a) and math.isfinite(b) else math.nan
+            row.append(math.log10(ratio) if ratio > 0 and math.isfinite(ratio) else math.nan)
+        rows.append(row)
+    data = np.array(rows, dtype=float).reshape(len(names), len(steps))
+    finite = np.isfinite(data)
+    top = float(np.abs(data[finite]).max()) if finite.any() else 0.0
+    top = top or 1e-3  # identical runs: a visible, non-empty range around 1
+    width = min(16.0, max(6.0, 3.0 + 0.25 * len(steps)))
+    height = min(40.0, max(3.0, 1.5 + 0.22 * len(names)))
+    fig = mpl.Figure(figsize=(width, height), layout="constrained")
+    ax = fig.add_subplot()
+    cmap = mpl.colormaps["RdBu_r"].with_extremes(bad="lightgrey")
+    image = ax.imshow(
+        np.ma.masked_array(data, mask=~finite),
+        cmap=cmap,
+        norm=mpl.Normalize(vmin=-top, vmax=top),
+        aspect="auto",
+        interpolation="nearest",
+        origin="upper",
+    )
+    rows_at = _tick_positions(len(names), 60)
+    ax.set_yticks(list(rows_at), [names[i] or "(root)" for i in rows_at], fontsize=8)
+    cols_at = _tick_positions(len(steps), 12)
+    ax.set_xticks(list(cols_at), [str(steps[i]) for i in cols_at])
+    unit = "parameter" if alignment.a.is_parameter_stat(stat) else "layer"
+    ax.set_xlabel("optimizer step (sampled, common to both runs)")
+    ax.set_ylabel(f"{unit} (forward order, shallow at top)")
+    fig.suptitle(f"{alignment.a.prefix}/{stat}: RUN_B / RUN_A")
+    ax.set_title("white: equal; red: B larger; blue: B smaller; grey: not comparable", fontsize=8)
+    fig.colorbar(image, ax=ax, label="log10(B / A)")
+    return fig
+
+
+def plot_ratio_heatmap(alignment: Alignment, stat: str, out: str | os.PathLike[str], dpi: int = 100) -> Path:
+    """Save :func:`ratio_figure` as an image file (the suffix picks the format) and return its path."""
+    fig = ratio_figure(alignment, stat)
+    out = Path(out)
+    fig.savefig(out, dpi=dpi)
+    return out

@@ -1,0 +1,112 @@
+"""Outlier statistics: pooled kurtosis and absmax/std against float64 references, in the aggregator."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_hookdiag import outliers as O
+from lightning_hookdiag import stats as S
+from lightning_hookdiag.aggregation import LayerStatsAggregator
+from lightning_hookdiag.opt_in import OptInRecorder, plan_opt_in
+
+
+def reference(chunks: list[torch.Tensor]) -> dict[str, float]:
+    """Kurtosis and absmax/std of the finite elements of all chunks together, in float64, two-pass."""
+    values = torch.cat([c.reshape(-1).double() for c in chunks])
+    values = values[torch.isfinite(values)]
+    centred = values - values.mean()
+    m2 = (centred**2).mean()
+    return {
+        "act_kurtosis": ((centred**4).mean() / m2**2).item(),
+        "act_absmax_over_std": (values.abs().max() / m2.sqrt()).item(),
+    }
+
+
+def pooled(chunks: list[torch.Tensor]) -> dict[str, float]:
+    """Pool ``chunks`` as micro-batch outputs of layer 0 through the recorder the callback uses."""
+    plan = plan_opt_in(["act_kurtosis", "act_absmax_over_std", "act_std"], None, "32-true")
+    agg = LayerStatsAggregator(1, **plan.aggregator_kwargs())
+    recorder = OptInRecorder(agg, plan)
+    for chunk in chunks:
+        recorder.on_output(0, chunk)
+    agg.update()
+    out = agg.compute()
+    return {k: out[k].reshape(-1)[0].item() for k in ("act_kurtosis", "act_absmax_over_std")}
+
+
+def student_t(shape: tuple[int, ...], df: float, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    normal = torch.randn(shape, generator=g, dtype=torch.float64)
+    chi2 = torch.distributions.Chi2(torch.tensor(df, dtype=torch.float64)).sample(shape)
+    return (normal / (chi2 / df).sqrt()).float()
+
+
+def test_kurtosis_of_heavy_tailed_micro_batches_matches_float64():
+    torch.manual_seed(1)
+    chunks = [student_t((64, 33), df=3.0, seed=s) * (1 + s) + s for s in range(3)]
+    chunks[1][0, 0] = math.nan  # left out, like act_std does
+    chunks[2][5, 1] = -math.inf
+    expected = reference(chunks)
+    assert expected["act_kurtosis"] > 6  # genuinely heavy-tailed
+    got = pooled(chunks)
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-6), key
+
+
+def test_planted_massive_activation_channel_is_seen():
+    g = torch.Generator().manual_seed(0)
+    healthy = torch.randn(8, 16, 64, generator=g)
+    massive = healthy.clone()
+    massive[:, :, 7] = 100.0 + torch.randn(8, 16, generator=g)  # one channel two orders above the rest
+    calm, spiky = pooled([healthy[:4], healthy[4:]]), pooled([massive[:4], massive[4:]])
+    assert calm["act_kurtosis"] == pytest.approx(reference([healthy])["act_kurtosis"], rel=1e-6)
+    assert calm["act_kurtosis"] == pytest.approx(3.0, abs=0.2)  # normal data
+    for key, value in reference([massive]).items():
+        assert spiky[key] == pytest.approx(value, rel=1e-6), key
+    assert spiky["act_kurtosis"] > 20 * calm["act_kurtosis"] / 3
+    assert spiky["act_absmax_over_std"] > 7
+
+
+@pytest.mark.parametrize("shift", [30.0, 100.0])
+def test_large_mean_against_the_spread_does_not_cancel(shift):
+    # |mean| / std = 52 and 173: raw power sums in float32 would lose every digit.
+    g = torch.Generator().manual_seed(2)
+    chunks = [torch.rand(4096, generator=g) * 2 - 1 + shift for _ in range(2)]
+    expected = reference(chunks)["act_kurtosis"]
+    assert expected == pytest.approx(1.8, rel=0.05)  # uniform
+    assert pooled(chunks)["act_kurtosis"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_power_sums_of_half_precision_equal_those_of_its_float32_copy():
+    x = (torch.randn(1000) * 300).half()
+    assert torch.equal(O.power_sums(x), O.power_sums(x.float()))
+    assert O.power_sums(x).dtype == torch.float64
+
+
+def test_constant_or_empty_output_has_undefined_kurtosis():
+    sums = torch.stack([O.power_sums(torch.full((10,), 3.0)), torch.zeros(5, dtype=torch.float64)])
+    assert torch.isnan(O.finalize_kurtosis(sums)).all()
+
+
+def test_power_sums_pool_additively():
+    a, b = torch.randn(100).double(), torch.randn(50).double() + 4
+    torch.testing.assert_close(O.power_sums(a) + O.power_sums(b), O.power_sums(torch.cat([a, b])), rtol=1e-12, atol=0)
+
+
+def test_default_recorder_path_registers_no_opt_in_state():
+    agg = LayerStatsAggregator(2)
+    assert not {"act_precision", "grad_precision", "act_power", "act_saved"} & set(agg._defaults)
+    agg.update()
+    out = agg.compute()
+    assert set(out) >= set(S.ACTIVATION_STATS)
+    assert not {"act_kurtosis", "act_absmax_over_std", "act_saved_bytes"} & set(out)
+
+
+def test_power_sums_leave_their_input_untouched():
+    x = torch.tensor([1.0, math.nan, -math.inf, 4.0], dtype=torch.float64)
+    before = x.clone()
+    O.power_sums(x)
+    torch.testing.assert_close(x, before, equal_nan=True, rtol=0, atol=0)
