@@ -447,16 +447,9 @@ def test_the_host_read_and_the_packed_read_trip_on_the_same_steps(monkeypatch, h
     if not host:  # the path accelerators (and multi-process runs) take: one packed tensor, read once
         monkeypatch.setattr(SN.S, "reads_on_host", lambda t: False)
     sentinel = LossSentinel("loss+grads", SpikeDetector(warmup=3))
-    healthy, bad = [torch.ones(3)], [torch.tensor([1.0, math.inf])]
-    steps = [
-        (1.0, healthy),
-        (1.1, healthy),
-        (0.9, healthy),
-        (1.0, bad),
-        (math.nan, healthy),
-        (1e8, healthy),
-        (1, healthy),
-    ]
+    healthy, bad = [torch.ones(3)], [torch.ones(2), torch.tensor([1.0, -math.inf])]
+    huge = [torch.tensor([3e38, 3e38, -1.0])]  # finite, although its float32 sum overflows
+    steps = [(1.0, healthy), (1.1, huge), (0.9, healthy), (1.0, bad), (math.nan, healthy), (1e8, healthy), (1, healthy)]
     trips = []
     for step, (loss, grads) in enumerate(steps):
         sentinel.observe_loss(torch.tensor(loss))
