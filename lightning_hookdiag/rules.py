@@ -548,6 +548,26 @@ def _gradient_ratios(ctx: _Context) -> tuple[str, float, list[tuple[str, float]]
     return None
 
 
+def _input_side(rest: Sequence[tuple[str, float]], vanishing: bool) -> list[tuple[float, str]]:
+    """For each layer of ``rest`` (backward order), the extreme ratio over it and every layer after it.
+
+    Vanishing takes the largest ratio from a layer to the input end: the gradient signal is lost there only if no
+    layer between it and the input still receives it (a residual stream carries it past q/k projections and
+    zero-initialised branches). Exploding takes the smallest positive ratio: it blew up only if every layer from
+    there to the input receives a blown-up gradient (an exact 0 is no signal at all, not a small one).
+    """
+    out: list[tuple[float, str]] = []
+    best: tuple[float, str] | None = None
+    for layer, ratio in reversed(rest):
+        if vanishing:
+            if best is None or ratio > best[0]:
+                best = (ratio, layer)
+        elif ratio > 0 and (best is None or ratio < best[0]):
+            best = (ratio, layer)
+        out.append(best if best is not None else (math.nan, layer))
+    return out[::-1]
+
+
 def _gradient_scale(ctx: _Context, rule: str) -> list[Finding]:
     ratios = _gradient_ratios(ctx)
     if ratios is None:
@@ -555,9 +575,17 @@ def _gradient_scale(ctx: _Context, rule: str) -> list[Finding]:
     ref_layer, ref_norm, rest = ratios
     vanishing = rule == "vanishing_gradient"
     threshold = ctx.config.vanishing_ratio if vanishing else ctx.config.exploding_ratio
-    for layer, ratio in rest:
+    for i, ((layer, _), (ratio, extreme)) in enumerate(zip(rest, _input_side(rest, vanishing), strict=True)):
         if (ratio < threshold) if vanishing else (ratio > threshold):
-            field, side = ("vanishing_ratio", "below") if vanishing else ("exploding_ratio", "above")
+            span = f"from {layer} to the input end ({_plural(len(rest) - i, 'layer')})"
+            what = (
+                f"no layer {span} receives an output gradient of vanishing_ratio={threshold:g} times that of the output"
+                f" end ({ref_layer}, {ref_norm:.3g}); the largest is {ratio:.3g} times, at {extreme}"
+                if vanishing
+                else f"every layer {span} receives an output gradient more than exploding_ratio={threshold:g} times"
+                f" that of the output end ({ref_layer}, {ref_norm:.3g}); the smallest is {ratio:.3g} times, at"
+                f" {extreme}"
+            )
             return [
                 Finding(
                     rule=rule,
@@ -565,9 +593,7 @@ def _gradient_scale(ctx: _Context, rule: str) -> list[Finding]:
                     step=ctx.step,
                     value=ratio,
                     threshold=threshold,
-                    message=f"{rule}: the output-gradient norm of {layer} at step {ctx.step} is {ratio:.3g} times"
-                    f" that of the output end ({ref_layer}, {ref_norm:.3g}), {side} {field}={threshold:g}; the first"
-                    " layer in backward order to cross it",
+                    message=f"{rule} at step {ctx.step}: {what}",
                     phase="backward",
                     stat="act_grad_norm",
                 )
