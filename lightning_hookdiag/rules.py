@@ -13,9 +13,12 @@ Rule                    Field                              Default   Fires when
                                                                      or ``param_grad_norm`` is NaN/Inf; one finding
                                                                      per origin kind, naming the origin layer
 ``dead_units``          ``dead_frac_threshold``            ``0.9``   ``act_dead_frac >= dead_frac_threshold``
-``vanishing_gradient``  ``vanishing_ratio``                ``1e-3``  ``act_grad_norm`` of a layer divided by that of
-                                                                     the output end ``< vanishing_ratio``
-``exploding_gradient``  ``exploding_ratio``                ``1e3``   the same ratio ``> exploding_ratio``
+``vanishing_gradient``  ``vanishing_ratio``                ``1e-3``  from some layer to the input end, *no* layer's
+                                                                     ``act_grad_norm`` reaches ``vanishing_ratio``
+                                                                     times the output end's (see below)
+``exploding_gradient``  ``exploding_ratio``                ``1e3``   from some layer to the input end, *every*
+                                                                     layer's exceeds ``exploding_ratio`` times it
+                                                                     (exact zeros skipped)
 ``saturation``          ``saturation_level``,              ``0.9``,  Tanh/Sigmoid layers: the share of outputs with
                         ``saturation_frac``                ``0.5``   ``|z| > saturation_level`` is provably
                                                                      ``>= saturation_frac`` (``z``: output mapped to
@@ -62,6 +65,15 @@ Why these defaults:
   signal that the optimiser can no longer use.
 * ``overflow_frac_threshold=0.0``: one value within a factor 2 of the target's maximum is already one doubling
   (a learning-rate spike, a loss-scale step) away from Inf, which in fp16/fp8 turns the whole step non-finite.
+* Why the input side and not each layer alone: a layer's own output gradient is tiny for healthy reasons (attention
+  key/query projections at init, a residual branch behind a zero-initialised norm such as timm's ``zero_init_last``,
+  a gate), while the residual stream still carries the signal past it. Vanishing, as practitioners mean it, is a
+  signal that no longer *reaches* the early network: every layer from some depth to the input is starved. Exploding
+  is the mirror image: every layer from some depth to the input is flooded, so one large gradient (a position
+  embedding summed over the batch) does not fire it, and an exact zero (no signal, e.g. a zero-initialised branch)
+  neither fires nor hides it. On a chain, where the gradient changes monotonically with depth, both reduce to
+  comparing each layer with the output end. The finding names the first such layer in backward order; its value is
+  the largest (vanishing) or smallest (exploding) ratio from there to the input end.
 * ``saturation_level=0.9``: for both Tanh and Sigmoid the local derivative relative to its maximum is ``1 - z**2``
   (``tanh' = 1 - y**2``, ``sigmoid' = y (1 - y) = (1 - z**2) / 4`` with ``z = 2y - 1``), so ``|z| > 0.9`` means the
   layer passes back less than 19% of the gradient it could. ``saturation_frac=0.5``: at least half of the outputs.
@@ -155,9 +167,10 @@ class RuleConfig:
         enabled: Names from :data:`RULES` to evaluate (a single name or any iterable is accepted and stored as a
             tuple in :data:`RULES` order). Empty: no rule runs.
         dead_frac_threshold: ``dead_units`` fires when ``act_dead_frac >= dead_frac_threshold``; in ``(0, 1]``.
-        vanishing_ratio: ``vanishing_gradient`` fires when a layer's output-gradient norm over the norm at the
-            output end is ``< vanishing_ratio``; in ``(0, 1)``.
-        exploding_ratio: ``exploding_gradient`` fires when that ratio is ``> exploding_ratio``; finite, ``> 1``.
+        vanishing_ratio: ``vanishing_gradient`` fires when, from some layer to the input end, every layer's
+            output-gradient norm over the norm at the output end is ``< vanishing_ratio``; in ``(0, 1)``.
+        exploding_ratio: ``exploding_gradient`` fires when, from some layer to the input end, every positive ratio
+            is ``> exploding_ratio``; finite, ``> 1``.
         saturation_level: An output ``z`` (mapped to ``[-1, 1]``) counts as saturated when ``|z| >
             saturation_level``; in ``(0, 1)``.
         saturation_frac: ``saturation`` fires when the guaranteed share of saturated outputs is ``>=
