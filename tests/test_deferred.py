@@ -99,6 +99,14 @@ def test_dead_units_of_kept_back_outputs():
     assert math.isnan(out["act_dead_frac"][1].item())
 
 
+def test_a_unit_that_produced_a_nan_is_not_dead():
+    x = torch.full((4, 3), -1.0)
+    x[2, 1] = math.nan  # unit 1: NaN once, never positive otherwise
+    out = recorded({0: [x], 1: [torch.ones(2)]}, unit_layers=frozenset({0}))
+    assert out["act_dead_frac"][0].item() == pytest.approx(2 / 3)
+    assert out["act_nonfinite"][0].item() == 1.0
+
+
 def test_a_copy_is_kept_so_a_later_in_place_op_does_not_change_what_was_seen():
     agg = LayerStatsAggregator(n_layers=1)
     recorder = StepRecorder(agg)
