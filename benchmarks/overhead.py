@@ -114,7 +114,7 @@ EXTRA_VARIANTS = (
 NEVER = 10**9
 """An interval no benchmark reaches: only step 0 (dropped as warm-up) is sampled, so what remains is the per-step
 cost of the sentinel (``sentinel_*``) or of the callback doing nothing (``no_sentinel``)."""
-MODELS = ("mlp", "transformer", "cnn")
+MODELS = ("mlp", "transformer", "cnn", "mlp48", "gpt2")
 
 
 # ------------------------------------------------------------------------------------------------------- models
@@ -139,6 +139,51 @@ class _Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h)
         return self.head(h.mean(dim=1))
+
+
+class _GPT2Block(nn.Module):
+    """GPT-2's block with its leaf layout: ln_1, attn (c_attn, c_proj, resid_dropout), ln_2, mlp (c_fc, act, c_proj,
+    dropout); attention through ``F.scaled_dot_product_attention`` as transformers' ``sdpa`` path does."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(d)
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.attn_proj = nn.Linear(d, d)
+        self.resid_dropout = nn.Dropout(0.1)
+        self.ln_2 = nn.LayerNorm(d)
+        self.c_fc = nn.Linear(d, 4 * d)
+        self.act = nn.GELU(approximate="tanh")
+        self.mlp_proj = nn.Linear(4 * d, d)
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.resid_dropout(self.attn_proj(a))
+        return x + self.dropout(self.mlp_proj(self.act(self.c_fc(self.ln_2(x)))))
+
+
+class _GPT2(nn.Module):
+    """A tiny GPT-2-like language model (25 leaf layers with 2 blocks), predicting the next token."""
+
+    def __init__(self, vocab: int, d: int, heads: int, depth: int, seq: int) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(seq, d)
+        self.drop = nn.Dropout(0.1)
+        self.h = nn.ModuleList(_GPT2Block(d, heads) for _ in range(depth))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.drop(self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device)))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x)).flatten(0, 1)  # [batch * seq, vocab]: cross-entropy per token
 
 
 def _cnn(channels: tuple[int, ...], classes: int) -> nn.Module:
@@ -168,10 +213,12 @@ def model_specs(quick: bool) -> dict[str, ModelSpec]:
         width, depth, batch_mlp = 64, 4, 32
         d_model, heads, ff, t_depth, seq, batch_tf, vocab = 32, 4, 64, 2, 16, 4, 100
         channels, side, batch_cnn = (3, 8, 8, 16, 16, 32, 32), 16, 8
+        small_depth, small_batch, g_vocab, g_d, g_seq, g_batch = 8, 16, 50, 16, 8, 2
     else:
         width, depth, batch_mlp = 512, 12, 256
         d_model, heads, ff, t_depth, seq, batch_tf, vocab = 256, 4, 1024, 4, 128, 16, 1000
         channels, side, batch_cnn = (3, 32, 32, 64, 64, 128, 128), 32, 64
+        small_depth, small_batch, g_vocab, g_d, g_seq, g_batch = 48, 64, 1000, 64, 64, 8
 
     def labels(g: torch.Generator, n: int) -> Tensor:
         return torch.randint(0, classes, (n,), generator=g)
@@ -196,6 +243,22 @@ def model_specs(quick: bool) -> dict[str, ModelSpec]:
             f" avg pool + Linear head, {side}x{side} inputs, batch {batch_cnn}",
             lambda: _cnn(channels, classes),
             lambda g: (torch.randn(batch_cnn, 3, side, side, generator=g), labels(g, batch_cnn)),
+        ),
+        "mlp48": ModelSpec(
+            "mlp48",
+            f"{small_depth}x (Linear(64,64) + ReLU) + Linear head, batch {small_batch}: many small layers",
+            lambda: _mlp(64, small_depth, classes),
+            lambda g: (torch.randn(small_batch, 64, generator=g), labels(g, small_batch)),
+        ),
+        "gpt2": ModelSpec(
+            "gpt2",
+            f"GPT-2-like: Embedding({g_vocab},{g_d}) + position embedding + 2 blocks (4 heads, sdpa, GELU MLP) +"
+            f" LayerNorm + Linear head, next-token loss, seq {g_seq}, batch {g_batch}",
+            lambda: _GPT2(g_vocab, g_d, 4, 2, g_seq),
+            lambda g: (
+                torch.randint(0, g_vocab, (g_batch, g_seq), generator=g),
+                torch.randint(0, g_vocab, (g_batch * g_seq,), generator=g),
+            ),
         ),
     }
 
@@ -684,7 +747,7 @@ def machine_info() -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of mlp,transformer,cnn")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"also: {','.join(EXTRA_VARIANTS)}")
     p.add_argument("--steps", type=int, default=20, help="measured steps per block (default_interval: --period-steps)")
     p.add_argument("--period-steps", type=int, default=50, help="measured steps per default_interval block (x50)")

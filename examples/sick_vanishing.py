@@ -6,9 +6,10 @@ respect to each layer's output loses roughly an order of magnitude per block on 
 first blocks get gradients ten orders of magnitude smaller than the head and barely learn.
 
 What the callback should say: ``vanishing_gradient`` naming the first layer, in backward order (from the head
-towards the input), whose ``act_grad_norm`` divided by that of the head drops below ``vanishing_ratio`` (default
-``1e-3``) - a layer in the middle of the network - and nothing else. The heatmap of ``act_grad_norm`` shows the
-gradient fading with depth:
+towards the input), from which no layer down to the input receives an ``act_grad_norm`` of ``vanishing_ratio``
+(default ``1e-3``) times the head's - on this chain, where the gradient fades monotonically, that is the first layer
+whose own ratio drops below it: a layer in the middle of the network - and nothing else. The heatmap of
+``act_grad_norm`` shows the gradient fading with depth:
 
     python examples/sick_vanishing.py
     hookdiag report hookdiag_logs/sick_vanishing/version_0 --stat act_grad_norm

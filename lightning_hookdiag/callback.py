@@ -32,7 +32,7 @@ from lightning_hookdiag.aggregation import LayerStatsAggregator, StepRecorder
 from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
 from lightning_hookdiag.hooks import HookSet
 from lightning_hookdiag.opt_in import OptInPlan, OptInRecorder, plan_opt_in
-from lightning_hookdiag.params import ParameterTracker, named_parameters_of
+from lightning_hookdiag.params import ParameterTracker, named_parameters_of, owned_parameters
 from lightning_hookdiag.precision import resolve_targets
 from lightning_hookdiag.report.summary import format_step_table
 from lightning_hookdiag.rules import (
@@ -45,7 +45,7 @@ from lightning_hookdiag.rules import (
     values_from_metrics,
 )
 from lightning_hookdiag.saved_memory import SavedMemoryTracker
-from lightning_hookdiag.selection import import_types, resolve_layers
+from lightning_hookdiag.selection import excluded_names, import_types, resolve_layers
 from lightning_hookdiag.sentinel import (
     SENTINEL_MODES,
     LossSentinel,
@@ -158,7 +158,8 @@ class LayerHealthCallback(Callback):
     exception. Training is bit-identical with and without the callback.
 
     Logged keys (``<layer>`` is the module's dotted name in the LightningModule without wrapper segments such as
-    ``_orig_mod``; ``<param>`` is ``<layer>.<parameter name>``):
+    ``_orig_mod``; ``<param>`` is ``<owner>.<attribute>``, where ``<owner>`` is the module that holds the parameter
+    directly, leaf or not, e.g. ``model.attn.in_proj_weight``):
 
     ==================================  =========================================================================
     Key                                 Value on step ``k``
@@ -174,7 +175,8 @@ class LayerHealthCallback(Callback):
     ``<prefix>/param_norm/<param>``     L2 norm of the weights before the optimizer step
     ``<prefix>/param_grad_norm/<param>`` L2 norm of the accumulated gradient, unscaled, before clipping
     ``<prefix>/param_update_ratio/..``  ``||w_after - w_before|| / ||w_before||`` across the step
-    ``<prefix>/grad_norm_total``        L2 norm of all gradients of the selected layers' parameters, pre-clip
+    ``<prefix>/grad_norm_total``        L2 norm of all gradients (of the selected layers' parameters if
+                                        ``layers``/``layer_types`` narrow the selection), pre-clip
     ``<prefix>/depth/<layer>``          0-based position of the layer in forward execution order on step ``k``
     ==================================  =========================================================================
 
@@ -197,8 +199,9 @@ class LayerHealthCallback(Callback):
     Args:
         every_n_steps: Sample optimizer steps ``0, n, 2n, ...``.
         layers: Dotted module names or fnmatch globs (``*`` also crosses dots), relative to the LightningModule,
-            as listed by :func:`~lightning_hookdiag.list_layers`. ``None`` selects every leaf module (or, with
-            ``layer_types``, every module of those types).
+            as listed by :func:`~lightning_hookdiag.list_layers`. ``None`` selects every leaf module and every
+            module that computes with parameters it owns, such as ``nn.MultiheadAttention`` (or, with
+            ``layer_types``, every module of those types), and tracks every parameter of the LightningModule.
         layer_types: Keep only instances of these classes, given as classes or import strings such as
             ``"torch.nn.Linear"``.
         exclude: Globs of module names to leave out.
@@ -354,6 +357,7 @@ class LayerHealthCallback(Callback):
         self._aggregator: LayerStatsAggregator | None = None
         self._tracker: ParameterTracker | None = None
         self._param_names: list[str] = []
+        self._quiet_not_run: set[str] = set()
         self._window: int | None = None
         self._window_layers = True  # False: a trip that could not be replayed; only parameters are measured
         self._trip: Trip | None = None  # the trip of the open window
@@ -399,7 +403,24 @@ class LayerHealthCallback(Callback):
             if "act_dead_frac" in wanted
             else frozenset()
         )
-        params = named_parameters_of(modules) if wanted & set(S.PARAMETER_STATS) else {}
+        params: dict[str, nn.Parameter] = {}
+        if wanted & set(S.PARAMETER_STATS):
+            # The default selection counts every parameter (also those of non-leaf modules, such as a ViT's
+            # cls_token), so grad_norm_total is the norm that clip_grad_norm_ sees; a selection narrows it.
+            default = self.layers is None and not self.layer_types
+            params = (
+                owned_parameters(pl_module, skip=excluded_names(pl_module, self.exclude))
+                if default
+                else named_parameters_of(modules)
+            )
+        # A module of the default selection that does not run is usually unused by design (a dropout that fused
+        # attention skips, MultiheadAttention's out_proj): a note, not a warning, unless it holds parameters that
+        # nothing else observed.
+        self._quiet_not_run = (
+            {name for name, m in modules.items() if not any(True for _ in m.parameters())}
+            if self.layers is None
+            else set()
+        )
         self._param_names = list(params)
         device = pl_module.device
         self._opt_in = plan = plan_opt_in(self.stats, self.precision_targets, trainer.precision)
@@ -878,6 +899,7 @@ class LayerHealthCallback(Callback):
         empty = {self.layer_names[i] for i in self._recorder.empty_output}
         self._recorder.sparse_output.clear()
         self._recorder.empty_output.clear()
+        ran = [name for name, c in zip(self.layer_names, count, strict=True) if c > 0]
         for name, c in zip(self.layer_names, count, strict=True):
             if c == 0 and name in empty:
                 self._warn_once(
@@ -886,11 +908,14 @@ class LayerHealthCallback(Callback):
                     " no elements; no statistics for it",
                 )
             elif c == 0 and name not in no_float_names and name not in sparse and self._window_layers:
+                # Inside a selected module that ran (MultiheadAttention's out_proj): observed through it.
+                covered = self.layers is None and any(name.startswith(r + ".") for r in ran)
                 self._warn_once(
                     f"not_run:{name}",
                     f"LayerHealthCallback: selected module {name!r} did not run during sampled step {step} (its"
                     " forward was called directly instead of the module, or a branch was not taken); no statistics"
                     " for it",
+                    info=covered or name in self._quiet_not_run,
                 )
 
         self.last_metrics = metrics

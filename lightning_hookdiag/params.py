@@ -27,6 +27,7 @@ __all__ = [
     "finalize_parameters",
     "local_tensor",
     "named_parameters_of",
+    "owned_parameters",
     "replicas",
     "squared_norms",
 ]
@@ -167,6 +168,32 @@ def named_parameters_of(modules: dict[str, nn.Module]) -> dict[str, nn.Parameter
                 continue
             seen.add(id(param))
             found[f"{module_name}.{logged_name(param_name, module)}"] = param
+    return found
+
+
+def owned_parameters(root: nn.Module, skip: Iterable[str] = ()) -> dict[str, nn.Parameter]:
+    """Every parameter of ``root`` under ``"<owning module's name>.<attribute>"``, each parameter once.
+
+    The owner is the module that holds the parameter directly, leaf or not (``attn.in_proj_weight`` of an
+    ``nn.MultiheadAttention``, ``cls_token`` of a ViT); its name is normalised like every layer name (no
+    ``_orig_mod``, DDP ``module`` or checkpoint-wrapper segments). Parameters of ``root`` itself keep their bare
+    attribute name.
+
+    Args:
+        root: The module whose parameters to list (the LightningModule).
+        skip: Normalised names of modules whose own parameters are left out (``exclude``).
+
+    Example:
+        >>> net = nn.Sequential(nn.MultiheadAttention(4, 2), nn.Linear(4, 1))
+        >>> list(owned_parameters(net))
+        ['0.in_proj_weight', '0.in_proj_bias', '0.out_proj.weight', '0.out_proj.bias', '1.weight', '1.bias']
+    """
+    skipped = set(skip)
+    found: dict[str, nn.Parameter] = {}
+    for path, param in root.named_parameters():  # each parameter once, under its first path
+        name = logged_name(path, root)
+        if name.rpartition(".")[0] not in skipped:
+            found[name] = param
     return found
 
 

@@ -16,7 +16,15 @@ from torch import nn
 
 from lightning_hookdiag.names import logged_name
 
-__all__ = ["LayerInfo", "import_types", "list_layers", "named_modules", "resolve_layers"]
+__all__ = [
+    "LayerInfo",
+    "excluded_names",
+    "import_types",
+    "is_default_layer",
+    "list_layers",
+    "named_modules",
+    "resolve_layers",
+]
 
 # Containers without a ``forward``: they can never produce an output to observe.
 _NOT_CALLABLE = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
@@ -57,6 +65,31 @@ def _is_leaf(module: nn.Module) -> bool:
     return not any(True for _ in module.children()) and not isinstance(module, _NOT_CALLABLE)
 
 
+def _owns_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
+
+
+def is_default_layer(module: nn.Module) -> bool:
+    """Whether ``layers=None`` selects ``module``: a leaf, or a module that computes with parameters it owns.
+
+    The second kind is a module that owns parameters directly and whose children are all leaves, such as
+    ``nn.MultiheadAttention``: it uses ``in_proj_weight`` and its ``out_proj`` child's weight functionally, so the
+    child never runs and only the module itself can be observed. A model that owns parameters next to whole
+    sub-networks (a ViT's ``cls_token``) is not selected: its output is the network's output, already observed
+    at the head.
+
+    Example:
+        >>> is_default_layer(nn.Linear(2, 2)), is_default_layer(nn.MultiheadAttention(4, 2))
+        (True, True)
+        >>> is_default_layer(nn.Sequential(nn.Linear(2, 2)))
+        False
+    """
+    if isinstance(module, _NOT_CALLABLE):
+        return False
+    children = list(module.children())
+    return not children or (_owns_parameters(module) and all(_is_leaf(c) for c in children))
+
+
 def list_layers(model: nn.Module) -> list[LayerInfo]:
     """List the names that ``layers=`` and ``capture_activations`` accept, with their types.
 
@@ -64,8 +97,9 @@ def list_layers(model: nn.Module) -> list[LayerInfo]:
         model: The module to inspect (a ``LightningModule`` or any ``nn.Module``).
 
     Returns:
-        One :class:`LayerInfo` per submodule, in registration order. ``leaf`` marks modules without children:
-        those are what ``layers=None`` selects.
+        One :class:`LayerInfo` per submodule, in registration order. ``leaf`` marks modules without children;
+        ``layers=None`` selects those and modules that compute with parameters they own directly (see
+        :func:`is_default_layer`).
 
     Example:
         >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
@@ -144,6 +178,19 @@ def _match(patterns: Iterable[str], names: Sequence[str], argument: str) -> set[
     return matched
 
 
+def excluded_names(model: nn.Module, exclude: Sequence[str]) -> set[str]:
+    """Normalised names of the modules of ``model`` that the ``exclude`` globs remove.
+
+    Raises:
+        ValueError: If a pattern matches no module (as :func:`resolve_layers` does).
+
+    Example:
+        >>> sorted(excluded_names(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), ["1"]))
+        ['1']
+    """
+    return _match(exclude, list(named_modules(model)), "exclude") if exclude else set()
+
+
 def resolve_layers(
     model: nn.Module,
     layers: Sequence[str] | None = None,
@@ -154,8 +201,9 @@ def resolve_layers(
 
     Args:
         model: The root module; names are relative to it.
-        layers: Dotted names or fnmatch globs (``*`` also crosses dots). ``None`` selects every leaf module, or,
-            when ``layer_types`` is given, every module of those types.
+        layers: Dotted names or fnmatch globs (``*`` also crosses dots). ``None`` selects every leaf module and
+            every module that computes with parameters it owns (:func:`is_default_layer`, e.g.
+            ``nn.MultiheadAttention``), or, when ``layer_types`` is given, every module of those types.
         layer_types: Keep only instances of these classes.
         exclude: Globs removed from the selection.
 
@@ -182,7 +230,7 @@ def resolve_layers(
     elif layer_types:
         candidates = names
     else:
-        candidates = [n for n in names if _is_leaf(modules[n])]
+        candidates = [n for n in names if is_default_layer(modules[n])]
     if layer_types:
         typed = [n for n in candidates if isinstance(modules[n], tuple(layer_types))]
         if not typed:

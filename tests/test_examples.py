@@ -78,14 +78,15 @@ def child_names(net: nn.Sequential, kind: type[nn.Module]) -> list[str]:
 
 # --------------------------------------------------------------------------------------------- sick_vanishing
 def first_crossing(norms: dict[str, float], forward: list[str], ratio: float) -> tuple[str | None, float]:
-    """The first layer in backward order whose norm over the output end's is below ``ratio`` (chain: reversed
-    forward order), and that ratio."""
+    """The first layer in backward order (chain: reversed forward order) from which no layer down to the input
+    reaches ``ratio`` of the output end's norm, and the largest ratio over that input side."""
     backward = forward[::-1]
     reference = norms[backward[0]]
     assert reference > 0
-    for layer in backward[1:]:
-        if norms[layer] / reference < ratio:
-            return layer, norms[layer] / reference
+    for i, layer in enumerate(backward[1:], 1):
+        largest = max(norms[n] for n in backward[i:]) / reference
+        if largest < ratio:
+            return layer, largest
     return None, float("nan")
 
 

@@ -197,17 +197,52 @@ def test_dead_units_threshold_is_configurable_and_one_finding_per_layer():
 # ------------------------------------------------------------------------------------ vanishing / exploding
 
 
-def test_vanishing_gradient_names_first_crossing_layer_with_its_ratio():
+def test_vanishing_gradient_names_first_layer_from_which_no_layer_reaches_the_ratio():
     norms = {"net.head": 2.0, "net.act1": 1.0, "net.body": 1e-3, "net.mix": 1.9e-3, "net.act0": 1e-6}
     findings = evaluate({"act_grad_norm": norms}, FORWARD, BACKWARD, step=5)
     assert [(f.rule, f.layer) for f in findings] == [("vanishing_gradient", "net.body")]
     (f,) = findings
-    assert f.value == pytest.approx(5e-4)
+    # The largest ratio from net.body to the input end is net.mix's: 1.9e-3 / 2.0.
+    assert f.value == pytest.approx(9.5e-4)
     assert f.threshold == 1e-3
     assert (f.phase, f.stat) == ("backward", "act_grad_norm")
-    assert "vanishing_gradient" in f.message
-    assert "net.body" in f.message
-    assert "net.head" in f.message  # the reference
+    assert f.message == (
+        "vanishing_gradient at step 5: no layer from net.body to the input end (3 layers) receives an output"
+        " gradient of vanishing_ratio=0.001 times that of the output end (net.head, 2); the largest is 0.00095"
+        " times, at net.mix"
+    )
+
+
+def test_a_small_gradient_that_the_input_side_still_exceeds_is_not_vanishing():
+    # q/k projections at init, a zero-initialised residual branch: tiny or exactly 0 in the middle, while layers
+    # closer to the input (the residual stream) still receive the signal.
+    norms = {"net.head": 1.0, "net.act1": 2e-5, "net.body": 0.0, "net.mix": 1e-7, "net.act0": 0.5, "net.stem": 0.01}
+    assert evaluate({"act_grad_norm": norms}, FORWARD, BACKWARD, step=0) == []
+
+
+def test_vanishing_fires_where_the_input_side_loses_the_signal_for_good():
+    norms = {"net.head": 1.0, "net.act1": 2e-5, "net.body": 0.3, "net.mix": 1e-7, "net.act0": 0.0, "net.stem": 9e-4}
+    (f,) = evaluate({"act_grad_norm": norms}, FORWARD, BACKWARD, step=0)
+    assert (f.rule, f.layer, f.value) == ("vanishing_gradient", "net.mix", pytest.approx(9e-4))
+    assert "at net.stem" in f.message
+
+
+def test_a_single_large_gradient_near_the_input_is_not_exploding():
+    # E.g. a position embedding whose gradient is summed over the batch; q/k or an exact-zero branch keep the
+    # minimum low.
+    norms = {"net.head": 1.0, "net.act1": 5e3, "net.body": 1.0, "net.mix": 2e4, "net.act0": 0.0, "net.stem": 3.0}
+    assert evaluate({"act_grad_norm": norms}, FORWARD, BACKWARD, step=0) == []
+
+
+def test_exploding_ignores_exact_zeros_on_the_input_side():
+    norms = {"net.head": 1.0, "net.act1": 1.0, "net.body": 2e3, "net.mix": 0.0, "net.act0": 3e3, "net.stem": 5e3}
+    (f,) = evaluate({"act_grad_norm": norms}, FORWARD, BACKWARD, step=0)
+    assert (f.rule, f.layer, f.value) == ("exploding_gradient", "net.body", pytest.approx(2e3))
+    assert f.message == (
+        "exploding_gradient at step 0: every layer from net.body to the input end (4 layers) receives an output"
+        " gradient more than exploding_ratio=1000 times that of the output end (net.head, 1); the smallest is 2e+03"
+        " times, at net.body"
+    )
 
 
 def test_exploding_gradient_names_first_crossing_layer_with_its_ratio():
@@ -242,12 +277,15 @@ def test_zero_norm_below_a_reference_is_vanishing():
 
 
 def test_gradient_ratios_configurable():
-    norms = {"net.head": 1.0, "net.body": 0.05, "net.stem": 30.0}
     config = RuleConfig(vanishing_ratio=0.1, exploding_ratio=10)
-    findings = evaluate({"act_grad_norm": norms}, FORWARD, BACKWARD, step=0, config=config)
-    assert [(f.rule, f.layer, f.threshold) for f in findings] == [
-        ("vanishing_gradient", "net.body", 0.1),
-        ("exploding_gradient", "net.stem", 10.0),
+    low = {"net.head": 1.0, "net.body": 0.05, "net.stem": 0.08}
+    high = {"net.head": 1.0, "net.body": 20.0, "net.stem": 30.0}
+    assert evaluate({"act_grad_norm": low}, FORWARD, BACKWARD, step=0) == []  # defaults: quiet
+    assert evaluate({"act_grad_norm": high}, FORWARD, BACKWARD, step=0) == []
+    findings = [f for v in (low, high) for f in evaluate({"act_grad_norm": v}, FORWARD, BACKWARD, 0, config)]
+    assert [(f.rule, f.layer, f.threshold, f.value) for f in findings] == [
+        ("vanishing_gradient", "net.body", 0.1, pytest.approx(0.08)),
+        ("exploding_gradient", "net.body", 10.0, pytest.approx(20.0)),
     ]
 
 
@@ -344,7 +382,6 @@ def test_mixed_findings_forward_first_in_forward_order_then_backward_in_backward
         ("saturation", "net.act0"),  # forward, depth 1
         ("nonfinite", "net.act1"),  # forward, depth 4; same layer: RULES order
         ("dead_units", "net.act1"),
-        ("exploding_gradient", "net.act1"),  # backward, position 1
         ("vanishing_gradient", "net.mix"),  # backward, position 3
         ("nonfinite", "net.stem"),  # backward, position 5
     ]

@@ -1,0 +1,133 @@
+"""Small host tensors reduced in batches once per step: the same statistics as a float64 reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_hookdiag import aggregation as A
+from lightning_hookdiag.aggregation import LayerStatsAggregator, StepRecorder
+
+
+def reference(outputs: list[torch.Tensor]) -> dict[str, float]:
+    """Pooled statistics of one layer's outputs over several calls, by hand in float64."""
+    x = torch.cat([o.reshape(-1) for o in outputs]).double()
+    finite = x[torch.isfinite(x)]
+    return {
+        "act_mean": finite.mean().item(),
+        "act_std": finite.std(correction=0).item(),
+        "act_absmax": finite.abs().max().item(),
+        "act_zero_frac": (x == 0).double().mean().item(),
+        "act_nonfinite": float((~torch.isfinite(x)).sum()),
+    }
+
+
+def layer_outputs() -> dict[int, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    relu = torch.randn(16, 32, generator=g).relu()
+    dropped = (torch.randn(16, 32, generator=g) * 3 + 1) * (torch.rand(16, 32, generator=g) > 0.5)  # -0.0 inside
+    shifted = torch.randn(16, 32, generator=g) * 0.01 + 50.0  # the mean dominates: centred before squaring
+    nan = torch.randn(16, 32, generator=g)
+    nan[3, 4], nan[5, 6] = math.nan, math.inf
+    other_shape = torch.randn(7, 5, generator=g)
+    wide = torch.randn(16, 32, generator=g, dtype=torch.float64) * 1e3
+    return {
+        0: [relu, relu * 2],  # two calls of one layer pool into one row
+        1: [dropped],
+        2: [shifted],
+        3: [nan],
+        4: [other_shape],
+        5: [wide],
+    }
+
+
+def recorded(outputs: dict[int, list[torch.Tensor]], unit_layers: frozenset[int] = frozenset()):
+    agg = LayerStatsAggregator(n_layers=len(outputs))
+    recorder = StepRecorder(agg, unit_layers=unit_layers)
+    for layer, calls in outputs.items():
+        for output in calls:
+            recorder.on_output(layer, output)
+            recorder.on_grad(layer, output)
+    assert recorder._acts  # really kept back, not reduced in the hook
+    agg.update()
+    return agg.compute()
+
+
+def test_batched_reduction_matches_float64_reference():
+    outputs = layer_outputs()
+    out = recorded(outputs)
+    for layer, calls in outputs.items():
+        expected = reference(calls)
+        for stat, value in expected.items():
+            assert out[stat][layer].item() == pytest.approx(value, rel=1e-6, abs=1e-12), (layer, stat)
+        g = torch.cat([c.reshape(-1) for c in calls]).double()
+        finite = g[torch.isfinite(g)]
+        assert out["act_grad_norm"][layer].item() == pytest.approx(finite.square().sum().sqrt().item(), rel=1e-6)
+        assert out["act_grad_nonfinite"][layer].item() == float((~torch.isfinite(g)).sum())
+        assert out["count"][layer].item() == g.numel()
+
+
+def test_batched_reduction_matches_the_per_call_path(monkeypatch):
+    batched = recorded(layer_outputs(), unit_layers=frozenset({0, 1, 4}))
+    monkeypatch.setattr(A, "SMALL_TENSOR", 0)  # every tensor reduced inside its hook, as before
+    per_call = recorded_without_deferral(layer_outputs(), unit_layers=frozenset({0, 1, 4}))
+    for stat in ("act_mean", "act_std", "act_absmax", "act_zero_frac", "act_nonfinite", "act_grad_norm"):
+        torch.testing.assert_close(batched[stat], per_call[stat], rtol=1e-6, atol=1e-12, equal_nan=True)
+    torch.testing.assert_close(batched["act_dead_frac"], per_call["act_dead_frac"], equal_nan=True)
+
+
+def recorded_without_deferral(outputs, unit_layers):
+    agg = LayerStatsAggregator(n_layers=len(outputs))
+    recorder = StepRecorder(agg, unit_layers=unit_layers)
+    for layer, calls in outputs.items():
+        for output in calls:
+            recorder.on_output(layer, output)
+            recorder.on_grad(layer, output)
+    assert not recorder._acts
+    agg.update()
+    return agg.compute()
+
+
+def test_dead_units_of_kept_back_outputs():
+    x = torch.randn(8, 6)
+    x[:, 2] = -1.0  # unit 2 never positive
+    x[:, 5] = 0.0  # unit 5 never positive
+    out = recorded({0: [x.relu()], 1: [torch.randn(8, 6)]}, unit_layers=frozenset({0}))
+    assert out["act_dead_frac"][0].item() == pytest.approx(2 / 6)
+    assert math.isnan(out["act_dead_frac"][1].item())
+
+
+def test_a_unit_that_produced_a_nan_is_not_dead():
+    x = torch.full((4, 3), -1.0)
+    x[2, 1] = math.nan  # unit 1: NaN once, never positive otherwise
+    out = recorded({0: [x], 1: [torch.ones(2)]}, unit_layers=frozenset({0}))
+    assert out["act_dead_frac"][0].item() == pytest.approx(2 / 3)
+    assert out["act_nonfinite"][0].item() == 1.0
+
+
+def test_a_copy_is_kept_so_a_later_in_place_op_does_not_change_what_was_seen():
+    agg = LayerStatsAggregator(n_layers=1)
+    recorder = StepRecorder(agg)
+    x = torch.tensor([[-1.0, 2.0], [3.0, -4.0]])
+    recorder.on_output(0, x)
+    x.relu_()  # what nn.ReLU(inplace=True) after the module does
+    agg.update()
+    assert agg.compute()["act_mean"].item() == pytest.approx(0.0)
+
+
+def test_budget_reduces_early_and_reset_drops_what_was_kept(monkeypatch):
+    monkeypatch.setattr(A, "_DEFERRED_BUDGET", 10)
+    agg = LayerStatsAggregator(n_layers=1)
+    recorder = StepRecorder(agg)
+    recorder.on_output(0, torch.ones(4))
+    assert recorder._acts  # 4 elements: under the budget
+    recorder.on_output(0, torch.ones(8))
+    assert not recorder._acts  # 12 elements: reduced in the hook
+    recorder.on_output(0, torch.full((2,), 7.0))
+    agg.reset()  # a discarded step
+    assert not recorder._acts
+    recorder.on_output(0, torch.full((3,), 2.0))
+    agg.update()
+    assert agg.compute()["act_mean"].item() == 2.0
