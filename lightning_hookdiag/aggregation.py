@@ -117,6 +117,8 @@ class LayerStatsAggregator(Metric):
             self.add_state("grad_precision", torch.zeros(n_layers, slots, dtype=dtype), dist_reduce_fx="sum")
         if power_sums:
             self.add_state("act_power", torch.zeros(n_layers, O.POWER_SLOTS, dtype=dtype), dist_reduce_fx="sum")
+        # Per-layer point the power sums are taken about (see lightning_hookdiag.outliers); the same on every process.
+        self.power_shift = torch.zeros(n_layers, dtype=dtype)
         if saved_bytes:
             self.add_state("act_saved", torch.zeros(n_layers, dtype=dtype), dist_reduce_fx="max")
         # Unit counts are learned from the outputs and agreed over processes (see the module docstring); the flat

@@ -649,6 +649,13 @@ class LayerHealthCallback(Callback):
         self._window_layers = layers
         self._stepped.clear()
         self._hooks.clear_order()
+        agg = self._aggregator
+        if agg is not None and agg.power_sums:
+            # Kurtosis sums about the last pooled mean keep their digits when the mean dwarfs the spread; the logged
+            # mean is the same on every process, so the sums still add up exactly.
+            means = [self.last_metrics.get(f"{self.prefix}/act_mean/{name}", 0.0) for name in self.layer_names]
+            shift = [m if math.isfinite(m) else 0.0 for m in means]
+            agg.power_shift = torch.tensor(shift, dtype=agg.acc_dtype, device=agg.act_moments.device)
 
     def _release_step(self) -> None:
         self._micro = []

@@ -131,7 +131,7 @@ class OptInRecorder(StepRecorder):
         if self._act_dtypes:
             agg.add_extra(layer, "act_precision", PR.precision_counts(tensor, self._act_dtypes, agg.acc_dtype))
         if self.plan.power_sums:
-            agg.add_extra(layer, "act_power", O.power_sums(tensor, agg.acc_dtype))
+            agg.add_extra(layer, "act_power", O.power_sums(tensor, agg.acc_dtype, agg.power_shift[layer]))
 
     def on_grad(self, layer: int, grad: Tensor) -> None:
         """Gradient sink: the default statistics, then precision counts of the gradient as autograd holds it."""

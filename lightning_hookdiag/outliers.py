@@ -9,12 +9,15 @@ training long before they show in a layer's mean or standard deviation. Two stat
 * ``act_absmax_over_std``: ``act_absmax / act_std``, how many standard deviations the largest magnitude sits from
   the mean's scale (computed from the statistics the callback already pools).
 
-Pooling: each tensor is reduced to power sums about zero, ``[n, S1, S2, S3, S4]`` over its finite elements, which
-add up exactly over calls, micro-batches and processes. Raw power sums lose every digit to cancellation when the
-mean is large against the spread, so, as for ``act_std``, each tensor's sums are formed from its *centred* sums
-``M_k = sum((x - mean)^k)`` and its mean, in float64: only the pooled recentring (``S4 / n - 4 mean S3 / n + ...``)
-cancels, losing about ``(|mean| / std)**4`` units of float64 rounding: under 1e-6 relative while ``|mean|`` stays
-below about ``100 std`` (``act_kurtosis`` of a tensor whose mean is 1000 times its spread is good to about 1e-3).
+Pooling: each tensor is reduced to power sums about a *shift* ``c``, ``[n, S1, S2, S3, S4]`` with ``S_k = sum((x -
+c)^k)`` over its finite elements, which add up exactly over calls, micro-batches and processes as long as every one
+of them uses the same ``c``. Raw power sums lose every digit to cancellation when the mean is large against the
+spread, so, as for ``act_std``, each tensor's sums are formed from its *centred* sums ``M_k = sum((x - mean)^k)``
+and its offset ``mean - c``, in float64: only the pooled recentring (``S4 / n - 4 mu S3 / n + ...`` with ``mu`` the
+pooled mean about ``c``) cancels, losing about ``(|mean - c| / std)**4`` units of float64 rounding, under 1e-6
+relative while ``|mean - c|`` stays below about ``100 std``. The callback takes ``c`` from the layer's pooled
+``act_mean`` of the previous sampled step (the same value on every process), so only the first sampled step, with
+``c = 0``, depends on ``|mean| / std`` (a tensor whose mean is 1000 times its spread: about 1e-3 there).
 
 Example:
     >>> x = torch.tensor([1.0, 2.0, 3.0, 4.0, 100.0], dtype=torch.float64)
@@ -36,14 +39,22 @@ POWER_SLOTS = 5
 """Length of a :func:`power_sums` vector: ``[count, S1, S2, S3, S4]``."""
 
 
-def power_sums(x: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
-    """Power sums ``[n, sum x, sum x^2, sum x^3, sum x^4]`` over the finite elements of ``x``, via centred sums.
+def power_sums(x: Tensor, dtype: torch.dtype = torch.float64, shift: Tensor | float = 0.0) -> Tensor:
+    """Power sums ``[n, sum d, sum d^2, sum d^3, sum d^4]`` of ``d = x - shift`` over the finite elements of ``x``.
 
-    NaN and Inf are left out (``act_nonfinite`` counts them). No host synchronisation.
+    Formed from the centred sums of ``x``. NaN and Inf are left out (``act_nonfinite`` counts them). No host
+    synchronisation.
 
     Args:
         x: Any floating-point tensor.
         dtype: Dtype of the computation and of the returned additive vector (float64 except on MPS).
+        shift: The point the sums are taken about; sums add up only between tensors with the same shift. Close to
+            the mean, the kurtosis pooled from them keeps every digit.
+
+    Example:
+        >>> x = torch.tensor([1e4 + 1.0, 1e4 - 1.0, 1e4 + 2.0, 1e4 - 2.0], dtype=torch.float64)
+        >>> power_sums(x, shift=1e4).tolist()
+        [4.0, 0.0, 10.0, 0.0, 34.0]
     """
     # Centred sums in the accumulation dtype: float32 sums of cubes would carry a rounding error that the recentring
     # below multiplies by |mean| / std. Opt-in, so the extra width is paid only when asked for; the work happens in
@@ -59,8 +70,8 @@ def power_sums(x: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
     m2 = square.sum()
     m3 = torch.dot(square, centred)
     m4 = torch.dot(square, square)
-    # Back to sums about zero, about the same mean the values were centred on (m1 is its rounding).
-    mu = mean
+    # From sums about the tensor's mean to sums about the shift (m1 is the rounding of the mean).
+    mu = mean - shift
     count = n.to(dtype)
     s1 = m1 + count * mu
     s2 = m2 + 2 * mu * m1 + count * mu**2

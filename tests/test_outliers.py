@@ -80,6 +80,50 @@ def test_large_mean_against_the_spread_does_not_cancel(shift):
     assert pooled(chunks)["act_kurtosis"] == pytest.approx(expected, rel=1e-6)
 
 
+def test_a_shift_near_the_mean_keeps_every_digit_where_sums_about_zero_cancel():
+    # |mean| / std = 1e4 / 0.58: sums about zero keep ~1e-3 of the kurtosis; about a shift near the mean, all of it.
+    g = torch.Generator().manual_seed(3)
+    chunks = [(torch.rand(4096, generator=g, dtype=torch.float64) * 2 - 1 + 1e4).float() for _ in range(3)]
+    expected = reference(chunks)["act_kurtosis"]
+    about_zero = O.finalize_kurtosis(torch.stack([O.power_sums(c) for c in chunks]).sum(0, keepdim=True)).item()
+    shift = torch.tensor(1e4 + 0.37, dtype=torch.float64)  # a previous step's mean: close, not equal
+    about_shift = O.finalize_kurtosis(torch.stack([O.power_sums(c, shift=shift) for c in chunks]).sum(0, keepdim=True))
+    assert about_shift.item() == pytest.approx(expected, rel=1e-6)
+    assert about_zero != pytest.approx(expected, rel=1e-6)  # the guard: without the shift the test would fail
+
+
+def test_the_callback_takes_the_shift_from_the_last_pooled_mean(tmp_path):
+    from conftest import TinyModule, make_trainer
+    from lightning.pytorch import Callback
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from lightning_hookdiag import LayerHealthCallback
+
+    class Offset(nn.Module):
+        def forward(self, x):
+            return x * 1e-3 + 1e4  # the mean dwarfs the spread
+
+    g = torch.Generator().manual_seed(4)
+    data = TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
+    module = TinyModule(model=nn.Sequential(Offset(), nn.Linear(4, 1)), data=data, batch_size=32, lr=1e-12)
+    module.record_enabled = False
+    callback = LayerHealthCallback(every_n_steps=1, stats=["act_mean", "act_kurtosis"], layers=["model.0"])
+    seen = {}
+
+    class Watch(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen[callback.last_step] = callback.last_metrics["layer_health/act_kurtosis/model.0"]
+
+    make_trainer([callback, Watch()], max_steps=3).fit(module)
+    # The same batch every step, and Offset has no weights: every step's reference is the same.
+    expected = reference([data.tensors[0] * 1e-3 + 1e4])["act_kurtosis"]
+    assert seen[1] == pytest.approx(expected, rel=1e-6)  # about step 0's pooled mean
+    assert seen[2] == pytest.approx(expected, rel=1e-6)
+    assert seen[0] != pytest.approx(expected, rel=1e-6)  # step 0: about zero (documented)
+    assert callback._aggregator is None  # released at teardown
+
+
 def test_power_sums_of_half_precision_equal_those_of_its_float32_copy():
     x = (torch.randn(1000) * 300).half()
     assert torch.equal(O.power_sums(x), O.power_sums(x.float()))
