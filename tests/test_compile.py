@@ -89,3 +89,35 @@ def test_compiled_model_gets_the_same_opt_in_statistics_as_eager():
         for key, value in eager[step].items():
             assert compiled[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_a_replay_of_a_compiled_model_observes_every_layer_like_eager(monkeypatch):
+    from lightning_hookdiag.sentinel import LossSentinel, Trip
+
+    original = LossSentinel.check
+
+    def check(self, step, *args, **kwargs):
+        trip = original(self, step, *args, **kwargs)
+        if step != 3:
+            return trip
+        self.previous_trip = step
+        return Trip(step=step, kind="loss_spike", loss=1.0, baseline=1.0)
+
+    monkeypatch.setattr(LossSentinel, "check", check)
+
+    def replayed(model: nn.Module) -> tuple[dict[str, float], TinyModule]:
+        logger = RecordingLogger()
+        module = TinyModule(model=model, data=make_data(n=256), optimizer="adam", lr=0.01)
+        module.record_enabled = False
+        callback = LayerHealthCallback(every_n_steps=100, on_anomaly="ignore", summary=False)
+        make_trainer([callback], max_steps=5, logger=logger).fit(module)
+        assert [(t.step, t.replayed) for t in callback.trips] == [(3, True)]
+        return dict(logger.ours())[3], module
+
+    eager, _ = replayed(net())
+    compiled, module = replayed(torch.compile(net(), backend="eager"))
+    assert set(compiled) == set(eager)
+    assert "layer_health/act_grad_norm/model.4" in compiled
+    for key, value in eager.items():
+        assert compiled[key] == pytest.approx(value, rel=1e-6), key
+    assert count_hooks(module) == 0
