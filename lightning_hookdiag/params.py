@@ -108,7 +108,7 @@ def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64)
         return torch.zeros(0, dtype=dtype)
     local = [_as_float(local_tensor(t).detach()) for t in tensors]
     if all(S.reads_on_host(t) for t in local):
-        return torch.tensor([_host_square(t) for t in local], dtype=dtype)
+        return torch.tensor(_host_squares(local), dtype=dtype)
     absmax = torch.stack(torch._foreach_norm(local, math.inf))
     scale, exponent = S.power_of_two(absmax)
     scaled = torch._foreach_mul(local, list(scale.unbind()))
@@ -125,6 +125,38 @@ def _host_square(t: Tensor) -> float:
     flat = _as_float(t).reshape(-1)
     square = S.host_square_sum(flat)
     return S.square_sum(flat).item() if square is None else square
+
+
+_BATCHED = 8192
+"""Float32 host tensors up to this many elements have their squares summed together (see :func:`_host_squares`)."""
+
+
+def _batched(t: Tensor) -> bool:
+    return t.dtype == torch.float32 and 0 < t.numel() <= _BATCHED
+
+
+def _host_squares(tensors: Sequence[Tensor], known: Sequence[float | None] | None = None) -> list[float]:
+    """:func:`_host_square` of each tensor (``known`` values kept), the small float32 ones in one batched pass.
+
+    Many small parameters (a model of narrow layers) would otherwise cost a few torch calls each, per quantity, per
+    sampled step. Their float64 copies are squared and summed per tensor in one ``segment_reduce``: a float32 value's
+    square is exact in float64 and cannot overflow or underflow there, so no prescaling is needed; a non-finite
+    result (a NaN or Inf in the tensor) is recomputed by the per-tensor path, which keeps it.
+
+    Example:
+        >>> tensors = [torch.tensor([3.0, 4.0]), torch.tensor([1e30, 1e30]), torch.tensor([1.0, float("nan")])]
+        >>> [f"{v:.6g}" for v in _host_squares(tensors)]
+        ['25', '2e+60', 'nan']
+    """
+    squares = list(known) if known is not None else [None] * len(tensors)
+    small = [i for i, t in enumerate(tensors) if squares[i] is None and _batched(t)]
+    if len(small) > 1:
+        flat = torch.cat([tensors[i].reshape(-1) for i in small]).to(torch.float64)
+        lengths = torch.tensor([tensors[i].numel() for i in small])
+        sums = torch.segment_reduce(flat.mul_(flat), "sum", lengths=lengths).tolist()
+        for i, value in zip(small, sums, strict=True):
+            squares[i] = value if math.isfinite(value) else None
+    return [_host_square(t) if v is None else v for v, t in zip(squares, tensors, strict=True)]
 
 
 def finalize_parameters(param_stats: Tensor) -> dict[str, Tensor]:
@@ -272,13 +304,14 @@ class ParameterTracker:
         grad_sq = squared_norms([p.grad for p in params], self.dtype)  # type: ignore[misc]
         before: list[Tensor] = []
         if self._snapshot_enabled and all(S.reads_on_host(t) for t in local):
-            squares = []
             pending = {id(copy) for _, _, copies, _ in self._snapshots for copy in copies}
+            known: list[float | None] = []
             for position, weight in zip(positions, local, strict=True):
                 copy = self._host_buffer(position, weight, pending).copy_(weight)
-                squares.append(_host_square(copy))  # right after the copy is written, while it is still in cache
+                # Right after the copy is written, while it is still in cache; small ones are batched below.
+                known.append(None if _batched(copy) else _host_square(copy))
                 before.append(copy)
-            weight_sq = torch.tensor(squares, dtype=self.dtype)
+            weight_sq = torch.tensor(_host_squares(before, known), dtype=self.dtype)
         else:
             weight_sq = squared_norms(local, self.dtype)
             if self._snapshot_enabled:
@@ -315,11 +348,12 @@ class ParameterTracker:
             indices.append(index)
             # In place on the copy, which is not read again: no second weight-sized allocation.
             if all(S.reads_on_host(t) for t in before):
-                squares = []
+                known = []
                 for copy, weight in zip(before, current, strict=True):
                     difference = copy.sub_(weight)
-                    squares.append(_host_square(difference))  # while the difference is still in cache
-                update_sq = torch.tensor(squares, dtype=self.dtype)
+                    # While the difference is still in cache; small ones are batched below.
+                    known.append(None if _batched(difference) else _host_square(difference))
+                update_sq = torch.tensor(_host_squares(before, known), dtype=self.dtype)
             else:
                 torch._foreach_sub_(before, current)
                 update_sq = squared_norms(before, self.dtype)

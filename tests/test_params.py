@@ -95,3 +95,24 @@ def test_nonfinite_gradients_keep_a_nonfinite_norm(path):
     assert norms[0] == math.inf
     assert math.isnan(norms[1])
     assert norms[2] == pytest.approx(25.0, rel=1e-6)
+
+
+def test_small_tensors_summed_together_match_float64_one_by_one():
+    g = torch.Generator().manual_seed(5)
+    tensors = [
+        torch.randn(64, 64, generator=g) * 1e22,  # squares overflow float32
+        torch.randn(100, generator=g) * 1e-30,  # squares underflow float32
+        torch.randn(8192, generator=g) + 1e3,  # the largest batched size, mean >> std
+        torch.randn(8193, generator=g),  # one past it: the per-tensor path
+        torch.tensor([1.0, float("nan")]),  # non-finite: recomputed alone, kept as NaN
+        torch.zeros(0),
+        torch.randn(7, generator=g, dtype=torch.float64),  # not float32: per tensor
+        torch.randn(3, generator=g),
+    ]
+    squares = P.squared_norms(tensors).tolist()
+    for t, got in zip(tensors, squares, strict=True):
+        want = t.double().square().sum().item()
+        if math.isnan(want):
+            assert math.isnan(got)
+        else:
+            assert got == pytest.approx(want, rel=1e-6, abs=0.0)

@@ -111,12 +111,13 @@ def test_host_transfers_per_sampled_step_are_one_and_do_not_grow_with_depth(monk
 
 
 def test_host_fast_path_reads_only_tensors_already_in_host_memory():
-    # On the CPU the fast path reads each reduction back (a memory load, no device to wait for): the count grows
-    # with depth, every read is of a CPU tensor, and unsampled steps still read nothing.
+    # On the CPU the fast path reads reductions back (a memory load, no device to wait for): every read is of a CPU
+    # tensor, and unsampled steps still read nothing. Small outputs, gradients and parameters are reduced in batches
+    # once per step, so with these 16-wide layers the count does not grow with depth either.
     (shallow, devices_shallow), (deep, devices_deep) = transfers_per_step(1, None), transfers_per_step(12, None)
     assert devices_shallow == devices_deep == {"cpu"}
     assert shallow[1] == shallow[3] == deep[1] == deep[3] == 0
-    assert deep[0] > shallow[0] > 1
+    assert deep[0] == shallow[0] > 1
 
 
 def test_host_fast_path_logs_the_same_statistics_as_the_device_path(monkeypatch):
