@@ -481,9 +481,6 @@ class LayerHealthCallback(Callback):
             return
         if self._window is None:
             self._open_window(step)
-            every = self.histogram_every_n_steps
-            assert self._recorder is not None
-            self._recorder.histograms = every is not None and step % every == 0
         self._hooks.attach()
         if self._saved is not None:
             self._saved.attach()
@@ -649,6 +646,9 @@ class LayerHealthCallback(Callback):
         self._window_layers = layers
         self._stepped.clear()
         self._hooks.clear_order()
+        every = self.histogram_every_n_steps
+        if self._recorder is not None:  # replays follow the schedule of sampled steps; parameter-only windows: none
+            self._recorder.histograms = layers and every is not None and step % every == 0
         agg = self._aggregator
         if agg is not None and agg.power_sums:
             # Kurtosis sums about the last pooled mean keep their digits when the mean dwarfs the spread; the logged
@@ -702,13 +702,12 @@ class LayerHealthCallback(Callback):
         if not pl_module.automatic_optimization:
             return "of manual optimization: training_step steps the optimizer itself, so it cannot be re-run"
         strategy = trainer.strategy
-        sharded = any(callable(getattr(p, "to_local", None)) for p in pl_module.parameters())
         if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or isinstance(strategy, DeepSpeedStrategy):
             return (
                 f"the {type(strategy).__name__} strategy is not replayed: outside its wrapper a replay could"
                 " communicate or write gradients (FSDP's backward reduce-scatters into .grad)"
             )
-        if sharded:
+        if _sharded(trainer, dict(pl_module.named_parameters())):
             return "the parameters are sharded (DTensor): a replay could communicate or write gradients"
         if self._micro_step != step or not self._micro:
             return "its micro-batches were not seen by the callback (training resumed inside the step?)"
@@ -716,10 +715,7 @@ class LayerHealthCallback(Callback):
 
     def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> str | None:
         """Replay step ``step`` through the hooks into a new window; on failure, drop it and say why."""
-        assert self._recorder is not None
         self._open_window(step)
-        every = self.histogram_every_n_steps
-        self._recorder.histograms = every is not None and step % every == 0
         failure = ""
         run = self._replay_run(trainer, pl_module)
         if self._saved is not None:

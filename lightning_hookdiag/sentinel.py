@@ -273,7 +273,6 @@ class LossSentinel:
             values = (packed if self.reduce_max is None else self.reduce_max(packed)).tolist()  # the one read
             bad_loss, value = values[0] > 0, values[1]
             bad_grad = len(values) > 2 and values[2] > 0
-        baseline = self.detector.median()
         kind: TripKind | None = None
         if bad_loss:
             kind, value = "nonfinite_loss", math.nan
@@ -284,6 +283,8 @@ class LossSentinel:
         if kind is None:
             self.last_finite_step = step
             return None
+        # A trip never enters the window, so its median is still the one the step was compared with.
+        baseline = self.detector.median()
         trip = Trip(step=step, kind=kind, loss=value, baseline=baseline, last_finite_step=self.last_finite_step)
         self.previous_trip = step
         return trip
