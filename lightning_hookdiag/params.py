@@ -13,8 +13,10 @@ the 12 MiB benchmark MLP (2-core CPU): 6.4 ms per sampled step with fused norms 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -23,6 +25,7 @@ from lightning_hookdiag import stats as S
 from lightning_hookdiag.names import logged_name
 
 __all__ = [
+    "HostPack",
     "ParameterTracker",
     "finalize_parameters",
     "local_tensor",
@@ -108,7 +111,7 @@ def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64)
         return torch.zeros(0, dtype=dtype)
     local = [_as_float(local_tensor(t).detach()) for t in tensors]
     if all(S.reads_on_host(t) for t in local):
-        return torch.tensor(_host_squares(local), dtype=dtype)
+        return _squares(local, dtype)
     absmax = torch.stack(torch._foreach_norm(local, math.inf))
     scale, exponent = S.power_of_two(absmax)
     scaled = torch._foreach_mul(local, list(scale.unbind()))
@@ -127,36 +130,83 @@ def _host_square(t: Tensor) -> float:
     return S.square_sum(flat).item() if square is None else square
 
 
-_BATCHED = 8192
-"""Float32 host tensors up to this many elements have their squares summed together (see :func:`_host_squares`)."""
+_PACKED = 8192
+"""Float32 host tensors up to this many elements are packed together (see :class:`HostPack`)."""
 
 
-def _batched(t: Tensor) -> bool:
-    return t.dtype == torch.float32 and 0 < t.numel() <= _BATCHED
+def _packable(t: Tensor) -> bool:
+    return (
+        type(t) in (Tensor, nn.Parameter)  # not a DTensor or another subclass
+        and t.dtype == torch.float32
+        and 0 < t.numel() <= _PACKED
+        and t.layout == torch.strided
+        and S.reads_on_host(t)
+    )
 
 
-def _host_squares(tensors: Sequence[Tensor], known: Sequence[float | None] | None = None) -> list[float]:
-    """:func:`_host_square` of each tensor (``known`` values kept), the small float32 ones in one batched pass.
+class HostPack:
+    """Small float32 host tensors of fixed shapes, packed into one flat buffer grouped by size.
 
     Many small parameters (a model of narrow layers) would otherwise cost a few torch calls each, per quantity, per
-    sampled step. Their float64 copies are squared and summed per tensor in one ``segment_reduce``: a float32 value's
-    square is exact in float64 and cannot overflow or underflow there, so no prescaling is needed; a non-finite
-    result (a NaN or Inf in the tensor) is recomputed by the per-tensor path, which keeps it.
+    sampled step (a ``cat`` of their flattened views alone took 0.18 ms for 98 parameters). One ``_foreach_copy_``
+    or ``_foreach_sub_`` writes them all, and their sums of squares are one float64 row reduction per distinct
+    size: a float32 value's square is exact in float64 and can neither overflow nor underflow there, so no
+    prescaling is needed, and a NaN or Inf reaches its tensor's sum as in the per-tensor path.
+
+    Args:
+        shapes: The shapes of the tensors, in the order :meth:`load` receives them.
 
     Example:
-        >>> tensors = [torch.tensor([3.0, 4.0]), torch.tensor([1e30, 1e30]), torch.tensor([1.0, float("nan")])]
-        >>> [f"{v:.6g}" for v in _host_squares(tensors)]
-        ['25', '2e+60', 'nan']
+        >>> pack = HostPack([torch.Size([2]), torch.Size([1, 1]), torch.Size([2])])
+        >>> tensors = [torch.tensor([3.0, 4.0]), torch.tensor([[2.0]]), torch.tensor([2.0**100, 0.0])]
+        >>> pack.load(tensors).squares().tolist()
+        [25.0, 4.0, 1.6069380442589903e+60]
+        >>> pack.views[1]
+        tensor([[2.]])
     """
-    squares = list(known) if known is not None else [None] * len(tensors)
-    small = [i for i, t in enumerate(tensors) if squares[i] is None and _batched(t)]
-    if len(small) > 1:
-        flat = torch.cat([tensors[i].reshape(-1) for i in small]).to(torch.float64)
-        lengths = torch.tensor([tensors[i].numel() for i in small])
-        sums = torch.segment_reduce(flat.mul_(flat), "sum", lengths=lengths).tolist()
-        for i, value in zip(small, sums, strict=True):
-            squares[i] = value if math.isfinite(value) else None
-    return [_host_square(t) if v is None else v for v, t in zip(squares, tensors, strict=True)]
+
+    def __init__(self, shapes: Sequence[torch.Size]) -> None:
+        sizes = [math.prod(shape) for shape in shapes]
+        order = sorted(range(len(shapes)), key=sizes.__getitem__)
+        self.flat = torch.empty(sum(sizes), dtype=torch.float32)
+        self.views: list[Tensor] = [self.flat] * len(shapes)
+        """One view of the buffer per tensor, in the given order and shape."""
+        self._rows: list[Tensor] = []
+        offset = 0
+        for size, group in itertools.groupby(order, key=sizes.__getitem__):
+            members = list(group)
+            self._rows.append(self.flat[offset : offset + size * len(members)].view(len(members), size))
+            for i in members:
+                self.views[i] = self.flat[offset : offset + size].view(shapes[i])
+                offset += size
+        # Sums come out in packed (size) order; this index puts them back in the given order.
+        self._unsort = torch.empty(len(order), dtype=torch.long)
+        self._unsort[order] = torch.arange(len(order))
+
+    def load(self, tensors: Sequence[Tensor]) -> HostPack:
+        """Copy ``tensors`` (in the order of the shapes) into the buffer."""
+        torch._foreach_copy_(self.views, list(tensors))
+        return self
+
+    def subtract(self, tensors: Sequence[Tensor]) -> HostPack:
+        """Subtract ``tensors`` from the buffer's contents, in place."""
+        torch._foreach_sub_(self.views, list(tensors))
+        return self
+
+    def squares(self, dtype: torch.dtype = torch.float64) -> Tensor:
+        """The sum of squares of each packed tensor, in the order of the shapes, as a ``[len(shapes)]`` vector."""
+        norms = torch.cat([torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64) for rows in self._rows])
+        return norms[self._unsort].square_().to(dtype)
+
+
+def _squares(tensors: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+    """Sums of squares of host tensors: the packable ones through one :class:`HostPack`, the others one by one."""
+    packed = [i for i, t in enumerate(tensors) if _packable(t)]
+    skip = set(packed)
+    squares = torch.tensor([0.0 if i in skip else _host_square(t) for i, t in enumerate(tensors)], dtype=dtype)
+    if packed:
+        squares[packed] = HostPack([tensors[i].shape for i in packed]).load([tensors[i] for i in packed]).squares(dtype)
+    return squares
 
 
 def finalize_parameters(param_stats: Tensor) -> dict[str, Tensor]:
@@ -229,8 +279,35 @@ def owned_parameters(root: nn.Module, skip: Iterable[str] = ()) -> dict[str, nn.
     return found
 
 
+@dataclass
+class _Layout:
+    """How the parameters one optimizer steps are measured: small float32 host ones packed, the others one by one."""
+
+    positions: tuple[int, ...]
+    """The parameters' positions, packed ones first, in the order of the measured values."""
+    packed: list[nn.Parameter]
+    rest: list[nn.Parameter]
+    weights: HostPack | None
+    """The packed weights: the snapshot across the step (kept across sampled steps), or scratch without one."""
+    grads: HostPack | None
+
+
+@dataclass
+class _Snapshot:
+    index: Tensor
+    packed: list[nn.Parameter]
+    pack: HostPack | None
+    current: list[Tensor]
+    """The other parameters' local tensors, and their copies from before the step."""
+    before: list[Tensor]
+    share: Tensor | None
+
+
 class ParameterTracker:
     """Measures the tracked parameters of one optimizer step.
+
+    Small float32 parameters in host memory are measured together through a :class:`HostPack` (a few torch calls
+    for all of them), the others one by one: see the module docstring.
 
     Args:
         params: ``{name: parameter}``; results refer to parameters by their position in this mapping.
@@ -243,7 +320,7 @@ class ParameterTracker:
         >>> lin(torch.ones(1, 2)).sum().backward()
         >>> index, values = tracker.before_step(opt.param_groups)
         >>> opt.step()
-        >>> index.tolist(), tracker.after_step()[1].shape
+        >>> sorted(index.tolist()), tracker.after_step()[1].shape
         ([0, 1], torch.Size([2]))
     """
 
@@ -255,10 +332,28 @@ class ParameterTracker:
         self._position = {id(p): i for i, p in enumerate(self.params)}
         self._snapshot_enabled = snapshot
         self.dtype = dtype
-        self._snapshots: list[tuple[Tensor, list[Tensor], list[Tensor], Tensor | None]] = []
+        self._snapshots: list[_Snapshot] = []
         self._host_buffers: dict[int, Tensor] = {}
+        self._layouts: dict[tuple[int, ...], _Layout] = {}
         self._index_cache: dict[tuple[int, ...], Tensor] = {}
         self._share_cache: dict[tuple[int, ...], Tensor | None] = {}
+
+    def _layout(self, positions: tuple[int, ...]) -> _Layout:
+        # Built once per distinct parameter set: which parameters are packed, and the packs' buffers.
+        layout = self._layouts.get(positions)
+        if layout is None:
+            packed = [i for i in positions if _packable(self.params[i])]
+            rest = [i for i in positions if i not in set(packed)]
+            shapes = [self.params[i].shape for i in packed]
+            layout = _Layout(
+                positions=(*packed, *rest),
+                packed=[self.params[i] for i in packed],
+                rest=[self.params[i] for i in rest],
+                weights=HostPack(shapes) if packed else None,
+                grads=HostPack(shapes) if packed else None,
+            )
+            self._layouts[positions] = layout
+        return layout
 
     def _index(self, positions: tuple[int, ...], device: torch.device) -> Tensor:
         # One host-to-device copy per distinct parameter set per run, not per step.
@@ -279,6 +374,7 @@ class ParameterTracker:
             self._share_cache[positions] = share
         return self._share_cache[positions]
 
+    @torch.no_grad()
     def before_step(self, param_groups: Iterable[dict]) -> tuple[Tensor, Tensor] | None:
         """Weight and gradient norms of the tracked parameters an optimizer is about to step.
 
@@ -299,30 +395,47 @@ class ParameterTracker:
                     positions.append(pos)
         if not positions:
             return None
-        params = [self.params[i] for i in positions]
-        local = [local_tensor(p).detach() for p in params]
-        grad_sq = squared_norms([p.grad for p in params], self.dtype)  # type: ignore[misc]
+        layout = self._layout(tuple(positions))
+        weight_parts: list[Tensor] = []
+        grad_parts: list[Tensor] = []
+        pack = layout.weights
+        if pack is not None:
+            grads = [p.grad for p in layout.packed]
+            dense = all(g.dtype == torch.float32 and g.layout == torch.strided for g in grads)  # type: ignore[union-attr]
+            grad_parts.append(
+                layout.grads.load(grads).squares(self.dtype) if dense else squared_norms(grads, self.dtype)  # type: ignore[arg-type,union-attr]
+            )
+            if any(snapshot.pack is pack for snapshot in self._snapshots):
+                # A parameter set stepped twice in one window (two optimizers over the same parameters): a second
+                # copy, not an overwrite of the first.
+                pack = HostPack([p.shape for p in layout.packed])
+            weight_parts.append(pack.load(layout.packed).squares(self.dtype))
+        local = [local_tensor(p).detach() for p in layout.rest]
         before: list[Tensor] = []
-        if self._snapshot_enabled and all(S.reads_on_host(t) for t in local):
-            pending = {id(copy) for _, _, copies, _ in self._snapshots for copy in copies}
-            known: list[float | None] = []
-            for position, weight in zip(positions, local, strict=True):
-                copy = self._host_buffer(position, weight, pending).copy_(weight)
-                # Right after the copy is written, while it is still in cache; small ones are batched below.
-                known.append(None if _batched(copy) else _host_square(copy))
-                before.append(copy)
-            weight_sq = torch.tensor(_host_squares(before, known), dtype=self.dtype)
-        else:
-            weight_sq = squared_norms(local, self.dtype)
-            if self._snapshot_enabled:
-                before = torch._foreach_mul(local, 1.0)
-        index = self._index(tuple(positions), weight_sq.device)
-        share = self._share(tuple(positions), weight_sq.device)
+        if local:
+            grad_parts.append(squared_norms([p.grad for p in layout.rest], self.dtype))  # type: ignore[misc]
+            if self._snapshot_enabled and all(S.reads_on_host(t) for t in local):
+                pending = {id(copy) for snapshot in self._snapshots for copy in snapshot.before}
+                squares = []
+                for position, weight in zip(layout.positions[len(layout.packed) :], local, strict=True):
+                    copy = self._host_buffer(position, weight, pending).copy_(weight)
+                    squares.append(_host_square(copy))  # right after the copy is written, while it is in cache
+                    before.append(copy)
+                weight_parts.append(torch.tensor(squares, dtype=self.dtype))
+            else:
+                weight_parts.append(squared_norms(local, self.dtype))
+                if self._snapshot_enabled:
+                    before = torch._foreach_mul(local, 1.0)
+        device = weight_parts[-1].device
+        weight_sq = torch.cat([part.to(device) for part in weight_parts])
+        grad_sq = torch.cat([part.to(device) for part in grad_parts])
+        index = self._index(layout.positions, device)
+        share = self._share(layout.positions, device)
         if share is not None:
             weight_sq, grad_sq = weight_sq * share, grad_sq * share
         values = torch.stack([weight_sq, grad_sq, torch.zeros_like(weight_sq), torch.ones_like(weight_sq)], dim=1)
         if self._snapshot_enabled:
-            self._snapshots.append((index, local, before, share))
+            self._snapshots.append(_Snapshot(index, layout.packed, pack, local, before, share))
         return index, values
 
     def _host_buffer(self, position: int, like: Tensor, pending: set[int]) -> Tensor:
@@ -335,6 +448,7 @@ class ParameterTracker:
                 self._host_buffers[position] = buffer
         return buffer
 
+    @torch.no_grad()
     def after_step(self) -> tuple[Tensor, Tensor] | None:
         """Squared norms of ``w_after - w_before`` for the parameters snapshotted since the last call.
 
@@ -344,20 +458,23 @@ class ParameterTracker:
         if not self._snapshots:
             return None
         indices, updates = [], []
-        for index, current, before, share in self._snapshots:
-            indices.append(index)
-            # In place on the copy, which is not read again: no second weight-sized allocation.
-            if all(S.reads_on_host(t) for t in before):
-                known = []
-                for copy, weight in zip(before, current, strict=True):
-                    difference = copy.sub_(weight)
-                    # While the difference is still in cache; small ones are batched below.
-                    known.append(None if _batched(difference) else _host_square(difference))
-                update_sq = torch.tensor(_host_squares(before, known), dtype=self.dtype)
-            else:
+        for snapshot in self._snapshots:
+            indices.append(snapshot.index)
+            parts = []
+            if snapshot.pack is not None:
+                parts.append(snapshot.pack.subtract(snapshot.packed).squares(self.dtype))
+            # In place on the copies, which are not read again: no second weight-sized allocation.
+            before, current = snapshot.before, snapshot.current
+            if before and all(S.reads_on_host(t) for t in before):
+                # Each difference is reduced while it is still in cache.
+                squares = [_host_square(copy.sub_(weight)) for copy, weight in zip(before, current, strict=True)]
+                parts.append(torch.tensor(squares, dtype=self.dtype))
+            elif before:
                 torch._foreach_sub_(before, current)
-                update_sq = squared_norms(before, self.dtype)
-            updates.append(update_sq if share is None else update_sq * share)
+                parts.append(squared_norms(before, self.dtype))
+            device = snapshot.index.device
+            update_sq = torch.cat([part.to(device) for part in parts])
+            updates.append(update_sq if snapshot.share is None else update_sq * snapshot.share)
         self._snapshots = []
         return torch.cat(indices), torch.cat(updates)
 
@@ -365,3 +482,4 @@ class ParameterTracker:
         """Drop any pending snapshot without measuring it, and the copies kept across sampled steps in host memory."""
         self._snapshots = []
         self._host_buffers = {}
+        self._layouts = {}

@@ -35,21 +35,75 @@ def test_tracker_matches_reference_over_several_steps(path, dtype):
         index, values = tracker.before_step(opt.param_groups)
         opt.step()
         update_index, update_sq = tracker.after_step()
-        assert index.tolist() == update_index.tolist() == [0, 1, 2, 3]
-        for i, p in enumerate(tracker.params):
-            weight, grad, _, seen = values[i].tolist()
+        assert index.tolist() == update_index.tolist()
+        assert sorted(index.tolist()) == [0, 1, 2, 3]
+        for row, i in enumerate(index.tolist()):
+            p = tracker.params[i]
+            weight, grad, _, seen = values[row].tolist()
             assert weight == pytest.approx(sq(expected_before[i]), rel=1e-6)
             assert grad == pytest.approx(sq(p.grad), rel=1e-6)
             assert seen == 1
             update = sq(p.detach().double() - expected_before[i].double())
             # The difference is taken in the parameter's dtype: bf16 rounds it to 8 significant bits.
-            assert update_sq[i].item() == pytest.approx(update, rel=1e-6 if dtype == torch.float32 else 2e-2)
+            assert update_sq[row].item() == pytest.approx(update, rel=1e-6 if dtype == torch.float32 else 2e-2)
         if path == "host":  # the copies are reused, not reallocated, from one sampled step to the next
-            current = [id(b) for b in tracker._host_buffers.values()]
+            packs = [layout.weights.flat for layout in tracker._layouts.values() if layout.weights is not None]
+            current = [id(b) for b in [*tracker._host_buffers.values(), *packs]]
+            assert current
             assert buffers is None or current == buffers
             buffers = current
     tracker.release()
     assert not tracker._host_buffers
+    assert not tracker._layouts
+
+
+def test_packed_and_single_parameters_mixed_match_float64(path):
+    # Small float32 host parameters are packed together, sorted by size; large, float64 and bfloat16 ones are
+    # measured one by one. Interleaved, every value must still land on its own parameter.
+    g = torch.Generator().manual_seed(3)
+    shapes = [(64, 64), (8193,), (3,), (64, 64), (5,), (2, 3), (1,)]
+    dtypes = [torch.float32, torch.float32, torch.float64, torch.float32, torch.bfloat16, torch.float32, torch.float32]
+    scales = [1e22, 1.0, 1.0, 1e-30, 1.0, 1.0, 1e3]
+    ps = [
+        nn.Parameter((torch.randn(s, generator=g) * scale).to(dtype))
+        for s, dtype, scale in zip(shapes, dtypes, scales, strict=True)
+    ]
+    tracker = P.ParameterTracker({f"p{i}": p for i, p in enumerate(ps)})
+    opt = torch.optim.SGD(ps, lr=0.5)
+    for step in range(2):
+        for p in ps:
+            grad = torch.randn(p.shape[::-1], generator=g) * (1e20 if step else 1e-20)
+            p.grad = grad.to(p.dtype).t()  # 2-D: a non-contiguous gradient
+        before = [p.detach().clone() for p in ps]
+        index, values = tracker.before_step(opt.param_groups)
+        opt.step()
+        update_index, update_sq = tracker.after_step()
+        assert index.tolist() == update_index.tolist()
+        assert sorted(index.tolist()) == list(range(len(ps)))
+        for row, i in enumerate(index.tolist()):
+            weight, grad, _, seen = values[row].tolist()
+            assert weight == pytest.approx(sq(before[i]), rel=1e-6)
+            assert grad == pytest.approx(sq(ps[i].grad), rel=1e-6)
+            assert update_sq[row].item() == pytest.approx(sq(ps[i].detach().double() - before[i].double()), rel=1e-6)
+    if path == "host":
+        layout = next(iter(tracker._layouts.values()))
+        assert len(layout.packed) == 4  # the two 64 x 64, (2, 3) and (1,) float32 ones
+
+
+def test_host_pack_keeps_nonfinite_sums_and_sums_each_tensor_alone():
+    pack = P.HostPack([torch.Size([2]), torch.Size([2]), torch.Size([3]), torch.Size([2])])
+    tensors = [
+        torch.tensor([1.0, float("inf")]),
+        torch.tensor([float("nan"), 2.0]),
+        torch.tensor([3.0, 4.0, 12.0]),
+        torch.tensor([-3e38, 3e38]),  # the float32 maximum: its square is exact in float64
+    ]
+    squares = pack.load(tensors).squares().tolist()
+    assert squares[0] == math.inf
+    assert math.isnan(squares[1])
+    assert squares[2] == 169.0
+    assert squares[3] == pytest.approx(2 * float(torch.tensor(3e38).double()) ** 2, rel=1e-12)
+    assert pack.subtract(tensors).squares().tolist()[2:] == [0.0, 0.0]
 
 
 def test_parameter_stepped_by_two_optimizers_in_one_window_gets_two_copies(path):
