@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -586,10 +587,12 @@ class StepRecorder:
         """Whether outputs and gradients are also binned into histograms (set per step by the callback)."""
         self.workspace = S.Workspace()
         """Scratch memory of the reductions; the callback releases it at the end of each sampled step."""
-        self._acts: dict[tuple[torch.Size, torch.dtype], _Group] = {}
-        self._grads: dict[tuple[torch.Size, torch.dtype], _Group] = {}
+        self._acts: dict[_Key, _Kept] = {}
+        self._grads: dict[_Key, _Kept] = {}
         self._kept = 0
-        self._stacks = S.Workspace()  # host memory only, kept across steps like the workspace's host buffers
+        # Host memory only, kept across steps like the workspace's host buffers: fresh pages would be faulted in on
+        # every sampled step.
+        self._slabs: dict[tuple[bool, torch.Size, torch.dtype], _Slab] = {}
         aggregator.deferred = self
 
     def _defer(self, tensor: Tensor) -> bool:
@@ -601,12 +604,19 @@ class StepRecorder:
             and S.reads_on_host(tensor)
         )
 
-    def _keep(self, pending: dict[tuple[torch.Size, torch.dtype], _Group], layer: int, tensor: Tensor) -> None:
-        group = pending.get((tensor.shape, tensor.dtype))
-        if group is None:
-            group = pending[(tensor.shape, tensor.dtype)] = ([], [])
-        group[0].append(layer)
-        group[1].append(tensor.clone())  # a following in-place op (ReLU(inplace=True)) could change the output
+    def _keep(self, pending: dict[_Key, _Kept], layer: int, tensor: Tensor) -> None:
+        key = (tensor.shape, tensor.dtype)
+        kept = pending.get(key)
+        if kept is None:
+            slab_key = (pending is self._acts, *key)
+            slab = self._slabs.get(slab_key)
+            if slab is None:
+                slab = self._slabs[slab_key] = _Slab(tensor.shape)
+            kept = pending[key] = _Kept([], slab)
+        n = len(kept.layers)
+        # A float64 copy now: a following in-place op (ReLU(inplace=True)) could change the output.
+        kept.slab.row(n).copy_(tensor)
+        kept.layers.append(layer)
         self._kept += tensor.numel()
         if self._kept > _DEFERRED_BUDGET:
             self.flush()
@@ -690,22 +700,11 @@ class StepRecorder:
         if not (acts or grads):
             return False
         self.clear()
-        for layers, tensors in acts.values():
-            self._reduce_outputs(layers, *self._stack(tensors))
-        for layers, tensors in grads.values():
-            self._reduce_grads(layers, *self._stack(tensors))
+        for kept in acts.values():
+            self._reduce_outputs(kept.layers, kept.slab.rows(len(kept.layers)))
+        for kept in grads.values():
+            self._reduce_grads(kept.layers, kept.slab.rows(len(kept.layers)))
         return True
-
-    def _stack(self, tensors: list[Tensor]) -> tuple[Tensor, Tensor]:
-        """The tensors stacked as float64 rows (exact for float32), and a scratch buffer of the same shape.
-
-        Both live in scratch memory kept across steps (fresh host pages would be faulted in on every sampled step),
-        apart from ``self.workspace``, which the exact path of a row with a NaN writes into.
-        """
-        first = tensors[0]
-        rows, scratch = self._stacks.get(len(tensors) * first.numel(), torch.float64, first.device)
-        shape = (len(tensors), *first.shape)
-        return torch.stack(tensors, out=rows.view(shape)), scratch.view(torch.float64).view(shape)
 
     def _exact(self, layers: list[int], rows: Tensor, bad: Tensor, gradient: bool) -> list[int] | None:
         """Observe the rows flagged in ``bad`` by the exact path, while they are intact; the others' indices.
@@ -725,7 +724,7 @@ class StepRecorder:
                 agg.add(layers[i], activation=S.activation_moments(rows[i], agg.acc_dtype, self.workspace))
         return good
 
-    def _reduce_outputs(self, layers: list[int], rows: Tensor, scratch: Tensor) -> None:
+    def _reduce_outputs(self, layers: list[int], rows: Tensor) -> None:
         # The sufficient statistics of activation_moments, each op run once over all rows, in float64: squares of
         # float32 values are exact there and their sums round at ~1e-16, so no centring is needed. Reductions along
         # dim 1 that torch makes slow for many rows (aminmax, count_nonzero: 0.2-0.4 ms for 48 x 4096) are avoided.
@@ -734,7 +733,7 @@ class StepRecorder:
         flat = rows.view(k, -1)
         n = flat.shape[1]
         sums = flat.sum(1)
-        squares = torch.mul(flat, flat, out=scratch.view(k, -1)).sum(1)
+        squares = torch.linalg.vector_norm(flat, dim=1).square_()  # one pass, no scratch; exact to ~1e-16
         # NaN/Inf reach the sum, an overflowing square the sum of squares: the exact path, while the rows are intact.
         good = self._exact(layers, rows, ~(torch.isfinite(sums) & torch.isfinite(squares)), gradient=False)
         absmax = torch.maximum(flat.amax(1), flat.amin(1).neg_())
@@ -761,10 +760,10 @@ class StepRecorder:
         if units:
             agg.add_units([layers[i] for i in units], maxima)  # type: ignore[arg-type]
 
-    def _reduce_grads(self, layers: list[int], rows: Tensor, scratch: Tensor) -> None:
+    def _reduce_grads(self, layers: list[int], rows: Tensor) -> None:
         k = len(layers)
         flat = rows.view(k, -1)
-        squares = torch.mul(flat, flat, out=scratch.view(k, -1)).sum(1)
+        squares = torch.linalg.vector_norm(flat, dim=1).square_()
         good = self._exact(layers, rows, ~torch.isfinite(squares), gradient=True)
         moments = torch.zeros(k, S.GRAD_SLOTS, dtype=torch.float64, device=flat.device)
         moments[:, S.GRAD_COUNT] = flat.shape[1]
@@ -776,5 +775,34 @@ class StepRecorder:
             self.aggregator.add_rows([layers[i] for i in good], gradient=moments[keep])
 
 
-_Group = tuple[list[int], list[Tensor]]
-"""Kept-back copies of one shape and dtype, and the layer of each."""
+_Key = tuple[torch.Size, torch.dtype]
+
+
+class _Slab:
+    """Float64 rows of one shape, kept across steps, with a view per row built once (a row's copy is one call)."""
+
+    __slots__ = ("buffer", "views")
+
+    def __init__(self, shape: torch.Size) -> None:
+        self.buffer = torch.empty(0, *shape, dtype=torch.float64)
+        self.views: list[Tensor] = []
+
+    def row(self, i: int) -> Tensor:
+        """Row ``i``, the slab doubled first if it has fewer rows (the rows before ``i`` are kept)."""
+        if i == len(self.views):
+            grown = torch.empty(max(16, 2 * i), *self.buffer.shape[1:], dtype=torch.float64)
+            grown[:i].copy_(self.buffer[:i])
+            self.buffer, self.views = grown, list(grown.unbind())
+        return self.views[i]
+
+    def rows(self, n: int) -> Tensor:
+        """The first ``n`` rows, as one ``[n, *shape]`` tensor."""
+        return self.buffer[:n]
+
+
+@dataclass
+class _Kept:
+    """The layer of each row of ``slab`` kept back since the last flush."""
+
+    layers: list[int]
+    slab: _Slab

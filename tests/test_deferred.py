@@ -131,3 +131,29 @@ def test_budget_reduces_early_and_reset_drops_what_was_kept(monkeypatch):
     recorder.on_output(0, torch.full((3,), 2.0))
     agg.update()
     assert agg.compute()["act_mean"].item() == 2.0
+
+
+def test_many_calls_of_one_shape_over_several_steps_reuse_the_kept_rows():
+    # 40 calls of one shape outgrow the first 16 rows kept back (twice); a second step reuses the grown rows.
+    g = torch.Generator().manual_seed(4)
+    agg = LayerStatsAggregator(n_layers=40)
+    recorder = StepRecorder(agg)
+    buffers = []
+    for step in range(2):
+        outputs = [torch.randn(8, 4, generator=g) * (i + 1) + step for i in range(40)]
+        for layer, output in enumerate(outputs):
+            recorder.on_output(layer, output)
+            recorder.on_grad(layer, output * 2)
+        buffers.append([id(slab.buffer) for slab in recorder._slabs.values()])
+        agg.update()
+        out = agg.compute()
+        agg.reset()
+        for layer, output in enumerate(outputs):
+            expected = reference([output])
+            for stat, value in expected.items():
+                assert out[stat][layer].item() == pytest.approx(value, rel=1e-6, abs=1e-12), (step, layer, stat)
+            norm = (output.double() * 2).square().sum().sqrt().item()
+            assert out["act_grad_norm"][layer].item() == pytest.approx(norm, rel=1e-6)
+    assert len(buffers[0]) == 2  # one slab for outputs, one for gradients
+    assert buffers[0] == buffers[1]
+    assert all(slab.buffer.shape[0] == 64 for slab in recorder._slabs.values())
