@@ -659,6 +659,8 @@ def profile_model(spec: ModelSpec, batches: list[tuple[Tensor, Tensor]], steps: 
         (stats, "host_gradient_moments", "  stats.host_gradient_moments (CPU fast path)"),
         (stats, "gradient_moments", "  stats.gradient_moments (device path, NaN/Inf fallback)"),
         (aggregation.LayerStatsAggregator, "update", "  LayerStatsAggregator.update body (no torchmetrics wrapper)"),
+        (aggregation.StepRecorder, "flush", "    StepRecorder.flush (small outputs and gradients kept back)"),
+        (params.HostPack, "squares", "    params.HostPack.squares (small float32 host tensors together)"),
         (hooks, "first_floating_tensor", "hooks.first_floating_tensor (in the forward hook)"),
         (hooks.HookSet, "attach", "HookSet.attach"),
         (hooks.HookSet, "remove", "HookSet.remove"),
@@ -667,6 +669,7 @@ def profile_model(spec: ModelSpec, batches: list[tuple[Tensor, Tensor]], steps: 
         (callback.LayerHealthCallback, "_finish_window", "callback._finish_window (compute+transfer+log)"),
         (aggregation.LayerStatsAggregator, "compute", "  LayerStatsAggregator.compute body (no torchmetrics wrapper)"),
         (callback.LayerHealthCallback, "_log", "  callback._log"),
+        (callback.LayerHealthCallback, "_diagnose", "  callback._diagnose (rules)"),
     ]
     restore = [timers.wrap(owner, attr, label) for owner, attr, label in targets]
     warmup = 3

@@ -352,6 +352,7 @@ class LayerHealthCallback(Callback):
         self._alerts = AlertState()
         self._layer_types: dict[str, str] = {}
         self._warned: set[str] = set()
+        self._key_cache: dict[str, list[str]] = {}
         self._hooks: HookSet | None = None
         self._recorder: StepRecorder | None = None
         self._aggregator: LayerStatsAggregator | None = None
@@ -422,6 +423,7 @@ class LayerHealthCallback(Callback):
             else set()
         )
         self._param_names = list(params)
+        self._key_cache: dict[str, list[str]] = {}
         device = pl_module.device
         self._opt_in = plan = plan_opt_in(self.stats, self.precision_targets, trainer.precision)
         if plan.note:
@@ -845,19 +847,28 @@ class LayerHealthCallback(Callback):
         agg.reset()
         agg.grad_scale = None
         self._window = None
-        metrics = self._log(trainer, step, host, wanted, no_float)
+        metrics, values = self._log(trainer, step, host, wanted, no_float)
         if histograms:
             self._log_histograms(trainer, step, host["act_hist"], host["grad_hist"], agg.histogram_edges)
         try:
-            self._diagnose(trainer, step, metrics, backward_order)
+            self._diagnose(trainer, step, values, backward_order)
         finally:
             self._raise_logger_error()
 
+    def _keys(self, stat: str, names: list[str]) -> list[str]:
+        # The same keys on every sampled step: formatted once (1,000 f-strings cost ~0.2 ms a step).
+        keys = self._key_cache.get(stat)
+        if keys is None or len(keys) != len(names):
+            keys = self._key_cache[stat] = [f"{self.prefix}/{stat}/{name}" for name in names]
+        return keys
+
     def _log(
         self, trainer: pl.Trainer, step: int, host: dict[str, list[float]], wanted: list[str], no_float: list[int]
-    ) -> dict[str, float]:
+    ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+        """Log the step; returns the metrics and the same values by statistic and name (what the rules read)."""
         count, grad_count, seen = host["count"], host["grad_count"], host["param_seen"]
         metrics: dict[str, float] = {}
+        values: dict[str, dict[str, float]] = {}
         for stat in wanted:
             if stat in PER_PARAMETER_STATS:
                 names, present = self._param_names, [s > 0 for s in seen]
@@ -867,9 +878,12 @@ class LayerHealthCallback(Callback):
             # NaN: not a ReLU-family layer (act_dead_frac); undefined for this output (an opt-in statistic of an
             # all-zero or constant output).
             undefined_skipped = stat == "act_dead_frac" or stat in self._opt_in.logged
-            for name, value, ok in zip(names, host[stat], present, strict=True):
+            group: dict[str, float] = {}
+            for key, name, value, ok in zip(self._keys(stat, names), names, host[stat], present, strict=True):
                 if ok and not (undefined_skipped and value != value):
-                    metrics[f"{self.prefix}/{stat}/{name}"] = value
+                    metrics[key] = group[name] = value
+            if group:
+                values[stat] = group
         if "grad_norm_total" in self.stats and any(s > 0 for s in seen):
             metrics[f"{self.prefix}/grad_norm_total"] = host["grad_norm_total"][0]
         # Depth travels as data so that a report can order layers from the logs of any logger.
@@ -928,7 +942,7 @@ class LayerHealthCallback(Callback):
                 logger.log_metrics(metrics, step=step)
             except Exception as error:  # the other loggers and the rules still get the step; raised after them
                 self._logger_error = self._logger_error or error
-        return metrics
+        return metrics, values
 
     def _raise_logger_error(self) -> None:
         error, self._logger_error = self._logger_error, None
@@ -976,8 +990,9 @@ class LayerHealthCallback(Callback):
                 info=True,
             )
 
-    def _diagnose(self, trainer: pl.Trainer, step: int, metrics: dict[str, float], backward_order: list[str]) -> None:
-        values = values_from_metrics(metrics, self.prefix)
+    def _diagnose(
+        self, trainer: pl.Trainer, step: int, values: dict[str, dict[str, float]], backward_order: list[str]
+    ) -> None:
         trip, self._trip = self._trip, None
         findings = evaluate(
             values,

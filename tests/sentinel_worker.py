@@ -42,9 +42,9 @@ def main(out_dir: str, mode: str) -> None:
             self.collectives[trainer.global_step] = count["calls"]
 
         def _log(self, trainer, step, *args, **kwargs):
-            metrics = super()._log(trainer, step, *args, **kwargs)
+            metrics, values = super()._log(trainer, step, *args, **kwargs)
             self.logged[step] = dict(metrics)
-            return metrics
+            return metrics, values
 
     class NaNOnRank1(nn.Module):
         def __init__(self) -> None:
