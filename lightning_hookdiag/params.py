@@ -130,8 +130,10 @@ def _host_square(t: Tensor) -> float:
     return S.square_sum(flat).item() if square is None else square
 
 
-_PACKED = 8192
+_PACKED = 1 << 16
 """Float32 host tensors up to this many elements are packed together (see :class:`HostPack`)."""
+_WIDE = 1 << 20
+"""Elements of the float64 scratch of a :class:`HostPack` (8 MiB): its sums of squares go in chunks of this size."""
 
 
 def _packable(t: Tensor) -> bool:
@@ -150,10 +152,11 @@ class HostPack:
     Many small parameters (a model of narrow layers) would otherwise cost a few torch calls each, per quantity, per
     sampled step (a ``cat`` of their flattened views alone took 0.18 ms for 98 parameters). One ``_foreach_copy_``
     or ``_foreach_sub_`` writes them all (float32 to float32: with a float64 buffer they take torch's slow path,
-    0.1 and 0.3 ms for 98 parameters), and their sums of squares are one copy into a float64 twin of the buffer and
-    one row norm per distinct size. A float32 value is exact in float64 and its square can neither overflow nor
-    underflow there (no prescaling); a NaN or Inf reaches its tensor's sum as in the per-tensor path. Both buffers
-    are kept by the pack's owner across steps: fresh host memory would be page-faulted in on every sampled step.
+    0.1 and 0.3 ms for 98 parameters). Their sums of squares are, per chunk of equally sized tensors (at most
+    :data:`_WIDE` elements), one copy into float64 scratch and one row norm. A float32 value is exact in float64 and
+    its square can neither overflow nor underflow there (no prescaling); a NaN or Inf reaches its tensor's sum as in
+    the per-tensor path. Buffer and scratch are kept by the pack's owner across steps: fresh host memory would be
+    page-faulted in on every sampled step.
 
     Args:
         shapes: The shapes of the tensors, in the order :meth:`load` receives them.
@@ -171,17 +174,20 @@ class HostPack:
         sizes = [math.prod(shape) for shape in shapes]
         order = sorted(range(len(shapes)), key=sizes.__getitem__)
         self.flat = torch.empty(sum(sizes), dtype=torch.float32)
-        self._wide = torch.empty(sum(sizes), dtype=torch.float64)
         self.views: list[Tensor] = [self.flat] * len(shapes)
         """One view of the buffer per tensor, in the given order and shape."""
-        self._rows: list[Tensor] = []
+        self._chunks: list[Tensor] = []  # [rows, size] views of the buffer, in packed order
         offset = 0
         for size, group in itertools.groupby(order, key=sizes.__getitem__):
             members = list(group)
-            self._rows.append(self._wide[offset : offset + size * len(members)].view(len(members), size))
+            per_chunk = max(1, _WIDE // size)
+            for start in range(0, len(members), per_chunk):
+                rows = len(members[start : start + per_chunk])
+                self._chunks.append(self.flat[offset + start * size : offset + (start + rows) * size].view(rows, size))
             for i in members:
                 self.views[i] = self.flat[offset : offset + size].view(shapes[i])
                 offset += size
+        self._wide = torch.empty(max((c.numel() for c in self._chunks), default=0), dtype=torch.float64)
         # Sums come out in packed (size) order; this index puts them back in the given order.
         self._unsort = torch.empty(len(order), dtype=torch.long)
         self._unsort[order] = torch.arange(len(order))
@@ -198,9 +204,11 @@ class HostPack:
 
     def squares(self, dtype: torch.dtype = torch.float64) -> Tensor:
         """The sum of squares of each packed tensor, in the order of the shapes, as a ``[len(shapes)]`` vector."""
-        self._wide.copy_(self.flat)
-        norms = torch.cat([torch.linalg.vector_norm(rows, dim=1) for rows in self._rows])
-        return norms[self._unsort].square_().to(dtype)
+        norms = []
+        for chunk in self._chunks:
+            wide = self._wide[: chunk.numel()].view(chunk.shape).copy_(chunk)
+            norms.append(torch.linalg.vector_norm(wide, dim=1))
+        return torch.cat(norms)[self._unsort].square_().to(dtype)
 
 
 def _squares(tensors: Sequence[Tensor], dtype: torch.dtype) -> Tensor:

@@ -61,7 +61,7 @@ def test_packed_and_single_parameters_mixed_match_float64(path):
     # Small float32 host parameters are packed together, sorted by size; large, float64 and bfloat16 ones are
     # measured one by one. Interleaved, every value must still land on its own parameter.
     g = torch.Generator().manual_seed(3)
-    shapes = [(64, 64), (8193,), (3,), (64, 64), (5,), (2, 3), (1,)]
+    shapes = [(64, 64), (P._PACKED + 1,), (3,), (64, 64), (5,), (2, 3), (1,)]
     dtypes = [torch.float32, torch.float32, torch.float64, torch.float32, torch.bfloat16, torch.float32, torch.float32]
     scales = [1e22, 1.0, 1.0, 1e-30, 1.0, 1.0, 1e3]
     ps = [
@@ -104,6 +104,19 @@ def test_host_pack_keeps_nonfinite_sums_and_sums_each_tensor_alone():
     assert squares[2] == 169.0
     assert squares[3] == pytest.approx(2 * float(torch.tensor(3e38).double()) ** 2, rel=1e-12)
     assert pack.subtract(tensors).squares().tolist()[2:] == [0.0, 0.0]
+
+
+def test_host_pack_sums_in_chunks_of_its_scratch_size(monkeypatch):
+    # Scratch of 8 elements: five tensors of 3 go in chunks of two, one of 20 alone (a chunk larger than _WIDE).
+    monkeypatch.setattr(P, "_WIDE", 8)
+    g = torch.Generator().manual_seed(7)
+    tensors = [torch.randn(3, generator=g) * 10.0**e for e in (-30, 0, 30, 5, -5)] + [torch.randn(4, 5, generator=g)]
+    tensors.insert(2, torch.randn(1, generator=g))
+    pack = P.HostPack([t.shape for t in tensors])
+    assert [tuple(c.shape) for c in pack._chunks] == [(1, 1), (2, 3), (2, 3), (1, 3), (1, 20)]
+    squares = pack.load(tensors).squares().tolist()
+    for t, got in zip(tensors, squares, strict=True):
+        assert got == pytest.approx(t.double().square().sum().item(), rel=1e-12)
 
 
 def test_parameter_stepped_by_two_optimizers_in_one_window_gets_two_copies(path):
@@ -156,8 +169,8 @@ def test_small_tensors_summed_together_match_float64_one_by_one():
     tensors = [
         torch.randn(64, 64, generator=g) * 1e22,  # squares overflow float32
         torch.randn(100, generator=g) * 1e-30,  # squares underflow float32
-        torch.randn(8192, generator=g) + 1e3,  # the largest batched size, mean >> std
-        torch.randn(8193, generator=g),  # one past it: the per-tensor path
+        torch.randn(P._PACKED, generator=g) + 1e3,  # the largest batched size, mean >> std
+        torch.randn(P._PACKED + 1, generator=g),  # one past it: the per-tensor path
         torch.tensor([1.0, float("nan")]),  # non-finite: recomputed alone, kept as NaN
         torch.zeros(0),
         torch.randn(7, generator=g, dtype=torch.float64),  # not float32: per tensor
