@@ -531,8 +531,9 @@ class LayerHealthCallback(Callback):
         """Remove hooks; once the sampled step's optimizer has stepped, pool and log it."""
         if self._hooks is None:
             return
-        self._hooks.remove()
-        self._warn_missing_grads()
+        if self._hooks.attached:  # a sampled micro-batch (an unsampled step pays nothing for the check below)
+            self._hooks.remove()
+            self._warn_missing_grads()
         if self._saved is not None and self._saved.attached:
             self._saved.remove()
             self._fold_saved_bytes()

@@ -166,6 +166,7 @@ class HookSet:
         self._on_grad = on_grad
         self._stance = _EagerStance() if eager else None
         self._handles: list[RemovableHandle] = []
+        self._attached = False
         self._tensor_handles: list[RemovableHandle] = []
         self.fired_order: list[int] = []
         """Indices of modules in the order their forward first ran since :meth:`clear_order`."""
@@ -181,13 +182,14 @@ class HookSet:
 
     @property
     def attached(self) -> bool:
-        """Whether hooks are currently registered."""
-        return bool(self._handles)
+        """Whether hooks are currently registered (between :meth:`attach` and :meth:`remove`, also for no module)."""
+        return self._attached
 
     def attach(self) -> HookSet:
         """Register a forward hook on every module (no-op if already attached)."""
-        if self._handles:
+        if self._attached:
             return self
+        self._attached = True
         self._handles = [m.register_forward_hook(h) for m, h in zip(self.modules, self._forward_hooks, strict=True)]
         if self._stance is not None:
             self._stance.enter()
@@ -201,6 +203,7 @@ class HookSet:
             handle.remove()
         self._handles = []
         self._tensor_handles = []
+        self._attached = False
         if self._stance is not None:
             self._stance.exit()
 

@@ -28,6 +28,29 @@ def test_attach_remove_is_idempotent_and_leaves_user_hooks():
     user.remove()
 
 
+def test_a_set_of_no_module_is_attached_until_removed_and_restores_the_stance():
+    from torch._dynamo import eval_frame
+
+    hooks = HookSet({}, lambda i, o: None)
+    hooks.attach()
+    assert hooks.attached
+    assert eval_frame._stance.stance == "force_eager"
+    hooks.remove()
+    assert not hooks.attached
+    assert eval_frame._stance.stance == "default"
+
+
+def test_gradient_sink_runs_without_grad_also_under_create_graph():
+    net = mlp()
+    modes = []
+    hooks = HookSet({"0": net[0]}, lambda i, o: None, lambda i, g: modes.append(torch.is_grad_enabled()))
+    with hooks:
+        (grad,) = torch.autograd.grad(net(torch.randn(2, 3)).sum(), net[0].weight, create_graph=True)
+    assert grad.requires_grad  # the graph was recorded for the caller, not for the sink
+    assert modes == [False]
+    assert torch.is_grad_enabled()
+
+
 def test_hooks_removed_when_body_raises():
     net = mlp()
     with pytest.raises(RuntimeError, match="boom"), HookSet(dict(net.named_children()), lambda i, o: None):
