@@ -457,3 +457,40 @@ def test_the_host_read_and_the_packed_read_trip_on_the_same_steps(monkeypatch, h
         trips.append(None if trip is None else (trip.kind, trip.loss if math.isfinite(trip.loss) else "nan"))
     assert trips == [None, None, None, ("nonfinite_grad", 0.5), ("nonfinite_loss", "nan"), ("loss_spike", 5e7), None]
     assert sentinel.reads == len(steps)
+
+
+def _reference_spike(window: list[float], loss: float, zscore: float, ratio: float) -> bool:
+    """The documented test, by hand: median and 1.4826 * MAD of the window, on a log scale for positive losses."""
+    positive = loss > 0 and all(v > 0 for v in window)
+    values = [math.log(v) for v in window] if positive else list(window)
+    ordered = sorted(values)
+    n = len(ordered)
+    centre = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+    deviations = sorted(abs(v - centre) for v in values)
+    mad = deviations[n // 2] if n % 2 else (deviations[n // 2 - 1] + deviations[n // 2]) / 2
+    rise = (math.log(loss) if positive else loss) - centre
+    minimum = math.log(ratio) if positive else (ratio - 1) * abs(centre)
+    return rise > zscore * 1.4826 * mad and rise > minimum
+
+
+def test_spike_decisions_match_the_median_mad_definition_also_near_the_ratio_bound():
+    # The detector skips the median when the loss is below ratio x the window's minimum; every decision must still
+    # be the definition's, on windows of every shape and on losses right at the bounds.
+    rng = random.Random(11)
+    detector_args = {"window": 30, "warmup": 5, "zscore": 3.0, "ratio": 4.0}
+    decisions = {True: 0, False: 0}
+    for trial in range(300):
+        detector = SpikeDetector(**detector_args)
+        level, spread = 10 ** rng.uniform(-3, 3), rng.choice([0.0, 0.01, 0.3, 1.0])
+        window = [level * math.exp(rng.gauss(0, spread)) for _ in range(rng.randint(5, 30))]
+        if trial % 7 == 0:
+            window[rng.randrange(len(window))] = -level  # a non-positive loss: the linear scale
+        for value in window:
+            detector.record(value)
+        low = min(window)
+        candidates = [low * 4.0, low * 4.0 * (1 + 1e-12), low * 4.0 * (1 - 1e-12), low * rng.uniform(0, 50), level * 1e3]
+        for loss in candidates:
+            expected = _reference_spike(window, loss, detector_args["zscore"], detector_args["ratio"])
+            assert detector.is_spike(loss) is expected, (window, loss)
+            decisions[expected] += 1
+    assert decisions[True] > 100 and decisions[False] > 100  # both outcomes exercised
