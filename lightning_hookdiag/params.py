@@ -33,6 +33,7 @@ __all__ = [
     "owned_parameters",
     "replicas",
     "squared_norms",
+    "stored_values",
 ]
 
 # Columns of the per-parameter state.
@@ -109,7 +110,7 @@ def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64)
     """
     if not tensors:
         return torch.zeros(0, dtype=dtype)
-    local = [_as_float(local_tensor(t).detach()) for t in tensors]
+    local = [_as_float(stored_values(local_tensor(t).detach())) for t in tensors]
     if all(S.reads_on_host(t) for t in local):
         return _squares(local, dtype)
     absmax = torch.stack(torch._foreach_norm(local, math.inf))
@@ -117,6 +118,21 @@ def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64)
     scaled = torch._foreach_mul(local, list(scale.unbind()))
     norms = torch.stack(torch._foreach_norm(scaled, 2, dtype=dtype))
     return norms.square() * torch.exp2(2 * exponent.to(dtype))
+
+
+def stored_values(t: Tensor) -> Tensor:
+    """The values a sparse tensor stores (duplicates of a COO tensor added up), ``t`` itself if it is dense.
+
+    Same sum of squares and the same NaN/Inf as the dense form: ``nn.Embedding(sparse=True)`` hands the optimizer
+    such gradients, on which dense reductions fail.
+
+    Example:
+        >>> stored_values(torch.sparse_coo_tensor([[0, 2, 2]], [3.0, 1.0, 3.0], (5,)))
+        tensor([3., 4.])
+    """
+    if t.layout == torch.strided:
+        return t
+    return t.coalesce().values() if t.layout == torch.sparse_coo else t.values()
 
 
 def _as_float(t: Tensor) -> Tensor:
@@ -173,7 +189,7 @@ class HostPack:
     def __init__(self, shapes: Sequence[torch.Size]) -> None:
         sizes = [math.prod(shape) for shape in shapes]
         order = sorted(range(len(shapes)), key=sizes.__getitem__)
-        self.flat = torch.empty(sum(sizes), dtype=torch.float32)
+        self.flat = torch.zeros(sum(sizes), dtype=torch.float32)  # a part never loaded reads as zeros
         self.views: list[Tensor] = [self.flat] * len(shapes)
         """One view of the buffer per tensor, in the given order and shape."""
         self._chunks: list[Tensor] = []  # [rows, size] views of the buffer, in packed order
@@ -192,14 +208,14 @@ class HostPack:
         self._unsort = torch.empty(len(order), dtype=torch.long)
         self._unsort[order] = torch.arange(len(order))
 
-    def load(self, tensors: Sequence[Tensor]) -> HostPack:
-        """Copy ``tensors`` (in the order of the shapes) into the buffer."""
-        torch._foreach_copy_(self.views, list(tensors))
+    def load(self, tensors: Sequence[Tensor], start: int = 0) -> HostPack:
+        """Copy ``tensors`` into the buffer: into the views of the shapes from position ``start`` on."""
+        torch._foreach_copy_(self.views[start : start + len(tensors)], list(tensors))
         return self
 
-    def subtract(self, tensors: Sequence[Tensor]) -> HostPack:
-        """Subtract ``tensors`` from the buffer's contents, in place."""
-        torch._foreach_sub_(self.views, list(tensors))
+    def subtract(self, tensors: Sequence[Tensor], start: int = 0) -> HostPack:
+        """Subtract ``tensors`` from the buffer's contents in place, from position ``start`` on."""
+        torch._foreach_sub_(self.views[start : start + len(tensors)], list(tensors))
         return self
 
     def squares(self, dtype: torch.dtype = torch.float64) -> Tensor:
@@ -299,9 +315,9 @@ class _Layout:
     """The parameters' positions, packed ones first, in the order of the measured values."""
     packed: list[nn.Parameter]
     rest: list[nn.Parameter]
-    weights: HostPack | None
-    """The packed weights: the snapshot across the step (kept across sampled steps), or scratch without one."""
-    grads: HostPack | None
+    pack: HostPack | None
+    """The packed weights, then their gradients: one copy and one pass for both. The weights are the snapshot
+    across the step, kept across sampled steps."""
 
 
 @dataclass
@@ -361,8 +377,7 @@ class ParameterTracker:
                 positions=(*packed, *rest),
                 packed=[self.params[i] for i in packed],
                 rest=[self.params[i] for i in rest],
-                weights=HostPack(shapes) if packed else None,
-                grads=HostPack(shapes) if packed else None,
+                pack=HostPack(shapes + shapes) if packed else None,
             )
             self._layouts[positions] = layout
         return layout
@@ -410,18 +425,21 @@ class ParameterTracker:
         layout = self._layout(tuple(positions))
         weight_parts: list[Tensor] = []
         grad_parts: list[Tensor] = []
-        pack = layout.weights
+        pack = layout.pack
         if pack is not None:
-            grads = [p.grad for p in layout.packed]
-            dense = all(g.dtype == torch.float32 and g.layout == torch.strided for g in grads)  # type: ignore[union-attr]
-            grad_parts.append(
-                layout.grads.load(grads).squares(self.dtype) if dense else squared_norms(grads, self.dtype)  # type: ignore[arg-type,union-attr]
-            )
+            n = len(layout.packed)
+            grads: list[Tensor] = [p.grad for p in layout.packed]  # type: ignore[misc]
             if any(snapshot.pack is pack for snapshot in self._snapshots):
                 # A parameter set stepped twice in one window (two optimizers over the same parameters): a second
                 # copy, not an overwrite of the first.
-                pack = HostPack([p.shape for p in layout.packed])
-            weight_parts.append(pack.load(layout.packed).squares(self.dtype))
+                pack = HostPack([p.shape for p in layout.packed] * 2)
+            if all(g.dtype == torch.float32 and g.layout == torch.strided for g in grads):
+                squares = pack.load([*layout.packed, *grads]).squares(self.dtype)
+                grad_parts.append(squares[n:])
+            else:  # a sparse or differently typed gradient: one by one
+                squares = pack.load(layout.packed).squares(self.dtype)
+                grad_parts.append(squared_norms(grads, self.dtype))
+            weight_parts.append(squares[:n])
         local = [local_tensor(p).detach() for p in layout.rest]
         before: list[Tensor] = []
         if local:
@@ -474,7 +492,8 @@ class ParameterTracker:
             indices.append(snapshot.index)
             parts = []
             if snapshot.pack is not None:
-                parts.append(snapshot.pack.subtract(snapshot.packed).squares(self.dtype))
+                # The gradients' half of the pack is summed again too: fewer calls than summing half of it.
+                parts.append(snapshot.pack.subtract(snapshot.packed).squares(self.dtype)[: len(snapshot.packed)])
             # In place on the copies, which are not read again: no second weight-sized allocation.
             before, current = snapshot.before, snapshot.current
             if before and all(S.reads_on_host(t) for t in before):

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from lightning_hookdiag import stats as S
 from lightning_hookdiag.distributed import all_reduce_packed
 from lightning_hookdiag.hooks import HookSet
+from lightning_hookdiag.params import stored_values
 
 __all__ = [
     "SENTINEL_MODES",
@@ -261,7 +262,7 @@ class LossSentinel:
             return None
         if scale is not None:
             loss = loss / scale.to(loss.device, torch.float32)
-        grads = list(grads) if self.mode == "loss+grads" else []
+        grads = [stored_values(g) for g in grads] if self.mode == "loss+grads" else []
         self.reads += 1
         if self.reduce_max is None and S.reads_on_host(loss) and all(S.reads_on_host(g) for g in grads):
             # One process, host memory: a read is a load, not a device sync, so read the values as they are.

@@ -47,7 +47,7 @@ def test_tracker_matches_reference_over_several_steps(path, dtype):
             # The difference is taken in the parameter's dtype: bf16 rounds it to 8 significant bits.
             assert update_sq[row].item() == pytest.approx(update, rel=1e-6 if dtype == torch.float32 else 2e-2)
         if path == "host":  # the copies are reused, not reallocated, from one sampled step to the next
-            packs = [layout.weights.flat for layout in tracker._layouts.values() if layout.weights is not None]
+            packs = [layout.pack.flat for layout in tracker._layouts.values() if layout.pack is not None]
             current = [id(b) for b in [*tracker._host_buffers.values(), *packs]]
             assert current
             assert buffers is None or current == buffers
@@ -183,3 +183,22 @@ def test_small_tensors_summed_together_match_float64_one_by_one():
             assert math.isnan(got)
         else:
             assert got == pytest.approx(want, rel=1e-6, abs=0.0)
+
+
+def test_a_sparse_gradient_is_measured_like_its_dense_value(path):
+    # nn.Embedding(sparse=True) hands SGD a sparse gradient, with repeated rows that add up.
+    emb = nn.Embedding(10, 4, sparse=True)
+    dense = nn.Linear(4, 1)
+    tracker = P.ParameterTracker({"emb.weight": emb.weight, "lin.weight": dense.weight, "lin.bias": dense.bias})
+    opt = torch.optim.SGD([*emb.parameters(), *dense.parameters()], lr=0.1)
+    dense(emb(torch.tensor([1, 3, 3, 7]))).square().sum().backward()
+    assert emb.weight.grad.is_sparse
+    index, values = tracker.before_step(opt.param_groups)
+    grads = {i: values[row, P.P_GRAD_SQ].item() for row, i in enumerate(index.tolist())}
+    assert grads[0] == pytest.approx(sq(emb.weight.grad.to_dense()), rel=1e-6)
+    assert grads[1] == pytest.approx(sq(dense.weight.grad), rel=1e-6)
+    before = emb.weight.detach().clone()
+    opt.step()
+    update_index, update_sq = tracker.after_step()
+    updates = dict(zip(update_index.tolist(), update_sq.tolist(), strict=True))
+    assert updates[0] == pytest.approx(sq(emb.weight.detach() - before), rel=1e-6)

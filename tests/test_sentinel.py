@@ -459,6 +459,22 @@ def test_the_host_read_and_the_packed_read_trip_on_the_same_steps(monkeypatch, h
     assert sentinel.reads == len(steps)
 
 
+@pytest.mark.parametrize("host", [True, False])
+def test_sparse_gradients_are_checked_by_their_stored_values(monkeypatch, host):
+    # nn.Embedding(sparse=True) gradients: dense reductions fail on them; a NaN among their values must trip.
+    if not host:
+        monkeypatch.setattr(SN.S, "reads_on_host", lambda t: False)
+    sentinel = LossSentinel("loss+grads", SpikeDetector(warmup=3))
+    healthy = torch.sparse_coo_tensor([[0, 4, 4]], [1.0, 2.0, 3.0], (6,))
+    bad = torch.sparse_coo_tensor([[1, 3]], [1.0, math.nan], (6,))
+    trips = []
+    for step, grad in enumerate([healthy, bad, healthy]):
+        sentinel.observe_loss(torch.tensor(1.0))
+        trip = sentinel.check(step, [grad, torch.ones(2)])
+        trips.append(None if trip is None else trip.kind)
+    assert trips == [None, "nonfinite_grad", None]
+
+
 def _reference_spike(window: list[float], loss: float, zscore: float, ratio: float) -> bool:
     """The documented test, by hand: median and 1.4826 * MAD of the window, on a log scale for positive losses."""
     positive = loss > 0 and all(v > 0 for v in window)
