@@ -392,3 +392,30 @@ def test_unit_dim_out_of_range_raises_naming_it_and_the_layer():
     logger = RecordingLogger()
     make_trainer([LayerHealthCallback(every_n_steps=1, unit_dim=-1)], max_steps=1, logger=logger).fit(TinyModule())
     assert f"{P}/act_dead_frac/model.1" in by_step(logger)[0]
+
+
+class _SparseEmbeddingModule(TinyModule):
+    """Token ids through nn.Embedding(sparse=True) into a linear head: SGD gets a sparse gradient."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randint(0, 12, (32, 3), generator=g), torch.randn(32, 1))
+        super().__init__(nn.Sequential(nn.Embedding(12, 4, sparse=True), nn.Flatten(), nn.Linear(12, 1)), data)
+
+
+def test_a_sparse_embedding_gradient_is_measured_in_a_real_fit():
+    module = _SparseEmbeddingModule()
+    logger = RecordingLogger()
+    callback = LayerHealthCallback(every_n_steps=1, sentinel="loss+grads")
+    make_trainer([callback], max_steps=2, logger=logger).fit(module)
+    step, weights = module.record[-1][0], module.record[-1][3]
+    metrics = dict(logger.calls[-1][1])
+    assert logger.calls[-1][0] == step
+    # The gradient of the last step, recomputed by hand from its batch and weights, densely.
+    ref = module.reference_model(weights)
+    x, y = module.record[-1][1], module.record[-1][2]
+    nn.functional.mse_loss(ref(x), y).backward()
+    dense = ref[0].weight.grad.to_dense().double()
+    assert metrics["layer_health/param_grad_norm/model.0.weight"] == pytest.approx(dense.norm().item(), rel=1e-6)
+    assert count_hooks(module) == 0
+    assert callback.trips == []
