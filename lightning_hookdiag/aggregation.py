@@ -539,7 +539,8 @@ class StepRecorder:
     otherwise and for tensors holding a NaN or Inf (see :mod:`lightning_hookdiag.stats`).
 
     Small tensors in host memory (at most :data:`SMALL_TENSOR` elements) are not reduced inside the hook: the hook
-    copies them (a following in-place op could change the output) and the copies are reduced together, a few
+    copies them (a following in-place op could change the output) into a row of a buffer of their shape and dtype
+    kept across steps, with one call, and the rows are reduced together, a few
     tensor ops per group of equally shaped tensors, when the aggregator next folds its observations (at the
     optimizer step and when the step is logged). On a model of many small layers the fixed cost of a dozen tensor
     ops and ``.item()`` reads per hook call, not the data, is what a sampled step pays for (48 Linear(64) + ReLU

@@ -5,10 +5,12 @@ The update ratio needs the weights from before the step: :class:`ParameterTracke
 
 On an accelerator every reduction is a fused ``torch._foreach_norm`` over all parameters at once (one kernel, not one
 per parameter), and the copy is taken from the caching allocator on each sampled step and dropped after it. In host
-memory (see :func:`~lightning_hookdiag.stats.reads_on_host`) passes over memory, not kernel launches, are the cost:
-each parameter's copy is reduced while it is still in cache (right after ``copy_``/``sub_``), and the copy
-lives in buffers kept across sampled steps, because fresh host memory is page-faulted in on every use. Measured on
-the 12 MiB benchmark MLP (2-core CPU): 6.4 ms per sampled step with fused norms and a fresh copy, 4.9 ms this way.
+memory (see :func:`~lightning_hookdiag.stats.reads_on_host`) passes over memory, not kernel launches, are the cost
+of large parameters: each one's copy is reduced while it is still in cache (right after ``copy_``/``sub_``), and the
+copy lives in buffers kept across sampled steps, because fresh host memory is page-faulted in on every use. Measured
+on the 12 MiB benchmark MLP (2-core CPU): 6.4 ms per sampled step with fused norms and a fresh copy, 4.9 ms this way.
+Small float32 parameters are the opposite case, a few torch calls each being their whole cost: they go through one
+:class:`HostPack`, a handful of calls for all of them.
 """
 
 from __future__ import annotations
