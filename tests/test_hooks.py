@@ -51,6 +51,43 @@ def test_gradient_sink_runs_without_grad_also_under_create_graph():
     assert torch.is_grad_enabled()
 
 
+def test_reattaching_keeps_the_order_a_new_registration_would_have():
+    # Between two sampled steps a user adds a hook: it runs before ours on the next step, as it would if ours were
+    # registered anew; one added while ours are attached runs after ours.
+    net = mlp()
+    calls = []
+    hooks = HookSet({"0": net[0]}, lambda i, o: calls.append("ours"))
+    for cycle in range(3):
+        hooks.attach()
+        if cycle == 1:
+            during = net[0].register_forward_hook(lambda m, a, o: calls.append("during"))
+        net(torch.randn(2, 3))
+        hooks.remove()
+        assert count_hooks(net) == (1 if cycle >= 1 else 0) + (1 if cycle == 2 else 0)
+        if cycle == 1:
+            between = net[0].register_forward_hook(lambda m, a, o: calls.append("between"))
+    assert calls == ["ours", "ours", "during", "during", "between", "ours"]
+    during.remove()
+    between.remove()
+    assert count_hooks(net) == 0
+
+
+def test_a_module_whose_hook_dict_was_replaced_gets_a_new_registration():
+    from collections import OrderedDict
+
+    net = mlp()
+    calls = []
+    hooks = HookSet({"0": net[0]}, lambda i, o: calls.append(i))
+    hooks.attach()
+    hooks.remove()
+    net[0]._forward_hooks = OrderedDict()  # what rebuilding the module's state in place does
+    hooks.attach()
+    net(torch.randn(2, 3))
+    assert calls == [0]
+    hooks.remove()
+    assert count_hooks(net) == 0
+
+
 def test_hooks_removed_when_body_raises():
     net = mlp()
     with pytest.raises(RuntimeError, match="boom"), HookSet(dict(net.named_children()), lambda i, o: None):
