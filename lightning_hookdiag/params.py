@@ -178,6 +178,8 @@ class HostPack:
 
     Args:
         shapes: The shapes of the tensors, in the order :meth:`load` receives them.
+        split: The first ``split`` tensors are packed apart from the rest, so that :meth:`squares` can sum them
+            alone (the tracker's weights, apart from their gradients); ``None`` for all together.
 
     Example:
         >>> pack = HostPack([torch.Size([2]), torch.Size([1, 1]), torch.Size([2])])
@@ -188,20 +190,27 @@ class HostPack:
         tensor([[2.]])
     """
 
-    def __init__(self, shapes: Sequence[torch.Size]) -> None:
+    def __init__(self, shapes: Sequence[torch.Size], split: int | None = None) -> None:
         sizes = [math.prod(shape) for shape in shapes]
-        order = sorted(range(len(shapes)), key=sizes.__getitem__)
+        self._split = len(shapes) if split is None else split
+
+        def key(i: int) -> tuple[bool, int]:
+            return (i >= self._split, sizes[i])
+
+        order = sorted(range(len(shapes)), key=key)
         self.flat = torch.zeros(sum(sizes), dtype=torch.float32)  # a part never loaded reads as zeros
         self.views: list[Tensor] = [self.flat] * len(shapes)
         """One view of the buffer per tensor, in the given order and shape."""
         self._chunks: list[Tensor] = []  # [rows, size] views of the buffer, in packed order
+        self._first_chunks = 0  # chunks of the first `split` tensors, which come first
         offset = 0
-        for size, group in itertools.groupby(order, key=sizes.__getitem__):
+        for (second, size), group in itertools.groupby(order, key=key):
             members = list(group)
             per_chunk = max(1, _WIDE // size)
             for start in range(0, len(members), per_chunk):
                 rows = len(members[start : start + per_chunk])
                 self._chunks.append(self.flat[offset + start * size : offset + (start + rows) * size].view(rows, size))
+                self._first_chunks += not second
             for i in members:
                 self.views[i] = self.flat[offset : offset + size].view(shapes[i])
                 offset += size
@@ -220,13 +229,19 @@ class HostPack:
         torch._foreach_sub_(self.views[start : start + len(tensors)], list(tensors))
         return self
 
-    def squares(self, dtype: torch.dtype = torch.float64) -> Tensor:
-        """The sum of squares of each packed tensor, in the order of the shapes, as a ``[len(shapes)]`` vector."""
+    def squares(self, dtype: torch.dtype = torch.float64, first: bool = False) -> Tensor:
+        """The sum of squares of each packed tensor, in the order of the shapes, as a ``[len(shapes)]`` vector.
+
+        Args:
+            dtype: Of the result.
+            first: Only the first ``split`` tensors (a ``[split]`` vector).
+        """
         norms = []
-        for chunk in self._chunks:
+        for chunk in self._chunks[: self._first_chunks] if first else self._chunks:
             wide = self._wide[: chunk.numel()].view(chunk.shape).copy_(chunk)
             norms.append(torch.linalg.vector_norm(wide, dim=1))
-        return torch.cat(norms)[self._unsort].square_().to(dtype)
+        unsort = self._unsort[: self._split] if first else self._unsort
+        return torch.cat(norms)[unsort].square_().to(dtype)
 
 
 def _squares(tensors: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
@@ -379,7 +394,7 @@ class ParameterTracker:
                 positions=(*packed, *rest),
                 packed=[self.params[i] for i in packed],
                 rest=[self.params[i] for i in rest],
-                pack=HostPack(shapes + shapes) if packed else None,
+                pack=HostPack(shapes + shapes, split=len(shapes)) if packed else None,
             )
             self._layouts[positions] = layout
         return layout
@@ -434,7 +449,7 @@ class ParameterTracker:
             if any(snapshot.pack is pack for snapshot in self._snapshots):
                 # A parameter set stepped twice in one window (two optimizers over the same parameters): a second
                 # copy, not an overwrite of the first.
-                pack = HostPack([p.shape for p in layout.packed] * 2)
+                pack = HostPack([p.shape for p in layout.packed] * 2, split=len(layout.packed))
             if all(g.dtype == torch.float32 and g.layout == torch.strided for g in grads):
                 squares = pack.load([*layout.packed, *grads]).squares(self.dtype)
                 grad_parts.append(squares[n:])
@@ -494,8 +509,7 @@ class ParameterTracker:
             indices.append(snapshot.index)
             parts = []
             if snapshot.pack is not None:
-                # The gradients' half of the pack is summed again too: fewer calls than summing half of it.
-                parts.append(snapshot.pack.subtract(snapshot.packed).squares(self.dtype)[: len(snapshot.packed)])
+                parts.append(snapshot.pack.subtract(snapshot.packed).squares(self.dtype, first=True))
             # In place on the copies, which are not read again: no second weight-sized allocation.
             before, current = snapshot.before, snapshot.current
             if before and all(S.reads_on_host(t) for t in before):

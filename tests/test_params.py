@@ -202,3 +202,19 @@ def test_a_sparse_gradient_is_measured_like_its_dense_value(path):
     update_index, update_sq = tracker.after_step()
     updates = dict(zip(update_index.tolist(), update_sq.tolist(), strict=True))
     assert updates[0] == pytest.approx(sq(emb.weight.detach() - before), rel=1e-6)
+
+
+def test_host_pack_sums_its_first_part_alone():
+    # Weights, then gradients of the same shapes: the weights are packed apart and can be summed alone.
+    g = torch.Generator().manual_seed(8)
+    shapes = [torch.Size([3]), torch.Size([2, 2]), torch.Size([3])]
+    weights = [torch.randn(s, generator=g) for s in shapes]
+    grads = [torch.randn(s, generator=g) * 1e3 for s in shapes]
+    pack = P.HostPack(shapes * 2, split=3).load([*weights, *grads])
+    everything = pack.squares().tolist()
+    for t, got in zip([*weights, *grads], everything, strict=True):
+        assert got == pytest.approx(t.double().square().sum().item(), rel=1e-12)
+    first = pack.squares(first=True).tolist()
+    assert first == everything[:3]
+    gradients_start = min(view.data_ptr() for view in pack.views[3:])
+    assert all(chunk.data_ptr() < gradients_start for chunk in pack._chunks[: pack._first_chunks])
