@@ -813,16 +813,16 @@ class LayerHealthCallback(Callback):
         step = self._window
         assert step is not None
         agg = self._aggregator
+        updated = None
         if self._tracker is not None:
             if before_update:
                 self._tracker.release()  # there is no update to measure
             else:
                 updated = self._tracker.after_step()
-                if updated is not None:
-                    agg.update(params=(updated[0], updated[1], P.P_UPDATE_SQ))
         if self._saved is not None:
             agg.add_saved_bytes(self._saved.pop_peak())  # one host-to-device copy per sampled step
-        agg.update()  # every process takes part in the reduction, also one whose layers did not run
+        # Every process takes part in the reduction, also one whose layers did not run.
+        agg.update(params=None if updated is None else (updated[0], updated[1], P.P_UPDATE_SQ))
         values = agg.compute()  # reduced over processes: one SUM and one MAX all-reduce (aggregation.py)
         skip = {"param_update_ratio"} if before_update else set()
         if not self._window_layers:

@@ -101,7 +101,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the rules only read a Trip's fields; importing the sentinel at run time would import torch
@@ -366,6 +366,8 @@ class _Context:
     trip: Trip | None = None
     baseline: Baseline | None = None
     last_finite: Mapping[str, int] | None = None
+    shared: dict[str, Any] = field(default_factory=dict, compare=False)
+    """What several rules derive from the same values (both gradient rules sort the same ratios)."""
 
     def stat(self, name: str) -> Mapping[str, float]:
         return self.values.get(name) or {}
@@ -548,6 +550,12 @@ def _dead_units(ctx: _Context) -> list[Finding]:
 
 def _gradient_ratios(ctx: _Context) -> tuple[str, float, list[tuple[str, float]]] | None:
     """The output-end reference layer and norm, and every other usable layer's ratio to it, in backward order."""
+    if "gradient_ratios" not in ctx.shared:
+        ctx.shared["gradient_ratios"] = _compute_gradient_ratios(ctx)
+    return ctx.shared["gradient_ratios"]
+
+
+def _compute_gradient_ratios(ctx: _Context) -> tuple[str, float, list[tuple[str, float]]] | None:
     nonfinite = ctx.stat("act_grad_nonfinite")
     # A norm taken over only the finite part of a NaN-ridden gradient means nothing; `nonfinite` reports those.
     usable = [
