@@ -289,6 +289,6 @@ class HookSet:
                 self.grad_order.append(index)
             if on_grad is not None:
                 with _no_grad():  # a backward with create_graph=True records its ops
-                    on_grad(index, grad.detach())
+                    on_grad(index, grad.detach() if grad.requires_grad else grad)
 
         return hook
