@@ -324,6 +324,13 @@ def owned_parameters(root: nn.Module, skip: Iterable[str] = ()) -> dict[str, nn.
     return found
 
 
+def _joined(parts: list[Tensor], device: torch.device) -> Tensor:
+    """``parts`` concatenated on ``device``; the part itself when there is one (all packed, or none)."""
+    if len(parts) == 1 and parts[0].device == device:
+        return parts[0]
+    return torch.cat([part.to(device) for part in parts])
+
+
 @dataclass
 class _Layout:
     """How the parameters one optimizer steps are measured: small float32 host ones packed, the others one by one."""
@@ -474,8 +481,7 @@ class ParameterTracker:
                 if self._snapshot_enabled:
                     before = torch._foreach_mul(local, 1.0)
         device = weight_parts[-1].device
-        weight_sq = torch.cat([part.to(device) for part in weight_parts])
-        grad_sq = torch.cat([part.to(device) for part in grad_parts])
+        weight_sq, grad_sq = _joined(weight_parts, device), _joined(grad_parts, device)
         index = self._index(layout.positions, device)
         share = self._share(layout.positions, device)
         if share is not None:
@@ -520,7 +526,7 @@ class ParameterTracker:
                 torch._foreach_sub_(before, current)
                 parts.append(squared_norms(before, self.dtype))
             device = snapshot.index.device
-            update_sq = torch.cat([part.to(device) for part in parts])
+            update_sq = _joined(parts, device)
             updates.append(update_sq if snapshot.share is None else update_sq * snapshot.share)
         self._snapshots = []
         return torch.cat(indices), torch.cat(updates)
