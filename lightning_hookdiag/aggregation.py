@@ -594,6 +594,7 @@ class StepRecorder:
         # Host memory only, kept across steps like the workspace's host buffers: fresh pages would be faulted in on
         # every sampled step.
         self._slabs: dict[tuple[bool, torch.Size, torch.dtype], _Slab] = {}
+        self._used: set[tuple[bool, torch.Size, torch.dtype]] = set()  # slabs used since the last release
         aggregator.deferred = self
 
     # The three methods below run once per hooked module call and per output gradient: a few hundred times per
@@ -616,6 +617,7 @@ class StepRecorder:
             slab = self._slabs.get(slab_key)
             if slab is None:
                 slab = self._slabs[slab_key] = _Slab(*key)
+            self._used.add(slab_key)
             kept = pending[key] = _Kept([], slab)
         layers, views = kept.layers, kept.slab.views
         n = len(layers)
@@ -692,6 +694,18 @@ class StepRecorder:
             gradient=S.gradient_moments(grad, agg.acc_dtype, self.workspace) if fast is None else None,
             grad_hist=S.histogram_counts(grad, agg.histogram_edges) if self.histograms else None,
         )
+
+    def release(self, keep_host: bool = False) -> None:
+        """Release scratch memory: the workspace's and the rows kept back.
+
+        Args:
+            keep_host: Keep host scratch and the rows of the shapes used since the last release, for the next sampled
+                step, which most likely sees the same shapes. Rows of other shapes go: a run whose sequence length
+                varies would otherwise keep rows for every length it ever saw.
+        """
+        self.workspace.release(keep_host=keep_host)
+        self._slabs = {k: v for k, v in self._slabs.items() if k in self._used} if keep_host else {}
+        self._used = set()
 
     def clear(self) -> None:
         """Drop the observations kept back (the step is discarded)."""

@@ -785,7 +785,7 @@ class LayerHealthCallback(Callback):
         self._window = None
         self._trip = None
         if self._recorder is not None:
-            self._recorder.workspace.release()
+            self._recorder.release()
             self._recorder.no_float_output.clear()
             self._recorder.empty_output.clear()
             self._recorder.sparse_output.clear()
@@ -844,7 +844,7 @@ class LayerHealthCallback(Callback):
         self._hooks.clear_order()
         no_float = sorted(self._recorder.no_float_output)
         self._recorder.no_float_output.clear()
-        self._recorder.workspace.release(keep_host=True)  # host scratch is reused by the next sampled step
+        self._recorder.release(keep_host=True)  # host scratch is reused by the next sampled step
         agg.reset()
         agg.grad_scale = None
         self._window = None

@@ -157,3 +157,23 @@ def test_many_calls_of_one_shape_over_several_steps_reuse_the_kept_rows():
     assert len(buffers[0]) == 2  # one slab for outputs, one for gradients
     assert buffers[0] == buffers[1]
     assert all(slab.buffer.shape[0] == 64 for slab in recorder._slabs.values())
+
+
+def test_rows_of_shapes_no_longer_seen_are_released():
+    # A sequence length that changes from step to step must not leave rows behind for every length ever seen.
+    agg = LayerStatsAggregator(n_layers=1)
+    recorder = StepRecorder(agg)
+    for length in (5, 6, 7, 7):
+        output = torch.randn(2, length, 4)
+        recorder.on_output(0, output)
+        recorder.on_grad(0, output)
+        agg.update()
+        agg.reset()
+        recorder.release(keep_host=True)  # what the callback does when a sampled step is logged
+        assert {key[1] for key in recorder._slabs} == {torch.Size([2, length, 4])}
+    outputs_key = (True, torch.Size([2, 7, 4]), torch.float32)
+    kept = recorder._slabs[outputs_key].buffer
+    recorder.on_output(0, torch.randn(2, 7, 4))
+    assert recorder._slabs[outputs_key].buffer is kept  # a shape seen again: its rows are reused
+    recorder.release()
+    assert not recorder._slabs
