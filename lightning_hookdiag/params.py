@@ -342,6 +342,8 @@ class _Layout:
     pack: HostPack | None
     """The packed weights, then their gradients: one copy and one pass for both. The weights are the snapshot
     across the step, kept across sampled steps."""
+    shapes: list[torch.Size]
+    """The packed parameters' shapes when the pack was built."""
 
 
 @dataclass
@@ -391,9 +393,10 @@ class ParameterTracker:
         self._share_cache: dict[tuple[int, ...], Tensor | None] = {}
 
     def _layout(self, positions: tuple[int, ...]) -> _Layout:
-        # Built once per distinct parameter set: which parameters are packed, and the packs' buffers.
+        # Built once per distinct parameter set: which parameters are packed, and the packs' buffers. Built again if
+        # a packed parameter changed shape (its `.data` replaced: a grown vocabulary, a pruned layer).
         layout = self._layouts.get(positions)
-        if layout is None:
+        if layout is None or [p.shape for p in layout.packed] != layout.shapes:
             packed = [i for i in positions if _packable(self.params[i])]
             rest = [i for i in positions if i not in set(packed)]
             shapes = [self.params[i].shape for i in packed]
@@ -402,6 +405,7 @@ class ParameterTracker:
                 packed=[self.params[i] for i in packed],
                 rest=[self.params[i] for i in rest],
                 pack=HostPack(shapes + shapes, split=len(shapes)) if packed else None,
+                shapes=shapes,
             )
             self._layouts[positions] = layout
         return layout

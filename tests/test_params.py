@@ -218,3 +218,22 @@ def test_host_pack_sums_its_first_part_alone():
     assert first == everything[:3]
     gradients_start = min(view.data_ptr() for view in pack.views[3:])
     assert all(chunk.data_ptr() < gradients_start for chunk in pack._chunks[: pack._first_chunks])
+
+
+def test_a_packed_parameter_whose_shape_changes_gets_a_new_pack():
+    # `.data` replaced between sampled steps (a grown vocabulary): the same Parameter object, another shape.
+    emb, bias = nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(3))
+    tracker = P.ParameterTracker({"emb": emb, "bias": bias})
+    opt = torch.optim.SGD([emb, bias], lr=0.1)
+    for rows in (5, 7):
+        if rows != emb.shape[0]:
+            emb.data = torch.randn(rows, 3)
+        emb.grad, bias.grad = torch.randn(rows, 3), torch.randn(3)
+        before = emb.detach().clone()
+        index, values = tracker.before_step(opt.param_groups)
+        opt.step()
+        _, update_sq = tracker.after_step()
+        row = index.tolist().index(0)
+        assert values[row, P.P_WEIGHT_SQ].item() == pytest.approx(sq(before), rel=1e-6)
+        assert values[row, P.P_GRAD_SQ].item() == pytest.approx(sq(emb.grad), rel=1e-6)
+        assert update_sq[row].item() == pytest.approx(sq(emb.detach() - before), rel=1e-6)
