@@ -419,3 +419,36 @@ def test_a_sparse_embedding_gradient_is_measured_in_a_real_fit():
     assert metrics["layer_health/param_grad_norm/model.0.weight"] == pytest.approx(dense.norm().item(), rel=1e-6)
     assert count_hooks(module) == 0
     assert callback.trips == []
+
+
+class _InferenceTargetModule(TinyModule):
+    """``training_step`` first runs the selected layers under ``torch.inference_mode()`` (a bootstrapped target)."""
+
+    def __init__(self, width: int) -> None:
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g))
+        super().__init__(nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 1)), data, batch_size=4)
+
+    def training_step(self, batch, batch_idx):
+        with torch.inference_mode():
+            target = self.model(batch[0]).clone()
+        return super().training_step(batch, batch_idx) + 0.0 * target.sum().item()
+
+
+@pytest.mark.parametrize("width", [8, 8192], ids=["kept-back rows", "per-unit maxima in the hook"])
+def test_layers_that_also_run_under_inference_mode_are_observed_without_breaking_the_fit(width):
+    # The first call of a shape under inference mode used to create the scratch the next calls write into as an
+    # inference tensor: "Inplace update to inference tensor outside InferenceMode" on the next training forward.
+    module = _InferenceTargetModule(width)
+    logger = RecordingLogger()
+    callback = LayerHealthCallback(every_n_steps=2, sentinel=None)
+    make_trainer([callback], max_steps=4, logger=logger).fit(module)
+    step, x, _, weights = module.record[-2]  # the last sampled step (2)
+    assert step == logger.calls[-1][0] == 2
+    hidden = torch.relu(module.reference_model(weights)[0](x)).double()  # both calls of the step saw this
+    metrics = dict(logger.calls[-1][1])
+    assert metrics["layer_health/act_mean/model.1"] == pytest.approx(hidden.mean().item(), rel=1e-6)
+    assert metrics["layer_health/act_std/model.1"] == pytest.approx(hidden.std(correction=0).item(), rel=1e-6)
+    dead = (hidden.amax(dim=0) <= 0).double().mean().item()
+    assert metrics["layer_health/act_dead_frac/model.1"] == pytest.approx(dead, abs=1e-12)
+    assert count_hooks(module) == 0
