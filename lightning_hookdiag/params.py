@@ -241,6 +241,8 @@ class HostPack:
             wide = self._wide[: chunk.numel()].view(chunk.shape).copy_(chunk)
             norms.append(torch.linalg.vector_norm(wide, dim=1))
         unsort = self._unsort[: self._split] if first else self._unsort
+        if not norms:  # no tensor (in the part asked for)
+            return torch.zeros(len(unsort), dtype=dtype)
         return torch.cat(norms)[unsort].square_().to(dtype)
 
 
@@ -342,8 +344,12 @@ class _Layout:
     pack: HostPack | None
     """The packed weights, then their gradients: one copy and one pass for both. The weights are the snapshot
     across the step, kept across sampled steps."""
-    shapes: list[torch.Size]
-    """The packed parameters' shapes when the pack was built."""
+    signature: list[tuple[torch.Size, torch.dtype, bool]]
+    """Shape, dtype and host residence of each packed parameter when the pack was built."""
+
+
+def _signature(params: Sequence[Tensor]) -> list[tuple[torch.Size, torch.dtype, bool]]:
+    return [(p.shape, p.dtype, S.reads_on_host(p)) for p in params]
 
 
 @dataclass
@@ -389,14 +395,16 @@ class ParameterTracker:
         self._snapshots: list[_Snapshot] = []
         self._host_buffers: dict[int, Tensor] = {}
         self._layouts: dict[tuple[int, ...], _Layout] = {}
+        self._used: set[tuple[int, ...]] = set()  # parameter sets stepped since the last prune
         self._index_cache: dict[tuple[int, ...], Tensor] = {}
         self._share_cache: dict[tuple[int, ...], Tensor | None] = {}
 
     def _layout(self, positions: tuple[int, ...]) -> _Layout:
         # Built once per distinct parameter set: which parameters are packed, and the packs' buffers. Built again if
-        # a packed parameter changed shape (its `.data` replaced: a grown vocabulary, a pruned layer).
+        # a packed parameter's `.data` was replaced by another shape, dtype or device (a grown vocabulary, a cast).
+        self._used.add(positions)
         layout = self._layouts.get(positions)
-        if layout is None or [p.shape for p in layout.packed] != layout.shapes:
+        if layout is None or _signature(layout.packed) != layout.signature:
             packed = [i for i in positions if _packable(self.params[i])]
             rest = [i for i in positions if i not in set(packed)]
             shapes = [self.params[i].shape for i in packed]
@@ -405,10 +413,20 @@ class ParameterTracker:
                 packed=[self.params[i] for i in packed],
                 rest=[self.params[i] for i in rest],
                 pack=HostPack(shapes + shapes, split=len(shapes)) if packed else None,
-                shapes=shapes,
+                signature=_signature([self.params[i] for i in packed]),
             )
             self._layouts[positions] = layout
         return layout
+
+    def _prune(self) -> None:
+        # Keep the layouts (and their packs) of the parameter sets stepped in the window just measured: the set
+        # changes whenever a parameter gets no gradient (a skipped block, an expert without tokens), and keeping a
+        # pack per set ever seen grew without bound.
+        self._layouts = {k: v for k, v in self._layouts.items() if k in self._used}
+        kept = {layout.positions for layout in self._layouts.values()}
+        self._index_cache = {k: v for k, v in self._index_cache.items() if k in kept}
+        self._share_cache = {k: v for k, v in self._share_cache.items() if k in kept}
+        self._used = set()
 
     def _index(self, positions: tuple[int, ...], device: torch.device) -> Tensor:
         # One host-to-device copy per distinct parameter set per run, not per step.
@@ -463,11 +481,11 @@ class ParameterTracker:
                 pack = HostPack([p.shape for p in layout.packed] * 2, split=len(layout.packed))
             if all(g.dtype == torch.float32 and g.layout == torch.strided for g in grads):
                 squares = pack.load([*layout.packed, *grads]).squares(self.dtype)
+                weight_parts.append(squares[:n])
                 grad_parts.append(squares[n:])
             else:  # a sparse or differently typed gradient: one by one
-                squares = pack.load(layout.packed).squares(self.dtype)
+                weight_parts.append(pack.load(layout.packed).squares(self.dtype, first=True))
                 grad_parts.append(squared_norms(grads, self.dtype))
-            weight_parts.append(squares[:n])
         local = [local_tensor(p).detach() for p in layout.rest]
         before: list[Tensor] = []
         if local:
@@ -512,6 +530,7 @@ class ParameterTracker:
         Returns:
             ``(index, update_sq)`` or ``None`` if nothing was snapshotted. The snapshot is released.
         """
+        self._prune()
         if not self._snapshots:
             return None
         indices, updates = [], []
@@ -539,4 +558,5 @@ class ParameterTracker:
         """Drop any pending snapshot without measuring it, and the copies kept across sampled steps in host memory."""
         self._snapshots = []
         self._host_buffers = {}
-        self._layouts = {}
+        self._used = set()
+        self._prune()  # with nothing used: every layout, index and share goes

@@ -237,3 +237,54 @@ def test_a_packed_parameter_whose_shape_changes_gets_a_new_pack():
         assert values[row, P.P_WEIGHT_SQ].item() == pytest.approx(sq(before), rel=1e-6)
         assert values[row, P.P_GRAD_SQ].item() == pytest.approx(sq(emb.grad), rel=1e-6)
         assert update_sq[row].item() == pytest.approx(sq(emb.detach() - before), rel=1e-6)
+
+
+def test_packs_of_parameter_sets_no_longer_stepped_are_released():
+    # A block skipped on some steps leaves its parameters without a gradient: the stepped set changes from step to
+    # step, and a pack kept for every set ever seen grew without bound.
+    g = torch.Generator().manual_seed(9)
+    ps = [nn.Parameter(torch.randn(16, generator=g)) for _ in range(6)]
+    tracker = P.ParameterTracker({f"p{i}": p for i, p in enumerate(ps)})
+    opt = torch.optim.SGD(ps, lr=0.1)
+    for step in range(20):
+        for i, p in enumerate(ps):
+            p.grad = torch.randn(16, generator=g) if (i + step) % 3 else None
+        tracker.before_step(opt.param_groups)
+        opt.step()
+        tracker.after_step()
+        assert len(tracker._layouts) == 1
+        assert len(tracker._index_cache) <= 1
+    tracker.release()
+    assert not tracker._layouts
+    assert not tracker._index_cache
+
+
+@pytest.mark.parametrize("change", ["dtype", "device"])
+def test_a_packed_parameter_cast_or_moved_gets_a_new_layout(monkeypatch, change):
+    # `.data` replaced by float64 (or, as seen by the tracker, moved off the host): the float32 pack must not be
+    # reused, or the copy from before the step is rounded and the update is mostly rounding error.
+    w = nn.Parameter(torch.ones(8) + torch.arange(8) * 1e-3)
+    tracker = P.ParameterTracker({"w": w})
+    opt = torch.optim.SGD([w], lr=1e-9)
+    w.grad = torch.ones(8)
+    tracker.before_step(opt.param_groups)
+    opt.step()
+    tracker.after_step()
+    if change == "dtype":
+        w.data = w.data.double()
+    else:
+        monkeypatch.setattr(P.S, "reads_on_host", lambda t: False)
+    w.grad = torch.ones(8, dtype=w.dtype)
+    before = w.detach().clone()
+    tracker.before_step(opt.param_groups)
+    opt.step()
+    _, update_sq = tracker.after_step()
+    assert update_sq.item() == pytest.approx(sq(w.detach() - before), rel=1e-6)
+    assert next(iter(tracker._layouts.values())).pack is None  # measured one by one now
+
+
+def test_an_empty_host_pack_sums_to_nothing():
+    assert P.HostPack([]).squares().tolist() == []
+    pack = P.HostPack([torch.Size([2])], split=0).load([torch.tensor([3.0, 4.0])])
+    assert pack.squares(first=True).tolist() == []
+    assert pack.squares().tolist() == [25.0]
