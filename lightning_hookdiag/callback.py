@@ -737,6 +737,7 @@ class LayerHealthCallback(Callback):
         if all_reduce_max(flag).item() > 0:
             self._discard_window()
             return failure or "the replay failed on another process"
+        self._warn_missing_grads()  # the replay attached and removed its hooks itself: batch end will not look
         return None
 
     @staticmethod

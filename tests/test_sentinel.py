@@ -512,3 +512,38 @@ def test_spike_decisions_match_the_median_mad_definition_also_near_the_ratio_bou
             decisions[expected] += 1
     assert decisions[True] > 100  # both outcomes exercised
     assert decisions[False] > 100
+
+
+class _DetachedSideFrom(nn.Module):
+    """A side branch that stops reaching the loss from step ``start`` on (its output is detached)."""
+
+    def __init__(self, start: int) -> None:
+        super().__init__()
+        self.main, self.side = nn.Linear(4, 1), nn.Linear(4, 2)
+        self.start, self.step = start, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        side = self.side(x)
+        return self.main(x) + 0 * (side.detach() if self.step >= self.start else side).sum()
+
+
+def test_a_replayed_step_names_an_output_that_got_no_gradient(monkeypatch):
+    # The replay attaches and removes its own hooks, so the batch end finds none attached; the warning about an
+    # output that required grad but got none must come from the replay itself.
+    original = LossSentinel.check
+
+    def check(self, step, *args, **kwargs):
+        trip = original(self, step, *args, **kwargs)
+        if step != 2:
+            return trip
+        self.previous_trip = step
+        return Trip(step=step, kind="loss_spike", loss=1.0, baseline=1.0)
+
+    monkeypatch.setattr(LossSentinel, "check", check)
+    module = TinyModule(model=_DetachedSideFrom(start=1))
+    module.on_step = lambda m, i: setattr(m.model, "step", m.global_step)
+    callback = LayerHealthCallback(every_n_steps=100, on_anomaly="ignore", summary=False)
+    with pytest.warns(LayerHealthWarning, match="'model.side' required grad but received no gradient"):
+        make_trainer([callback], max_steps=4, logger=RecordingLogger()).fit(module)
+    assert [trip.step for trip in callback.trips] == [2]
+    assert callback.trips[0].replayed
