@@ -207,8 +207,9 @@ class HookSet:
         else:
             # Re-attaching puts each hook back under the id of its first registration, which lands it at the end
             # of the module's hooks, exactly where a new registration would, without building a handle and three
-            # weak references per module (attach + remove of 97 modules: 197 -> 36 us). A module whose hook dict was
-            # replaced since gets a new registration.
+            # weak references per module (attach + remove of 97 modules: 197 -> 36 us). Valid because the hook is
+            # registered with the defaults (no with_kwargs, no always_call), so `_forward_hooks` is the only dict that
+            # holds it. A module whose hook dict was replaced since gets a new registration.
             for i, (module, hook, handle) in enumerate(
                 zip(self.modules, self._forward_hooks, self._handles, strict=True)
             ):
