@@ -597,9 +597,9 @@ class StepRecorder:
         self._used: set[tuple[bool, torch.Size, torch.dtype]] = set()  # slabs used since the last release
         aggregator.deferred = self
 
-    # The three methods below run once per hooked module call and per output gradient: a few hundred times per
-    # sampled step on a model of many small layers, where their Python is a measurable part of the step. Hence
-    # numel passed along, not recomputed, and no helper call in the common case.
+    # The methods below run once per hooked module call and per output gradient: a few hundred times per sampled
+    # step on a model of many small layers, where their Python is a measurable part of the step (numel is passed
+    # along, not recomputed).
     def _defer(self, tensor: Tensor, numel: int) -> bool:
         return (
             numel <= SMALL_TENSOR
@@ -619,11 +619,9 @@ class StepRecorder:
                 slab = self._slabs[slab_key] = _Slab(*key)
             self._used.add(slab_key)
             kept = pending[key] = _Kept([], slab)
-        layers, views = kept.layers, kept.slab.views
-        n = len(layers)
         # A copy now: a following in-place op (ReLU(inplace=True)) could change the output.
-        (views[n] if n < len(views) else kept.slab.row(n)).copy_(tensor)
-        layers.append(layer)
+        kept.slab.row(len(kept.layers)).copy_(tensor)
+        kept.layers.append(layer)
         self._kept += numel
         if self._kept > _DEFERRED_BUDGET:
             self.flush()
@@ -819,10 +817,11 @@ class _Slab:
 
     def row(self, i: int) -> Tensor:
         """Row ``i``, the slab doubled first if it has fewer rows (the rows before ``i`` are kept)."""
-        if i == len(self.views):
-            grown = torch.empty(max(16, 2 * i), *self.buffer.shape[1:], dtype=self.buffer.dtype)
-            grown[:i].copy_(self.buffer[:i])
-            self.buffer, self.views = grown, list(grown.unbind())
+        if i < len(self.views):
+            return self.views[i]
+        grown = torch.empty(max(16, 2 * i), *self.buffer.shape[1:], dtype=self.buffer.dtype)
+        grown[:i].copy_(self.buffer[:i])
+        self.buffer, self.views = grown, list(grown.unbind())
         return self.views[i]
 
     def rows(self, n: int) -> tuple[Tensor, Tensor]:
