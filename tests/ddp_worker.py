@@ -30,9 +30,8 @@ COLLECTIVES = (
 
 
 def main(out_dir: str) -> None:
-    import lightning.pytorch as pl
     import torch.distributed as dist
-    from conftest import TinyModule
+    from conftest import TinyModule, make_trainer
     from torch import nn
     from torch.utils.data import TensorDataset
 
@@ -92,18 +91,12 @@ def main(out_dir: str) -> None:
             if opt_in
             else CountingCallback(every_n_steps=2)
         )
-        trainer = pl.Trainer(
-            accelerator="cpu",
+        trainer = make_trainer(
+            [callback],
+            max_steps=5,
             devices=2,
             strategy="ddp",
-            max_steps=5,
             accumulate_grad_batches=2,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-            num_sanity_val_steps=0,
-            callbacks=[callback],
             use_distributed_sampler=False,
         )
         trainer.fit(module)
@@ -123,7 +116,7 @@ def branch_run(callback_class: type) -> dict:
     Returns the pooled values per sampled step and the branch ReLU's outputs this rank saw, per step.
     """
     import lightning.pytorch as pl
-    from conftest import make_data
+    from conftest import make_data, make_trainer
     from torch import nn
     from torch.utils.data import DataLoader
 
@@ -159,19 +152,7 @@ def branch_run(callback_class: type) -> dict:
 
     module = Branchy()
     callback = callback_class(every_n_steps=2, summary=False, on_anomaly="ignore")
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        max_steps=4,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
-        callbacks=[callback],
-        use_distributed_sampler=False,
-    )
+    trainer = make_trainer([callback], max_steps=4, devices=2, strategy="ddp", use_distributed_sampler=False)
     trainer.fit(module)
     return {
         "pooled": callback.pooled,

@@ -275,6 +275,7 @@ def run_torch(out_dir: str) -> None:
 def run_lightning(out_dir: str, strategy: str, accelerator: str, devices: int) -> None:
     """``Trainer.fit`` with the callback under FSDP2 (``model_parallel``) or FSDP (``fsdp``)."""
     import lightning.pytorch as pl
+    from conftest import make_trainer
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -329,18 +330,13 @@ def run_lightning(out_dir: str, strategy: str, accelerator: str, devices: int) -
         if strategy == "model_parallel"
         else strategy
     )
-    trainer = pl.Trainer(
+    trainer = make_trainer(
+        [callback],
+        max_steps=STEPS,
         accelerator=accelerator,
         devices=devices,
         strategy=kind,
-        max_steps=STEPS,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
         use_distributed_sampler=False,
-        callbacks=[callback],
     )
     trainer.fit(module)
     ref = module.unsharded[0]

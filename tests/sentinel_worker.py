@@ -22,6 +22,7 @@ SICK_STEP = 3
 
 def main(out_dir: str, mode: str) -> None:
     import lightning.pytorch as pl
+    from conftest import make_trainer
     from fsdp_worker import count_collectives, counted
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
@@ -108,19 +109,7 @@ def main(out_dir: str, mode: str) -> None:
         max_steps = 3
 
     callback = Recording(every_n_steps=10, on_anomaly="ignore", summary=False)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
-        use_distributed_sampler=False,
-        callbacks=[callback],
-    )
+    trainer = make_trainer([callback], max_steps=max_steps, devices=2, strategy=strategy, use_distributed_sampler=False)
     trainer.fit(Module())
     torch.save(
         {
