@@ -219,14 +219,14 @@ class HostPack:
         self._unsort = torch.empty(len(order), dtype=torch.long)
         self._unsort[order] = torch.arange(len(order))
 
-    def load(self, tensors: Sequence[Tensor], start: int = 0) -> HostPack:
-        """Copy ``tensors`` into the buffer: into the views of the shapes from position ``start`` on."""
-        torch._foreach_copy_(self.views[start : start + len(tensors)], list(tensors))
+    def load(self, tensors: Sequence[Tensor]) -> HostPack:
+        """Copy ``tensors`` into the views of the first ``len(tensors)`` shapes (the first part only, or all)."""
+        torch._foreach_copy_(self.views[: len(tensors)], list(tensors))
         return self
 
-    def subtract(self, tensors: Sequence[Tensor], start: int = 0) -> HostPack:
-        """Subtract ``tensors`` from the buffer's contents in place, from position ``start`` on."""
-        torch._foreach_sub_(self.views[start : start + len(tensors)], list(tensors))
+    def subtract(self, tensors: Sequence[Tensor]) -> HostPack:
+        """Subtract ``tensors`` in place from the views of the first ``len(tensors)`` shapes."""
+        torch._foreach_sub_(self.views[: len(tensors)], list(tensors))
         return self
 
     def squares(self, dtype: torch.dtype = torch.float64, first: bool = False) -> Tensor:
@@ -358,8 +358,9 @@ class _Snapshot:
     packed: list[nn.Parameter]
     pack: HostPack | None
     current: list[Tensor]
-    """The other parameters' local tensors, and their copies from before the step."""
+    """The unpacked parameters' local tensors."""
     before: list[Tensor]
+    """Their copies from before the step."""
     share: Tensor | None
 
 
