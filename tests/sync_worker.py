@@ -18,7 +18,6 @@ Every rank saves ``OUT/rank{r}.pt`` with:
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -360,15 +359,11 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from fsdp_worker import free_port
+
     out_dir, world = sys.argv[1], int(sys.argv[2])
     mp.spawn(run_rank, args=(world, free_port(), out_dir), nprocs=world, join=True)
