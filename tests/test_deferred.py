@@ -43,14 +43,14 @@ def layer_outputs() -> dict[int, list[torch.Tensor]]:
     }
 
 
-def recorded(outputs: dict[int, list[torch.Tensor]], unit_layers: frozenset[int] = frozenset()):
+def recorded(outputs: dict[int, list[torch.Tensor]], unit_layers: frozenset[int] = frozenset(), deferred: bool = True):
     agg = LayerStatsAggregator(n_layers=len(outputs))
     recorder = StepRecorder(agg, unit_layers=unit_layers)
     for layer, calls in outputs.items():
         for output in calls:
             recorder.on_output(layer, output)
             recorder.on_grad(layer, output)
-    assert recorder._acts  # really kept back, not reduced in the hook
+    assert bool(recorder._acts) == deferred  # really kept back (or reduced in the hook), as the test means
     agg.update()
     return agg.compute()
 
@@ -72,22 +72,10 @@ def test_batched_reduction_matches_float64_reference():
 def test_batched_reduction_matches_the_per_call_path(monkeypatch):
     batched = recorded(layer_outputs(), unit_layers=frozenset({0, 1, 4}))
     monkeypatch.setattr(A, "SMALL_TENSOR", 0)  # every tensor reduced inside its hook, as before
-    per_call = recorded_without_deferral(layer_outputs(), unit_layers=frozenset({0, 1, 4}))
+    per_call = recorded(layer_outputs(), unit_layers=frozenset({0, 1, 4}), deferred=False)
     for stat in ("act_mean", "act_std", "act_absmax", "act_zero_frac", "act_nonfinite", "act_grad_norm"):
         torch.testing.assert_close(batched[stat], per_call[stat], rtol=1e-6, atol=1e-12, equal_nan=True)
     torch.testing.assert_close(batched["act_dead_frac"], per_call["act_dead_frac"], equal_nan=True)
-
-
-def recorded_without_deferral(outputs, unit_layers):
-    agg = LayerStatsAggregator(n_layers=len(outputs))
-    recorder = StepRecorder(agg, unit_layers=unit_layers)
-    for layer, calls in outputs.items():
-        for output in calls:
-            recorder.on_output(layer, output)
-            recorder.on_grad(layer, output)
-    assert not recorder._acts
-    agg.update()
-    return agg.compute()
 
 
 def test_dead_units_of_kept_back_outputs():
