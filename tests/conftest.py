@@ -1,4 +1,4 @@
-"""Shared test helpers: hook counting, an in-memory logger, tiny LightningModules and a Trainer factory."""
+"""Shared test helpers: hook counting, an in-memory logger, tiny LightningModules, a Trainer factory, forced trips."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import torch
 from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_hookdiag.sentinel import LossSentinel, Trip
 
 
 def count_hooks(root: nn.Module) -> int:
@@ -133,3 +135,17 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+def force_trips(monkeypatch, steps: set[int]) -> None:
+    """Make the sentinel trip on ``steps`` (a loss spike) without changing what training computes."""
+    original = LossSentinel.check
+
+    def check(self, step, *args, **kwargs):
+        trip = original(self, step, *args, **kwargs)
+        if step not in steps:
+            return trip
+        self.previous_trip = step
+        return Trip(step=step, kind="loss_spike", loss=1.0, baseline=1.0)
+
+    monkeypatch.setattr(LossSentinel, "check", check)

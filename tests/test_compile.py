@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, count_hooks, make_data, make_trainer
+from conftest import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -92,18 +92,7 @@ def test_compiled_model_gets_the_same_opt_in_statistics_as_eager():
 
 
 def test_a_replay_of_a_compiled_model_observes_every_layer_like_eager(monkeypatch):
-    from lightning_hookdiag.sentinel import LossSentinel, Trip
-
-    original = LossSentinel.check
-
-    def check(self, step, *args, **kwargs):
-        trip = original(self, step, *args, **kwargs)
-        if step != 3:
-            return trip
-        self.previous_trip = step
-        return Trip(step=step, kind="loss_spike", loss=1.0, baseline=1.0)
-
-    monkeypatch.setattr(LossSentinel, "check", check)
+    force_trips(monkeypatch, {3})
 
     def replayed(model: nn.Module) -> tuple[dict[str, float], TinyModule]:
         logger = RecordingLogger()

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, make_data, make_trainer
+from conftest import RecordingLogger, TinyModule, force_trips, make_data, make_trainer
 from lightning.pytorch.loggers import CSVLogger
 from reference import flat, replay_sequential
 from test_outliers import reference as outlier_reference
@@ -148,7 +148,7 @@ def test_nan_parameter_gradients_are_still_logged_but_undefined_opt_in_values_ar
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_a_replayed_step_logs_the_opt_in_values_a_sampled_step_logs(monkeypatch, accumulate):
-    from test_sentinel import fit_dropping, force_trips
+    from test_sentinel import fit_dropping
 
     def opt_in(every: int, **kwargs) -> LayerHealthCallback:
         stats = list(OPT_IN_STATS)

@@ -7,14 +7,14 @@ import random
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, count_hooks, make_data, make_trainer
+from conftest import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer
 from lightning.pytorch import Callback
 from torch import nn
 from torchmetrics import MeanMetric
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthError, LayerHealthWarning
 from lightning_hookdiag import sentinel as SN
-from lightning_hookdiag.sentinel import LossSentinel, SpikeDetector, Trip
+from lightning_hookdiag.sentinel import LossSentinel, SpikeDetector
 
 P = "layer_health"
 
@@ -178,20 +178,6 @@ class Dropping(TinyModule):
         self.log("user/noise", torch.rand(()) + random.random())  # the RNG streams training continues with
         self.log("user/mean_out", self.mean_out, on_step=False, on_epoch=True)
         return loss
-
-
-def force_trips(monkeypatch, steps: set[int]) -> None:
-    """Make the sentinel trip on ``steps`` (a loss spike) without changing what training computes."""
-    original = LossSentinel.check
-
-    def check(self, step, *args, **kwargs):
-        trip = original(self, step, *args, **kwargs)
-        if step not in steps:
-            return trip
-        self.previous_trip = step
-        return Trip(step=step, kind="loss_spike", loss=1.0, baseline=1.0)
-
-    monkeypatch.setattr(LossSentinel, "check", check)
 
 
 def fit_dropping(callbacks, logger, max_steps=8, **kwargs) -> Dropping:
@@ -530,16 +516,7 @@ class _DetachedSideFrom(nn.Module):
 def test_a_replayed_step_names_an_output_that_got_no_gradient(monkeypatch):
     # The replay attaches and removes its own hooks, so the batch end finds none attached; the warning about an
     # output that required grad but got none must come from the replay itself.
-    original = LossSentinel.check
-
-    def check(self, step, *args, **kwargs):
-        trip = original(self, step, *args, **kwargs)
-        if step != 2:
-            return trip
-        self.previous_trip = step
-        return Trip(step=step, kind="loss_spike", loss=1.0, baseline=1.0)
-
-    monkeypatch.setattr(LossSentinel, "check", check)
+    force_trips(monkeypatch, {2})
     module = TinyModule(model=_DetachedSideFrom(start=1))
     module.on_step = lambda m, i: setattr(m.model, "step", m.global_step)
     callback = LayerHealthCallback(every_n_steps=100, on_anomaly="ignore", summary=False)
