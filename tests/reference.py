@@ -27,6 +27,19 @@ def activation_stats(values: list[float]) -> dict[str, float]:
     }
 
 
+def activation_stats_float64(x: torch.Tensor) -> dict[str, float]:
+    """:func:`activation_stats` with float64 tensor ops, for tensors too large for a Python loop."""
+    d = x.double().reshape(-1)
+    finite = d[torch.isfinite(d)]
+    return {
+        "act_mean": finite.mean().item(),
+        "act_std": finite.std(correction=0).item(),
+        "act_absmax": finite.abs().max().item(),
+        "act_zero_frac": (d == 0).double().mean().item(),
+        "act_nonfinite": float(d.numel() - finite.numel()),
+    }
+
+
 def dead_fraction(outputs: list[torch.Tensor]) -> float:
     """Units on the last axis that are <= 0 for every row of every micro-batch."""
     units = outputs[0].shape[-1]

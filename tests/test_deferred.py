@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from reference import activation_stats_float64
 
 from lightning_hookdiag import aggregation as A
 from lightning_hookdiag.aggregation import LayerStatsAggregator, StepRecorder
@@ -13,15 +14,7 @@ from lightning_hookdiag.aggregation import LayerStatsAggregator, StepRecorder
 
 def reference(outputs: list[torch.Tensor]) -> dict[str, float]:
     """Pooled statistics of one layer's outputs over several calls, by hand in float64."""
-    x = torch.cat([o.reshape(-1) for o in outputs]).double()
-    finite = x[torch.isfinite(x)]
-    return {
-        "act_mean": finite.mean().item(),
-        "act_std": finite.std(correction=0).item(),
-        "act_absmax": finite.abs().max().item(),
-        "act_zero_frac": (x == 0).double().mean().item(),
-        "act_nonfinite": float((~torch.isfinite(x)).sum()),
-    }
+    return activation_stats_float64(torch.cat([o.reshape(-1) for o in outputs]))
 
 
 def layer_outputs() -> dict[int, list[torch.Tensor]]:

@@ -2,7 +2,7 @@ import math
 
 import pytest
 import torch
-from reference import activation_stats
+from reference import activation_stats, activation_stats_float64
 
 from lightning_hookdiag import stats as S
 
@@ -175,18 +175,6 @@ def test_host_fast_path_matches_reference(values, dtype):
         assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
 
 
-def _float64_expectations(x: torch.Tensor) -> dict[str, float]:
-    d = x.double()
-    finite = d[torch.isfinite(d)]
-    return {
-        "act_mean": finite.mean().item(),
-        "act_std": finite.std(correction=0).item(),
-        "act_absmax": finite.abs().max().item(),
-        "act_zero_frac": (d == 0).double().mean().item(),
-        "act_nonfinite": float(d.numel() - finite.numel()),
-    }
-
-
 def _both_paths(x: torch.Tensor, ws: S.Workspace) -> list[dict[str, float]]:
     results = []
     host = S.host_activation_moments(x, ws)
@@ -217,7 +205,7 @@ def test_statistics_match_float64_to_1e6_on_large_tensors(name):
     # 1 M+ elements, on any CPU: the square sums must not depend on the BLAS kernel (a float32 ``dot`` was 1.7e-4
     # off on the ReLU tensor on an AMD EPYC) or cancel when the mean is much larger than the spread.
     x = _large_tensors()[name]
-    expected = _float64_expectations(x)
+    expected = activation_stats_float64(x)
     ws = S.Workspace()
     results = _both_paths(x, ws)
     assert len(results) == 2  # the host fast path took it
@@ -242,7 +230,7 @@ def test_statistics_stay_finite_and_exact_for_extreme_magnitudes(scale, nan):
     x = (torch.randn(300_000, generator=g) + 0.3) * scale
     if nan:
         x[17] = float("nan")
-    expected = _float64_expectations(x)
+    expected = activation_stats_float64(x)
     results = _both_paths(x, S.Workspace())
     assert len(results) == (1 if nan else 2)
     for stats in results:
