@@ -200,8 +200,9 @@ class LayerHealthCallback(Callback):
         every_n_steps: Sample optimizer steps ``0, n, 2n, ...``.
         layers: Dotted module names or fnmatch globs (``*`` also crosses dots), relative to the LightningModule,
             as listed by :func:`~lightning_hookdiag.list_layers`. ``None`` selects every leaf module and every
-            module that computes with parameters it owns, such as ``nn.MultiheadAttention`` (or, with
-            ``layer_types``, every module of those types), and tracks every parameter of the LightningModule.
+            module that computes with parameters it owns, such as ``nn.MultiheadAttention``, except loss modules
+            and torchmetrics metrics (or, with ``layer_types``, every module of those types), and tracks every
+            parameter of the LightningModule.
         layer_types: Keep only instances of these classes, given as classes or import strings such as
             ``"torch.nn.Linear"``.
         exclude: Globs of module names to leave out.
