@@ -12,7 +12,15 @@ Rule                    Field                              Default   Fires when
 ``nonfinite``           (none)                             (none)    ``act_nonfinite > 0``, ``act_grad_nonfinite > 0``
                                                                      or ``param_grad_norm`` is NaN/Inf; one finding
                                                                      per origin kind, naming the origin layer
+``eval_mode``           (none)                             (none)    a BatchNorm or Dropout ran with
+                                                                     ``training=False`` in a training step while the
+                                                                     parameters it trains require grad; one finding
+                                                                     naming the first in forward order (see below)
 ``dead_units``          ``dead_frac_threshold``            ``0.9``   ``act_dead_frac >= dead_frac_threshold``
+``no_gradient``         (none)                             (none)    outputs required grad but got no gradient,
+                                                                     though a layer after them in forward order did
+                                                                     (a ``.detach()``); one finding naming the first
+                                                                     such layer, ``value``: how many (see below)
 ``vanishing_gradient``  ``vanishing_ratio``                ``1e-3``  from some layer to the input end, *no* layer's
                                                                      ``act_grad_norm`` reaches ``vanishing_ratio``
                                                                      times the output end's (see below)
@@ -44,6 +52,26 @@ forward order is merely the first user of a broken weight. The finding then name
 the earliest layer owning one), says when they were last observed finite, and no activation or gradient origin is
 named. On a step the sentinel tripped on, a non-finite loss that the observed layers do not explain, or a trip that
 could not be replayed, still gives a ``nonfinite`` finding, about ``loss``.
+
+``no_gradient`` reports the layers the gradient never reached on its way to the input end: their output required
+grad, no gradient arrived in it, they ran *before* the first layer in forward order that received one, and none of
+the parameters they own got a non-zero gradient (:func:`cut_off`). A layer that ran after a layer that received a
+gradient is a branch that does not reach the loss by design (BERT's pooler under a token-level head, a second
+output nothing reads), and the last layers of a step without backward got none for a reason; both stay silent, and
+a one-time note still says that they have no ``act_grad`` statistics. The parameter check keeps silent on modules
+that return a tuple, of which only the first floating-point tensor is watched (an ``nn.LSTM`` whose head reads
+``h_n``). Not visible: a ``torch.no_grad()`` block (its outputs do not require grad, as a teacher's or an EMA copy's
+do not), and a detached side branch whose input still gets a gradient through another path.
+
+``eval_mode``: the callback checks ``module.training`` of every BatchNorm (``_BatchNorm``) and Dropout
+(``_DropoutNd``) module at the start of each sampled training batch and again when its loss is handed to
+backward; a module in eval mode at both points ran its forward in eval mode (a ``training_step`` that switches
+modes back and forth between two of its own forwards is not seen). It counts only where eval mode changes the
+output (a Dropout with ``p > 0``, a BatchNorm that tracks running statistics) and something the module affects
+learns: its own parameters require grad, or, for a module without parameters (Dropout, ``affine=False``), those of
+the nearest enclosing module that has any. Frozen-BN fine-tuning (BN in eval, its weights ``requires_grad=False``)
+and a frozen backbone in eval mode are therefore silent; so is validation (Lightning restores each module's mode
+afterwards). See :func:`~lightning_hookdiag.modes.eval_mode_modules`.
 
 ``loss_spike``'s activation scale is the root mean square of a layer's finite outputs, ``sqrt(act_mean**2 +
 act_std**2)``, or ``act_absmax`` when those two statistics are not computed. The RMS follows the bulk of the
@@ -100,7 +128,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -117,6 +145,7 @@ __all__ = [
     "Baseline",
     "Finding",
     "RuleConfig",
+    "cut_off",
     "evaluate",
     "format_error",
     "values_from_metrics",
@@ -125,7 +154,9 @@ __all__ = [
 RULES: tuple[str, ...] = (
     "nonfinite",
     "loss_spike",
+    "eval_mode",
     "dead_units",
+    "no_gradient",
     "vanishing_gradient",
     "exploding_gradient",
     "saturation",
@@ -366,6 +397,8 @@ class _Context:
     trip: Trip | None = None
     baseline: Baseline | None = None
     last_finite: Mapping[str, int] | None = None
+    missing_grads: Collection[str] = ()
+    eval_mode: Mapping[str, str] = field(default_factory=dict)
     shared: dict[str, Any] = field(default_factory=dict, compare=False)
     """What several rules derive from the same values (both gradient rules sort the same ratios)."""
 
@@ -528,6 +561,41 @@ def _nonfinite_origins(ctx: _Context) -> list[Finding]:
     return [f for f in (forward, backward, params) if f is not None]
 
 
+def _eval_mode(ctx: _Context) -> list[Finding]:
+    if not ctx.eval_mode:
+        return []
+    given = {name: i for i, name in enumerate(ctx.eval_mode)}
+    names = sorted(given, key=lambda n: (*ctx.orders.forward_key(n)[:2], given[n]))
+    first, kind = names[0], ctx.eval_mode[names[0]]
+    effect = (
+        "drops nothing, so the regularisation the model was built with is off"
+        if "Dropout" in kind
+        else "normalises with its running statistics instead of the batch's and stops updating them"
+    )
+    others = [f"{n} ({ctx.eval_mode[n]})" for n in names[1:]]
+    return [
+        Finding(
+            rule="eval_mode",
+            layer=first,
+            step=ctx.step,
+            value=float(len(names)),
+            threshold=0.0,
+            message=f"eval_mode at step {ctx.step}: {first} ({kind}) ran with training=False in a training step while"
+            f" the parameters it trains require grad: it {effect}. Is a model.eval() of an inner evaluation left on?"
+            f" Call .train() after it{_modules_also(others)}",
+            phase="forward",
+            stat="training",
+        )
+    ]
+
+
+def _modules_also(others: Sequence[str]) -> str:
+    if not others:
+        return ""
+    verb = "is" if len(others) == 1 else "are"
+    return f"; {_plural(len(others), 'more module')} {verb} in eval mode too: {_listing(others)}"
+
+
 def _dead_units(ctx: _Context) -> list[Finding]:
     threshold = ctx.config.dead_frac_threshold
     return [
@@ -545,6 +613,69 @@ def _dead_units(ctx: _Context) -> list[Finding]:
         for layer, frac in ctx.stat("act_dead_frac").items()
         # NaN (a layer whose units are not tracked) compares False and is skipped with the rest.
         if _finite(frac) and frac >= threshold
+    ]
+
+
+def cut_off(
+    missing_grads: Collection[str],
+    forward_order: Sequence[str],
+    backward_order: Sequence[str],
+    param_grad_norm: Mapping[str, float] | None = None,
+) -> list[str]:
+    """The layers the gradient never reached on its way to the input end, in forward order (``no_gradient``).
+
+    A layer is cut off when its output required grad but received no gradient (``missing_grads``) and it ran
+    before the first layer, in forward order, that did receive one (``backward_order``), and none of the parameters
+    it owns received a non-zero gradient (``param_grad_norm``, when known). A layer that ran *after* some layer that
+    received a gradient is a branch that does not reach the loss by design (BERT's pooler under a token-level head,
+    an auxiliary output): the network before it learns, so it is not reported; nor is anything when no layer
+    received a gradient (no backward ran). The parameter check covers modules that return a tuple: only the first
+    floating-point output is watched, and an ``nn.LSTM`` whose ``h_n`` alone feeds the head still learns.
+
+    Example:
+        >>> cut_off({"body.0", "body.1", "pool"}, ["body.0", "body.1", "head", "pool"], ["head"])
+        ['body.0', 'body.1']
+        >>> cut_off({"lstm"}, ["lstm", "head"], ["head"], {"lstm.weight_hh_l0": 0.3})
+        []
+    """
+    forward = {}
+    for i, name in enumerate(forward_order):
+        forward.setdefault(name, i)
+    reached = [forward[n] for n in backward_order if n in forward]
+    if not reached:
+        return []
+    first = min(reached)
+    learning = set()
+    if param_grad_norm:
+        layers = set(forward)
+        learning = {owning_layer(p, layers) for p, norm in param_grad_norm.items() if _finite(norm) and norm > 0}
+    return sorted(
+        (n for n in missing_grads if forward.get(n, first) < first and n not in learning), key=forward.__getitem__
+    )
+
+
+def _no_gradient(ctx: _Context) -> list[Finding]:
+    forward = sorted(ctx.orders.forward, key=ctx.orders.forward.__getitem__)
+    backward = sorted(ctx.orders.backward, key=ctx.orders.backward.__getitem__)
+    cut = cut_off(ctx.missing_grads, forward, backward, ctx.stat("param_grad_norm"))
+    if not cut:
+        return []
+    first, last = cut[0], cut[-1]
+    reached = min((n for n in backward if n in ctx.orders.forward), key=ctx.orders.forward.__getitem__)
+    return [
+        Finding(
+            rule="no_gradient",
+            layer=first,
+            step=ctx.step,
+            value=float(len(cut)),
+            threshold=0.0,
+            message=f"no_gradient at step {ctx.step}: the output of {first} required grad but received no gradient,"
+            f" while {reached}, later in forward order, did: the gradient stops between {last} and {reached} (a"
+            f" .detach(), or an output that does not reach the loss), so {first} and what runs before the cut do not"
+            f" learn{_also(cut[1:], ' after it', 'cut off')}",
+            phase="backward",
+            stat="act_grad_norm",
+        )
     ]
 
 
@@ -752,7 +883,9 @@ def _precision_headroom(ctx: _Context) -> list[Finding]:
 _RULE_FUNCTIONS: dict[str, Callable[[_Context], list[Finding]]] = {
     "nonfinite": _nonfinite,
     "loss_spike": _loss_spike,
+    "eval_mode": _eval_mode,
     "dead_units": _dead_units,
+    "no_gradient": _no_gradient,
     "vanishing_gradient": lambda ctx: _gradient_scale(ctx, "vanishing_gradient"),
     "exploding_gradient": lambda ctx: _gradient_scale(ctx, "exploding_gradient"),
     "saturation": _saturation,
@@ -770,6 +903,8 @@ def evaluate(
     trip: Trip | None = None,
     baseline: Baseline | None = None,
     last_finite: Mapping[str, int] | None = None,
+    missing_grads: Collection[str] = (),
+    eval_mode: Mapping[str, str] | None = None,
 ) -> list[Finding]:
     """Apply the enabled rules to one sampled (or sentinel-tripped) step's statistics.
 
@@ -785,6 +920,11 @@ def evaluate(
         baseline: The last regular sampled step's values, which ``loss_spike`` compares against.
         last_finite: Parameter name to the last step its ``param_norm`` was observed finite, for the message about
             non-finite weights.
+        missing_grads: Layers whose output required grad but received no gradient on the step, for
+            ``no_gradient`` (see :func:`cut_off`).
+        eval_mode: BatchNorm and Dropout modules that ran in eval mode in the training step while what they train
+            requires grad, to their class names, for ``eval_mode`` (see
+            :func:`~lightning_hookdiag.modes.eval_mode_modules`).
 
     Returns:
         Findings with forward ones (in forward order) before backward ones (in backward order); the first is the
@@ -808,6 +948,8 @@ def evaluate(
         trip=trip,
         baseline=baseline,
         last_finite=last_finite,
+        missing_grads=missing_grads,
+        eval_mode=eval_mode or {},
     )
     findings = [f for rule in config.enabled for f in _RULE_FUNCTIONS[rule](ctx)]
 
@@ -863,7 +1005,7 @@ class AlertState:
         >>> state.counts["dead_units"]
         3
         >>> state.state_dict()
-        {'active': [['dead_units', 'relu']], 'counts': {'nonfinite': 0, 'loss_spike': 0, 'dead_units': 3, 'vanishing_gradient': 0, 'exploding_gradient': 0, 'saturation': 0, 'precision_headroom': 0}}
+        {'active': [['dead_units', 'relu']], 'counts': {'nonfinite': 0, 'loss_spike': 0, 'eval_mode': 0, 'dead_units': 3, 'no_gradient': 0, 'vanishing_gradient': 0, 'exploding_gradient': 0, 'saturation': 0, 'precision_headroom': 0}}
     """  # noqa: E501
 
     def __init__(self) -> None:

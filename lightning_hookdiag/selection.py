@@ -257,9 +257,7 @@ def resolve_layers(
     else:
         measuring = [n for n in names if is_measurement(modules[n])]
         candidates = [
-            n
-            for n in names
-            if is_default_layer(modules[n]) and not any(n.startswith(m + ".") for m in measuring)
+            n for n in names if is_default_layer(modules[n]) and not any(n.startswith(m + ".") for m in measuring)
         ]
     if layer_types:
         typed = [n for n in candidates if isinstance(modules[n], tuple(layer_types))]

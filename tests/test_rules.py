@@ -289,6 +289,70 @@ def test_gradient_ratios_configurable():
     ]
 
 
+# ------------------------------------------------------------------------------------------------ no_gradient
+# net.stem .. net.body were cut off (a .detach() between net.body and net.act1); net.act1 and net.head got one.
+CUT = {"act_grad_norm": {"net.head": 1.0, "net.act1": 0.5}}
+CUT_BACKWARD = ["net.head", "net.act1"]
+
+
+def test_no_gradient_names_the_first_cut_off_layer_and_counts_every_one():
+    missing = ["net.body", "net.mix", "net.stem", "net.act0"]  # any order: the rule orders them
+    (f,) = evaluate(CUT, FORWARD, CUT_BACKWARD, step=3, missing_grads=missing)
+    assert (f.rule, f.layer, f.step, f.value, f.threshold) == ("no_gradient", "net.stem", 3, 4.0, 0.0)
+    assert (f.phase, f.stat) == ("backward", "act_grad_norm")
+    assert f.message == (
+        "no_gradient at step 3: the output of net.stem required grad but received no gradient, while net.act1,"
+        " later in forward order, did: the gradient stops between net.body and net.act1 (a .detach(), or an output"
+        " that does not reach the loss), so net.stem and what runs before the cut do not learn; 3 more layers after"
+        " it are also cut off: net.act0, net.mix, net.body"
+    )
+
+
+def test_no_gradient_is_silent_on_outputs_after_the_first_layer_that_got_a_gradient():
+    # A pooler nothing reads, after layers that learn; or the last layers of a step that never ran backward.
+    got = {"act_grad_norm": {"net.head": 1.0, "net.act1": 0.5, "net.body": 0.5, "net.mix": 0.3, "net.stem": 0.2}}
+    backward = ["net.head", "net.act1", "net.body", "net.mix", "net.stem"]
+    assert evaluate(got, FORWARD, backward, step=0, missing_grads=["net.act0"]) == []
+    assert evaluate({}, FORWARD, [], step=0, missing_grads=FORWARD) == []
+    assert evaluate(CUT, FORWARD, CUT_BACKWARD, step=0, missing_grads=[]) == []
+
+
+def test_no_gradient_skips_a_layer_whose_parameters_learn():
+    # An nn.LSTM whose head reads h_n: its watched first output got no gradient, its weights did.
+    values = dict(CUT, param_grad_norm={"net.stem.weight": 0.2, "net.mix.weight": 0.0, "net.head.weight": 1.0})
+    (f,) = evaluate(values, FORWARD, CUT_BACKWARD, step=0, missing_grads=["net.stem", "net.mix"])
+    assert (f.layer, f.value) == ("net.mix", 1.0)  # an exact-zero gradient is no gradient
+    assert f.message.endswith("so net.mix and what runs before the cut do not learn")
+
+
+def test_no_gradient_can_be_disabled():
+    config = RuleConfig(enabled=[r for r in RULES if r != "no_gradient"])
+    assert evaluate(CUT, FORWARD, CUT_BACKWARD, step=0, config=config, missing_grads=["net.stem"]) == []
+
+
+# -------------------------------------------------------------------------------------------------- eval_mode
+def test_eval_mode_names_the_first_module_in_forward_order_and_lists_the_others():
+    modes = {"net.head": "Dropout", "net.mix": "BatchNorm1d", "net.late": "BatchNorm1d"}  # net.late never ran
+    (f,) = evaluate({}, FORWARD, BACKWARD, step=2, eval_mode=modes)
+    assert (f.rule, f.layer, f.step, f.value, f.threshold) == ("eval_mode", "net.mix", 2, 3.0, 0.0)
+    assert (f.phase, f.stat) == ("forward", "training")
+    assert f.message == (
+        "eval_mode at step 2: net.mix (BatchNorm1d) ran with training=False in a training step while the parameters"
+        " it trains require grad: it normalises with its running statistics instead of the batch's and stops"
+        " updating them. Is a model.eval() of an inner evaluation left on? Call .train() after it; 2 more modules are"
+        " in eval mode too: net.head (Dropout), net.late (BatchNorm1d)"
+    )
+    (f,) = evaluate({}, FORWARD, BACKWARD, step=2, eval_mode={"net.head": "Dropout"})
+    assert "it drops nothing, so the regularisation the model was built with is off." in f.message
+    assert evaluate({}, FORWARD, BACKWARD, step=2, eval_mode={}) == []
+
+
+def test_eval_mode_comes_before_the_rules_it_can_explain():
+    values = {"act_dead_frac": {"net.act1": 1.0}}
+    findings = evaluate(values, FORWARD, BACKWARD, step=0, eval_mode={"net.stem": "BatchNorm1d"})
+    assert [(f.rule, f.layer) for f in findings] == [("eval_mode", "net.stem"), ("dead_units", "net.act1")]
+
+
 # ---------------------------------------------------------------------------------------------- saturation
 
 
@@ -444,8 +508,8 @@ def test_alert_state_counts_every_finding_seen():
     state = AlertState()
     state.update([finding("dead_units", "x"), finding("dead_units", "y")])
     state.update([finding("dead_units", "x")])
-    assert state.counts == {"nonfinite": 0, "loss_spike": 0, "dead_units": 3, "vanishing_gradient": 0,
-                            "exploding_gradient": 0, "saturation": 0,
+    assert state.counts == {"nonfinite": 0, "loss_spike": 0, "eval_mode": 0, "dead_units": 3, "no_gradient": 0,
+                            "vanishing_gradient": 0, "exploding_gradient": 0, "saturation": 0,
                             "precision_headroom": 0}  # fmt: skip
 
 
