@@ -17,16 +17,17 @@ Rule                    Field                              Default   Fires when
                                                                      parameters it trains require grad; one finding
                                                                      naming the first in forward order (see below)
 ``dead_units``          ``dead_frac_threshold``            ``0.9``   ``act_dead_frac >= dead_frac_threshold``
-``no_gradient``         (none)                             (none)    outputs required grad but got no gradient,
-                                                                     though a layer after them in forward order did
-                                                                     (a ``.detach()``); one finding naming the first
-                                                                     such layer, ``value``: how many (see below)
+``no_gradient``         (none)                             (none)    outputs required grad but got no gradient and
+                                                                     ran before the first layer in forward order that
+                                                                     got one (a ``.detach()``); one finding naming
+                                                                     the first, ``value``: how many (see below)
 ``vanishing_gradient``  ``vanishing_ratio``                ``1e-3``  from some layer to the input end, *no* layer's
                                                                      ``act_grad_norm`` reaches ``vanishing_ratio``
                                                                      times the output end's (see below)
 ``exploding_gradient``  ``exploding_ratio``                ``1e3``   from some layer to the input end, *every*
                                                                      layer's exceeds ``exploding_ratio`` times it
-                                                                     (exact zeros skipped)
+                                                                     (exact zeros skipped); names the layer whose
+                                                                     backward amplifies the gradient most (below)
 ``saturation``          ``saturation_level``,              ``0.9``,  Tanh/Sigmoid layers: the share of outputs with
                         ``saturation_frac``                ``0.5``   ``|z| > saturation_level`` is provably
                                                                      ``>= saturation_frac`` (``z``: output mapped to
@@ -100,8 +101,16 @@ Why these defaults:
   is the mirror image: every layer from some depth to the input is flooded, so one large gradient (a position
   embedding summed over the batch) does not fire it, and an exact zero (no signal, e.g. a zero-initialised branch)
   neither fires nor hides it. On a chain, where the gradient changes monotonically with depth, both reduce to
-  comparing each layer with the output end. The finding names the first such layer in backward order; its value is
-  the largest (vanishing) or smallest (exploding) ratio from there to the input end.
+  comparing each layer with the output end. ``vanishing_gradient`` names the first such layer in backward order;
+  the value of both is the largest (vanishing) or smallest (exploding) ratio from there to the input end.
+* Where an explosion is made: ``exploding_gradient`` fires as above, but names the layer whose backward amplifies
+  the gradient most, which is where the bug is (a recurrence through time, a mis-scaled init), not the first layer
+  that receives the grown gradient (an embedding under a ReLU RNN). The gain of a layer is the next observed
+  output-gradient norm in backward order over its own (exact zeros skipped): in a chain, what its backward, and that
+  of unobserved modules between the two, makes of its output gradient. A layer that keeps the gradient's scale has
+  a gain near 1 (He init preserves the norm); the message gives the largest gain, where it was measured, the share
+  of the orders of magnitude gained from the output end it holds (low when the growth is spread over many layers,
+  as in a stack of layers each multiplying it by 3) and the median of the other gains.
 * ``saturation_level=0.9``: for both Tanh and Sigmoid the local derivative relative to its maximum is ``1 - z**2``
   (``tanh' = 1 - y**2``, ``sigmoid' = y (1 - y) = (1 - z**2) / 4`` with ``z = 2y - 1``), so ``|z| > 0.9`` means the
   layer passes back less than 19% of the gradient it could. ``saturation_frac=0.5``: at least half of the outputs.
@@ -128,6 +137,7 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -315,16 +325,19 @@ class Finding:
         rule: Name from :data:`RULES`.
         layer: The layer (module name) the finding is about; for parameter gradients, the parameter's module: the
             longest layer of ``forward_order``/``backward_order`` that prefixes its dotted name, else the name minus
-            its last segment.
+            its last segment. ``exploding_gradient``: the layer whose backward amplifies the gradient most;
+            ``no_gradient``: the first cut-off layer in forward order; ``eval_mode``: the first module in eval mode
+            in forward order (a BatchNorm or Dropout, selected or not).
         step: The optimizer step the statistics describe.
         value: The observed value compared with ``threshold``: a count of non-finite elements or parameters
-            (``nonfinite``), a dead fraction, a gradient-norm ratio, a lower bound on the saturated share.
+            (``nonfinite``), a dead fraction, a gradient-norm ratio, a lower bound on the saturated share, the
+            number of cut-off layers (``no_gradient``) or of modules in eval mode (``eval_mode``).
         threshold: The threshold it crossed (``0.0`` for ``nonfinite``: any count above it fires).
         message: Human-readable sentence naming the rule and the layer.
         phase: ``"forward"`` (about activations) or ``"backward"`` (about gradients).
         stat: The statistic that triggered it (``act_nonfinite``, ``act_grad_nonfinite``, ``param_grad_norm``,
             ``param_norm`` (non-finite weights), ``act_dead_frac``, ``act_grad_norm``, ``act_std``, ``act_absmax``,
-            or ``loss`` for a finding about the loss itself), e.g. to ignore non-finite gradients on steps that an
+            ``training`` (``eval_mode``: the module's mode), or ``loss`` for a finding about the loss itself), e.g. to ignore non-finite gradients on steps that an
             fp16 ``GradScaler`` skips.
     """
 
@@ -721,6 +734,48 @@ def _input_side(rest: Sequence[tuple[str, float]], vanishing: bool) -> list[tupl
     return out[::-1]
 
 
+def _largest_gain(ref: tuple[str, float], rest: Sequence[tuple[str, float]]) -> tuple[str, str, float, float] | None:
+    """Where the output-gradient norm grows most between consecutive layers in backward order (zeros skipped).
+
+    Returns ``(layer, next_layer, gain, median of the other gains)``: ``next_layer``'s norm over ``layer``'s, the
+    largest such ratio from the output end to the input end. In a chain, the gradient at ``next_layer``'s output is
+    what ``layer``'s backward (and that of any unobserved module between them) makes of ``layer``'s output gradient,
+    so ``layer`` is where the gradient is amplified. ``None`` with fewer than two positive norms.
+    """
+    chain = [ref, *((layer, norm) for layer, norm in rest if norm > 0)]
+    gains = [(after[1] / before[1], before[0], after[0]) for before, after in zip(chain[:-1], chain[1:], strict=True)]
+    if not gains:
+        return None
+    best = max(range(len(gains)), key=lambda i: gains[i][0])
+    gain, layer, nxt = gains[best]
+    others = [g for i, (g, _, _) in enumerate(gains) if i != best]
+    return layer, nxt, gain, statistics.median(others) if others else math.nan
+
+
+def _amplifier(ref_layer: str, rest: Sequence[tuple[str, float]], fired: str) -> tuple[str, str]:
+    """``exploding_gradient``'s layer and the sentence saying where and how much the gradient grows.
+
+    ``rest``: every other layer's ratio to the output end (``ref_layer``), in backward order; ``fired``: the layer
+    from which the rule fired, named if no gain can be measured.
+    """
+    found = _largest_gain((ref_layer, 1.0), rest)  # ratios to the output end: the same gains as the norms
+    if found is None:
+        return fired, ""
+    layer, nxt, gain, median = found
+    # The growth from the output end to the input end, in orders of magnitude: the share the largest step holds.
+    total = max(ratio for _, ratio in rest) if rest else math.nan
+    share = min(1.0, math.log(gain) / math.log(total)) if gain > 1 and _finite(total) and total > 1 else math.nan
+    others = (
+        "" if not _finite(median) else f"; the median of the other gains between consecutive layers is {median:.3g}"
+    )
+    part = "" if not _finite(share) else f", {share:.0%} of the orders of magnitude gained from the output end"
+    return layer, (
+        f". The gradient grows most in the backward of {layer}: {nxt}'s output gradient, the next observed one in"
+        f" backward order, is {gain:.3g} times {layer}'s (a layer that keeps the gradient's scale has a gain near"
+        f" 1){part}{others}"
+    )
+
+
 def _gradient_scale(ctx: _Context, rule: str) -> list[Finding]:
     ratios = _gradient_ratios(ctx)
     if ratios is None:
@@ -739,10 +794,14 @@ def _gradient_scale(ctx: _Context, rule: str) -> list[Finding]:
                 f" that of the output end ({ref_layer}, {ref_norm:.3g}); the smallest is {ratio:.3g} times, at"
                 f" {extreme}"
             )
+            named = layer
+            if not vanishing:  # named where the gradient grows, not where the growth is first seen
+                named, where = _amplifier(ref_layer, rest, layer)
+                what += where
             return [
                 Finding(
                     rule=rule,
-                    layer=layer,
+                    layer=named,
                     step=ctx.step,
                     value=ratio,
                     threshold=threshold,

@@ -296,3 +296,89 @@ def test_eval_mode_is_silent_on_the_fixed_twin_frozen_bn_and_a_frozen_backbone(v
         val = [training for hook, training in module.modes_seen if hook == "val"]
         assert val == [False, False, False]  # the sanity check, after step 2, after step 4
         assert module.backbone[1].training is trained
+
+
+# -------------------------------------------------------------------------------------- exploding, located
+class _ReluRNN(nn.Module):
+    """Embedding, a ReLU ``nn.RNN`` whose recurrent weight is ``gain`` times the identity, a head on the last step.
+
+    An identity recurrence (IRNN) keeps the gradient's scale through time with ``gain=1``; ``gain=1.5``, a
+    mis-scaled init, multiplies it by about 1.5 per time step on the way back through the sequence.
+    """
+
+    def __init__(self, gain: float) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 16)
+        self.rnn = nn.RNN(16, 32, nonlinearity="relu", batch_first=True)
+        self.head = nn.Linear(32, 2)
+        with torch.no_grad():
+            self.rnn.weight_hh_l0.copy_(gain * torch.eye(32))
+            self.rnn.bias_hh_l0.zero_()
+            self.rnn.bias_ih_l0.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(self.embed(x))
+        return self.head(out[:, -1])
+
+
+class _Sequences(pl.LightningModule):
+    def __init__(self, gain: float) -> None:
+        super().__init__()
+        self.model = _ReluRNN(gain)
+        self.first: tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor] | None = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.first is None:  # step 0's weights and batch, for the reference norms
+            self.first = ({k: v.clone() for k, v in self.model.state_dict().items()}, x, y)
+        return nn.functional.cross_entropy(self.model(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(1)
+        x = torch.randint(0, 20, (32, 25), generator=g)
+        return DataLoader(TensorDataset(x, (x[:, 0] < 10).long()), batch_size=8)
+
+
+def _reference_grad_norms(module: _Sequences) -> dict[str, float]:
+    """Output-gradient norms of step 0, by hand: a fresh copy of the model, plain tensor hooks, float64."""
+    weights, x, y = module.first
+    net = _ReluRNN(1.0).double()
+    net.load_state_dict({k: v.double() for k, v in weights.items()})
+    norms: dict[str, float] = {}
+
+    def watch(name: str):
+        def hook(mod: nn.Module, args: Any, out: Any) -> None:
+            out = out[0] if isinstance(out, tuple) else out
+            out.register_hook(lambda g: norms.__setitem__(name, float(g.norm())))
+
+        return hook
+
+    for name in ("embed", "rnn", "head"):
+        getattr(net, name).register_forward_hook(watch(name))
+    nn.functional.cross_entropy(net(x), y).backward()
+    return norms
+
+
+def test_exploding_gradient_in_a_relu_rnn_names_the_rnn():
+    module = _Sequences(gain=1.5)
+    callback, _ = _fit(module, steps=3, on_anomaly="ignore")
+    ref = _reference_grad_norms(module)
+    gain = ref["embed"] / ref["rnn"]
+    assert gain > 5e3  # the premise: the RNN's backward through 25 time steps multiplies the gradient
+    assert ref["embed"] / ref["head"] > 1e3  # ... and the rule's own condition holds at the embedding
+    found = [f for f in callback.findings if f.rule == "exploding_gradient"]
+    assert [(f.layer, f.step) for f in found][:1] == [("model.rnn", 0)]
+    assert found[0].value == pytest.approx(ref["embed"] / ref["head"], rel=1e-4)
+    assert "every layer from model.embed to the input end (1 layer)" in found[0].message
+    assert f"model.embed's output gradient, the next observed one in backward order, is {gain:.3g} times" in (
+        found[0].message
+    )
+
+
+def test_a_gradient_stable_relu_rnn_is_silent():
+    callback, warned = _fit(_Sequences(gain=1.0), steps=6)
+    assert [f.message for f in callback.findings] == []
+    assert warned == []

@@ -237,20 +237,58 @@ def test_a_single_large_gradient_near_the_input_is_not_exploding():
 def test_exploding_ignores_exact_zeros_on_the_input_side():
     norms = {"net.head": 1.0, "net.act1": 1.0, "net.body": 2e3, "net.mix": 0.0, "net.act0": 3e3, "net.stem": 5e3}
     (f,) = evaluate({"act_grad_norm": norms}, FORWARD, BACKWARD, step=0)
-    assert (f.rule, f.layer, f.value) == ("exploding_gradient", "net.body", pytest.approx(2e3))
+    # It fires from net.body on; the gradient grows in net.act1's backward: net.body's is 2e3 times net.act1's.
+    assert (f.rule, f.layer, f.value) == ("exploding_gradient", "net.act1", pytest.approx(2e3))
+    # The other gains (zeros skipped): 1 (head -> act1), 1.5 (body -> act0), 5/3 (act0 -> stem); median 1.5.
+    share = math.log(2e3) / math.log(5e3)
+    assert f"{share:.0%}" == "89%"
     assert f.message == (
         "exploding_gradient at step 0: every layer from net.body to the input end (4 layers) receives an output"
         " gradient more than exploding_ratio=1000 times that of the output end (net.head, 1); the smallest is 2e+03"
-        " times, at net.body"
+        " times, at net.body. The gradient grows most in the backward of net.act1: net.body's output gradient, the"
+        " next observed one in backward order, is 2e+03 times net.act1's (a layer that keeps the gradient's scale"
+        " has a gain near 1), 89% of the orders of magnitude gained from the output end; the median of the other"
+        " gains between consecutive layers is 1.5"
     )
 
 
-def test_exploding_gradient_names_first_crossing_layer_with_its_ratio():
+def test_exploding_gradient_fires_at_the_first_crossing_layer_and_names_the_largest_gain():
     norms = {"net.head": 0.01, "net.act1": 0.02, "net.body": 5.0, "net.mix": 20.0, "net.stem": 400.0}
     findings = evaluate({"act_grad_norm": norms}, FORWARD, BACKWARD, step=5)
-    assert [(f.rule, f.layer) for f in findings] == [("exploding_gradient", "net.mix")]
+    # It fires from net.mix on (2000x the output end); the gains are 2, 250, 4 and 20: net.act1's backward, 250x.
+    assert [(f.rule, f.layer) for f in findings] == [("exploding_gradient", "net.act1")]
     assert findings[0].value == pytest.approx(2000.0)
     assert findings[0].threshold == 1000.0
+    assert "every layer from net.mix to the input end (2 layers)" in findings[0].message
+    assert "net.body's output gradient, the next observed one in backward order, is 250 times net.act1's" in (
+        findings[0].message
+    )
+    share = f"{math.log(250) / math.log(4e4):.0%}"
+    assert findings[0].message.endswith(f"{share} of the orders of magnitude gained from the output end; the median"
+                                        " of the other gains between consecutive layers is 4")  # fmt: skip
+
+
+def test_exploding_gradient_through_one_module_names_it_not_the_layer_that_receives_the_growth():
+    # The issue's ReLU RNN: embed -> rnn -> head; the gradient grows 2.5e4x through time inside the RNN.
+    forward, backward = ["model.embed", "model.rnn", "model.head"], ["model.head", "model.rnn", "model.embed"]
+    norms = {"model.head": 0.3, "model.rnn": 0.15, "model.embed": 0.15 * 2.5e4}
+    (f,) = evaluate({"act_grad_norm": norms}, forward, backward, step=0)
+    assert (f.rule, f.layer, f.value) == ("exploding_gradient", "model.rnn", pytest.approx(1.25e4))
+    assert "from model.embed to the input end (1 layer)" in f.message
+    assert "model.embed's output gradient, the next observed one in backward order, is 2.5e+04 times" in f.message
+    assert f.message.endswith("100% of the orders of magnitude gained from the output end; the median of the other"
+                              " gains between consecutive layers is 0.5")  # fmt: skip
+
+
+def test_exploding_gradient_spread_over_a_chain_says_how_little_one_layer_holds():
+    names = [f"net.{i}" for i in range(8)]
+    norms = {name: 3.0**i * (1.25 if i == 5 else 1.0) for i, name in enumerate(names)}  # x3 per layer, x3.75 once
+    (f,) = evaluate({"act_grad_norm": norms}, names[::-1], names, step=0)
+    assert f.layer == "net.4"  # net.5's norm over net.4's: the largest gain
+    assert f"is {3.75:.3g} times net.4's" in f.message
+    total = norms["net.7"] / norms["net.0"]
+    assert f.message.endswith(f"{math.log(3.75) / math.log(total):.0%} of the orders of magnitude gained from the"
+                              " output end; the median of the other gains between consecutive layers is 3")  # fmt: skip
 
 
 def test_ratio_exactly_at_threshold_does_not_fire():
@@ -283,9 +321,10 @@ def test_gradient_ratios_configurable():
     assert evaluate({"act_grad_norm": low}, FORWARD, BACKWARD, step=0) == []  # defaults: quiet
     assert evaluate({"act_grad_norm": high}, FORWARD, BACKWARD, step=0) == []
     findings = [f for v in (low, high) for f in evaluate({"act_grad_norm": v}, FORWARD, BACKWARD, 0, config)]
+    # Exploding fires from net.body on; the growth (20x, then 1.5x) is in the backward of net.head.
     assert [(f.rule, f.layer, f.threshold, f.value) for f in findings] == [
         ("vanishing_gradient", "net.body", 0.1, pytest.approx(0.08)),
-        ("exploding_gradient", "net.body", 10.0, pytest.approx(20.0)),
+        ("exploding_gradient", "net.head", 10.0, pytest.approx(20.0)),
     ]
 
 
