@@ -72,7 +72,9 @@ output (a Dropout with ``p > 0``, a BatchNorm that tracks running statistics) an
 learns: its own parameters require grad, or, for a module without parameters (Dropout, ``affine=False``), those of
 the nearest enclosing module that has any. Frozen-BN fine-tuning (BN in eval, its weights ``requires_grad=False``)
 and a frozen backbone in eval mode are therefore silent; so is validation (Lightning restores each module's mode
-afterwards). See :func:`~lightning_hookdiag.modes.eval_mode_modules`.
+afterwards). A recipe that keeps BatchNorm statistics frozen while training its affine parameters (mmdetection's
+``norm_eval=True``) is reported too; disable the rule there (``rules={"enabled": [...]}``). See
+:func:`~lightning_hookdiag.modes.eval_mode_modules`.
 
 ``loss_spike``'s activation scale is the root mean square of a layer's finite outputs, ``sqrt(act_mean**2 +
 act_std**2)``, or ``act_absmax`` when those two statistics are not computed. The RMS follows the bulk of the
@@ -337,8 +339,8 @@ class Finding:
         phase: ``"forward"`` (about activations) or ``"backward"`` (about gradients).
         stat: The statistic that triggered it (``act_nonfinite``, ``act_grad_nonfinite``, ``param_grad_norm``,
             ``param_norm`` (non-finite weights), ``act_dead_frac``, ``act_grad_norm``, ``act_std``, ``act_absmax``,
-            ``training`` (``eval_mode``: the module's mode), or ``loss`` for a finding about the loss itself), e.g. to ignore non-finite gradients on steps that an
-            fp16 ``GradScaler`` skips.
+            ``training`` (``eval_mode``: the module's mode), or ``loss`` for a finding about the loss itself), e.g.
+            to ignore non-finite gradients on steps that an fp16 ``GradScaler`` skips.
     """
 
     rule: str
