@@ -133,7 +133,8 @@ def test_detached_body_is_found_at_its_first_layer_with_every_cut_off_layer_coun
     assert all(torch.equal(before[k], v) for k, v in module.body.state_dict().items())
     (finding,) = callback.findings  # alerted once, found on every step
     assert callback._alerts.counts["no_gradient"] == 4
-    assert (finding.rule, finding.layer, finding.step, finding.value) == ("no_gradient", "body.0", 0, 4.0)
+    assert (finding.rule, finding.layer, finding.step) == ("no_gradient", "body.0", 0)
+    assert finding.value == len(module.body)  # every layer of the body is cut off
     assert (finding.phase, finding.stat, finding.threshold) == ("backward", "act_grad_norm", 0.0)
     assert finding.message == (
         "no_gradient at step 0: the output of body.0 required grad but received no gradient, while head, later in"
@@ -371,7 +372,7 @@ def test_exploding_gradient_in_a_relu_rnn_names_the_rnn():
     assert ref["embed"] / ref["head"] > 1e3  # ... and the rule's own condition holds at the embedding
     found = [f for f in callback.findings if f.rule == "exploding_gradient"]
     assert [(f.layer, f.step) for f in found][:1] == [("model.rnn", 0)]
-    assert found[0].value == pytest.approx(ref["embed"] / ref["head"], rel=1e-4)
+    assert found[0].value == pytest.approx(ref["embed"] / ref["head"], rel=1e-5)  # float32 vs float64: ~4e-8
     assert "every layer from model.embed to the input end (1 layer)" in found[0].message
     assert f"model.embed's output gradient, the next observed one in backward order, is {gain:.3g} times" in (
         found[0].message
