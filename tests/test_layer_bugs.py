@@ -19,12 +19,14 @@ from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning
 P = "layer_health"
 
 
-def _fit(module: pl.LightningModule, steps: int, **callback_args: Any) -> tuple[LayerHealthCallback, list[str]]:
+def _fit(
+    module: pl.LightningModule, steps: int, trainer_args: dict[str, Any] | None = None, **callback_args: Any
+) -> tuple[LayerHealthCallback, list[str]]:
     """Fit with every step sampled; the callback and the messages of every LayerHealthWarning."""
     callback = LayerHealthCallback(every_n_steps=1, summary=False, **callback_args)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        make_trainer([callback], max_steps=steps, logger=RecordingLogger()).fit(module)
+        make_trainer([callback], max_steps=steps, logger=RecordingLogger(), **(trainer_args or {})).fit(module)
     return callback, [str(w.message) for w in record if issubclass(w.category, LayerHealthWarning)]
 
 
@@ -145,6 +147,12 @@ def test_detached_body_is_found_at_its_first_layer_with_every_cut_off_layer_coun
     assert warned == [f"LayerHealthCallback: {finding.message}"]  # the finding, no separate warning
     assert f"{P}/act_grad_norm/head" in callback.last_metrics
     assert f"{P}/act_grad_norm/body.3" not in callback.last_metrics
+
+
+def test_a_detached_body_is_found_once_per_step_over_accumulated_micro_batches():
+    callback, _ = _fit(_Regressor("detached"), steps=2, trainer_args={"accumulate_grad_batches": 2})
+    assert callback._alerts.counts["no_gradient"] == 2  # one finding per optimizer step, not per micro-batch
+    assert [(f.layer, f.step, f.value) for f in callback.findings] == [("body.0", 0, 4.0)]
 
 
 @pytest.mark.parametrize("variant", ["fixed", "frozen_body", "teacher", "ema"])
