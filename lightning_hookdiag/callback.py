@@ -31,6 +31,7 @@ from lightning_hookdiag import stats as S
 from lightning_hookdiag.aggregation import LayerStatsAggregator, StepRecorder
 from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
 from lightning_hookdiag.hooks import HookSet
+from lightning_hookdiag.modes import EvalModeWatch
 from lightning_hookdiag.opt_in import OptInPlan, OptInRecorder, plan_opt_in
 from lightning_hookdiag.params import ParameterTracker, named_parameters_of, owned_parameters
 from lightning_hookdiag.precision import resolve_targets
@@ -200,8 +201,9 @@ class LayerHealthCallback(Callback):
         every_n_steps: Sample optimizer steps ``0, n, 2n, ...``.
         layers: Dotted module names or fnmatch globs (``*`` also crosses dots), relative to the LightningModule,
             as listed by :func:`~lightning_hookdiag.list_layers`. ``None`` selects every leaf module and every
-            module that computes with parameters it owns, such as ``nn.MultiheadAttention`` (or, with
-            ``layer_types``, every module of those types), and tracks every parameter of the LightningModule.
+            module that computes with parameters it owns, such as ``nn.MultiheadAttention``, except loss modules
+            and torchmetrics metrics (or, with ``layer_types``, every module of those types), and tracks every
+            parameter of the LightningModule.
         layer_types: Keep only instances of these classes, given as classes or import strings such as
             ``"torch.nn.Linear"``.
         exclude: Globs of module names to leave out.
@@ -373,6 +375,7 @@ class LayerHealthCallback(Callback):
         self._logger_error: BaseException | None = None
         self._opt_in = OptInPlan()
         self._saved: SavedMemoryTracker | None = None
+        self._modes: EvalModeWatch | None = None  # rule eval_mode
 
     @property
     @override
@@ -457,6 +460,7 @@ class LayerHealthCallback(Callback):
             else None
         )
         self._window = None
+        self._modes = EvalModeWatch(pl_module) if "eval_mode" in self.rule_config.enabled else None
         self._sentinel_params = list(named_parameters_of(modules).values()) if self.sentinel == "loss+grads" else []
         if self._sentinel is not None:  # every process must trip on the same steps
             self._sentinel.reduce_max = all_reduce_max if trainer.world_size > 1 else None
@@ -486,12 +490,16 @@ class LayerHealthCallback(Callback):
         self._hooks.attach()
         if self._saved is not None:
             self._saved.attach()
+        if self._modes is not None:
+            self._modes.batch_start()
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         """Add the micro-batch's loss to the sentinel's total for this step (on the device, no host read)."""
         if self._sentinel is not None and self._hooks is not None:
             self._sentinel.observe_loss(loss)
+        if self._modes is not None and self._hooks is not None and self._hooks.attached:
+            self._modes.before_backward()  # the sampled forward ran between batch start and here
 
     @override
     def on_before_optimizer_step(
@@ -533,7 +541,6 @@ class LayerHealthCallback(Callback):
             return
         if self._hooks.attached:  # a sampled micro-batch (an unsampled step pays nothing for the check below)
             self._hooks.remove()
-            self._warn_missing_grads()
         if self._saved is not None and self._saved.attached:
             self._saved.remove()
             self._fold_saved_bytes()
@@ -558,6 +565,7 @@ class LayerHealthCallback(Callback):
         self._release_step()
         self._sentinel_params = []
         self._hooks = self._recorder = self._aggregator = self._tracker = None
+        self._modes = None
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -598,6 +606,7 @@ class LayerHealthCallback(Callback):
         self._release_step()
         self._sentinel_params = []
         self._hooks = self._recorder = self._aggregator = self._tracker = None
+        self._modes = None
         self._saved = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -648,6 +657,8 @@ class LayerHealthCallback(Callback):
         self._window = step
         self._window_layers = layers
         self._stepped.clear()
+        if self._modes is not None:
+            self._modes.take()  # a discarded window's findings are not this one's
         self._hooks.clear_order()
         every = self.histogram_every_n_steps
         if self._recorder is not None:  # replays follow the schedule of sampled steps; parameter-only windows: none
@@ -737,7 +748,6 @@ class LayerHealthCallback(Callback):
         if all_reduce_max(flag).item() > 0:
             self._discard_window()
             return failure or "the replay failed on another process"
-        self._warn_missing_grads()  # the replay attached and removed its hooks itself: batch end will not look
         return None
 
     @staticmethod
@@ -842,6 +852,8 @@ class LayerHealthCallback(Callback):
         if self._window_layers:  # a window of parameters only keeps the last observed order for the rules
             self.execution_order = self._hooks.fired_names()
         backward_order = [self._hooks.names[i] for i in self._hooks.grad_order]
+        missing = self._hooks.missing_grads()  # the whole window's, replays included: rule no_gradient
+        eval_mode = self._modes.take() if self._modes is not None else {}
         self._hooks.clear_order()
         no_float = sorted(self._recorder.no_float_output)
         self._recorder.no_float_output.clear()
@@ -852,8 +864,9 @@ class LayerHealthCallback(Callback):
         metrics, values = self._log(trainer, step, host, wanted, no_float)
         if histograms:
             self._log_histograms(trainer, step, host["act_hist"], host["grad_hist"], agg.histogram_edges)
+        self._note_missing_grads(missing)
         try:
-            self._diagnose(trainer, step, values, backward_order)
+            self._diagnose(trainer, step, values, backward_order, missing, eval_mode)
         finally:
             self._raise_logger_error()
 
@@ -951,15 +964,16 @@ class LayerHealthCallback(Callback):
         if error is not None:
             raise error
 
-    def _warn_missing_grads(self) -> None:
-        if self._hooks is None or self._recorder is None:
-            return
-        for name in self._hooks.missing_grads():
+    def _note_missing_grads(self, missing: list[str]) -> None:
+        # A note, not a warning: rule no_gradient reports the outputs that cut the network off from the gradient;
+        # the others (a pooler under a token-level head) do not reach the loss by design.
+        for name in missing:
             self._warn_once(
                 f"no_grad:{name}",
                 f"LayerHealthCallback: the output of {name!r} required grad but received no gradient on a sampled"
                 " step (a detached branch, or an output that does not reach the loss); no act_grad statistics for"
                 " it",
+                info=True,
             )
 
     def _log_histograms(
@@ -993,7 +1007,13 @@ class LayerHealthCallback(Callback):
             )
 
     def _diagnose(
-        self, trainer: pl.Trainer, step: int, values: dict[str, dict[str, float]], backward_order: list[str]
+        self,
+        trainer: pl.Trainer,
+        step: int,
+        values: dict[str, dict[str, float]],
+        backward_order: list[str],
+        missing_grads: list[str],
+        eval_mode: dict[str, str],
     ) -> None:
         trip, self._trip = self._trip, None
         findings = evaluate(
@@ -1006,6 +1026,8 @@ class LayerHealthCallback(Callback):
             trip=trip,
             baseline=self._baseline,
             last_finite=self._last_finite,
+            missing_grads=missing_grads,
+            eval_mode=eval_mode,
         )
         for name, norm in values.get("param_norm", {}).items():
             if math.isfinite(norm):

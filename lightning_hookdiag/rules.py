@@ -12,13 +12,22 @@ Rule                    Field                              Default   Fires when
 ``nonfinite``           (none)                             (none)    ``act_nonfinite > 0``, ``act_grad_nonfinite > 0``
                                                                      or ``param_grad_norm`` is NaN/Inf; one finding
                                                                      per origin kind, naming the origin layer
+``eval_mode``           (none)                             (none)    a BatchNorm or Dropout ran with
+                                                                     ``training=False`` in a training step while the
+                                                                     parameters it trains require grad; one finding
+                                                                     naming the first in forward order (see below)
 ``dead_units``          ``dead_frac_threshold``            ``0.9``   ``act_dead_frac >= dead_frac_threshold``
+``no_gradient``         (none)                             (none)    outputs required grad but got no gradient and
+                                                                     ran before the first layer in forward order that
+                                                                     got one (a ``.detach()``); one finding naming
+                                                                     the first, ``value``: how many (see below)
 ``vanishing_gradient``  ``vanishing_ratio``                ``1e-3``  from some layer to the input end, *no* layer's
                                                                      ``act_grad_norm`` reaches ``vanishing_ratio``
                                                                      times the output end's (see below)
 ``exploding_gradient``  ``exploding_ratio``                ``1e3``   from some layer to the input end, *every*
                                                                      layer's exceeds ``exploding_ratio`` times it
-                                                                     (exact zeros skipped)
+                                                                     (exact zeros skipped); names the layer whose
+                                                                     backward amplifies the gradient most (below)
 ``saturation``          ``saturation_level``,              ``0.9``,  Tanh/Sigmoid layers: the share of outputs with
                         ``saturation_frac``                ``0.5``   ``|z| > saturation_level`` is provably
                                                                      ``>= saturation_frac`` (``z``: output mapped to
@@ -44,6 +53,28 @@ forward order is merely the first user of a broken weight. The finding then name
 the earliest layer owning one), says when they were last observed finite, and no activation or gradient origin is
 named. On a step the sentinel tripped on, a non-finite loss that the observed layers do not explain, or a trip that
 could not be replayed, still gives a ``nonfinite`` finding, about ``loss``.
+
+``no_gradient`` reports the layers the gradient never reached on its way to the input end: their output required
+grad, no gradient arrived in it, they ran *before* the first layer in forward order that received one, and none of
+the parameters they own got a non-zero gradient (:func:`cut_off`). A layer that ran after a layer that received a
+gradient is a branch that does not reach the loss by design (BERT's pooler under a token-level head, a second
+output nothing reads), and the last layers of a step without backward got none for a reason; both stay silent, and
+a one-time note still says that they have no ``act_grad`` statistics. The parameter check keeps silent on modules
+that return a tuple, of which only the first floating-point tensor is watched (an ``nn.LSTM`` whose head reads
+``h_n``). Not visible: a ``torch.no_grad()`` block (its outputs do not require grad, as a teacher's or an EMA copy's
+do not), and a detached side branch whose input still gets a gradient through another path.
+
+``eval_mode``: the callback checks ``module.training`` of every BatchNorm (``_BatchNorm``) and Dropout
+(``_DropoutNd``) module at the start of each sampled training batch and again when its loss is handed to
+backward; a module in eval mode at both points ran its forward in eval mode (a ``training_step`` that switches
+modes back and forth between two of its own forwards is not seen). It counts only where eval mode changes the
+output (a Dropout with ``p > 0``, a BatchNorm that tracks running statistics) and something the module affects
+learns: its own parameters require grad, or, for a module without parameters (Dropout, ``affine=False``), those of
+the nearest enclosing module that has any. Frozen-BN fine-tuning (BN in eval, its weights ``requires_grad=False``)
+and a frozen backbone in eval mode are therefore silent; so is validation (Lightning restores each module's mode
+afterwards). A recipe that keeps BatchNorm statistics frozen while training its affine parameters (mmdetection's
+``norm_eval=True``) is reported too; disable the rule there (``rules={"enabled": [...]}``). See
+:func:`~lightning_hookdiag.modes.eval_mode_modules`.
 
 ``loss_spike``'s activation scale is the root mean square of a layer's finite outputs, ``sqrt(act_mean**2 +
 act_std**2)``, or ``act_absmax`` when those two statistics are not computed. The RMS follows the bulk of the
@@ -72,8 +103,16 @@ Why these defaults:
   is the mirror image: every layer from some depth to the input is flooded, so one large gradient (a position
   embedding summed over the batch) does not fire it, and an exact zero (no signal, e.g. a zero-initialised branch)
   neither fires nor hides it. On a chain, where the gradient changes monotonically with depth, both reduce to
-  comparing each layer with the output end. The finding names the first such layer in backward order; its value is
-  the largest (vanishing) or smallest (exploding) ratio from there to the input end.
+  comparing each layer with the output end. ``vanishing_gradient`` names the first such layer in backward order;
+  the value of both is the largest (vanishing) or smallest (exploding) ratio from there to the input end.
+* Where an explosion is made: ``exploding_gradient`` fires as above, but names the layer whose backward amplifies
+  the gradient most, which is where the bug is (a recurrence through time, a mis-scaled init), not the first layer
+  that receives the grown gradient (an embedding under a ReLU RNN). The gain of a layer is the next observed
+  output-gradient norm in backward order over its own (exact zeros skipped): in a chain, what its backward, and that
+  of unobserved modules between the two, makes of its output gradient. A layer that keeps the gradient's scale has
+  a gain near 1 (He init preserves the norm); the message gives the largest gain, where it was measured, the share
+  of the orders of magnitude gained from the output end it holds (low when the growth is spread over many layers,
+  as in a stack of layers each multiplying it by 3) and the median of the other gains.
 * ``saturation_level=0.9``: for both Tanh and Sigmoid the local derivative relative to its maximum is ``1 - z**2``
   (``tanh' = 1 - y**2``, ``sigmoid' = y (1 - y) = (1 - z**2) / 4`` with ``z = 2y - 1``), so ``|z| > 0.9`` means the
   layer passes back less than 19% of the gradient it could. ``saturation_frac=0.5``: at least half of the outputs.
@@ -100,7 +139,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import statistics
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -117,6 +157,7 @@ __all__ = [
     "Baseline",
     "Finding",
     "RuleConfig",
+    "cut_off",
     "evaluate",
     "format_error",
     "values_from_metrics",
@@ -125,7 +166,9 @@ __all__ = [
 RULES: tuple[str, ...] = (
     "nonfinite",
     "loss_spike",
+    "eval_mode",
     "dead_units",
+    "no_gradient",
     "vanishing_gradient",
     "exploding_gradient",
     "saturation",
@@ -284,17 +327,20 @@ class Finding:
         rule: Name from :data:`RULES`.
         layer: The layer (module name) the finding is about; for parameter gradients, the parameter's module: the
             longest layer of ``forward_order``/``backward_order`` that prefixes its dotted name, else the name minus
-            its last segment.
+            its last segment. ``exploding_gradient``: the layer whose backward amplifies the gradient most;
+            ``no_gradient``: the first cut-off layer in forward order; ``eval_mode``: the first module in eval mode
+            in forward order (a BatchNorm or Dropout, selected or not).
         step: The optimizer step the statistics describe.
         value: The observed value compared with ``threshold``: a count of non-finite elements or parameters
-            (``nonfinite``), a dead fraction, a gradient-norm ratio, a lower bound on the saturated share.
+            (``nonfinite``), a dead fraction, a gradient-norm ratio, a lower bound on the saturated share, the
+            number of cut-off layers (``no_gradient``) or of modules in eval mode (``eval_mode``).
         threshold: The threshold it crossed (``0.0`` for ``nonfinite``: any count above it fires).
         message: Human-readable sentence naming the rule and the layer.
         phase: ``"forward"`` (about activations) or ``"backward"`` (about gradients).
         stat: The statistic that triggered it (``act_nonfinite``, ``act_grad_nonfinite``, ``param_grad_norm``,
             ``param_norm`` (non-finite weights), ``act_dead_frac``, ``act_grad_norm``, ``act_std``, ``act_absmax``,
-            or ``loss`` for a finding about the loss itself), e.g. to ignore non-finite gradients on steps that an
-            fp16 ``GradScaler`` skips.
+            ``training`` (``eval_mode``: the module's mode), or ``loss`` for a finding about the loss itself), e.g.
+            to ignore non-finite gradients on steps that an fp16 ``GradScaler`` skips.
     """
 
     rule: str
@@ -366,6 +412,8 @@ class _Context:
     trip: Trip | None = None
     baseline: Baseline | None = None
     last_finite: Mapping[str, int] | None = None
+    missing_grads: Collection[str] = ()
+    eval_mode: Mapping[str, str] = field(default_factory=dict)
     shared: dict[str, Any] = field(default_factory=dict, compare=False)
     """What several rules derive from the same values (both gradient rules sort the same ratios)."""
 
@@ -528,6 +576,41 @@ def _nonfinite_origins(ctx: _Context) -> list[Finding]:
     return [f for f in (forward, backward, params) if f is not None]
 
 
+def _eval_mode(ctx: _Context) -> list[Finding]:
+    if not ctx.eval_mode:
+        return []
+    given = {name: i for i, name in enumerate(ctx.eval_mode)}
+    names = sorted(given, key=lambda n: (*ctx.orders.forward_key(n)[:2], given[n]))
+    first, kind = names[0], ctx.eval_mode[names[0]]
+    effect = (
+        "drops nothing, so the regularisation the model was built with is off"
+        if "Dropout" in kind
+        else "normalises with its running statistics instead of the batch's and stops updating them"
+    )
+    others = [f"{n} ({ctx.eval_mode[n]})" for n in names[1:]]
+    return [
+        Finding(
+            rule="eval_mode",
+            layer=first,
+            step=ctx.step,
+            value=float(len(names)),
+            threshold=0.0,
+            message=f"eval_mode at step {ctx.step}: {first} ({kind}) ran with training=False in a training step while"
+            f" the parameters it trains require grad: it {effect}. Is a model.eval() of an inner evaluation left on?"
+            f" Call .train() after it{_modules_also(others)}",
+            phase="forward",
+            stat="training",
+        )
+    ]
+
+
+def _modules_also(others: Sequence[str]) -> str:
+    if not others:
+        return ""
+    verb = "is" if len(others) == 1 else "are"
+    return f"; {_plural(len(others), 'more module')} {verb} in eval mode too: {_listing(others)}"
+
+
 def _dead_units(ctx: _Context) -> list[Finding]:
     threshold = ctx.config.dead_frac_threshold
     return [
@@ -545,6 +628,69 @@ def _dead_units(ctx: _Context) -> list[Finding]:
         for layer, frac in ctx.stat("act_dead_frac").items()
         # NaN (a layer whose units are not tracked) compares False and is skipped with the rest.
         if _finite(frac) and frac >= threshold
+    ]
+
+
+def cut_off(
+    missing_grads: Collection[str],
+    forward_order: Sequence[str],
+    backward_order: Sequence[str],
+    param_grad_norm: Mapping[str, float] | None = None,
+) -> list[str]:
+    """The layers the gradient never reached on its way to the input end, in forward order (``no_gradient``).
+
+    A layer is cut off when its output required grad but received no gradient (``missing_grads``) and it ran
+    before the first layer, in forward order, that did receive one (``backward_order``), and none of the parameters
+    it owns received a non-zero gradient (``param_grad_norm``, when known). A layer that ran *after* some layer that
+    received a gradient is a branch that does not reach the loss by design (BERT's pooler under a token-level head,
+    an auxiliary output): the network before it learns, so it is not reported; nor is anything when no layer
+    received a gradient (no backward ran). The parameter check covers modules that return a tuple: only the first
+    floating-point output is watched, and an ``nn.LSTM`` whose ``h_n`` alone feeds the head still learns.
+
+    Example:
+        >>> cut_off({"body.0", "body.1", "pool"}, ["body.0", "body.1", "head", "pool"], ["head"])
+        ['body.0', 'body.1']
+        >>> cut_off({"lstm"}, ["lstm", "head"], ["head"], {"lstm.weight_hh_l0": 0.3})
+        []
+    """
+    forward = {}
+    for i, name in enumerate(forward_order):
+        forward.setdefault(name, i)
+    reached = [forward[n] for n in backward_order if n in forward]
+    if not reached:
+        return []
+    first = min(reached)
+    learning = set()
+    if param_grad_norm:
+        layers = set(forward)
+        learning = {owning_layer(p, layers) for p, norm in param_grad_norm.items() if _finite(norm) and norm > 0}
+    return sorted(
+        (n for n in missing_grads if forward.get(n, first) < first and n not in learning), key=forward.__getitem__
+    )
+
+
+def _no_gradient(ctx: _Context) -> list[Finding]:
+    forward = sorted(ctx.orders.forward, key=ctx.orders.forward.__getitem__)
+    backward = sorted(ctx.orders.backward, key=ctx.orders.backward.__getitem__)
+    cut = cut_off(ctx.missing_grads, forward, backward, ctx.stat("param_grad_norm"))
+    if not cut:
+        return []
+    first, last = cut[0], cut[-1]
+    reached = min((n for n in backward if n in ctx.orders.forward), key=ctx.orders.forward.__getitem__)
+    return [
+        Finding(
+            rule="no_gradient",
+            layer=first,
+            step=ctx.step,
+            value=float(len(cut)),
+            threshold=0.0,
+            message=f"no_gradient at step {ctx.step}: the output of {first} required grad but received no gradient,"
+            f" while {reached}, later in forward order, did: the gradient stops between {last} and {reached} (a"
+            f" .detach(), or an output that does not reach the loss), so {first} and what runs before the cut do not"
+            f" learn{_also(cut[1:], ' after it', 'cut off')}",
+            phase="backward",
+            stat="act_grad_norm",
+        )
     ]
 
 
@@ -590,6 +736,48 @@ def _input_side(rest: Sequence[tuple[str, float]], vanishing: bool) -> list[tupl
     return out[::-1]
 
 
+def _largest_gain(ref: tuple[str, float], rest: Sequence[tuple[str, float]]) -> tuple[str, str, float, float] | None:
+    """Where the output-gradient norm grows most between consecutive layers in backward order (zeros skipped).
+
+    Returns ``(layer, next_layer, gain, median of the other gains)``: ``next_layer``'s norm over ``layer``'s, the
+    largest such ratio from the output end to the input end. In a chain, the gradient at ``next_layer``'s output is
+    what ``layer``'s backward (and that of any unobserved module between them) makes of ``layer``'s output gradient,
+    so ``layer`` is where the gradient is amplified. ``None`` with fewer than two positive norms.
+    """
+    chain = [ref, *((layer, norm) for layer, norm in rest if norm > 0)]
+    gains = [(after[1] / before[1], before[0], after[0]) for before, after in zip(chain[:-1], chain[1:], strict=True)]
+    if not gains:
+        return None
+    best = max(range(len(gains)), key=lambda i: gains[i][0])
+    gain, layer, nxt = gains[best]
+    others = [g for i, (g, _, _) in enumerate(gains) if i != best]
+    return layer, nxt, gain, statistics.median(others) if others else math.nan
+
+
+def _amplifier(ref_layer: str, rest: Sequence[tuple[str, float]], fired: str) -> tuple[str, str]:
+    """``exploding_gradient``'s layer and the sentence saying where and how much the gradient grows.
+
+    ``rest``: every other layer's ratio to the output end (``ref_layer``), in backward order; ``fired``: the layer
+    from which the rule fired, named if no gain can be measured.
+    """
+    found = _largest_gain((ref_layer, 1.0), rest)  # ratios to the output end: the same gains as the norms
+    if found is None:
+        return fired, ""
+    layer, nxt, gain, median = found
+    # The growth from the output end to the input end, in orders of magnitude: the share the largest step holds.
+    total = max(ratio for _, ratio in rest) if rest else math.nan
+    share = min(1.0, math.log(gain) / math.log(total)) if gain > 1 and _finite(total) and total > 1 else math.nan
+    others = (
+        "" if not _finite(median) else f"; the median of the other gains between consecutive layers is {median:.3g}"
+    )
+    part = "" if not _finite(share) else f", {share:.0%} of the orders of magnitude gained from the output end"
+    return layer, (
+        f". The gradient grows most in the backward of {layer}: {nxt}'s output gradient, the next observed one in"
+        f" backward order, is {gain:.3g} times {layer}'s (a layer that keeps the gradient's scale has a gain near"
+        f" 1){part}{others}"
+    )
+
+
 def _gradient_scale(ctx: _Context, rule: str) -> list[Finding]:
     ratios = _gradient_ratios(ctx)
     if ratios is None:
@@ -608,10 +796,14 @@ def _gradient_scale(ctx: _Context, rule: str) -> list[Finding]:
                 f" that of the output end ({ref_layer}, {ref_norm:.3g}); the smallest is {ratio:.3g} times, at"
                 f" {extreme}"
             )
+            named = layer
+            if not vanishing:  # named where the gradient grows, not where the growth is first seen
+                named, where = _amplifier(ref_layer, rest, layer)
+                what += where
             return [
                 Finding(
                     rule=rule,
-                    layer=layer,
+                    layer=named,
                     step=ctx.step,
                     value=ratio,
                     threshold=threshold,
@@ -752,7 +944,9 @@ def _precision_headroom(ctx: _Context) -> list[Finding]:
 _RULE_FUNCTIONS: dict[str, Callable[[_Context], list[Finding]]] = {
     "nonfinite": _nonfinite,
     "loss_spike": _loss_spike,
+    "eval_mode": _eval_mode,
     "dead_units": _dead_units,
+    "no_gradient": _no_gradient,
     "vanishing_gradient": lambda ctx: _gradient_scale(ctx, "vanishing_gradient"),
     "exploding_gradient": lambda ctx: _gradient_scale(ctx, "exploding_gradient"),
     "saturation": _saturation,
@@ -770,6 +964,8 @@ def evaluate(
     trip: Trip | None = None,
     baseline: Baseline | None = None,
     last_finite: Mapping[str, int] | None = None,
+    missing_grads: Collection[str] = (),
+    eval_mode: Mapping[str, str] | None = None,
 ) -> list[Finding]:
     """Apply the enabled rules to one sampled (or sentinel-tripped) step's statistics.
 
@@ -785,6 +981,11 @@ def evaluate(
         baseline: The last regular sampled step's values, which ``loss_spike`` compares against.
         last_finite: Parameter name to the last step its ``param_norm`` was observed finite, for the message about
             non-finite weights.
+        missing_grads: Layers whose output required grad but received no gradient on the step, for
+            ``no_gradient`` (see :func:`cut_off`).
+        eval_mode: BatchNorm and Dropout modules that ran in eval mode in the training step while what they train
+            requires grad, to their class names, for ``eval_mode`` (see
+            :func:`~lightning_hookdiag.modes.eval_mode_modules`).
 
     Returns:
         Findings with forward ones (in forward order) before backward ones (in backward order); the first is the
@@ -808,6 +1009,8 @@ def evaluate(
         trip=trip,
         baseline=baseline,
         last_finite=last_finite,
+        missing_grads=missing_grads,
+        eval_mode=eval_mode or {},
     )
     findings = [f for rule in config.enabled for f in _RULE_FUNCTIONS[rule](ctx)]
 
@@ -863,7 +1066,7 @@ class AlertState:
         >>> state.counts["dead_units"]
         3
         >>> state.state_dict()
-        {'active': [['dead_units', 'relu']], 'counts': {'nonfinite': 0, 'loss_spike': 0, 'dead_units': 3, 'vanishing_gradient': 0, 'exploding_gradient': 0, 'saturation': 0, 'precision_headroom': 0}}
+        {'active': [['dead_units', 'relu']], 'counts': {'nonfinite': 0, 'loss_spike': 0, 'eval_mode': 0, 'dead_units': 3, 'no_gradient': 0, 'vanishing_gradient': 0, 'exploding_gradient': 0, 'saturation': 0, 'precision_headroom': 0}}
     """  # noqa: E501
 
     def __init__(self) -> None:

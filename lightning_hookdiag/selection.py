@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import importlib
+import sys
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -21,6 +22,7 @@ __all__ = [
     "excluded_names",
     "import_types",
     "is_default_layer",
+    "is_measurement",
     "list_layers",
     "named_modules",
     "resolve_layers",
@@ -69,6 +71,26 @@ def _owns_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False))
 
 
+def is_measurement(module: nn.Module) -> bool:
+    """Whether ``module`` measures the network rather than being part of it: a loss or a torchmetrics ``Metric``.
+
+    Loss modules (``nn.modules.loss._Loss``, e.g. ``nn.CrossEntropyLoss``) and metrics kept on a LightningModule
+    (``self.train_acc = Accuracy(...)``) are leaf modules called in ``training_step``, but their outputs are the
+    loss or a score computed without gradient: observing them logs statistics of a number and warns about a
+    gradient that is absent by design. torchmetrics is not imported here: if it is not already imported, no module
+    can be one of its metrics.
+
+    Example:
+        >>> is_measurement(nn.CrossEntropyLoss()), is_measurement(nn.Linear(2, 2))
+        (True, False)
+    """
+    if isinstance(module, nn.modules.loss._Loss):
+        return True
+    torchmetrics = sys.modules.get("torchmetrics")
+    metric = getattr(torchmetrics, "Metric", None)
+    return isinstance(metric, type) and isinstance(module, metric)
+
+
 def is_default_layer(module: nn.Module) -> bool:
     """Whether ``layers=None`` selects ``module``: a leaf, or a module that computes with parameters it owns.
 
@@ -76,15 +98,16 @@ def is_default_layer(module: nn.Module) -> bool:
     ``nn.MultiheadAttention``: it uses ``in_proj_weight`` and its ``out_proj`` child's weight functionally, so the
     child never runs and only the module itself can be observed. A model that owns parameters next to whole
     sub-networks (a ViT's ``cls_token``) is not selected: its output is the network's output, already observed
-    at the head.
+    at the head. Losses and torchmetrics metrics (:func:`is_measurement`) are never default layers, nor is
+    anything inside one (:func:`resolve_layers` skips their submodules); ``layers=`` still selects them by name.
 
     Example:
         >>> is_default_layer(nn.Linear(2, 2)), is_default_layer(nn.MultiheadAttention(4, 2))
         (True, True)
-        >>> is_default_layer(nn.Sequential(nn.Linear(2, 2)))
-        False
+        >>> is_default_layer(nn.Sequential(nn.Linear(2, 2))), is_default_layer(nn.MSELoss())
+        (False, False)
     """
-    if isinstance(module, _NOT_CALLABLE):
+    if isinstance(module, _NOT_CALLABLE) or is_measurement(module):
         return False
     children = list(module.children())
     return not children or (_owns_parameters(module) and all(_is_leaf(c) for c in children))
@@ -99,7 +122,8 @@ def list_layers(model: nn.Module) -> list[LayerInfo]:
     Returns:
         One :class:`LayerInfo` per submodule, in registration order. ``leaf`` marks modules without children;
         ``layers=None`` selects those and modules that compute with parameters they own directly (see
-        :func:`is_default_layer`).
+        :func:`is_default_layer`), except losses and torchmetrics metrics and their submodules
+        (:func:`is_measurement`), which are listed and can be selected by name.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
@@ -203,7 +227,8 @@ def resolve_layers(
         model: The root module; names are relative to it.
         layers: Dotted names or fnmatch globs (``*`` also crosses dots). ``None`` selects every leaf module and
             every module that computes with parameters it owns (:func:`is_default_layer`, e.g.
-            ``nn.MultiheadAttention``), or, when ``layer_types`` is given, every module of those types.
+            ``nn.MultiheadAttention``), but no loss or torchmetrics metric nor anything inside one
+            (:func:`is_measurement`), or, when ``layer_types`` is given, every module of those types.
         layer_types: Keep only instances of these classes.
         exclude: Globs removed from the selection.
 
@@ -230,7 +255,10 @@ def resolve_layers(
     elif layer_types:
         candidates = names
     else:
-        candidates = [n for n in names if is_default_layer(modules[n])]
+        measuring = [n for n in names if is_measurement(modules[n])]
+        candidates = [
+            n for n in names if is_default_layer(modules[n]) and not any(n.startswith(m + ".") for m in measuring)
+        ]
     if layer_types:
         typed = [n for n in candidates if isinstance(modules[n], tuple(layer_types))]
         if not typed:

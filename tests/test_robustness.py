@@ -321,25 +321,41 @@ def test_activation_checkpointing_keeps_every_statistic(reentrant):
 
 
 class DetachedSide(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, side_first: bool) -> None:
         super().__init__()
+        self.side_first = side_first
         self.main = nn.Linear(4, 1)
         self.side = nn.Linear(4, 2)
 
     def forward(self, x):
-        return self.main(x) + 0 * self.side(x).detach().sum()
+        side = self.side(x).detach() if self.side_first else None
+        out = self.main(x)
+        side = self.side(x).detach() if side is None else side
+        return out + 0 * side.sum()
 
 
-def test_output_that_receives_no_gradient_is_named_once():
-    module = TinyModule(model=DetachedSide())
+def test_output_cut_off_from_the_gradient_is_named_once():
+    # side runs before main, which gets a gradient: the gradient never reaches side (rule no_gradient).
+    module = TinyModule(model=DetachedSide(side_first=True))
     logger = RecordingLogger()
-    with pytest.warns(LayerHealthWarning, match=r"'model\.side' required grad but received no gradient") as record:
+    with pytest.warns(LayerHealthWarning, match=r"no_gradient at step 0: the output of model\.side required") as record:
         make_trainer([LayerHealthCallback(every_n_steps=1)], max_steps=3, logger=logger).fit(module)
     assert len([w for w in record if w.category is LayerHealthWarning]) == 1
     metrics = by_step(logger)[2]
     assert f"{P}/act_grad_norm/model.main" in metrics
     assert f"{P}/act_grad_norm/model.side" not in metrics
     assert f"{P}/act_mean/model.side" in metrics
+
+
+def test_output_that_runs_after_every_gradient_and_gets_none_is_a_note(caplog):
+    # side runs last: an output that does not reach the loss, like a pooler nothing reads; a note, no warning.
+    module = TinyModule(model=DetachedSide(side_first=False))
+    callback = LayerHealthCallback(every_n_steps=1)
+    with caplog.at_level("INFO"):
+        make_trainer([callback], max_steps=3).fit(module)  # a LayerHealthWarning would fail the test
+    assert callback.findings == []
+    note = "'model.side' required grad but received no gradient"
+    assert len([r for r in caplog.records if note in r.getMessage()]) == 1
 
 
 # ------------------------------------------------------------------------------------------ failed fit

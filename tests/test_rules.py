@@ -237,20 +237,58 @@ def test_a_single_large_gradient_near_the_input_is_not_exploding():
 def test_exploding_ignores_exact_zeros_on_the_input_side():
     norms = {"net.head": 1.0, "net.act1": 1.0, "net.body": 2e3, "net.mix": 0.0, "net.act0": 3e3, "net.stem": 5e3}
     (f,) = evaluate({"act_grad_norm": norms}, FORWARD, BACKWARD, step=0)
-    assert (f.rule, f.layer, f.value) == ("exploding_gradient", "net.body", pytest.approx(2e3))
+    # It fires from net.body on; the gradient grows in net.act1's backward: net.body's is 2e3 times net.act1's.
+    assert (f.rule, f.layer, f.value) == ("exploding_gradient", "net.act1", pytest.approx(2e3))
+    # The other gains (zeros skipped): 1 (head -> act1), 1.5 (body -> act0), 5/3 (act0 -> stem); median 1.5.
+    share = math.log(2e3) / math.log(5e3)
+    assert f"{share:.0%}" == "89%"
     assert f.message == (
         "exploding_gradient at step 0: every layer from net.body to the input end (4 layers) receives an output"
         " gradient more than exploding_ratio=1000 times that of the output end (net.head, 1); the smallest is 2e+03"
-        " times, at net.body"
+        " times, at net.body. The gradient grows most in the backward of net.act1: net.body's output gradient, the"
+        " next observed one in backward order, is 2e+03 times net.act1's (a layer that keeps the gradient's scale"
+        " has a gain near 1), 89% of the orders of magnitude gained from the output end; the median of the other"
+        " gains between consecutive layers is 1.5"
     )
 
 
-def test_exploding_gradient_names_first_crossing_layer_with_its_ratio():
+def test_exploding_gradient_fires_at_the_first_crossing_layer_and_names_the_largest_gain():
     norms = {"net.head": 0.01, "net.act1": 0.02, "net.body": 5.0, "net.mix": 20.0, "net.stem": 400.0}
     findings = evaluate({"act_grad_norm": norms}, FORWARD, BACKWARD, step=5)
-    assert [(f.rule, f.layer) for f in findings] == [("exploding_gradient", "net.mix")]
+    # It fires from net.mix on (2000x the output end); the gains are 2, 250, 4 and 20: net.act1's backward, 250x.
+    assert [(f.rule, f.layer) for f in findings] == [("exploding_gradient", "net.act1")]
     assert findings[0].value == pytest.approx(2000.0)
     assert findings[0].threshold == 1000.0
+    assert "every layer from net.mix to the input end (2 layers)" in findings[0].message
+    assert "net.body's output gradient, the next observed one in backward order, is 250 times net.act1's" in (
+        findings[0].message
+    )
+    share = f"{math.log(250) / math.log(4e4):.0%}"
+    assert findings[0].message.endswith(f"{share} of the orders of magnitude gained from the output end; the median"
+                                        " of the other gains between consecutive layers is 4")  # fmt: skip
+
+
+def test_exploding_gradient_through_one_module_names_it_not_the_layer_that_receives_the_growth():
+    # The issue's ReLU RNN: embed -> rnn -> head; the gradient grows 2.5e4x through time inside the RNN.
+    forward, backward = ["model.embed", "model.rnn", "model.head"], ["model.head", "model.rnn", "model.embed"]
+    norms = {"model.head": 0.3, "model.rnn": 0.15, "model.embed": 0.15 * 2.5e4}
+    (f,) = evaluate({"act_grad_norm": norms}, forward, backward, step=0)
+    assert (f.rule, f.layer, f.value) == ("exploding_gradient", "model.rnn", pytest.approx(1.25e4))
+    assert "from model.embed to the input end (1 layer)" in f.message
+    assert "model.embed's output gradient, the next observed one in backward order, is 2.5e+04 times" in f.message
+    assert f.message.endswith("100% of the orders of magnitude gained from the output end; the median of the other"
+                              " gains between consecutive layers is 0.5")  # fmt: skip
+
+
+def test_exploding_gradient_spread_over_a_chain_says_how_little_one_layer_holds():
+    names = [f"net.{i}" for i in range(8)]
+    norms = {name: 3.0**i * (1.25 if i == 5 else 1.0) for i, name in enumerate(names)}  # x3 per layer, x3.75 once
+    (f,) = evaluate({"act_grad_norm": norms}, names[::-1], names, step=0)
+    assert f.layer == "net.4"  # net.5's norm over net.4's: the largest gain
+    assert f"is {3.75:.3g} times net.4's" in f.message
+    total = norms["net.7"] / norms["net.0"]
+    assert f.message.endswith(f"{math.log(3.75) / math.log(total):.0%} of the orders of magnitude gained from the"
+                              " output end; the median of the other gains between consecutive layers is 3")  # fmt: skip
 
 
 def test_ratio_exactly_at_threshold_does_not_fire():
@@ -283,10 +321,75 @@ def test_gradient_ratios_configurable():
     assert evaluate({"act_grad_norm": low}, FORWARD, BACKWARD, step=0) == []  # defaults: quiet
     assert evaluate({"act_grad_norm": high}, FORWARD, BACKWARD, step=0) == []
     findings = [f for v in (low, high) for f in evaluate({"act_grad_norm": v}, FORWARD, BACKWARD, 0, config)]
+    # Exploding fires from net.body on; the growth (20x, then 1.5x) is in the backward of net.head.
     assert [(f.rule, f.layer, f.threshold, f.value) for f in findings] == [
         ("vanishing_gradient", "net.body", 0.1, pytest.approx(0.08)),
-        ("exploding_gradient", "net.body", 10.0, pytest.approx(20.0)),
+        ("exploding_gradient", "net.head", 10.0, pytest.approx(20.0)),
     ]
+
+
+# ------------------------------------------------------------------------------------------------ no_gradient
+# net.stem .. net.body were cut off (a .detach() between net.body and net.act1); net.act1 and net.head got one.
+CUT = {"act_grad_norm": {"net.head": 1.0, "net.act1": 0.5}}
+CUT_BACKWARD = ["net.head", "net.act1"]
+
+
+def test_no_gradient_names_the_first_cut_off_layer_and_counts_every_one():
+    missing = ["net.body", "net.mix", "net.stem", "net.act0"]  # any order: the rule orders them
+    (f,) = evaluate(CUT, FORWARD, CUT_BACKWARD, step=3, missing_grads=missing)
+    assert (f.rule, f.layer, f.step, f.value, f.threshold) == ("no_gradient", "net.stem", 3, 4.0, 0.0)
+    assert (f.phase, f.stat) == ("backward", "act_grad_norm")
+    assert f.message == (
+        "no_gradient at step 3: the output of net.stem required grad but received no gradient, while net.act1,"
+        " later in forward order, did: the gradient stops between net.body and net.act1 (a .detach(), or an output"
+        " that does not reach the loss), so net.stem and what runs before the cut do not learn; 3 more layers after"
+        " it are also cut off: net.act0, net.mix, net.body"
+    )
+
+
+def test_no_gradient_is_silent_on_outputs_after_the_first_layer_that_got_a_gradient():
+    # A pooler nothing reads, after layers that learn; or the last layers of a step that never ran backward.
+    got = {"act_grad_norm": {"net.head": 1.0, "net.act1": 0.5, "net.body": 0.5, "net.mix": 0.3, "net.stem": 0.2}}
+    backward = ["net.head", "net.act1", "net.body", "net.mix", "net.stem"]
+    assert evaluate(got, FORWARD, backward, step=0, missing_grads=["net.act0"]) == []
+    assert evaluate({}, FORWARD, [], step=0, missing_grads=FORWARD) == []
+    assert evaluate(CUT, FORWARD, CUT_BACKWARD, step=0, missing_grads=[]) == []
+
+
+def test_no_gradient_skips_a_layer_whose_parameters_learn():
+    # An nn.LSTM whose head reads h_n: its watched first output got no gradient, its weights did.
+    values = dict(CUT, param_grad_norm={"net.stem.weight": 0.2, "net.mix.weight": 0.0, "net.head.weight": 1.0})
+    (f,) = evaluate(values, FORWARD, CUT_BACKWARD, step=0, missing_grads=["net.stem", "net.mix"])
+    assert (f.layer, f.value) == ("net.mix", 1.0)  # an exact-zero gradient is no gradient
+    assert f.message.endswith("so net.mix and what runs before the cut do not learn")
+
+
+def test_no_gradient_can_be_disabled():
+    config = RuleConfig(enabled=[r for r in RULES if r != "no_gradient"])
+    assert evaluate(CUT, FORWARD, CUT_BACKWARD, step=0, config=config, missing_grads=["net.stem"]) == []
+
+
+# -------------------------------------------------------------------------------------------------- eval_mode
+def test_eval_mode_names_the_first_module_in_forward_order_and_lists_the_others():
+    modes = {"net.head": "Dropout", "net.mix": "BatchNorm1d", "net.late": "BatchNorm1d"}  # net.late never ran
+    (f,) = evaluate({}, FORWARD, BACKWARD, step=2, eval_mode=modes)
+    assert (f.rule, f.layer, f.step, f.value, f.threshold) == ("eval_mode", "net.mix", 2, 3.0, 0.0)
+    assert (f.phase, f.stat) == ("forward", "training")
+    assert f.message == (
+        "eval_mode at step 2: net.mix (BatchNorm1d) ran with training=False in a training step while the parameters"
+        " it trains require grad: it normalises with its running statistics instead of the batch's and stops"
+        " updating them. Is a model.eval() of an inner evaluation left on? Call .train() after it; 2 more modules are"
+        " in eval mode too: net.head (Dropout), net.late (BatchNorm1d)"
+    )
+    (f,) = evaluate({}, FORWARD, BACKWARD, step=2, eval_mode={"net.head": "Dropout"})
+    assert "it drops nothing, so the regularisation the model was built with is off." in f.message
+    assert evaluate({}, FORWARD, BACKWARD, step=2, eval_mode={}) == []
+
+
+def test_eval_mode_comes_before_the_rules_it_can_explain():
+    values = {"act_dead_frac": {"net.act1": 1.0}}
+    findings = evaluate(values, FORWARD, BACKWARD, step=0, eval_mode={"net.stem": "BatchNorm1d"})
+    assert [(f.rule, f.layer) for f in findings] == [("eval_mode", "net.stem"), ("dead_units", "net.act1")]
 
 
 # ---------------------------------------------------------------------------------------------- saturation
@@ -444,8 +547,8 @@ def test_alert_state_counts_every_finding_seen():
     state = AlertState()
     state.update([finding("dead_units", "x"), finding("dead_units", "y")])
     state.update([finding("dead_units", "x")])
-    assert state.counts == {"nonfinite": 0, "loss_spike": 0, "dead_units": 3, "vanishing_gradient": 0,
-                            "exploding_gradient": 0, "saturation": 0,
+    assert state.counts == {"nonfinite": 0, "loss_spike": 0, "eval_mode": 0, "dead_units": 3, "no_gradient": 0,
+                            "vanishing_gradient": 0, "exploding_gradient": 0, "saturation": 0,
                             "precision_headroom": 0}  # fmt: skip
 
 

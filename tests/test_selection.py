@@ -142,3 +142,50 @@ def test_list_layers_reports_types_and_leaves():
     assert by_name["encoder.0.fc"].type == "Linear"
     assert str(by_name["head"]) == "head  (Linear, leaf)"
     assert len(infos) == len(list(Net().modules())) - 1
+
+
+class _Perceptual(nn.modules.loss._Loss):
+    """A loss with a network inside it (a perceptual loss): neither it nor its submodules are default layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+    def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (self.features(out) - self.features(target)).pow(2).mean()
+
+
+def test_losses_and_metrics_are_not_default_layers_but_stay_selectable_by_name():
+    torchmetrics = pytest.importorskip("torchmetrics")
+    from lightning_hookdiag.selection import is_measurement
+
+    net = nn.Module()
+    net.body = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    net.loss_fn = nn.CrossEntropyLoss()
+    net.perceptual = _Perceptual()
+    net.acc = torchmetrics.classification.Accuracy(task="multiclass", num_classes=3)
+    net.mse = torchmetrics.MeanSquaredError()
+    leaves = {info.name for info in list_layers(net) if info.leaf}
+    assert {"loss_fn", "acc", "mse", "perceptual.features.0"} <= leaves  # what the default would otherwise pick
+    assert [n for n in ("body", "loss_fn", "perceptual", "acc", "mse") if is_measurement(getattr(net, n))] == [
+        "loss_fn",
+        "perceptual",
+        "acc",
+        "mse",
+    ]
+    assert list(resolve_layers(net)) == ["body.0", "body.1"]
+    assert list(resolve_layers(net, ["acc", "loss_fn", "perceptual.features.0"])) == [
+        "loss_fn",
+        "perceptual.features.0",
+        "acc",
+    ]
+    assert list(resolve_layers(net, layer_types=(torchmetrics.Metric,))) == ["acc", "mse"]
+
+
+def test_selection_does_not_import_torchmetrics():
+    import subprocess
+    import sys
+
+    code = "import sys, lightning_hookdiag.selection; print('torchmetrics' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

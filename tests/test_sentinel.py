@@ -509,18 +509,20 @@ class _DetachedSideFrom(nn.Module):
         self.start, self.step = start, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        side = self.side(x)
+        side = self.side(x)  # runs before main, which gets a gradient: a detached side is cut off from it
         return self.main(x) + 0 * (side.detach() if self.step >= self.start else side).sum()
 
 
 def test_a_replayed_step_names_an_output_that_got_no_gradient(monkeypatch):
-    # The replay attaches and removes its own hooks, so the batch end finds none attached; the warning about an
-    # output that required grad but got none must come from the replay itself.
+    # The replay attaches and removes its own hooks, so the batch end finds none attached; what the hooks saw of
+    # the missing gradient must come from the replay itself.
     force_trips(monkeypatch, {2})
     module = TinyModule(model=_DetachedSideFrom(start=1))
     module.on_step = lambda m, i: setattr(m.model, "step", m.global_step)
     callback = LayerHealthCallback(every_n_steps=100, on_anomaly="ignore", summary=False)
-    with pytest.warns(LayerHealthWarning, match="'model.side' required grad but received no gradient"):
-        make_trainer([callback], max_steps=4, logger=RecordingLogger()).fit(module)
+    make_trainer([callback], max_steps=4, logger=RecordingLogger()).fit(module)
     assert [trip.step for trip in callback.trips] == [2]
     assert callback.trips[0].replayed
+    cut = [f for f in callback.findings if f.rule == "no_gradient"]
+    assert [(f.layer, f.step) for f in cut] == [("model.side", 2)]
+    assert cut[0].message.startswith("no_gradient at step 2: the output of model.side required grad")

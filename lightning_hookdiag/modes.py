@@ -1,0 +1,127 @@
+"""Modules left in eval mode during training: the facts of rule ``eval_mode`` (see :mod:`lightning_hookdiag.rules`).
+
+Only BatchNorm (``nn.modules.batchnorm._BatchNorm``) and Dropout (``nn.modules.dropout._DropoutNd``) modules behave
+differently in eval mode, and only where that changes their output: a BatchNorm that tracks running statistics (it
+normalises with them instead of the batch's, and stops updating them), a Dropout with ``p > 0`` (it drops nothing).
+Eval mode is a bug only if something that module affects is being trained: its own parameters require grad, or, for a
+module without parameters (Dropout, ``BatchNorm(affine=False)``), those of the nearest enclosing module that has any,
+the block it regularises or normalises. A frozen BatchNorm put in eval for fine-tuning, or a frozen backbone in eval
+mode, is deliberate and not reported.
+
+When is the mode of the forward known? Only during it, and watching it there would need a hook on every such module.
+:class:`EvalModeWatch` reads ``module.training`` at two points that bracket ``training_step`` instead: the start of
+the sampled training batch and the moment its loss is handed to backward (``on_before_backward``). A module in eval
+mode at both ran the forward between them in eval mode, unless ``training_step`` itself switched it to train and back
+around its forward, which nobody does. Reading one attribute per module on sampled batches costs microseconds, and no
+hook is registered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import nn
+
+from lightning_hookdiag.selection import named_modules
+
+__all__ = ["EvalModeWatch", "eval_mode_modules", "mode_dependent_modules"]
+
+_MODE_TYPES = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)
+
+
+def mode_dependent_modules(root: nn.Module) -> dict[str, tuple[nn.Module, nn.Module]]:
+    """Every BatchNorm and Dropout module of ``root``, with the module whose parameters it trains along.
+
+    Returns:
+        Normalised name (as :func:`~lightning_hookdiag.selection.named_modules` gives it) to ``(module, owner)``,
+        where ``owner`` is the module itself if it has parameters, else its nearest ancestor with any (``root`` at
+        worst).
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5), nn.BatchNorm1d(2))
+        >>> {name: type(owner).__name__ for name, (m, owner) in mode_dependent_modules(net).items()}
+        {'1': 'Sequential', '2': 'BatchNorm1d'}
+    """
+    modules = named_modules(root)
+    found: dict[str, tuple[nn.Module, nn.Module]] = {}
+    for name, module in modules.items():
+        if not isinstance(module, _MODE_TYPES):
+            continue
+        owner = module
+        parent = name
+        while not any(True for _ in owner.parameters()) and parent:
+            parent = parent.rpartition(".")[0]
+            owner = modules.get(parent, root) if parent else root
+        found[name] = (module, owner)
+    return found
+
+
+def _mode_matters(module: nn.Module) -> bool:
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        return module.p > 0
+    return module.running_mean is not None  # without running statistics, eval mode normalises with the batch's too
+
+
+def eval_mode_modules(candidates: Mapping[str, tuple[nn.Module, nn.Module]]) -> dict[str, str]:
+    """The candidates in eval mode right now whose mode matters and whose owner has a parameter that requires grad.
+
+    Args:
+        candidates: As returned by :func:`mode_dependent_modules`.
+
+    Returns:
+        Name to class name (``"BatchNorm2d"``), in the order of ``candidates``.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Dropout(0.0)).eval()
+        >>> candidates = mode_dependent_modules(net)
+        >>> eval_mode_modules(candidates)
+        {'1': 'BatchNorm1d'}
+        >>> _ = net[1].requires_grad_(False)  # frozen-BN fine-tuning
+        >>> eval_mode_modules(candidates)
+        {}
+    """
+    return {
+        name: type(module).__name__
+        for name, (module, owner) in candidates.items()
+        if not module.training and _mode_matters(module) and any(p.requires_grad for p in owner.parameters())
+    }
+
+
+class EvalModeWatch:
+    """Collect the modules that ran a sampled step's training forwards in eval mode (rule ``eval_mode``).
+
+    Call :meth:`batch_start` at the start of every sampled training batch, :meth:`before_backward` when its loss is
+    handed to backward, and :meth:`take` once per sampled step.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+        >>> watch = EvalModeWatch(net)
+        >>> watch.batch_start(); _ = net.eval(); watch.before_backward()  # eval() inside training_step
+        >>> watch.take()
+        {}
+        >>> watch.batch_start(); watch.before_backward()  # the next batch runs its forward in eval mode
+        >>> watch.take()
+        {'1': 'BatchNorm1d'}
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        self._candidates = mode_dependent_modules(root)
+        self._at_start: dict[str, str] = {}
+        self._found: dict[str, str] = {}
+
+    def batch_start(self) -> None:
+        """Note the modules in eval mode before ``training_step`` runs."""
+        self._at_start = eval_mode_modules(self._candidates) if self._candidates else {}
+
+    def before_backward(self) -> None:
+        """Keep those still in eval mode after the forward: the forward between the two points ran in eval mode."""
+        if self._at_start:
+            now = eval_mode_modules(self._candidates)
+            self._found.update((name, kind) for name, kind in self._at_start.items() if name in now)
+            self._at_start = {}
+
+    def take(self) -> dict[str, str]:
+        """What was found since the last call, and forget it."""
+        found, self._found = self._found, {}
+        self._at_start = {}
+        return found
