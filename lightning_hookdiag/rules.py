@@ -36,7 +36,12 @@ Rule                    Field                              Default   Fires when
 ======================  =================================  ========  ================================================
 
 The sentinel's own settings live here too: ``spike_window`` (``50``), ``spike_warmup`` (``20``), ``spike_zscore``
-(``8``) and ``spike_ratio`` (``10``); see :class:`~lightning_hookdiag.sentinel.SpikeDetector`.
+(``8``) and ``spike_ratio`` (``10``). A loss trips as a spike when it rises more than ``spike_ratio``-fold above the
+lower median of the last 5 healthy losses *and* more than ``spike_zscore`` robust standard deviations of the
+window's step-to-step noise (from consecutive differences, so a fast descent does not widen it); exact zeros of a
+hinge or margin loss are left out of the log scale, and negative losses use a linear one; see
+:class:`~lightning_hookdiag.sentinel.SpikeDetector`. A ``loss_spike`` finding is an event: every spike alerts, also
+one a few steps after another (:data:`EVENT_RULES`).
 
 ``nonfinite`` and the weights: when the parameter norms measured before the step (``param_norm``) are themselves
 NaN/Inf, every activation and gradient computed from them is non-finite too, and the first non-finite layer in
@@ -110,6 +115,7 @@ if TYPE_CHECKING:  # the rules only read a Trip's fields; importing the sentinel
 from lightning_hookdiag.names import owning_layer
 
 __all__ = [
+    "EVENT_RULES",
     "LOSS",
     "RULES",
     "SATURATING_TYPES",
@@ -132,6 +138,9 @@ RULES: tuple[str, ...] = (
     "precision_headroom",
 )
 """Names of the health rules, in the order findings of the same layer are listed."""
+
+EVENT_RULES: frozenset[str] = frozenset({"loss_spike"})
+"""Rules whose findings are events of one step (each alerts), not conditions that persist until they clear."""
 
 SATURATING_TYPES: tuple[str, ...] = ("Tanh", "Sigmoid")
 """Module class names the ``saturation`` rule checks."""
@@ -178,7 +187,8 @@ class RuleConfig:
         spike_window: The sentinel's loss baseline: the number of recent healthy steps kept; an integer ``>= 3``.
         spike_warmup: Healthy steps seen before a loss spike can trip the sentinel; an integer in ``[3,
             spike_window]``.
-        spike_zscore: A spike rises more than this many robust standard deviations above the baseline median;
+        spike_zscore: A spike rises more than this many robust standard deviations of the step-to-step loss noise
+            (from consecutive differences of the window) above the centre (the lower median of the latest 5);
             ``> 0``.
         spike_ratio: ... and more than this factor above it (see
             :class:`~lightning_hookdiag.sentinel.SpikeDetector`); finite, ``> 1``.
@@ -699,8 +709,8 @@ def _loss_spike(ctx: _Context) -> list[Finding]:
             stat = "loss"
             tail = (
                 f"; no observed layer's activation scale grew more than spike_growth={growth_limit:g} since step"
-                f" {ctx.baseline.step}, so the spike comes from the loss, the targets or the inputs rather than one"
-                " layer"
+                f" {ctx.baseline.step}, so the spike comes from the targets or the loss, not from the network"
+                " (inputs far off their usual scale would have grown the first layer)"
             )
     return [
         Finding(
@@ -849,8 +859,10 @@ class AlertState:
     """Warn once per (rule, layer) until it clears; count every finding per rule.
 
     A finding is *new* when its (rule, layer) pair was not found on the previously evaluated step. A pair that is
-    absent on a later evaluated step clears, and alerts again when it comes back. The state is plain Python (a set
-    and a dict), so it pickles, and :meth:`state_dict` holds only JSON types for checkpoints.
+    absent on a later evaluated step clears, and alerts again when it comes back. Findings of the
+    :data:`EVENT_RULES` (``loss_spike``) are events, not conditions that persist: every one is new, and none is kept
+    as active (two spikes a few steps apart, with no sampled step between them, alert twice). The state is plain
+    Python (a set and a dict), so it pickles, and :meth:`state_dict` holds only JSON types for checkpoints.
 
     Attributes:
         counts: Rule name to the number of findings seen (alerted or not) since the state was created.
@@ -884,6 +896,9 @@ class AlertState:
         new: list[Finding] = []
         active: set[tuple[str, str]] = set()
         for f in findings:
+            if f.rule in EVENT_RULES:
+                new.append(f)
+                continue
             pair = (f.rule, f.layer)
             # Also once within a step: a layer can be both a backward origin and a parameter-gradient origin.
             if pair not in self._active and pair not in active:
