@@ -50,6 +50,17 @@ the earliest layer owning one), says when they were last observed finite, and no
 named. On a step the sentinel tripped on, a non-finite loss that the observed layers do not explain, or a trip that
 could not be replayed, still gives a ``nonfinite`` finding, about ``loss``.
 
+``nonfinite`` and functional code: on the replay of a NaN/Inf trip (only there, so sampled steps cost nothing
+more), every module's forward is traced (:mod:`lightning_hookdiag.provenance`). When the first non-finite selected
+layer in forward order had already *received* a non-finite input, the NaN was made between the previous selected
+layer's output and that input, by code that is no selected layer (a ``torch.log``, ``sqrt`` or division in some
+``forward``). The finding then names the innermost module whose ``forward`` made it (``layer``: that module, e.g. a
+parameterless container the default selection leaves out; :data:`ROOT` for the LightningModule's own ``forward``, or
+for code outside every module's forward such as ``training_step``; ``stat``: ``act_nonfinite``; ``value``: the
+first non-finite layer's NaN/Inf count) and says between which two layers it was made; it sorts at the position of
+the layer that received it. A NaN made in the loss function leaves every layer finite and keeps the ``loss``
+finding above.
+
 ``loss_spike``'s activation scale is the root mean square of a layer's finite outputs, ``sqrt(act_mean**2 +
 act_std**2)``, or ``act_absmax`` when those two statistics are not computed. The RMS follows the bulk of the
 outputs, so a single large element does not move it; the comparison is with the last regular sampled step, which
@@ -106,7 +117,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the rules only read a Trip's fields; importing the sentinel at run time would import torch
@@ -117,6 +128,7 @@ from lightning_hookdiag.names import owning_layer
 __all__ = [
     "EVENT_RULES",
     "LOSS",
+    "ROOT",
     "RULES",
     "SATURATING_TYPES",
     "AlertState",
@@ -149,6 +161,11 @@ PHASES: tuple[str, ...] = ("forward", "backward")
 
 LOSS = "loss"
 """The ``layer`` of a finding about the loss itself rather than about one layer."""
+
+ROOT = "<root>"
+"""The ``layer`` of a finding about the LightningModule's own code: a NaN made in its ``forward`` (or, outside every
+module's forward, in ``training_step``) between two layers. Module names are relative to the LightningModule, whose
+own name would be empty; the angle brackets cannot occur in a module path."""
 
 # Names of the other affected layers listed in a nonfinite message; the count is always complete.
 _MAX_LISTED = 3
@@ -294,7 +311,8 @@ class Finding:
         rule: Name from :data:`RULES`.
         layer: The layer (module name) the finding is about; for parameter gradients, the parameter's module: the
             longest layer of ``forward_order``/``backward_order`` that prefixes its dotted name, else the name minus
-            its last segment.
+            its last segment. :data:`LOSS` for the loss itself; for a NaN made by functional code between two
+            layers, the module whose forward made it (not necessarily selected), or :data:`ROOT`.
         step: The optimizer step the statistics describe.
         value: The observed value compared with ``threshold``: a count of non-finite elements or parameters
             (``nonfinite``), a dead fraction, a gradient-norm ratio, a lower bound on the saturated share.
@@ -331,6 +349,11 @@ class _Orders:
         for i, name in enumerate(backward_order):
             self.backward.setdefault(name, i)
         self.layers = self.forward.keys() | self.backward.keys()
+
+    def place(self, layer: str, like: str) -> None:
+        """Sort ``layer``, a module outside the observed order (not selected), at the position of observed ``like``."""
+        if like in self.forward:
+            self.forward.setdefault(layer, self.forward[like])
 
     def owner(self, param: str) -> str:
         # A selected container owns "<container>.<child>.<name>": the longest known layer prefix is the module that
@@ -506,6 +529,8 @@ def _nonfinite_origins(ctx: _Context) -> list[Finding]:
             f" (the first non-finite layer in forward order{_also(others, ' after it', 'non-finite')})"
         ),
     )
+    if forward is not None and ctx.trip is not None and ctx.trip.nan_entry == forward.layer:
+        forward = _made_between(ctx, forward)
     # Output gradients: a NaN propagates backward, so the origin is the first non-finite layer in backward order.
     grads = {k: v for k, v in ctx.stat("act_grad_nonfinite").items() if _finite(v) and v > 0}
     backward = _origin(
@@ -536,6 +561,37 @@ def _nonfinite_origins(ctx: _Context) -> list[Finding]:
         ),
     )
     return [f for f in (forward, backward, params) if f is not None]
+
+
+def _made_between(ctx: _Context, entry: Finding) -> Finding:
+    """The forward ``nonfinite`` finding when the first non-finite layer's input was already non-finite.
+
+    The replay's trace (:mod:`lightning_hookdiag.provenance`) named the innermost module whose forward made the
+    NaN/Inf (``trip.nan_origin``), or none: it was made outside every module's forward. The finding names that module
+    (:data:`ROOT` for the LightningModule's own code) and sorts where ``entry`` does.
+    """
+    assert ctx.trip is not None
+    first = entry.layer
+    position = ctx.orders.forward.get(first, -1)
+    earlier = [name for name, p in ctx.orders.forward.items() if p < position]
+    previous = max(earlier, key=ctx.orders.forward.__getitem__) if earlier else None
+    origin = ctx.trip.nan_origin
+    if origin is None:
+        where = "outside every module's forward (in training_step, or a function it calls)"
+    elif origin == ROOT:
+        where = f"inside the LightningModule's own forward ({ROOT})"
+    else:
+        where = f"inside the forward of {origin}"
+    after = f"after the output of {previous} and " if previous is not None else ""
+    layer = origin or ROOT
+    ctx.orders.place(layer, first)
+    return replace(
+        entry,
+        layer=layer,
+        message=f"nonfinite: the NaN/Inf was made {where}, {after}before the input of {first}, at step {ctx.step}:"
+        f" functional code there (torch.log, sqrt, a division) made it, not a selected layer. {first}, the first"
+        f" non-finite selected layer in forward order, received it ({entry.value:.0f} NaN/Inf output elements)",
+    )
 
 
 def _dead_units(ctx: _Context) -> list[Finding]:

@@ -38,6 +38,7 @@ from lightning_hookdiag import stats as S
 from lightning_hookdiag.distributed import all_reduce_packed
 from lightning_hookdiag.hooks import HookSet
 from lightning_hookdiag.params import stored_values
+from lightning_hookdiag.provenance import NonFiniteTrace
 
 __all__ = [
     "SENTINEL_MODES",
@@ -68,6 +69,11 @@ class Trip:
         last_finite_step: The last earlier step whose loss (and, with ``"loss+grads"``, gradients) was finite.
         replayed: Whether the step's statistics come from hooks (a replay, or a step that was sampled anyway).
         reason: Why the step was not replayed (empty when it was).
+        nan_entry: Set by the replay of a ``nonfinite_*`` trip when the first selected layer with a non-finite
+            output had received a non-finite input (see :mod:`lightning_hookdiag.provenance`): that layer.
+        nan_origin: With ``nan_entry``: the innermost module whose forward made the NaN/Inf
+            (:data:`~lightning_hookdiag.rules.ROOT` for the LightningModule's own), or ``None`` when it was made
+            outside every module's forward.
     """
 
     step: int
@@ -77,6 +83,8 @@ class Trip:
     last_finite_step: int | None = None
     replayed: bool = False
     reason: str = ""
+    nan_entry: str | None = None
+    nan_origin: str | None = None
 
 
 class SpikeDetector:
@@ -105,8 +113,9 @@ class SpikeDetector:
     one. The window fills only with steps that did not trip, and nothing trips during the first ``warmup`` steps it
     has seen. A trip is an event: the next healthy step is compared with the same window.
 
-    Cost: on most steps the loss is below ``ratio`` times the smallest of the recent losses and the test stops
-    there (about 2 us); the full test sorts the window's differences twice (about 20 us).
+    Cost (one call per optimizer step, on the host): on most steps the loss is below ``ratio`` times the smallest of
+    the recent losses and the test stops there (1.5 us measured on a 2-core CPU); the full test sorts the window's
+    differences twice (12 us on the log scale, 7 us on the linear one).
 
     Args:
         window: Number of recent healthy losses kept.
@@ -451,6 +460,7 @@ def replay_step(
     module: nn.Module,
     hooks: HookSet,
     device: torch.device,
+    trace: NonFiniteTrace | None = None,
 ) -> int:
     """Re-run one optimizer step's micro-batches through ``hooks``, leaving no trace in the training state.
 
@@ -466,6 +476,8 @@ def replay_step(
         module: The module whose parameters receive (discarded) gradients and whose state is restored.
         hooks: Attached for the replay, removed after it.
         device: Where the step runs (for the accelerator RNG).
+        trace: Attached for the replay and removed after it, also when ``run`` raises: where a NaN/Inf was made
+            (read it afterwards with :meth:`~lightning_hookdiag.provenance.NonFiniteTrace.origin`).
 
     Returns:
         The number of micro-batches that produced a loss.
@@ -489,6 +501,8 @@ def replay_step(
     try:
         with torch.enable_grad():
             hooks.attach()
+            if trace is not None:
+                trace.attach()
             for micro in micro_batches:
                 restore_rng(micro.rng, device)
                 loss = run(micro)
@@ -499,6 +513,8 @@ def replay_step(
                     torch.autograd.grad(loss, params, allow_unused=True)
                 del loss
     finally:
+        if trace is not None:
+            trace.remove()
         hooks.remove()
         snapshot.restore()
         restore_rng(outer, device)
