@@ -683,11 +683,12 @@ class LayerHealthCallback(Callback):
         if self._window == step:
             trip = replace(trip, replayed=True)  # a sampled step: the hooks saw it as it happened
         else:
-            # A NaN/Inf trip is traced back to the module whose forward made it; the trace costs only on replays.
-            trace = NonFiniteTrace(pl_module) if trip.kind != "loss_spike" else None
-            reason = self._replay_blocker(trainer, pl_module, step, previous) or self._replay(
-                trainer, pl_module, step, trace
-            )
+            trace = None
+            reason = self._replay_blocker(trainer, pl_module, step, previous)
+            if not reason:
+                # A NaN/Inf trip is traced back to the module whose forward made it: only replays pay for it.
+                trace = NonFiniteTrace(pl_module) if trip.kind != "loss_spike" else None
+                reason = self._replay(trainer, pl_module, step, trace)
             if reason:
                 trip = replace(trip, reason=reason)
                 if previous == step - 1:

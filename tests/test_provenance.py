@@ -267,3 +267,19 @@ def test_the_rule_names_the_origin_and_sorts_it_where_the_nan_entered():
     # An entry that is not the first non-finite layer (another process saw it elsewhere): today's finding.
     other = Trip(step=4, kind="nonfinite_loss", loss=float("nan"), replayed=True, nan_entry="head", nan_origin="x")
     assert evaluate(values, ["enc", "mid", "head"], [], step=4, trip=other)[0].layer == "mid"
+
+
+def test_a_compiled_model_is_traced_like_eager():
+    # The replay runs compiled code eagerly (the hooks' force_eager stance), so the global hook sees every module;
+    # names carry no _orig_mod.
+    torch._dynamo.reset()
+    module = wrapped_module()
+    module.model = torch.compile(module.model, backend="eager")
+    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", summary=False)
+    try:
+        make_trainer([callback], max_steps=BAD_STEP + 1).fit(module)
+    finally:
+        torch._dynamo.reset()
+    assert (callback.trips[0].nan_entry, callback.trips[0].nan_origin) == ("model.out", "model.scale")
+    assert callback.findings[0].layer == "model.scale"
+    assert count_hooks(module) == 0
