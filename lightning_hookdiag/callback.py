@@ -35,6 +35,7 @@ from lightning_hookdiag.modes import EvalModeWatch
 from lightning_hookdiag.opt_in import OptInPlan, OptInRecorder, plan_opt_in
 from lightning_hookdiag.params import ParameterTracker, named_parameters_of, owned_parameters
 from lightning_hookdiag.precision import resolve_targets
+from lightning_hookdiag.provenance import NonFiniteTrace
 from lightning_hookdiag.report.summary import format_step_table
 from lightning_hookdiag.rules import (
     AlertState,
@@ -693,7 +694,12 @@ class LayerHealthCallback(Callback):
         if self._window == step:
             trip = replace(trip, replayed=True)  # a sampled step: the hooks saw it as it happened
         else:
-            reason = self._replay_blocker(trainer, pl_module, step, previous) or self._replay(trainer, pl_module, step)
+            trace = None
+            reason = self._replay_blocker(trainer, pl_module, step, previous)
+            if not reason:
+                # A NaN/Inf trip is traced back to the module whose forward made it: only replays pay for it.
+                trace = NonFiniteTrace(pl_module) if trip.kind != "loss_spike" else None
+                reason = self._replay(trainer, pl_module, step, trace)
             if reason:
                 trip = replace(trip, reason=reason)
                 if previous == step - 1:
@@ -702,7 +708,8 @@ class LayerHealthCallback(Callback):
                 self._open_window(step, layers=False)  # the parameters can still be measured
                 self._sample_next = step + 1
             else:
-                trip = replace(trip, replayed=True)
+                entry, origin = trace.origin(self.layer_names) if trace is not None else (None, None)
+                trip = replace(trip, replayed=True, nan_entry=entry, nan_origin=origin)
         self.trips.append(trip)
         self._trip = trip
         return trip
@@ -727,8 +734,10 @@ class LayerHealthCallback(Callback):
             return "its micro-batches were not seen by the callback (training resumed inside the step?)"
         return None
 
-    def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> str | None:
-        """Replay step ``step`` through the hooks into a new window; on failure, drop it and say why."""
+    def _replay(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, trace: NonFiniteTrace | None = None
+    ) -> str | None:
+        """Replay step ``step`` through the hooks (and ``trace``) into a new window; on failure, drop it, say why."""
         self._open_window(step)
         failure = ""
         run = self._replay_run(trainer, pl_module)
@@ -736,7 +745,7 @@ class LayerHealthCallback(Callback):
             run = self._measure_saved_bytes(run)
             self._saved.attach()
         try:
-            replay_step(self._micro, run, pl_module, self._hooks, pl_module.device)
+            replay_step(self._micro, run, pl_module, self._hooks, pl_module.device, trace)
         except Exception as error:  # a failed replay is reported in the finding; training goes on untouched
             failure = f"the replay raised {type(error).__name__}: {error}"
         finally:

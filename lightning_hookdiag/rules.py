@@ -45,7 +45,12 @@ Rule                    Field                              Default   Fires when
 ======================  =================================  ========  ================================================
 
 The sentinel's own settings live here too: ``spike_window`` (``50``), ``spike_warmup`` (``20``), ``spike_zscore``
-(``8``) and ``spike_ratio`` (``10``); see :class:`~lightning_hookdiag.sentinel.SpikeDetector`.
+(``8``) and ``spike_ratio`` (``10``). A loss trips as a spike when it rises more than ``spike_ratio``-fold above the
+lower median of the last 5 healthy losses *and* more than ``spike_zscore`` robust standard deviations of the
+window's step-to-step noise (from consecutive differences, so a fast descent does not widen it); exact zeros of a
+hinge or margin loss are left out of the log scale, and negative losses use a linear one; see
+:class:`~lightning_hookdiag.sentinel.SpikeDetector`. A ``loss_spike`` finding is an event: every spike alerts, also
+one a few steps after another (:data:`EVENT_RULES`).
 
 ``nonfinite`` and the weights: when the parameter norms measured before the step (``param_norm``) are themselves
 NaN/Inf, every activation and gradient computed from them is non-finite too, and the first non-finite layer in
@@ -75,6 +80,16 @@ and a frozen backbone in eval mode are therefore silent; so is validation (Light
 afterwards). A recipe that keeps BatchNorm statistics frozen while training its affine parameters (mmdetection's
 ``norm_eval=True``) is reported too; disable the rule there (``rules={"enabled": [...]}``). See
 :func:`~lightning_hookdiag.modes.eval_mode_modules`.
+``nonfinite`` and functional code: on the replay of a NaN/Inf trip (only there, so sampled steps cost nothing
+more), every module's forward is traced (:mod:`lightning_hookdiag.provenance`). When the first non-finite selected
+layer in forward order had already *received* a non-finite input, the NaN was made between the previous selected
+layer's output and that input, by code that is no selected layer (a ``torch.log``, ``sqrt`` or division in some
+``forward``). The finding then names the innermost module whose ``forward`` made it (``layer``: that module, e.g. a
+parameterless container the default selection leaves out; :data:`ROOT` for the LightningModule's own ``forward``, or
+for code outside every module's forward such as ``training_step``; ``stat``: ``act_nonfinite``; ``value``: the
+first non-finite layer's NaN/Inf count) and says between which two layers it was made; it sorts at the position of
+the layer that received it. A NaN made in the loss function leaves every layer finite and keeps the ``loss``
+finding above.
 
 ``loss_spike``'s activation scale is the root mean square of a layer's finite outputs, ``sqrt(act_mean**2 +
 act_std**2)``, or ``act_absmax`` when those two statistics are not computed. The RMS follows the bulk of the
@@ -141,7 +156,7 @@ import functools
 import math
 import statistics
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the rules only read a Trip's fields; importing the sentinel at run time would import torch
@@ -150,7 +165,9 @@ if TYPE_CHECKING:  # the rules only read a Trip's fields; importing the sentinel
 from lightning_hookdiag.names import owning_layer
 
 __all__ = [
+    "EVENT_RULES",
     "LOSS",
+    "ROOT",
     "RULES",
     "SATURATING_TYPES",
     "AlertState",
@@ -176,6 +193,9 @@ RULES: tuple[str, ...] = (
 )
 """Names of the health rules, in the order findings of the same layer are listed."""
 
+EVENT_RULES: frozenset[str] = frozenset({"loss_spike"})
+"""Rules whose findings are events of one step (each alerts), not conditions that persist until they clear."""
+
 SATURATING_TYPES: tuple[str, ...] = ("Tanh", "Sigmoid")
 """Module class names the ``saturation`` rule checks."""
 
@@ -183,6 +203,11 @@ PHASES: tuple[str, ...] = ("forward", "backward")
 
 LOSS = "loss"
 """The ``layer`` of a finding about the loss itself rather than about one layer."""
+
+ROOT = "<root>"
+"""The ``layer`` of a finding about the LightningModule's own code: a NaN made in its ``forward`` (or, outside every
+module's forward, in ``training_step``) between two layers. Module names are relative to the LightningModule, whose
+own name would be empty; the angle brackets cannot occur in a module path."""
 
 # Names of the other affected layers listed in a nonfinite message; the count is always complete.
 _MAX_LISTED = 3
@@ -221,7 +246,8 @@ class RuleConfig:
         spike_window: The sentinel's loss baseline: the number of recent healthy steps kept; an integer ``>= 3``.
         spike_warmup: Healthy steps seen before a loss spike can trip the sentinel; an integer in ``[3,
             spike_window]``.
-        spike_zscore: A spike rises more than this many robust standard deviations above the baseline median;
+        spike_zscore: A spike rises more than this many robust standard deviations of the step-to-step loss noise
+            (from consecutive differences of the window) above the centre (the lower median of the latest 5);
             ``> 0``.
         spike_ratio: ... and more than this factor above it (see
             :class:`~lightning_hookdiag.sentinel.SpikeDetector`); finite, ``> 1``.
@@ -327,9 +353,11 @@ class Finding:
         rule: Name from :data:`RULES`.
         layer: The layer (module name) the finding is about; for parameter gradients, the parameter's module: the
             longest layer of ``forward_order``/``backward_order`` that prefixes its dotted name, else the name minus
-            its last segment. ``exploding_gradient``: the layer whose backward amplifies the gradient most;
-            ``no_gradient``: the first cut-off layer in forward order; ``eval_mode``: the first module in eval mode
-            in forward order (a BatchNorm or Dropout, selected or not).
+            its last segment. :data:`LOSS` for the loss itself; for a NaN made by functional code between two
+            layers, the module whose forward made it (not necessarily selected), or :data:`ROOT`.
+            ``exploding_gradient``: the layer whose backward amplifies the gradient most; ``no_gradient``: the first
+            cut-off layer in forward order; ``eval_mode``: the first module in eval mode in forward order (a
+            BatchNorm or Dropout, selected or not).
         step: The optimizer step the statistics describe.
         value: The observed value compared with ``threshold``: a count of non-finite elements or parameters
             (``nonfinite``), a dead fraction, a gradient-norm ratio, a lower bound on the saturated share, the
@@ -367,6 +395,11 @@ class _Orders:
         for i, name in enumerate(backward_order):
             self.backward.setdefault(name, i)
         self.layers = self.forward.keys() | self.backward.keys()
+
+    def place(self, layer: str, like: str) -> None:
+        """Sort ``layer``, a module outside the observed order (not selected), at the position of observed ``like``."""
+        if like in self.forward:
+            self.forward.setdefault(layer, self.forward[like])
 
     def owner(self, param: str) -> str:
         # A selected container owns "<container>.<child>.<name>": the longest known layer prefix is the module that
@@ -544,6 +577,8 @@ def _nonfinite_origins(ctx: _Context) -> list[Finding]:
             f" (the first non-finite layer in forward order{_also(others, ' after it', 'non-finite')})"
         ),
     )
+    if forward is not None and ctx.trip is not None and ctx.trip.nan_entry == forward.layer:
+        forward = _made_between(ctx, forward)
     # Output gradients: a NaN propagates backward, so the origin is the first non-finite layer in backward order.
     grads = {k: v for k, v in ctx.stat("act_grad_nonfinite").items() if _finite(v) and v > 0}
     backward = _origin(
@@ -609,6 +644,35 @@ def _modules_also(others: Sequence[str]) -> str:
         return ""
     verb = "is" if len(others) == 1 else "are"
     return f"; {_plural(len(others), 'more module')} {verb} in eval mode too: {_listing(others)}"
+def _made_between(ctx: _Context, entry: Finding) -> Finding:
+    """The forward ``nonfinite`` finding when the first non-finite layer's input was already non-finite.
+
+    The replay's trace (:mod:`lightning_hookdiag.provenance`) named the innermost module whose forward made the
+    NaN/Inf (``trip.nan_origin``), or none: it was made outside every module's forward. The finding names that module
+    (:data:`ROOT` for the LightningModule's own code) and sorts where ``entry`` does.
+    """
+    assert ctx.trip is not None
+    first = entry.layer
+    position = ctx.orders.forward.get(first, -1)
+    earlier = [name for name, p in ctx.orders.forward.items() if p < position]
+    previous = max(earlier, key=ctx.orders.forward.__getitem__) if earlier else None
+    origin = ctx.trip.nan_origin
+    if origin is None:
+        where = "outside every module's forward (in training_step, or a function it calls)"
+    elif origin == ROOT:
+        where = f"inside the LightningModule's own forward ({ROOT})"
+    else:
+        where = f"inside the forward of {origin}"
+    after = f"after the output of {previous} and " if previous is not None else ""
+    layer = origin or ROOT
+    ctx.orders.place(layer, first)
+    return replace(
+        entry,
+        layer=layer,
+        message=f"nonfinite: the NaN/Inf was made {where}, {after}before the input of {first}, at step {ctx.step}:"
+        f" functional code there (torch.log, sqrt, a division) made it, not a selected layer. {first}, the first"
+        f" non-finite selected layer in forward order, received it ({entry.value:.0f} NaN/Inf output elements)",
+    )
 
 
 def _dead_units(ctx: _Context) -> list[Finding]:
@@ -891,8 +955,8 @@ def _loss_spike(ctx: _Context) -> list[Finding]:
             stat = "loss"
             tail = (
                 f"; no observed layer's activation scale grew more than spike_growth={growth_limit:g} since step"
-                f" {ctx.baseline.step}, so the spike comes from the loss, the targets or the inputs rather than one"
-                " layer"
+                f" {ctx.baseline.step}, so the spike comes from the targets or the loss, not from the network"
+                " (inputs far off their usual scale would have grown the first layer)"
             )
     return [
         Finding(
@@ -1052,8 +1116,10 @@ class AlertState:
     """Warn once per (rule, layer) until it clears; count every finding per rule.
 
     A finding is *new* when its (rule, layer) pair was not found on the previously evaluated step. A pair that is
-    absent on a later evaluated step clears, and alerts again when it comes back. The state is plain Python (a set
-    and a dict), so it pickles, and :meth:`state_dict` holds only JSON types for checkpoints.
+    absent on a later evaluated step clears, and alerts again when it comes back. Findings of the
+    :data:`EVENT_RULES` (``loss_spike``) are events, not conditions that persist: every one is new, and none is kept
+    as active (two spikes a few steps apart, with no sampled step between them, alert twice). The state is plain
+    Python (a set and a dict), so it pickles, and :meth:`state_dict` holds only JSON types for checkpoints.
 
     Attributes:
         counts: Rule name to the number of findings seen (alerted or not) since the state was created.
@@ -1087,6 +1153,9 @@ class AlertState:
         new: list[Finding] = []
         active: set[tuple[str, str]] = set()
         for f in findings:
+            if f.rule in EVENT_RULES:
+                new.append(f)
+                continue
             pair = (f.rule, f.layer)
             # Also once within a step: a layer can be both a backward origin and a parameter-gradient origin.
             if pair not in self._active and pair not in active:

@@ -1,0 +1,148 @@
+"""Where a NaN/Inf was made: a trace of every module's forward, only while the sentinel replays a tripped step.
+
+The selected layers show where a NaN first *appears* among them. When the first non-finite selected layer already
+received a non-finite input, the NaN was made in between, by code that is no selected layer: a ``torch.log``,
+``sqrt`` or division inside some module's ``forward`` (often a container without parameters of its own, which the
+default selection leaves out), in the LightningModule's own ``forward``, or in ``training_step``.
+
+:class:`NonFiniteTrace` finds that code's module. For the replay only, one global forward hook
+(``torch.nn.modules.module.register_module_forward_hook``) records, for every module call, on the device and without
+a host read, whether its positional inputs held a NaN/Inf and whether its output did. Forward hooks fire when a
+forward *returns*, so inner modules report before the modules that call them: the first call to return a
+non-finite output from finite inputs is the innermost module whose ``forward`` made it. The flags are read once,
+at the end of the replay. Sampled steps never pay for it.
+
+Masks are conventionally passed by keyword (``attn_mask=``, ``attention_mask=``) and may hold ``-inf`` on purpose,
+so only positional arguments count as inputs. A NaN is preferred over an Inf: a module that returns ``-inf`` from
+finite inputs (a mask it builds) is named only when no module made a NaN from finite inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_hookdiag.hooks import _in_backward, _sink_mode
+from lightning_hookdiag.names import logged_name
+from lightning_hookdiag.rules import ROOT
+
+__all__ = ["NonFiniteTrace"]
+
+
+def _floating(value: Any) -> Iterator[Tensor]:
+    """Every floating-point tensor in ``value``, depth-first through tuples, lists and dicts."""
+    if isinstance(value, Tensor):
+        if value.is_floating_point() or value.is_complex():
+            yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _floating(item)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _floating(item)
+
+
+def _any_nonfinite(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
+    if not tensors:
+        return torch.zeros((), dtype=torch.bool, device=device)
+    return torch.stack([~torch.isfinite(t).all().to(device) for t in tensors]).any()
+
+
+class NonFiniteTrace:
+    """Record, for every module call while attached, whether NaN/Inf went in and came out (see the module docstring).
+
+    Args:
+        root: The LightningModule; module names are relative to it, as the callback logs them, and the root itself
+            is :data:`~lightning_hookdiag.rules.ROOT`. Modules outside it are not recorded.
+
+    Example:
+        >>> class Log(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.lin = nn.Linear(2, 2)
+        ...     def forward(self, x):
+        ...         return torch.log(self.lin(x))
+        >>> net = nn.Sequential(nn.Linear(2, 2), Log(), nn.Linear(2, 1))
+        >>> for param, value in zip(net.parameters(), (1.0, 0.0, -1.0, 0.0)):  # 1.lin's outputs are all < 0
+        ...     _ = param.data.fill_(value)
+        >>> trace = NonFiniteTrace(net)
+        >>> trace.attach()
+        >>> _ = net(torch.ones(3, 2))
+        >>> trace.remove()
+        >>> trace.origin(["0", "1.lin", "2"])  # 2 received the NaN; it was made inside 1's forward
+        ('2', '1')
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        self._names: dict[nn.Module, str] = {}
+        for path, module in root.named_modules():
+            self._names.setdefault(module, logged_name(path, root) if path else ROOT)
+        self._calls: list[tuple[str, Tensor]] = []
+        self._handle: RemovableHandle | None = None
+
+    @property
+    def attached(self) -> bool:
+        """Whether the global hook is registered."""
+        return self._handle is not None
+
+    def attach(self) -> None:
+        """Register the global forward hook and start a new record (no-op if attached)."""
+        if self._handle is None:
+            self._calls = []
+            self._handle = torch.nn.modules.module.register_module_forward_hook(self._hook)
+
+    def remove(self) -> None:
+        """Remove the global forward hook; safe to call any number of times."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        name = self._names.get(module)
+        if name is None or _in_backward():  # a recomputation inside backward saw these values already
+            return
+        outputs = list(_floating(output))
+        if not outputs:
+            return
+        with _sink_mode():
+            device = outputs[0].device
+            flags = torch.stack(
+                [
+                    _any_nonfinite(list(_floating(args)), device),
+                    torch.stack([torch.isnan(t).any().to(device) for t in outputs]).any(),
+                    _any_nonfinite(outputs, device),
+                ]
+            )
+        self._calls.append((name, flags))
+
+    def origin(self, selected: Sequence[str]) -> tuple[str | None, str | None]:
+        """Where the first NaN/Inf among the selected layers came from, with one host read.
+
+        Args:
+            selected: The selected layers' names.
+
+        Returns:
+            ``(entry, origin)``. ``entry``: the first selected layer (in the order forwards returned) whose output
+            was non-finite, *if its input already was*; otherwise ``None`` (nothing non-finite, or the layer made the
+            NaN itself) and ``origin`` is ``None`` too. ``origin``: the innermost module whose forward made it (see
+            the module docstring), :data:`~lightning_hookdiag.rules.ROOT` for the LightningModule's own forward, or
+            ``None`` when no module returned a NaN/Inf from finite inputs (it was made outside every forward, e.g.
+            in ``training_step``).
+        """
+        calls, self._calls = self._calls, []
+        if not calls:
+            return None, None
+        device = calls[0][1].device
+        flags = torch.stack([f.to(device) for _, f in calls]).tolist()  # the one read
+        records = [(name, bad_in, nan, bad) for (name, _), (bad_in, nan, bad) in zip(calls, flags, strict=True)]
+        wanted = set(selected)
+        entry = next((r for r in records if r[3] and r[0] in wanted), None)
+        if entry is None or not entry[1]:
+            return None, None
+        made = [r for r in records if r[3] and not r[1]]
+        origin = next((r[0] for r in made if r[2]), made[0][0] if made else None)
+        return entry[0], origin
