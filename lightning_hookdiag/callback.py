@@ -373,6 +373,9 @@ class LayerHealthCallback(Callback):
         self._logger_error: BaseException | None = None
         self._opt_in = OptInPlan()
         self._saved: SavedMemoryTracker | None = None
+        self._stale_step: int | None = None
+        self._params: list[nn.Parameter] = []  # the tracked parameters, in _param_names order
+        self._stale: Tensor | None = None  # gradients held at the open window's first backward (stale_gradients)
 
     @property
     @override
@@ -423,6 +426,8 @@ class LayerHealthCallback(Callback):
             else set()
         )
         self._param_names = list(params)
+        self._params = list(params.values())
+        self._stale_step = None
         self._key_cache: dict[str, list[str]] = {}
         device = pl_module.device
         self._opt_in = plan = plan_opt_in(self.stats, self.precision_targets, trainer.precision)
@@ -489,9 +494,23 @@ class LayerHealthCallback(Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        """Add the micro-batch's loss to the sentinel's total for this step (on the device, no host read)."""
+        """Add the micro-batch's loss to the sentinel's total for this step (on the device, no host read).
+
+        On a sampled step's first backward, also measure the gradients still held from the previous step (none with
+        ``zero_grad``: then this costs no kernel), for ``stale_gradients``.
+        """
         if self._sentinel is not None and self._hooks is not None:
             self._sentinel.observe_loss(loss)
+        self._check_stale(trainer)
+
+    def _check_stale(self, trainer: pl.Trainer) -> None:
+        """On a sampled step's first backward, measure gradients that are still held from the last step."""
+        step = self._window
+        # With several optimizers (a GAN), one optimizer's gradients legitimately wait through another's step.
+        if step is None or self._stale_step == step or len(trainer.optimizers) != 1:
+            return
+        self._stale_step = step
+        self._stale = P.stale_gradient_squares(self._params, S.accumulation_dtype(trainer.lightning_module.device))
 
     @override
     def on_before_optimizer_step(
@@ -785,6 +804,7 @@ class LayerHealthCallback(Callback):
     def _discard_window(self) -> None:
         self._window = None
         self._trip = None
+        self._stale = None
         if self._recorder is not None:
             self._recorder.release()
             self._recorder.no_float_output.clear()
@@ -832,6 +852,10 @@ class LayerHealthCallback(Callback):
         if self._window_layers:
             wanted += self._opt_in.logged
         names = [*wanted, "count", "grad_count", "param_seen", "grad_norm_total"]
+        stale, self._stale = self._stale, None
+        if stale is not None:
+            values = {**values, "stale_grad_sq": stale.to(values["count"].device)}
+            names.append("stale_grad_sq")
         histograms = self._recorder.histograms
         if histograms:
             names += ["act_hist", "grad_hist"]
@@ -850,6 +874,9 @@ class LayerHealthCallback(Callback):
         agg.grad_scale = None
         self._window = None
         metrics, values = self._log(trainer, step, host, wanted, no_float)
+        if stale is not None:  # passed to the rules, not logged: it is 0 on every healthy step
+            held = zip(self._param_names, host["stale_grad_sq"], strict=True)
+            values["param_stale_grad_norm"] = {name: math.sqrt(sq) for name, sq in held if sq != 0}
         if histograms:
             self._log_histograms(trainer, step, host["act_hist"], host["grad_hist"], agg.histogram_edges)
         try:

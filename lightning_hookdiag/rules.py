@@ -130,6 +130,9 @@ RULES: tuple[str, ...] = (
     "exploding_gradient",
     "saturation",
     "precision_headroom",
+    "update_ratio",
+    "stale_gradients",
+    "input_scale",
 )
 """Names of the health rules, in the order findings of the same layer are listed."""
 
@@ -186,6 +189,9 @@ class RuleConfig:
             since the last regular sampled step; finite, ``> 1``.
         overflow_frac_threshold: ``precision_headroom`` fires when the share of non-zero values at risk of
             overflowing a target dtype is ``> overflow_frac_threshold``; in ``[0, 1)``.
+        update_ratio_low: ``update_ratio`` fires when every layer's update-to-weight ratio is positive and below
+            this, on a sampled step and on the previous regular one; in ``(0, 1)``.
+        input_scale_limit: ``input_scale`` fires when the first layer's output RMS exceeds this; finite, ``> 1``.
 
     Raises:
         ValueError: For an invalid field; the message names the field, the value and what is valid.
@@ -213,6 +219,8 @@ class RuleConfig:
     spike_ratio: float = 10.0
     spike_growth: float = 10.0
     overflow_frac_threshold: float = 0.0
+    update_ratio_low: float = 1e-5
+    input_scale_limit: float = 20.0
 
     def __post_init__(self) -> None:
         enabled = self.enabled
@@ -237,6 +245,8 @@ class RuleConfig:
             "spike_ratio": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
             "spike_growth": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
             "overflow_frac_threshold": ("a number in [0, 1)", lambda v: 0.0 <= v < 1.0),
+            "update_ratio_low": ("a number in (0, 1)", lambda v: 0.0 < v < 1.0),
+            "input_scale_limit": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
         }
         for name, (valid, ok) in checks.items():
             object.__setattr__(self, name, _number(name, getattr(self, name), valid, ok))
@@ -258,11 +268,11 @@ class RuleConfig:
 
         Example:
             >>> RuleConfig.from_mapping({"exploding_ratio": 1e4, "enabled": ["nonfinite"]})
-            RuleConfig(enabled=('nonfinite',), dead_frac_threshold=0.9, vanishing_ratio=0.001, exploding_ratio=10000.0, saturation_level=0.9, saturation_frac=0.5, spike_window=50, spike_warmup=20, spike_zscore=8.0, spike_ratio=10.0, spike_growth=10.0, overflow_frac_threshold=0.0)
+            RuleConfig(enabled=('nonfinite',), dead_frac_threshold=0.9, vanishing_ratio=0.001, exploding_ratio=10000.0, saturation_level=0.9, saturation_frac=0.5, spike_window=50, spike_warmup=20, spike_zscore=8.0, spike_ratio=10.0, spike_growth=10.0, overflow_frac_threshold=0.0, update_ratio_low=1e-05, input_scale_limit=20.0)
             >>> RuleConfig.from_mapping({"dead_frac": 0.5})
             Traceback (most recent call last):
             ...
-            ValueError: unknown rule setting(s) ['dead_frac']; valid keys: ['dead_frac_threshold', 'enabled', 'exploding_ratio', 'overflow_frac_threshold', 'saturation_frac', 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore', 'vanishing_ratio']
+            ValueError: unknown rule setting(s) ['dead_frac']; valid keys: ['dead_frac_threshold', 'enabled', 'exploding_ratio', 'input_scale_limit', 'overflow_frac_threshold', 'saturation_frac', 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore', 'update_ratio_low', 'vanishing_ratio']
         """  # noqa: E501
         if d is None:
             return cls()
@@ -749,6 +759,118 @@ def _precision_headroom(ctx: _Context) -> list[Finding]:
     return out
 
 
+def _layer_update_ratios(orders: _Orders, values: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """Per layer, ``||w_after - w_before|| / ||w_before||`` over all of its tracked parameters together.
+
+    Pooled from each parameter's ``param_update_ratio`` and ``param_norm``. Left out: a layer whose weights are all
+    exactly 0 (a zero-initialised norm), and one whose gradient is exactly 0 (a branch behind a zero-initialised
+    norm), which moves by weight decay alone (``lr * weight_decay``, 1e-5 with AdamW's defaults at lr 1e-3).
+    """
+    ratios, norms = values.get("param_update_ratio") or {}, values.get("param_norm") or {}
+    grads = values.get("param_grad_norm") or {}
+    update_sq: dict[str, float] = {}
+    weight_sq: dict[str, float] = {}
+    grad_sq: dict[str, float] = {}
+    for param, ratio in ratios.items():
+        norm, grad = norms.get(param, math.nan), grads.get(param, math.nan)
+        if _finite(ratio) and _finite(norm) and ratio >= 0:
+            layer = orders.owner(param)
+            update_sq[layer] = update_sq.get(layer, 0.0) + (ratio * norm) ** 2
+            weight_sq[layer] = weight_sq.get(layer, 0.0) + norm * norm
+            grad_sq[layer] = grad_sq.get(layer, 0.0) + (grad * grad if _finite(grad) else 0.0)
+    return {
+        layer: math.sqrt(update_sq[layer] / w)
+        for layer, w in weight_sq.items()
+        if w > 0 and (grad_sq[layer] > 0 or not grads)
+    }
+
+
+def _update_ratio(ctx: _Context) -> list[Finding]:
+    if ctx.baseline is None:
+        return []
+    low = ctx.config.update_ratio_low
+    # Exactly 0 is no update at all (a parameter outside every optimizer group, lr 0 in a warm-up): not a low one.
+    now = {k: r for k, r in _layer_update_ratios(ctx.orders, ctx.values).items() if r > 0}
+    before = {k: r for k, r in _layer_update_ratios(ctx.orders, ctx.baseline.values).items() if r > 0}
+    # The whole network, not one layer: a norm layer's weights of 1 move by at most about lr per step under Adam,
+    # so one layer alone is below 1e-5 in every healthy fine-tuning at lr 2e-5.
+    if not now or not before or max(now.values()) >= low or max(before.values()) >= low:
+        return []
+    layers = sorted(now, key=ctx.orders.forward_key)
+    fastest = max(now, key=now.__getitem__)
+    slow = f"by less than update_ratio_low={low:g} of their norm at step {ctx.step} and at step {ctx.baseline.step}"
+    where = f"the most, {now[fastest]:.3g}, in {fastest}; the first layer in forward order: {layers[0]}"
+    message = (
+        f"update_ratio: the optimizer step changed the weights of every one of the {_plural(len(now), 'layer')}"
+        f" that got a gradient {slow} ({where}): the learning rate is too low for the weights to move"
+    )
+    return [
+        Finding(
+            rule="update_ratio",
+            layer=layers[0],
+            step=ctx.step,
+            value=now[fastest],
+            threshold=low,
+            message=message,
+            phase="forward",
+            stat="param_update_ratio",
+        )
+    ]
+
+
+def _stale_gradients(ctx: _Context) -> list[Finding]:
+    stale = {
+        p: norm
+        for p, norm in ctx.stat("param_stale_grad_norm").items()
+        if isinstance(norm, (int, float)) and not isinstance(norm, bool) and norm != 0  # NaN is stale too
+    }
+    if not stale:
+        return []
+    owners = sorted({ctx.orders.owner(p) for p in stale}, key=ctx.orders.forward_key)
+    first = [p for p in stale if ctx.orders.owner(p) == owners[0]]
+    return [
+        Finding(
+            rule="stale_gradients",
+            layer=owners[0],
+            step=ctx.step,
+            value=float(len(stale)),
+            threshold=0.0,
+            message=f"stale_gradients: at the first backward of step {ctx.step}, {_plural(len(stale), 'parameter')}"
+            f" already held a non-zero gradient ({_listing(first)} in {owners[0]}, the first of"
+            f" {_plural(len(owners), 'layer')} in forward order; norm {stale[first[0]]:.3g}): .grad was not zeroed"
+            " after the last optimizer step, so every step applies the sum of all past gradients (call"
+            " optimizer.zero_grad() in training_step)",
+            phase="backward",
+            stat="param_stale_grad_norm",
+        )
+    ]
+
+
+def _input_scale(ctx: _Context) -> list[Finding]:
+    limit = ctx.config.input_scale_limit
+    stat, scale = _activation_scale(ctx.values)
+    ran = [layer for layer in scale if layer in ctx.orders.forward]
+    if not ran:
+        return []
+    first = min(ran, key=ctx.orders.forward_key)
+    if not scale[first] > limit:
+        return []
+    return [
+        Finding(
+            rule="input_scale",
+            layer=first,
+            step=ctx.step,
+            value=scale[first],
+            threshold=limit,
+            message=f"input_scale: the outputs of {first}, the first layer in forward order, have an RMS of"
+            f" {scale[first]:.3g} at step {ctx.step} (input_scale_limit={limit:g}): its inputs are likely far from"
+            " unit scale (raw 0-255 pixels, unnormalised features); scale them to mean 0 and std 1",
+            phase="forward",
+            stat=stat,
+        )
+    ]
+
+
 _RULE_FUNCTIONS: dict[str, Callable[[_Context], list[Finding]]] = {
     "nonfinite": _nonfinite,
     "loss_spike": _loss_spike,
@@ -757,6 +879,9 @@ _RULE_FUNCTIONS: dict[str, Callable[[_Context], list[Finding]]] = {
     "exploding_gradient": lambda ctx: _gradient_scale(ctx, "exploding_gradient"),
     "saturation": _saturation,
     "precision_headroom": _precision_headroom,
+    "update_ratio": _update_ratio,
+    "stale_gradients": _stale_gradients,
+    "input_scale": _input_scale,
 }
 
 
@@ -863,7 +988,7 @@ class AlertState:
         >>> state.counts["dead_units"]
         3
         >>> state.state_dict()
-        {'active': [['dead_units', 'relu']], 'counts': {'nonfinite': 0, 'loss_spike': 0, 'dead_units': 3, 'vanishing_gradient': 0, 'exploding_gradient': 0, 'saturation': 0, 'precision_headroom': 0}}
+        {'active': [['dead_units', 'relu']], 'counts': {'nonfinite': 0, 'loss_spike': 0, 'dead_units': 3, 'vanishing_gradient': 0, 'exploding_gradient': 0, 'saturation': 0, 'precision_headroom': 0, 'update_ratio': 0, 'stale_gradients': 0, 'input_scale': 0}}
     """  # noqa: E501
 
     def __init__(self) -> None:

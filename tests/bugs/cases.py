@@ -14,7 +14,6 @@ a case with ``rule=None`` is a blind spot, with the reason in ``blind``.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -187,7 +186,9 @@ def _data(n: int, d_in: int, d_out: int = 1, classes: int = 0, seed: int = 0) ->
     return TensorDataset(x, torch.randn(n, d_out, generator=g))
 
 
-def _mlp(d_in: int = 8, width: int = 16, depth: int = 2, d_out: int = 1, act: type[nn.Module] = nn.ReLU) -> nn.Sequential:
+def _mlp(
+    d_in: int = 8, width: int = 16, depth: int = 2, d_out: int = 1, act: type[nn.Module] = nn.ReLU
+) -> nn.Sequential:
     layers: list[nn.Module] = []
     d = d_in
     for _ in range(depth):
@@ -248,7 +249,9 @@ def _wrong_label_batch(sick: bool) -> Fit:
     def batch_fn(i: int, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         return x, ((y + 1) % 8 if sick and i == 36 else y)
 
-    return Fit(BugModule(_mlp(8, 32, d_out=8), TensorDataset(x, y), loss="ce", lr=0.01, optimizer="adam", batch_fn=batch_fn))
+    return Fit(
+        BugModule(_mlp(8, 32, d_out=8), TensorDataset(x, y), loss="ce", lr=0.01, optimizer="adam", batch_fn=batch_fn)
+    )
 
 
 class _Log(nn.Module):

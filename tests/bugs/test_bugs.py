@@ -61,11 +61,14 @@ def test_with_the_default_interval(name, step):
 
 def test_the_library_is_consistent():
     names = [case.name for case in CASES]
-    assert len(names) == len(set(names)) and len(names) >= 15
+    assert len(names) == len(set(names))
+    assert len(names) >= 15
     assert set(PENDING) <= {case.name for case in DETECTABLE}
     for case in DETECTABLE:
         # A rule main does not have yet is only allowed for a pending case.
         assert case.rule in RULES or case.name in PENDING, case.name
-        assert case.layer and not case.blind
+        assert case.layer
+        assert not case.blind
     for case in BLIND:
-        assert case.layer is None and case.name not in PENDING
+        assert case.layer is None
+        assert case.name not in PENDING
