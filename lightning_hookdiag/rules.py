@@ -838,8 +838,9 @@ def _stale_gradients(ctx: _Context) -> list[Finding]:
             message=f"stale_gradients: at the first backward of step {ctx.step}, {_plural(len(stale), 'parameter')}"
             f" already held a non-zero gradient ({_listing(first)} in {owners[0]}, the first of"
             f" {_plural(len(owners), 'layer')} in forward order; norm {stale[first[0]]:.3g}): .grad was not zeroed"
-            " after the last optimizer step, so every step applies the sum of all past gradients (call"
-            " optimizer.zero_grad() in training_step)",
+            " after the last optimizer step, so the gradients of all past steps add up. Either zero_grad() is not"
+            " called (manual optimization), or these parameters are in none of the optimizer's param groups, which"
+            " zero_grad() clears",
             phase="backward",
             stat="param_stale_grad_norm",
         )

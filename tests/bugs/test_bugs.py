@@ -9,7 +9,7 @@ the blind spots on purpose.
 from __future__ import annotations
 
 import pytest
-from cases import CASES, PENDING, run
+from cases import BY_NAME, CASES, PENDING, run
 
 from lightning_hookdiag.rules import RULES
 
@@ -53,7 +53,7 @@ def test_a_blind_spot_stays_blind(case):
 # compare with the previous sampled step.
 @pytest.mark.parametrize(("name", "step"), [("raw_pixels", 0), ("zero_init", 0), ("lr_too_low", 50)])
 def test_with_the_default_interval(name, step):
-    (case,) = [c for c in CASES if c.name == name]
+    case = BY_NAME[name]
     callback = run(case, sick=True, max_steps=step + 1, every_n_steps=50)
     hits = [f.step for f in callback.findings if f.rule == case.rule and f.layer == case.layer]
     assert hits == [step], [f.message for f in callback.findings]
@@ -72,3 +72,12 @@ def test_the_library_is_consistent():
     for case in BLIND:
         assert case.layer is None
         assert case.name not in PENDING
+
+
+def test_a_head_left_out_of_the_optimizer_holds_stale_gradients_already():
+    # Before not_updated is merged, main names the head too: zero_grad() clears only the optimizer's param groups, so
+    # the head's .grad adds up from step to step.
+    callback = run(BY_NAME["head_not_in_optimizer"], sick=True)
+    (f,) = [f for f in callback.findings if f.rule == "stale_gradients"]
+    assert (f.layer, f.step, f.value) == ("model.head", 1, 2.0)  # model.head.weight and model.head.bias
+    assert "none of the optimizer's param groups" in f.message
