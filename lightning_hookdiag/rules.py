@@ -33,6 +33,22 @@ Rule                    Field                              Default   Fires when
                                                                      statistics) ``> overflow_frac_threshold``: some
                                                                      values overflow target dtype ``<t>`` or sit
                                                                      within 2x of its maximum
+``update_ratio``        ``update_ratio_low``               ``1e-5``  every layer that got a gradient moved by less
+                                                                     than ``update_ratio_low`` of its weight norm
+                                                                     (``param_update_ratio`` pooled per layer), on
+                                                                     this sampled step and on the previous regular
+                                                                     one: the learning rate is too low; names the
+                                                                     first layer in forward order
+``stale_gradients``     (none)                             (none)    at a sampled step's first backward, some tracked
+                                                                     parameter still holds a non-zero ``.grad``
+                                                                     (``zero_grad`` never called in manual
+                                                                     optimization, or a parameter in none of the
+                                                                     param groups); names the first owner in forward
+                                                                     order
+``input_scale``         ``input_scale_limit``              ``20``    the first layer in forward order has an output
+                                                                     RMS (as ``loss_spike`` measures it) above
+                                                                     ``input_scale_limit``: inputs far from unit
+                                                                     scale, such as raw 0-255 pixels
 ======================  =================================  ========  ================================================
 
 The sentinel's own settings live here too: ``spike_window`` (``50``), ``spike_warmup`` (``20``), ``spike_zscore``
@@ -77,6 +93,34 @@ Why these defaults:
 * ``saturation_level=0.9``: for both Tanh and Sigmoid the local derivative relative to its maximum is ``1 - z**2``
   (``tanh' = 1 - y**2``, ``sigmoid' = y (1 - y) = (1 - z**2) / 4`` with ``z = 2y - 1``), so ``|z| > 0.9`` means the
   layer passes back less than 19% of the gradient it could. ``saturation_frac=0.5``: at least half of the outputs.
+
+Three rules of the bug benchmark (``tests/bugs``, ``docs/bugs.md``), each silent on the healthy zoo with every step
+sampled and on every fixed twin there:
+
+* ``update_ratio`` looks at the whole network, not at one layer: a norm layer's weights of 1 move by at most about
+  ``lr`` per step under Adam, so in a healthy fine-tuning at lr 5e-6 such a layer alone is at 3.6e-6 while linear
+  layers initialised with std 0.02 (as BERT and GPT-2 are) move 50x more. On the zoo (AdamW, lr 1e-3, 42 steps)
+  the slowest layer with a gradient was at 9.6e-5 (a ViT LayerNorm), and 1e-5 counting a ResNet branch behind a
+  zero-initialised BatchNorm, which gets an exactly zero gradient and moves by weight decay alone (such layers are
+  left out); the fastest layer of each step never fell below 2.6e-3 (the LSTM), 260x above. "Persistently"
+  is two consecutive regular sampled steps: the current values and the :class:`Baseline`, with no further state,
+  so a single low point of a schedule does not fire, and an exact 0 (no update at all: lr 0 in a warm-up, a
+  parameter outside every param group) is not a small update. The high side of the issue's band (``> 1e-1``) is
+  left out: zero-initialised parameters (timm's ``zero_init_last`` BatchNorm, a masked-LM head's own bias) have
+  healthy ratios of 0.73 and 0.83 on the zoo for their first steps, and a too-high learning rate shows up in
+  ``dead_units``, ``exploding_gradient``, ``loss_spike`` or ``nonfinite`` instead. A long warm-up from lr 0
+  sampled at every step can fire during its first steps (Adam moves a weight by about lr per step: while the lr
+  is below 1e-5 times every layer's weight RMS); the finding clears as the lr rises. After a resume from a checkpoint the first sampled step has no
+  :class:`Baseline` and only re-arms the rule.
+* ``stale_gradients`` reads ``param_stale_grad_norm``, which is not logged (it is 0 on every healthy step): the
+  norm of each tracked parameter's ``.grad`` just before the first backward of a sampled step. Lightning's
+  automatic optimization has set every gradient to ``None`` there, so measuring costs no kernel; held gradients
+  are measured in one fused pass and travel in the step's one host transfer. It is not checked with several
+  optimizers (in a GAN one optimizer's gradients wait through the other's step).
+* ``input_scale`` sees the first layer's output, not the input itself: with PyTorch's default ``nn.Linear`` init
+  the output RMS is about the input RMS over ``sqrt(3)``, so raw 0-255 pixels give ~80 and standardised inputs
+  ~0.6. The largest first-layer RMS on the zoo was 1.07 (the LSTM's ``nn.Embedding``, N(0, 1) by default). Weights
+  grown 20x too large at the first layer also fire it; the message says what it measured.
 
 Saturation without a dedicated statistic: only the mean and standard deviation are known, which cannot give the
 saturated share exactly, but give a *guaranteed lower bound*. Since ``z**2 <= 1`` for every output,

@@ -212,3 +212,63 @@ def test_the_check_leaves_training_bit_identical():
         make_trainer(cbs, max_steps=4).fit(module)
         weights.append([p.detach().clone() for p in module.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
+
+
+# --------------------------------------------------------------------------------------- update_ratio in fits
+class Finetune(pl.LightningModule):
+    """Linear (std 0.02), LayerNorm, ReLU, Linear (std 0.02) with AdamW, an optional linear warm-up from lr 0."""
+
+    def __init__(self, lr: float, warmup: int = 0) -> None:
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(4, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 1))
+        for linear in (self.model[0], self.model[3]):  # initialised as Hugging Face's BERT and GPT-2 are
+            nn.init.normal_(linear.weight, std=0.02)
+            nn.init.zeros_(linear.bias)
+        self.lr = lr
+        self.warmup = warmup
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.model(x), y)
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        if not self.warmup:
+            return opt
+        ramp = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, step / self.warmup))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": ramp, "interval": "step"}}
+
+    def train_dataloader(self):
+        return DataLoader(make_data(n=64), batch_size=8)
+
+
+def _pooled(metrics: dict[str, float], layer: str) -> float:
+    # sqrt(sum (ratio * norm)**2 / sum norm**2) over the layer's parameters, from the logged values.
+    names = [k.rsplit("/", 1)[1] for k in metrics if k.startswith(f"layer_health/param_norm/{layer}.")]
+    update = sum(
+        (metrics[f"layer_health/param_update_ratio/{n}"] * metrics[f"layer_health/param_norm/{n}"]) ** 2 for n in names
+    )
+    weight = sum(metrics[f"layer_health/param_norm/{n}"] ** 2 for n in names)
+    return math.sqrt(update / weight)
+
+
+def test_update_ratio_is_silent_on_fine_tuning_where_only_the_norm_layer_is_slow():
+    callback = _fit(Finetune(lr=5e-6), steps=4)
+    metrics = callback.last_metrics
+    assert _pooled(metrics, "model.1") < 1e-5  # the LayerNorm alone would fire
+    assert _pooled(metrics, "model.0") > 20 * _pooled(metrics, "model.1")
+    assert callback.findings == []
+
+
+def test_update_ratio_is_silent_through_a_warm_up_from_lr_0():
+    callback = _fit(Finetune(lr=1e-3, warmup=100), steps=4)
+    assert callback.last_metrics["layer_health/param_update_ratio/model.0.weight"] > 1e-5
+    assert callback.findings == []
+
+
+def test_update_ratio_fires_on_a_learning_rate_typo_in_this_fit():
+    callback = _fit(Finetune(lr=1e-8), steps=2)
+    (f,) = callback.findings
+    assert (f.rule, f.layer, f.step) == ("update_ratio", "model.0", 1)
+    fastest = max(_pooled(callback.last_metrics, layer) for layer in ("model.0", "model.1", "model.3"))
+    assert f.value == pytest.approx(fastest, rel=1e-9)
