@@ -45,8 +45,9 @@ Rule                    Field                              Default   Fires when
                                                                      optimization, or a parameter in none of the
                                                                      param groups); names the first owner in forward
                                                                      order
-``input_scale``         ``input_scale_limit``              ``20``    the first layer in forward order has an output
-                                                                     RMS (as ``loss_spike`` measures it) above
+``input_scale``         ``input_scale_limit``              ``20``    on the first sampled step of a fit, the first
+                                                                     layer in forward order has an output RMS (as
+                                                                     ``loss_spike`` measures it) above
                                                                      ``input_scale_limit``: inputs far from unit
                                                                      scale, such as raw 0-255 pixels
 ======================  =================================  ========  ================================================
@@ -119,8 +120,11 @@ sampled and on every fixed twin there:
   optimizers (in a GAN one optimizer's gradients wait through the other's step).
 * ``input_scale`` sees the first layer's output, not the input itself: with PyTorch's default ``nn.Linear`` init
   the output RMS is about the input RMS over ``sqrt(3)``, so raw 0-255 pixels give ~80 and standardised inputs
-  ~0.6. The largest first-layer RMS on the zoo was 1.07 (the LSTM's ``nn.Embedding``, N(0, 1) by default). Weights
-  grown 20x too large at the first layer also fire it; the message says what it measured.
+  ~0.6. The largest first-layer RMS on the zoo was 1.07 (the LSTM's ``nn.Embedding``, N(0, 1) by default). It is
+  checked only on the first sampled step of a fit (no :class:`Baseline` yet), while the weights are those the fit
+  started from: in a run diverging at SGD lr 3 the first layer's output RMS reached 1.7e7 at step 7 from
+  standardised inputs, as its weights blew up. Inputs that change scale later in a run are not seen by this rule
+  (one bad batch is ``loss_spike``'s).
 
 Saturation without a dedicated statistic: only the mean and standard deviation are known, which cannot give the
 saturated share exactly, but give a *guaranteed lower bound*. Since ``z**2 <= 1`` for every output,
@@ -892,6 +896,10 @@ def _stale_gradients(ctx: _Context) -> list[Finding]:
 
 
 def _input_scale(ctx: _Context) -> list[Finding]:
+    # Only while the weights are those the fit started from (no earlier sampled step): later, a first layer whose
+    # weights blew up (a learning rate too high) has a large output RMS from perfectly scaled inputs.
+    if ctx.baseline is not None:
+        return []
     limit = ctx.config.input_scale_limit
     stat, scale = _activation_scale(ctx.values)
     ran = [layer for layer in scale if layer in ctx.orders.forward]
@@ -908,8 +916,9 @@ def _input_scale(ctx: _Context) -> list[Finding]:
             value=scale[first],
             threshold=limit,
             message=f"input_scale: the outputs of {first}, the first layer in forward order, have an RMS of"
-            f" {scale[first]:.3g} at step {ctx.step} (input_scale_limit={limit:g}): its inputs are likely far from"
-            " unit scale (raw 0-255 pixels, unnormalised features); scale them to mean 0 and std 1",
+            f" {scale[first]:.3g} at step {ctx.step}, the first sampled step of the fit (input_scale_limit={limit:g}):"
+            " its inputs are likely far from unit scale (raw 0-255 pixels, unnormalised features); scale them to"
+            " mean 0 and std 1",
             phase="forward",
             stat=stat,
         )

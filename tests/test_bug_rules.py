@@ -106,6 +106,12 @@ def test_input_scale_reads_the_rms_of_the_first_layer_in_forward_order():
     assert _run(values, input_scale_limit=51.0) == []
 
 
+def test_input_scale_only_looks_at_the_first_sampled_step_of_a_fit():
+    # Later, a large first-layer output comes as often from weights that blew up as from the inputs.
+    values = {"act_mean": {"fc1": 30.0}, "act_std": {"fc1": 40.0}}
+    assert _run(values, Baseline(0, values)) == []
+
+
 def test_input_scale_is_silent_on_a_large_later_layer_and_falls_back_to_absmax():
     later = {"act_mean": {"fc1": 0.0, "fc2": 500.0}, "act_std": {"fc1": 1.0, "fc2": 1.0}}
     assert _run(later) == []

@@ -495,7 +495,8 @@ CASES: tuple[Case, ...] = (
         None,
         None,
         max_steps=4,
-        blind="a stack of Linear layers is numerically healthy: every statistic is in range, only capacity is lost",
+        blind="a stack of Linear layers is numerically healthy: every statistic is in range (after 60 steps the"
+        " output gradient norms are 0.92, 0.56, 0.51 from the output end), only capacity is lost",
     ),
     Case(
         "raw_pixels",
@@ -513,8 +514,9 @@ CASES: tuple[Case, ...] = (
         None,
         None,
         max_steps=8,
-        blind="softmax outputs in [0, 1] into a second log_softmax only compress the loss's range; the gradients"
-        " shrink by a factor of a few, far from any vanishing threshold, and no statistic is out of range",
+        blind="softmax outputs in [0, 1] into a second log_softmax only compress the loss's range: after 60 steps"
+        " the Softmax passes back 1/5.6 of its output gradient (0.26 -> 0.046), far from vanishing_ratio=1e-3, and"
+        " no other statistic is out of range",
     ),
     Case(
         "dying_relus",

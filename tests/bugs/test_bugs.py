@@ -9,7 +9,9 @@ the blind spots on purpose.
 from __future__ import annotations
 
 import pytest
-from cases import BY_NAME, CASES, PENDING, run
+import torch
+from cases import BY_NAME, CASES, PENDING, BugModule, Case, Fit, _mlp, run
+from torch.utils.data import TensorDataset
 
 from lightning_hookdiag.rules import RULES
 
@@ -81,3 +83,20 @@ def test_a_head_left_out_of_the_optimizer_holds_stale_gradients_already():
     (f,) = [f for f in callback.findings if f.rule == "stale_gradients"]
     assert (f.layer, f.step, f.value) == ("model.head", 1, 2.0)  # model.head.weight and model.head.bias
     assert "none of the optimizer's param groups" in f.message
+
+
+def test_input_scale_is_silent_on_pixels_scaled_to_0_1_without_standardising():
+    # ToTensor without Normalize: inputs in [0, 1] are not a bug worth a finding (first-layer RMS ~0.3).
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.randint(0, 256, (64, 64), generator=g).float() / 255.0
+    data = TensorDataset(pixels, (pixels[:, :32].mean(1) > pixels[:, 32:].mean(1)).long())
+    case = Case(
+        "pixels_0_1", "", lambda sick: Fit(BugModule(_mlp(64, 32, d_out=2), data, loss="ce", lr=0.01)), None, None
+    )
+    callback = run(case, sick=True, max_steps=3)
+    assert callback.findings == []
+    rms = (
+        callback.last_metrics["layer_health/act_mean/model.0"] ** 2
+        + callback.last_metrics["layer_health/act_std/model.0"] ** 2
+    ) ** 0.5
+    assert rms < 1.0
