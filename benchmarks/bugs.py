@@ -129,7 +129,7 @@ def main() -> None:
         "fit in which the bug arises as it does for users, next to its fixed twin. Settings: `every_n_steps=1` unless",
         "the case sets otherwise (the spike cases run with 50, as the sentinel catches them between sampled steps);",
         f"the last column reruns the bug with the default `every_n_steps={DEFAULT_EVERY}` for at least"
-        f" {DEFAULT_EVERY + 1} steps.",
+        f" {DEFAULT_EVERY + 1} steps. What each rule measures and cannot see: [rules.md](rules.md).",
         "",
         "| bug | how it arises | expected | what the callback says (first finding) | detected? | localised? |"
         f" twin silent? | with every_n_steps={DEFAULT_EVERY} |",

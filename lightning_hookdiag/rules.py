@@ -33,12 +33,13 @@ Rule                    Field                              Default   Fires when
                                                                      statistics) ``> overflow_frac_threshold``: some
                                                                      values overflow target dtype ``<t>`` or sit
                                                                      within 2x of its maximum
-``update_ratio``        ``update_ratio_low``               ``1e-5``  every layer that got a gradient moved by less
-                                                                     than ``update_ratio_low`` of its weight norm
-                                                                     (``param_update_ratio`` pooled per layer), on
-                                                                     this sampled step and on the previous regular
-                                                                     one: the learning rate is too low; names the
-                                                                     first layer in forward order
+``update_ratio``        ``update_ratio_low``,              ``1e-5``, every layer that got a gradient moved by less
+                        ``effective_lr_low``               ``5e-4``  than ``update_ratio_low`` of its weight norm
+                                                                     (``param_update_ratio`` pooled per layer) and
+                                                                     by less than ``effective_lr_low`` times its
+                                                                     gradient, on this sampled step and on the
+                                                                     previous regular one: the learning rate is too
+                                                                     low; names the first layer in forward order
 ``stale_gradients``     (none)                             (none)    at a sampled step's first backward, some tracked
                                                                      parameter still holds a non-zero ``.grad``
                                                                      (``zero_grad`` never called in manual
@@ -103,7 +104,11 @@ sampled and on every fixed twin there:
   layers initialised with std 0.02 (as BERT and GPT-2 are) move 50x more. On the zoo (AdamW, lr 1e-3, 42 steps)
   the slowest layer with a gradient was at 9.6e-5 (a ViT LayerNorm), and 1e-5 counting a ResNet branch behind a
   zero-initialised BatchNorm, which gets an exactly zero gradient and moves by weight decay alone (such layers are
-  left out); the fastest layer of each step never fell below 2.6e-3 (the LSTM), 260x above. "Persistently"
+  left out); the fastest layer of each step never fell below 2.6e-3 (the LSTM), 260x above. The update must also
+  be small against the gradient (``||dw|| / ||g||``, the learning rate the step effectively applied: SGD's
+  ``lr``, 1e-2 to 1e-1 for Adam at lr 1e-3): a full-batch Adam fit converging over 2000 steps moves every layer by
+  less than 1e-5 of its norm on some steps (its gradients fall to 1e-4 of the weights), at an effective lr of
+  5e-3 to 0.1; SGD at lr 1e-6 is at 1e-6. "Persistently"
   is two consecutive regular sampled steps: the current values and the :class:`Baseline`, with no further state,
   so a single low point of a schedule does not fire, and an exact 0 (no update at all: lr 0 in a warm-up, a
   parameter outside every param group) is not a small update. The high side of the issue's band (``> 1e-1``) is
@@ -239,6 +244,8 @@ class RuleConfig:
             overflowing a target dtype is ``> overflow_frac_threshold``; in ``[0, 1)``.
         update_ratio_low: ``update_ratio`` fires when every layer's update-to-weight ratio is positive and below
             this, on a sampled step and on the previous regular one; in ``(0, 1)``.
+        effective_lr_low: ... and every layer's update is also below this many times its gradient
+            (``||dw|| / ||g||``, SGD's learning rate); finite, ``> 0``.
         input_scale_limit: ``input_scale`` fires when the first layer's output RMS exceeds this; finite, ``> 1``.
 
     Raises:
@@ -268,6 +275,7 @@ class RuleConfig:
     spike_growth: float = 10.0
     overflow_frac_threshold: float = 0.0
     update_ratio_low: float = 1e-5
+    effective_lr_low: float = 5e-4
     input_scale_limit: float = 20.0
 
     def __post_init__(self) -> None:
@@ -294,6 +302,7 @@ class RuleConfig:
             "spike_growth": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
             "overflow_frac_threshold": ("a number in [0, 1)", lambda v: 0.0 <= v < 1.0),
             "update_ratio_low": ("a number in (0, 1)", lambda v: 0.0 < v < 1.0),
+            "effective_lr_low": ("a finite number > 0", lambda v: 0.0 < v < math.inf),
             "input_scale_limit": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
         }
         for name, (valid, ok) in checks.items():
@@ -316,11 +325,11 @@ class RuleConfig:
 
         Example:
             >>> RuleConfig.from_mapping({"exploding_ratio": 1e4, "enabled": ["nonfinite"]})
-            RuleConfig(enabled=('nonfinite',), dead_frac_threshold=0.9, vanishing_ratio=0.001, exploding_ratio=10000.0, saturation_level=0.9, saturation_frac=0.5, spike_window=50, spike_warmup=20, spike_zscore=8.0, spike_ratio=10.0, spike_growth=10.0, overflow_frac_threshold=0.0, update_ratio_low=1e-05, input_scale_limit=20.0)
+            RuleConfig(enabled=('nonfinite',), dead_frac_threshold=0.9, vanishing_ratio=0.001, exploding_ratio=10000.0, saturation_level=0.9, saturation_frac=0.5, spike_window=50, spike_warmup=20, spike_zscore=8.0, spike_ratio=10.0, spike_growth=10.0, overflow_frac_threshold=0.0, update_ratio_low=1e-05, effective_lr_low=0.0005, input_scale_limit=20.0)
             >>> RuleConfig.from_mapping({"dead_frac": 0.5})
             Traceback (most recent call last):
             ...
-            ValueError: unknown rule setting(s) ['dead_frac']; valid keys: ['dead_frac_threshold', 'enabled', 'exploding_ratio', 'input_scale_limit', 'overflow_frac_threshold', 'saturation_frac', 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore', 'update_ratio_low', 'vanishing_ratio']
+            ValueError: unknown rule setting(s) ['dead_frac']; valid keys: ['dead_frac_threshold', 'effective_lr_low', 'enabled', 'exploding_ratio', 'input_scale_limit', 'overflow_frac_threshold', 'saturation_frac', 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore', 'update_ratio_low', 'vanishing_ratio']
         """  # noqa: E501
         if d is None:
             return cls()
@@ -807,12 +816,14 @@ def _precision_headroom(ctx: _Context) -> list[Finding]:
     return out
 
 
-def _layer_update_ratios(orders: _Orders, values: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
-    """Per layer, ``||w_after - w_before|| / ||w_before||`` over all of its tracked parameters together.
+def _layer_updates(orders: _Orders, values: Mapping[str, Mapping[str, float]]) -> dict[str, tuple[float, float]]:
+    """Per layer, ``(||dw|| / ||w||, ||dw|| / ||g||)`` over all of its tracked parameters together.
 
-    Pooled from each parameter's ``param_update_ratio`` and ``param_norm``. Left out: a layer whose weights are all
-    exactly 0 (a zero-initialised norm), and one whose gradient is exactly 0 (a branch behind a zero-initialised
-    norm), which moves by weight decay alone (``lr * weight_decay``, 1e-5 with AdamW's defaults at lr 1e-3).
+    ``dw`` is the update across the optimizer step, ``g`` the gradient; the second ratio is the learning rate the
+    step effectively applied (SGD's ``lr``). Pooled from each parameter's ``param_update_ratio``, ``param_norm`` and
+    ``param_grad_norm``. Left out: a layer whose weights are all exactly 0 (a zero-initialised norm), and one whose
+    gradient is exactly 0 (a branch behind a zero-initialised norm), which moves by weight decay alone (``lr *
+    weight_decay``, 1e-5 with AdamW's defaults at lr 1e-3).
     """
     ratios, norms = values.get("param_update_ratio") or {}, values.get("param_norm") or {}
     grads = values.get("param_grad_norm") or {}
@@ -821,43 +832,54 @@ def _layer_update_ratios(orders: _Orders, values: Mapping[str, Mapping[str, floa
     grad_sq: dict[str, float] = {}
     for param, ratio in ratios.items():
         norm, grad = norms.get(param, math.nan), grads.get(param, math.nan)
-        if _finite(ratio) and _finite(norm) and ratio >= 0:
+        if _finite(ratio) and _finite(norm) and _finite(grad) and ratio >= 0:
             layer = orders.owner(param)
             update_sq[layer] = update_sq.get(layer, 0.0) + (ratio * norm) ** 2
             weight_sq[layer] = weight_sq.get(layer, 0.0) + norm * norm
-            grad_sq[layer] = grad_sq.get(layer, 0.0) + (grad * grad if _finite(grad) else 0.0)
+            grad_sq[layer] = grad_sq.get(layer, 0.0) + grad * grad
     return {
-        layer: math.sqrt(update_sq[layer] / w)
+        layer: (math.sqrt(update_sq[layer] / w), math.sqrt(update_sq[layer] / grad_sq[layer]))
         for layer, w in weight_sq.items()
-        if w > 0 and (grad_sq[layer] > 0 or not grads)
+        if w > 0 and grad_sq[layer] > 0
     }
+
+
+def _slow_layers(ctx: _Context, values: Mapping[str, Mapping[str, float]]) -> dict[str, tuple[float, float]] | None:
+    """The layers' updates if every layer that moved at all is slow (see ``update_ratio``), else ``None``."""
+    low, lr_low = ctx.config.update_ratio_low, ctx.config.effective_lr_low
+    # Exactly 0 is no update at all (a parameter outside every optimizer group, lr 0 in a warm-up): not a low one.
+    moved = {k: u for k, u in _layer_updates(ctx.orders, values).items() if u[0] > 0}
+    if moved and all(ratio < low and lr < lr_low for ratio, lr in moved.values()):
+        return moved
+    return None
 
 
 def _update_ratio(ctx: _Context) -> list[Finding]:
     if ctx.baseline is None:
         return []
-    low = ctx.config.update_ratio_low
-    # Exactly 0 is no update at all (a parameter outside every optimizer group, lr 0 in a warm-up): not a low one.
-    now = {k: r for k, r in _layer_update_ratios(ctx.orders, ctx.values).items() if r > 0}
-    before = {k: r for k, r in _layer_update_ratios(ctx.orders, ctx.baseline.values).items() if r > 0}
     # The whole network, not one layer: a norm layer's weights of 1 move by at most about lr per step under Adam,
-    # so one layer alone is below 1e-5 in every healthy fine-tuning at lr 2e-5.
-    if not now or not before or max(now.values()) >= low or max(before.values()) >= low:
+    # so one layer alone is below 1e-5 in healthy fine-tuning. And small against the gradient too: in a converged
+    # fit the weights stop moving because the gradient is small, not the learning rate.
+    now, before = _slow_layers(ctx, ctx.values), _slow_layers(ctx, ctx.baseline.values)
+    if now is None or before is None:
         return []
+    low, lr_low = ctx.config.update_ratio_low, ctx.config.effective_lr_low
     layers = sorted(now, key=ctx.orders.forward_key)
-    fastest = max(now, key=now.__getitem__)
+    fastest = max(now, key=lambda k: now[k][0])
+    ratio, lr = now[fastest]
     slow = f"by less than update_ratio_low={low:g} of their norm at step {ctx.step} and at step {ctx.baseline.step}"
-    where = f"the most, {now[fastest]:.3g}, in {fastest}; the first layer in forward order: {layers[0]}"
+    where = f"the most, {ratio:.3g}, in {fastest}; the first layer in forward order: {layers[0]}"
     message = (
         f"update_ratio: the optimizer step changed the weights of every one of the {_plural(len(now), 'layer')}"
-        f" that got a gradient {slow} ({where}): the learning rate is too low for the weights to move"
+        f" that got a gradient {slow} ({where}), and by less than effective_lr_low={lr_low:g} times their gradient"
+        f" ({lr:.3g} in {fastest}): the learning rate is too low for the weights to move"
     )
     return [
         Finding(
             rule="update_ratio",
             layer=layers[0],
             step=ctx.step,
-            value=now[fastest],
+            value=ratio,
             threshold=low,
             message=message,
             phase="forward",

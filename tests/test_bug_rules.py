@@ -62,10 +62,26 @@ def test_update_ratio_pools_a_layers_parameters_by_their_norms():
         (_ratios(2e-6, 2e-6), _ratios(2e-6, 3e-5)),  # only one step is slow (a scheduler's low point)
         (_ratios(0.0, 0.0), _ratios(0.0, 0.0)),  # no update at all: not a small one (lr 0, no param group)
         (_ratios(2e-6, 2e-6, grad=0.0), _ratios(2e-6, 2e-6, grad=0.0)),  # weight decay alone, no gradient
+        # Converged: the gradient is what is small (an effective lr of 5 * 2e-6 / (sqrt(2) * 1e-5) = 0.7).
+        (_ratios(2e-6, 2e-6, grad=1e-5), _ratios(2e-6, 2e-6, grad=1e-5)),
     ],
 )
 def test_update_ratio_is_silent_unless_the_whole_network_is_slow_on_both_steps(now, before):
     assert _run(now, Baseline(0, before)) == []
+
+
+def test_update_ratio_needs_the_gradient_small_against_the_update_by_effective_lr_low():
+    # fc1: ||dw|| = 5 * 2e-6 = 1e-5 against ||g|| = sqrt(2) * grad; fc2: 2 * 2e-6 = 4e-6 against grad.
+    grad = 1e-5 / (math.sqrt(2) * 4e-4)  # fc1's effective lr is 4e-4, fc2's 4e-6 / grad = 2.26e-4
+    values = _ratios(2e-6, 2e-6, grad=grad)
+    assert len(_run(values, Baseline(0, values))) == 1
+    assert _run(values, Baseline(0, values), effective_lr_low=3.9e-4) == []  # fc1 is no longer slow
+
+
+def test_update_ratio_is_silent_without_gradient_norms():
+    values = _ratios(2e-6, 2e-6)
+    del values["param_grad_norm"]
+    assert _run(values, Baseline(0, values)) == []
 
 
 def test_update_ratio_needs_a_previous_sampled_step_and_skips_zero_weights():
@@ -126,6 +142,8 @@ def test_input_scale_is_silent_on_a_large_later_layer_and_falls_back_to_absmax()
         ("update_ratio_low", 0.0, "a number in (0, 1)"),
         ("update_ratio_low", 1.0, "a number in (0, 1)"),
         ("update_ratio_low", True, "a number in (0, 1)"),
+        ("effective_lr_low", 0.0, "a finite number > 0"),
+        ("effective_lr_low", math.nan, "a finite number > 0"),
         ("input_scale_limit", 1.0, "a finite number > 1"),
         ("input_scale_limit", math.inf, "a finite number > 1"),
         ("input_scale_limit", "20", "a finite number > 1"),

@@ -547,7 +547,8 @@ def test_from_mapping_builds_and_defaults():
 
 def test_from_mapping_rejects_unknown_keys_listing_valid_ones_sorted():
     valid = (
-        "['dead_frac_threshold', 'enabled', 'exploding_ratio', 'input_scale_limit', 'overflow_frac_threshold',"
+        "['dead_frac_threshold', 'effective_lr_low', 'enabled', 'exploding_ratio', 'input_scale_limit',"
+        " 'overflow_frac_threshold',"
         " 'saturation_frac', 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window',"
         " 'spike_zscore', 'update_ratio_low', 'vanishing_ratio']"
     )

@@ -264,7 +264,7 @@ class _Log(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         z = self.lin(x)
-        # The bug: log of a Linear output that drifts negative; the fix keeps it positive.
+        # The bug: log of a Linear output, which is negative for some samples; the fix keeps it positive.
         return torch.log(z) if self.eps is None else torch.log(F.softplus(z) + self.eps)
 
 
@@ -273,7 +273,7 @@ def _nan_log_in_wrapper(sick: bool) -> Fit:
     model.add_module("inp", nn.Linear(8, 16))
     model.add_module("act", nn.ReLU())
     lin = nn.Linear(16, 4)
-    with torch.no_grad():  # starts positive (as after a warm start), then drifts below 0
+    with torch.no_grad():  # a positive bias keeps most outputs above 0, not all: NaN on the first step
         lin.bias.fill_(0.3)
     model.add_module("scale", _Log(lin, None if sick else 1e-6))
     model.add_module("out", nn.Linear(4, 1))
@@ -455,7 +455,7 @@ CASES: tuple[Case, ...] = (
     ),
     Case(
         "nan_log_in_wrapper",
-        "`log(self.lin(x))` inside a wrapper module (`model.scale`), of a Linear output that drifts negative",
+        "`log(self.lin(x))` in a wrapper module (`model.scale`); the Linear output is negative for some samples",
         _nan_log_in_wrapper,
         "nonfinite",
         "model.scale",
