@@ -241,7 +241,8 @@ def _unnormalised_batch(sick: bool) -> Fit:
 
 
 def _wrong_label_batch(sick: bool) -> Fit:
-    # A classifier trained to a near-zero loss, then one batch whose labels are shifted by one (a misaligned join).
+    # A classifier descending fast towards 0 (0.023 -> 0.0056 over steps 30-35), then one batch whose labels are
+    # shifted by one (a misaligned join).
     g = torch.Generator().manual_seed(3)
     x = torch.randn(8, 8, generator=g).repeat(40, 1)
     y = torch.arange(8).repeat(40)
@@ -419,7 +420,7 @@ CASES: tuple[Case, ...] = (
     ),
     Case(
         "bf16_rounded_away",
-        "`precision='bf16-true'` with Adam at lr=1e-4: most updates are below half an ulp of the weight",
+        "`precision='bf16-true'` with Adam at lr=1e-4: 92-97% of the first layer's weights never change a step",
         _bf16_rounded_away,
         "not_updated",
         "model.0",
@@ -445,7 +446,7 @@ CASES: tuple[Case, ...] = (
     ),
     Case(
         "wrong_label_batch",
-        "a classifier trained to a loss near 0 gets one batch (step 36) with shifted labels",
+        "a classifier in fast descent (loss 0.0056 at step 35) gets one batch with shifted labels: 12.5 at step 36",
         _wrong_label_batch,
         "loss_spike",
         "loss",
