@@ -131,6 +131,10 @@ def _sharded(trainer: pl.Trainer, params: dict[str, nn.Parameter]) -> bool:
     return isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
 
 
+def _ignore_output(layer: int, output: Any) -> None:
+    return None
+
+
 @contextmanager
 def _logging_silenced(pl_module: pl.LightningModule) -> Iterator[None]:
     """``self.log`` and ``self.log_dict`` record nothing inside the block (a replayed ``training_step``)."""
@@ -377,6 +381,9 @@ class LayerHealthCallback(Callback):
         self._opt_in = OptInPlan()
         self._saved: SavedMemoryTracker | None = None
         self._modes: EvalModeWatch | None = None  # rule eval_mode
+        self._stale_step: int | None = None
+        self._params: list[nn.Parameter] = []  # the tracked parameters, in _param_names order
+        self._stale: Tensor | None = None  # gradients held at the open window's first backward (stale_gradients)
 
     @property
     @override
@@ -427,6 +434,8 @@ class LayerHealthCallback(Callback):
             else set()
         )
         self._param_names = list(params)
+        self._params = list(params.values())
+        self._stale_step = None
         self._key_cache: dict[str, list[str]] = {}
         device = pl_module.device
         self._opt_in = plan = plan_opt_in(self.stats, self.precision_targets, trainer.precision)
@@ -496,11 +505,25 @@ class LayerHealthCallback(Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        """Add the micro-batch's loss to the sentinel's total for this step (on the device, no host read)."""
+        """Add the micro-batch's loss to the sentinel's total for this step (on the device, no host read).
+
+        On a sampled step's first backward, also measure the gradients still held from the previous step (none with
+        ``zero_grad``: then this costs no kernel), for ``stale_gradients``.
+        """
         if self._sentinel is not None and self._hooks is not None:
             self._sentinel.observe_loss(loss)
         if self._modes is not None and self._hooks is not None and self._hooks.attached:
             self._modes.before_backward()  # the sampled forward ran between batch start and here
+        self._check_stale(trainer)
+
+    def _check_stale(self, trainer: pl.Trainer) -> None:
+        """On a sampled step's first backward, measure gradients that are still held from the last step."""
+        step = self._window
+        # With several optimizers (a GAN), one optimizer's gradients legitimately wait through another's step.
+        if step is None or self._stale_step == step or len(trainer.optimizers) != 1:
+            return
+        self._stale_step = step
+        self._stale = P.stale_gradient_squares(self._params, S.accumulation_dtype(trainer.lightning_module.device))
 
     @override
     def on_before_optimizer_step(
@@ -693,12 +716,15 @@ class LayerHealthCallback(Callback):
             return None
         if self._window == step:
             trip = replace(trip, replayed=True)  # a sampled step: the hooks saw it as it happened
+            if self._traced(trip) and not self._replay_blocker(trainer, pl_module, step, previous):
+                entry, origin = self._trace_sampled(trainer, pl_module)
+                trip = replace(trip, nan_entry=entry, nan_origin=origin)
         else:
             trace = None
             reason = self._replay_blocker(trainer, pl_module, step, previous)
             if not reason:
                 # A NaN/Inf trip is traced back to the module whose forward made it: only replays pay for it.
-                trace = NonFiniteTrace(pl_module) if trip.kind != "loss_spike" else None
+                trace = NonFiniteTrace(pl_module) if self._traced(trip) else None
                 reason = self._replay(trainer, pl_module, step, trace)
             if reason:
                 trip = replace(trip, reason=reason)
@@ -733,6 +759,30 @@ class LayerHealthCallback(Callback):
         if self._micro_step != step or not self._micro:
             return "its micro-batches were not seen by the callback (training resumed inside the step?)"
         return None
+
+    def _traced(self, trip: Trip) -> bool:
+        # Only the nonfinite rule reads where a NaN/Inf was made.
+        return trip.kind != "loss_spike" and "nonfinite" in self.rule_config.enabled
+
+    def _trace_sampled(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[str | None, str | None]:
+        """Where the NaN/Inf of a sampled step was made: its micro-batches run again through the trace alone.
+
+        The hooks saw the step as it happened but cannot see functional code between two layers; step 0, where a bad
+        initialisation shows, is always sampled. The window's hooks are still attached (batch end removes them) and
+        must not count the re-run, so they are removed first. A re-run that fails names nothing.
+        """
+        assert self._hooks is not None
+        self._hooks.remove()
+        if self._saved is not None and self._saved.attached:
+            self._saved.remove()
+            self._fold_saved_bytes()
+        trace = NonFiniteTrace(pl_module)
+        run = self._replay_run(trainer, pl_module)
+        try:
+            replay_step(self._micro, run, pl_module, HookSet({}, _ignore_output), pl_module.device, trace)
+        except Exception:  # the finding keeps what the hooks saw; training goes on untouched
+            return None, None
+        return trace.origin(self.layer_names)
 
     def _replay(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, trace: NonFiniteTrace | None = None
@@ -804,6 +854,7 @@ class LayerHealthCallback(Callback):
     def _discard_window(self) -> None:
         self._window = None
         self._trip = None
+        self._stale = None
         if self._recorder is not None:
             self._recorder.release()
             self._recorder.no_float_output.clear()
@@ -851,6 +902,10 @@ class LayerHealthCallback(Callback):
         if self._window_layers:
             wanted += self._opt_in.logged
         names = [*wanted, "count", "grad_count", "param_seen", "grad_norm_total"]
+        stale, self._stale = self._stale, None
+        if stale is not None:
+            values = {**values, "stale_grad_sq": stale.to(values["count"].device)}
+            names.append("stale_grad_sq")
         histograms = self._recorder.histograms
         if histograms:
             names += ["act_hist", "grad_hist"]
@@ -871,6 +926,9 @@ class LayerHealthCallback(Callback):
         agg.grad_scale = None
         self._window = None
         metrics, values = self._log(trainer, step, host, wanted, no_float)
+        if stale is not None:  # passed to the rules, not logged: it is 0 on every healthy step
+            held = zip(self._param_names, host["stale_grad_sq"], strict=True)
+            values["param_stale_grad_norm"] = {name: math.sqrt(sq) for name, sq in held if sq != 0}
         if histograms:
             self._log_histograms(trainer, step, host["act_hist"], host["grad_hist"], agg.histogram_edges)
         self._note_missing_grads(missing)

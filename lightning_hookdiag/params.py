@@ -35,6 +35,7 @@ __all__ = [
     "owned_parameters",
     "replicas",
     "squared_norms",
+    "stale_gradient_squares",
     "stored_values",
 ]
 
@@ -254,6 +255,33 @@ def _squares(tensors: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
     if packed:
         squares[packed] = HostPack([tensors[i].shape for i in packed]).load([tensors[i] for i in packed]).squares(dtype)
     return squares
+
+
+def stale_gradient_squares(params: Sequence[nn.Parameter], dtype: torch.dtype = torch.float64) -> Tensor | None:
+    """Sums of squares of the ``.grad`` each parameter holds, as ``[len(params)]`` (0 where ``.grad`` is ``None``).
+
+    Called before an optimizer step's first backward, when every gradient should be ``None`` or zero: Lightning's
+    automatic optimization zeroes them (``set_to_none``) just before it, so the usual cost is one ``is None`` test
+    per parameter and no kernel at all. Only parameters that still hold a gradient are measured, in one fused pass.
+
+    Returns:
+        The vector, on the gradients' device, or ``None`` if no parameter holds a gradient.
+
+    Example:
+        >>> a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))
+        >>> stale_gradient_squares([a, b]) is None
+        True
+        >>> b.grad = torch.full((3,), 2.0)
+        >>> [round(v, 4) for v in stale_gradient_squares([a, b]).tolist()]
+        [0.0, 12.0]
+    """
+    held = [i for i, p in enumerate(params) if p.grad is not None]
+    if not held:
+        return None
+    squares = squared_norms([params[i].grad for i in held], dtype)  # type: ignore[misc]
+    out = torch.zeros(len(params), dtype=dtype, device=squares.device)
+    out[torch.tensor(held, device=squares.device)] = squares
+    return out
 
 
 def finalize_parameters(param_stats: Tensor) -> dict[str, Tensor]:

@@ -42,6 +42,24 @@ Rule                    Field                              Default   Fires when
                                                                      statistics) ``> overflow_frac_threshold``: some
                                                                      values overflow target dtype ``<t>`` or sit
                                                                      within 2x of its maximum
+``update_ratio``        ``update_ratio_low``,              ``1e-5``, every layer that got a gradient moved by less
+                        ``effective_lr_low``               ``5e-4``  than ``update_ratio_low`` of its weight norm
+                                                                     (``param_update_ratio`` pooled per layer) and
+                                                                     by less than ``effective_lr_low`` times its
+                                                                     gradient, on this sampled step and on the
+                                                                     previous regular one: the learning rate is too
+                                                                     low; names the first layer in forward order
+``stale_gradients``     (none)                             (none)    at a sampled step's first backward, some tracked
+                                                                     parameter still holds a non-zero ``.grad``
+                                                                     (``zero_grad`` never called in manual
+                                                                     optimization, or a parameter in none of the
+                                                                     param groups); names the first owner in forward
+                                                                     order
+``input_scale``         ``input_scale_limit``              ``20``    on the first sampled step of a fit, the first
+                                                                     layer in forward order has an output RMS (as
+                                                                     ``loss_spike`` measures it) above
+                                                                     ``input_scale_limit``: inputs far from unit
+                                                                     scale, such as raw 0-255 pixels
 ======================  =================================  ========  ================================================
 
 The sentinel's own settings live here too: ``spike_window`` (``50``), ``spike_warmup`` (``20``), ``spike_zscore``
@@ -132,6 +150,41 @@ Why these defaults:
   (``tanh' = 1 - y**2``, ``sigmoid' = y (1 - y) = (1 - z**2) / 4`` with ``z = 2y - 1``), so ``|z| > 0.9`` means the
   layer passes back less than 19% of the gradient it could. ``saturation_frac=0.5``: at least half of the outputs.
 
+Three rules of the bug benchmark (``tests/bugs``, ``docs/bugs.md``), each silent on the healthy zoo with every step
+sampled and on every fixed twin there:
+
+* ``update_ratio`` looks at the whole network, not at one layer: a norm layer's weights of 1 move by at most about
+  ``lr`` per step under Adam, so in a healthy fine-tuning at lr 5e-6 such a layer alone is at 3.6e-6 while linear
+  layers initialised with std 0.02 (as BERT and GPT-2 are) move 50x more. On the zoo (AdamW, lr 1e-3, 42 steps)
+  the slowest layer with a gradient was at 9.6e-5 (a ViT LayerNorm), and 1e-5 counting a ResNet branch behind a
+  zero-initialised BatchNorm, which gets an exactly zero gradient and moves by weight decay alone (such layers are
+  left out); the fastest layer of each step never fell below 2.6e-3 (the LSTM), 260x above. The update must also
+  be small against the gradient (``||dw|| / ||g||``, the learning rate the step effectively applied: SGD's
+  ``lr``, 1e-2 to 1e-1 for Adam at lr 1e-3): a full-batch Adam fit converging over 2000 steps moves every layer by
+  less than 1e-5 of its norm on some steps (its gradients fall to 1e-4 of the weights), at an effective lr of
+  5e-3 to 0.1; SGD at lr 1e-6 is at 1e-6. "Persistently"
+  is two consecutive regular sampled steps: the current values and the :class:`Baseline`, with no further state,
+  so a single low point of a schedule does not fire, and an exact 0 (no update at all: lr 0 in a warm-up, a
+  parameter outside every param group) is not a small update. The high side of the issue's band (``> 1e-1``) is
+  left out: zero-initialised parameters (timm's ``zero_init_last`` BatchNorm, a masked-LM head's own bias) have
+  healthy ratios of 0.73 and 0.83 on the zoo for their first steps, and a too-high learning rate shows up in
+  ``dead_units``, ``exploding_gradient``, ``loss_spike`` or ``nonfinite`` instead. A long warm-up from lr 0
+  sampled at every step can fire during its first steps (Adam moves a weight by about lr per step: while the lr
+  is below 1e-5 times every layer's weight RMS); the finding clears as the lr rises. After a resume from a checkpoint the first sampled step has no
+  :class:`Baseline` and only re-arms the rule.
+* ``stale_gradients`` reads ``param_stale_grad_norm``, which is not logged (it is 0 on every healthy step): the
+  norm of each tracked parameter's ``.grad`` just before the first backward of a sampled step. Lightning's
+  automatic optimization has set every gradient to ``None`` there, so measuring costs no kernel; held gradients
+  are measured in one fused pass and travel in the step's one host transfer. It is not checked with several
+  optimizers (in a GAN one optimizer's gradients wait through the other's step).
+* ``input_scale`` sees the first layer's output, not the input itself: with PyTorch's default ``nn.Linear`` init
+  the output RMS is about the input RMS over ``sqrt(3)``, so raw 0-255 pixels give ~80 and standardised inputs
+  ~0.6. The largest first-layer RMS on the zoo was 1.07 (the LSTM's ``nn.Embedding``, N(0, 1) by default). It is
+  checked only on the first sampled step of a fit (no :class:`Baseline` yet), while the weights are those the fit
+  started from: in a run diverging at SGD lr 3 the first layer's output RMS reached 1.7e7 at step 7 from
+  standardised inputs, as its weights blew up. Inputs that change scale later in a run are not seen by this rule
+  (one bad batch is ``loss_spike``'s).
+
 Saturation without a dedicated statistic: only the mean and standard deviation are known, which cannot give the
 saturated share exactly, but give a *guaranteed lower bound*. Since ``z**2 <= 1`` for every output,
 ``E[z**2] <= P(|z| > t) + (1 - P(|z| > t)) t**2``, hence ``P(|z| > t) >= (E[z**2] - t**2) / (1 - t**2)`` with
@@ -190,6 +243,9 @@ RULES: tuple[str, ...] = (
     "exploding_gradient",
     "saturation",
     "precision_headroom",
+    "update_ratio",
+    "stale_gradients",
+    "input_scale",
 )
 """Names of the health rules, in the order findings of the same layer are listed."""
 
@@ -255,6 +311,11 @@ class RuleConfig:
             since the last regular sampled step; finite, ``> 1``.
         overflow_frac_threshold: ``precision_headroom`` fires when the share of non-zero values at risk of
             overflowing a target dtype is ``> overflow_frac_threshold``; in ``[0, 1)``.
+        update_ratio_low: ``update_ratio`` fires when every layer's update-to-weight ratio is positive and below
+            this, on a sampled step and on the previous regular one; in ``(0, 1)``.
+        effective_lr_low: ... and every layer's update is also below this many times its gradient
+            (``||dw|| / ||g||``, SGD's learning rate); finite, ``> 0``.
+        input_scale_limit: ``input_scale`` fires when the first layer's output RMS exceeds this; finite, ``> 1``.
 
     Raises:
         ValueError: For an invalid field; the message names the field, the value and what is valid.
@@ -282,6 +343,9 @@ class RuleConfig:
     spike_ratio: float = 10.0
     spike_growth: float = 10.0
     overflow_frac_threshold: float = 0.0
+    update_ratio_low: float = 1e-5
+    effective_lr_low: float = 5e-4
+    input_scale_limit: float = 20.0
 
     def __post_init__(self) -> None:
         enabled = self.enabled
@@ -306,6 +370,9 @@ class RuleConfig:
             "spike_ratio": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
             "spike_growth": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
             "overflow_frac_threshold": ("a number in [0, 1)", lambda v: 0.0 <= v < 1.0),
+            "update_ratio_low": ("a number in (0, 1)", lambda v: 0.0 < v < 1.0),
+            "effective_lr_low": ("a finite number > 0", lambda v: 0.0 < v < math.inf),
+            "input_scale_limit": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
         }
         for name, (valid, ok) in checks.items():
             object.__setattr__(self, name, _number(name, getattr(self, name), valid, ok))
@@ -327,11 +394,11 @@ class RuleConfig:
 
         Example:
             >>> RuleConfig.from_mapping({"exploding_ratio": 1e4, "enabled": ["nonfinite"]})
-            RuleConfig(enabled=('nonfinite',), dead_frac_threshold=0.9, vanishing_ratio=0.001, exploding_ratio=10000.0, saturation_level=0.9, saturation_frac=0.5, spike_window=50, spike_warmup=20, spike_zscore=8.0, spike_ratio=10.0, spike_growth=10.0, overflow_frac_threshold=0.0)
+            RuleConfig(enabled=('nonfinite',), dead_frac_threshold=0.9, vanishing_ratio=0.001, exploding_ratio=10000.0, saturation_level=0.9, saturation_frac=0.5, spike_window=50, spike_warmup=20, spike_zscore=8.0, spike_ratio=10.0, spike_growth=10.0, overflow_frac_threshold=0.0, update_ratio_low=1e-05, effective_lr_low=0.0005, input_scale_limit=20.0)
             >>> RuleConfig.from_mapping({"dead_frac": 0.5})
             Traceback (most recent call last):
             ...
-            ValueError: unknown rule setting(s) ['dead_frac']; valid keys: ['dead_frac_threshold', 'enabled', 'exploding_ratio', 'overflow_frac_threshold', 'saturation_frac', 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore', 'vanishing_ratio']
+            ValueError: unknown rule setting(s) ['dead_frac']; valid keys: ['dead_frac_threshold', 'effective_lr_low', 'enabled', 'exploding_ratio', 'input_scale_limit', 'overflow_frac_threshold', 'saturation_frac', 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore', 'update_ratio_low', 'vanishing_ratio']
         """  # noqa: E501
         if d is None:
             return cls()
@@ -644,6 +711,8 @@ def _modules_also(others: Sequence[str]) -> str:
         return ""
     verb = "is" if len(others) == 1 else "are"
     return f"; {_plural(len(others), 'more module')} {verb} in eval mode too: {_listing(others)}"
+
+
 def _made_between(ctx: _Context, entry: Finding) -> Finding:
     """The forward ``nonfinite`` finding when the first non-finite layer's input was already non-finite.
 
@@ -822,24 +891,32 @@ def _amplifier(ref_layer: str, rest: Sequence[tuple[str, float]], fired: str) ->
     """``exploding_gradient``'s layer and the sentence saying where and how much the gradient grows.
 
     ``rest``: every other layer's ratio to the output end (``ref_layer``), in backward order; ``fired``: the layer
-    from which the rule fired, named if no gain can be measured.
+    from which the rule fired. Only the growth up to ``fired`` made it fire, so the gains are measured from the output
+    end to ``fired``. The layer with the largest gain is named when it holds at least half of the orders of magnitude
+    gained there (the growth happens in one place, as in a recurrent module); when the growth is spread over many
+    layers (every block of a badly initialised stack amplifies a little), no layer is *the* amplifier and ``fired``,
+    the first layer past the threshold, is named, with the largest gain in the message.
     """
-    found = _largest_gain((ref_layer, 1.0), rest)  # ratios to the output end: the same gains as the norms
+    names = [layer for layer, _ in rest]
+    upto = rest[: names.index(fired) + 1] if fired in names else list(rest)
+    found = _largest_gain((ref_layer, 1.0), upto)  # ratios to the output end: the same gains as the norms
     if found is None:
         return fired, ""
     layer, nxt, gain, median = found
-    # The growth from the output end to the input end, in orders of magnitude: the share the largest step holds.
-    total = max(ratio for _, ratio in rest) if rest else math.nan
+    # The growth from the output end to the fired layer, in orders of magnitude: the share the largest step holds.
+    total = max(ratio for _, ratio in upto)
     share = min(1.0, math.log(gain) / math.log(total)) if gain > 1 and _finite(total) and total > 1 else math.nan
     others = (
         "" if not _finite(median) else f"; the median of the other gains between consecutive layers is {median:.3g}"
     )
     part = "" if not _finite(share) else f", {share:.0%} of the orders of magnitude gained from the output end"
-    return layer, (
-        f". The gradient grows most in the backward of {layer}: {nxt}'s output gradient, the next observed one in"
-        f" backward order, is {gain:.3g} times {layer}'s (a layer that keeps the gradient's scale has a gain near"
-        f" 1){part}{others}"
+    gains = (
+        f"{nxt}'s output gradient, the next observed one in backward order, is {gain:.3g} times {layer}'s (a layer"
+        f" that keeps the gradient's scale has a gain near 1){part}{others}"
     )
+    if _finite(share) and share >= 0.5:
+        return layer, f". The gradient grows most in the backward of {layer}: {gains}"
+    return fired, f". The growth is spread over the layers up to {fired}, none holding most of it; the largest: {gains}"
 
 
 def _gradient_scale(ctx: _Context, rule: str) -> list[Finding]:
@@ -1005,6 +1082,137 @@ def _precision_headroom(ctx: _Context) -> list[Finding]:
     return out
 
 
+def _layer_updates(orders: _Orders, values: Mapping[str, Mapping[str, float]]) -> dict[str, tuple[float, float]]:
+    """Per layer, ``(||dw|| / ||w||, ||dw|| / ||g||)`` over all of its tracked parameters together.
+
+    ``dw`` is the update across the optimizer step, ``g`` the gradient; the second ratio is the learning rate the
+    step effectively applied (SGD's ``lr``). Pooled from each parameter's ``param_update_ratio``, ``param_norm`` and
+    ``param_grad_norm``. Left out: a layer whose weights are all exactly 0 (a zero-initialised norm), and one whose
+    gradient is exactly 0 (a branch behind a zero-initialised norm), which moves by weight decay alone (``lr *
+    weight_decay``, 1e-5 with AdamW's defaults at lr 1e-3).
+    """
+    ratios, norms = values.get("param_update_ratio") or {}, values.get("param_norm") or {}
+    grads = values.get("param_grad_norm") or {}
+    update_sq: dict[str, float] = {}
+    weight_sq: dict[str, float] = {}
+    grad_sq: dict[str, float] = {}
+    for param, ratio in ratios.items():
+        norm, grad = norms.get(param, math.nan), grads.get(param, math.nan)
+        if _finite(ratio) and _finite(norm) and _finite(grad) and ratio >= 0:
+            layer = orders.owner(param)
+            update_sq[layer] = update_sq.get(layer, 0.0) + (ratio * norm) ** 2
+            weight_sq[layer] = weight_sq.get(layer, 0.0) + norm * norm
+            grad_sq[layer] = grad_sq.get(layer, 0.0) + grad * grad
+    return {
+        layer: (math.sqrt(update_sq[layer] / w), math.sqrt(update_sq[layer] / grad_sq[layer]))
+        for layer, w in weight_sq.items()
+        if w > 0 and grad_sq[layer] > 0
+    }
+
+
+def _slow_layers(ctx: _Context, values: Mapping[str, Mapping[str, float]]) -> dict[str, tuple[float, float]] | None:
+    """The layers' updates if every layer that moved at all is slow (see ``update_ratio``), else ``None``."""
+    low, lr_low = ctx.config.update_ratio_low, ctx.config.effective_lr_low
+    # Exactly 0 is no update at all (a parameter outside every optimizer group, lr 0 in a warm-up): not a low one.
+    moved = {k: u for k, u in _layer_updates(ctx.orders, values).items() if u[0] > 0}
+    if moved and all(ratio < low and lr < lr_low for ratio, lr in moved.values()):
+        return moved
+    return None
+
+
+def _update_ratio(ctx: _Context) -> list[Finding]:
+    if ctx.baseline is None:
+        return []
+    # The whole network, not one layer: a norm layer's weights of 1 move by at most about lr per step under Adam,
+    # so one layer alone is below 1e-5 in healthy fine-tuning. And small against the gradient too: in a converged
+    # fit the weights stop moving because the gradient is small, not the learning rate.
+    now, before = _slow_layers(ctx, ctx.values), _slow_layers(ctx, ctx.baseline.values)
+    if now is None or before is None:
+        return []
+    low, lr_low = ctx.config.update_ratio_low, ctx.config.effective_lr_low
+    layers = sorted(now, key=ctx.orders.forward_key)
+    fastest = max(now, key=lambda k: now[k][0])
+    ratio, lr = now[fastest]
+    slow = f"by less than update_ratio_low={low:g} of their norm at step {ctx.step} and at step {ctx.baseline.step}"
+    where = f"the most, {ratio:.3g}, in {fastest}; the first layer in forward order: {layers[0]}"
+    message = (
+        f"update_ratio: the optimizer step changed the weights of every one of the {_plural(len(now), 'layer')}"
+        f" that got a gradient {slow} ({where}), and by less than effective_lr_low={lr_low:g} times their gradient"
+        f" ({lr:.3g} in {fastest}): the learning rate is too low for the weights to move"
+    )
+    return [
+        Finding(
+            rule="update_ratio",
+            layer=layers[0],
+            step=ctx.step,
+            value=ratio,
+            threshold=low,
+            message=message,
+            phase="forward",
+            stat="param_update_ratio",
+        )
+    ]
+
+
+def _stale_gradients(ctx: _Context) -> list[Finding]:
+    stale = {
+        p: norm
+        for p, norm in ctx.stat("param_stale_grad_norm").items()
+        if isinstance(norm, (int, float)) and not isinstance(norm, bool) and norm != 0  # NaN is stale too
+    }
+    if not stale:
+        return []
+    owners = sorted({ctx.orders.owner(p) for p in stale}, key=ctx.orders.forward_key)
+    first = [p for p in stale if ctx.orders.owner(p) == owners[0]]
+    return [
+        Finding(
+            rule="stale_gradients",
+            layer=owners[0],
+            step=ctx.step,
+            value=float(len(stale)),
+            threshold=0.0,
+            message=f"stale_gradients: at the first backward of step {ctx.step}, {_plural(len(stale), 'parameter')}"
+            f" already held a non-zero gradient ({_listing(first)} in {owners[0]}, the first of"
+            f" {_plural(len(owners), 'layer')} in forward order; norm {stale[first[0]]:.3g}): .grad was not zeroed"
+            " after the last optimizer step, so the gradients of all past steps add up. Either zero_grad() is not"
+            " called (manual optimization), or these parameters are in none of the optimizer's param groups, which"
+            " zero_grad() clears",
+            phase="backward",
+            stat="param_stale_grad_norm",
+        )
+    ]
+
+
+def _input_scale(ctx: _Context) -> list[Finding]:
+    # Only while the weights are those the fit started from (no earlier sampled step): later, a first layer whose
+    # weights blew up (a learning rate too high) has a large output RMS from perfectly scaled inputs.
+    if ctx.baseline is not None:
+        return []
+    limit = ctx.config.input_scale_limit
+    stat, scale = _activation_scale(ctx.values)
+    ran = [layer for layer in scale if layer in ctx.orders.forward]
+    if not ran:
+        return []
+    first = min(ran, key=ctx.orders.forward_key)
+    if not scale[first] > limit:
+        return []
+    return [
+        Finding(
+            rule="input_scale",
+            layer=first,
+            step=ctx.step,
+            value=scale[first],
+            threshold=limit,
+            message=f"input_scale: the outputs of {first}, the first layer in forward order, have an RMS of"
+            f" {scale[first]:.3g} at step {ctx.step}, the first sampled step of the fit (input_scale_limit={limit:g}):"
+            " its inputs are likely far from unit scale (raw 0-255 pixels, unnormalised features); scale them to"
+            " mean 0 and std 1",
+            phase="forward",
+            stat=stat,
+        )
+    ]
+
+
 _RULE_FUNCTIONS: dict[str, Callable[[_Context], list[Finding]]] = {
     "nonfinite": _nonfinite,
     "loss_spike": _loss_spike,
@@ -1015,6 +1223,9 @@ _RULE_FUNCTIONS: dict[str, Callable[[_Context], list[Finding]]] = {
     "exploding_gradient": lambda ctx: _gradient_scale(ctx, "exploding_gradient"),
     "saturation": _saturation,
     "precision_headroom": _precision_headroom,
+    "update_ratio": _update_ratio,
+    "stale_gradients": _stale_gradients,
+    "input_scale": _input_scale,
 }
 
 
@@ -1132,7 +1343,7 @@ class AlertState:
         >>> state.counts["dead_units"]
         3
         >>> state.state_dict()
-        {'active': [['dead_units', 'relu']], 'counts': {'nonfinite': 0, 'loss_spike': 0, 'eval_mode': 0, 'dead_units': 3, 'no_gradient': 0, 'vanishing_gradient': 0, 'exploding_gradient': 0, 'saturation': 0, 'precision_headroom': 0}}
+        {'active': [['dead_units', 'relu']], 'counts': {'nonfinite': 0, 'loss_spike': 0, 'eval_mode': 0, 'dead_units': 3, 'no_gradient': 0, 'vanishing_gradient': 0, 'exploding_gradient': 0, 'saturation': 0, 'precision_headroom': 0, 'update_ratio': 0, 'stale_gradients': 0, 'input_scale': 0}}
     """  # noqa: E501
 
     def __init__(self) -> None:

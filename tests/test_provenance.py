@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TinyModule, count_hooks, force_trips, make_data, make_trainer
+from conftest import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthError
@@ -75,6 +75,29 @@ def test_a_nan_made_inside_a_wrappers_forward_is_named_at_the_wrapper():
     assert "made inside the forward of model.scale" in first.message
     assert "after the output of model.scale.lin and before the input of model.out" in first.message
     assert count_hooks(module) == 0
+
+
+def test_a_nan_made_on_a_sampled_step_is_traced_by_a_re_run_that_adds_nothing_to_its_statistics(monkeypatch):
+    # BAD_STEP is sampled (every step is): the hooks saw it as it happened, and a re-run through the trace alone
+    # names the wrapper. Without the re-run the same step logs the same values: the re-run was not counted.
+    logged = {}
+    for traced in (True, False):
+        if not traced:
+            monkeypatch.setattr(LayerHealthCallback, "_trace_sampled", lambda self, trainer, module: (None, None))
+        module = wrapped_module()
+        logger = RecordingLogger()
+        callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
+        make_trainer([callback], max_steps=BAD_STEP + 1, logger=logger).fit(module)
+        (trip,) = callback.trips
+        assert (trip.step, trip.kind, trip.replayed) == (BAD_STEP, "nonfinite_loss", True)
+        assert (trip.nan_entry, trip.nan_origin) == (("model.out", "model.scale") if traced else (None, None))
+        assert callback.findings[0].layer == ("model.scale" if traced else "model.out")
+        logged[traced] = dict(logger.calls)[BAD_STEP]
+        assert count_hooks(module) == 0
+    assert logged[True].keys() == logged[False].keys()
+    assert logged[True]["layer_health/act_nonfinite/model.out"] == 8.0  # one batch of 8, not two
+    for key, value in logged[False].items():
+        assert logged[True][key] == value or (value != value and logged[True][key] != logged[True][key]), key
 
 
 def test_raise_names_the_wrapper_before_the_step_and_the_replay_changed_nothing():

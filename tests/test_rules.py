@@ -549,7 +549,8 @@ def test_alert_state_counts_every_finding_seen():
     state.update([finding("dead_units", "x")])
     assert state.counts == {"nonfinite": 0, "loss_spike": 0, "eval_mode": 0, "dead_units": 3, "no_gradient": 0,
                             "vanishing_gradient": 0, "exploding_gradient": 0, "saturation": 0,
-                            "precision_headroom": 0}  # fmt: skip
+                            "precision_headroom": 0, "update_ratio": 0, "stale_gradients": 0,
+                            "input_scale": 0}  # fmt: skip
 
 
 def test_alert_state_round_trips_through_json_and_pickle():
@@ -649,9 +650,10 @@ def test_from_mapping_builds_and_defaults():
 
 def test_from_mapping_rejects_unknown_keys_listing_valid_ones_sorted():
     valid = (
-        "['dead_frac_threshold', 'enabled', 'exploding_ratio', 'overflow_frac_threshold', 'saturation_frac',"
-        " 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore',"
-        " 'vanishing_ratio']"
+        "['dead_frac_threshold', 'effective_lr_low', 'enabled', 'exploding_ratio', 'input_scale_limit',"
+        " 'overflow_frac_threshold',"
+        " 'saturation_frac', 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window',"
+        " 'spike_zscore', 'update_ratio_low', 'vanishing_ratio']"
     )
     with pytest.raises(ValueError, match=r"unknown rule setting\(s\) \['vanish', 'zzz'\]; valid keys: ") as info:
         RuleConfig.from_mapping({"zzz": 1, "vanish": 0.1, "exploding_ratio": 10})

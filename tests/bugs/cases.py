@@ -1,0 +1,582 @@
+"""A library of ordinary training bugs, each a small real Lightning fit with its fixed twin.
+
+Nothing is planted inside what the callback observes: every bug arises the way it does for users (a parameter group
+left out, a stray ``.detach()``, raw pixels, a forgotten ``zero_grad``), and the twin is the fix a user would apply.
+Each :class:`Case` names the rule and the layer the callback should report; :func:`run` trains one side of it.
+
+The bugs come from the issue that asked for them (issue 20) and from the fault taxonomies of Humbatova et al.
+(ICSE 2020), DeepDiagnosis (ICSE 2022), AUTOTRAINER (ICSE 2021) and TrainCheck (OSDI 2025), restricted to what a
+monitor of layer activations, gradients and parameters can see.
+
+:data:`PENDING` lists the cases whose rule comes from another branch of issue 20 (emptied once they are merged);
+a case with ``rule=None`` is a blind spot, with the reason in ``blind``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_hookdiag import LayerHealthCallback
+
+__all__ = ["CASES", "PENDING", "BugModule", "Case", "Fit", "run"]
+
+
+# ------------------------------------------------------------------------------------------------ the module
+class BugModule(pl.LightningModule):
+    """``self.model`` trained on fixed data; each knob is one way user code goes wrong (off by default).
+
+    Args:
+        model: The network (``self.model``, so layers are named ``model.<child>``).
+        data: The training set; batches are taken in order.
+        loss: ``"mse"``, ``"ce"`` (cross-entropy on the model's output) or a function ``(module, batch) -> loss``.
+        lr: Learning rate.
+        optimizer: ``"sgd"`` or ``"adam"``.
+        optimized: Which parameters ``configure_optimizers`` hands the optimizer; ``None``: all of them.
+        batch_fn: ``(batch_idx, x, y) -> (x, y)``, what the data pipeline does to a batch (a bad batch).
+        manual: Manual optimization: ``training_step`` steps the optimizer itself.
+        zero_grad: With ``manual``: whether ``training_step`` calls ``optimizer.zero_grad()``.
+        on_batch: ``(module, batch_idx)`` called at the start of ``training_step`` (an inner evaluation).
+        clip: ``gradient_clip_val`` given to the Trainer by :func:`run`.
+        batch_size: Batch size.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        data: TensorDataset,
+        loss: str | Callable[[BugModule, Any], Tensor] = "mse",
+        lr: float = 0.05,
+        optimizer: str = "sgd",
+        optimized: Callable[[BugModule], Sequence[nn.Parameter]] | None = None,
+        batch_fn: Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
+        manual: bool = False,
+        zero_grad: bool = True,
+        on_batch: Callable[[BugModule, int], None] | None = None,
+        batch_size: int = 8,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.data = data
+        self.loss_kind = loss
+        self.lr = lr
+        self.optimizer_name = optimizer
+        self.optimized = optimized
+        self.batch_fn = batch_fn
+        self.automatic_optimization = not manual
+        self.zero_grad_in_step = zero_grad
+        self.on_batch = on_batch
+        self.batch_size = batch_size
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)
+
+    def compute_loss(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        if self.batch_fn is not None:
+            x, y = self.batch_fn(batch_idx, x, y)
+        if callable(self.loss_kind):
+            return self.loss_kind(self, (x, y))
+        out = self(x)
+        return F.cross_entropy(out, y) if self.loss_kind == "ce" else F.mse_loss(out, y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        if self.on_batch is not None:
+            self.on_batch(self, batch_idx)
+        loss = self.compute_loss(batch, batch_idx)
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        if self.zero_grad_in_step:
+            opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        return loss.detach()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params = list(self.parameters()) if self.optimized is None else list(self.optimized(self))
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(params, lr=self.lr)
+        return torch.optim.SGD(params, lr=self.lr)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=self.batch_size, shuffle=False)
+
+
+# ------------------------------------------------------------------------------------------------ the library
+@dataclass(frozen=True)
+class Fit:
+    """One side of a case: the module and how the Trainer runs it."""
+
+    module: pl.LightningModule
+    trainer: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bug and its fixed twin.
+
+    Attributes:
+        name: Short identifier (a test id).
+        bug: How the bug arises, in plain words.
+        build: ``build(sick)``: the fit with the bug (``True``) or its fixed twin (``False``).
+        rule: The rule that must report it; ``None`` for a blind spot.
+        layer: The ``Finding.layer`` it must name.
+        max_steps: Optimizer steps of both fits.
+        callback: Keyword arguments of :class:`~lightning_hookdiag.LayerHealthCallback` besides the defaults
+            :func:`run` sets.
+        step: The step it must be reported on when that is certain (the bad batch's step; the first step with a
+            previous sampled step to compare with); ``None``: any step of the fit.
+        blind: For a blind spot: why no rule can see it.
+    """
+
+    name: str
+    bug: str
+    build: Callable[[bool], Fit]
+    rule: str | None
+    layer: str | None
+    max_steps: int = 8
+    callback: dict[str, Any] = field(default_factory=dict)
+    step: int | None = None
+    blind: str = ""
+
+
+def run(case: Case, sick: bool, max_steps: int | None = None, **callback: Any) -> LayerHealthCallback:
+    """Train one side of ``case`` with a real Trainer; returns the callback (its ``findings``, ``trips``).
+
+    ``max_steps`` and ``callback`` override the case's (the benchmark also runs the default ``every_n_steps=50``).
+    """
+    torch.manual_seed(0)
+    fit = case.build(sick)
+    settings: dict[str, Any] = {"every_n_steps": 1, "on_anomaly": "ignore", "summary": False}
+    settings.update(case.callback)
+    settings.update(callback)
+    cb = LayerHealthCallback(**settings)
+    trainer = pl.Trainer(
+        callbacks=[cb],
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        max_steps=case.max_steps if max_steps is None else max_steps,
+        **fit.trainer,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's notes on NaN losses and tiny runs; findings are read below
+        trainer.fit(fit.module)
+    return cb
+
+
+def _data(n: int, d_in: int, d_out: int = 1, classes: int = 0, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d_in, generator=g)
+    if classes:
+        return TensorDataset(x, torch.randint(0, classes, (n,), generator=g))
+    return TensorDataset(x, torch.randn(n, d_out, generator=g))
+
+
+def _mlp(
+    d_in: int = 8, width: int = 16, depth: int = 2, d_out: int = 1, act: type[nn.Module] = nn.ReLU
+) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    d = d_in
+    for _ in range(depth):
+        layers += [nn.Linear(d, width), act()]
+        d = width
+    return nn.Sequential(*layers, nn.Linear(d, d_out))
+
+
+def _body_head(d_in: int = 8, width: int = 16, detach: bool = False) -> nn.Module:
+    class BodyHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(d_in, width), nn.ReLU())
+            self.head = nn.Linear(width, 1)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.body(x)
+            return self.head(h.detach() if detach else h)  # the bug: a stray .detach() left from debugging
+
+    return BodyHead()
+
+
+# --- the issue's eight ------------------------------------------------------------------------------------------
+def _head_not_in_optimizer(sick: bool) -> Fit:
+    # The bug: configure_optimizers lists the parameters of the body only (the head was added later).
+    body_only = (lambda m: m.model.body.parameters()) if sick else None
+    return Fit(BugModule(_body_head(), _data(64, 8), optimized=body_only))
+
+
+def _stray_detach(sick: bool) -> Fit:
+    return Fit(BugModule(_body_head(detach=sick), _data(64, 8)))
+
+
+def _bf16_rounded_away(sick: bool) -> Fit:
+    # bf16 weights hold 8 significant bits: an Adam step of 1e-4 is below half an ulp of any weight above ~0.026.
+    module = BugModule(_mlp(), _data(64, 8), lr=1e-4, optimizer="adam")
+    return Fit(module, {"precision": "bf16-true" if sick else "bf16-mixed"})
+
+
+def _sgd_lr_too_high(sick: bool) -> Fit:
+    return Fit(BugModule(_mlp(8, 32, depth=3), _data(64, 8), lr=3.0 if sick else 0.05))
+
+
+def _unnormalised_batch(sick: bool) -> Fit:
+    # One batch of the stream skipped the normalisation (a corrupt shard): x1000.
+    def batch_fn(i: int, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        return (x * 1000.0 if sick and i == 26 else x), y
+
+    return Fit(BugModule(_mlp(), _data(8 * 30, 8), lr=0.01, batch_fn=batch_fn))
+
+
+def _wrong_label_batch(sick: bool) -> Fit:
+    # A classifier descending fast towards 0 (below 1e-3 by step 55), then one batch whose labels are shifted by one (a
+    # misaligned join). It lands 6 steps after the sampled step 50: the rule compares the layers with that step.
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 8, generator=g).repeat(80, 1)
+    y = torch.arange(8).repeat(80)
+
+    def batch_fn(i: int, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        return x, ((y + 1) % 8 if sick and i == 56 else y)
+
+    return Fit(
+        BugModule(_mlp(8, 32, d_out=8), TensorDataset(x, y), loss="ce", lr=0.01, optimizer="adam", batch_fn=batch_fn)
+    )
+
+
+class _Log(nn.Module):
+    """A wrapper whose forward is functional code around a child: ``log(self.lin(x))``."""
+
+    def __init__(self, lin: nn.Module, eps: float | None) -> None:
+        super().__init__()
+        self.lin = lin
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        z = self.lin(x)
+        # The bug: log of a Linear output, which is negative for some samples; the fix keeps it positive.
+        return torch.log(z) if self.eps is None else torch.log(F.softplus(z) + self.eps)
+
+
+def _nan_log_in_wrapper(sick: bool) -> Fit:
+    model = nn.Sequential()
+    model.add_module("inp", nn.Linear(8, 16))
+    model.add_module("act", nn.ReLU())
+    lin = nn.Linear(16, 4)
+    with torch.no_grad():  # a positive bias keeps most outputs above 0, not all: NaN on the first step
+        lin.bias.fill_(0.3)
+    model.add_module("scale", _Log(lin, None if sick else 1e-6))
+    model.add_module("out", nn.Linear(4, 1))
+    return Fit(BugModule(model, _data(64, 8), lr=0.2))
+
+
+class _RNNClassifier(nn.Module):
+    def __init__(self, nonlinearity: str) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 16)
+        self.rnn = nn.RNN(16, 32, batch_first=True, nonlinearity=nonlinearity)
+        self.head = nn.Linear(32, 4)
+        if nonlinearity == "relu":  # identity-like recurrence (IRNN) scaled up: the gradient grows through time
+            with torch.no_grad():
+                self.rnn.weight_hh_l0.copy_(1.3 * torch.eye(32))
+
+    def forward(self, x: Tensor) -> Tensor:
+        out, _ = self.rnn(self.embed(x))
+        return self.head(out[:, -1])
+
+
+def _exploding_relu_rnn(sick: bool) -> Fit:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 20, (64, 40), generator=g)
+    data = TensorDataset(x, x[:, 0] % 4)
+    return Fit(BugModule(_RNNClassifier("relu" if sick else "tanh"), data, loss="ce", lr=1e-3, optimizer="adam"))
+
+
+# --- the fault taxonomies ---------------------------------------------------------------------------------------
+def _lr_too_low(sick: bool) -> Fit:
+    return Fit(BugModule(_mlp(), _data(64, 8), lr=1e-6 if sick else 0.05))
+
+
+def _zero_init(sick: bool) -> Fit:
+    model = _mlp()
+    if sick:  # "start from zeros" (a habit from linear models): every hidden unit is the same, and 0
+        for p in model.parameters():
+            nn.init.zeros_(p)
+    return Fit(BugModule(model, _data(64, 8)))
+
+
+def _missing_activation(sick: bool) -> Fit:
+    # nn.Sequential(Linear, Linear, Linear): the ReLUs were forgotten, the network is one linear map.
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 1)) if sick else _mlp()
+    return Fit(BugModule(model, _data(64, 8)))
+
+
+def _raw_pixels(sick: bool) -> Fit:
+    # 8x8 greyscale images as uint8 values 0-255 fed straight in; the fix scales them to mean 0, std 1.
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.randint(0, 256, (64, 64), generator=g).float()
+    labels = (pixels[:, :32].mean(1) > pixels[:, 32:].mean(1)).long()
+    x = pixels if sick else (pixels / 255.0 - 0.5) / 0.29
+    return Fit(BugModule(_mlp(64, 32, d_out=2), TensorDataset(x, labels), loss="ce", lr=0.01))
+
+
+def _double_softmax(sick: bool) -> Fit:
+    # The model ends in nn.Softmax and its output goes into CrossEntropyLoss, which applies log_softmax again.
+    model = _mlp(8, 32, d_out=4)
+    if sick:
+        model.append(nn.Softmax(dim=-1))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    return Fit(BugModule(model, TensorDataset(x, (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()), loss="ce", lr=0.5))
+
+
+def _dying_relus(sick: bool) -> Fit:
+    # Adam with lr=0.3 (an SGD habit): the first steps push most pre-activations below 0 for good.
+    return Fit(BugModule(_mlp(8, 32, depth=3), _data(64, 8), lr=0.3 if sick else 1e-3, optimizer="adam"))
+
+
+def _saturating_tanh(sick: bool) -> Fit:
+    model = _mlp(16, 64, depth=4, act=nn.Tanh)
+    if sick:  # weights drawn from N(0, 1) (torch.randn init): pre-activations of std ~8
+        for m in model:
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=1.0)
+    return Fit(BugModule(model, _data(64, 16), lr=0.01))
+
+
+def _exploding_no_clipping(sick: bool) -> Fit:
+    model = _mlp(16, 64, depth=8)
+    for m in model:
+        if isinstance(m, nn.Linear):
+            # The bug: init std 0.5 instead of ~1/sqrt(fan_in), each ReLU block multiplies the gradient by ~2.8; the
+            # fix: He init, which keeps it (PyTorch's default init would lose ~2.5x per block, vanishing by block 8).
+            nn.init.normal_(m.weight, std=0.5) if sick else nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+    return Fit(BugModule(model, _data(64, 16), lr=1e-4))
+
+
+def _nan_from_sqrt(sick: bool) -> Fit:
+    # A siamese distance sqrt(sum(d**2)) on pairs that include identical samples: its gradient at d = 0 is 0 * inf.
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 8, generator=g)
+    b = torch.where(torch.arange(64)[:, None] % 4 == 0, a, torch.randn(64, 8, generator=g))
+    target = (a - b).norm(dim=1, keepdim=True)
+    eps = 0.0 if sick else 1e-12
+
+    def loss(module: BugModule, batch: Any) -> Tensor:
+        (pair, t) = batch
+        za, zb = module(pair[:, :8]), module(pair[:, 8:])
+        dist = torch.sqrt(((za - zb) ** 2).sum(dim=1, keepdim=True) + eps)
+        return F.mse_loss(dist, t)
+
+    return Fit(BugModule(_mlp(8, 16, d_out=4), TensorDataset(torch.cat([a, b], 1), target), loss=loss, lr=0.01))
+
+
+def _grads_never_zeroed(sick: bool) -> Fit:
+    # Manual optimization: training_step calls opt.step() but not opt.zero_grad(), so .grad sums every past step.
+    return Fit(BugModule(_mlp(), _data(64, 8), lr=0.01, manual=True, zero_grad=not sick))
+
+
+def _eval_mode_left_on(sick: bool) -> Fit:
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+
+    def inner_eval(module: BugModule, batch_idx: int) -> None:
+        if batch_idx == 2:  # a quick look at held-out predictions in the middle of training
+            module.model.eval()
+            with torch.no_grad():
+                module.model(torch.zeros(2, 8))
+            if not sick:
+                module.model.train()  # the fix: back to training mode
+
+    return Fit(BugModule(model, _data(64, 8), on_batch=inner_eval))
+
+
+CASES: tuple[Case, ...] = (
+    Case(
+        "head_not_in_optimizer",
+        "configure_optimizers lists the body's parameters only: the head gets gradients and never changes",
+        _head_not_in_optimizer,
+        "not_updated",
+        "model.head",
+        max_steps=4,
+    ),
+    Case(
+        "stray_detach",
+        "`self.head(self.body(x).detach())` left from debugging: the body gets no gradient",
+        _stray_detach,
+        "no_gradient",
+        "model.body.0",
+        max_steps=4,
+    ),
+    Case(
+        "bf16_rounded_away",
+        "`precision='bf16-true'` with Adam at lr=1e-4: 92-97% of the first layer's weights never change a step",
+        _bf16_rounded_away,
+        "not_updated",
+        "model.0",
+        max_steps=4,
+    ),
+    Case(
+        "sgd_lr_too_high",
+        "SGD at lr=3 on a ReLU MLP: the ReLUs die layer after layer",
+        _sgd_lr_too_high,
+        "dead_units",
+        "model.5",
+        step=4,
+    ),
+    Case(
+        "unnormalised_batch",
+        "one batch (step 26) skipped the normalisation: inputs x1000",
+        _unnormalised_batch,
+        "loss_spike",
+        "model.0",
+        max_steps=28,
+        callback={"every_n_steps": 50},
+        step=26,
+    ),
+    Case(
+        "wrong_label_batch",
+        "a classifier in fast descent (median loss 3.6e-4) gets one batch with shifted labels: 15.9 at step 56",
+        _wrong_label_batch,
+        "loss_spike",
+        "loss",
+        max_steps=58,
+        callback={"every_n_steps": 50},
+        step=56,
+    ),
+    Case(
+        "nan_log_in_wrapper",
+        "`log(self.lin(x))` in a wrapper module (`model.scale`); the Linear output is negative for some samples",
+        _nan_log_in_wrapper,
+        "nonfinite",
+        "model.scale",
+        max_steps=12,
+        callback={"every_n_steps": 50},
+    ),
+    Case(
+        "exploding_relu_rnn",
+        "a ReLU nn.RNN with an identity-like recurrence of gain 1.3 over 40 time steps",
+        _exploding_relu_rnn,
+        "exploding_gradient",
+        "model.rnn",
+        max_steps=3,
+    ),
+    Case(
+        "lr_too_low",
+        "SGD at lr=1e-6 (a typo for 1e-2): the weights barely move",
+        _lr_too_low,
+        "update_ratio",
+        "model.0",
+        max_steps=4,
+        step=1,
+    ),
+    Case(
+        "zero_init",
+        "every weight and bias initialised to 0: all hidden units are 0, the ReLUs pass nothing",
+        _zero_init,
+        "dead_units",
+        "model.1",
+        max_steps=3,
+        step=0,
+    ),
+    Case(
+        "missing_activation",
+        "`nn.Sequential(Linear, Linear, Linear)`: the activations were forgotten",
+        _missing_activation,
+        None,
+        None,
+        max_steps=4,
+        blind="a stack of Linear layers is numerically healthy: every statistic is in range (after 60 steps the"
+        " output gradient norms are 0.92, 0.56, 0.51 from the output end), only capacity is lost",
+    ),
+    Case(
+        "raw_pixels",
+        "8x8 images as raw 0-255 values fed straight into the first Linear",
+        _raw_pixels,
+        "input_scale",
+        "model.0",
+        max_steps=3,
+        step=0,
+    ),
+    Case(
+        "double_softmax",
+        "the model ends in nn.Softmax and CrossEntropyLoss applies log_softmax again",
+        _double_softmax,
+        None,
+        None,
+        max_steps=8,
+        blind="softmax outputs in [0, 1] into a second log_softmax only compress the loss's range: after 60 steps"
+        " the Softmax passes back 1/5.6 of its output gradient (0.26 -> 0.046), far from vanishing_ratio=1e-3, and"
+        " no other statistic is out of range",
+    ),
+    Case(
+        "dying_relus",
+        "Adam at lr=0.3: most ReLU units are pushed below 0 for every sample",
+        _dying_relus,
+        "dead_units",
+        "model.3",
+    ),
+    Case(
+        "saturating_tanh",
+        "a Tanh MLP whose weights were drawn from N(0, 1): pre-activations of std ~8",
+        _saturating_tanh,
+        "saturation",
+        "model.3",
+        max_steps=3,
+        step=0,
+    ),
+    Case(
+        "exploding_no_clipping",
+        "an 8-block ReLU MLP initialised with std 0.5, trained without gradient clipping: the loss turns to Inf",
+        _exploding_no_clipping,
+        "exploding_gradient",
+        "model.3",
+        max_steps=3,
+        step=0,
+    ),
+    Case(
+        "nan_from_sqrt",
+        "a siamese distance `sqrt(sum(d**2))` on pairs with identical samples: the gradient at 0 is NaN",
+        _nan_from_sqrt,
+        "nonfinite",
+        "model.4",
+        max_steps=3,
+        step=0,
+    ),
+    Case(
+        "grads_never_zeroed",
+        "manual optimization whose training_step calls opt.step() but never opt.zero_grad()",
+        _grads_never_zeroed,
+        "stale_gradients",
+        "model.0",
+        max_steps=4,
+        step=1,
+    ),
+    Case(
+        "eval_mode_left_on",
+        "`self.model.eval()` for a quick look at step 2, never switched back: BatchNorm and Dropout stop training",
+        _eval_mode_left_on,
+        "eval_mode",
+        "model.1",
+        max_steps=5,
+    ),
+)
+"""Every bug of the benchmark, in the order of the table in ``docs/bugs.md``."""
+
+PENDING: dict[str, str] = {
+    "head_not_in_optimizer": "needs rule not_updated (issue 20 item 1, another branch; merging)",
+    "bf16_rounded_away": "needs rule not_updated (issue 20 item 1, another branch; merging)",
+}
+"""Cases whose expected finding comes from another branch of issue 20, with why they are skipped until the merge."""
+
+BY_NAME: dict[str, Case] = {case.name: case for case in CASES}
