@@ -39,6 +39,7 @@ from lightning_hookdiag.rules import (
     AlertState,
     Baseline,
     Finding,
+    ParamFacts,
     RuleConfig,
     evaluate,
     format_error,
@@ -56,6 +57,7 @@ from lightning_hookdiag.sentinel import (
     capture_rng,
     replay_step,
 )
+from lightning_hookdiag.updates import StepWatch, unheld_with_grad
 from lightning_hookdiag.vocabulary import LAYER_STATS, PER_PARAMETER_STATS
 
 __all__ = ["LayerHealthCallback"]
@@ -373,6 +375,7 @@ class LayerHealthCallback(Callback):
         self._logger_error: BaseException | None = None
         self._opt_in = OptInPlan()
         self._saved: SavedMemoryTracker | None = None
+        self._watch = StepWatch()  # learning rates and applied steps of the open window, for not_updated
 
     @property
     @override
@@ -509,12 +512,19 @@ class LayerHealthCallback(Callback):
         # trial points. The first call sees the weights and gradients from before the step; the update ratio then
         # spans the whole step (measured in _finish_window).
         if id(optimizer) not in self._stepped:
+            first = not self._stepped
             self._stepped.add(id(optimizer))
             if isinstance(scale, Tensor):
                 # Tensor hooks saw the scaled gradients; the scale may change in scaler.update() after this step.
                 self._aggregator.grad_scale = scale.detach().clone()
             if self._tracker is not None:
-                measured = self._tracker.before_step(optimizer.param_groups)
+                self._watch.observe(optimizer)
+                groups = optimizer.param_groups
+                if first and not isinstance(trainer.strategy, DeepSpeedStrategy):  # its optimizer holds copies
+                    unheld = unheld_with_grad(self._tracker.params, trainer.optimizers)
+                    self._watch.unheld(unheld)
+                    groups = [*groups, {"params": unheld}] if unheld else groups  # measured like the stepped ones
+                measured = self._tracker.before_step(groups)
                 if measured is not None:
                     self._aggregator.update(params=(measured[0], measured[1], slice(None)))
         if trip is None:
@@ -795,6 +805,7 @@ class LayerHealthCallback(Callback):
             self._aggregator.grad_scale = None
         if self._tracker is not None:
             self._tracker.release()
+        self._watch.release()
         if self._saved is not None:
             self._saved.pop_peak()
 
@@ -832,6 +843,8 @@ class LayerHealthCallback(Callback):
         if self._window_layers:
             wanted += self._opt_in.logged
         names = [*wanted, "count", "grad_count", "param_seen", "grad_norm_total"]
+        if "param_norm" in wanted and "param_norm_min" in values:  # replicated parameters of a distributed run
+            names.append("param_norm_min")
         histograms = self._recorder.histograms
         if histograms:
             names += ["act_hist", "grad_hist"]
@@ -850,10 +863,15 @@ class LayerHealthCallback(Callback):
         agg.grad_scale = None
         self._window = None
         metrics, values = self._log(trainer, step, host, wanted, no_float)
+        if "param_norm_min" in host:  # not logged: what replica_divergence compares param_norm with
+            present = zip(self._param_names, host["param_norm_min"], host["param_seen"], strict=True)
+            values["param_norm_min"] = {name: low for name, low, seen in present if seen > 0}
+        facts = self._watch.facts(self._param_names, self._tracker.params) if self._tracker is not None else {}
+        self._watch.release()
         if histograms:
             self._log_histograms(trainer, step, host["act_hist"], host["grad_hist"], agg.histogram_edges)
         try:
-            self._diagnose(trainer, step, values, backward_order)
+            self._diagnose(trainer, step, values, backward_order, facts)
         finally:
             self._raise_logger_error()
 
@@ -993,7 +1011,12 @@ class LayerHealthCallback(Callback):
             )
 
     def _diagnose(
-        self, trainer: pl.Trainer, step: int, values: dict[str, dict[str, float]], backward_order: list[str]
+        self,
+        trainer: pl.Trainer,
+        step: int,
+        values: dict[str, dict[str, float]],
+        backward_order: list[str],
+        facts: Mapping[str, ParamFacts],
     ) -> None:
         trip, self._trip = self._trip, None
         findings = evaluate(
@@ -1006,6 +1029,7 @@ class LayerHealthCallback(Callback):
             trip=trip,
             baseline=self._baseline,
             last_finite=self._last_finite,
+            param_facts=facts,
         )
         for name, norm in values.get("param_norm", {}).items():
             if math.isfinite(norm):

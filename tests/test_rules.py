@@ -446,7 +446,7 @@ def test_alert_state_counts_every_finding_seen():
     state.update([finding("dead_units", "x")])
     assert state.counts == {"nonfinite": 0, "loss_spike": 0, "dead_units": 3, "vanishing_gradient": 0,
                             "exploding_gradient": 0, "saturation": 0,
-                            "precision_headroom": 0}  # fmt: skip
+                            "precision_headroom": 0, "not_updated": 0, "replica_divergence": 0}  # fmt: skip
 
 
 def test_alert_state_round_trips_through_json_and_pickle():
@@ -510,6 +510,13 @@ def test_alert_state_rejects_malformed_state(bad, match):
         ("exploding_ratio", "1e3", "a finite number > 1"),
         ("overflow_frac_threshold", 1.0, "a number in [0, 1)"),
         ("overflow_frac_threshold", -0.1, "a number in [0, 1)"),
+        ("moved_mass_threshold", 0.0, "a number in (0, 1]"),
+        ("moved_mass_threshold", 1.5, "a number in (0, 1]"),
+        ("moved_mass_threshold", "0.1", "a number in (0, 1]"),
+        ("replica_rtol", -1e-6, "a number in [0, 1)"),
+        ("replica_rtol", 1.0, "a number in [0, 1)"),
+        ("replica_rtol", math.nan, "a number in [0, 1)"),
+        ("replica_rtol", False, "a number in [0, 1)"),
     ],
 )
 def test_rule_config_rejects_bad_numbers(field, value, valid):
@@ -540,15 +547,17 @@ def test_rule_config_is_frozen():
 def test_from_mapping_builds_and_defaults():
     assert RuleConfig.from_mapping(None) == RuleConfig()
     assert RuleConfig.from_mapping({}) == RuleConfig()
+    assert (RuleConfig().moved_mass_threshold, RuleConfig().replica_rtol) == (0.1, 1e-6)
+    assert RuleConfig.from_mapping({"moved_mass_threshold": 1, "replica_rtol": 0}).replica_rtol == 0.0
     config = RuleConfig.from_mapping({"dead_frac_threshold": 0.5, "enabled": ["dead_units", "nonfinite"]})
     assert config == RuleConfig(dead_frac_threshold=0.5, enabled=("nonfinite", "dead_units"))
 
 
 def test_from_mapping_rejects_unknown_keys_listing_valid_ones_sorted():
     valid = (
-        "['dead_frac_threshold', 'enabled', 'exploding_ratio', 'overflow_frac_threshold', 'saturation_frac',"
-        " 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore',"
-        " 'vanishing_ratio']"
+        "['dead_frac_threshold', 'enabled', 'exploding_ratio', 'moved_mass_threshold', 'overflow_frac_threshold',"
+        " 'replica_rtol', 'saturation_frac', 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup',"
+        " 'spike_window', 'spike_zscore', 'vanishing_ratio']"
     )
     with pytest.raises(ValueError, match=r"unknown rule setting\(s\) \['vanish', 'zzz'\]; valid keys: ") as info:
         RuleConfig.from_mapping({"zzz": 1, "vanish": 0.1, "exploding_ratio": 10})
