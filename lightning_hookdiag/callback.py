@@ -57,7 +57,7 @@ from lightning_hookdiag.sentinel import (
     capture_rng,
     replay_step,
 )
-from lightning_hookdiag.updates import StepWatch, unheld_with_grad
+from lightning_hookdiag.updates import StepWatch
 from lightning_hookdiag.vocabulary import LAYER_STATS, PER_PARAMETER_STATS
 
 __all__ = ["LayerHealthCallback"]
@@ -181,6 +181,10 @@ class LayerHealthCallback(Callback):
                                         ``layers``/``layer_types`` narrow the selection), pre-clip
     ``<prefix>/depth/<layer>``          0-based position of the layer in forward execution order on step ``k``
     ==================================  =========================================================================
+
+    The parameter statistics cover the parameters the optimizers step and, while the ``not_updated`` rule is
+    enabled, tracked parameters that have a gradient but are in no optimizer's param groups (their update ratio is
+    0, and their gradient counts in ``grad_norm_total``): that rule names them.
 
     Opt-in keys, logged only when named in ``stats=`` (``<t>``: a target dtype name, see ``precision_targets``):
 
@@ -518,11 +522,11 @@ class LayerHealthCallback(Callback):
                 # Tensor hooks saw the scaled gradients; the scale may change in scaler.update() after this step.
                 self._aggregator.grad_scale = scale.detach().clone()
             if self._tracker is not None:
-                self._watch.observe(optimizer)
                 groups = optimizer.param_groups
-                if first and not isinstance(trainer.strategy, DeepSpeedStrategy):  # its optimizer holds copies
-                    unheld = unheld_with_grad(self._tracker.params, trainer.optimizers)
-                    self._watch.unheld(unheld)
+                # DeepSpeed's optimizers hold copies of the parameters: membership says nothing there.
+                if "not_updated" in self.rule_config.enabled and not isinstance(trainer.strategy, DeepSpeedStrategy):
+                    self._watch.observe(optimizer)
+                    unheld = self._watch.unheld(self._tracker.params, trainer.optimizers) if first else []
                     groups = [*groups, {"params": unheld}] if unheld else groups  # measured like the stepped ones
                 measured = self._tracker.before_step(groups)
                 if measured is not None:
@@ -658,6 +662,7 @@ class LayerHealthCallback(Callback):
         self._window = step
         self._window_layers = layers
         self._stepped.clear()
+        self._watch.release()
         self._hooks.clear_order()
         every = self.histogram_every_n_steps
         if self._recorder is not None:  # replays follow the schedule of sampled steps; parameter-only windows: none

@@ -38,8 +38,8 @@ Rule                    Field                              Default   Fires when
                                                                      group's lr is 0 (no scheduler), or at most
                                                                      ``moved_mass_threshold`` of its weights'
                                                                      squared mass can have changed across the step
-                                                                     (the update was rounded away; see below); one
-                                                                     finding per owning module
+                                                                     (rounded away in weights coarser than float32;
+                                                                     see below); one finding per owning module
 ``replica_divergence``  ``replica_rtol``                   ``1e-6``  replicated parameters (DDP): the largest and
                                                                      smallest ``param_norm`` over processes differ by
                                                                      more than ``replica_rtol`` times the largest;
@@ -111,8 +111,12 @@ facts about the step (:class:`ParamFacts`; without them the rule is silent, e.g.
   squared mass ``||w||**2``. Below ``moved_mass_threshold`` the update was provably lost to rounding for almost all
   of the weight: ``lr * grad`` below half an ulp, as with ``precision="bf16-true"`` and a small lr (``eps =
   2**-7``: a relative update under about ``2e-3`` per entry vanishes). An exact zero update is the extreme case.
-  Silent while a scheduler holds the lr below 1% of its base lr (``initial_lr``: the start of a warm-up, the tail
-  of a decay).
+  Rounding is reported where float32 master weights would have kept the update: weights coarser than float32
+  (bfloat16, float16, float8), and a step meant to move them, a plain SGD step ``r* = lr * param_grad_norm /
+  param_norm`` of at least half a float32 ulp (``r* >= 2**-24``). A converged parameter, whose residual gradient
+  asks for no change, stays silent, and so do float32 weights (a vanishing gradient's layers, trained with SGD in
+  float32, round away too: ``vanishing_gradient`` names that). Silent too while a scheduler holds the lr below 1%
+  of its base lr (``initial_lr``: the start of a warm-up, the tail of a decay).
 
 Steps on which the optimizer did not run (an fp16 ``GradScaler`` skipping an overflow) are silent, and so is a
 parameter whose weights are all zero (no update ratio). Frozen parameters (``requires_grad=False``) get no gradient
@@ -854,16 +858,31 @@ _SCHEDULED_LOW = 1e-2
 _UNHELD, _LR_ZERO, _ROUNDED = "unheld", "lr_zero", "rounded"
 
 
-def _stuck(facts: ParamFacts, bound: float | None, threshold: float) -> str | None:
-    """Why a parameter with a finite, non-zero gradient did not move (``bound``: moved share, if measured)."""
+_FLOAT32_EPS = 2.0**-23
+
+
+def _stuck(facts: ParamFacts, bound: float | None, intended: float, threshold: float) -> str | None:
+    """Why a parameter with a finite, non-zero gradient did not move, or ``None``.
+
+    Args:
+        facts: What the host knows about its step.
+        bound: :func:`moved_mass_bound` of its update ratio; ``None`` if not measured.
+        intended: ``lr * param_grad_norm / param_norm``, the update ratio of a plain SGD step (NaN if unknown).
+        threshold: ``moved_mass_threshold``.
+    """
     if not facts.held:  # measured anyway: a weight that moved (changed by hand) is not reported
         return _UNHELD if bound is None or bound < threshold else None
     if not facts.applied or bound is None or bound >= threshold:
         return None
-    if facts.lr == 0.0 or facts.base_lr == 0.0:
+    if facts.lr == 0.0:
         # A scheduler at lr 0 (a warm-up from 0, the end of a decay) raises it again, unless it scales a base of 0.
         return _LR_ZERO if not facts.base_lr else None
     if facts.base_lr is not None and facts.lr < _SCHEDULED_LOW * facts.base_lr:
+        return None
+    # Rounding loses an update that float32 master weights would keep: weights coarser than float32, and a step meant
+    # to move them (plain SGD's lr x gradient at least half a float32 ulp; a converged parameter's residual gradient
+    # asks for no change). `not >=` is also true for NaN: an unknown lr or weight norm.
+    if not (facts.eps > _FLOAT32_EPS and intended >= _FLOAT32_EPS / 2):
         return None
     return _ROUNDED
 
@@ -873,7 +892,7 @@ def _not_updated(ctx: _Context) -> list[Finding]:
     if not facts:
         return []
     threshold = ctx.config.moved_mass_threshold
-    ratios = ctx.stat("param_update_ratio")
+    ratios, norms = ctx.stat("param_update_ratio"), ctx.stat("param_norm")
     stuck: dict[str, dict[str, list[tuple[str, float]]]] = {}  # owner -> cause -> [(parameter, value)]
     for param, grad in ctx.stat("param_grad_norm").items():
         fact = facts.get(param)
@@ -881,7 +900,9 @@ def _not_updated(ctx: _Context) -> list[Finding]:
             continue
         ratio = ratios.get(param)
         bound = moved_mass_bound(ratio, fact.eps) if _finite(ratio) and ratio >= 0 else None
-        cause = _stuck(fact, bound, threshold)
+        norm = norms.get(param, math.nan)
+        intended = fact.lr * grad / norm if _finite(norm) and norm > 0 else math.nan
+        cause = _stuck(fact, bound, intended, threshold)
         if cause is not None:
             value = float(grad) if cause == _UNHELD else float(bound)  # type: ignore[arg-type]
             stuck.setdefault(ctx.orders.owner(param), {}).setdefault(cause, []).append((param, value))
@@ -922,14 +943,17 @@ def _stuck_sentence(ctx: _Context, cause: str, found: list[tuple[str, float]], f
         )
     first, bound = max(found, key=lambda item: item[1])
     fact = facts[first]
-    # Below float32's resolution, float32 master weights keep the update that the weights' own dtype loses.
-    master = " keep float32 master weights (precision='bf16-mixed' or '16-mixed') or" if fact.eps > 2**-23 else ""
+    what = (
+        f"did not change at all although the learning rate is {fact.lr:.3g}"
+        if bound == 0.0
+        else f"changed in almost none of {their} entries (at most {bound:.2%} of the weights' squared mass can have"
+        f" changed, from param_update_ratio={ctx.stat('param_update_ratio')[first]:.3g}, eps={fact.eps:.3g} and"
+        f" moved_mass_threshold={ctx.config.moved_mass_threshold:g}; lr={fact.lr:.3g})"
+    )
     return (
-        f"{names} changed in almost none of {their} entries: the update was rounded away in {fact.dtype} (at most"
-        f" {bound:.2%} of the weights' squared mass can have changed, from"
-        f" param_update_ratio={ctx.stat('param_update_ratio')[first]:.3g}, eps={fact.eps:.3g} and"
-        f" moved_mass_threshold={ctx.config.moved_mass_threshold:g}; lr={fact.lr:.3g}): each change is below half a"
-        f" unit in the last place of its weight; to fix,{master} raise the learning rate"
+        f"{names} {what}: the update was rounded away in {fact.dtype}, each change being below half a unit in the"
+        f" last place of its weight; to fix, keep float32 master weights (precision='bf16-mixed' or '16-mixed') or"
+        " raise the learning rate"
     )
 
 

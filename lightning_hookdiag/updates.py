@@ -21,24 +21,25 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_hookdiag.rules import ParamFacts
 
-__all__ = ["StepWatch", "unheld_with_grad"]
+__all__ = ["StepWatch", "held_by_none"]
 
 
-def unheld_with_grad(params: Sequence[Tensor], optimizers: Iterable[Optimizer]) -> list[Tensor]:
-    """The parameters of ``params`` that have a gradient but are in no param group of any of ``optimizers``.
-
-    A membership check by identity, on the host: the head left out of ``configure_optimizers``. Parameters frozen
-    with ``requires_grad=False`` have no gradient and are not returned.
+def held_by_none(params: Sequence[Tensor], optimizers: Iterable[Optimizer]) -> list[Tensor]:
+    """The parameters of ``params`` in no param group of any of ``optimizers`` (by identity, on the host).
 
     Example:
         >>> head, body = torch.nn.Linear(2, 1), torch.nn.Linear(2, 2)
-        >>> head(body(torch.ones(1, 2))).sum().backward()
         >>> opt = torch.optim.SGD(body.parameters(), lr=0.1)
-        >>> [p is head.weight for p in unheld_with_grad([*body.parameters(), *head.parameters()], [opt])]
+        >>> [p is head.weight for p in held_by_none([*body.parameters(), *head.parameters()], [opt])]
         [True, False]
     """
     held = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
-    return [p for p in params if p.requires_grad and p.grad is not None and id(p) not in held]
+    return [p for p in params if id(p) not in held]
+
+
+def _membership(optimizers: Iterable[Optimizer]) -> tuple[tuple[int, int], ...]:
+    # Changes when a param group is added or removed, or one gets another list or length of parameters.
+    return tuple((id(g["params"]), len(g["params"])) for optimizer in optimizers for g in optimizer.param_groups)
 
 
 def _lr(group: Mapping[str, Any]) -> float:
@@ -80,6 +81,8 @@ class StepWatch:
         self._applied: set[int] = set()
         self._handles: list[RemovableHandle] = []
         self._unheld: set[int] = set()
+        # Kept across windows: which tracked parameters no optimizer holds, and the membership it was found for.
+        self._outside: tuple[tuple[Any, ...], list[Tensor]] | None = None
 
     def observe(self, optimizer: Optimizer) -> None:
         """Record the learning rates ``optimizer`` is about to step with, and watch whether its step runs."""
@@ -94,9 +97,20 @@ class StepWatch:
         else:  # not a torch optimizer: assume its step ran
             self._applied.add(key)
 
-    def unheld(self, params: Sequence[Tensor]) -> None:
-        """Mark ``params`` as held by no optimizer (they are measured although nothing steps them)."""
-        self._unheld.update(id(p) for p in params)
+    def unheld(self, params: Sequence[Tensor], optimizers: Sequence[Optimizer]) -> list[Tensor]:
+        """The parameters of ``params`` with a gradient that none of ``optimizers`` holds, remembered for :meth:`facts`.
+
+        The head left out of ``configure_optimizers``; the caller measures them like the stepped ones.
+        Membership is found again only when the optimizers' param groups change (added, or given another list or
+        length of parameters): per sampled step this costs a look at the parameters outside every group, normally
+        none. Parameters frozen with ``requires_grad=False`` have no gradient and are not returned.
+        """
+        key = (id(params), len(params), _membership(optimizers))
+        if self._outside is None or self._outside[0] != key:
+            self._outside = (key, held_by_none(params, optimizers))
+        found = [p for p in self._outside[1] if p.requires_grad and p.grad is not None]
+        self._unheld.update(id(p) for p in found)
+        return found
 
     def facts(self, names: Sequence[str], params: Sequence[Tensor]) -> dict[str, ParamFacts]:
         """Facts about the parameters (``names[i]`` is ``params[i]``'s) that a watched optimizer holds, or none does.
@@ -116,16 +130,16 @@ class StepWatch:
                         top = (lr, base) if lr > seen[0] else seen[:2]
                         holders[id(p)] = (*top, applied or seen[2])
         out: dict[str, ParamFacts] = {}
+        interned: dict[tuple[Any, ...], ParamFacts] = {}  # a few distinct facts: building one costs microseconds
         for name, p in zip(names, params, strict=True):
             holder = holders.get(id(p))
             if holder is None and id(p) not in self._unheld:
                 continue  # not stepped in this window by a watched optimizer, e.g. another optimizer's turn
-            dtype, eps = _resolution(p.dtype)
-            if holder is None:
-                out[name] = ParamFacts(held=False, applied=False, dtype=dtype, eps=eps)
-            else:
-                lr, base, applied = holder
-                out[name] = ParamFacts(held=True, applied=applied, lr=lr, base_lr=base, dtype=dtype, eps=eps)
+            key = (holder, p.dtype)
+            fact = interned.get(key)
+            if fact is None:
+                fact = interned[key] = _facts(holder, p.dtype)
+            out[name] = fact
         return out
 
     def release(self) -> None:
@@ -138,13 +152,11 @@ class StepWatch:
         self._unheld = set()
 
 
-_RESOLUTION: dict[torch.dtype, tuple[str, float]] = {}
-
-
-def _resolution(dtype: torch.dtype) -> tuple[str, float]:
-    """The dtype's name and ``eps`` (NaN for a non-floating dtype: no rounding bound applies)."""
-    found = _RESOLUTION.get(dtype)
-    if found is None:
-        eps = torch.finfo(dtype).eps if dtype.is_floating_point else math.nan
-        found = _RESOLUTION[dtype] = (str(dtype).removeprefix("torch."), eps)
-    return found
+def _facts(holder: tuple[float, float | None, bool] | None, dtype: torch.dtype) -> ParamFacts:
+    """Facts of a parameter of ``dtype`` held with ``(lr, base_lr, applied)``, or by no optimizer (``None``)."""
+    name = str(dtype).removeprefix("torch.")
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else math.nan  # NaN: no rounding bound applies
+    if holder is None:
+        return ParamFacts(held=False, applied=False, dtype=name, eps=eps)
+    lr, base, applied = holder
+    return ParamFacts(held=True, applied=applied, lr=lr, base_lr=base, dtype=name, eps=eps)
