@@ -5,7 +5,8 @@ it, the learning rate it was stepped with and the base lr a scheduler scales, wh
 all, and the resolution of the weights' dtype. The learning rates are read before the step (Lightning steps LR
 schedulers before ``on_train_batch_end``, where the step is diagnosed); whether the step ran comes from a step
 post-hook registered on the optimizer for the sampled step only (a ``GradScaler`` that finds an overflow does not
-call ``optimizer.step()``; such a step changes nothing and is not a finding).
+call ``optimizer.step()``; such a step changes nothing and is not a finding). Which tracked parameters no optimizer
+holds is found again only when the param groups change, so a sampled step normally looks at none of them.
 """
 
 from __future__ import annotations
@@ -118,6 +119,8 @@ class StepWatch:
         A parameter in several groups gets the largest lr of them, and counts as applied if any of their optimizers
         stepped.
         """
+        if not (self._rates or self._unheld):
+            return {}  # nothing observed (the rule is disabled)
         holders: dict[int, tuple[float, float | None, bool]] = {}
         for key, (optimizer, rates) in self._rates.items():
             applied = key in self._applied

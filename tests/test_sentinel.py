@@ -423,7 +423,7 @@ def test_a_second_fit_starts_from_a_fresh_baseline():
     # The same callback on a run whose loss is 1e6 times larger: no spike against the first run's losses.
     big, _ = mlp_with(lambda clock: nn.Identity())
     big.data.tensors = (big.data.tensors[0], big.data.tensors[1] * 1e3)
-    big.lr = 1e-6  # a loss level of its own, stable (at 1e-9 every update rounds away: not_updated)
+    big.lr = 1e-9  # a loss level of its own, stable
     make_trainer([callback], max_steps=5).fit(big)
     assert callback.trips == []
 
