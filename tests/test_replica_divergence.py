@@ -80,3 +80,13 @@ def test_silent_without_the_smallest_norm():
     # One process, sharded parameters, or values read back from a logger: nothing to compare.
     assert evaluate({"param_norm": {"net.head.weight": 1.0}}, LAYERS, [], step=0) == []
     assert run({"net.head.weight": 1.0}, {"net.head.weight": 0.5}, RuleConfig(enabled=["nonfinite"])) == []
+
+
+def test_one_process_has_no_smallest_norm_to_compare():
+    import torch
+
+    from lightning_hookdiag.aggregation import LayerStatsAggregator
+
+    agg = LayerStatsAggregator(0, n_params=2)
+    agg.update(params=(torch.arange(2), torch.ones(2, 4, dtype=torch.float64), slice(None)))
+    assert "param_norm_min" not in agg.compute()  # no sync: nothing to compare with
