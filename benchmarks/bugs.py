@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "bugs"), str(ROOT / "tests")]
 
-from cases import CASES, PENDING, Case, run  # noqa: E402
+from cases import CASES, Case, run  # noqa: E402
 
 from lightning_hookdiag import LayerHealthCallback  # noqa: E402
 from lightning_hookdiag.rules import Finding  # noqa: E402
@@ -105,7 +105,7 @@ def main() -> None:
         twins_loud += bool(twin.findings)
         if case.rule is None:
             blind.append(case)
-        name = f"{case.name}{' †' if case.name in PENDING else ''}"
+        name = case.name
         expected = f"`{case.rule}` on `{case.layer}`" if case.rule else "(blind spot)"
         at = None if default is None else _first_step(case, default.findings)
         if default is None:
@@ -150,10 +150,6 @@ def main() -> None:
         "The benchmarks differ (DeepDiagnosis's 53 Keras models from Stack Overflow and GitHub against these small",
         "Lightning fits), so the comparison is of rates, not of bugs.",
     ]
-    pending = [c for c in CASES if c.name in PENDING]
-    if pending:
-        out += ["", "† The rule this case expects comes from another branch of issue 20 and is not merged here yet:"]
-        out += [f"- `{c.name}`: {PENDING[c.name]}" for c in pending]
     out += ["", "## Blind spots", ""]
     out += [f"- `{c.name}` ({c.bug}): {c.blind}." for c in blind]
     out += [f"- {what}: {where}." for what, where in ELSEWHERE]

@@ -138,6 +138,9 @@ class LayerStatsAggregator(Metric):
         self.unit_mismatch: set[int] = set()
         """Layers whose unit count changed after it was learned, on this process or (when agreed) between
         processes; their dead fraction is not tracked."""
+        self.param_norm_low: Tensor | None = None
+        """Smallest weight sum of squares over the processes that measured each replicated parameter (``+inf``
+        where none did), from the last sync; ``None`` without one (see :meth:`_replica_low`)."""
         self.grad_scale: Tensor | None = None
         """AMP loss scale of the step's gradients, divided out of ``act_grad_norm`` at ``compute``."""
         self._host = _HostRows(n_layers)
@@ -377,6 +380,7 @@ class LayerStatsAggregator(Metric):
         self._host.clear()
         self._pending_units = {}
         self._unit_bad = None
+        self.param_norm_low = None
         if self.deferred is not None:
             self.deferred.clear()
 
@@ -435,11 +439,26 @@ class LayerStatsAggregator(Metric):
         if self.unit_layers:
             max_names.append("unit_max")
             maxima += [self.unit_max, self._mismatch_flags()]
+        low = self._replica_low()
+        if low is not None:
+            maxima.append(low)
         reduced_max = all_reduce_packed(maxima, "max", group)
+        self.param_norm_low = None if low is None else reduced_max.pop().neg()
         if self.unit_layers:
             self._unit_bad = reduced_max.pop()
         for name, value in zip([*sum_names, *max_names], [*reduced, *reduced_max], strict=True):
             setattr(self, name, value)
+
+    def _replica_low(self) -> Tensor | None:
+        """Minus each replicated parameter's weight sum of squares (``-inf`` where not measured), for the MAX buffer.
+
+        Its maximum over processes is minus the smallest value: replicas that differ show up in the same collective
+        as the largest (``param_norm``). ``None`` for sharded parameters, whose parts differ by design.
+        """
+        if self.sharded_params or not self.n_params:
+            return None
+        stats = self.param_stats
+        return torch.where(stats[:, P.P_SEEN] > 0, stats[:, P.P_WEIGHT_SQ], math.inf).neg()
 
     def _claim(self, layer: int) -> list[float]:
         pending = self._pending_units.get(layer)
@@ -462,7 +481,9 @@ class LayerStatsAggregator(Metric):
         Returns:
             ``[n_layers]`` vectors of every activation and gradient statistic, ``act_dead_frac`` (NaN where not
             tracked) and ``count`` / ``grad_count`` (elements observed: 0 means the layer never ran), plus the
-            parameter statistics of :func:`~lightning_hookdiag.params.finalize_parameters`.
+            parameter statistics of :func:`~lightning_hookdiag.params.finalize_parameters`; after a sync of
+            replicated parameters also ``param_norm_min``, the smallest ``param_norm`` over the processes that
+            measured each parameter (``param_norm`` is the largest; ``inf`` where none did).
         """
         if self.deferred is not None:
             self.deferred.flush()
@@ -483,6 +504,8 @@ class LayerStatsAggregator(Metric):
         out["count"] = self.act_moments[:, S.ACT_COUNT]
         out["grad_count"] = self.grad_moments[:, S.GRAD_COUNT]
         out.update(P.finalize_parameters(self.param_stats))
+        if self.param_norm_low is not None:  # synced over processes: replicas can be compared
+            out["param_norm_min"] = self.param_norm_low.to(self.param_stats.device).sqrt()
         if self.histogram_edges.numel():
             out["act_hist"] = self.act_hist
             out["grad_hist"] = self.grad_hist

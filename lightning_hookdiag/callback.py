@@ -41,6 +41,7 @@ from lightning_hookdiag.rules import (
     AlertState,
     Baseline,
     Finding,
+    ParamFacts,
     RuleConfig,
     evaluate,
     format_error,
@@ -58,6 +59,7 @@ from lightning_hookdiag.sentinel import (
     capture_rng,
     replay_step,
 )
+from lightning_hookdiag.updates import StepWatch
 from lightning_hookdiag.vocabulary import LAYER_STATS, PER_PARAMETER_STATS
 
 __all__ = ["LayerHealthCallback"]
@@ -185,6 +187,10 @@ class LayerHealthCallback(Callback):
                                         ``layers``/``layer_types`` narrow the selection), pre-clip
     ``<prefix>/depth/<layer>``          0-based position of the layer in forward execution order on step ``k``
     ==================================  =========================================================================
+
+    The parameter statistics cover the parameters the optimizers step and, while the ``not_updated`` rule is
+    enabled, tracked parameters that have a gradient but are in no optimizer's param groups (their update ratio is
+    0, and their gradient counts in ``grad_norm_total``): that rule names them.
 
     Opt-in keys, logged only when named in ``stats=`` (``<t>``: a target dtype name, see ``precision_targets``):
 
@@ -384,6 +390,7 @@ class LayerHealthCallback(Callback):
         self._stale_step: int | None = None
         self._params: list[nn.Parameter] = []  # the tracked parameters, in _param_names order
         self._stale: Tensor | None = None  # gradients held at the open window's first backward (stale_gradients)
+        self._watch = StepWatch()  # learning rates and applied steps of the open window, for not_updated
 
     @property
     @override
@@ -541,12 +548,19 @@ class LayerHealthCallback(Callback):
         # trial points. The first call sees the weights and gradients from before the step; the update ratio then
         # spans the whole step (measured in _finish_window).
         if id(optimizer) not in self._stepped:
+            first = not self._stepped
             self._stepped.add(id(optimizer))
             if isinstance(scale, Tensor):
                 # Tensor hooks saw the scaled gradients; the scale may change in scaler.update() after this step.
                 self._aggregator.grad_scale = scale.detach().clone()
             if self._tracker is not None:
-                measured = self._tracker.before_step(optimizer.param_groups)
+                groups = optimizer.param_groups
+                # DeepSpeed's optimizers hold copies of the parameters: membership says nothing there.
+                if "not_updated" in self.rule_config.enabled and not isinstance(trainer.strategy, DeepSpeedStrategy):
+                    self._watch.observe(optimizer)
+                    unheld = self._watch.unheld(self._tracker.params, trainer.optimizers) if first else []
+                    groups = [*groups, {"params": unheld}] if unheld else groups  # measured like the stepped ones
+                measured = self._tracker.before_step(groups)
                 if measured is not None:
                     self._aggregator.update(params=(measured[0], measured[1], slice(None)))
         if trip is None:
@@ -683,6 +697,7 @@ class LayerHealthCallback(Callback):
         self._stepped.clear()
         if self._modes is not None:
             self._modes.take()  # a discarded window's findings are not this one's
+        self._watch.release()
         self._hooks.clear_order()
         every = self.histogram_every_n_steps
         if self._recorder is not None:  # replays follow the schedule of sampled steps; parameter-only windows: none
@@ -865,6 +880,7 @@ class LayerHealthCallback(Callback):
             self._aggregator.grad_scale = None
         if self._tracker is not None:
             self._tracker.release()
+        self._watch.release()
         if self._saved is not None:
             self._saved.pop_peak()
 
@@ -906,6 +922,8 @@ class LayerHealthCallback(Callback):
         if stale is not None:
             values = {**values, "stale_grad_sq": stale.to(values["count"].device)}
             names.append("stale_grad_sq")
+        if "param_norm" in wanted and "param_norm_min" in values:  # replicated parameters of a distributed run
+            names.append("param_norm_min")
         histograms = self._recorder.histograms
         if histograms:
             names += ["act_hist", "grad_hist"]
@@ -929,11 +947,16 @@ class LayerHealthCallback(Callback):
         if stale is not None:  # passed to the rules, not logged: it is 0 on every healthy step
             held = zip(self._param_names, host["stale_grad_sq"], strict=True)
             values["param_stale_grad_norm"] = {name: math.sqrt(sq) for name, sq in held if sq != 0}
+        if "param_norm_min" in host:  # not logged: what replica_divergence compares param_norm with
+            present = zip(self._param_names, host["param_norm_min"], host["param_seen"], strict=True)
+            values["param_norm_min"] = {name: low for name, low, seen in present if seen > 0}
+        facts = self._watch.facts(self._param_names, self._tracker.params) if self._tracker is not None else {}
+        self._watch.release()
         if histograms:
             self._log_histograms(trainer, step, host["act_hist"], host["grad_hist"], agg.histogram_edges)
         self._note_missing_grads(missing)
         try:
-            self._diagnose(trainer, step, values, backward_order, missing, eval_mode)
+            self._diagnose(trainer, step, values, backward_order, missing, eval_mode, facts)
         finally:
             self._raise_logger_error()
 
@@ -1081,6 +1104,7 @@ class LayerHealthCallback(Callback):
         backward_order: list[str],
         missing_grads: list[str],
         eval_mode: dict[str, str],
+        facts: Mapping[str, ParamFacts],
     ) -> None:
         trip, self._trip = self._trip, None
         findings = evaluate(
@@ -1095,6 +1119,7 @@ class LayerHealthCallback(Callback):
             last_finite=self._last_finite,
             missing_grads=missing_grads,
             eval_mode=eval_mode,
+            param_facts=facts,
         )
         for name, norm in values.get("param_norm", {}).items():
             if math.isfinite(norm):

@@ -60,6 +60,17 @@ Rule                    Field                              Default   Fires when
                                                                      ``loss_spike`` measures it) above
                                                                      ``input_scale_limit``: inputs far from unit
                                                                      scale, such as raw 0-255 pixels
+``not_updated``         ``moved_mass_threshold``           ``0.1``   a parameter's ``param_grad_norm`` is finite and
+                                                                     ``> 0`` but no optimizer holds it, or its
+                                                                     group's lr is 0 (no scheduler), or at most
+                                                                     ``moved_mass_threshold`` of its weights'
+                                                                     squared mass can have changed across the step
+                                                                     (rounded away in weights coarser than float32;
+                                                                     see below); one finding per owning module
+``replica_divergence``  ``replica_rtol``                   ``1e-6``  replicated parameters (DDP): the largest and
+                                                                     smallest ``param_norm`` over processes differ by
+                                                                     more than ``replica_rtol`` times the largest;
+                                                                     one finding per owning module
 ======================  =================================  ========  ================================================
 
 The sentinel's own settings live here too: ``spike_window`` (``50``), ``spike_warmup`` (``20``), ``spike_zscore``
@@ -194,6 +205,38 @@ std). A finding is therefore always true; the rule can miss a layer that is satu
 class name): other bounded activations (Hardtanh, Softsign) have a different derivative profile, and a functional
 ``torch.tanh`` inside a bigger module is not visible as a layer.
 
+``not_updated``: a parameter whose gradient is finite and non-zero should move when the optimizer steps. Its
+finding names the parameters of one owning module and why they did not move, from the statistics and from host
+facts about the step (:class:`ParamFacts`; without them the rule is silent, e.g. on values read back from logs):
+
+* *No change was applied*: no optimizer of the Trainer holds the parameter (left out of ``configure_optimizers``;
+  it is then measured anyway, so ``param_grad_norm`` is the finding's statistic), or its param group's lr is 0 and
+  no LR scheduler scales it (a scheduler at lr 0 is a warm-up from 0 or the end of a decay, and stays silent).
+* *Rounded away*: every entry that changes moves by at least one unit in the last place, which for any finite
+  ``w_i`` is ``>= (eps / 2) |w_i|`` (``eps = torch.finfo(dtype).eps``; subnormals and zeros satisfy it too). So with
+  ``r = param_update_ratio = ||dw|| / ||w||``, the changed entries hold at most ``(2 r / eps)**2`` of the weights'
+  squared mass ``||w||**2``. Below ``moved_mass_threshold`` the update was provably lost to rounding for almost all
+  of the weight: ``lr * grad`` below half an ulp, as with ``precision="bf16-true"`` and a small lr (``eps =
+  2**-7``: a relative update under about ``2e-3`` per entry vanishes). An exact zero update is the extreme case.
+  Rounding is reported where float32 master weights would have kept the update: weights coarser than float32
+  (bfloat16, float16, float8), and a step meant to move them, a plain SGD step ``r* = lr * param_grad_norm /
+  param_norm`` of at least half a float32 ulp (``r* >= 2**-24``). A converged parameter, whose residual gradient
+  asks for no change, stays silent, and so do float32 weights (a vanishing gradient's layers, trained with SGD in
+  float32, round away too: ``vanishing_gradient`` names that). Silent too while a scheduler holds the lr below 1%
+  of its base lr (``initial_lr``: the start of a warm-up, the tail of a decay).
+
+Steps on which the optimizer did not run (an fp16 ``GradScaler`` skipping an overflow) are silent, and so is a
+parameter whose weights are all zero (no update ratio). Frozen parameters (``requires_grad=False``) get no gradient
+and are not tracked.
+
+``replica_divergence``: under DDP every process holds the same replicated weights, bit for bit, so their float64
+norms agree exactly on the same software and hardware. The norm of each tracked parameter is compared across
+processes in the MAX all-reduce the statistics already make (the norm and its negative: the largest and the
+smallest). ``replica_rtol=1e-6``: sums of squares of large tensors in host memory are reduced in float32 rows
+(within ~3e-7 of float64, which can differ between CPU models of a multi-node run), so 1e-6 cannot fire on replicas
+that only ran on different machines, while a real divergence (a rank-dependent update, a weight changed on one rank)
+grows with every step. Sharded parameters (FSDP, DTensor shards) hold distinct parts and are not compared.
+
 Ordering: findings of the forward pass (activations) come first, in forward order, then those of the backward pass
 (gradients), in backward order, so the first finding is the origin of the earliest problem.
 
@@ -226,10 +269,12 @@ __all__ = [
     "AlertState",
     "Baseline",
     "Finding",
+    "ParamFacts",
     "RuleConfig",
     "cut_off",
     "evaluate",
     "format_error",
+    "moved_mass_bound",
     "values_from_metrics",
 ]
 
@@ -246,6 +291,8 @@ RULES: tuple[str, ...] = (
     "update_ratio",
     "stale_gradients",
     "input_scale",
+    "not_updated",
+    "replica_divergence",
 )
 """Names of the health rules, in the order findings of the same layer are listed."""
 
@@ -316,6 +363,10 @@ class RuleConfig:
         effective_lr_low: ... and every layer's update is also below this many times its gradient
             (``||dw|| / ||g||``, SGD's learning rate); finite, ``> 0``.
         input_scale_limit: ``input_scale`` fires when the first layer's output RMS exceeds this; finite, ``> 1``.
+        moved_mass_threshold: ``not_updated`` reports an update as rounded away when at most this share of the
+            weights' squared mass can have changed (the bound ``(2 r / eps)**2``); in ``(0, 1]``.
+        replica_rtol: ``replica_divergence`` fires when a parameter's largest and smallest norm over processes
+            differ by more than this share of the largest; in ``[0, 1)`` (0: any difference).
 
     Raises:
         ValueError: For an invalid field; the message names the field, the value and what is valid.
@@ -346,6 +397,8 @@ class RuleConfig:
     update_ratio_low: float = 1e-5
     effective_lr_low: float = 5e-4
     input_scale_limit: float = 20.0
+    moved_mass_threshold: float = 0.1
+    replica_rtol: float = 1e-6
 
     def __post_init__(self) -> None:
         enabled = self.enabled
@@ -373,6 +426,8 @@ class RuleConfig:
             "update_ratio_low": ("a number in (0, 1)", lambda v: 0.0 < v < 1.0),
             "effective_lr_low": ("a finite number > 0", lambda v: 0.0 < v < math.inf),
             "input_scale_limit": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
+            "moved_mass_threshold": ("a number in (0, 1]", lambda v: 0.0 < v <= 1.0),
+            "replica_rtol": ("a number in [0, 1)", lambda v: 0.0 <= v < 1.0),
         }
         for name, (valid, ok) in checks.items():
             object.__setattr__(self, name, _number(name, getattr(self, name), valid, ok))
@@ -394,11 +449,11 @@ class RuleConfig:
 
         Example:
             >>> RuleConfig.from_mapping({"exploding_ratio": 1e4, "enabled": ["nonfinite"]})
-            RuleConfig(enabled=('nonfinite',), dead_frac_threshold=0.9, vanishing_ratio=0.001, exploding_ratio=10000.0, saturation_level=0.9, saturation_frac=0.5, spike_window=50, spike_warmup=20, spike_zscore=8.0, spike_ratio=10.0, spike_growth=10.0, overflow_frac_threshold=0.0, update_ratio_low=1e-05, effective_lr_low=0.0005, input_scale_limit=20.0)
+            RuleConfig(enabled=('nonfinite',), dead_frac_threshold=0.9, vanishing_ratio=0.001, exploding_ratio=10000.0, saturation_level=0.9, saturation_frac=0.5, spike_window=50, spike_warmup=20, spike_zscore=8.0, spike_ratio=10.0, spike_growth=10.0, overflow_frac_threshold=0.0, update_ratio_low=1e-05, effective_lr_low=0.0005, input_scale_limit=20.0, moved_mass_threshold=0.1, replica_rtol=1e-06)
             >>> RuleConfig.from_mapping({"dead_frac": 0.5})
             Traceback (most recent call last):
             ...
-            ValueError: unknown rule setting(s) ['dead_frac']; valid keys: ['dead_frac_threshold', 'effective_lr_low', 'enabled', 'exploding_ratio', 'input_scale_limit', 'overflow_frac_threshold', 'saturation_frac', 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore', 'update_ratio_low', 'vanishing_ratio']
+            ValueError: unknown rule setting(s) ['dead_frac']; valid keys: ['dead_frac_threshold', 'effective_lr_low', 'enabled', 'exploding_ratio', 'input_scale_limit', 'moved_mass_threshold', 'overflow_frac_threshold', 'replica_rtol', 'saturation_frac', 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore', 'update_ratio_low', 'vanishing_ratio']
         """  # noqa: E501
         if d is None:
             return cls()
@@ -418,24 +473,28 @@ class Finding:
 
     Attributes:
         rule: Name from :data:`RULES`.
-        layer: The layer (module name) the finding is about; for parameter gradients, the parameter's module: the
-            longest layer of ``forward_order``/``backward_order`` that prefixes its dotted name, else the name minus
-            its last segment. :data:`LOSS` for the loss itself; for a NaN made by functional code between two
-            layers, the module whose forward made it (not necessarily selected), or :data:`ROOT`.
+        layer: The layer (module name) the finding is about; for findings about parameters, the parameter's
+            module: the longest layer of ``forward_order``/``backward_order`` that prefixes its dotted name, else the
+            name minus its last segment. :data:`LOSS` for the loss itself; for a NaN made by functional code between
+            two layers, the module whose forward made it (not necessarily selected), or :data:`ROOT`.
             ``exploding_gradient``: the layer whose backward amplifies the gradient most; ``no_gradient``: the first
             cut-off layer in forward order; ``eval_mode``: the first module in eval mode in forward order (a
             BatchNorm or Dropout, selected or not).
         step: The optimizer step the statistics describe.
         value: The observed value compared with ``threshold``: a count of non-finite elements or parameters
             (``nonfinite``), a dead fraction, a gradient-norm ratio, a lower bound on the saturated share, the
-            number of cut-off layers (``no_gradient``) or of modules in eval mode (``eval_mode``).
+            number of cut-off layers (``no_gradient``) or of modules in eval mode (``eval_mode``), the largest bound
+            on the moved share of a module's parameters (``not_updated``; for parameters no optimizer holds, their
+            largest gradient norm), the largest relative spread of norms (``replica_divergence``).
         threshold: The threshold it crossed (``0.0`` for ``nonfinite``: any count above it fires).
         message: Human-readable sentence naming the rule and the layer.
         phase: ``"forward"`` (about activations) or ``"backward"`` (about gradients).
         stat: The statistic that triggered it (``act_nonfinite``, ``act_grad_nonfinite``, ``param_grad_norm``,
-            ``param_norm`` (non-finite weights), ``act_dead_frac``, ``act_grad_norm``, ``act_std``, ``act_absmax``,
-            ``training`` (``eval_mode``: the module's mode), or ``loss`` for a finding about the loss itself), e.g.
-            to ignore non-finite gradients on steps that an fp16 ``GradScaler`` skips.
+            ``param_norm`` (non-finite weights, replicas that differ), ``act_dead_frac``, ``act_grad_norm``,
+            ``act_std``, ``act_absmax``, ``param_update_ratio`` (weights that did not move; ``param_grad_norm``
+            for parameters no optimizer holds), ``training`` (``eval_mode``: the module's mode), or ``loss`` for a
+            finding about the loss itself), e.g. to ignore non-finite gradients on steps that an fp16 ``GradScaler``
+            skips.
     """
 
     rule: str
@@ -503,6 +562,32 @@ def _listing(names: Sequence[str]) -> str:
 
 # ------------------------------------------------------------------------------------------------------- rules
 @dataclass(frozen=True)
+class ParamFacts:
+    """Host facts about one tracked parameter on a sampled step, which ``not_updated`` reads beside its statistics.
+
+    Attributes:
+        held: Whether an optimizer of the Trainer holds the parameter in one of its param groups.
+        applied: Whether an optimizer that holds it ran its step (not skipped by an fp16 ``GradScaler`` for an
+            overflow, or by a ``training_step`` that returned ``None``).
+        lr: The learning rate it was stepped with (the largest of the groups that hold it); NaN if unknown.
+        base_lr: The lr an LR scheduler scales (the group's ``initial_lr``), ``None`` without a scheduler.
+        dtype: Name of the weights' dtype, for the message (``"bfloat16"``).
+        eps: ``torch.finfo(dtype).eps`` of the weights: the gap between 1 and the next representable number.
+
+    Example:
+        >>> ParamFacts(held=True, lr=0.1, dtype="bfloat16", eps=2**-7).eps
+        0.0078125
+    """
+
+    held: bool
+    applied: bool = True
+    lr: float = math.nan
+    base_lr: float | None = None
+    dtype: str = "float32"
+    eps: float = 2.0**-23
+
+
+@dataclass(frozen=True)
 class _Context:
     values: Mapping[str, Mapping[str, float]]
     orders: _Orders
@@ -514,6 +599,7 @@ class _Context:
     last_finite: Mapping[str, int] | None = None
     missing_grads: Collection[str] = ()
     eval_mode: Mapping[str, str] = field(default_factory=dict)
+    param_facts: Mapping[str, ParamFacts] | None = None
     shared: dict[str, Any] = field(default_factory=dict, compare=False)
     """What several rules derive from the same values (both gradient rules sort the same ratios)."""
 
@@ -1155,10 +1241,16 @@ def _update_ratio(ctx: _Context) -> list[Finding]:
 
 
 def _stale_gradients(ctx: _Context) -> list[Finding]:
+    # A parameter that no optimizer holds keeps its gradient because zero_grad() never clears it: not_updated names
+    # that cause exactly, so it is left to that rule when it runs.
+    facts = ctx.param_facts if "not_updated" in ctx.config.enabled and ctx.param_facts else {}
     stale = {
         p: norm
         for p, norm in ctx.stat("param_stale_grad_norm").items()
-        if isinstance(norm, (int, float)) and not isinstance(norm, bool) and norm != 0  # NaN is stale too
+        if isinstance(norm, (int, float))
+        and not isinstance(norm, bool)
+        and norm != 0  # NaN is stale too
+        and (p not in facts or facts[p].held)
     }
     if not stale:
         return []
@@ -1213,6 +1305,161 @@ def _input_scale(ctx: _Context) -> list[Finding]:
     ]
 
 
+def moved_mass_bound(ratio: float, eps: float) -> float:
+    """Upper bound on the share of a weight's squared mass held by the entries that changed across a step.
+
+    An entry that changes moves by at least one unit in the last place, ``>= (eps / 2) |w_i|``, so the changed
+    entries' squared mass is at most ``||dw||**2 / (eps / 2)**2`` (see the module docstring).
+
+    Args:
+        ratio: ``param_update_ratio``, ``||dw|| / ||w||``, ``>= 0``.
+        eps: ``torch.finfo(dtype).eps`` of the weights.
+
+    Example:
+        >>> moved_mass_bound(0.0, 2**-7), moved_mass_bound(2**-10, 2**-7), moved_mass_bound(1e-3, 2**-23)
+        (0.0, 0.0625, 1.0)
+    """
+    return min(1.0, (2.0 * ratio / eps) ** 2)
+
+
+_SCHEDULED_LOW = 1e-2
+"""``not_updated`` does not report rounding while a scheduler holds the lr below this share of its base lr."""
+
+# Why a parameter did not move, in the order a module's finding names them.
+_UNHELD, _LR_ZERO, _ROUNDED = "unheld", "lr_zero", "rounded"
+
+
+_FLOAT32_EPS = 2.0**-23
+
+
+def _stuck(facts: ParamFacts, bound: float | None, intended: float, threshold: float) -> str | None:
+    """Why a parameter with a finite, non-zero gradient did not move, or ``None``.
+
+    Args:
+        facts: What the host knows about its step.
+        bound: :func:`moved_mass_bound` of its update ratio; ``None`` if not measured.
+        intended: ``lr * param_grad_norm / param_norm``, the update ratio of a plain SGD step (NaN if unknown).
+        threshold: ``moved_mass_threshold``.
+    """
+    if not facts.held:  # measured anyway: a weight that moved (changed by hand) is not reported
+        return _UNHELD if bound is None or bound < threshold else None
+    if not facts.applied or bound is None or bound >= threshold:
+        return None
+    if facts.lr == 0.0:
+        # A scheduler at lr 0 (a warm-up from 0, the end of a decay) raises it again, unless it scales a base of 0.
+        return _LR_ZERO if not facts.base_lr else None
+    if facts.base_lr is not None and facts.lr < _SCHEDULED_LOW * facts.base_lr:
+        return None
+    # Rounding loses an update that float32 master weights would keep: weights coarser than float32, and a step meant
+    # to move them (plain SGD's lr x gradient at least half a float32 ulp; a converged parameter's residual gradient
+    # asks for no change). `not >=` is also true for NaN: an unknown lr or weight norm.
+    if not (facts.eps > _FLOAT32_EPS and intended >= _FLOAT32_EPS / 2):
+        return None
+    return _ROUNDED
+
+
+def _not_updated(ctx: _Context) -> list[Finding]:
+    facts = ctx.param_facts
+    if not facts:
+        return []
+    threshold = ctx.config.moved_mass_threshold
+    ratios, norms = ctx.stat("param_update_ratio"), ctx.stat("param_norm")
+    stuck: dict[str, dict[str, list[tuple[str, float]]]] = {}  # owner -> cause -> [(parameter, value)]
+    for param, grad in ctx.stat("param_grad_norm").items():
+        fact = facts.get(param)
+        if fact is None or not (_finite(grad) and grad > 0):
+            continue
+        ratio = ratios.get(param)
+        bound = moved_mass_bound(ratio, fact.eps) if _finite(ratio) and ratio >= 0 else None
+        norm = norms.get(param, math.nan)
+        intended = fact.lr * grad / norm if _finite(norm) and norm > 0 else math.nan
+        cause = _stuck(fact, bound, intended, threshold)
+        if cause is not None:
+            value = float(grad) if cause == _UNHELD else float(bound)  # type: ignore[arg-type]
+            stuck.setdefault(ctx.orders.owner(param), {}).setdefault(cause, []).append((param, value))
+    return [_not_updated_finding(ctx, owner, causes, facts) for owner, causes in stuck.items()]
+
+
+def _not_updated_finding(
+    ctx: _Context, owner: str, causes: dict[str, list[tuple[str, float]]], facts: Mapping[str, ParamFacts]
+) -> Finding:
+    order = [c for c in (_UNHELD, _LR_ZERO, _ROUNDED) if c in causes]
+    unheld = order[0] == _UNHELD  # the finding's value and statistic come from its first cause
+    sentences = "; ".join(_stuck_sentence(ctx, cause, causes[cause], facts) for cause in order)
+    return Finding(
+        rule="not_updated",
+        layer=owner,
+        step=ctx.step,
+        value=max(v for _, v in causes[order[0]]),
+        threshold=0.0 if unheld else ctx.config.moved_mass_threshold,
+        message=f"not_updated: the weights of {owner} did not move across step {ctx.step}: {sentences}",
+        phase="backward",
+        stat="param_grad_norm" if unheld else "param_update_ratio",
+    )
+
+
+def _stuck_sentence(ctx: _Context, cause: str, found: list[tuple[str, float]], facts: Mapping[str, ParamFacts]) -> str:
+    names = _listing([p for p, _ in found])
+    them, their = ("it", "its") if len(found) == 1 else ("them", "their")
+    if cause == _UNHELD:
+        norms = ", ".join(f"{v:.3g}" for _, v in found[:_MAX_LISTED])
+        return (
+            f"{names} got a gradient (norm {norms}) but no optimizer of the Trainer holds {them}, so no change was"
+            f" applied: add {them} to configure_optimizers, or set requires_grad=False to freeze {them} on purpose"
+        )
+    if cause == _LR_ZERO:
+        return (
+            f"{names} did not change although {their} gradient is finite and non-zero: the learning rate of the"
+            " param group is 0 and no LR scheduler raises it, so no change was applied"
+        )
+    first, bound = max(found, key=lambda item: item[1])
+    fact = facts[first]
+    what = (
+        f"did not change at all although the learning rate is {fact.lr:.3g}"
+        if bound == 0.0
+        else f"changed in almost none of {their} entries (at most {bound:.2%} of the weights' squared mass can have"
+        f" changed, from param_update_ratio={ctx.stat('param_update_ratio')[first]:.3g}, eps={fact.eps:.3g} and"
+        f" moved_mass_threshold={ctx.config.moved_mass_threshold:g}; lr={fact.lr:.3g})"
+    )
+    return (
+        f"{names} {what}: the update was rounded away in {fact.dtype}, each change being below half a unit in the"
+        f" last place of its weight; to fix, keep float32 master weights (precision='bf16-mixed' or '16-mixed') or"
+        " raise the learning rate"
+    )
+
+
+def _replica_divergence(ctx: _Context) -> list[Finding]:
+    rtol = ctx.config.replica_rtol
+    highest = ctx.stat("param_norm")
+    apart: dict[str, list[tuple[str, float, float]]] = {}  # owner -> [(parameter, smallest, largest)]
+    for param, low in ctx.stat("param_norm_min").items():
+        high = highest.get(param)
+        if _finite(high) and _finite(low) and high - low > rtol * high:
+            apart.setdefault(ctx.orders.owner(param), []).append((param, float(low), float(high)))
+    out = []
+    for owner, found in apart.items():
+        spread = max((high - low) / high for _, low, high in found)
+        norms = ", ".join(f"{p} {low:.9g} to {high:.9g}" for p, low, high in found[:_MAX_LISTED])
+        out.append(
+            Finding(
+                rule="replica_divergence",
+                layer=owner,
+                step=ctx.step,
+                value=spread,
+                threshold=rtol,
+                message=f"replica_divergence: the weights of {owner} differ between processes before step {ctx.step}:"
+                f" {_plural(len(found), 'replicated parameter')} {'has' if len(found) == 1 else 'have'} different"
+                f" norms on different processes ({norms}{', ...' if len(found) > _MAX_LISTED else ''}; relative"
+                f" difference up to {spread:.3g} > replica_rtol={rtol:g}). DDP replicas must be identical: a"
+                " rank-dependent update or a weight changed on one process only makes each process train its own"
+                " model",
+                phase="forward",
+                stat="param_norm",
+            )
+        )
+    return out
+
+
 _RULE_FUNCTIONS: dict[str, Callable[[_Context], list[Finding]]] = {
     "nonfinite": _nonfinite,
     "loss_spike": _loss_spike,
@@ -1226,6 +1473,8 @@ _RULE_FUNCTIONS: dict[str, Callable[[_Context], list[Finding]]] = {
     "update_ratio": _update_ratio,
     "stale_gradients": _stale_gradients,
     "input_scale": _input_scale,
+    "not_updated": _not_updated,
+    "replica_divergence": _replica_divergence,
 }
 
 
@@ -1241,11 +1490,14 @@ def evaluate(
     last_finite: Mapping[str, int] | None = None,
     missing_grads: Collection[str] = (),
     eval_mode: Mapping[str, str] | None = None,
+    param_facts: Mapping[str, ParamFacts] | None = None,
 ) -> list[Finding]:
     """Apply the enabled rules to one sampled (or sentinel-tripped) step's statistics.
 
     Args:
-        values: Statistic name to ``{layer or parameter name: value}``; any statistic may be absent.
+        values: Statistic name to ``{layer or parameter name: value}``; any statistic may be absent. Besides the
+            logged statistics, ``param_norm_min`` (the smallest ``param_norm`` over processes, where ``param_norm``
+            is the largest; replicated parameters of a distributed run) feeds ``replica_divergence``.
         forward_order: Layers in the order their forward first ran (input end first).
         backward_order: Layers in the order their output gradient arrived (output end first). Layers missing from
             it (e.g. no gradient statistics were recorded) are placed after it in reversed forward order.
@@ -1261,6 +1513,8 @@ def evaluate(
         eval_mode: BatchNorm and Dropout modules that ran in eval mode in the training step while what they train
             requires grad, to their class names, for ``eval_mode`` (see
             :func:`~lightning_hookdiag.modes.eval_mode_modules`).
+        param_facts: Parameter name to what the host knows about its optimizer step, for ``not_updated``; without
+            it that rule is silent.
 
     Returns:
         Findings with forward ones (in forward order) before backward ones (in backward order); the first is the
@@ -1286,6 +1540,7 @@ def evaluate(
         last_finite=last_finite,
         missing_grads=missing_grads,
         eval_mode=eval_mode or {},
+        param_facts=param_facts,
     )
     findings = [f for rule in config.enabled for f in _RULE_FUNCTIONS[rule](ctx)]
 
@@ -1343,7 +1598,7 @@ class AlertState:
         >>> state.counts["dead_units"]
         3
         >>> state.state_dict()
-        {'active': [['dead_units', 'relu']], 'counts': {'nonfinite': 0, 'loss_spike': 0, 'eval_mode': 0, 'dead_units': 3, 'no_gradient': 0, 'vanishing_gradient': 0, 'exploding_gradient': 0, 'saturation': 0, 'precision_headroom': 0, 'update_ratio': 0, 'stale_gradients': 0, 'input_scale': 0}}
+        {'active': [['dead_units', 'relu']], 'counts': {'nonfinite': 0, 'loss_spike': 0, 'eval_mode': 0, 'dead_units': 3, 'no_gradient': 0, 'vanishing_gradient': 0, 'exploding_gradient': 0, 'saturation': 0, 'precision_headroom': 0, 'update_ratio': 0, 'stale_gradients': 0, 'input_scale': 0, 'not_updated': 0, 'replica_divergence': 0}}
     """  # noqa: E501
 
     def __init__(self) -> None:

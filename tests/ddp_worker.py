@@ -105,8 +105,10 @@ def main(out_dir: str) -> None:
             "pooled": callback.pooled,
             "collectives": callback.collectives,
             "final": {k: v.detach().clone() for k, v in module.model.state_dict().items()},
+            "findings": [f.rule for f in callback.findings],
         }
     results["branch"] = branch_run(CountingCallback)
+    results["diverge"] = diverge_run(CountingCallback)
     torch.save(results, os.path.join(out_dir, f"rank{int(os.environ.get('LOCAL_RANK', 0))}.pt"))
 
 
@@ -160,6 +162,37 @@ def branch_run(callback_class: type) -> dict:
         "seen": module.seen,
         "global_step": trainer.global_step,
     }
+
+
+def diverge_run(callback_class: type) -> dict:
+    """Rank 1 adds 0.5 to one weight of ``model.0`` after step 1's optimizer step; the twin run leaves it alone.
+
+    Returns, per run, the findings, the pooled values and collectives per sampled step, and the weights each batch
+    saw on this rank.
+    """
+    import lightning.pytorch as pl
+    from conftest import TinyModule, make_trainer
+
+    class Perturb(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 2 and pl_module.global_rank == 1:  # step 1's optimizer has stepped
+                with torch.no_grad():
+                    pl_module.model[0].weight[0, 0] += 0.5
+
+    out = {}
+    for perturbed in (False, True):
+        torch.manual_seed(0)
+        module = TinyModule(lr=0.01)
+        callback = callback_class(every_n_steps=2, summary=False, on_anomaly="ignore")
+        extra = [Perturb()] if perturbed else []
+        make_trainer([callback, *extra], max_steps=5, devices=2, strategy="ddp").fit(module)
+        out["perturbed" if perturbed else "healthy"] = {
+            "findings": [vars(f) for f in callback.findings],
+            "pooled": callback.pooled,
+            "collectives": callback.collectives,
+            "record": {step: weights for step, _, _, weights in module.record},
+        }
+    return out
 
 
 if __name__ == "__main__":

@@ -351,6 +351,7 @@ def run_lightning(out_dir: str, strategy: str, accelerator: str, devices: int) -
             "sharded": callback.sharded,
             "world_size": trainer.world_size,
             "param_types": sorted({type(p).__name__ for p in module.parameters()}),
+            "findings": [f.rule for f in callback.findings],
         },
         os.path.join(out_dir, f"lightning_rank{trainer.global_rank}.pt"),
     )

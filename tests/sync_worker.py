@@ -7,6 +7,8 @@ Every rank saves ``OUT/rank{r}.pt`` with:
     :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator` computed from this rank's observations (see
     :func:`observations`; the test regenerates every rank's and pools them in float64), and what ``compute()`` did:
     collectives by name, the bytes each ``all_reduce`` carried, and the values read back to the host.
+``"divergence"``
+    Replicated parameters whose weights differ between ranks: the largest and smallest norm over processes.
 ``"replicas"`` (4 processes only)
     DTensor parameters on a 2 x 2 ``DeviceMesh`` (and a 1-D sub-mesh of it) with several placements, measured as
     the callback measures them, next to the norms of the full tensors.
@@ -180,6 +182,34 @@ def mismatch_case(rank: int, world: int) -> list[dict[str, Any]]:
     return steps
 
 
+def divergence_case(rank: int, world: int) -> dict[str, Any]:
+    """Replicated parameters whose weights differ between ranks, through one sync (and a sharded twin).
+
+    Parameter 0 is the same everywhere, parameter 1's weight sum of squares is ``4 + rank``, parameter 2 is measured
+    on the last rank only (``9``), parameter 3 nowhere. Returns the pooled norms and what the sync issued.
+    """
+    from lightning_hookdiag.aggregation import LayerStatsAggregator
+
+    out: dict[str, Any] = {}
+    for sharded in (False, True):
+        agg = LayerStatsAggregator(0, n_params=4, sharded_params=sharded)
+        values = torch.zeros(4, 4, dtype=torch.float64)
+        values[:2, 3] = 1.0  # measured
+        values[0, 0], values[1, 0] = 4.0, 4.0 + rank
+        if rank == world - 1:
+            values[2] = torch.tensor([9.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+        agg.update(params=(torch.arange(4), values, slice(None)))
+        with recorded() as log:
+            pooled = agg.compute()
+        out["sharded" if sharded else "replicated"] = {
+            "param_norm": pooled["param_norm"].tolist(),
+            "param_norm_min": pooled["param_norm_min"].tolist() if "param_norm_min" in pooled else None,
+            "calls": dict(log["calls"]),
+            "host_reads": log["host_reads"],
+        }
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------- replicas
 def replica_cases(rank: int) -> dict[str, Any]:
     """DTensor parameters on a 2 x 2 mesh (and its 1-D sub-meshes), measured by the tracker and the aggregator."""
@@ -349,6 +379,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         results: dict[str, Any] = {
             "pooled": {(n, shard): pooled_case(rank, world, n, shard) for n in (4, 16) for shard in (False, True)},
             "mismatch": mismatch_case(rank, world),
+            "divergence": divergence_case(rank, world),
         }
         if world == 4:
             results["replicas"] = replica_cases(rank)

@@ -62,7 +62,7 @@ def test_dead_units_pooled_over_micro_batches_not_averaged():
         model[0].bias.copy_(torch.tensor([0.0, 0.0, 0.0, -1.0]))
     x = torch.tensor([[1.0], [2.0], [-1.0], [-2.0]])
     data = torch.utils.data.TensorDataset(x, torch.zeros(4, 1))
-    module = TinyModule(model=model, data=data, batch_size=2, lr=0.0)
+    module = TinyModule(model=model, data=data, batch_size=2)  # one step: its update changes nothing measured
     logger = RecordingLogger()
     make_trainer([LayerHealthCallback(every_n_steps=1)], max_steps=1, accumulate_grad_batches=2, logger=logger).fit(
         module

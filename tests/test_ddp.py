@@ -128,3 +128,33 @@ def test_opt_in_statistics_pool_over_processes(ranks):
                     assert metrics[f"{P}/{kind}_overflow_frac_{name}/model.{i}"] == pytest.approx(over / nonzero)
             # Every micro-batch of both processes has 4 rows: Linear saves its input, ReLU its output.
             assert metrics[f"{P}/act_saved_bytes/model.{i}"] == 4 * (4, 8, 0)[i] * 4
+
+
+def test_a_weight_changed_on_one_rank_is_a_replica_divergence_on_every_rank(ranks):
+    for rank in ranks:
+        perturbed = rank["diverge"]["perturbed"]
+        (finding,) = perturbed["findings"]
+        assert (finding["rule"], finding["layer"], finding["step"]) == ("replica_divergence", "model.0", 2)
+        assert (finding["stat"], finding["phase"], finding["threshold"]) == ("param_norm", "forward", 1e-6)
+        # Reference: the norms of the weights each rank's step 2 saw (rank 1's carry the +0.5).
+        norms = [float(r["diverge"]["perturbed"]["record"][2]["0.weight"].double().norm()) for r in ranks]
+        assert norms[1] != norms[0]
+        assert finding["value"] == pytest.approx((max(norms) - min(norms)) / max(norms), rel=1e-6)
+        assert perturbed["pooled"][2][f"{P}/param_norm/model.0.weight"] == pytest.approx(max(norms), rel=1e-6)
+        assert "model.0.weight" in finding["message"]
+        assert "differ between processes" in finding["message"]
+        # Only the perturbed parameter: the bias stays identical; alerted once while it lasts (steps 2 and 4).
+        assert "model.0.bias" not in finding["message"]
+        # Compared inside the MAX all-reduce that was already there: still two collectives per sampled step.
+        assert set(perturbed["collectives"].values()) == {2}
+
+
+def test_replicas_left_alone_are_silent(ranks):
+    for rank in ranks:
+        healthy = rank["diverge"]["healthy"]
+        assert healthy["findings"] == []
+        assert sorted(healthy["pooled"]) == [0, 2, 4]
+        norms = [float(r["diverge"]["healthy"]["record"][2]["0.weight"].double().norm()) for r in ranks]
+        assert norms[0] == norms[1]  # guards the test: bit-identical replicas
+        for depth in (1, 6, "opt_in"):
+            assert not {"replica_divergence", "not_updated"} & set(rank[depth]["findings"]), depth

@@ -95,6 +95,10 @@ def test_pooled_values_equal_float64_statistics_of_the_union(worlds, world, case
         assert values["param_grad_norm"].tolist() == pytest.approx(pooled[:, 1].sqrt().tolist(), rel=1e-12)
         ratio = (pooled[:, 2].sqrt() / pooled[:, 0].sqrt()).tolist()
         assert values["param_update_ratio"].tolist() == pytest.approx(ratio, rel=1e-12)
+        if sharded:  # parts differ by design: nothing to compare
+            assert "param_norm_min" not in values
+        else:  # the same weights on every process: smallest and largest norm are the same numbers
+            assert torch.equal(values["param_norm_min"], values["param_norm"])
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -130,7 +134,8 @@ def _expected_bytes(n_layers: int, sharded: bool, step: int) -> list[int]:
     sums = n_layers * (S.ACT_SLOTS + S.GRAD_SLOTS + 2 * W.BINS) + (4 * n_layers if sharded else 0)
     if step == 0:
         sums += 3 * len(unit_layers)  # the unit-count agreement, until every dead-unit layer ran somewhere
-    maxima = n_layers + (0 if sharded else 4 * n_layers) + sum(W.units_of(i) for i in unit_layers) + n_layers
+    # Replicated parameters: their 4 columns and minus each weight sum of squares (the smallest over processes).
+    maxima = n_layers + (0 if sharded else 5 * n_layers) + sum(W.units_of(i) for i in unit_layers) + n_layers
     return [8 * sums, (4 if sharded else 8) * maxima]
 
 
@@ -171,6 +176,20 @@ def test_unit_counts_that_disagree_leave_the_layer_untracked_on_every_rank(world
         # Layer 2 is unaffected: unit 0 alive on the last rank only, unit 1 dead everywhere.
         assert step0["dead"][2] == 0.5
         assert step1["dead"][2] == 0.5
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_replicas_that_differ_give_the_smallest_norm_in_the_same_two_all_reduces(worlds, world):
+    for results in worlds[world]:
+        replicated = results["divergence"]["replicated"]
+        # Largest and smallest over the processes that measured each parameter; none measured the last one.
+        assert replicated["param_norm"] == [2.0, math.sqrt(4 + world - 1), 3.0, 0.0]
+        assert replicated["param_norm_min"] == [2.0, 2.0, 3.0, math.inf]
+        assert replicated["calls"] == {"all_reduce": 2}
+        assert replicated["host_reads"] == 0
+        sharded = results["divergence"]["sharded"]
+        assert sharded["param_norm_min"] is None
+        assert sharded["calls"] == {"all_reduce": 2}
 
 
 # ------------------------------------------------------------------------------------------------ replicas

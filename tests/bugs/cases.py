@@ -8,8 +8,7 @@ The bugs come from the issue that asked for them (issue 20) and from the fault t
 (ICSE 2020), DeepDiagnosis (ICSE 2022), AUTOTRAINER (ICSE 2021) and TrainCheck (OSDI 2025), restricted to what a
 monitor of layer activations, gradients and parameters can see.
 
-:data:`PENDING` lists the cases whose rule comes from another branch of issue 20 (emptied once they are merged);
-a case with ``rule=None`` is a blind spot, with the reason in ``blind``.
+A case with ``rule=None`` is a blind spot, with the reason in ``blind``.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hookdiag import LayerHealthCallback
 
-__all__ = ["CASES", "PENDING", "BugModule", "Case", "Fit", "run"]
+__all__ = ["CASES", "BugModule", "Case", "Fit", "run"]
 
 
 # ------------------------------------------------------------------------------------------------ the module
@@ -572,11 +571,5 @@ CASES: tuple[Case, ...] = (
     ),
 )
 """Every bug of the benchmark, in the order of the table in ``docs/bugs.md``."""
-
-PENDING: dict[str, str] = {
-    "head_not_in_optimizer": "needs rule not_updated (issue 20 item 1, another branch; merging)",
-    "bf16_rounded_away": "needs rule not_updated (issue 20 item 1, another branch; merging)",
-}
-"""Cases whose expected finding comes from another branch of issue 20, with why they are skipped until the merge."""
 
 BY_NAME: dict[str, Case] = {case.name: case for case in CASES}

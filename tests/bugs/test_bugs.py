@@ -1,8 +1,7 @@
 """The bug benchmark: each ordinary training bug of ``cases.py`` is reported by its rule on its layer, and its fixed
 twin raises nothing.
 
-Cases in :data:`cases.PENDING` expect a rule from another branch of issue 20 and are skipped, with the reason, until
-it is merged; blind spots (``rule=None``) must stay silent, so that a rule that learns to see one moves it out of
+Blind spots (``rule=None``) must stay silent, so that a rule that learns to see one moves it out of
 the blind spots on purpose.
 """
 
@@ -10,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import BY_NAME, CASES, PENDING, BugModule, Case, Fit, _mlp, run
+from cases import BY_NAME, CASES, BugModule, Case, Fit, _mlp, run
 from torch.utils.data import TensorDataset
 
 from lightning_hookdiag.rules import RULES
@@ -19,14 +18,8 @@ DETECTABLE = [case for case in CASES if case.rule is not None]
 BLIND = [case for case in CASES if case.rule is None]
 
 
-def _skip_pending(name: str) -> None:
-    if name in PENDING:
-        pytest.skip(PENDING[name])
-
-
 @pytest.mark.parametrize("case", DETECTABLE, ids=lambda c: c.name)
 def test_the_bug_is_reported_by_its_rule_on_its_layer(case, record_property):
-    _skip_pending(case.name)
     callback = run(case, sick=True)
     hits = [f for f in callback.findings if f.rule == case.rule and f.layer == case.layer]
     assert hits, [(f.rule, f.layer, f.step) for f in callback.findings]
@@ -65,21 +58,21 @@ def test_the_library_is_consistent():
     names = [case.name for case in CASES]
     assert len(names) == len(set(names))
     assert len(names) >= 15
-    assert set(PENDING) <= {case.name for case in DETECTABLE}
     for case in DETECTABLE:
-        # A rule main does not have yet is only allowed for a pending case.
-        assert case.rule in RULES or case.name in PENDING, case.name
+        assert case.rule in RULES, case.name
         assert case.layer
         assert not case.blind
     for case in BLIND:
         assert case.layer is None
-        assert case.name not in PENDING
 
 
-def test_a_head_left_out_of_the_optimizer_holds_stale_gradients_already():
-    # Before not_updated is merged, main names the head too: zero_grad() clears only the optimizer's param groups, so
-    # the head's .grad adds up from step to step.
+def test_a_head_left_out_of_the_optimizer_is_one_finding_and_stale_gradients_names_it_without_not_updated():
+    # zero_grad() clears only the optimizer's param groups, so the head's .grad also adds up from step to step.
+    # not_updated says why exactly; stale_gradients leaves it to that rule, and names it when that rule is off.
     callback = run(BY_NAME["head_not_in_optimizer"], sick=True)
+    assert {(f.rule, f.layer) for f in callback.findings} == {("not_updated", "model.head")}
+    rules = [r for r in RULES if r != "not_updated"]
+    callback = run(BY_NAME["head_not_in_optimizer"], sick=True, rules={"enabled": rules})
     (f,) = [f for f in callback.findings if f.rule == "stale_gradients"]
     assert (f.layer, f.step, f.value) == ("model.head", 1, 2.0)  # model.head.weight and model.head.bias
     assert "none of the optimizer's param groups" in f.message

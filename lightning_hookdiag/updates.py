@@ -1,0 +1,165 @@
+"""What the host knows about a sampled optimizer step, for the ``not_updated`` rule: host facts only, no tensor work.
+
+Per tracked parameter (:class:`~lightning_hookdiag.rules.ParamFacts`): whether an optimizer of the Trainer holds
+it, the learning rate it was stepped with and the base lr a scheduler scales, whether the optimizer's step ran at
+all, and the resolution of the weights' dtype. The learning rates are read before the step (Lightning steps LR
+schedulers before ``on_train_batch_end``, where the step is diagnosed); whether the step ran comes from a step
+post-hook registered on the optimizer for the sampled step only (a ``GradScaler`` that finds an overflow does not
+call ``optimizer.step()``; such a step changes nothing and is not a finding). Which tracked parameters no optimizer
+holds is found again only when the param groups change, so a sampled step normally looks at none of them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+from lightning_hookdiag.rules import ParamFacts
+
+__all__ = ["StepWatch", "held_by_none"]
+
+
+def held_by_none(params: Sequence[Tensor], optimizers: Iterable[Optimizer]) -> list[Tensor]:
+    """The parameters of ``params`` in no param group of any of ``optimizers`` (by identity, on the host).
+
+    Example:
+        >>> head, body = torch.nn.Linear(2, 1), torch.nn.Linear(2, 2)
+        >>> opt = torch.optim.SGD(body.parameters(), lr=0.1)
+        >>> [p is head.weight for p in held_by_none([*body.parameters(), *head.parameters()], [opt])]
+        [True, False]
+    """
+    held = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
+    return [p for p in params if id(p) not in held]
+
+
+def _membership(optimizers: Iterable[Optimizer]) -> tuple[tuple[int, int], ...]:
+    # Changes when a param group is added or removed, or one gets another list or length of parameters.
+    return tuple((id(g["params"]), len(g["params"])) for optimizer in optimizers for g in optimizer.param_groups)
+
+
+def _lr(group: Mapping[str, Any]) -> float:
+    lr = group.get("lr", math.nan)
+    if isinstance(lr, Tensor):  # a tensor lr (capturable optimizers): read only where that costs no device sync
+        return float(lr) if lr.device.type == "cpu" and lr.numel() == 1 else math.nan
+    return float(lr) if isinstance(lr, (int, float)) else math.nan
+
+
+def _base_lr(group: Mapping[str, Any]) -> float | None:
+    base = group.get("initial_lr")  # set by every torch LR scheduler built on the optimizer
+    if base is None:
+        return None
+    value = _lr({"lr": base})
+    return None if math.isnan(value) else value
+
+
+class StepWatch:
+    """The learning rates and the step of each optimizer stepped in one sampled window.
+
+    :meth:`observe` each optimizer before it steps, :meth:`facts` once the step is done; :meth:`release` removes the
+    hooks (also when the window is dropped).
+
+    Example:
+        >>> lin = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+        >>> lin(torch.ones(1, 2)).sum().backward()
+        >>> watch = StepWatch()
+        >>> watch.observe(opt)
+        >>> opt.step()
+        >>> facts = watch.facts(["lin.weight"], [lin.weight])
+        >>> watch.release()
+        >>> facts["lin.weight"].held, facts["lin.weight"].applied, facts["lin.weight"].lr
+        (True, True, 0.5)
+    """
+
+    def __init__(self) -> None:
+        self._rates: dict[int, tuple[Optimizer, list[tuple[float, float | None]]]] = {}
+        self._applied: set[int] = set()
+        self._handles: list[RemovableHandle] = []
+        self._unheld: set[int] = set()
+        # Kept across windows: which tracked parameters no optimizer holds, and the membership it was found for.
+        self._outside: tuple[tuple[Any, ...], list[Tensor]] | None = None
+
+    def observe(self, optimizer: Optimizer) -> None:
+        """Record the learning rates ``optimizer`` is about to step with, and watch whether its step runs."""
+        key = id(optimizer)
+        if key in self._rates:
+            return
+        self._rates[key] = (optimizer, [(_lr(g), _base_lr(g)) for g in optimizer.param_groups])
+        register = getattr(optimizer, "register_step_post_hook", None)
+        if callable(register):
+            applied = self._applied
+            self._handles.append(register(lambda opt, args, kwargs: applied.add(key)))
+        else:  # not a torch optimizer: assume its step ran
+            self._applied.add(key)
+
+    def unheld(self, params: Sequence[Tensor], optimizers: Sequence[Optimizer]) -> list[Tensor]:
+        """The parameters of ``params`` with a gradient that none of ``optimizers`` holds, remembered for :meth:`facts`.
+
+        The head left out of ``configure_optimizers``; the caller measures them like the stepped ones.
+        Membership is found again only when the optimizers' param groups change (added, or given another list or
+        length of parameters): per sampled step this costs a look at the parameters outside every group, normally
+        none. Parameters frozen with ``requires_grad=False`` have no gradient and are not returned.
+        """
+        key = (id(params), len(params), _membership(optimizers))
+        if self._outside is None or self._outside[0] != key:
+            self._outside = (key, held_by_none(params, optimizers))
+        found = [p for p in self._outside[1] if p.requires_grad and p.grad is not None]
+        self._unheld.update(id(p) for p in found)
+        return found
+
+    def facts(self, names: Sequence[str], params: Sequence[Tensor]) -> dict[str, ParamFacts]:
+        """Facts about the parameters (``names[i]`` is ``params[i]``'s) that a watched optimizer holds, or none does.
+
+        A parameter in several groups gets the largest lr of them, and counts as applied if any of their optimizers
+        stepped.
+        """
+        if not (self._rates or self._unheld):
+            return {}  # nothing observed (the rule is disabled)
+        holders: dict[int, tuple[float, float | None, bool]] = {}
+        for key, (optimizer, rates) in self._rates.items():
+            applied = key in self._applied
+            for group, (lr, base) in zip(optimizer.param_groups, rates, strict=False):
+                for p in group["params"]:
+                    seen = holders.get(id(p))
+                    if seen is None:
+                        holders[id(p)] = (lr, base, applied)
+                    else:
+                        top = (lr, base) if lr > seen[0] else seen[:2]
+                        holders[id(p)] = (*top, applied or seen[2])
+        out: dict[str, ParamFacts] = {}
+        interned: dict[tuple[Any, ...], ParamFacts] = {}  # a few distinct facts: building one costs microseconds
+        for name, p in zip(names, params, strict=True):
+            holder = holders.get(id(p))
+            if holder is None and id(p) not in self._unheld:
+                continue  # not stepped in this window by a watched optimizer, e.g. another optimizer's turn
+            key = (holder, p.dtype)
+            fact = interned.get(key)
+            if fact is None:
+                fact = interned[key] = _facts(holder, p.dtype)
+            out[name] = fact
+        return out
+
+    def release(self) -> None:
+        """Remove the step hooks and forget the window."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._rates = {}
+        self._applied = set()
+        self._unheld = set()
+
+
+def _facts(holder: tuple[float, float | None, bool] | None, dtype: torch.dtype) -> ParamFacts:
+    """Facts of a parameter of ``dtype`` held with ``(lr, base_lr, applied)``, or by no optimizer (``None``)."""
+    name = str(dtype).removeprefix("torch.")
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else math.nan  # NaN: no rounding bound applies
+    if holder is None:
+        return ParamFacts(held=False, applied=False, dtype=name, eps=eps)
+    lr, base, applied = holder
+    return ParamFacts(held=True, applied=applied, lr=lr, base_lr=base, dtype=name, eps=eps)
