@@ -29,6 +29,7 @@ from typing_extensions import override
 from lightning_hookdiag import params as P
 from lightning_hookdiag import stats as S
 from lightning_hookdiag.aggregation import LayerStatsAggregator, StepRecorder
+from lightning_hookdiag.attention import PrecursorProbes, attention_scope
 from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
 from lightning_hookdiag.hooks import HookSet
 from lightning_hookdiag.opt_in import OptInPlan, OptInRecorder, plan_opt_in
@@ -45,7 +46,7 @@ from lightning_hookdiag.rules import (
     values_from_metrics,
 )
 from lightning_hookdiag.saved_memory import SavedMemoryTracker
-from lightning_hookdiag.selection import excluded_names, import_types, resolve_layers
+from lightning_hookdiag.selection import _unmatched_error, excluded_names, import_types, named_modules, resolve_layers
 from lightning_hookdiag.sentinel import (
     SENTINEL_MODES,
     LossSentinel,
@@ -56,7 +57,8 @@ from lightning_hookdiag.sentinel import (
     capture_rng,
     replay_step,
 )
-from lightning_hookdiag.vocabulary import LAYER_STATS, PER_PARAMETER_STATS
+from lightning_hookdiag.trends import History
+from lightning_hookdiag.vocabulary import LAYER_STATS, PER_PARAMETER_STATS, PRECURSOR_STATS
 
 __all__ = ["LayerHealthCallback"]
 
@@ -194,6 +196,10 @@ class LayerHealthCallback(Callback):
     ``<prefix>/act_saved_bytes/<layer>``    bytes autograd saved for backward while the layer was the innermost
                                             selected module running (largest micro-batch; storages once,
                                             parameters never)
+    ``<prefix>/attn_logit_max/<module>``    largest ``|q.k| * scale`` of the attention calls the module made
+                                            (a bounded row subsample; :mod:`lightning_hookdiag.attention`)
+    ``<prefix>/logit_lse_mean/<layer>``     mean ``logsumexp`` over the last dim of the output layer's output
+    ``<prefix>/logit_absmax/<layer>``       largest ``|logit|`` of the output layer
     ======================================  =====================================================================
 
     Args:
@@ -244,6 +250,9 @@ class LayerHealthCallback(Callback):
             ``"float8_e5m2"`` or the torch dtypes. ``None`` derives one from the Trainer's ``precision``
             (``16-mixed``/``16-true``: float16, ``bf16-mixed``/``bf16-true``: bfloat16); with full precision
             nothing is computed unless targets are named here (to plan a switch to lower precision).
+        output_layer: The module whose output is the model's logits, for ``logit_lse_mean`` / ``logit_absmax``
+            (a dotted name as :func:`~lightning_hookdiag.list_layers` prints it). ``None``: the last selected module
+            to run in each micro-batch's forward.
 
     Raises:
         ValueError: At construction, for any invalid argument (the message names it and the valid values); when
@@ -279,6 +288,7 @@ class LayerHealthCallback(Callback):
         histogram_bins: int = 64,
         sentinel: Literal["loss", "loss+grads"] | None = "loss",
         precision_targets: str | torch.dtype | Sequence[str | torch.dtype] | None = None,
+        output_layer: str | None = None,
     ) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"every_n_steps: expected an integer >= 1, got {every_n_steps!r}")
@@ -292,6 +302,9 @@ class LayerHealthCallback(Callback):
             raise ValueError(f"on_anomaly: expected one of {list(ON_ANOMALY)}, got {on_anomaly!r}")
         if sentinel is not None and sentinel not in SENTINEL_MODES:
             raise ValueError(f"sentinel: expected one of {[*SENTINEL_MODES, None]}, got {sentinel!r}")
+        if output_layer is not None and (not isinstance(output_layer, str) or not output_layer):
+            raise ValueError(f"output_layer: expected None or a non-empty module name, got {output_layer!r}")
+        self.output_layer = output_layer
         self.every_n_steps = every_n_steps
         if histogram_every_n_steps is not None and (
             isinstance(histogram_every_n_steps, bool)
@@ -373,6 +386,8 @@ class LayerHealthCallback(Callback):
         self._logger_error: BaseException | None = None
         self._opt_in = OptInPlan()
         self._saved: SavedMemoryTracker | None = None
+        self._probes: PrecursorProbes | None = None
+        self._history = History(max(self.rule_config.trend_window, 2))
 
     @property
     @override
@@ -449,6 +464,7 @@ class LayerHealthCallback(Callback):
             else StepRecorder(self._aggregator, **recorder_args)
         )
         self._saved = SavedMemoryTracker(modules, pl_module) if plan.saved_bytes else None
+        self._probes = self._precursor_probes(pl_module, modules)
         on_grad = self._recorder.on_grad if wanted & set(S.GRADIENT_STATS) or plan.grad_targets else None
         self._hooks = HookSet(modules, self._recorder.on_output, on_grad)
         self._tracker = (
@@ -486,12 +502,16 @@ class LayerHealthCallback(Callback):
         self._hooks.attach()
         if self._saved is not None:
             self._saved.attach()
+        if self._probes is not None:
+            self._probes.attach()
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         """Add the micro-batch's loss to the sentinel's total for this step (on the device, no host read)."""
         if self._sentinel is not None and self._hooks is not None:
             self._sentinel.observe_loss(loss)
+        if self._probes is not None and self._probes.attached:
+            self._probes.end_forward(loss)  # the forward is over: the probes never see backward
 
     @override
     def on_before_optimizer_step(
@@ -537,6 +557,8 @@ class LayerHealthCallback(Callback):
         if self._saved is not None and self._saved.attached:
             self._saved.remove()
             self._fold_saved_bytes()
+        if self._probes is not None:
+            self._probes.remove()
         if self._window is not None and trainer.global_step != self._window:
             self._finish_window(trainer)
         if self._micro_step is not None and trainer.global_step != self._micro_step:
@@ -558,6 +580,7 @@ class LayerHealthCallback(Callback):
         self._release_step()
         self._sentinel_params = []
         self._hooks = self._recorder = self._aggregator = self._tracker = None
+        self._probes = None
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -599,6 +622,7 @@ class LayerHealthCallback(Callback):
         self._sentinel_params = []
         self._hooks = self._recorder = self._aggregator = self._tracker = None
         self._saved = None
+        self._probes = None
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle the configuration and results, not the LightningModule.
@@ -627,6 +651,7 @@ class LayerHealthCallback(Callback):
             "trips": [vars(t) for t in self.trips],
             "sentinel": self._sentinel.state_dict() if self._sentinel is not None else None,
             "last_finite": dict(self._last_finite),
+            "history": self._history.state_dict(),
         }
 
     @override
@@ -639,6 +664,7 @@ class LayerHealthCallback(Callback):
         self.findings = [Finding(**f) for f in state_dict.get("findings", [])]
         self.trips = [Trip(**t) for t in state_dict.get("trips", [])]
         self._last_finite = dict(state_dict.get("last_finite", {}))
+        self._history.load_state_dict(state_dict.get("history", {}))
         if self._sentinel is not None and state_dict.get("sentinel"):
             self._sentinel.load_state_dict(state_dict["sentinel"])
 
@@ -648,6 +674,8 @@ class LayerHealthCallback(Callback):
         self._window = step
         self._window_layers = layers
         self._stepped.clear()
+        if self._probes is not None and self._aggregator is not None:
+            self._probes.reset(self._aggregator.act_moments.device)
         self._hooks.clear_order()
         every = self.histogram_every_n_steps
         if self._recorder is not None:  # replays follow the schedule of sampled steps; parameter-only windows: none
@@ -776,6 +804,8 @@ class LayerHealthCallback(Callback):
         return measured
 
     def _detach(self) -> None:
+        if self._probes is not None:
+            self._probes.remove()
         if self._hooks is not None:
             self._hooks.remove()
         if self._saved is not None:
@@ -797,6 +827,20 @@ class LayerHealthCallback(Callback):
             self._tracker.release()
         if self._saved is not None:
             self._saved.pop_peak()
+
+    def _precursor_probes(
+        self, pl_module: pl.LightningModule, modules: Mapping[str, nn.Module]
+    ) -> PrecursorProbes | None:
+        """The attention and output-logit probes of the requested precursor statistics, or ``None``."""
+        if not set(PRECURSOR_STATS) & set(self.stats):
+            return None
+        every = named_modules(pl_module)
+        output = modules
+        if self.output_layer is not None:
+            if self.output_layer not in every:
+                raise _unmatched_error(self.output_layer, "output_layer", list(every))
+            output = {self.output_layer: every[self.output_layer]}
+        return PrecursorProbes(self.stats, attention_scope(every, list(modules)), output)
 
     def _warn_once(self, key: str, message: str, info: bool = False) -> None:
         if key not in self._warned:
@@ -835,6 +879,9 @@ class LayerHealthCallback(Callback):
         histograms = self._recorder.histograms
         if histograms:
             names += ["act_hist", "grad_hist"]
+        precursors, precursor_names = self._probes.compute() if self._probes is not None else ({}, {})
+        values = {**values, **precursors}
+        names += list(precursors)
         parts = [values[name].reshape(-1).to(torch.float64) for name in names]
         flat = torch.cat(parts).tolist()  # the one host transfer
         ends = list(itertools.accumulate(p.numel() for p in parts))
@@ -849,7 +896,7 @@ class LayerHealthCallback(Callback):
         agg.reset()
         agg.grad_scale = None
         self._window = None
-        metrics, values = self._log(trainer, step, host, wanted, no_float)
+        metrics, values = self._log(trainer, step, host, wanted, no_float, precursor_names)
         if histograms:
             self._log_histograms(trainer, step, host["act_hist"], host["grad_hist"], agg.histogram_edges)
         try:
@@ -865,7 +912,13 @@ class LayerHealthCallback(Callback):
         return keys
 
     def _log(
-        self, trainer: pl.Trainer, step: int, host: dict[str, list[float]], wanted: list[str], no_float: list[int]
+        self,
+        trainer: pl.Trainer,
+        step: int,
+        host: dict[str, list[float]],
+        wanted: list[str],
+        no_float: list[int],
+        precursors: Mapping[str, list[str]] | None = None,
     ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
         """Log the step; returns the metrics and the same values by statistic and name (what the rules read)."""
         count, grad_count, seen = host["count"], host["grad_count"], host["param_seen"]
@@ -886,6 +939,12 @@ class LayerHealthCallback(Callback):
                     metrics[key] = group[name] = value
             if group:
                 values[stat] = group
+        for stat, names in (precursors or {}).items():
+            group = {n: v for n, v in zip(names, host[stat], strict=True) if n and v == v}  # NaN: not observed
+            if group:
+                values[stat] = group
+                if stat in PRECURSOR_STATS:
+                    metrics.update({f"{self.prefix}/{stat}/{n}": v for n, v in group.items()})
         if "grad_norm_total" in self.stats and any(s > 0 for s in seen):
             metrics[f"{self.prefix}/grad_norm_total"] = host["grad_norm_total"][0]
         # Depth travels as data so that a report can order layers from the logs of any logger.
@@ -1006,7 +1065,9 @@ class LayerHealthCallback(Callback):
             trip=trip,
             baseline=self._baseline,
             last_finite=self._last_finite,
+            history=self._history,
         )
+        self._history.push(step, values)
         for name, norm in values.get("param_norm", {}).items():
             if math.isfinite(norm):
                 self._last_finite[name] = step

@@ -107,6 +107,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the rules only read a Trip's fields; importing the sentinel at run time would import torch
     from lightning_hookdiag.sentinel import Trip
 
+from lightning_hookdiag import trends as T
 from lightning_hookdiag.names import owning_layer
 
 __all__ = [
@@ -130,6 +131,9 @@ RULES: tuple[str, ...] = (
     "exploding_gradient",
     "saturation",
     "precision_headroom",
+    "attention_logits",
+    "logit_drift",
+    "update_jump",
 )
 """Names of the health rules, in the order findings of the same layer are listed."""
 
@@ -186,6 +190,20 @@ class RuleConfig:
             since the last regular sampled step; finite, ``> 1``.
         overflow_frac_threshold: ``precision_headroom`` fires when the share of non-zero values at risk of
             overflowing a target dtype is ``> overflow_frac_threshold``; in ``[0, 1)``.
+        attn_logit_threshold: ``attention_logits`` fires when ``attn_logit_max >= attn_logit_threshold``; finite,
+            ``> 0``.
+        attn_trend_floor: ... or when it is at least ``attn_trend_floor`` and rising steadily towards the threshold
+            (see the module table); in ``[0, attn_logit_threshold)``.
+        attn_trend_horizon: ... projected to cross it within this many sampled steps; an integer ``>= 1``.
+        trend_window: Sampled steps (the current one included) a trend rule needs before it says anything, and
+            looks back over; an integer ``>= 3``.
+        logit_drift_nats: ``logit_drift`` fires when the output layer's ``logit_lse_mean`` moved by at least this
+            many nats over the window; finite, ``> 0``.
+        drift_loss_tolerance: ... while the loss changed by at most this fraction of its value at the window's
+            start; in ``(0, 1)``.
+        update_jump_ratio: ``update_jump`` fires when a parameter's ``param_update_ratio`` is at least this factor
+            above the median of its own window, and this factor above the same jump of the median parameter;
+            finite, ``> 1``.
 
     Raises:
         ValueError: For an invalid field; the message names the field, the value and what is valid.
@@ -213,6 +231,13 @@ class RuleConfig:
     spike_ratio: float = 10.0
     spike_growth: float = 10.0
     overflow_frac_threshold: float = 0.0
+    attn_logit_threshold: float = 50.0
+    attn_trend_floor: float = 10.0
+    attn_trend_horizon: int = 10
+    trend_window: int = 8
+    logit_drift_nats: float = 5.0
+    drift_loss_tolerance: float = 0.1
+    update_jump_ratio: float = 2.0
 
     def __post_init__(self) -> None:
         enabled = self.enabled
@@ -237,6 +262,10 @@ class RuleConfig:
             "spike_ratio": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
             "spike_growth": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
             "overflow_frac_threshold": ("a number in [0, 1)", lambda v: 0.0 <= v < 1.0),
+            "attn_logit_threshold": ("a finite number > 0", lambda v: 0.0 < v < math.inf),
+            "logit_drift_nats": ("a finite number > 0", lambda v: 0.0 < v < math.inf),
+            "drift_loss_tolerance": ("a number in (0, 1)", lambda v: 0.0 < v < 1.0),
+            "update_jump_ratio": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
         }
         for name, (valid, ok) in checks.items():
             object.__setattr__(self, name, _number(name, getattr(self, name), valid, ok))
@@ -245,6 +274,16 @@ class RuleConfig:
         _integer(
             "spike_warmup", self.spike_warmup, f"an integer in [3, spike_window={window}]", lambda v: 3 <= v <= window
         )
+        limit = self.attn_logit_threshold
+        floor = _number(
+            "attn_trend_floor",
+            self.attn_trend_floor,
+            f"a number in [0, attn_logit_threshold={limit:g})",
+            lambda v: 0.0 <= v < limit,
+        )
+        object.__setattr__(self, "attn_trend_floor", floor)
+        _integer("attn_trend_horizon", self.attn_trend_horizon, "an integer >= 1", lambda v: v >= 1)
+        _integer("trend_window", self.trend_window, "an integer >= 3", lambda v: v >= 3)
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any] | None) -> RuleConfig:
@@ -366,6 +405,7 @@ class _Context:
     trip: Trip | None = None
     baseline: Baseline | None = None
     last_finite: Mapping[str, int] | None = None
+    history: T.History | None = None
     shared: dict[str, Any] = field(default_factory=dict, compare=False)
     """What several rules derive from the same values (both gradient rules sort the same ratios)."""
 
@@ -749,6 +789,148 @@ def _precision_headroom(ctx: _Context) -> list[Finding]:
     return out
 
 
+def _window(ctx: _Context, stat: str, name: str, value: float) -> list[tuple[int, float]]:
+    """The last ``trend_window`` points of ``stat`` at ``name``, the current value included."""
+    earlier = [] if ctx.history is None else [p for p in ctx.history.points(stat, name) if p[0] < ctx.step]
+    return [*earlier, (ctx.step, value)][-ctx.config.trend_window :]
+
+
+def _attention_logits(ctx: _Context) -> list[Finding]:
+    config = ctx.config
+    limit = config.attn_logit_threshold
+    out: list[Finding] = []
+    for layer, value in ctx.stat("attn_logit_max").items():
+        if not _finite(value):
+            continue
+        message = ""
+        if value >= limit:
+            message = (
+                f"attention_logits: the largest attention logit |q.k|*scale of {layer} is {value:.4g} at step"
+                f" {ctx.step}, at or above attn_logit_threshold={limit:g} (the softmax is close to one-hot; qk-norm"
+                " or a lower learning rate keeps it bounded)"
+            )
+        elif value >= config.attn_trend_floor:
+            message = _attention_trend(ctx, layer, value)
+        if message:
+            out.append(
+                Finding("attention_logits", layer, ctx.step, float(value), limit, message, "forward", "attn_logit_max")
+            )
+    return out
+
+
+def _attention_trend(ctx: _Context, layer: str, value: float) -> str:
+    """The message of a steady rise projected to cross the threshold soon, or ``""``."""
+    config = ctx.config
+    points = _window(ctx, "attn_logit_max", layer, value)
+    if len(points) < config.trend_window or T.rising_share(points) < 0.75:
+        return ""
+    crossing = T.crossing_step(points, config.attn_logit_threshold)
+    if crossing is None:
+        return ""
+    spacing = T.median([b[0] - a[0] for a, b in zip(points, points[1:], strict=False)])
+    if crossing - ctx.step > config.attn_trend_horizon * spacing:
+        return ""
+    first_step, first = points[0]
+    return (
+        f"attention_logits: the largest attention logit of {layer} rose from {first:.4g} at step {first_step} to"
+        f" {value:.4g} at step {ctx.step} and, at its rate of {T.log_slope(points):.3g} (log per step), crosses"
+        f" attn_logit_threshold={config.attn_logit_threshold:g} at about step {crossing}"
+    )
+
+
+def _logit_drift(ctx: _Context) -> list[Finding]:
+    config = ctx.config
+    losses = ctx.stat("step_loss")
+    loss = losses.get(LOSS)
+    out: list[Finding] = []
+    if not _finite(loss):
+        return out
+    loss_points = _window(ctx, "step_loss", LOSS, float(loss))
+    for layer, value in ctx.stat("logit_lse_mean").items():
+        if not _finite(value):
+            continue
+        points = _window(ctx, "logit_lse_mean", layer, value)
+        if len(points) < config.trend_window or len(loss_points) < config.trend_window:
+            continue
+        (start, first), (_, old_loss) = points[0], loss_points[0]
+        drift = value - first
+        change = abs(loss - old_loss)
+        if abs(drift) >= config.logit_drift_nats and change <= config.drift_loss_tolerance * abs(old_loss):
+            out.append(
+                Finding(
+                    rule="logit_drift",
+                    layer=layer,
+                    step=ctx.step,
+                    value=drift,
+                    threshold=config.logit_drift_nats,
+                    message=f"logit_drift: the output logits of {layer} drifted: log Z (logit_lse_mean) moved by"
+                    f" {drift:+.3g} nats from step {start} to step {ctx.step} (logit_drift_nats="
+                    f"{config.logit_drift_nats:g}) while the loss changed by {change:.3g} (from {old_loss:.4g});"
+                    " the softmax does not pin log Z, a z-loss (1e-4 * log Z**2) does",
+                    phase="forward",
+                    stat="logit_lse_mean",
+                )
+            )
+    return out
+
+
+def _layer_updates(ctx: _Context) -> dict[str, list[tuple[int, float]]]:
+    """Per layer, ``||w_after - w_before||`` over all its parameters on each step of the window, oldest first.
+
+    The update norm is ``param_update_ratio * param_norm``; the current step comes last (if it was measured).
+    """
+    by_step: dict[str, dict[int, list[float]]] = {}
+    params = [p for p in ctx.stat("param_update_ratio") if p in ctx.stat("param_norm")]
+    for param in params:
+        ratio, norm = ctx.stat("param_update_ratio")[param], ctx.stat("param_norm")[param]
+        ratios = dict(_window(ctx, "param_update_ratio", param, ratio)) if _finite(ratio) else {}
+        norms = dict(_window(ctx, "param_norm", param, norm)) if _finite(norm) else {}
+        steps = by_step.setdefault(ctx.orders.owner(param), {})
+        for step, r in ratios.items():
+            if step in norms and r >= 0:
+                steps.setdefault(step, []).append((r * norms[step]) ** 2)
+    out: dict[str, list[tuple[int, float]]] = {}
+    for layer, steps in by_step.items():
+        if ctx.step in steps:  # a layer whose parameters did not all update now is not compared
+            out[layer] = [(s, math.sqrt(sum(sq))) for s, sq in sorted(steps.items())]
+    return out
+
+
+def _update_jump(ctx: _Context) -> list[Finding]:
+    config = ctx.config
+    jumps: dict[str, tuple[float, float]] = {}
+    for layer, points in _layer_updates(ctx).items():
+        *earlier, (_, now) = points
+        if len(earlier) < config.trend_window - 1:
+            continue
+        own = T.median([v for _, v in earlier])
+        if own > 0:
+            jumps[layer] = (now / own, own)
+    if not jumps:
+        return []
+    # A learning-rate schedule (warm-up) moves every layer's update together: compare with the typical jump too.
+    typical = T.median([j for j, _ in jumps.values()])
+    out: list[Finding] = []
+    for layer, (jump, own) in jumps.items():
+        if jump >= config.update_jump_ratio and jump >= config.update_jump_ratio * typical:
+            out.append(
+                Finding(
+                    rule="update_jump",
+                    layer=layer,
+                    step=ctx.step,
+                    value=jump,
+                    threshold=config.update_jump_ratio,
+                    message=f"update_jump: the optimizer update of {layer} at step {ctx.step} (the norm of its"
+                    f" parameters' change) is {jump:.3g}x the median {own:.3g} of its last {config.trend_window - 1}"
+                    f" sampled updates (update_jump_ratio={config.update_jump_ratio:g}; the median layer's is"
+                    f" {typical:.3g}x), a precursor of a loss spike",
+                    phase="backward",
+                    stat="param_update_ratio",
+                )
+            )
+    return out
+
+
 _RULE_FUNCTIONS: dict[str, Callable[[_Context], list[Finding]]] = {
     "nonfinite": _nonfinite,
     "loss_spike": _loss_spike,
@@ -757,6 +939,9 @@ _RULE_FUNCTIONS: dict[str, Callable[[_Context], list[Finding]]] = {
     "exploding_gradient": lambda ctx: _gradient_scale(ctx, "exploding_gradient"),
     "saturation": _saturation,
     "precision_headroom": _precision_headroom,
+    "attention_logits": _attention_logits,
+    "logit_drift": _logit_drift,
+    "update_jump": _update_jump,
 }
 
 
@@ -770,6 +955,7 @@ def evaluate(
     trip: Trip | None = None,
     baseline: Baseline | None = None,
     last_finite: Mapping[str, int] | None = None,
+    history: T.History | None = None,
 ) -> list[Finding]:
     """Apply the enabled rules to one sampled (or sentinel-tripped) step's statistics.
 
@@ -785,6 +971,8 @@ def evaluate(
         baseline: The last regular sampled step's values, which ``loss_spike`` compares against.
         last_finite: Parameter name to the last step its ``param_norm`` was observed finite, for the message about
             non-finite weights.
+        history: The earlier sampled steps' values, for the trend rules (``attention_logits``' trend,
+            ``logit_drift``, ``update_jump``); without it they compare levels only.
 
     Returns:
         Findings with forward ones (in forward order) before backward ones (in backward order); the first is the
@@ -808,6 +996,7 @@ def evaluate(
         trip=trip,
         baseline=baseline,
         last_finite=last_finite,
+        history=history,
     )
     findings = [f for rule in config.enabled for f in _RULE_FUNCTIONS[rule](ctx)]
 
