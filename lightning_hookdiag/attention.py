@@ -219,7 +219,7 @@ class AttentionProbe(TorchFunctionMode):
         >>> with probe:
         ...     _ = attn(x, x, x, need_weights=False)  # sdpa
         >>> bool(probe.maxima[0] >= 0), probe.calls
-        (True, 1)
+        (True, {'sdpa': 1, 'softmax': 0})
     """
 
     def __init__(self, modules: Mapping[str, nn.Module], max_rows: int = 32, budget: int = 1 << 22) -> None:
@@ -230,13 +230,13 @@ class AttentionProbe(TorchFunctionMode):
         self.budget = budget
         self.maxima: Tensor = torch.full((len(self.names),), -1.0)
         """Per module, the largest logit seen since :meth:`reset` (``-1``: no call seen)."""
-        self.calls = 0
-        """Attention calls measured since :meth:`reset` (host count, for tests and notes)."""
+        self.calls = {"sdpa": 0, "softmax": 0}
+        """Attention calls measured since :meth:`reset`, by kind (host counts, for tests and notes)."""
 
     def reset(self, device: torch.device | None = None) -> None:
         """Forget every measurement (``device``: where the maxima live)."""
         self.maxima = torch.full((len(self.names),), -1.0, device=device or self.maxima.device)
-        self.calls = 0
+        self.calls = {"sdpa": 0, "softmax": 0}
 
     def __torch_function__(
         self, func: Any, types: Sequence[type], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
@@ -257,7 +257,8 @@ class AttentionProbe(TorchFunctionMode):
         if slot is None:
             return
         with torch.no_grad():
-            if func is F.scaled_dot_product_attention:
+            kind = "sdpa" if func is F.scaled_dot_product_attention else "softmax"
+            if kind == "sdpa":
                 query = args[0] if args else kwargs["query"]
                 key = args[1] if len(args) > 1 else kwargs["key"]
                 if not (isinstance(query, Tensor) and isinstance(key, Tensor)) or query.is_nested:
@@ -278,7 +279,7 @@ class AttentionProbe(TorchFunctionMode):
             if self.maxima.device != value.device:
                 self.maxima = self.maxima.to(value.device)
             self.maxima[slot] = torch.maximum(self.maxima[slot], value.to(self.maxima.dtype))
-        self.calls += 1
+        self.calls[kind] += 1
 
 
 class OutputProbe:
@@ -443,9 +444,12 @@ class PrecursorProbes:
             name = self.output.names[layer] if layer is not None else ""
             absmax = maxima[0]
             # Without rows (the layer did not run) there is nothing to report: NaN is dropped when logging.
-            values["logit_lse_mean"] = torch.where(rows > 0, lse / rows, math.nan).reshape(1)
-            values["logit_absmax"] = torch.where(rows > 0, absmax, math.nan).reshape(1)
-            names["logit_lse_mean"] = names["logit_absmax"] = [name]
+            found = {
+                "logit_lse_mean": torch.where(rows > 0, lse / rows, math.nan).reshape(1),
+                "logit_absmax": torch.where(rows > 0, absmax, math.nan).reshape(1),
+            }
+            for stat in self.output_stats:
+                values[stat], names[stat] = found[stat], [name]
         if self.attention is not None:
             maxima_all = maxima[-1]
             values["attn_logit_max"] = torch.where(maxima_all >= 0, maxima_all, math.nan)
