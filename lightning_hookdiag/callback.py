@@ -387,7 +387,7 @@ class LayerHealthCallback(Callback):
         self._opt_in = OptInPlan()
         self._saved: SavedMemoryTracker | None = None
         self._probes: PrecursorProbes | None = None
-        self._history = History(max(self.rule_config.trend_window, 2))
+        self._history = History(4 * self.rule_config.trend_window)  # logit_drift looks back this far
 
     @property
     @override

@@ -237,7 +237,7 @@ class RuleConfig:
     trend_window: int = 8
     logit_drift_nats: float = 5.0
     drift_loss_tolerance: float = 0.1
-    update_jump_ratio: float = 2.0
+    update_jump_ratio: float = 5.0
 
     def __post_init__(self) -> None:
         enabled = self.enabled
@@ -838,39 +838,49 @@ def _attention_trend(ctx: _Context, layer: str, value: float) -> str:
     )
 
 
+def _span(ctx: _Context, stat: str, name: str, value: float) -> list[tuple[int, float]]:
+    """Every kept point of ``stat`` at ``name`` (up to ``4 * trend_window``), the current value last."""
+    earlier = [] if ctx.history is None else [p for p in ctx.history.points(stat, name) if p[0] < ctx.step]
+    return [*earlier, (ctx.step, value)][-4 * ctx.config.trend_window :]
+
+
 def _logit_drift(ctx: _Context) -> list[Finding]:
     config = ctx.config
-    losses = ctx.stat("step_loss")
-    loss = losses.get(LOSS)
+    loss = ctx.stat("step_loss").get(LOSS)
     out: list[Finding] = []
     if not _finite(loss):
         return out
-    loss_points = _window(ctx, "step_loss", LOSS, float(loss))
+    losses = dict(_span(ctx, "step_loss", LOSS, float(loss)))
     for layer, value in ctx.stat("logit_lse_mean").items():
         if not _finite(value):
             continue
-        points = _window(ctx, "logit_lse_mean", layer, value)
-        if len(points) < config.trend_window or len(loss_points) < config.trend_window:
+        points = _span(ctx, "logit_lse_mean", layer, value)
+        if len(points) < config.trend_window:
             continue
-        (start, first), (_, old_loss) = points[0], loss_points[0]
-        drift = value - first
-        change = abs(loss - old_loss)
-        if abs(drift) >= config.logit_drift_nats and change <= config.drift_loss_tolerance * abs(old_loss):
-            out.append(
-                Finding(
-                    rule="logit_drift",
-                    layer=layer,
-                    step=ctx.step,
-                    value=drift,
-                    threshold=config.logit_drift_nats,
-                    message=f"logit_drift: the output logits of {layer} drifted: log Z (logit_lse_mean) moved by"
-                    f" {drift:+.3g} nats from step {start} to step {ctx.step} (logit_drift_nats="
-                    f"{config.logit_drift_nats:g}) while the loss changed by {change:.3g} (from {old_loss:.4g});"
-                    " the softmax does not pin log Z, a z-loss (1e-4 * log Z**2) does",
-                    phase="forward",
-                    stat="logit_lse_mean",
+        # The earliest kept step from which log Z moved far while the loss stayed flat: a slow drift is caught once
+        # it has accumulated, over up to 4 * trend_window sampled steps.
+        for start, first in points[:-1]:
+            old_loss = losses.get(start)
+            if old_loss is None:
+                continue
+            drift, change = value - first, abs(loss - old_loss)
+            if abs(drift) >= config.logit_drift_nats and change <= config.drift_loss_tolerance * abs(old_loss):
+                out.append(
+                    Finding(
+                        rule="logit_drift",
+                        layer=layer,
+                        step=ctx.step,
+                        value=drift,
+                        threshold=config.logit_drift_nats,
+                        message=f"logit_drift: the output logits of {layer} drifted: log Z (logit_lse_mean) moved by"
+                        f" {drift:+.3g} nats from step {start} to step {ctx.step} (logit_drift_nats="
+                        f"{config.logit_drift_nats:g}) while the loss changed by {change:.3g} (from {old_loss:.4g});"
+                        " the softmax does not pin log Z, a z-loss (1e-4 * log Z**2) does",
+                        phase="forward",
+                        stat="logit_lse_mean",
+                    )
                 )
-            )
+                break
     return out
 
 
