@@ -752,11 +752,15 @@ class LayerHealthCallback(Callback):
         if self._saved is not None:
             run = self._measure_saved_bytes(run)
             self._saved.attach()
+        if self._probes is not None:
+            run = self._probe_forward(run)
         try:
             replay_step(self._micro, run, pl_module, self._hooks, pl_module.device)
         except Exception as error:  # a failed replay is reported in the finding; training goes on untouched
             failure = f"the replay raised {type(error).__name__}: {error}"
         finally:
+            if self._probes is not None:
+                self._probes.remove()
             if self._saved is not None:
                 self._saved.remove()
                 self._fold_saved_bytes()
@@ -802,6 +806,20 @@ class LayerHealthCallback(Callback):
             return run(micro)
 
         return measured
+
+    def _probe_forward(self, run: Callable[[MicroBatch], Tensor | None]) -> Callable[[MicroBatch], Tensor | None]:
+        """``run`` with the precursor probes on during its forward (a replay: no loss for ``logit_drift``)."""
+        probes = self._probes
+        assert probes is not None
+
+        def probed(micro: MicroBatch) -> Tensor | None:
+            probes.attach()
+            try:
+                return run(micro)
+            finally:
+                probes.end_forward()
+
+        return probed
 
     def _detach(self) -> None:
         if self._probes is not None:

@@ -297,11 +297,11 @@ class RuleConfig:
 
         Example:
             >>> RuleConfig.from_mapping({"exploding_ratio": 1e4, "enabled": ["nonfinite"]})
-            RuleConfig(enabled=('nonfinite',), dead_frac_threshold=0.9, vanishing_ratio=0.001, exploding_ratio=10000.0, saturation_level=0.9, saturation_frac=0.5, spike_window=50, spike_warmup=20, spike_zscore=8.0, spike_ratio=10.0, spike_growth=10.0, overflow_frac_threshold=0.0)
+            RuleConfig(enabled=('nonfinite',), dead_frac_threshold=0.9, vanishing_ratio=0.001, exploding_ratio=10000.0, saturation_level=0.9, saturation_frac=0.5, spike_window=50, spike_warmup=20, spike_zscore=8.0, spike_ratio=10.0, spike_growth=10.0, overflow_frac_threshold=0.0, attn_logit_threshold=50.0, attn_trend_floor=10.0, attn_trend_horizon=10, trend_window=8, logit_drift_nats=5.0, drift_loss_tolerance=0.1, update_jump_ratio=5.0)
             >>> RuleConfig.from_mapping({"dead_frac": 0.5})
             Traceback (most recent call last):
             ...
-            ValueError: unknown rule setting(s) ['dead_frac']; valid keys: ['dead_frac_threshold', 'enabled', 'exploding_ratio', 'overflow_frac_threshold', 'saturation_frac', 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore', 'vanishing_ratio']
+            ValueError: unknown rule setting(s) ['dead_frac']; valid keys: ['attn_logit_threshold', 'attn_trend_floor', 'attn_trend_horizon', 'dead_frac_threshold', 'drift_loss_tolerance', 'enabled', 'exploding_ratio', 'logit_drift_nats', 'overflow_frac_threshold', 'saturation_frac', 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore', 'trend_window', 'update_jump_ratio', 'vanishing_ratio']
         """  # noqa: E501
         if d is None:
             return cls()
@@ -1062,7 +1062,7 @@ class AlertState:
         >>> state.counts["dead_units"]
         3
         >>> state.state_dict()
-        {'active': [['dead_units', 'relu']], 'counts': {'nonfinite': 0, 'loss_spike': 0, 'dead_units': 3, 'vanishing_gradient': 0, 'exploding_gradient': 0, 'saturation': 0, 'precision_headroom': 0}}
+        {'active': [['dead_units', 'relu']], 'counts': {'nonfinite': 0, 'loss_spike': 0, 'dead_units': 3, 'vanishing_gradient': 0, 'exploding_gradient': 0, 'saturation': 0, 'precision_headroom': 0, 'attention_logits': 0, 'logit_drift': 0, 'update_jump': 0}}
     """  # noqa: E501
 
     def __init__(self) -> None:

@@ -193,7 +193,7 @@ def test_update_jump_twins_are_silent(layers):
     assert [f.message for f in health.findings] == []
 
 
-@pytest.mark.parametrize("name", [n for n in ZOO if n != "resnet18"])
+@pytest.mark.parametrize("name", ZOO)
 def test_healthy_zoo_raises_no_precursor_finding_over_a_hundred_steps(name):
     module = zoo_module(name, n=8 * ZOO_STEPS)
     health = LayerHealthCallback(

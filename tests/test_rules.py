@@ -446,7 +446,8 @@ def test_alert_state_counts_every_finding_seen():
     state.update([finding("dead_units", "x")])
     assert state.counts == {"nonfinite": 0, "loss_spike": 0, "dead_units": 3, "vanishing_gradient": 0,
                             "exploding_gradient": 0, "saturation": 0,
-                            "precision_headroom": 0}  # fmt: skip
+                            "precision_headroom": 0, "attention_logits": 0, "logit_drift": 0,
+                            "update_jump": 0}  # fmt: skip
 
 
 def test_alert_state_round_trips_through_json_and_pickle():
@@ -546,9 +547,10 @@ def test_from_mapping_builds_and_defaults():
 
 def test_from_mapping_rejects_unknown_keys_listing_valid_ones_sorted():
     valid = (
-        "['dead_frac_threshold', 'enabled', 'exploding_ratio', 'overflow_frac_threshold', 'saturation_frac',"
-        " 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore',"
-        " 'vanishing_ratio']"
+        "['attn_logit_threshold', 'attn_trend_floor', 'attn_trend_horizon', 'dead_frac_threshold',"
+        " 'drift_loss_tolerance', 'enabled', 'exploding_ratio', 'logit_drift_nats', 'overflow_frac_threshold',"
+        " 'saturation_frac', 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window',"
+        " 'spike_zscore', 'trend_window', 'update_jump_ratio', 'vanishing_ratio']"
     )
     with pytest.raises(ValueError, match=r"unknown rule setting\(s\) \['vanish', 'zzz'\]; valid keys: ") as info:
         RuleConfig.from_mapping({"zzz": 1, "vanish": 0.1, "exploding_ratio": 10})
