@@ -71,7 +71,6 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hookdiag.distributed import all_reduce_packed
 from lightning_hookdiag.hooks import _in_backward, first_floating_tensor
 from lightning_hookdiag.vocabulary import PRECURSOR_STATS
 
@@ -419,48 +418,59 @@ class PrecursorProbes:
             self.output.reset(device)
         self._loss = None
 
-    def compute(self) -> tuple[dict[str, Tensor], dict[str, list[str]]]:
-        """The step's pooled values (device tensors, reduced over processes) and the names they belong to."""
-        sums: list[Tensor] = []
-        maxima: list[Tensor] = []
-        device = self._device()
+    def register(self, aggregator: Any) -> None:
+        """Register the two pooled states on a :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator`.
+
+        ``precursor_sums``: ``[sum of log Z, rows, loss, processes that saw a loss]``; ``precursor_maxima``: the
+        largest ``|logit|`` of the output layer, then the attention maxima (``-1``: no call seen).
+        """
+        device = aggregator.act_moments.device
+        n = len(self.attention.names) if self.attention is not None else 0
+        aggregator.register_extra("precursor_sums", torch.zeros(4, dtype=torch.float64, device=device), "sum")
+        maxima = torch.full((1 + n,), -1.0, dtype=torch.float64, device=device)
+        aggregator.register_extra("precursor_maxima", maxima, "max")
+
+    def fold(self, aggregator: Any) -> None:
+        """Pool this process's step into the registered states (once per sampled step, before ``compute``)."""
+        device = aggregator.precursor_sums.device
+        sums = torch.zeros(4, dtype=torch.float64, device=device)
+        maxima = [torch.full((1,), -1.0, dtype=torch.float64, device=device)]
         if self.output is not None:
-            sums.append(self.output.sums.to(device))
-            maxima.append(self.output.absmax.to(device, torch.float64).reshape(1))
-        loss = self._loss if self._loss is not None else torch.full((), math.nan, dtype=torch.float64, device=device)
-        sums.append(torch.stack([loss.to(device), torch.ones((), dtype=torch.float64, device=device)]))
+            sums[:2] = self.output.sums.to(device)
+            maxima[0] = self.output.absmax.to(device, torch.float64).reshape(1)
+        if self._loss is not None:
+            sums[2] = self._loss.to(device)
+            sums[3] = 1.0
         if self.attention is not None:
             maxima.append(self.attention.maxima.to(device, torch.float64))
-        sums = all_reduce_packed(sums, "sum")
-        maxima = all_reduce_packed(maxima, "max")
-        values: dict[str, Tensor] = {}
-        names: dict[str, list[str]] = {}
-        loss_sum, processes = sums[-1]
-        values["step_loss"] = (loss_sum / processes).reshape(1)
-        names["step_loss"] = ["loss"]
+        aggregator.pool_extra("precursor_sums", sums)
+        aggregator.pool_extra("precursor_maxima", torch.cat(maxima))
+
+    def finalize(self, pooled: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, list[str]]]:
+        """The step's values (device tensors, NaN where nothing was seen) and the names they belong to.
+
+        Args:
+            pooled: ``compute()`` of the aggregator :meth:`register` was called on (reduced over processes).
+        """
+        # torchmetrics squeezes one-element results to 0-d.
+        sums, maxima = pooled["precursor_sums"].reshape(-1), pooled["precursor_maxima"].reshape(-1)
+        lse, rows, loss, seen = sums.unbind()
+        values: dict[str, Tensor] = {"step_loss": torch.where(seen > 0, loss / seen, math.nan).reshape(1)}
+        names: dict[str, list[str]] = {"step_loss": ["loss"]}
         if self.output is not None:
-            lse, rows = sums[0]
             layer = self.output.layer
             name = self.output.names[layer] if layer is not None else ""
-            absmax = maxima[0]
-            # Without rows (the layer did not run) there is nothing to report: NaN is dropped when logging.
             found = {
                 "logit_lse_mean": torch.where(rows > 0, lse / rows, math.nan).reshape(1),
-                "logit_absmax": torch.where(rows > 0, absmax, math.nan).reshape(1),
+                "logit_absmax": torch.where(rows > 0, maxima[0], math.nan).reshape(1),
             }
             for stat in self.output_stats:
                 values[stat], names[stat] = found[stat], [name]
         if self.attention is not None:
-            maxima_all = maxima[-1]
-            values["attn_logit_max"] = torch.where(maxima_all >= 0, maxima_all, math.nan)
+            attention = maxima[1:]
+            values["attn_logit_max"] = torch.where(attention >= 0, attention, math.nan)
             names["attn_logit_max"] = self.attention.names
         return values, names
-
-    def _device(self) -> torch.device:
-        if self.attention is not None:
-            return self.attention.maxima.device
-        assert self.output is not None
-        return self.output.sums.device
 
 
 def _exit_mode(mode: TorchFunctionMode | None) -> None:

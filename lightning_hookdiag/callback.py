@@ -465,6 +465,8 @@ class LayerHealthCallback(Callback):
         )
         self._saved = SavedMemoryTracker(modules, pl_module) if plan.saved_bytes else None
         self._probes = self._precursor_probes(pl_module, modules)
+        if self._probes is not None:
+            self._probes.register(self._aggregator)
         on_grad = self._recorder.on_grad if wanted & set(S.GRADIENT_STATS) or plan.grad_targets else None
         self._hooks = HookSet(modules, self._recorder.on_output, on_grad)
         self._tracker = (
@@ -884,6 +886,8 @@ class LayerHealthCallback(Callback):
                 updated = self._tracker.after_step()
         if self._saved is not None:
             agg.add_saved_bytes(self._saved.pop_peak())  # one host-to-device copy per sampled step
+        if self._probes is not None:
+            self._probes.fold(agg)
         # Every process takes part in the reduction, also one whose layers did not run.
         agg.update(params=None if updated is None else (updated[0], updated[1], P.P_UPDATE_SQ))
         values = agg.compute()  # reduced over processes: one SUM and one MAX all-reduce (aggregation.py)
@@ -897,7 +901,7 @@ class LayerHealthCallback(Callback):
         histograms = self._recorder.histograms
         if histograms:
             names += ["act_hist", "grad_hist"]
-        precursors, precursor_names = self._probes.compute() if self._probes is not None else ({}, {})
+        precursors, precursor_names = self._probes.finalize(values) if self._probes is not None else ({}, {})
         values = {**values, **precursors}
         names += list(precursors)
         parts = [values[name].reshape(-1).to(torch.float64) for name in names]
