@@ -37,9 +37,12 @@ Two opt-in statistics families (``stats=[...]``), measured only during sampled t
     rows or batch elements. Attention-logit growth (weights of ``W_q``/``W_k`` growing) moves every row together,
     so the subsample follows it; a single outlier token at an unsampled position is what it can miss.
 
+    ``nn.MultiheadAttention``'s fused fast path (``torch._native_multi_head_attention``) runs only in eval mode
+    without grad, so never in training; it also refuses inputs that have a torch-function handler, which the mode
+    gives every tensor, so under the probe the Python path (sdpa or softmax, both seen) always runs.
+
     Blind spots: attention computed by a fused kernel called directly (flash-attn's ``flash_attn_func``, xformers,
-    ``torch._native_multi_head_attention``: ``nn.MultiheadAttention``'s fast path, which only runs in eval mode
-    without grad, so never in training), compiled models (``torch.compile`` traces the function away; the call
+    ``torch.ops`` custom kernels), compiled models (``torch.compile`` traces the function away; the call
     stack holds no module frames), eager attention whose softmax is taken over a dimension other than the last, or
     as ``exp`` / ``sum`` by hand, and sentinel replays (a replayed step is not probed). A softmax over the last
     dimension of a 3-D or larger tensor that is *not* attention (a per-token classifier's probabilities) is

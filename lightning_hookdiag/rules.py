@@ -33,7 +33,33 @@ Rule                    Field                              Default   Fires when
                                                                      statistics) ``> overflow_frac_threshold``: some
                                                                      values overflow target dtype ``<t>`` or sit
                                                                      within 2x of its maximum
+``attention_logits``    ``attn_logit_threshold``,          ``50``,   ``attn_logit_max >= attn_logit_threshold``
+                        ``attn_trend_floor``,              ``10``,   (opt-in statistic), or: at least
+                        ``attn_trend_horizon``,            ``10``,   ``attn_trend_floor``, rising on ``>= 75%`` of
+                        ``trend_window``                   ``8``     the last ``trend_window`` sampled steps, and
+                                                                     its log-linear trend crosses the threshold
+                                                                     within ``attn_trend_horizon`` sampled steps
+                                                                     (the message gives the projected step)
+``logit_drift``         ``logit_drift_nats``,              ``5``,    the output layer's ``logit_lse_mean`` (opt-in)
+                        ``drift_loss_tolerance``,          ``0.1``,  moved ``>= logit_drift_nats`` since some kept
+                        ``trend_window``                   ``8``     step (up to ``4 * trend_window`` back, at least
+                                                                     ``trend_window`` points) while the loss changed
+                                                                     by ``<= drift_loss_tolerance`` of its value then
+``update_jump``         ``update_jump_ratio``,             ``5``,    a layer's update norm (``param_update_ratio *
+                        ``trend_window``                   ``8``     param_norm`` over its parameters) is ``>=
+                                                                     update_jump_ratio`` x the median of its last
+                                                                     ``trend_window - 1`` sampled updates, and that
+                                                                     jump is ``>= update_jump_ratio`` x the median
+                                                                     layer's jump
 ======================  =================================  ========  ================================================
+
+The last three are *trend* rules: they compare a statistic with its own history over the earlier sampled steps
+(:class:`~lightning_hookdiag.trends.History`, kept by the callback and checkpointed with it), and say nothing until
+``trend_window`` sampled steps exist, so the transients of the first steps (Adam's large first updates, logits
+leaving their O(1) init) never fire them. Their findings are about layers: ``attention_logits`` names the attention
+module (``stat="attn_logit_max"``, ``phase="forward"``), ``logit_drift`` the output layer (``stat=
+"logit_lse_mean"``, ``value`` the drift in nats), ``update_jump`` the layer owning the parameters (``stat=
+"param_update_ratio"``, ``phase="backward"``, ``value`` the jump factor).
 
 The sentinel's own settings live here too: ``spike_window`` (``50``), ``spike_warmup`` (``20``), ``spike_zscore``
 (``8``) and ``spike_ratio`` (``10``); see :class:`~lightning_hookdiag.sentinel.SpikeDetector`.
@@ -65,6 +91,29 @@ Why these defaults:
   signal that the optimiser can no longer use.
 * ``overflow_frac_threshold=0.0``: one value within a factor 2 of the target's maximum is already one doubling
   (a learning-rate spike, a loss-scale step) away from Inf, which in fp16/fp8 turns the whole step non-finite.
+* ``attn_logit_threshold=50``: Gemma 2 soft-caps attention logits at 50, Kimi K2's QK-clip and Megatron clip at 100,
+  and logits above 1000 are reported before blow-ups. A warning must come before the point where the field
+  intervenes, so it sits at the lower of the two: a model built to be healthy is not allowed past 50. Softmax
+  resolution is long gone by then (``e**-50`` is far below float32's epsilon relative to 1): the heads whose maximum
+  logit passes 50 attend one-hot. Healthy models start at O(1) (the zoo of ``tests/zoo.py``: at most 3.9 over 110
+  steps, BERT; 0.2 for GPT-2, LLaMA, ViT), so the threshold leaves more than a decade of margin.
+* ``attn_trend_floor=10``, ``attn_trend_horizon=10``: a rise matters once the logit is within a factor 5 of the
+  threshold; below that, healthy training moves logits by large factors (from 0.05 at init to a few units) without
+  heading anywhere near 50. Ten sampled steps ahead is early enough to act (lower the learning rate, add qk-norm)
+  and short enough that a slowly creeping healthy layer does not project a crossing.
+* ``trend_window=8``: seven intervals give a least-squares slope that one noisy step does not turn, and quiet the
+  trend rules for the first eight sampled steps.
+* ``logit_drift_nats=5``, ``drift_loss_tolerance=0.1``: the cross entropy is ``log Z - logit[target]``, so a shift
+  shared by every logit moves ``log Z`` and not the loss; the softmax does not resist it, which is why PaLM adds a
+  z-loss. Five nats is ``Z`` grown or shrunk 150-fold with no change in what the model predicts; healthy members of
+  the zoo move ``log Z`` by at most 0.36 nats over a window, while the loss moves too. Looking back up to four
+  windows catches a drift of 0.2 nats per sampled step.
+* ``update_jump_ratio=5``: the field's signal is a 2x jump of a layer's update norm over its history (Marin 32B
+  retro), but on the healthy zoo, over 110 steps of AdamW, jumps of 2.4x (ViT, a LayerNorm) and 3.7x (BERT, the
+  embeddings when the task is picked up, and a query projection) happen without any loss spike: 2x would cry wolf
+  in two of seven models. Five keeps a margin of 1.3 over the largest healthy jump seen; pass ``update_jump_ratio=2``
+  for the field's setting on large, smooth runs. A jump shared by every layer (a learning-rate schedule) is not a
+  layer's precursor and is discounted by the median layer's jump.
 * Why the input side and not each layer alone: a layer's own output gradient is tiny for healthy reasons (attention
   key/query projections at init, a residual branch behind a zero-initialised norm such as timm's ``zero_init_last``,
   a gate), while the residual stream still carries the signal past it. Vanishing, as practitioners mean it, is a
