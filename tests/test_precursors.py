@@ -207,3 +207,132 @@ def test_healthy_zoo_raises_no_precursor_finding_over_a_hundred_steps(name):
     assert sum(health._alerts.counts.values()) == 0
     assert count_hooks(module) == 0
     assert torch._C._len_torch_function_stack() == 0
+
+
+def test_history_goes_into_the_checkpoint_state_and_comes_back():
+    import json
+
+    module = zoo_module("vit", n=8 * 4)
+    health = _health()
+    make_trainer([health], max_steps=4).fit(module)
+    state = json.loads(json.dumps(health.state_dict()))
+    points = state["history"]["points"]["attn_logit_max"]["model.blocks.0.attn"]
+    assert [s for s, _ in points] == [0, 1, 2, 3]
+    assert points[-1][1] == health.last_metrics["layer_health/attn_logit_max/model.blocks.0.attn"]
+    restored = _health()
+    restored.load_state_dict(state)
+    assert restored._history.points("attn_logit_max", "model.blocks.0.attn") == [tuple(p) for p in points]
+
+
+def test_a_replayed_step_is_probed_like_a_sampled_one(monkeypatch):
+    from conftest import RecordingLogger, force_trips
+
+    def run(every: int) -> dict[str, float]:
+        module = zoo_module("vit", n=8 * 4)
+        logger = RecordingLogger()
+        health = LayerHealthCallback(every_n_steps=every, stats=STATS, on_anomaly="ignore", summary=False)
+        make_trainer([health], max_steps=4, logger=logger).fit(module)
+        return dict(logger.ours())[3]
+
+    regular = run(3)
+    force_trips(monkeypatch, {3})
+    replayed = run(100)
+    keys = [k for k in regular if "/attn_logit_max/" in k or "/logit_" in k]
+    assert len(keys) == 6
+    assert {k: replayed[k] for k in keys} == {k: regular[k] for k in keys}
+
+
+# ------------------------------------------------------------------------ a real instability: no qk-norm, high lr
+class _QKAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, qk_norm: bool) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.q_norm = nn.LayerNorm(dim // heads) if qk_norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(dim // heads) if qk_norm else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        out = nn.functional.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(b, n, c))
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, heads: int, qk_norm: bool) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = _QKAttention(dim, heads, qk_norm)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class _CopyLM(pl.LightningModule):
+    """A 2-block pre-norm causal LM learning to repeat a random first half (an induction task), AdamW, no warm-up."""
+
+    def __init__(self, qk_norm: bool, lr: float, vocab: int = 64, seq: int = 32, dim: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
+        self.blocks = nn.Sequential(*[_Block(dim, 2, qk_norm) for _ in range(2)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+        self.lr, self.vocab = lr, vocab
+        g = torch.Generator().manual_seed(1)
+        half = torch.randint(0, vocab, (256, seq // 2 + 1), generator=g)
+        self.tokens = torch.cat([half, half], 1)[:, : seq + 1]
+        self.losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.blocks(self.embed(x) + self.pos[: x.shape[1]])))
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        logits = self(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, self.vocab), tokens[:, 1:].reshape(-1))
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(TensorDataset(self.tokens), batch_size=16)
+
+
+def _copy_run(qk_norm: bool, steps: int = 120) -> tuple[_CopyLM, LayerHealthCallback, _Watch]:
+    torch.manual_seed(0)
+    module = _CopyLM(qk_norm, lr=0.03)
+    health = LayerHealthCallback(
+        every_n_steps=2,
+        stats=["attn_logit_max", "logit_lse_mean"],
+        on_anomaly="ignore",
+        summary=False,
+        rules={"enabled": PRECURSOR_RULES},
+    )
+    watch = _Watch(health, "layer_health/attn_logit_max/blocks.0.attn")
+    make_trainer([health, watch], max_steps=steps).fit(module)
+    return module, health, watch
+
+
+def test_high_lr_without_qk_norm_grows_attention_logits_past_100_and_is_warned_long_before_the_loss_fails():
+    sick, health, watch = _copy_run(qk_norm=False)
+    healthy, twin, twin_watch = _copy_run(qk_norm=True)
+    # The instability: logits past 100 (Kimi K2 / Megatron clip there), while the qk-norm twin stays below 15 ...
+    assert max(watch.values.values()) > 100
+    assert max(twin_watch.values.values()) < 15
+    # ... and the loss: the twin learns the task, the sick model does not (the final loss is far higher).
+    tail = slice(-20, None)
+    assert sum(sick.losses[tail]) / 20 > sum(healthy.losses[tail]) / 20 + 0.2
+    first = health.findings[0]
+    assert (first.rule, first.stat) == ("attention_logits", "attn_logit_max")
+    assert first.layer in ("blocks.0.attn", "blocks.1.attn")
+    # The warning comes in the first quarter of the run, while both losses are still level.
+    gap = next(i for i, (a, b) in enumerate(zip(sick.losses, healthy.losses, strict=True)) if a > b + 0.1)
+    assert first.step <= 30
+    assert first.step < gap - 40
+    assert [f.message for f in twin.findings] == []
