@@ -40,11 +40,12 @@ Two opt-in statistics families (``stats=[...]``), measured only during sampled t
     ``nn.MultiheadAttention``'s fused fast path (``torch._native_multi_head_attention``) runs only in eval mode
     without grad, so never in training; it also refuses inputs that have a torch-function handler, which the mode
     gives every tensor, so under the probe the Python path (sdpa or softmax, both seen) always runs.
+    ``torch.compile``'d models are seen like eager ones: sampled batches run eagerly (the callback's hooks set the
+    ``force_eager`` stance), so the calls and the module frames are there.
 
     Blind spots: attention computed by a fused kernel called directly (flash-attn's ``flash_attn_func``, xformers,
-    ``torch.ops`` custom kernels), compiled models (``torch.compile`` traces the function away; the call
-    stack holds no module frames), eager attention whose softmax is taken over a dimension other than the last, or
-    as ``exp`` / ``sum`` by hand, and sentinel replays (a replayed step is not probed). A softmax over the last
+    ``torch.ops`` custom kernels), eager attention whose softmax is taken over a dimension other than the last, or
+    as ``exp`` / ``sum`` by hand, and query rows or batch elements outside the subsample. A softmax over the last
     dimension of a 3-D or larger tensor that is *not* attention (a per-token classifier's probabilities) is
     reported as if it were, under the module that computed it.
 

@@ -278,3 +278,18 @@ def test_training_is_bit_identical_with_the_precursor_probes():
     probed = train([LayerHealthCallback(every_n_steps=1, stats=STATS, on_anomaly="ignore", summary=False)])
     assert plain.keys() == probed.keys()
     assert all(torch.equal(plain[k], probed[k]) for k in plain)
+
+
+def test_a_compiled_model_gets_the_same_precursor_statistics_as_eager():
+    # Sampled batches run eagerly (the callback's hooks set the force_eager stance), so the mode sees every call.
+    def run(compiled: bool) -> dict[str, float]:
+        module = zoo_module("vit", n=8 * 3)
+        if compiled:
+            module.model = torch.compile(module.model, backend="eager")
+        callback = LayerHealthCallback(every_n_steps=1, stats=list(PRECURSOR_STATS), on_anomaly="ignore", summary=False)
+        make_trainer([callback], max_steps=3).fit(module)
+        return {k: v for k, v in callback.last_metrics.items() if "logit" in k}
+
+    eager, compiled = run(False), run(True)
+    assert len(eager) == 6
+    assert compiled == eager
