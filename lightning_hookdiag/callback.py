@@ -559,8 +559,8 @@ class LayerHealthCallback(Callback):
         if self._saved is not None and self._saved.attached:
             self._saved.remove()
             self._fold_saved_bytes()
-        if self._probes is not None:
-            self._probes.remove()
+        if self._probes is not None and self._probes.attached:
+            self._probes.end_forward()  # no backward (a training_step that returned no loss): the output still counts
         if self._window is not None and trainer.global_step != self._window:
             self._finish_window(trainer)
         if self._micro_step is not None and trainer.global_step != self._micro_step:

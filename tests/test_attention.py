@@ -293,3 +293,21 @@ def test_a_compiled_model_gets_the_same_precursor_statistics_as_eager():
     eager, compiled = run(False), run(True)
     assert len(eager) == 6
     assert compiled == eager
+
+
+def test_removing_the_probe_leaves_a_mode_entered_after_it_in_place():
+    from lightning_hookdiag.attention import PrecursorProbes
+
+    class Other(torch.overrides.TorchFunctionMode):
+        pass
+
+    probes = PrecursorProbes(["attn_logit_max"], {"attn": nn.Linear(2, 2)}, {})
+    probes.attach()
+    other = Other()
+    other.__enter__()  # e.g. a `with torch.device(...)` opened inside training_step and still open
+    probes.remove()
+    stack = torch.overrides._get_current_function_mode_stack()
+    assert stack == [other]
+    other.__exit__(None, None, None)
+    assert torch._C._len_torch_function_stack() == 0
+    probes.remove()  # again: a no-op
