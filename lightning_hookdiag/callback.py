@@ -252,7 +252,7 @@ class LayerHealthCallback(Callback):
             nothing is computed unless targets are named here (to plan a switch to lower precision).
         output_layer: The module whose output is the model's logits, for ``logit_lse_mean`` / ``logit_absmax``
             (a dotted name as :func:`~lightning_hookdiag.list_layers` prints it). ``None``: the last selected module
-            to run in each micro-batch's forward.
+            to run in each micro-batch's forward. Naming one without either statistic in ``stats=`` is an error.
 
     Raises:
         ValueError: At construction, for any invalid argument (the message names it and the valid values); when
@@ -332,6 +332,11 @@ class LayerHealthCallback(Callback):
         self.layer_types = import_types(layer_types, "layer_types")
         self.exclude = _strings(exclude, "exclude") or []
         self.stats = S.resolve_stats(stats)
+        if output_layer is not None and not {"logit_lse_mean", "logit_absmax"} & set(self.stats):
+            raise ValueError(
+                f"output_layer={output_layer!r} names the layer of logit_lse_mean / logit_absmax, but stats= includes"
+                " neither; add them to stats= or leave output_layer=None"
+            )
         self.precision_targets = resolve_targets(precision_targets)
         self.prefix = prefix
         self.dead_unit_types = import_types(dead_unit_types, "dead_unit_types")

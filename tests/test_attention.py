@@ -243,6 +243,8 @@ def test_output_layer_named_by_the_user_and_its_errors():
         LayerHealthCallback(output_layer=3)
     with pytest.raises(ValueError, match=r"output_layer: expected None or a non-empty module name, got ''"):
         LayerHealthCallback(output_layer="")
+    with pytest.raises(ValueError, match=r"output_layer='model.lm_head' names the layer of logit_lse_mean"):
+        LayerHealthCallback(output_layer="model.lm_head")  # the default stats compute no output logits
     bad = LayerHealthCallback(stats=["logit_absmax"], output_layer="model.lm_haed", summary=False)
     with pytest.raises(ValueError, match=r"output_layer.*model\.lm_haed.*model\.lm_head"):
         make_trainer([bad], max_steps=1).fit(zoo_module("gpt2", n=8))
