@@ -26,7 +26,9 @@ Variants:
 Optional extra variants (``--variants``) split ``every_step`` by statistic family: ``acts_only``, ``grads_only`` and
 ``params_only``; ``hooks_noop`` and ``hooks_one_read`` price the hook machinery alone and with one ``sum`` per output
 and output gradient (:class:`HookFloorCallback`); ``opt_in`` is ``every_step`` plus every opt-in statistic
-(``OPT_IN_STATS``) with two precision targets.
+(``OPT_IN_STATS``) with two precision targets; ``precursors`` is ``every_step`` plus the attention-logit and
+output-logit statistics (``PRECURSOR_STATS``), whose cost at the default interval is ``(precursors - every_step) /
+50``.
 
 Timing: a :class:`StepTimer` callback, listed first, records ``time.perf_counter_ns()`` in ``on_train_batch_start``.
 The interval between two consecutive starts is one whole training step: data fetch, forward, backward, optimizer
@@ -92,6 +94,7 @@ from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.errors import LayerHealthWarning
 from lightning_hookdiag.sentinel import Trip
 from lightning_hookdiag.stats import ACTIVATION_STATS, ALL_STATS, GRADIENT_STATS, OPT_IN_STATS, PARAMETER_STATS
+from lightning_hookdiag.vocabulary import PRECURSOR_STATS
 
 PERIOD = 50
 """``every_n_steps`` default of ``LayerHealthCallback``: the length of one amortisation period."""
@@ -110,6 +113,7 @@ EXTRA_VARIANTS = (
     "sentinel_grads",
     "replay",
     "opt_in",
+    "precursors",
 )
 NEVER = 10**9
 """An interval no benchmark reaches: only step 0 (dropped as warm-up) is sampled, so what remains is the per-step
@@ -486,6 +490,8 @@ def make_callback(variant: str) -> Callback | None:
     if variant == "opt_in":  # every statistic, the opt-in ones included, two precision targets
         stats = [*ALL_STATS, *OPT_IN_STATS]
         return LayerHealthCallback(every_n_steps=1, stats=stats, precision_targets=["float16", "float8_e4m3fn"])
+    if variant == "precursors":  # every_step plus the attention and output-logit probes
+        return LayerHealthCallback(every_n_steps=1, stats=[*ALL_STATS, *PRECURSOR_STATS])
     families = {"acts_only": ACTIVATION_STATS, "grads_only": GRADIENT_STATS, "params_only": PARAMETER_STATS}
     return LayerHealthCallback(every_n_steps=1, stats=families[variant])
 

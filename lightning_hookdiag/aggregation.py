@@ -122,6 +122,9 @@ class LayerStatsAggregator(Metric):
         self.power_shift = torch.zeros(n_layers, dtype=dtype)
         if saved_bytes:
             self.add_state("act_saved", torch.zeros(n_layers, dtype=dtype), dist_reduce_fx="max")
+        # States other modules register (register_extra): reduced in the same two packed all-reduces.
+        self._extra_sums: list[str] = []
+        self._extra_maxima: list[str] = []
         # Unit counts are learned from the outputs and agreed over processes (see the module docstring); the flat
         # layout follows layer order, so it is the same on every process whatever order layers happen to run in.
         self.sharded_params = sharded_params
@@ -309,6 +312,29 @@ class LayerStatsAggregator(Metric):
         self._mark_stale()
         getattr(self, state)[layer].add_(values)
 
+    def register_extra(self, name: str, default: Tensor, reduce: str) -> None:
+        """Register a pooled state of another module: ``"sum"`` or ``"max"`` over calls and processes.
+
+        It rides in the same packed all-reduces as the other states, is reset with them, and :meth:`compute`
+        returns it unchanged under ``name`` (its owner finalises it). Pool into it with :meth:`pool_extra`.
+
+        Raises:
+            ValueError: For a ``reduce`` other than ``"sum"`` or ``"max"``.
+        """
+        if reduce not in ("sum", "max"):
+            raise ValueError(f"register_extra: expected reduce 'sum' or 'max', got {reduce!r}")
+        self.add_state(name, default, dist_reduce_fx=reduce)
+        (self._extra_sums if reduce == "sum" else self._extra_maxima).append(name)
+
+    def pool_extra(self, name: str, values: Tensor) -> None:
+        """Add ``values`` to (``"sum"``) or take the maximum with (``"max"``) the registered state ``name``."""
+        self._mark_stale()
+        state = getattr(self, name)
+        if name in self._extra_sums:
+            state.add_(values.to(state.dtype))
+        else:
+            torch.maximum(state, values.to(state.dtype), out=state)
+
     def add_saved_bytes(self, per_layer: list[int]) -> None:
         """Pool one micro-batch's saved-activation bytes per layer (max over micro-batches and processes)."""
         self._mark_stale()
@@ -408,7 +434,8 @@ class LayerStatsAggregator(Metric):
             sum_names += ["act_hist", "grad_hist"]
         # Opt-in states, where registered (plain sums; saved-activation bytes a maximum).
         sum_names += [name for name in ("act_precision", "grad_precision", "act_power") if name in self._defaults]
-        max_names = ["act_absmax"]
+        sum_names += self._extra_sums
+        max_names = ["act_absmax", *self._extra_maxima]
         if self.saved_bytes:
             max_names.append("act_saved")
         # Sharded parameters hold disjoint parts whose sums of squares add up; replicated ones hold the same value
@@ -523,6 +550,8 @@ class LayerStatsAggregator(Metric):
             out["act_absmax_over_std"] = out["act_absmax"] / out["act_std"]
         if self.saved_bytes:
             out["act_saved_bytes"] = self.act_saved
+        for name in (*self._extra_sums, *self._extra_maxima):
+            out[name] = getattr(self, name)
 
 
 class _Deferred(Protocol):

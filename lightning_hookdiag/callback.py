@@ -29,6 +29,7 @@ from typing_extensions import override
 from lightning_hookdiag import params as P
 from lightning_hookdiag import stats as S
 from lightning_hookdiag.aggregation import LayerStatsAggregator, StepRecorder
+from lightning_hookdiag.attention import PrecursorProbes, attention_scope
 from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
 from lightning_hookdiag.hooks import HookSet
 from lightning_hookdiag.modes import EvalModeWatch
@@ -48,7 +49,7 @@ from lightning_hookdiag.rules import (
     values_from_metrics,
 )
 from lightning_hookdiag.saved_memory import SavedMemoryTracker
-from lightning_hookdiag.selection import excluded_names, import_types, resolve_layers
+from lightning_hookdiag.selection import _unmatched_error, excluded_names, import_types, named_modules, resolve_layers
 from lightning_hookdiag.sentinel import (
     SENTINEL_MODES,
     LossSentinel,
@@ -59,8 +60,9 @@ from lightning_hookdiag.sentinel import (
     capture_rng,
     replay_step,
 )
+from lightning_hookdiag.trends import History
 from lightning_hookdiag.updates import StepWatch
-from lightning_hookdiag.vocabulary import LAYER_STATS, PER_PARAMETER_STATS
+from lightning_hookdiag.vocabulary import LAYER_STATS, PER_PARAMETER_STATS, PRECURSOR_STATS
 
 __all__ = ["LayerHealthCallback"]
 
@@ -206,6 +208,10 @@ class LayerHealthCallback(Callback):
     ``<prefix>/act_saved_bytes/<layer>``    bytes autograd saved for backward while the layer was the innermost
                                             selected module running (largest micro-batch; storages once,
                                             parameters never)
+    ``<prefix>/attn_logit_max/<module>``    largest ``|q.k| * scale`` of the attention calls the module made
+                                            (a bounded row subsample; :mod:`lightning_hookdiag.attention`)
+    ``<prefix>/logit_lse_mean/<layer>``     mean ``logsumexp`` over the last dim of the output layer's output
+    ``<prefix>/logit_absmax/<layer>``       largest ``|logit|`` of the output layer
     ======================================  =====================================================================
 
     Args:
@@ -257,6 +263,9 @@ class LayerHealthCallback(Callback):
             ``"float8_e5m2"`` or the torch dtypes. ``None`` derives one from the Trainer's ``precision``
             (``16-mixed``/``16-true``: float16, ``bf16-mixed``/``bf16-true``: bfloat16); with full precision
             nothing is computed unless targets are named here (to plan a switch to lower precision).
+        output_layer: The module whose output is the model's logits, for ``logit_lse_mean`` / ``logit_absmax``
+            (a dotted name as :func:`~lightning_hookdiag.list_layers` prints it). ``None``: the last selected module
+            to run in each micro-batch's forward. Naming one without either statistic in ``stats=`` is an error.
 
     Raises:
         ValueError: At construction, for any invalid argument (the message names it and the valid values); when
@@ -292,6 +301,7 @@ class LayerHealthCallback(Callback):
         histogram_bins: int = 64,
         sentinel: Literal["loss", "loss+grads"] | None = "loss",
         precision_targets: str | torch.dtype | Sequence[str | torch.dtype] | None = None,
+        output_layer: str | None = None,
     ) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"every_n_steps: expected an integer >= 1, got {every_n_steps!r}")
@@ -305,6 +315,9 @@ class LayerHealthCallback(Callback):
             raise ValueError(f"on_anomaly: expected one of {list(ON_ANOMALY)}, got {on_anomaly!r}")
         if sentinel is not None and sentinel not in SENTINEL_MODES:
             raise ValueError(f"sentinel: expected one of {[*SENTINEL_MODES, None]}, got {sentinel!r}")
+        if output_layer is not None and (not isinstance(output_layer, str) or not output_layer):
+            raise ValueError(f"output_layer: expected None or a non-empty module name, got {output_layer!r}")
+        self.output_layer = output_layer
         self.every_n_steps = every_n_steps
         if histogram_every_n_steps is not None and (
             isinstance(histogram_every_n_steps, bool)
@@ -332,6 +345,11 @@ class LayerHealthCallback(Callback):
         self.layer_types = import_types(layer_types, "layer_types")
         self.exclude = _strings(exclude, "exclude") or []
         self.stats = S.resolve_stats(stats)
+        if output_layer is not None and not {"logit_lse_mean", "logit_absmax"} & set(self.stats):
+            raise ValueError(
+                f"output_layer={output_layer!r} names the layer of logit_lse_mean / logit_absmax, but stats= includes"
+                " neither; add them to stats= or leave output_layer=None"
+            )
         self.precision_targets = resolve_targets(precision_targets)
         self.prefix = prefix
         self.dead_unit_types = import_types(dead_unit_types, "dead_unit_types")
@@ -391,6 +409,8 @@ class LayerHealthCallback(Callback):
         self._params: list[nn.Parameter] = []  # the tracked parameters, in _param_names order
         self._stale: Tensor | None = None  # gradients held at the open window's first backward (stale_gradients)
         self._watch = StepWatch()  # learning rates and applied steps of the open window, for not_updated
+        self._probes: PrecursorProbes | None = None
+        self._history = History(4 * self.rule_config.trend_window)  # logit_drift looks back this far
 
     @property
     @override
@@ -469,6 +489,9 @@ class LayerHealthCallback(Callback):
             else StepRecorder(self._aggregator, **recorder_args)
         )
         self._saved = SavedMemoryTracker(modules, pl_module) if plan.saved_bytes else None
+        self._probes = self._precursor_probes(pl_module, modules)
+        if self._probes is not None:
+            self._probes.register(self._aggregator)
         on_grad = self._recorder.on_grad if wanted & set(S.GRADIENT_STATS) or plan.grad_targets else None
         self._hooks = HookSet(modules, self._recorder.on_output, on_grad)
         self._tracker = (
@@ -509,6 +532,8 @@ class LayerHealthCallback(Callback):
             self._saved.attach()
         if self._modes is not None:
             self._modes.batch_start()
+        if self._probes is not None:
+            self._probes.attach()
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -521,6 +546,8 @@ class LayerHealthCallback(Callback):
             self._sentinel.observe_loss(loss)
         if self._modes is not None and self._hooks is not None and self._hooks.attached:
             self._modes.before_backward()  # the sampled forward ran between batch start and here
+        if self._probes is not None and self._probes.attached:
+            self._probes.end_forward(loss)  # the forward is over: the probes never see backward
         self._check_stale(trainer)
 
     def _check_stale(self, trainer: pl.Trainer) -> None:
@@ -582,6 +609,8 @@ class LayerHealthCallback(Callback):
         if self._saved is not None and self._saved.attached:
             self._saved.remove()
             self._fold_saved_bytes()
+        if self._probes is not None and self._probes.attached:
+            self._probes.end_forward()  # no backward (a training_step that returned no loss): the output still counts
         if self._window is not None and trainer.global_step != self._window:
             self._finish_window(trainer)
         if self._micro_step is not None and trainer.global_step != self._micro_step:
@@ -604,6 +633,7 @@ class LayerHealthCallback(Callback):
         self._sentinel_params = []
         self._hooks = self._recorder = self._aggregator = self._tracker = None
         self._modes = None
+        self._probes = None
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -646,6 +676,7 @@ class LayerHealthCallback(Callback):
         self._hooks = self._recorder = self._aggregator = self._tracker = None
         self._modes = None
         self._saved = None
+        self._probes = None
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle the configuration and results, not the LightningModule.
@@ -674,6 +705,7 @@ class LayerHealthCallback(Callback):
             "trips": [vars(t) for t in self.trips],
             "sentinel": self._sentinel.state_dict() if self._sentinel is not None else None,
             "last_finite": dict(self._last_finite),
+            "history": self._history.state_dict(),
         }
 
     @override
@@ -686,6 +718,7 @@ class LayerHealthCallback(Callback):
         self.findings = [Finding(**f) for f in state_dict.get("findings", [])]
         self.trips = [Trip(**t) for t in state_dict.get("trips", [])]
         self._last_finite = dict(state_dict.get("last_finite", {}))
+        self._history.load_state_dict(state_dict.get("history", {}))
         if self._sentinel is not None and state_dict.get("sentinel"):
             self._sentinel.load_state_dict(state_dict["sentinel"])
 
@@ -698,6 +731,8 @@ class LayerHealthCallback(Callback):
         if self._modes is not None:
             self._modes.take()  # a discarded window's findings are not this one's
         self._watch.release()
+        if self._probes is not None and self._aggregator is not None:
+            self._probes.reset(self._aggregator.act_moments.device)
         self._hooks.clear_order()
         every = self.histogram_every_n_steps
         if self._recorder is not None:  # replays follow the schedule of sampled steps; parameter-only windows: none
@@ -809,11 +844,15 @@ class LayerHealthCallback(Callback):
         if self._saved is not None:
             run = self._measure_saved_bytes(run)
             self._saved.attach()
+        if self._probes is not None:
+            run = self._probe_forward(run)
         try:
             replay_step(self._micro, run, pl_module, self._hooks, pl_module.device, trace)
         except Exception as error:  # a failed replay is reported in the finding; training goes on untouched
             failure = f"the replay raised {type(error).__name__}: {error}"
         finally:
+            if self._probes is not None:
+                self._probes.remove()
             if self._saved is not None:
                 self._saved.remove()
                 self._fold_saved_bytes()
@@ -859,7 +898,23 @@ class LayerHealthCallback(Callback):
 
         return measured
 
+    def _probe_forward(self, run: Callable[[MicroBatch], Tensor | None]) -> Callable[[MicroBatch], Tensor | None]:
+        """``run`` with the precursor probes on during its forward (a replay: no loss for ``logit_drift``)."""
+        probes = self._probes
+        assert probes is not None
+
+        def probed(micro: MicroBatch) -> Tensor | None:
+            probes.attach()
+            try:
+                return run(micro)
+            finally:
+                probes.end_forward()
+
+        return probed
+
     def _detach(self) -> None:
+        if self._probes is not None:
+            self._probes.remove()
         if self._hooks is not None:
             self._hooks.remove()
         if self._saved is not None:
@@ -883,6 +938,20 @@ class LayerHealthCallback(Callback):
         self._watch.release()
         if self._saved is not None:
             self._saved.pop_peak()
+
+    def _precursor_probes(
+        self, pl_module: pl.LightningModule, modules: Mapping[str, nn.Module]
+    ) -> PrecursorProbes | None:
+        """The attention and output-logit probes of the requested precursor statistics, or ``None``."""
+        if not set(PRECURSOR_STATS) & set(self.stats):
+            return None
+        every = named_modules(pl_module)
+        output = modules
+        if self.output_layer is not None:
+            if self.output_layer not in every:
+                raise _unmatched_error(self.output_layer, "output_layer", list(every))
+            output = {self.output_layer: every[self.output_layer]}
+        return PrecursorProbes(self.stats, attention_scope(every, list(modules)), output)
 
     def _warn_once(self, key: str, message: str, info: bool = False) -> None:
         if key not in self._warned:
@@ -908,6 +977,8 @@ class LayerHealthCallback(Callback):
                 updated = self._tracker.after_step()
         if self._saved is not None:
             agg.add_saved_bytes(self._saved.pop_peak())  # one host-to-device copy per sampled step
+        if self._probes is not None:
+            self._probes.fold(agg)
         # Every process takes part in the reduction, also one whose layers did not run.
         agg.update(params=None if updated is None else (updated[0], updated[1], P.P_UPDATE_SQ))
         values = agg.compute()  # reduced over processes: one SUM and one MAX all-reduce (aggregation.py)
@@ -927,6 +998,9 @@ class LayerHealthCallback(Callback):
         histograms = self._recorder.histograms
         if histograms:
             names += ["act_hist", "grad_hist"]
+        precursors, precursor_names = self._probes.finalize(values) if self._probes is not None else ({}, {})
+        values = {**values, **precursors}
+        names += list(precursors)
         parts = [values[name].reshape(-1).to(torch.float64) for name in names]
         flat = torch.cat(parts).tolist()  # the one host transfer
         ends = list(itertools.accumulate(p.numel() for p in parts))
@@ -943,7 +1017,7 @@ class LayerHealthCallback(Callback):
         agg.reset()
         agg.grad_scale = None
         self._window = None
-        metrics, values = self._log(trainer, step, host, wanted, no_float)
+        metrics, values = self._log(trainer, step, host, wanted, no_float, precursor_names)
         if stale is not None:  # passed to the rules, not logged: it is 0 on every healthy step
             held = zip(self._param_names, host["stale_grad_sq"], strict=True)
             values["param_stale_grad_norm"] = {name: math.sqrt(sq) for name, sq in held if sq != 0}
@@ -968,7 +1042,13 @@ class LayerHealthCallback(Callback):
         return keys
 
     def _log(
-        self, trainer: pl.Trainer, step: int, host: dict[str, list[float]], wanted: list[str], no_float: list[int]
+        self,
+        trainer: pl.Trainer,
+        step: int,
+        host: dict[str, list[float]],
+        wanted: list[str],
+        no_float: list[int],
+        precursors: Mapping[str, list[str]] | None = None,
     ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
         """Log the step; returns the metrics and the same values by statistic and name (what the rules read)."""
         count, grad_count, seen = host["count"], host["grad_count"], host["param_seen"]
@@ -989,6 +1069,12 @@ class LayerHealthCallback(Callback):
                     metrics[key] = group[name] = value
             if group:
                 values[stat] = group
+        for stat, names in (precursors or {}).items():
+            group = {n: v for n, v in zip(names, host[stat], strict=True) if n and v == v}  # NaN: not observed
+            if group:
+                values[stat] = group
+                if stat in PRECURSOR_STATS:
+                    metrics.update({f"{self.prefix}/{stat}/{n}": v for n, v in group.items()})
         if "grad_norm_total" in self.stats and any(s > 0 for s in seen):
             metrics[f"{self.prefix}/grad_norm_total"] = host["grad_norm_total"][0]
         # Depth travels as data so that a report can order layers from the logs of any logger.
@@ -1120,7 +1206,9 @@ class LayerHealthCallback(Callback):
             missing_grads=missing_grads,
             eval_mode=eval_mode,
             param_facts=facts,
+            history=self._history,
         )
+        self._history.push(step, values)
         for name, norm in values.get("param_norm", {}).items():
             if math.isfinite(norm):
                 self._last_finite[name] = step

@@ -71,7 +71,33 @@ Rule                    Field                              Default   Fires when
                                                                      smallest ``param_norm`` over processes differ by
                                                                      more than ``replica_rtol`` times the largest;
                                                                      one finding per owning module
+``attention_logits``    ``attn_logit_threshold``,          ``50``,   ``attn_logit_max >= attn_logit_threshold``
+                        ``attn_trend_floor``,              ``10``,   (opt-in statistic), or: at least
+                        ``attn_trend_horizon``,            ``10``,   ``attn_trend_floor``, rising on ``>= 75%`` of
+                        ``trend_window``                   ``8``     the last ``trend_window`` sampled steps, and
+                                                                     its log-linear trend crosses the threshold
+                                                                     within ``attn_trend_horizon`` sampled steps
+                                                                     (the message gives the projected step)
+``logit_drift``         ``logit_drift_nats``,              ``5``,    the output layer's ``logit_lse_mean`` (opt-in)
+                        ``drift_loss_tolerance``,          ``0.1``,  moved ``>= logit_drift_nats`` since some kept
+                        ``trend_window``                   ``8``     step (up to ``4 * trend_window`` back, at least
+                                                                     ``trend_window`` points) while the loss changed
+                                                                     by ``<= drift_loss_tolerance`` of its value then
+``update_jump``         ``update_jump_ratio``,             ``5``,    a layer's update norm (``param_update_ratio *
+                        ``trend_window``                   ``8``     param_norm`` over its parameters) is ``>=
+                                                                     update_jump_ratio`` x the median of its last
+                                                                     ``trend_window - 1`` sampled updates, and that
+                                                                     jump is ``>= update_jump_ratio`` x the median
+                                                                     layer's jump
 ======================  =================================  ========  ================================================
+
+The last three are *trend* rules: they compare a statistic with its own history over the earlier sampled steps
+(:class:`~lightning_hookdiag.trends.History`, kept by the callback and checkpointed with it), and say nothing until
+``trend_window`` sampled steps exist, so the transients of the first steps (Adam's large first updates, logits
+leaving their O(1) init) never fire them. Their findings are about layers: ``attention_logits`` names the attention
+module (``stat="attn_logit_max"``, ``phase="forward"``), ``logit_drift`` the output layer (``stat=
+"logit_lse_mean"``, ``value`` the drift in nats), ``update_jump`` the layer owning the parameters (``stat=
+"param_update_ratio"``, ``phase="backward"``, ``value`` the jump factor).
 
 The sentinel's own settings live here too: ``spike_window`` (``50``), ``spike_warmup`` (``20``), ``spike_zscore``
 (``8``) and ``spike_ratio`` (``10``). A loss trips as a spike when it rises more than ``spike_ratio``-fold above the
@@ -140,6 +166,29 @@ Why these defaults:
   signal that the optimiser can no longer use.
 * ``overflow_frac_threshold=0.0``: one value within a factor 2 of the target's maximum is already one doubling
   (a learning-rate spike, a loss-scale step) away from Inf, which in fp16/fp8 turns the whole step non-finite.
+* ``attn_logit_threshold=50``: Gemma 2 soft-caps attention logits at 50, Kimi K2's QK-clip and Megatron clip at 100,
+  and logits above 1000 are reported before blow-ups. A warning must come before the point where the field
+  intervenes, so it sits at the lower of the two: a model built to be healthy is not allowed past 50. Softmax
+  resolution is long gone by then (``e**-50`` is far below float32's epsilon relative to 1): the heads whose maximum
+  logit passes 50 attend one-hot. Healthy models start at O(1) (the zoo of ``tests/zoo.py``: at most 3.9 over 110
+  steps, BERT; 0.2 for GPT-2, LLaMA, ViT), so the threshold leaves more than a decade of margin.
+* ``attn_trend_floor=10``, ``attn_trend_horizon=10``: a rise matters once the logit is within a factor 5 of the
+  threshold; below that, healthy training moves logits by large factors (from 0.05 at init to a few units) without
+  heading anywhere near 50. Ten sampled steps ahead is early enough to act (lower the learning rate, add qk-norm)
+  and short enough that a slowly creeping healthy layer does not project a crossing.
+* ``trend_window=8``: seven intervals give a least-squares slope that one noisy step does not turn, and quiet the
+  trend rules for the first eight sampled steps.
+* ``logit_drift_nats=5``, ``drift_loss_tolerance=0.1``: the cross entropy is ``log Z - logit[target]``, so a shift
+  shared by every logit moves ``log Z`` and not the loss; the softmax does not resist it, which is why PaLM adds a
+  z-loss. Five nats is ``Z`` grown or shrunk 150-fold with no change in what the model predicts; healthy members of
+  the zoo move ``log Z`` by at most 0.36 nats over a window, while the loss moves too. Looking back up to four
+  windows catches a drift of 0.2 nats per sampled step.
+* ``update_jump_ratio=5``: the field's signal is a 2x jump of a layer's update norm over its history (Marin 32B
+  retro), but on the healthy zoo, over 110 steps of AdamW, jumps of 2.4x (ViT, a LayerNorm) and 3.7x (BERT, the
+  embeddings when the task is picked up, and a query projection) happen without any loss spike: 2x would cry wolf
+  in two of seven models. Five keeps a margin of 1.3 over the largest healthy jump seen; pass ``update_jump_ratio=2``
+  for the field's setting on large, smooth runs. A jump shared by every layer (a learning-rate schedule) is not a
+  layer's precursor and is discounted by the median layer's jump.
 * Why the input side and not each layer alone: a layer's own output gradient is tiny for healthy reasons (attention
   key/query projections at init, a residual branch behind a zero-initialised norm such as timm's ``zero_init_last``,
   a gate), while the residual stream still carries the signal past it. Vanishing, as practitioners mean it, is a
@@ -258,6 +307,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the rules only read a Trip's fields; importing the sentinel at run time would import torch
     from lightning_hookdiag.sentinel import Trip
 
+from lightning_hookdiag import trends as T
 from lightning_hookdiag.names import owning_layer
 
 __all__ = [
@@ -293,6 +343,9 @@ RULES: tuple[str, ...] = (
     "input_scale",
     "not_updated",
     "replica_divergence",
+    "attention_logits",
+    "logit_drift",
+    "update_jump",
 )
 """Names of the health rules, in the order findings of the same layer are listed."""
 
@@ -367,6 +420,20 @@ class RuleConfig:
             weights' squared mass can have changed (the bound ``(2 r / eps)**2``); in ``(0, 1]``.
         replica_rtol: ``replica_divergence`` fires when a parameter's largest and smallest norm over processes
             differ by more than this share of the largest; in ``[0, 1)`` (0: any difference).
+        attn_logit_threshold: ``attention_logits`` fires when ``attn_logit_max >= attn_logit_threshold``; finite,
+            ``> 0``.
+        attn_trend_floor: ... or when it is at least ``attn_trend_floor`` and rising steadily towards the threshold
+            (see the module table); in ``[0, attn_logit_threshold)``.
+        attn_trend_horizon: ... projected to cross it within this many sampled steps; an integer ``>= 1``.
+        trend_window: Sampled steps (the current one included) a trend rule needs before it says anything, and
+            looks back over; an integer ``>= 3``.
+        logit_drift_nats: ``logit_drift`` fires when the output layer's ``logit_lse_mean`` moved by at least this
+            many nats over the window; finite, ``> 0``.
+        drift_loss_tolerance: ... while the loss changed by at most this fraction of its value at the window's
+            start; in ``(0, 1)``.
+        update_jump_ratio: ``update_jump`` fires when a parameter's ``param_update_ratio`` is at least this factor
+            above the median of its own window, and this factor above the same jump of the median parameter;
+            finite, ``> 1``.
 
     Raises:
         ValueError: For an invalid field; the message names the field, the value and what is valid.
@@ -399,6 +466,13 @@ class RuleConfig:
     input_scale_limit: float = 20.0
     moved_mass_threshold: float = 0.1
     replica_rtol: float = 1e-6
+    attn_logit_threshold: float = 50.0
+    attn_trend_floor: float = 10.0
+    attn_trend_horizon: int = 10
+    trend_window: int = 8
+    logit_drift_nats: float = 5.0
+    drift_loss_tolerance: float = 0.1
+    update_jump_ratio: float = 5.0
 
     def __post_init__(self) -> None:
         enabled = self.enabled
@@ -428,6 +502,10 @@ class RuleConfig:
             "input_scale_limit": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
             "moved_mass_threshold": ("a number in (0, 1]", lambda v: 0.0 < v <= 1.0),
             "replica_rtol": ("a number in [0, 1)", lambda v: 0.0 <= v < 1.0),
+            "attn_logit_threshold": ("a finite number > 0", lambda v: 0.0 < v < math.inf),
+            "logit_drift_nats": ("a finite number > 0", lambda v: 0.0 < v < math.inf),
+            "drift_loss_tolerance": ("a number in (0, 1)", lambda v: 0.0 < v < 1.0),
+            "update_jump_ratio": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
         }
         for name, (valid, ok) in checks.items():
             object.__setattr__(self, name, _number(name, getattr(self, name), valid, ok))
@@ -436,6 +514,16 @@ class RuleConfig:
         _integer(
             "spike_warmup", self.spike_warmup, f"an integer in [3, spike_window={window}]", lambda v: 3 <= v <= window
         )
+        limit = self.attn_logit_threshold
+        floor = _number(
+            "attn_trend_floor",
+            self.attn_trend_floor,
+            f"a number in [0, attn_logit_threshold={limit:g})",
+            lambda v: 0.0 <= v < limit,
+        )
+        object.__setattr__(self, "attn_trend_floor", floor)
+        _integer("attn_trend_horizon", self.attn_trend_horizon, "an integer >= 1", lambda v: v >= 1)
+        _integer("trend_window", self.trend_window, "an integer >= 3", lambda v: v >= 3)
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any] | None) -> RuleConfig:
@@ -449,11 +537,11 @@ class RuleConfig:
 
         Example:
             >>> RuleConfig.from_mapping({"exploding_ratio": 1e4, "enabled": ["nonfinite"]})
-            RuleConfig(enabled=('nonfinite',), dead_frac_threshold=0.9, vanishing_ratio=0.001, exploding_ratio=10000.0, saturation_level=0.9, saturation_frac=0.5, spike_window=50, spike_warmup=20, spike_zscore=8.0, spike_ratio=10.0, spike_growth=10.0, overflow_frac_threshold=0.0, update_ratio_low=1e-05, effective_lr_low=0.0005, input_scale_limit=20.0, moved_mass_threshold=0.1, replica_rtol=1e-06)
+            RuleConfig(enabled=('nonfinite',), dead_frac_threshold=0.9, vanishing_ratio=0.001, exploding_ratio=10000.0, saturation_level=0.9, saturation_frac=0.5, spike_window=50, spike_warmup=20, spike_zscore=8.0, spike_ratio=10.0, spike_growth=10.0, overflow_frac_threshold=0.0, update_ratio_low=1e-05, effective_lr_low=0.0005, input_scale_limit=20.0, moved_mass_threshold=0.1, replica_rtol=1e-06, attn_logit_threshold=50.0, attn_trend_floor=10.0, attn_trend_horizon=10, trend_window=8, logit_drift_nats=5.0, drift_loss_tolerance=0.1, update_jump_ratio=5.0)
             >>> RuleConfig.from_mapping({"dead_frac": 0.5})
             Traceback (most recent call last):
             ...
-            ValueError: unknown rule setting(s) ['dead_frac']; valid keys: ['dead_frac_threshold', 'effective_lr_low', 'enabled', 'exploding_ratio', 'input_scale_limit', 'moved_mass_threshold', 'overflow_frac_threshold', 'replica_rtol', 'saturation_frac', 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore', 'update_ratio_low', 'vanishing_ratio']
+            ValueError: unknown rule setting(s) ['dead_frac']; valid keys: ['attn_logit_threshold', 'attn_trend_floor', 'attn_trend_horizon', 'dead_frac_threshold', 'drift_loss_tolerance', 'effective_lr_low', 'enabled', 'exploding_ratio', 'input_scale_limit', 'logit_drift_nats', 'moved_mass_threshold', 'overflow_frac_threshold', 'replica_rtol', 'saturation_frac', 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore', 'trend_window', 'update_jump_ratio', 'update_ratio_low', 'vanishing_ratio']
         """  # noqa: E501
         if d is None:
             return cls()
@@ -600,6 +688,7 @@ class _Context:
     missing_grads: Collection[str] = ()
     eval_mode: Mapping[str, str] = field(default_factory=dict)
     param_facts: Mapping[str, ParamFacts] | None = None
+    history: T.History | None = None
     shared: dict[str, Any] = field(default_factory=dict, compare=False)
     """What several rules derive from the same values (both gradient rules sort the same ratios)."""
 
@@ -1460,6 +1549,158 @@ def _replica_divergence(ctx: _Context) -> list[Finding]:
     return out
 
 
+def _window(ctx: _Context, stat: str, name: str, value: float) -> list[tuple[int, float]]:
+    """The last ``trend_window`` points of ``stat`` at ``name``, the current value included."""
+    earlier = [] if ctx.history is None else [p for p in ctx.history.points(stat, name) if p[0] < ctx.step]
+    return [*earlier, (ctx.step, value)][-ctx.config.trend_window :]
+
+
+def _attention_logits(ctx: _Context) -> list[Finding]:
+    config = ctx.config
+    limit = config.attn_logit_threshold
+    out: list[Finding] = []
+    for layer, value in ctx.stat("attn_logit_max").items():
+        if not _finite(value):
+            continue
+        message = ""
+        if value >= limit:
+            message = (
+                f"attention_logits: the largest attention logit |q.k|*scale of {layer} is {value:.4g} at step"
+                f" {ctx.step}, at or above attn_logit_threshold={limit:g} (the softmax is close to one-hot; qk-norm"
+                " or a lower learning rate keeps it bounded)"
+            )
+        elif value >= config.attn_trend_floor:
+            message = _attention_trend(ctx, layer, value)
+        if message:
+            out.append(
+                Finding("attention_logits", layer, ctx.step, float(value), limit, message, "forward", "attn_logit_max")
+            )
+    return out
+
+
+def _attention_trend(ctx: _Context, layer: str, value: float) -> str:
+    """The message of a steady rise projected to cross the threshold soon, or ``""``."""
+    config = ctx.config
+    points = _window(ctx, "attn_logit_max", layer, value)
+    if len(points) < config.trend_window or T.rising_share(points) < 0.75:
+        return ""
+    crossing = T.crossing_step(points, config.attn_logit_threshold)
+    if crossing is None:
+        return ""
+    spacing = T.median([b[0] - a[0] for a, b in zip(points, points[1:], strict=False)])
+    if crossing - ctx.step > config.attn_trend_horizon * spacing:
+        return ""
+    first_step, first = points[0]
+    return (
+        f"attention_logits: the largest attention logit of {layer} rose from {first:.4g} at step {first_step} to"
+        f" {value:.4g} at step {ctx.step} and, at its rate of {T.log_slope(points):.3g} (log per step), crosses"
+        f" attn_logit_threshold={config.attn_logit_threshold:g} at about step {crossing}"
+    )
+
+
+def _span(ctx: _Context, stat: str, name: str, value: float) -> list[tuple[int, float]]:
+    """Every kept point of ``stat`` at ``name`` (up to ``4 * trend_window``), the current value last."""
+    earlier = [] if ctx.history is None else [p for p in ctx.history.points(stat, name) if p[0] < ctx.step]
+    return [*earlier, (ctx.step, value)][-4 * ctx.config.trend_window :]
+
+
+def _logit_drift(ctx: _Context) -> list[Finding]:
+    config = ctx.config
+    loss = ctx.stat("step_loss").get(LOSS)
+    out: list[Finding] = []
+    if not _finite(loss):
+        return out
+    losses = dict(_span(ctx, "step_loss", LOSS, float(loss)))
+    for layer, value in ctx.stat("logit_lse_mean").items():
+        if not _finite(value):
+            continue
+        points = _span(ctx, "logit_lse_mean", layer, value)
+        if len(points) < config.trend_window:
+            continue
+        # The earliest kept step from which log Z moved far while the loss stayed flat: a slow drift is caught once
+        # it has accumulated, over up to 4 * trend_window sampled steps.
+        for start, first in points[:-1]:
+            old_loss = losses.get(start)
+            if old_loss is None:
+                continue
+            drift, change = value - first, abs(loss - old_loss)
+            if abs(drift) >= config.logit_drift_nats and change <= config.drift_loss_tolerance * abs(old_loss):
+                out.append(
+                    Finding(
+                        rule="logit_drift",
+                        layer=layer,
+                        step=ctx.step,
+                        value=drift,
+                        threshold=config.logit_drift_nats,
+                        message=f"logit_drift: the output logits of {layer} drifted: log Z (logit_lse_mean) moved by"
+                        f" {drift:+.3g} nats from step {start} to step {ctx.step} (logit_drift_nats="
+                        f"{config.logit_drift_nats:g}) while the loss changed by {change:.3g} (from {old_loss:.4g});"
+                        " the softmax does not pin log Z, a z-loss (1e-4 * log Z**2) does",
+                        phase="forward",
+                        stat="logit_lse_mean",
+                    )
+                )
+                break
+    return out
+
+
+def _layer_update_norms(ctx: _Context) -> dict[str, list[tuple[int, float]]]:
+    """Per layer, ``||w_after - w_before||`` over all its parameters on each step of the window, oldest first.
+
+    The update norm is ``param_update_ratio * param_norm``; the current step comes last (if it was measured).
+    """
+    by_step: dict[str, dict[int, list[float]]] = {}
+    params = [p for p in ctx.stat("param_update_ratio") if p in ctx.stat("param_norm")]
+    for param in params:
+        ratio, norm = ctx.stat("param_update_ratio")[param], ctx.stat("param_norm")[param]
+        ratios = dict(_window(ctx, "param_update_ratio", param, ratio)) if _finite(ratio) else {}
+        norms = dict(_window(ctx, "param_norm", param, norm)) if _finite(norm) else {}
+        steps = by_step.setdefault(ctx.orders.owner(param), {})
+        for step, r in ratios.items():
+            if step in norms and r >= 0:
+                steps.setdefault(step, []).append((r * norms[step]) ** 2)
+    out: dict[str, list[tuple[int, float]]] = {}
+    for layer, steps in by_step.items():
+        if ctx.step in steps:  # a layer whose parameters did not all update now is not compared
+            out[layer] = [(s, math.sqrt(sum(sq))) for s, sq in sorted(steps.items())]
+    return out
+
+
+def _update_jump(ctx: _Context) -> list[Finding]:
+    config = ctx.config
+    jumps: dict[str, tuple[float, float]] = {}
+    for layer, points in _layer_update_norms(ctx).items():
+        *earlier, (_, now) = points
+        if len(earlier) < config.trend_window - 1:
+            continue
+        own = T.median([v for _, v in earlier])
+        if own > 0:
+            jumps[layer] = (now / own, own)
+    if not jumps:
+        return []
+    # A learning-rate schedule (warm-up) moves every layer's update together: compare with the typical jump too.
+    typical = T.median([j for j, _ in jumps.values()])
+    out: list[Finding] = []
+    for layer, (jump, own) in jumps.items():
+        if jump >= config.update_jump_ratio and jump >= config.update_jump_ratio * typical:
+            out.append(
+                Finding(
+                    rule="update_jump",
+                    layer=layer,
+                    step=ctx.step,
+                    value=jump,
+                    threshold=config.update_jump_ratio,
+                    message=f"update_jump: the optimizer update of {layer} at step {ctx.step} (the norm of its"
+                    f" parameters' change) is {jump:.3g}x the median {own:.3g} of its last {config.trend_window - 1}"
+                    f" sampled updates (update_jump_ratio={config.update_jump_ratio:g}; the median layer's is"
+                    f" {typical:.3g}x), a precursor of a loss spike",
+                    phase="backward",
+                    stat="param_update_ratio",
+                )
+            )
+    return out
+
+
 _RULE_FUNCTIONS: dict[str, Callable[[_Context], list[Finding]]] = {
     "nonfinite": _nonfinite,
     "loss_spike": _loss_spike,
@@ -1475,6 +1716,9 @@ _RULE_FUNCTIONS: dict[str, Callable[[_Context], list[Finding]]] = {
     "input_scale": _input_scale,
     "not_updated": _not_updated,
     "replica_divergence": _replica_divergence,
+    "attention_logits": _attention_logits,
+    "logit_drift": _logit_drift,
+    "update_jump": _update_jump,
 }
 
 
@@ -1491,6 +1735,7 @@ def evaluate(
     missing_grads: Collection[str] = (),
     eval_mode: Mapping[str, str] | None = None,
     param_facts: Mapping[str, ParamFacts] | None = None,
+    history: T.History | None = None,
 ) -> list[Finding]:
     """Apply the enabled rules to one sampled (or sentinel-tripped) step's statistics.
 
@@ -1515,6 +1760,8 @@ def evaluate(
             :func:`~lightning_hookdiag.modes.eval_mode_modules`).
         param_facts: Parameter name to what the host knows about its optimizer step, for ``not_updated``; without
             it that rule is silent.
+        history: The earlier sampled steps' values, for the trend rules (``attention_logits``' trend,
+            ``logit_drift``, ``update_jump``); without it they compare levels only.
 
     Returns:
         Findings with forward ones (in forward order) before backward ones (in backward order); the first is the
@@ -1541,6 +1788,7 @@ def evaluate(
         missing_grads=missing_grads,
         eval_mode=eval_mode or {},
         param_facts=param_facts,
+        history=history,
     )
     findings = [f for rule in config.enabled for f in _RULE_FUNCTIONS[rule](ctx)]
 
@@ -1598,7 +1846,7 @@ class AlertState:
         >>> state.counts["dead_units"]
         3
         >>> state.state_dict()
-        {'active': [['dead_units', 'relu']], 'counts': {'nonfinite': 0, 'loss_spike': 0, 'eval_mode': 0, 'dead_units': 3, 'no_gradient': 0, 'vanishing_gradient': 0, 'exploding_gradient': 0, 'saturation': 0, 'precision_headroom': 0, 'update_ratio': 0, 'stale_gradients': 0, 'input_scale': 0, 'not_updated': 0, 'replica_divergence': 0}}
+        {'active': [['dead_units', 'relu']], 'counts': {'nonfinite': 0, 'loss_spike': 0, 'eval_mode': 0, 'dead_units': 3, 'no_gradient': 0, 'vanishing_gradient': 0, 'exploding_gradient': 0, 'saturation': 0, 'precision_headroom': 0, 'update_ratio': 0, 'stale_gradients': 0, 'input_scale': 0, 'not_updated': 0, 'replica_divergence': 0, 'attention_logits': 0, 'logit_drift': 0, 'update_jump': 0}}
     """  # noqa: E501
 
     def __init__(self) -> None:

@@ -15,6 +15,7 @@ __all__ = [
     "OPT_IN_STATS",
     "PARAMETER_STATS",
     "PER_PARAMETER_STATS",
+    "PRECURSOR_STATS",
     "TOTAL_STATS",
 ]
 
@@ -46,6 +47,10 @@ PARAMETER_STATS: tuple[str, ...] = PER_PARAMETER_STATS + TOTAL_STATS
 ALL_STATS: tuple[str, ...] = LAYER_STATS + PARAMETER_STATS
 """Every statistic computed when ``stats=None`` (the default set)."""
 
+PRECURSOR_STATS: tuple[str, ...] = ("attn_logit_max", "logit_lse_mean", "logit_absmax")
+"""Instability precursors (:mod:`lightning_hookdiag.attention`): the largest attention logit per attention module,
+and ``log Z`` / the largest ``|logit|`` of the output layer. Opt-in (see the cost in the benchmark README)."""
+
 OPT_IN_STATS: tuple[str, ...] = (
     "act_kurtosis",
     "act_absmax_over_std",
@@ -54,6 +59,7 @@ OPT_IN_STATS: tuple[str, ...] = (
     "act_grad_underflow_frac",
     "act_grad_overflow_frac",
     "act_saved_bytes",
+    *PRECURSOR_STATS,
 )
 """Statistics computed only when named in ``stats=``; the precision ones are logged once per target dtype, as
 ``<name>_<target>`` (e.g. ``act_overflow_frac_float16``)."""

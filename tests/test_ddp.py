@@ -128,6 +128,11 @@ def test_opt_in_statistics_pool_over_processes(ranks):
                     assert metrics[f"{P}/{kind}_overflow_frac_{name}/model.{i}"] == pytest.approx(over / nonzero)
             # Every micro-batch of both processes has 4 rows: Linear saves its input, ReLU its output.
             assert metrics[f"{P}/act_saved_bytes/model.{i}"] == 4 * (4, 8, 0)[i] * 4
+        # The output layer's log Z and largest |logit|: a row-weighted mean and a max over both processes.
+        head = torch.cat([t.reshape(-1, t.shape[-1]) for t in outputs[len(module.model) - 1]]).double()
+        last = f"model.{len(module.model) - 1}"
+        assert metrics[f"{P}/logit_lse_mean/{last}"] == pytest.approx(float(torch.logsumexp(head, -1).mean()), rel=1e-6)
+        assert metrics[f"{P}/logit_absmax/{last}"] == pytest.approx(float(head.abs().max()), rel=1e-6)
 
 
 def test_a_weight_changed_on_one_rank_is_a_replica_divergence_on_every_rank(ranks):

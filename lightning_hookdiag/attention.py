@@ -1,0 +1,515 @@
+"""Instability precursors inside and at the end of the network: attention logits and output logits.
+
+Two opt-in statistics families (``stats=[...]``), measured only during sampled training batches:
+
+``attn_logit_max/<layer>``
+    The largest ``|q . k| * scale`` (``scale`` is sdpa's ``scale=`` argument, default ``1 / sqrt(d_h)``), i.e. the
+    largest pre-softmax attention logit in absolute value, over the query rows of a bounded subsample (below) and
+    every key they attend to (masked pairs, ``is_causal`` or ``attn_mask``, are left out), head and batch element,
+    pooled by a maximum over calls, micro-batches and processes.
+
+    How it is seen: while a sampled micro-batch's forward runs, an :class:`AttentionProbe` (a
+    :class:`torch.overrides.TorchFunctionMode`) intercepts
+
+    * ``F.scaled_dot_product_attention`` (HF GPT-2 / BERT / LLaMA with ``attn_implementation="sdpa"``, timm's ViT,
+      ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` with ``need_weights=False``, hand-written
+      attention): the logits ``q @ k^T * scale`` are recomputed in float32 for the subsampled query rows; a
+      boolean mask's ``False``, an additive mask's entries ``<= -5000`` and, with ``is_causal``, the keys after the
+      row are left out, as the softmax leaves them out; grouped-query attention (fewer key heads,
+      ``enable_gqa=True``) pairs each query head with its key head;
+    * ``softmax`` over the last dimension of a tensor of 3 or more dimensions (``F.softmax``, ``torch.softmax``,
+      ``Tensor.softmax``): *eager* attention, which computes the logits with a matmul and calls no sdpa (HF
+      ``attn_implementation="eager"``, ``nn.MultiheadAttention`` with its default ``need_weights=True``). The
+      softmax input is the logit matrix plus the mask (and any additive position bias); entries ``<= -5000`` are
+      treated as masked (HF fills masks with ``finfo.min``, older code with ``-10000``) and skipped.
+
+    The call is attributed to the innermost module whose ``forward`` was running when the function was called
+    (found on the Python call stack: the innermost ``Module.__call__`` frame), provided that module is selected or
+    contains a selected module; calls made inside other modules are not observed. For HF models that is the
+    attention module (``...h.0.attn``, ``...layers.0.self_attn``, ``...attention.self``), for
+    ``nn.MultiheadAttention`` the module itself, for timm's ViT ``blocks.0.attn``.
+
+    The subsample: at most ``max_rows`` (32) query rows per call, evenly strided and always including the last row
+    (in a causal model the row that sees every key), and at most ``budget`` (2**22) logits computed per call: with
+    more batch elements, heads and keys than that allows for one row, only the first batch elements are used. With
+    at most 32 queries (and a small batch) the value is the exact maximum over every logit; otherwise it is the exact
+    maximum over the subsample, a lower bound of the true maximum that misses a large logit confined to unsampled
+    rows or batch elements. Attention-logit growth (weights of ``W_q``/``W_k`` growing) moves every row together,
+    so the subsample follows it; a single outlier token at an unsampled position is what it can miss.
+
+    ``nn.MultiheadAttention``'s fused fast path (``torch._native_multi_head_attention``) runs only in eval mode
+    without grad, so never in training; it also refuses inputs that have a torch-function handler, which the mode
+    gives every tensor, so under the probe the Python path (sdpa or softmax, both seen) always runs.
+    ``torch.compile``'d models are seen like eager ones: sampled batches run eagerly (the callback's hooks set the
+    ``force_eager`` stance), so the calls and the module frames are there.
+
+    Blind spots: attention computed by a fused kernel called directly (flash-attn's ``flash_attn_func``, xformers,
+    ``torch.ops`` custom kernels), eager attention whose softmax is taken over a dimension other than the last, or
+    as ``exp`` / ``sum`` by hand, and query rows or batch elements outside the subsample. A softmax over the last
+    dimension of a 3-D or larger tensor that is *not* attention (a per-token classifier's probabilities) is
+    reported as if it were, under the module that computed it.
+
+``logit_lse_mean`` / ``logit_absmax`` (key ``<prefix>/<stat>/<layer>``)
+    Of the model's output layer: the mean over rows (every position but the last dimension) of
+    ``logsumexp`` over the last dimension (``log Z``; the cross entropy is ``log Z - logit[target]``, so ``log Z``
+    can drift while the loss does not), and the largest ``|logit|``. The output layer is the last selected module
+    whose forward ran in the micro-batch (the last layer in forward order), or the module named by
+    ``output_layer=``. Pooled over micro-batches and processes (a row-weighted mean, a maximum).
+
+Cost: nothing outside sampled training batches. On a sampled batch, every torch function called during the forward
+passes through the mode's Python handler (a dictionary lookup for functions other than the two above), plus one
+float32 matmul per attention call over the subsample, and one ``logsumexp`` over the output. Everything stays on the
+device; the values join the callback's one host transfer per sampled step.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from lightning_hookdiag.hooks import _in_backward, first_floating_tensor
+from lightning_hookdiag.vocabulary import PRECURSOR_STATS
+
+__all__ = [
+    "ATTENTION_STATS",
+    "OUTPUT_STATS",
+    "PRECURSOR_STATS",
+    "AttentionProbe",
+    "OutputProbe",
+    "PrecursorProbes",
+    "attention_scope",
+    "eager_logit_absmax",
+    "sdpa_logit_absmax",
+]
+
+ATTENTION_STATS: tuple[str, ...] = PRECURSOR_STATS[:1]
+OUTPUT_STATS: tuple[str, ...] = PRECURSOR_STATS[1:]
+
+MASKED = -5000.0
+"""Eager softmax inputs at or below this are masked entries, not logits."""
+
+_CALL_CODES = frozenset({nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__})
+_SOFTMAX = frozenset({F.softmax, torch.softmax, Tensor.softmax})
+
+
+def _row_slice(length: int, rows: int) -> slice:
+    """Evenly strided rows of ``range(length)``, at most ``rows`` of them, ending with the last one."""
+    stride = max(1, math.ceil(length / rows))
+    return slice((length - 1) % stride, None, stride)
+
+
+def _bounds(shape: Sequence[int], per_row: int, max_rows: int, budget: int) -> tuple[int, slice]:
+    """How many leading batch elements and which rows (dim -2) of a ``shape`` tensor stay within the bounds."""
+    batch = shape[0] if len(shape) > 2 else 1
+    if len(shape) > 2:
+        lead = math.prod(shape[1:-2]) * per_row  # logits per row of one batch element
+        batch = min(batch, max(1, budget // max(lead, 1)))
+    cells = batch * math.prod(shape[1:-2]) * per_row if len(shape) > 2 else per_row
+    rows = max(1, min(max_rows, budget // max(cells, 1)))
+    return batch, _row_slice(shape[-2], rows)
+
+
+def _cut(t: Tensor, batch: int, rows: slice, length: int) -> Tensor:
+    """``t`` cut like the query: its first ``batch`` elements (if it has that dim) and ``rows`` (if not broadcast)."""
+    if t.dim() > 2 and t.shape[0] > batch:
+        t = t[:batch]
+    return t[..., rows, :] if t.shape[-2] == length and length > 1 else t
+
+
+def _keep(attn_mask: Any, is_causal: bool, batch: int, rows: slice, length: int, keys: int, device: Any) -> Any:
+    """Which (row, key) logits enter the softmax: ``None`` for all, else a boolean tensor broadcasting to them."""
+    keep = None
+    if isinstance(attn_mask, Tensor):
+        mask = _cut(attn_mask, batch, rows, length)
+        keep = mask if mask.dtype == torch.bool else mask > MASKED
+    if is_causal:
+        # sdpa's causal mask is aligned top-left: row i sees keys 0..i.
+        row = torch.arange(length, device=device)[rows].unsqueeze(-1)
+        causal = torch.arange(keys, device=device) <= row
+        keep = causal if keep is None else keep & causal
+    return keep
+
+
+def sdpa_logit_absmax(
+    query: Tensor,
+    key: Tensor,
+    scale: float | None = None,
+    max_rows: int = 32,
+    budget: int = 1 << 22,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+) -> Tensor:
+    """The largest ``|q . k| * scale`` over the unmasked logits of a bounded subsample of query rows (0-d float32).
+
+    Args:
+        query: ``[..., heads, L, E]`` (or ``[..., L, E]``), as given to ``F.scaled_dot_product_attention``.
+        key: ``[..., heads_k, S, E]``; ``heads_k`` may divide ``heads`` (grouped-query attention).
+        scale: sdpa's ``scale=``; ``None`` means ``1 / sqrt(E)``.
+        max_rows: Query rows per call at most (evenly strided, the last one included).
+        budget: Logits computed per call at most (fewer batch elements are used beyond it).
+        attn_mask: sdpa's mask: boolean (``True``: attend) or additive (entries ``<= -5000`` count as masked).
+        is_causal: sdpa's causal flag (row ``i`` attends to keys ``0..i``).
+
+    Example:
+        >>> q = torch.tensor([[[1.0, 0.0], [0.0, 3.0]]])  # [heads=1, L=2, E=2]
+        >>> k = torch.tensor([[[2.0, 0.0], [0.0, -4.0]]])
+        >>> round(sdpa_logit_absmax(q, k).item(), 4)  # 12 / sqrt(2)
+        8.4853
+        >>> sdpa_logit_absmax(q, k, scale=0.5).item()
+        6.0
+    """
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    length, keys = query.shape[-2], key.shape[-2]
+    batch, rows = _bounds(query.shape, keys, max_rows, budget)
+    q = _cut(query, batch, rows, length).float()
+    k = (key[:batch] if key.dim() > 2 and key.shape[0] > batch else key).float()
+    shape = (*q.shape[:-1], keys)
+    if q.dim() >= 3 and k.dim() >= 3 and q.shape[-3] != k.shape[-3]:
+        heads, kv = q.shape[-3], k.shape[-3]
+        # Query head h attends with key head h // (heads // kv), as sdpa's enable_gqa and HF's repeat_kv pair them.
+        q = q.reshape(*q.shape[:-3], kv, heads // kv, *q.shape[-2:])
+        k = k.unsqueeze(-3)
+    logits = torch.matmul(q, k.transpose(-1, -2)).reshape(shape).abs()
+    keep = _keep(attn_mask, is_causal, batch, rows, length, keys, logits.device)
+    if keep is not None:
+        logits = torch.where(keep, logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
+    # |x| * s is monotone in |x|, so scaling the maximum is the maximum of the scaled products (also in float).
+    return logits.amax() * abs(scale)
+
+
+def eager_logit_absmax(scores: Tensor, max_rows: int = 32, budget: int = 1 << 22) -> Tensor:
+    """The largest ``|x|`` over unmasked entries (``> -5000``) of a softmax input's bounded row subsample.
+
+    Example:
+        >>> scores = torch.tensor([[[0.5, -7.0], [2.0, torch.finfo(torch.float32).min]]])
+        >>> eager_logit_absmax(scores).item()
+        7.0
+    """
+    batch, rows = _bounds(scores.shape, scores.shape[-1], max_rows, budget)
+    x = _cut(scores, batch, rows, scores.shape[-2]).float()
+    return torch.where(x > MASKED, x.abs(), torch.zeros((), dtype=x.dtype, device=x.device)).amax()
+
+
+def _innermost_module(depth: int = 2) -> nn.Module | None:
+    frame = sys._getframe(depth)
+    while frame is not None:
+        if frame.f_code in _CALL_CODES:
+            return frame.f_locals.get("self")
+        frame = frame.f_back
+    return None
+
+
+class AttentionProbe(TorchFunctionMode):
+    """Per-module maximum attention logits of the attention calls made while the mode is entered.
+
+    Args:
+        modules: ``{name: module}`` of the modules a call may be attributed to; :attr:`names` keeps their order.
+        max_rows: Query rows per call at most.
+        budget: Logits computed per call at most.
+
+    Example:
+        >>> attn = nn.MultiheadAttention(4, 2, batch_first=True)
+        >>> probe = AttentionProbe({"attn": attn})
+        >>> x = torch.randn(1, 3, 4)
+        >>> with probe:
+        ...     _ = attn(x, x, x, need_weights=False)  # sdpa
+        >>> bool(probe.maxima[0] >= 0), probe.calls
+        (True, {'sdpa': 1, 'softmax': 0})
+    """
+
+    def __init__(self, modules: Mapping[str, nn.Module], max_rows: int = 32, budget: int = 1 << 22) -> None:
+        super().__init__()
+        self.names: list[str] = list(modules)
+        self._slot: dict[int, int] = {id(m): i for i, m in enumerate(modules.values())}
+        self.max_rows = max_rows
+        self.budget = budget
+        self.maxima: Tensor = torch.full((len(self.names),), -1.0)
+        """Per module, the largest logit seen since :meth:`reset` (``-1``: no call seen)."""
+        self.calls = {"sdpa": 0, "softmax": 0}
+        """Attention calls measured since :meth:`reset`, by kind (host counts, for tests and notes)."""
+
+    def reset(self, device: torch.device | None = None) -> None:
+        """Forget every measurement (``device``: where the maxima live)."""
+        self.maxima = torch.full((len(self.names),), -1.0, device=device or self.maxima.device)
+        self.calls = {"sdpa": 0, "softmax": 0}
+
+    def __torch_function__(
+        self, func: Any, types: Sequence[type], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.multi_head_attention_forward:
+            # A Python composite that is itself a torch function: the mode is off inside its handler, so the sdpa or
+            # softmax it calls would go unseen. Run its body with the mode on (one hop skipped: no recursion).
+            with self:
+                return torch.overrides.redispatch_function(func, types, args, kwargs)
+        out = func(*args, **kwargs)
+        if (func is F.scaled_dot_product_attention or func in _SOFTMAX) and not _in_backward():
+            self._observe(func, args, kwargs)
+        return out
+
+    def _observe(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        slot = self._slot.get(id(_innermost_module(3)))
+        if slot is None:
+            return
+        with torch.no_grad():
+            kind = "sdpa" if func is F.scaled_dot_product_attention else "softmax"
+            if kind == "sdpa":
+                query = args[0] if args else kwargs["query"]
+                key = args[1] if len(args) > 1 else kwargs["key"]
+                if not (isinstance(query, Tensor) and isinstance(key, Tensor)) or query.is_nested:
+                    return
+                mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+                causal = bool(args[5] if len(args) > 5 else kwargs.get("is_causal", False))
+                value = sdpa_logit_absmax(
+                    query, key, kwargs.get("scale"), self.max_rows, self.budget, attn_mask=mask, is_causal=causal
+                )
+            else:
+                scores = args[0] if args else kwargs.get("input")
+                dim = args[1] if len(args) > 1 else kwargs.get("dim")
+                if not isinstance(scores, Tensor) or scores.dim() < 3 or dim not in (-1, scores.dim() - 1):
+                    return
+                if not scores.is_floating_point() or scores.is_nested:
+                    return
+                value = eager_logit_absmax(scores, self.max_rows, self.budget)
+            if self.maxima.device != value.device:
+                self.maxima = self.maxima.to(value.device)
+            self.maxima[slot] = torch.maximum(self.maxima[slot], value.to(self.maxima.dtype))
+        self.calls[kind] += 1
+
+
+class OutputProbe:
+    """``log Z`` and ``|logit|`` statistics of the output layer, from forward hooks on the candidate modules.
+
+    With one candidate (a named output layer) its every call is measured; with several (the selection), the output
+    of the last one to run in a micro-batch is measured when :meth:`end_forward` is called.
+
+    Args:
+        modules: ``{name: module}`` candidates, in selection order.
+    """
+
+    def __init__(self, modules: Mapping[str, nn.Module]) -> None:
+        self.names: list[str] = list(modules)
+        self.modules: list[nn.Module] = list(modules.values())
+        self._handles: list[RemovableHandle] = []
+        self._last: tuple[int, Tensor] | None = None
+        self.layer: int | None = None
+        """Index of the layer measured last (the output layer)."""
+        self.sums: Tensor = torch.zeros(2, dtype=torch.float64)
+        """``[sum of log Z over rows, rows]`` since :meth:`reset`."""
+        self.absmax: Tensor = torch.zeros(())
+        """Largest ``|logit|`` since :meth:`reset`."""
+
+    @property
+    def attached(self) -> bool:
+        """Whether the forward hooks are installed."""
+        return bool(self._handles)
+
+    def attach(self) -> None:
+        """Install one forward hook per candidate (no-op if attached)."""
+        if self._handles:
+            return
+        for i, module in enumerate(self.modules):
+            self._handles.append(module.register_forward_hook(self._make_hook(i)))
+
+    def remove(self) -> None:
+        """Remove the hooks and drop the reference to the last output; safe to call any number of times."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._last = None
+
+    def reset(self, device: torch.device | None = None) -> None:
+        """Forget every measurement."""
+        device = device or self.sums.device
+        self.sums = torch.zeros(2, dtype=torch.float64, device=device)
+        self.absmax = torch.zeros((), device=device)
+        self.layer = None
+
+    def _make_hook(self, index: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if _in_backward():
+                return
+            tensor = first_floating_tensor(output)
+            if tensor is None or tensor.dim() == 0 or tensor.numel() == 0:
+                return
+            self._last = (index, tensor)
+            if len(self.modules) == 1:
+                self.end_forward()
+
+        return hook
+
+    def end_forward(self) -> None:
+        """Measure the output kept by the last hook that fired, then let it go."""
+        last, self._last = self._last, None
+        if last is None:
+            return
+        index, tensor = last
+        with torch.no_grad():
+            x = tensor.detach().float()
+            lse = torch.logsumexp(x, dim=-1)
+            if self.sums.device != x.device:
+                self.reset(x.device)
+            self.sums += torch.stack([lse.sum().double(), torch.tensor(float(lse.numel()), device=x.device).double()])
+            self.absmax = torch.maximum(self.absmax, x.abs().amax())
+        self.layer = index
+
+
+class PrecursorProbes:
+    """The precursor statistics of one fit: what the callback attaches, pools and reads back per sampled step.
+
+    Args:
+        stats: The resolved ``stats=`` names; only those of :data:`PRECURSOR_STATS` matter.
+        attention_scope: ``{name: module}`` calls may be attributed to (selected modules and their ancestors).
+        output_candidates: ``{name: module}`` output-layer candidates (the named output layer, or the selection).
+    """
+
+    def __init__(
+        self,
+        stats: Sequence[str],
+        attention_scope: Mapping[str, nn.Module],
+        output_candidates: Mapping[str, nn.Module],
+    ) -> None:
+        self.attention = AttentionProbe(attention_scope) if "attn_logit_max" in stats else None
+        wanted = set(OUTPUT_STATS) & set(stats)
+        self.output = OutputProbe(output_candidates) if wanted else None
+        self.output_stats = tuple(s for s in OUTPUT_STATS if s in wanted)
+        self._loss: Tensor | None = None
+        self._entered = False
+
+    @property
+    def attached(self) -> bool:
+        """Whether the mode is entered or the output hooks are installed."""
+        return self._entered or (self.output is not None and self.output.attached)
+
+    def attach(self) -> None:
+        """Enter the mode and install the output hooks, for one micro-batch's forward."""
+        if self.attention is not None and not self._entered:
+            self.attention.__enter__()
+            self._entered = True
+        if self.output is not None:
+            self.output.attach()
+
+    def end_forward(self, loss: Tensor | None = None) -> None:
+        """The forward is over (``loss`` is what is back-propagated): measure the output and detach everything."""
+        if self.output is not None and self.output.attached:
+            self.output.end_forward()
+        if loss is not None and self.attached:
+            value = loss.detach().double().reshape(())
+            self._loss = value if self._loss is None else self._loss + value
+        self.remove()
+
+    def remove(self) -> None:
+        """Leave the mode and remove the hooks; safe on any exit path and any number of times."""
+        if self.output is not None:
+            self.output.remove()
+        if self._entered:
+            self._entered = False
+            _exit_mode(self.attention)
+
+    def reset(self, device: torch.device) -> None:
+        """Start a new sampled step."""
+        if self.attention is not None:
+            self.attention.reset(device)
+        if self.output is not None:
+            self.output.reset(device)
+        self._loss = None
+
+    def register(self, aggregator: Any) -> None:
+        """Register the two pooled states on a :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator`.
+
+        ``precursor_sums``: ``[sum of log Z, rows, loss, processes that saw a loss]``; ``precursor_maxima``: the
+        largest ``|logit|`` of the output layer, then the attention maxima (``-1``: no call seen).
+        """
+        device = aggregator.act_moments.device
+        n = len(self.attention.names) if self.attention is not None else 0
+        aggregator.register_extra("precursor_sums", torch.zeros(4, dtype=torch.float64, device=device), "sum")
+        maxima = torch.full((1 + n,), -1.0, dtype=torch.float64, device=device)
+        aggregator.register_extra("precursor_maxima", maxima, "max")
+
+    def fold(self, aggregator: Any) -> None:
+        """Pool this process's step into the registered states (once per sampled step, before ``compute``)."""
+        device = aggregator.precursor_sums.device
+        sums = torch.zeros(4, dtype=torch.float64, device=device)
+        maxima = [torch.full((1,), -1.0, dtype=torch.float64, device=device)]
+        if self.output is not None:
+            sums[:2] = self.output.sums.to(device)
+            maxima[0] = self.output.absmax.to(device, torch.float64).reshape(1)
+        if self._loss is not None:
+            sums[2] = self._loss.to(device)
+            sums[3] = 1.0
+        if self.attention is not None:
+            maxima.append(self.attention.maxima.to(device, torch.float64))
+        aggregator.pool_extra("precursor_sums", sums)
+        aggregator.pool_extra("precursor_maxima", torch.cat(maxima))
+
+    def finalize(self, pooled: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, list[str]]]:
+        """The step's values (device tensors, NaN where nothing was seen) and the names they belong to.
+
+        Args:
+            pooled: ``compute()`` of the aggregator :meth:`register` was called on (reduced over processes).
+        """
+        # torchmetrics squeezes one-element results to 0-d.
+        sums, maxima = pooled["precursor_sums"].reshape(-1), pooled["precursor_maxima"].reshape(-1)
+        lse, rows, loss, seen = sums.unbind()
+        values: dict[str, Tensor] = {"step_loss": torch.where(seen > 0, loss / seen, math.nan).reshape(1)}
+        names: dict[str, list[str]] = {"step_loss": ["loss"]}
+        if self.output is not None:
+            layer = self.output.layer
+            name = self.output.names[layer] if layer is not None else ""
+            found = {
+                "logit_lse_mean": torch.where(rows > 0, lse / rows, math.nan).reshape(1),
+                "logit_absmax": torch.where(rows > 0, maxima[0], math.nan).reshape(1),
+            }
+            for stat in self.output_stats:
+                values[stat], names[stat] = found[stat], [name]
+        if self.attention is not None:
+            attention = maxima[1:]
+            values["attn_logit_max"] = torch.where(attention >= 0, attention, math.nan)
+            names["attn_logit_max"] = self.attention.names
+        return values, names
+
+
+def _exit_mode(mode: TorchFunctionMode | None) -> None:
+    """Pop ``mode`` off the torch-function mode stack, also when modes entered after it are still above it."""
+    if mode is None:
+        return
+    stack = torch.overrides._get_current_function_mode_stack()
+    if mode not in stack:
+        return
+    above: list[Any] = []
+    while stack and stack[-1] is not mode:
+        above.append(torch._C._pop_torch_function_stack())
+        stack = torch.overrides._get_current_function_mode_stack()
+    mode.__exit__(None, None, None)
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)
+
+
+def attention_scope(modules: Mapping[str, nn.Module], selected: Sequence[str]) -> dict[str, nn.Module]:
+    """The modules an attention call may be attributed to: the selected ones and every module containing one.
+
+    HF attention modules hold their projections as children and own no parameter, so the default selection does
+    not select them; they still contain selected modules.
+
+    Args:
+        modules: Every module of the model by normalised name (:func:`~lightning_hookdiag.selection.named_modules`).
+        selected: The selected names.
+
+    Example:
+        >>> net = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.ReLU())
+        >>> list(attention_scope(dict(net.named_modules()), ["0.0"]))
+        ['0', '0.0']
+    """
+    wanted: set[str] = set()
+    for name in selected:
+        parts = name.split(".")
+        wanted.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return {name: module for name, module in modules.items() if name in wanted}

@@ -1,0 +1,315 @@
+"""Attention-logit and output-logit probes (lightning_hookdiag.attention) against hand-written float64 references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import count_hooks, make_trainer
+from torch import nn
+from torch.nn import functional as F
+from zoo import _tokens, hf_model, zoo_module
+
+from lightning_hookdiag import ALL_STATS, LayerHealthCallback
+from lightning_hookdiag.attention import (
+    AttentionProbe,
+    attention_scope,
+    eager_logit_absmax,
+    sdpa_logit_absmax,
+)
+from lightning_hookdiag.selection import named_modules
+from lightning_hookdiag.vocabulary import PRECURSOR_STATS
+
+STATS = [*ALL_STATS, *PRECURSOR_STATS]
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, scale: float, keep: torch.Tensor | None = None) -> float:
+    """max |q.k| * scale over the kept pairs, in float64, query head h paired with key head h // (H / Hk)."""
+    q, k = q.double(), k.double()
+    if k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    logits = (q @ k.transpose(-1, -2) * scale).abs()
+    if keep is not None:
+        logits = logits[keep.expand_as(logits)]
+    return float(logits.max())
+
+
+def test_sdpa_logits_are_the_exact_maximum_with_scale_masks_and_grouped_heads():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 8, 16, generator=g) * 3, torch.randn(2, 2, 8, 16, generator=g) * 3
+    q[0, 0, 0] = 10 * k[0, 0, 6]  # the largest product, at a pair that both masks below hide
+    assert sdpa_logit_absmax(q, k).item() == pytest.approx(_reference(q, k, 1 / math.sqrt(16)), rel=1e-6)
+    assert sdpa_logit_absmax(q, k, scale=0.3).item() == pytest.approx(_reference(q, k, 0.3), rel=1e-6)
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    got = sdpa_logit_absmax(q, k, is_causal=True).item()
+    assert got == pytest.approx(_reference(q, k, 0.25, causal), rel=1e-6)
+    # A padding mask as HF builds it: boolean, and additive with finfo.min.
+    pad = torch.ones(2, 1, 8, 8, dtype=torch.bool)
+    pad[0, ..., 5:] = False
+    additive = torch.zeros(2, 1, 8, 8).masked_fill(~pad, torch.finfo(torch.float32).min)
+    expected = _reference(q, k, 0.25, pad)
+    assert sdpa_logit_absmax(q, k, attn_mask=pad).item() == pytest.approx(expected, rel=1e-6)
+    assert sdpa_logit_absmax(q, k, attn_mask=additive).item() == pytest.approx(expected, rel=1e-6)
+    assert expected < _reference(q, k, 0.25)  # the mask did hide the largest product
+
+
+def test_sdpa_subsample_is_evenly_strided_rows_ending_at_the_last_one():
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(1, 2, 100, 8, generator=g), torch.randn(1, 2, 100, 8, generator=g)
+    rows = list(range(99, -1, -4))[::-1]  # ceil(100 / 32) = 4: rows 3, 7, ..., 99
+    assert len(rows) == 25
+    assert rows[-1] == 99
+    expected = _reference(q[..., rows, :], k, 1 / math.sqrt(8))
+    assert sdpa_logit_absmax(q, k).item() == pytest.approx(expected, rel=1e-6)
+    # The largest product planted in an unsampled row is missed (the documented blind spot) ...
+    q[0, 0, 50] = 100 * k[0, 0, 0] / k[0, 0, 0].norm()
+    assert sdpa_logit_absmax(q, k).item() == pytest.approx(expected, rel=1e-6)
+    # The budget of logits per call: 3 batch elements x 2 heads x 100 keys leave 10 rows (stride 10) for 6400 ...
+    qb, kb = q.expand(3, -1, -1, -1), k.expand(3, -1, -1, -1)
+    rows = list(range(9, 100, 10))
+    expected = _reference(qb[..., rows, :], kb, 1 / math.sqrt(8))
+    assert sdpa_logit_absmax(qb, kb, budget=6400).item() == pytest.approx(expected, rel=1e-6)
+    # ... and below one row per batch element, only the first batch element's last row.
+    expected = _reference(qb[:1, :, 99:], kb[:1], 1 / math.sqrt(8))
+    assert sdpa_logit_absmax(qb, kb, budget=150).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_eager_logits_skip_masked_entries():
+    g = torch.Generator().manual_seed(2)
+    scores = torch.randn(2, 3, 5, 5, generator=g) * 10
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    masked = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
+    expected = float(scores.double().abs()[mask.expand_as(scores)].max())
+    assert eager_logit_absmax(masked).item() == pytest.approx(expected, rel=1e-6)
+    old_style = scores + (~mask) * -10000.0  # BERT's original additive mask
+    assert eager_logit_absmax(old_style).item() == pytest.approx(expected, rel=1e-6)
+
+
+class _HandWritten(nn.Module):
+    def __init__(self, dim: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        return x.reshape(b, n, self.heads, c // self.heads).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split(self.q(x)), self.split(self.k(x)), self.split(self.v(x))
+        out = F.scaled_dot_product_attention(q, k, v, scale=0.7)
+        return out.transpose(1, 2).reshape(x.shape)
+
+
+def test_hand_written_attention_is_attributed_to_the_innermost_module_in_scope():
+    net = nn.Sequential(_HandWritten(), nn.Sequential(_HandWritten()))
+    x = torch.randn(2, 5, 8)
+    modules = named_modules(net)
+    probe = AttentionProbe(attention_scope(modules, ["0.q", "1.0.q"]))
+    with probe:
+        net(x)
+    found = {n: v for n, v in zip(probe.names, probe.maxima.tolist(), strict=True) if v >= 0}
+    assert sorted(found) == ["0", "1.0"]  # not "1", the container that called "1.0"
+    attn = net[0]
+    expected = _reference(attn.split(attn.q(x)), attn.split(attn.k(x)), 0.7)
+    assert found["0"] == pytest.approx(expected, rel=1e-6)
+    # Outside the selection's scope a call is not observed.
+    probe = AttentionProbe(attention_scope(modules, ["0.q"]))
+    with probe:
+        net(x)
+    assert [n for n, v in zip(probe.names, probe.maxima.tolist(), strict=True) if v >= 0] == ["0"]
+
+
+def _mha_reference(mha: nn.MultiheadAttention, x: torch.Tensor) -> float:
+    dim, heads = mha.embed_dim, mha.num_heads
+    w, b = mha.in_proj_weight, mha.in_proj_bias
+    q, k = (F.linear(x, w[i * dim : (i + 1) * dim], b[i * dim : (i + 1) * dim]) for i in range(2))
+
+    def split(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(t.shape[0], t.shape[1], heads, dim // heads).transpose(1, 2)
+
+    return _reference(split(q), split(k), 1 / math.sqrt(dim // heads))
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multihead_attention_in_training_mode_through_sdpa_and_through_softmax(need_weights):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(3, 6, 8) * 4
+    probe = AttentionProbe({"mha": mha})
+    with probe:
+        mha(x, x, x, need_weights=need_weights)
+    kind = "softmax" if need_weights else "sdpa"  # need_weights=True (the default) takes the eager path
+    assert probe.calls == {"sdpa": 0, "softmax": 0} | {kind: 1}
+    assert probe.maxima[0].item() == pytest.approx(_mha_reference(mha, x), rel=1e-5)
+
+
+def test_multihead_attention_fast_path_cannot_run_under_the_probe():
+    # The fused path runs only in eval mode without grad, never in training; and it refuses inputs with a
+    # torch-function handler, which is what the probe's mode gives every tensor: even there the Python path runs.
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    x = torch.randn(3, 6, 8)
+    probe = AttentionProbe({"mha": mha})
+    with torch.no_grad(), probe:
+        mha(x, x, x)
+    assert probe.calls == {"sdpa": 0, "softmax": 1}
+    assert probe.maxima[0].item() == pytest.approx(_mha_reference(mha, x), rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert_cls", "llama"])
+def test_hugging_face_sdpa_and_eager_attention_give_the_same_logits(kind):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    results = {}
+    for impl in ("sdpa", "eager"):
+        torch.manual_seed(0)
+        model = hf_model(kind)
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(8)  # logits of order 100, far from the init's O(0.1)
+        probe = AttentionProbe(named_modules(model))
+        x = _tokens(4, 0)
+        mask = torch.ones_like(x)
+        mask[0, -5:] = 0  # padding: the mask path, not only is_causal
+        with probe:
+            model(input_ids=x, attention_mask=mask)
+        kind_seen = "sdpa" if impl == "sdpa" else "softmax"
+        assert probe.calls == {"sdpa": 0, "softmax": 0} | {kind_seen: 2}
+        results[impl] = {n: v for n, v in zip(probe.names, probe.maxima.tolist(), strict=True) if v >= 0}
+    assert len(results["sdpa"]) == 2
+    assert results["sdpa"].keys() == results["eager"].keys()
+    for name, value in results["sdpa"].items():
+        assert value > 50
+        assert value == pytest.approx(results["eager"][name], rel=1e-5)
+
+
+def _head_outputs(module) -> dict[str, list[torch.Tensor]]:
+    """Record the head's output on each training forward."""
+    seen: dict[str, list[torch.Tensor]] = {}
+
+    def hook(mod, args, out):
+        if mod.training:
+            seen.setdefault("head", []).append(out.detach().clone())
+
+    module.model.head.register_forward_hook(hook)
+    return seen
+
+
+def test_callback_logs_vit_attention_and_output_logits_equal_to_references():
+    module = zoo_module("vit", n=8 * 3)
+    seen = _head_outputs(module)
+    callback = LayerHealthCallback(every_n_steps=1, stats=STATS, on_anomaly="ignore", summary=False)
+    make_trainer([callback], max_steps=3).fit(module)
+    metrics = callback.last_metrics
+    assert {k for k in metrics if "/attn_logit_max/" in k} == {
+        f"layer_health/attn_logit_max/model.blocks.{i}.attn" for i in range(4)
+    }
+    logits = seen["head"][-1].double()
+    assert metrics["layer_health/logit_lse_mean/model.head"] == pytest.approx(
+        float(torch.logsumexp(logits, -1).mean()), rel=1e-6
+    )
+    assert metrics["layer_health/logit_absmax/model.head"] == pytest.approx(float(logits.abs().max()), rel=1e-6)
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_callback_attention_value_matches_the_qk_of_the_step_it_describes():
+    module = zoo_module("vit", n=8 * 2)
+    refs: list[float] = []
+
+    def reference(mod, args, out):
+        if mod.training:
+            b, n, c = args[0].shape
+            qkv = mod.qkv(args[0]).reshape(b, n, 3, mod.heads, c // mod.heads).permute(2, 0, 3, 1, 4)
+            refs.append(_reference(qkv[0], qkv[1], 1 / math.sqrt(c // mod.heads)))
+
+    module.model.blocks[2].attn.register_forward_hook(reference)
+    callback = LayerHealthCallback(every_n_steps=1, stats=STATS, on_anomaly="ignore", summary=False)
+    make_trainer([callback], max_steps=2).fit(module)
+    assert callback.last_metrics["layer_health/attn_logit_max/model.blocks.2.attn"] == pytest.approx(refs[-1], rel=1e-5)
+
+
+def test_output_layer_named_by_the_user_and_its_errors():
+    module = zoo_module("gpt2", n=8 * 2)
+    callback = LayerHealthCallback(
+        every_n_steps=1, stats=["logit_lse_mean"], output_layer="model.transformer.ln_f", summary=False
+    )
+    make_trainer([callback], max_steps=1).fit(module)
+    assert [k for k in callback.last_metrics if "logit_" in k] == ["layer_health/logit_lse_mean/model.transformer.ln_f"]
+    with pytest.raises(ValueError, match=r"output_layer: expected None or a non-empty module name, got 3"):
+        LayerHealthCallback(output_layer=3)
+    with pytest.raises(ValueError, match=r"output_layer: expected None or a non-empty module name, got ''"):
+        LayerHealthCallback(output_layer="")
+    with pytest.raises(ValueError, match=r"output_layer='model.lm_head' names the layer of logit_lse_mean"):
+        LayerHealthCallback(output_layer="model.lm_head")  # the default stats compute no output logits
+    bad = LayerHealthCallback(stats=["logit_absmax"], output_layer="model.lm_haed", summary=False)
+    with pytest.raises(ValueError, match=r"output_layer.*model\.lm_haed.*model\.lm_head"):
+        make_trainer([bad], max_steps=1).fit(zoo_module("gpt2", n=8))
+
+
+def test_probes_exist_only_during_sampled_forwards_and_leave_after_an_exception():
+    module = zoo_module("vit", n=8 * 4)
+    stack_sizes: list[int] = []
+    original = module.training_step
+
+    def training_step(batch, batch_idx):
+        stack_sizes.append(torch._C._len_torch_function_stack())
+        if batch_idx == 2:
+            raise RuntimeError("boom")
+        return original(batch, batch_idx)
+
+    module.training_step = training_step
+    callback = LayerHealthCallback(every_n_steps=2, stats=STATS, summary=False)
+    with pytest.raises(RuntimeError, match="boom"):
+        make_trainer([callback], max_steps=4).fit(module)
+    assert stack_sizes == [1, 0, 1]  # sampled steps 0 and 2 only
+    assert torch._C._len_torch_function_stack() == 0
+    assert count_hooks(module) == 0
+
+
+def test_training_is_bit_identical_with_the_precursor_probes():
+    def train(callbacks):
+        module = zoo_module("gpt2", n=8 * 4)
+        make_trainer(callbacks, max_steps=4).fit(module)
+        return {k: v.clone() for k, v in module.state_dict().items()}
+
+    plain = train([])
+    probed = train([LayerHealthCallback(every_n_steps=1, stats=STATS, on_anomaly="ignore", summary=False)])
+    assert plain.keys() == probed.keys()
+    assert all(torch.equal(plain[k], probed[k]) for k in plain)
+
+
+def test_a_compiled_model_gets_the_same_precursor_statistics_as_eager():
+    # Sampled batches run eagerly (the callback's hooks set the force_eager stance), so the mode sees every call.
+    def run(compiled: bool) -> dict[str, float]:
+        module = zoo_module("vit", n=8 * 3)
+        if compiled:
+            module.model = torch.compile(module.model, backend="eager")
+        callback = LayerHealthCallback(every_n_steps=1, stats=list(PRECURSOR_STATS), on_anomaly="ignore", summary=False)
+        make_trainer([callback], max_steps=3).fit(module)
+        return {k: v for k, v in callback.last_metrics.items() if "logit" in k}
+
+    eager, compiled = run(False), run(True)
+    assert len(eager) == 6
+    assert compiled == eager
+
+
+def test_removing_the_probe_leaves_a_mode_entered_after_it_in_place():
+    from lightning_hookdiag.attention import PrecursorProbes
+
+    class Other(torch.overrides.TorchFunctionMode):
+        pass
+
+    probes = PrecursorProbes(["attn_logit_max"], {"attn": nn.Linear(2, 2)}, {})
+    probes.attach()
+    other = Other()
+    other.__enter__()  # e.g. a `with torch.device(...)` opened inside training_step and still open
+    probes.remove()
+    stack = torch.overrides._get_current_function_mode_stack()
+    assert stack == [other]
+    other.__exit__(None, None, None)
+    assert torch._C._len_torch_function_stack() == 0
+    probes.remove()  # again: a no-op
