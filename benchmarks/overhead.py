@@ -652,19 +652,19 @@ class _Timers:
 
 def profile_model(spec: ModelSpec, batches: list[tuple[Tensor, Tensor]], steps: int, seed: int) -> dict[str, Any]:
     """Break down the extra time of ``every_step`` sampled steps by component and by aten op."""
-    from lightning_hookdiag import aggregation, callback, hooks, params, stats
+    from lightning_hookdiag import aggregation, callback, hooks, params, recorder, stats
 
     timers = _Timers()
     targets = [
-        (aggregation.StepRecorder, "on_output", "recorder.on_output (forward sink, total)"),
-        (aggregation.StepRecorder, "on_grad", "recorder.on_grad (gradient sink, total)"),
+        (recorder.StepRecorder, "on_output", "recorder.on_output (forward sink, total)"),
+        (recorder.StepRecorder, "on_grad", "recorder.on_grad (gradient sink, total)"),
         (stats, "host_activation_moments", "  stats.host_activation_moments (CPU fast path)"),
         (stats, "activation_moments", "  stats.activation_moments (device path, NaN/Inf fallback)"),
         (stats, "unit_maxima", "  stats.unit_maxima"),
         (stats, "host_gradient_moments", "  stats.host_gradient_moments (CPU fast path)"),
         (stats, "gradient_moments", "  stats.gradient_moments (device path, NaN/Inf fallback)"),
         (aggregation.LayerStatsAggregator, "update", "  LayerStatsAggregator.update body (no torchmetrics wrapper)"),
-        (aggregation.StepRecorder, "flush", "    StepRecorder.flush (small outputs and gradients kept back)"),
+        (recorder.StepRecorder, "flush", "    StepRecorder.flush (small outputs and gradients kept back)"),
         (params.HostPack, "squares", "    params.HostPack.squares (small float32 host tensors together)"),
         (hooks, "first_floating_tensor", "hooks.first_floating_tensor (in the forward hook)"),
         (hooks.HookSet, "attach", "HookSet.attach"),

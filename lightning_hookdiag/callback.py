@@ -28,12 +28,13 @@ from typing_extensions import override
 
 from lightning_hookdiag import params as P
 from lightning_hookdiag import stats as S
-from lightning_hookdiag.aggregation import LayerStatsAggregator, StepRecorder
+from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
 from lightning_hookdiag.hooks import HookSet
 from lightning_hookdiag.opt_in import OptInPlan, OptInRecorder, plan_opt_in
 from lightning_hookdiag.params import ParameterTracker, named_parameters_of, owned_parameters
 from lightning_hookdiag.precision import resolve_targets
+from lightning_hookdiag.recorder import StepRecorder
 from lightning_hookdiag.report.summary import format_step_table
 from lightning_hookdiag.rules import (
     AlertState,

@@ -8,8 +8,9 @@ import pytest
 import torch
 from reference import activation_stats_float64
 
-from lightning_hookdiag import aggregation as A
-from lightning_hookdiag.aggregation import LayerStatsAggregator, StepRecorder
+from lightning_hookdiag import recorder as A
+from lightning_hookdiag.aggregation import LayerStatsAggregator
+from lightning_hookdiag.recorder import StepRecorder
 
 
 def reference(outputs: list[torch.Tensor]) -> dict[str, float]:

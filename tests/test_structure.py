@@ -171,10 +171,10 @@ def test_memory_and_live_tensors_stay_flat_over_thousands_of_sampled_steps():
 
 def test_unsampled_steps_have_no_hooks_and_no_package_work(monkeypatch):
     calls = []
-    import lightning_hookdiag.aggregation as aggregation
+    import lightning_hookdiag.recorder as recorder
 
-    original = aggregation.StepRecorder.on_output
-    monkeypatch.setattr(aggregation.StepRecorder, "on_output", lambda *a: calls.append(1) or original(*a))
+    original = recorder.StepRecorder.on_output
+    monkeypatch.setattr(recorder.StepRecorder, "on_output", lambda *a: calls.append(1) or original(*a))
 
     class Check(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
