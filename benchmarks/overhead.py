@@ -586,7 +586,7 @@ def counting(counter: OpCounter) -> Iterator[None]:
     """Run with ``counter`` active, the package's entry points bucketed: output, grad, params, sentinel."""
     recorder, tracker, sentinel = _sink_classes()
     patches = [
-        (recorder, "on_output", "output"),
+        (recorder, "on_tensor" if hasattr(recorder, "on_tensor") else "on_output", "output"),
         (recorder, "on_grad", "grad"),
         (tracker, "before_step", "params"),
         (tracker, "after_step", "params"),
@@ -914,16 +914,13 @@ def profile_model(spec: ModelSpec, batches: list[tuple[Tensor, Tensor]], steps: 
 
     timers = _Timers()
     targets = [
-        (recorder.StepRecorder, "on_output", "recorder.on_output (forward sink, total)"),
+        (recorder.StepRecorder, "on_tensor", "recorder.on_tensor (forward sink, total)"),
         (recorder.StepRecorder, "on_grad", "recorder.on_grad (gradient sink, total)"),
-        (stats, "host_activation_moments", "  stats.host_activation_moments (CPU fast path)"),
-        (stats, "activation_moments", "  stats.activation_moments (device path, NaN/Inf fallback)"),
+        (stats, "activation_row", "  stats.activation_row"),
         (stats, "unit_maxima", "  stats.unit_maxima"),
-        (stats, "host_gradient_moments", "  stats.host_gradient_moments (CPU fast path)"),
-        (stats, "gradient_moments", "  stats.gradient_moments (device path, NaN/Inf fallback)"),
+        (stats, "gradient_row", "  stats.gradient_row"),
         (aggregation.LayerStatsAggregator, "update", "  LayerStatsAggregator.update body (no torchmetrics wrapper)"),
-        (recorder.StepRecorder, "flush", "    StepRecorder.flush (small outputs and gradients kept back)"),
-        (params.HostPack, "squares", "    params.HostPack.squares (small float32 host tensors together)"),
+        (aggregation.LayerStatsAggregator, "_fold", "    LayerStatsAggregator._fold (the step's call rows)"),
         (hooks, "first_floating_tensor", "hooks.first_floating_tensor (in the forward hook)"),
         (hooks.HookSet, "attach", "HookSet.attach"),
         (hooks.HookSet, "remove", "HookSet.remove"),

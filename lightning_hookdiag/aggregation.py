@@ -15,7 +15,7 @@ everywhere. Until then its maxima wait in a per-layer pending tensor.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -131,16 +131,14 @@ class LayerStatsAggregator(Metric):
         self._pending_units: dict[int, Tensor] = {}
         self._bad_flags: tuple[frozenset[int], Tensor] | None = None
         self._unit_bad: Tensor | None = None
-        self._unit_index: dict[tuple[int, ...], Tensor] = {}
         self.unit_mismatch: set[int] = set()
         """Layers whose unit count changed after it was learned, on this process or (when agreed) between
         processes; their dead fraction is not tracked."""
         self.grad_scale: Tensor | None = None
         """AMP loss scale of the step's gradients, divided out of ``act_grad_norm`` at ``compute``."""
-        self._host = _HostRows(n_layers)
-        self.deferred: _Deferred | None = None
-        """Observations kept back to be reduced in batches (a :class:`StepRecorder`'s small host tensors): flushed
-        by :meth:`update` and :meth:`compute`, dropped by :meth:`reset`."""
+        self._act_calls = _Calls(S.ACT_ROW, dtype)
+        self._grad_calls = _Calls(S.GRAD_ROW, dtype)
+        self._count_calls = _Calls(0, dtype)
 
     def track_units(self, layers: Iterable[int]) -> None:
         """Declare the layers that may report per-unit maxima (default: every layer).
@@ -181,13 +179,15 @@ class LayerStatsAggregator(Metric):
                 current.append(fill.to(device))
         for layer in sizes:
             self._pending_units.pop(layer, None)
-        self.add_state("unit_max", torch.cat(default) if default else torch.empty(0), dist_reduce_fx="max")
-        self.unit_max = torch.cat(current) if current else torch.empty(0, device=device)
+        empty = torch.empty(0, dtype=self.unit_max.dtype)
+        self.add_state("unit_max", torch.cat(default) if default else empty, dist_reduce_fx="max")
+        self.unit_max = torch.cat(current) if current else empty.to(device)
         owners = [torch.full((n,), i, dtype=torch.long) for i, n in enumerate(self.unit_sizes)]
         self._unit_owner = torch.cat(owners).to(device)
-        self._unit_index = {}  # offsets moved
 
     def _add_units(self, layer: int, units: Tensor) -> None:
+        if torch.promote_types(units.dtype, self.unit_max.dtype) != self.unit_max.dtype:
+            units = units.to(self.unit_max.dtype)  # float64 outputs; float32/16 ones promote inside fmax
         size = self.unit_sizes[layer]
         if size:
             if units.numel() != size:
@@ -207,40 +207,23 @@ class LayerStatsAggregator(Metric):
         else:
             torch.fmax(pending, units, out=pending)
 
-    def add_rows(
-        self, layers: list[int], activation: tuple[Tensor, Tensor] | None = None, gradient: Tensor | None = None
-    ) -> None:
-        """Add the observations of several calls at once: row ``i`` belongs to layer ``layers[i]`` (repeats add up).
+    def activation_row(self, layer: int, numel: int) -> Tensor:
+        """A row of this step's call table for one output of ``numel`` elements of layer ``layer``.
 
-        Args:
-            layers: The layer of each row.
-            activation: ``([rows, ACT_SLOTS] moments, [rows] absmax)``.
-            gradient: ``[rows, GRAD_SLOTS]`` moments.
+        The caller writes it with :func:`~lightning_hookdiag.stats.activation_row`; :meth:`update` folds the rows.
         """
         self._mark_stale()
-        index = torch.tensor(layers, dtype=torch.long, device=self.act_moments.device)
-        if activation is not None:
-            moments, absmax = activation
-            self.act_moments.index_add_(0, index, moments.to(self.act_moments.dtype))
-            self.act_absmax.scatter_reduce_(0, index, absmax.to(self.act_absmax.dtype), "amax")
-        if gradient is not None:
-            self.grad_moments.index_add_(0, index, gradient.to(self.grad_moments.dtype))
+        return self._act_calls.row(layer, numel, self.act_moments.device)
 
-    def add_units(self, layers: list[int], maxima: Tensor) -> None:
-        """:meth:`add` of per-unit maxima for several calls at once (``maxima``: ``[rows, units]``)."""
-        size = maxima.shape[1]
-        if any(self.unit_sizes[layer] != size or layer in self.unit_mismatch for layer in layers):
-            for layer, row in zip(layers, maxima, strict=True):  # not laid out yet, or a mismatch
-                self.add(layer, units=row)
-            return
+    def gradient_row(self, layer: int, numel: int) -> Tensor:
+        """:meth:`activation_row` for an output gradient (:func:`~lightning_hookdiag.stats.gradient_row`)."""
         self._mark_stale()
-        key = tuple(layers)
-        index = self._unit_index.get(key)
-        if index is None:
-            starts = torch.tensor([self._unit_offsets[layer] for layer in layers], dtype=torch.long)
-            index = (starts[:, None] + torch.arange(size)).reshape(-1).to(self.unit_max.device)
-            self._unit_index[key] = index
-        self.unit_max.scatter_reduce_(0, index, maxima.reshape(-1).to(self.unit_max.dtype), "amax")
+        return self._grad_calls.row(layer, numel, self.act_moments.device)
+
+    def add_count(self, layer: int, numel: int) -> None:
+        """Count one output of ``numel`` elements without its moments (no moment statistic was asked for)."""
+        self._mark_stale()
+        self._count_calls.row(layer, numel, self.act_moments.device)
 
     def add(
         self,
@@ -309,73 +292,49 @@ class LayerStatsAggregator(Metric):
         saved = torch.tensor(per_layer, dtype=self.act_saved.dtype, device=self.act_saved.device)
         torch.maximum(self.act_saved, saved, out=self.act_saved)
 
-    def add_host(
-        self,
-        layer: int,
-        activation: tuple[list[float], float] | None = None,
-        gradient: list[float] | None = None,
-        count: int = 0,
-    ) -> None:
-        """Add one observation in Python floats, from the host fast path; :meth:`update` folds it into the states.
-
-        Args:
-            layer: Index of the layer.
-            activation: ``(moments, absmax)`` from :func:`~lightning_hookdiag.stats.host_activation_moments`.
-            gradient: Moments from :func:`~lightning_hookdiag.stats.host_gradient_moments`.
-            count: Elements observed, when no activation moments are computed.
-        """
-        self._mark_stale()
-        host = self._host
-        host.pending = True
-        row = host.act[layer]
-        row[S.ACT_COUNT] += count
-        if activation is not None:
-            moments, absmax = activation
-            for i, value in enumerate(moments):
-                row[i] += value
-            host.absmax[layer] = max(host.absmax[layer], absmax)
-        if gradient is not None:
-            row = host.grad[layer]
-            for i, value in enumerate(gradient):
-                row[i] += value
-
     def _mark_stale(self) -> None:
         # What torchmetrics' update wrapper does: a cached result is stale now. Only assigned when set, because
         # every attribute assignment on a Metric goes through nn.Module.__setattr__ (microseconds, per hook call).
         if self._computed is not None:
             self._computed = None
 
-    def _fold_host(self) -> None:
-        # One tensor per state for every layer at once: the per-call cost of the host path stays in Python.
-        host = self._host
-        if not host.pending:
-            return
-        device = self.act_moments.device
-        self.act_moments += torch.tensor(host.act, dtype=self.act_moments.dtype, device=device)
-        absmax = torch.tensor(host.absmax, dtype=self.act_absmax.dtype, device=device)
-        torch.maximum(self.act_absmax, absmax, out=self.act_absmax)
-        self.grad_moments += torch.tensor(host.grad, dtype=self.grad_moments.dtype, device=device)
-        host.clear()
+    def _fold(self) -> bool:
+        """Fold this step's call rows into the states, a constant number of ops per step; whether there were any."""
+        folded = False
+        taken = self._act_calls.take()
+        if taken is not None:
+            rows, index, counts = taken
+            moments, absmax = S.moments_from_rows(rows, counts)
+            self.act_moments.index_add_(0, index, moments)
+            self.act_absmax.scatter_reduce_(0, index, absmax.to(self.act_absmax.dtype), "amax")
+            folded = True
+        taken = self._grad_calls.take()
+        if taken is not None:
+            rows, index, counts = taken
+            self.grad_moments.index_add_(0, index, S.gradient_moments_from_rows(rows, counts))
+            folded = True
+        taken = self._count_calls.take()
+        if taken is not None:
+            _, index, counts = taken
+            self.act_moments[:, S.ACT_COUNT].index_add_(0, index, counts)
+            folded = True
+        return folded
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         """Same as :meth:`add`, through torchmetrics' bookkeeping (marks the metric as updated).
 
-        Also folds the observations of :meth:`add_host` into the states, so call it before ``compute``: the states,
-        not the pending host values, are what torchmetrics reduces over processes.
+        Also folds the rows written since the last fold into the states (so does ``compute``, and the sync before it).
         """
         self.add(*args, **kwargs)
-        if self.deferred is not None:
-            self.deferred.flush()
-        self._fold_host()
+        self._fold()
 
     def reset(self) -> None:
         """Clear the states and any pending observations, to start the next sampled step (the layout stays)."""
         super().reset()
-        self._host.clear()
+        for calls in (self._act_calls, self._grad_calls, self._count_calls):
+            calls.clear()
         self._pending_units = {}
         self._unit_bad = None
-        if self.deferred is not None:
-            self.deferred.clear()
 
     def _sync_dist(self, dist_sync_fn: Any = None, process_group: Any = None) -> None:
         """Reduce the states over processes with one SUM and one MAX ``all_reduce`` of packed buffers.
@@ -390,9 +349,7 @@ class LayerStatsAggregator(Metric):
             process_group: The group to reduce over; ``None`` for the metric's ``process_group`` (default: all).
         """
         group = process_group or self.process_group
-        flushed = self.deferred is not None and self.deferred.flush()
-        changed = self._host.pending or flushed
-        self._fold_host()
+        changed = self._fold()
         # Layers declared for per-unit maxima without an agreed unit count: the same list on every process, because
         # the agreed counts are.
         waiting = [i for i in sorted(self.unit_layers) if not self.unit_sizes[i] and i not in self.unit_mismatch]
@@ -461,9 +418,7 @@ class LayerStatsAggregator(Metric):
             tracked) and ``count`` / ``grad_count`` (elements observed: 0 means the layer never ran), plus the
             parameter statistics of :func:`~lightning_hookdiag.params.finalize_parameters`.
         """
-        if self.deferred is not None:
-            self.deferred.flush()
-        self._fold_host()  # normally done by update() or the sync; here it would miss the reduction over processes
+        self._fold()  # normally done by update() or the sync; here it would miss the reduction over processes
         if self._pending_units and not self._is_synced:
             # No sync (one process): this process's unit counts are the agreed ones.
             self._relayout({layer: t.numel() for layer, t in self._pending_units.items()})
@@ -499,23 +454,50 @@ class LayerStatsAggregator(Metric):
             out["act_saved_bytes"] = self.act_saved
 
 
-class _Deferred(Protocol):
-    def flush(self) -> bool: ...
+class _Calls:
+    """The rows of one kind of observation written in the open step, one per call, folded once per step.
 
-    def clear(self) -> None: ...
+    A hook call writes its results into a row of this table with one op; the fold turns every row of the step into
+    the states' columns and adds them with ``index_add_``, a constant number of ops per step. The layer index and
+    counts of a step are host lists; their device copies are cached by value, so a step that repeats the previous
+    one's calls (the usual case) copies nothing to the device.
+    """
 
+    __slots__ = ("_cache", "counts", "dtype", "layers", "table", "width")
 
-class _HostRows:
-    """Observations of the host fast path, in Python floats (float64), until ``update()`` folds them into states."""
+    def __init__(self, width: int, dtype: torch.dtype) -> None:
+        self.width = width
+        self.dtype = dtype
+        self.table = torch.empty(0, width, dtype=dtype)
+        self.layers: list[int] = []
+        self.counts: list[int] = []
+        self._cache: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[Tensor, Tensor]] = {}
 
-    __slots__ = ("absmax", "act", "grad", "n_layers", "pending")
+    def row(self, layer: int, count: int, device: torch.device) -> Tensor:
+        i = len(self.layers)
+        if i >= self.table.shape[0] or self.table.device != device:
+            grown = torch.empty(max(16, 2 * i), self.width, dtype=self.dtype, device=device)
+            grown[:i].copy_(self.table[:i])
+            self.table = grown
+        self.layers.append(layer)
+        self.counts.append(count)
+        return self.table[i]
 
-    def __init__(self, n_layers: int) -> None:
-        self.n_layers = n_layers
+    def take(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """``(rows, layer index, counts)`` of the calls since the last take, or ``None``; the calls are cleared."""
+        if not self.layers:
+            return None
+        key = (tuple(self.layers), tuple(self.counts))
+        cached = self._cache.get(key)
+        if cached is None or cached[0].device != self.table.device:
+            if len(self._cache) >= 8:  # varying calls (sequence lengths, branches): keep a few recent patterns
+                self._cache = {}
+            device = self.table.device
+            index = torch.tensor(key[0], dtype=torch.long, device=device)
+            cached = self._cache[key] = (index, torch.tensor(key[1], dtype=self.dtype, device=device))
+        rows = self.table[: len(self.layers)]
         self.clear()
+        return rows, *cached
 
     def clear(self) -> None:
-        self.act = [[0.0] * S.ACT_SLOTS for _ in range(self.n_layers)]
-        self.absmax = [0.0] * self.n_layers
-        self.grad = [[0.0] * S.GRAD_SLOTS for _ in range(self.n_layers)]
-        self.pending = False
+        self.layers, self.counts = [], []

@@ -451,7 +451,7 @@ class LayerHealthCallback(Callback):
         )
         self._saved = SavedMemoryTracker(modules, pl_module) if plan.saved_bytes else None
         on_grad = self._recorder.on_grad if wanted & set(S.GRADIENT_STATS) or plan.grad_targets else None
-        self._hooks = HookSet(modules, self._recorder.on_output, on_grad)
+        self._hooks = HookSet(modules, None, on_grad, on_tensor=self._recorder.on_tensor)
         self._tracker = (
             ParameterTracker(params, snapshot="param_update_ratio" in wanted, dtype=self._aggregator.acc_dtype)
             if params
@@ -846,7 +846,7 @@ class LayerHealthCallback(Callback):
         self._hooks.clear_order()
         no_float = sorted(self._recorder.no_float_output)
         self._recorder.no_float_output.clear()
-        self._recorder.release(keep_host=True)  # host scratch is reused by the next sampled step
+        self._recorder.release()
         agg.reset()
         agg.grad_scale = None
         self._window = None

@@ -17,7 +17,6 @@ from torch import Tensor
 from lightning_hookdiag import outliers as O
 from lightning_hookdiag import precision as PR
 from lightning_hookdiag.aggregation import LayerStatsAggregator
-from lightning_hookdiag.hooks import first_floating_tensor
 from lightning_hookdiag.recorder import StepRecorder
 
 __all__ = ["OptInPlan", "OptInRecorder", "plan_opt_in"]
@@ -122,10 +121,9 @@ class OptInRecorder(StepRecorder):
         self._act_dtypes = [PR.PRECISION_TARGETS[t] for t in plan.act_targets]
         self._grad_dtypes = [PR.PRECISION_TARGETS[t] for t in plan.grad_targets]
 
-    def on_output(self, layer: int, output: Any) -> None:
+    def on_tensor(self, layer: int, tensor: Tensor | None) -> None:
         """Forward sink: the default statistics, then precision counts and power sums of the output."""
-        super().on_output(layer, output)
-        tensor = first_floating_tensor(output)
+        super().on_tensor(layer, tensor)
         if tensor is None:
             return
         agg = self.aggregator

@@ -38,9 +38,9 @@ def test_checkpointed_block_statistics_equal_the_plain_block(accumulate, monkeyp
     import lightning_hookdiag.recorder as recorder
 
     observed: list[int] = []
-    original = recorder.StepRecorder.on_output
+    original = recorder.StepRecorder.on_tensor
     monkeypatch.setattr(
-        recorder.StepRecorder, "on_output", lambda self, i, o: observed.append(i) or original(self, i, o)
+        recorder.StepRecorder, "on_tensor", lambda self, i, o: observed.append(i) or original(self, i, o)
     )
     torch.manual_seed(0)
     plain = Checkpointed(use_checkpoint=False)
