@@ -44,15 +44,21 @@ def run(package: Path, args: list[str], json_path: Path) -> dict[str, Any]:
     return json.loads(json_path.read_text())
 
 
-def ratios(payload: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Median step time of every variant over ``plain``'s, per model (``default_interval`` amortised)."""
+def ratios(payload: dict[str, Any], key: str = "median_ms") -> dict[str, dict[str, float]]:
+    """Median step time (``key``: wall or process CPU) of every variant over ``plain``'s, per model.
+
+    ``default_interval`` is amortised (wall time only).
+    """
     out: dict[str, dict[str, float]] = {}
     for model, variants in payload["results"].items():
-        base = variants["plain"]["median_ms"]
+        base = variants["plain"][key]
         out[model] = {}
         for variant, r in variants.items():
-            ms = base + r["amortised_extra_ms"] if variant == "default_interval" else r["median_ms"]
-            out[model][variant] = ms / base
+            if variant == "default_interval":
+                ms = variants["plain"]["median_ms"] + r["amortised_extra_ms"]
+                out[model][variant] = ms / variants["plain"]["median_ms"]
+            else:
+                out[model][variant] = r[key] / base
     return out
 
 
@@ -72,18 +78,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             package = base if side == "before" else ROOT
             sides[side].append(run(package, args.overhead_args, Path(tmp) / f"run{i}.json"))
             print(f"run {i + 1}/{args.runs} ({side}) done", file=sys.stderr)
-    summary: dict[str, dict[str, dict[str, float]]] = {}
-    for side, payloads in sides.items():
-        per_run = [ratios(payload) for payload in payloads]
-        summary[side] = {
-            model: {v: statistics.median(r[model][v] for r in per_run) for v in per_run[0][model]}
-            for model in per_run[0]
-        }
-    print(f"{'model':<12} {'variant':<17} {'before':>8} {'after':>8}  (x plain, median of per-run ratios)")
-    for model, variants in summary["after"].items():
+    summary: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    for key in ("median_ms", "median_cpu_ms"):
+        summary[key] = {}
+        for side, payloads in sides.items():
+            per_run = [ratios(payload, key) for payload in payloads]
+            summary[key][side] = {
+                model: {v: statistics.median(r[model][v] for r in per_run) for v in per_run[0][model]}
+                for model in per_run[0]
+            }
+    wall, cpu = summary["median_ms"], summary["median_cpu_ms"]
+    print(f"{'model':<12} {'variant':<17} {'before':>8} {'after':>8} {'cpu before':>11} {'cpu after':>10}  (x plain)")
+    for model, variants in wall["after"].items():
         for variant, after in variants.items():
-            before = summary["before"][model].get(variant, float("nan"))
-            print(f"{model:<12} {variant:<17} {before:>8.3f} {after:>8.3f}")
+            row = [wall["before"][model][variant], after, cpu["before"][model][variant], cpu["after"][model][variant]]
+            print(f"{model:<12} {variant:<17} {row[0]:>8.3f} {row[1]:>8.3f} {row[2]:>11.3f} {row[3]:>10.3f}")
     payload = {"base": args.base, "overhead_args": args.overhead_args, "summary": summary, "runs": sides}
     Path(args.json).write_text(json.dumps(payload, indent=1) + "\n")
     return payload

@@ -6,6 +6,10 @@ is replaced: every additive state goes into one buffer reduced with one SUM ``al
 buffer reduced with one MAX ``all_reduce`` (:mod:`lightning_hookdiag.distributed`). No all-gather, no barrier, no
 host read once the per-unit layout is agreed, and the bytes per process do not depend on the number of processes.
 
+Hook calls do not add into the states one by one: each writes its reduction into one row of a call table
+(:meth:`LayerStatsAggregator.activation_row`, :meth:`~LayerStatsAggregator.gradient_row`), and the rows of a step are
+folded into the states with a constant number of ops (``index_add_``) by ``update``, the sync and ``compute``.
+
 The per-unit layout (``act_dead_frac``) is the same on every process: a layer's unit count is learned from its
 output shape (host metadata), then agreed through the SUM buffer of the first sync in which any process saw the
 layer, so a layer that first runs on some processes only (a rank-dependent branch, MoE routing) gets the same slots

@@ -15,7 +15,7 @@ in aten ops, each at least one kernel launch on an accelerator (``benchmarks/ove
 
 Why this is exact without prescaling or centring: a float32 (or fp16/bf16) value and its square are exact in float64
 (24 significant bits squared fit in 53), float32's largest square (1.2e77) and smallest (2e-90) are normal float64
-numbers, and torch's sums are cascaded, so a sum of a million squares rounds at ~1e-16 relative whatever the CPU's
+numbers, and torch's sums are cascaded, so a sum of a million squares rounds at ~1e-15 relative whatever the CPU's
 vector width. ``act_std`` is then ``sqrt(sumsq / n - mean**2)`` in float64: a mean ``10**4`` times the spread
 costs 8 of float64's 16 digits, and leaves ~1e-9 (measured: 7.5e-10 on 1 M values of mean 1e4 and std 1; a float64
 BLAS ``dot`` instead of ``mul`` + ``sum`` was 1.6e-6 off, so it serves only the gradients' sums of squares, which
