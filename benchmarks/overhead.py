@@ -77,7 +77,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,7 +114,10 @@ EXTRA_VARIANTS = (
     "replay",
     "opt_in",
     "precursors",
+    "tutorial_stats",
 )
+TUTORIAL_STATS = ("act_mean", "act_std", "act_grad_norm", "param_grad_norm")
+"""What :class:`TutorialCallback` computes (its ``std`` needs the mean), as ``LayerHealthCallback`` statistics."""
 NEVER = 10**9
 """An interval no benchmark reaches: only step 0 (dropped as warm-up) is sampled, so what remains is the per-step
 cost of the sentinel (``sentinel_*``) or of the callback doing nothing (``no_sentinel``)."""
@@ -469,12 +472,16 @@ class ReplayEveryStep(LayerHealthCallback):
         self._sentinel.check = always  # type: ignore[method-assign]
 
 
-def make_callback(variant: str) -> Callback | None:
-    """The diagnostics callback of a variant (``None`` for ``plain``)."""
+def make_callback(variant: str, every_n_steps: int = 1) -> Callback | None:
+    """The diagnostics callback of a variant (``None`` for ``plain``); ``every_n_steps`` for the sampling ones."""
     if variant == "plain":
         return None
     if variant == "every_step":
-        return LayerHealthCallback(every_n_steps=1)
+        return LayerHealthCallback(every_n_steps=every_n_steps)
+    if variant == "tutorial_stats":
+        return LayerHealthCallback(every_n_steps=every_n_steps, stats=TUTORIAL_STATS)
+    if variant == "sentinel_only":
+        return LayerHealthCallback(every_n_steps=NEVER)
     if variant == "default_interval":
         return LayerHealthCallback()
     if variant == "tutorial":
@@ -493,7 +500,258 @@ def make_callback(variant: str) -> Callback | None:
     if variant == "precursors":  # every_step plus the attention and output-logit probes
         return LayerHealthCallback(every_n_steps=1, stats=[*ALL_STATS, *PRECURSOR_STATS])
     families = {"acts_only": ACTIVATION_STATS, "grads_only": GRADIENT_STATS, "params_only": PARAMETER_STATS}
-    return LayerHealthCallback(every_n_steps=1, stats=families[variant])
+    return LayerHealthCallback(every_n_steps=every_n_steps, stats=families[variant])
+
+
+# --------------------------------------------------------------------------------------------------- op counts
+_ALLOCATIONS = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh"})
+"""Ops that allocate without writing: no kernel launch on an accelerator."""
+_HOST_READS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "bincount"})
+"""Ops whose result (or its shape) is read on the host: a device synchronisation on an accelerator."""
+
+
+class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops dispatched while active, per bucket (see :meth:`bucket`), split by what they cost.
+
+    ``views`` (view ops, ``detach``, ``alias``) and ``allocations`` (``empty*``) launch no kernel; every other op
+    launches at least one on an accelerator (``launching``). ``host_reads`` counts ops that read a value back to the
+    host plus ``Tensor.tolist`` calls, which on a CPU tensor read memory without dispatching anything.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = "step"
+        self.counts: dict[str, Counter[str]] = defaultdict(Counter)
+        self.calls: Counter[str] = Counter()
+
+    @contextlib.contextmanager
+    def bucket(self, name: str) -> Iterator[None]:
+        """Count the ops dispatched inside the block under ``name`` (and count one call of it)."""
+        previous, self.current = self.current, name
+        self.calls[name] += 1
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        self.counts[self.current][name] += 1
+        return func(*args, **(kwargs or {}))
+
+    def record_tolist(self) -> None:
+        """Count one host read (``Tensor.tolist``) in the current bucket."""
+        self.counts[self.current]["tolist"] += 1
+
+    @staticmethod
+    def kind(name: str) -> str:
+        """``"views"``, ``"allocations"``, ``"host_reads"`` or ``"launching"`` for an aten op name."""
+        if name in ("detach", "alias") or name in _VIEW_OPS:
+            return "views"
+        if name in _ALLOCATIONS:
+            return "allocations"
+        if name in _HOST_READS or name == "tolist":
+            return "host_reads"
+        return "launching"
+
+    def summary(self, bucket: str) -> dict[str, int]:
+        """Totals of ``bucket`` by kind, and ``all``."""
+        out = dict.fromkeys(("all", "launching", "views", "allocations", "host_reads"), 0)
+        for name, n in self.counts.get(bucket, Counter()).items():
+            kind = self.kind(name)
+            out[kind] += n
+            if kind != "host_reads" or name != "tolist":
+                out["all"] += n
+            if kind == "host_reads" and name != "tolist":
+                out["launching"] += n  # a copy back to the host is a launch too
+        return out
+
+
+_VIEW_OPS = frozenset(
+    op.__name__
+    for op in (getattr(torch.ops.aten, n) for n in dir(torch.ops.aten) if not n.startswith("_") or n == "_unsafe_view")
+    if isinstance(op, torch._ops.OpOverloadPacket)
+    and any(getattr(op, o).is_view for o in op.overloads() if hasattr(getattr(op, o), "is_view"))
+)
+
+
+def _sink_classes() -> tuple[Any, Any, Any]:
+    # The recorder moved out of aggregation.py in issue 21: the counter also runs against the tree before it.
+    try:
+        from lightning_hookdiag.recorder import StepRecorder
+    except ImportError:  # pragma: no cover - the tree before the move
+        from lightning_hookdiag.aggregation import StepRecorder
+    from lightning_hookdiag.params import ParameterTracker
+    from lightning_hookdiag.sentinel import LossSentinel
+
+    return StepRecorder, ParameterTracker, LossSentinel
+
+
+@contextlib.contextmanager
+def counting(counter: OpCounter) -> Iterator[None]:
+    """Run with ``counter`` active, the package's entry points bucketed: output, grad, params, sentinel."""
+    recorder, tracker, sentinel = _sink_classes()
+    patches = [
+        (recorder, "on_tensor" if hasattr(recorder, "on_tensor") else "on_output", "output"),
+        (recorder, "on_grad", "grad"),
+        (tracker, "before_step", "params"),
+        (tracker, "after_step", "params"),
+        (sentinel, "observe_loss", "sentinel"),
+        (sentinel, "check", "sentinel"),
+    ]
+    originals = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
+    for owner, attr, name in patches:
+        method = getattr(owner, attr)
+
+        @functools.wraps(method)
+        def wrapped(*args: Any, _method: Callable[..., Any] = method, _name: str = name, **kwargs: Any) -> Any:
+            with counter.bucket(_name):
+                return _method(*args, **kwargs)
+
+        setattr(owner, attr, wrapped)
+    tolist = torch.Tensor.tolist
+
+    def counted_tolist(self: Tensor) -> Any:
+        counter.record_tolist()
+        return tolist(self)
+
+    torch.Tensor.tolist = counted_tolist  # type: ignore[method-assign]
+    try:
+        with counter:
+            yield
+    finally:
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+        for owner, attr, method in originals:
+            setattr(owner, attr, method)
+
+
+class StepOps(Callback):
+    """Snapshots the counter's ``step`` bucket and every other bucket at each batch start, per step."""
+
+    def __init__(self, counter: OpCounter) -> None:
+        self.counter = counter
+        self.marks: list[tuple[int, dict[str, Counter[str]], Counter[str]]] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        """Mark the start of a step."""
+        snapshot = {k: Counter(v) for k, v in self.counter.counts.items()}
+        self.marks.append((trainer.global_step, snapshot, Counter(self.counter.calls)))
+
+    def per_step(self) -> list[tuple[int, dict[str, Counter[str]], Counter[str]]]:
+        """``(step, ops per bucket, calls per bucket)`` of every step with a following start."""
+        out = []
+        for (step, before, calls0), (_, after, calls1) in zip(self.marks, self.marks[1:], strict=False):
+            ops = {k: after[k] - before.get(k, Counter()) for k in after}
+            out.append((step, ops, calls1 - calls0))
+        return out
+
+
+def _kinds(ops: dict[str, Counter[str]]) -> dict[str, int]:
+    out = dict.fromkeys(("all", "launching", "views", "allocations", "host_reads"), 0)
+    for counts in ops.values():
+        for name, n in counts.items():
+            kind = OpCounter.kind(name)
+            out[kind] += n
+            if name != "tolist":
+                out["all"] += n
+                if kind == "host_reads":
+                    out["launching"] += n
+    return out
+
+
+def count_ops(spec: ModelSpec, batch: tuple[Tensor, Tensor], variant: str, steps: int = 6) -> dict[str, Any]:
+    """Aten ops per step of ``variant`` (sampled every other step), per hooked tensor, per bucket.
+
+    Returns a dict with ``sampled`` and ``unsampled`` (median op totals by kind over the steps of each kind, steps
+    0 and 1 dropped as warm-up), ``per_output`` / ``per_grad`` (ops inside one output / gradient sink call by kind,
+    averaged over the calls), ``params`` and ``sentinel`` (per optimizer step) and ``top_sampled`` (the most frequent
+    launching ops of a sampled step).
+    """
+    torch.manual_seed(0)
+    task = Task(spec.build())
+    counter = OpCounter()
+    marks = StepOps(counter)
+    extra = make_callback(variant, every_n_steps=2)
+    callbacks: list[Callback] = [marks] + ([extra] if extra is not None else [])
+    with quiet(), counting(counter):  # findings on these synthetic models are not what is counted
+        fit(task, [batch], steps + 1, callbacks)
+    recorded = [r for r in marks.per_step() if r[0] >= 2]
+    sampled = [r for r in recorded if r[0] % 2 == 0] if extra is not None else recorded
+    unsampled = [r for r in recorded if r[0] % 2 == 1] if extra is not None else recorded
+
+    def median_kinds(rows: list[tuple[int, dict[str, Counter[str]], Counter[str]]]) -> dict[str, float]:
+        kinds = [_kinds(ops) for _, ops, _ in rows]
+        return {k: _median([float(d[k]) for d in kinds]) for k in kinds[0]} if kinds else {}
+
+    def per_call(bucket: str) -> dict[str, float]:
+        calls = sum(c[bucket] for _, _, c in sampled)
+        if not calls:
+            return {}
+        total: Counter[str] = Counter()
+        for _, ops, _ in sampled:
+            total += ops.get(bucket, Counter())
+        kinds = _kinds({bucket: total})
+        return {"calls_per_step": calls / len(sampled), **{k: v / calls for k, v in kinds.items()}}
+
+    def per_step(bucket: str) -> dict[str, float]:
+        rows = [{bucket: ops.get(bucket, Counter())} for _, ops, _ in sampled]
+        kinds = [_kinds(r) for r in rows]
+        return {k: _median([float(d[k]) for d in kinds]) for k in kinds[0]} if kinds else {}
+
+    top: Counter[str] = Counter()
+    for _, ops, _ in sampled:
+        for counts in ops.values():
+            top.update({n: c for n, c in counts.items() if OpCounter.kind(n) == "launching"})
+    return {
+        "sampled": median_kinds(sampled),
+        "unsampled": median_kinds(unsampled),
+        "per_output": per_call("output"),
+        "per_grad": per_call("grad"),
+        "params": per_step("params"),
+        "sentinel": per_step("sentinel"),
+        "top_sampled": [(n, c / max(len(sampled), 1)) for n, c in top.most_common(12)],
+    }
+
+
+COUNT_VARIANTS = (
+    "plain",
+    "tutorial",
+    "every_step",
+    "tutorial_stats",
+    "acts_only",
+    "grads_only",
+    "params_only",
+    "sentinel_only",
+)
+
+
+def run_count_ops(specs: dict[str, ModelSpec], models: list[str], seed: int) -> dict[str, Any]:
+    """:func:`count_ops` of every :data:`COUNT_VARIANTS` entry on ``models``; prints one table per model."""
+    results: dict[str, Any] = {}
+    for model in models:
+        batch = batches_for(specs[model], seed, count=1)[0]
+        results[model] = {v: count_ops(specs[model], batch, v) for v in COUNT_VARIANTS}
+        plain = results[model]["plain"]["sampled"]
+        print(f"\nop counts {model} (aten ops per step; launching = not a view, detach or empty allocation)")
+        print(f"  plain step: {plain['all']:.0f} ops, {plain['launching']:.0f} launching")
+        header = "  variant          extra/sampled (all/launch)  extra/unsampled  extra host reads s/u"
+        print(header + "   per output (all/launch)   per grad (all/launch)   params/step  sentinel/step")
+        for variant, r in results[model].items():
+            if variant == "plain":
+                continue
+            s, u = r["sampled"], r["unsampled"]
+            po, pg = r["per_output"], r["per_grad"]
+            print(
+                f"  {variant:<16} {s['all'] - plain['all']:>8.0f} / {s['launching'] - plain['launching']:<8.0f}"
+                f"     {u['all'] - plain['all']:>6.0f} / {u['launching'] - plain['launching']:<6.0f}"
+                f"  {s['host_reads'] - plain['host_reads']:>8.0f} / {u['host_reads'] - plain['host_reads']:<8.0f}"
+                f"  {po.get('all', 0):>7.1f} / {po.get('launching', 0):<6.1f} x{po.get('calls_per_step', 0):<5.0f}"
+                f"  {pg.get('all', 0):>6.1f} / {pg.get('launching', 0):<6.1f} x{pg.get('calls_per_step', 0):<5.0f}"
+                f"  {r['params'].get('launching', 0):>6.0f}  {r['sentinel'].get('launching', 0):>6.0f}"
+            )
+        top = ", ".join(f"{n} {c:.0f}" for n, c in results[model]["every_step"]["top_sampled"])
+        print(f"  every_step, top launching ops of a sampled step (with training's own): {top}")
+    return results
 
 
 # ------------------------------------------------------------------------------------------------------ running
@@ -658,20 +916,17 @@ class _Timers:
 
 def profile_model(spec: ModelSpec, batches: list[tuple[Tensor, Tensor]], steps: int, seed: int) -> dict[str, Any]:
     """Break down the extra time of ``every_step`` sampled steps by component and by aten op."""
-    from lightning_hookdiag import aggregation, callback, hooks, params, stats
+    from lightning_hookdiag import aggregation, callback, hooks, params, recorder, stats
 
     timers = _Timers()
     targets = [
-        (aggregation.StepRecorder, "on_output", "recorder.on_output (forward sink, total)"),
-        (aggregation.StepRecorder, "on_grad", "recorder.on_grad (gradient sink, total)"),
-        (stats, "host_activation_moments", "  stats.host_activation_moments (CPU fast path)"),
-        (stats, "activation_moments", "  stats.activation_moments (device path, NaN/Inf fallback)"),
+        (recorder.StepRecorder, "on_tensor", "recorder.on_tensor (forward sink, total)"),
+        (recorder.StepRecorder, "on_grad", "recorder.on_grad (gradient sink, total)"),
+        (stats, "activation_row", "  stats.activation_row"),
         (stats, "unit_maxima", "  stats.unit_maxima"),
-        (stats, "host_gradient_moments", "  stats.host_gradient_moments (CPU fast path)"),
-        (stats, "gradient_moments", "  stats.gradient_moments (device path, NaN/Inf fallback)"),
+        (stats, "gradient_row", "  stats.gradient_row"),
         (aggregation.LayerStatsAggregator, "update", "  LayerStatsAggregator.update body (no torchmetrics wrapper)"),
-        (aggregation.StepRecorder, "flush", "    StepRecorder.flush (small outputs and gradients kept back)"),
-        (params.HostPack, "squares", "    params.HostPack.squares (small float32 host tensors together)"),
+        (aggregation.LayerStatsAggregator, "_fold", "    LayerStatsAggregator._fold (the step's call rows)"),
         (hooks, "first_floating_tensor", "hooks.first_floating_tensor (in the forward hook)"),
         (hooks.HookSet, "attach", "HookSet.attach"),
         (hooks.HookSet, "remove", "HookSet.remove"),
@@ -774,6 +1029,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="also break down the sampled-step overhead")
     p.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu", help="where the fits train")
     p.add_argument("--precision", default="32-true", help="Trainer precision, e.g. 16-mixed or bf16-mixed")
+    p.add_argument("--count-ops", action="store_true", help="only count aten ops per step and per hooked tensor")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.period_steps, args.rounds, args.warmup = 6, PERIOD, 1, 2
@@ -830,6 +1086,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def _run(args: argparse.Namespace) -> dict[str, Any]:
     TRAINER_DEVICE.update(accelerator=args.accelerator, precision=args.precision)
     specs = model_specs(args.quick)
+    if args.count_ops:
+        with quiet():
+            counted = run_count_ops(specs, args.models, args.seed)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"machine": machine_info(), "op_counts": counted}, indent=2) + "\n")
+        return {"op_counts": counted}
     started = time.perf_counter()
     load_at_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     raw: dict[str, dict[str, list[Step]]] = {m: defaultdict(list) for m in args.models}

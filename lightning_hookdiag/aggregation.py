@@ -6,6 +6,10 @@ is replaced: every additive state goes into one buffer reduced with one SUM ``al
 buffer reduced with one MAX ``all_reduce`` (:mod:`lightning_hookdiag.distributed`). No all-gather, no barrier, no
 host read once the per-unit layout is agreed, and the bytes per process do not depend on the number of processes.
 
+Hook calls do not add into the states one by one: each writes its reduction into one row of a call table
+(:meth:`LayerStatsAggregator.activation_row`, :meth:`~LayerStatsAggregator.gradient_row`), and the rows of a step are
+folded into the states with a constant number of ops (``index_add_``) by ``update``, the sync and ``compute``.
+
 The per-unit layout (``act_dead_frac``) is the same on every process: a layer's unit count is learned from its
 output shape (host metadata), then agreed through the SUM buffer of the first sync in which any process saw the
 layer, so a layer that first runs on some processes only (a rank-dependent branch, MoE routing) gets the same slots
@@ -16,8 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -28,9 +31,8 @@ from lightning_hookdiag import params as P
 from lightning_hookdiag import precision as PR
 from lightning_hookdiag import stats as S
 from lightning_hookdiag.distributed import all_reduce_packed
-from lightning_hookdiag.hooks import first_floating_tensor
 
-__all__ = ["SMALL_TENSOR", "LayerStatsAggregator", "StepRecorder"]
+__all__ = ["LayerStatsAggregator"]
 
 
 class LayerStatsAggregator(Metric):
@@ -137,7 +139,6 @@ class LayerStatsAggregator(Metric):
         self._pending_units: dict[int, Tensor] = {}
         self._bad_flags: tuple[frozenset[int], Tensor] | None = None
         self._unit_bad: Tensor | None = None
-        self._unit_index: dict[tuple[int, ...], Tensor] = {}
         self.unit_mismatch: set[int] = set()
         """Layers whose unit count changed after it was learned, on this process or (when agreed) between
         processes; their dead fraction is not tracked."""
@@ -146,10 +147,9 @@ class LayerStatsAggregator(Metric):
         where none did), from the last sync; ``None`` without one (see :meth:`_replica_low`)."""
         self.grad_scale: Tensor | None = None
         """AMP loss scale of the step's gradients, divided out of ``act_grad_norm`` at ``compute``."""
-        self._host = _HostRows(n_layers)
-        self.deferred: _Deferred | None = None
-        """Observations kept back to be reduced in batches (a :class:`StepRecorder`'s small host tensors): flushed
-        by :meth:`update` and :meth:`compute`, dropped by :meth:`reset`."""
+        self._act_calls = _Calls(S.ACT_ROW, dtype)
+        self._grad_calls = _Calls(S.GRAD_ROW, dtype)
+        self._count_calls = _Calls(0, dtype)
 
     def track_units(self, layers: Iterable[int]) -> None:
         """Declare the layers that may report per-unit maxima (default: every layer).
@@ -190,13 +190,15 @@ class LayerStatsAggregator(Metric):
                 current.append(fill.to(device))
         for layer in sizes:
             self._pending_units.pop(layer, None)
-        self.add_state("unit_max", torch.cat(default) if default else torch.empty(0), dist_reduce_fx="max")
-        self.unit_max = torch.cat(current) if current else torch.empty(0, device=device)
+        empty = torch.empty(0, dtype=self.unit_max.dtype)
+        self.add_state("unit_max", torch.cat(default) if default else empty, dist_reduce_fx="max")
+        self.unit_max = torch.cat(current) if current else empty.to(device)
         owners = [torch.full((n,), i, dtype=torch.long) for i, n in enumerate(self.unit_sizes)]
         self._unit_owner = torch.cat(owners).to(device)
-        self._unit_index = {}  # offsets moved
 
     def _add_units(self, layer: int, units: Tensor) -> None:
+        if torch.promote_types(units.dtype, self.unit_max.dtype) != self.unit_max.dtype:
+            units = units.to(self.unit_max.dtype)  # float64 outputs; float32/16 ones promote inside fmax
         size = self.unit_sizes[layer]
         if size:
             if units.numel() != size:
@@ -216,40 +218,23 @@ class LayerStatsAggregator(Metric):
         else:
             torch.fmax(pending, units, out=pending)
 
-    def add_rows(
-        self, layers: list[int], activation: tuple[Tensor, Tensor] | None = None, gradient: Tensor | None = None
-    ) -> None:
-        """Add the observations of several calls at once: row ``i`` belongs to layer ``layers[i]`` (repeats add up).
+    def activation_row(self, layer: int, numel: int) -> Tensor:
+        """A row of this step's call table for one output of ``numel`` elements of layer ``layer``.
 
-        Args:
-            layers: The layer of each row.
-            activation: ``([rows, ACT_SLOTS] moments, [rows] absmax)``.
-            gradient: ``[rows, GRAD_SLOTS]`` moments.
+        The caller writes it with :func:`~lightning_hookdiag.stats.activation_row`; :meth:`update` folds the rows.
         """
         self._mark_stale()
-        index = torch.tensor(layers, dtype=torch.long, device=self.act_moments.device)
-        if activation is not None:
-            moments, absmax = activation
-            self.act_moments.index_add_(0, index, moments.to(self.act_moments.dtype))
-            self.act_absmax.scatter_reduce_(0, index, absmax.to(self.act_absmax.dtype), "amax")
-        if gradient is not None:
-            self.grad_moments.index_add_(0, index, gradient.to(self.grad_moments.dtype))
+        return self._act_calls.row(layer, numel, self.act_moments.device)
 
-    def add_units(self, layers: list[int], maxima: Tensor) -> None:
-        """:meth:`add` of per-unit maxima for several calls at once (``maxima``: ``[rows, units]``)."""
-        size = maxima.shape[1]
-        if any(self.unit_sizes[layer] != size or layer in self.unit_mismatch for layer in layers):
-            for layer, row in zip(layers, maxima, strict=True):  # not laid out yet, or a mismatch
-                self.add(layer, units=row)
-            return
+    def gradient_row(self, layer: int, numel: int) -> Tensor:
+        """:meth:`activation_row` for an output gradient (:func:`~lightning_hookdiag.stats.gradient_row`)."""
         self._mark_stale()
-        key = tuple(layers)
-        index = self._unit_index.get(key)
-        if index is None:
-            starts = torch.tensor([self._unit_offsets[layer] for layer in layers], dtype=torch.long)
-            index = (starts[:, None] + torch.arange(size)).reshape(-1).to(self.unit_max.device)
-            self._unit_index[key] = index
-        self.unit_max.scatter_reduce_(0, index, maxima.reshape(-1).to(self.unit_max.dtype), "amax")
+        return self._grad_calls.row(layer, numel, self.act_moments.device)
+
+    def add_count(self, layer: int, numel: int) -> None:
+        """Count one output of ``numel`` elements without its moments (no moment statistic was asked for)."""
+        self._mark_stale()
+        self._count_calls.row(layer, numel, self.act_moments.device)
 
     def add(
         self,
@@ -341,74 +326,50 @@ class LayerStatsAggregator(Metric):
         saved = torch.tensor(per_layer, dtype=self.act_saved.dtype, device=self.act_saved.device)
         torch.maximum(self.act_saved, saved, out=self.act_saved)
 
-    def add_host(
-        self,
-        layer: int,
-        activation: tuple[list[float], float] | None = None,
-        gradient: list[float] | None = None,
-        count: int = 0,
-    ) -> None:
-        """Add one observation in Python floats, from the host fast path; :meth:`update` folds it into the states.
-
-        Args:
-            layer: Index of the layer.
-            activation: ``(moments, absmax)`` from :func:`~lightning_hookdiag.stats.host_activation_moments`.
-            gradient: Moments from :func:`~lightning_hookdiag.stats.host_gradient_moments`.
-            count: Elements observed, when no activation moments are computed.
-        """
-        self._mark_stale()
-        host = self._host
-        host.pending = True
-        row = host.act[layer]
-        row[S.ACT_COUNT] += count
-        if activation is not None:
-            moments, absmax = activation
-            for i, value in enumerate(moments):
-                row[i] += value
-            host.absmax[layer] = max(host.absmax[layer], absmax)
-        if gradient is not None:
-            row = host.grad[layer]
-            for i, value in enumerate(gradient):
-                row[i] += value
-
     def _mark_stale(self) -> None:
         # What torchmetrics' update wrapper does: a cached result is stale now. Only assigned when set, because
         # every attribute assignment on a Metric goes through nn.Module.__setattr__ (microseconds, per hook call).
         if self._computed is not None:
             self._computed = None
 
-    def _fold_host(self) -> None:
-        # One tensor per state for every layer at once: the per-call cost of the host path stays in Python.
-        host = self._host
-        if not host.pending:
-            return
-        device = self.act_moments.device
-        self.act_moments += torch.tensor(host.act, dtype=self.act_moments.dtype, device=device)
-        absmax = torch.tensor(host.absmax, dtype=self.act_absmax.dtype, device=device)
-        torch.maximum(self.act_absmax, absmax, out=self.act_absmax)
-        self.grad_moments += torch.tensor(host.grad, dtype=self.grad_moments.dtype, device=device)
-        host.clear()
+    def _fold(self) -> bool:
+        """Fold this step's call rows into the states, a constant number of ops per step; whether there were any."""
+        folded = False
+        taken = self._act_calls.take()
+        if taken is not None:
+            rows, index, counts = taken
+            moments, absmax = S.moments_from_rows(rows, counts)
+            self.act_moments.index_add_(0, index, moments)
+            self.act_absmax.scatter_reduce_(0, index, absmax.to(self.act_absmax.dtype), "amax")
+            folded = True
+        taken = self._grad_calls.take()
+        if taken is not None:
+            rows, index, counts = taken
+            self.grad_moments.index_add_(0, index, S.gradient_moments_from_rows(rows, counts))
+            folded = True
+        taken = self._count_calls.take()
+        if taken is not None:
+            _, index, counts = taken
+            self.act_moments[:, S.ACT_COUNT].index_add_(0, index, counts)
+            folded = True
+        return folded
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         """Same as :meth:`add`, through torchmetrics' bookkeeping (marks the metric as updated).
 
-        Also folds the observations of :meth:`add_host` into the states, so call it before ``compute``: the states,
-        not the pending host values, are what torchmetrics reduces over processes.
+        Also folds the rows written since the last fold into the states (so does ``compute``, and the sync before it).
         """
         self.add(*args, **kwargs)
-        if self.deferred is not None:
-            self.deferred.flush()
-        self._fold_host()
+        self._fold()
 
     def reset(self) -> None:
         """Clear the states and any pending observations, to start the next sampled step (the layout stays)."""
         super().reset()
-        self._host.clear()
+        for calls in (self._act_calls, self._grad_calls, self._count_calls):
+            calls.clear()
         self._pending_units = {}
         self._unit_bad = None
         self.param_norm_low = None
-        if self.deferred is not None:
-            self.deferred.clear()
 
     def _sync_dist(self, dist_sync_fn: Any = None, process_group: Any = None) -> None:
         """Reduce the states over processes with one SUM and one MAX ``all_reduce`` of packed buffers.
@@ -423,9 +384,7 @@ class LayerStatsAggregator(Metric):
             process_group: The group to reduce over; ``None`` for the metric's ``process_group`` (default: all).
         """
         group = process_group or self.process_group
-        flushed = self.deferred is not None and self.deferred.flush()
-        changed = self._host.pending or flushed
-        self._fold_host()
+        changed = self._fold()
         # Layers declared for per-unit maxima without an agreed unit count: the same list on every process, because
         # the agreed counts are.
         waiting = [i for i in sorted(self.unit_layers) if not self.unit_sizes[i] and i not in self.unit_mismatch]
@@ -512,9 +471,7 @@ class LayerStatsAggregator(Metric):
             replicated parameters also ``param_norm_min``, the smallest ``param_norm`` over the processes that
             measured each parameter (``param_norm`` is the largest; ``inf`` where none did).
         """
-        if self.deferred is not None:
-            self.deferred.flush()
-        self._fold_host()  # normally done by update() or the sync; here it would miss the reduction over processes
+        self._fold()  # normally done by update() or the sync; here it would miss the reduction over processes
         if self._pending_units and not self._is_synced:
             # No sync (one process): this process's unit counts are the agreed ones.
             self._relayout({layer: t.numel() for layer, t in self._pending_units.items()})
@@ -554,343 +511,50 @@ class LayerStatsAggregator(Metric):
             out[name] = getattr(self, name)
 
 
-class _Deferred(Protocol):
-    def flush(self) -> bool: ...
+class _Calls:
+    """The rows of one kind of observation written in the open step, one per call, folded once per step.
 
-    def clear(self) -> None: ...
-
-
-class _HostRows:
-    """Observations of the host fast path, in Python floats (float64), until ``update()`` folds them into states."""
-
-    __slots__ = ("absmax", "act", "grad", "n_layers", "pending")
-
-    def __init__(self, n_layers: int) -> None:
-        self.n_layers = n_layers
-        self.clear()
-
-    def clear(self) -> None:
-        self.act = [[0.0] * S.ACT_SLOTS for _ in range(self.n_layers)]
-        self.absmax = [0.0] * self.n_layers
-        self.grad = [[0.0] * S.GRAD_SLOTS for _ in range(self.n_layers)]
-        self.pending = False
-
-
-SMALL_TENSOR = 1 << 14
-"""Host tensors of at most this many elements are copied and reduced in batches once per step (see StepRecorder)."""
-_DEFERRED_BUDGET = 1 << 23
-"""Elements kept back at most (32 MiB of float32) before a batch is reduced early, e.g. over many micro-batches."""
-_DEFERRED_DTYPES = (torch.float32, torch.float64)  # fp16/bf16 squares would overflow: those take the hook path
-
-
-class StepRecorder:
-    """The sinks a :class:`~lightning_hookdiag.hooks.HookSet` writes into.
-
-    Each output or gradient is reduced to the sufficient statistics that the requested statistics need and added to
-    a :class:`LayerStatsAggregator`: by the host fast path for tensors in host memory, by the exact device path
-    otherwise and for tensors holding a NaN or Inf (see :mod:`lightning_hookdiag.stats`).
-
-    Small tensors in host memory (at most :data:`SMALL_TENSOR` elements) are not reduced inside the hook: the hook
-    copies them (a following in-place op could change the output) into a row of a buffer of their shape and dtype
-    kept across steps, with one call, and the rows are reduced together, a few
-    tensor ops per group of equally shaped tensors, when the aggregator next folds its observations (at the
-    optimizer step and when the step is logged). On a model of many small layers the fixed cost of a dozen tensor
-    ops and ``.item()`` reads per hook call, not the data, is what a sampled step pays for (48 Linear(64) + ReLU
-    layers: 2.6 ms of 5 ms per step in ``host_activation_moments`` alone). The batched reduction sums in float64 (a
-    float32 value's square is exact there); a tensor with a NaN or Inf, or whose square overflows, takes the exact
-    device path, as in a hook.
-
-    Args:
-        aggregator: Where observations are pooled.
-        moments: Reduce outputs to activation moments (for ``act_mean``, ``act_std``, ...).
-        unit_layers: Indices of layers whose per-unit activity is tracked (``act_dead_frac``).
-        unit_dim: Override of the unit axis, see :func:`~lightning_hookdiag.stats.unit_dim_for`.
-        names: Layer names, for error messages (``unit_dim`` out of range for a layer's output).
-
-    Example:
-        >>> agg = LayerStatsAggregator(n_layers=1)
-        >>> recorder = StepRecorder(agg)
-        >>> recorder.on_output(0, torch.tensor([1.0, 3.0]))  # kept back: a small host tensor
-        >>> agg.update()  # reduces what was kept back
-        >>> agg.compute()["act_mean"].reshape(-1).tolist()
-        [2.0]
+    A hook call writes its results into a row of this table with one op; the fold turns every row of the step into
+    the states' columns and adds them with ``index_add_``, a constant number of ops per step. The layer index and
+    counts of a step are host lists; their device copies are cached by value, so a step that repeats the previous
+    one's calls (the usual case) copies nothing to the device.
     """
 
-    def __init__(
-        self,
-        aggregator: LayerStatsAggregator,
-        moments: bool = True,
-        unit_layers: frozenset[int] = frozenset(),
-        unit_dim: int | None = None,
-        names: list[str] | None = None,
-    ) -> None:
-        self.aggregator = aggregator
-        self.moments = moments
-        self.unit_layers = unit_layers
-        aggregator.track_units(unit_layers)
-        self.unit_dim = unit_dim
-        self.names = names
-        self.no_float_output: set[int] = set()
-        """Layers whose output held no floating-point tensor (nothing to observe)."""
-        self.empty_output: set[int] = set()
-        """Layers with a call whose output had no elements (skipped: there is nothing to reduce)."""
-        self.sparse_output: set[int] = set()
-        """Layers whose output (or its gradient) was a sparse tensor (skipped, like integer outputs)."""
-        self.histograms = False
-        """Whether outputs and gradients are also binned into histograms (set per step by the callback)."""
-        self.workspace = S.Workspace()
-        """Scratch memory of the reductions; the callback releases it at the end of each sampled step."""
-        self._acts: dict[_Key, _Kept] = {}
-        self._grads: dict[_Key, _Kept] = {}
-        self._kept = 0
-        # Host memory only, kept across steps like the workspace's host buffers: fresh pages would be faulted in on
-        # every sampled step.
-        self._slabs: dict[tuple[bool, torch.Size, torch.dtype], _Slab] = {}
-        self._used: set[tuple[bool, torch.Size, torch.dtype]] = set()  # slabs used since the last release
-        aggregator.deferred = self
+    __slots__ = ("_cache", "counts", "dtype", "layers", "table", "width")
 
-    # The methods below run once per hooked module call and per output gradient: a few hundred times per sampled
-    # step on a model of many small layers, where their Python is a measurable part of the step (numel is passed
-    # along, not recomputed).
-    def _defer(self, tensor: Tensor, numel: int) -> bool:
-        return (
-            numel <= SMALL_TENSOR
-            and tensor.ndim > 0
-            and tensor.dtype in _DEFERRED_DTYPES
-            and not self.histograms
-            and S.reads_on_host(tensor)
-        )
+    def __init__(self, width: int, dtype: torch.dtype) -> None:
+        self.width = width
+        self.dtype = dtype
+        self.table = torch.empty(0, width, dtype=dtype)
+        self.layers: list[int] = []
+        self.counts: list[int] = []
+        self._cache: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[Tensor, Tensor]] = {}
 
-    def _keep(self, pending: dict[_Key, _Kept], layer: int, tensor: Tensor, numel: int) -> None:
-        key = (tensor.shape, tensor.dtype)
-        kept = pending.get(key)
-        if kept is None:
-            slab_key = (pending is self._acts, *key)
-            slab = self._slabs.get(slab_key)
-            if slab is None:
-                slab = self._slabs[slab_key] = _Slab(*key)
-            self._used.add(slab_key)
-            kept = pending[key] = _Kept([], slab)
-        # A copy now: a following in-place op (ReLU(inplace=True)) could change the output.
-        kept.slab.row(len(kept.layers)).copy_(tensor)
-        kept.layers.append(layer)
-        self._kept += numel
-        if self._kept > _DEFERRED_BUDGET:
-            self.flush()
+    def row(self, layer: int, count: int, device: torch.device) -> Tensor:
+        i = len(self.layers)
+        if i >= self.table.shape[0] or self.table.device != device:
+            grown = torch.empty(max(16, 2 * i), self.width, dtype=self.dtype, device=device)
+            grown[:i].copy_(self.table[:i])
+            self.table = grown
+        self.layers.append(layer)
+        self.counts.append(count)
+        return self.table[i]
 
-    def on_output(self, layer: int, output: Any) -> None:
-        """Forward sink: observe the output of layer ``layer``."""
-        tensor = first_floating_tensor(output)
-        if tensor is None:
-            self.no_float_output.add(layer)
-            return
-        if tensor.layout != torch.strided:
-            self.sparse_output.add(layer)
-            return
-        numel = tensor.numel()
-        if not numel:
-            self.empty_output.add(layer)
-            return
-        if self.moments and self._defer(tensor, numel):
-            if layer in self.unit_layers:
-                self._check_unit_dim(layer, tensor)
-            self._keep(self._acts, layer, tensor, numel)
-            return
-        agg = self.aggregator
-        activation = None
-        if not self.moments:
-            agg.add_host(layer, count=tensor.numel())
-        else:
-            fast = S.host_activation_moments(tensor, self.workspace) if S.reads_on_host(tensor) else None
-            if fast is None:
-                activation = S.activation_moments(tensor, agg.acc_dtype, self.workspace)
-            else:
-                agg.add_host(layer, activation=fast)
-        agg.add(
-            layer,
-            activation=activation,
-            units=self._unit_maxima(layer, tensor) if layer in self.unit_layers else None,
-            act_hist=S.histogram_counts(tensor, agg.histogram_edges) if self.histograms else None,
-        )
-
-    def _check_unit_dim(self, layer: int, tensor: Tensor) -> None:
-        unit_dim = self.unit_dim
-        if unit_dim is not None and tensor.ndim and not -tensor.ndim <= unit_dim < tensor.ndim:
-            name = self.names[layer] if self.names else f"#{layer}"
-            raise ValueError(
-                f"unit_dim: {unit_dim} is out of range for the {tensor.ndim}-D output of {name!r} (shape"
-                f" {tuple(tensor.shape)}); expected an axis in [{-tensor.ndim}, {tensor.ndim - 1}] or None"
-            )
-
-    def _unit_maxima(self, layer: int, tensor: Tensor) -> Tensor:
-        self._check_unit_dim(layer, tensor)
-        return S.unit_maxima(tensor, self.unit_dim)
-
-    def on_grad(self, layer: int, grad: Tensor) -> None:
-        """Gradient sink: observe the gradient of the loss w.r.t. the output of layer ``layer``."""
-        if grad.layout != torch.strided:
-            self.sparse_output.add(layer)
-            return
-        numel = grad.numel()
-        if numel and self._defer(grad, numel):
-            self._keep(self._grads, layer, grad, numel)
-            return
-        agg = self.aggregator
-        fast = S.host_gradient_moments(grad, self.workspace) if S.reads_on_host(grad) else None
-        if fast is not None:
-            agg.add_host(layer, gradient=fast)
-        agg.add(
-            layer,
-            gradient=S.gradient_moments(grad, agg.acc_dtype, self.workspace) if fast is None else None,
-            grad_hist=S.histogram_counts(grad, agg.histogram_edges) if self.histograms else None,
-        )
-
-    def release(self, keep_host: bool = False) -> None:
-        """Release scratch memory: the workspace's and the rows kept back.
-
-        Args:
-            keep_host: Keep host scratch and the rows of the shapes used since the last release, for the next sampled
-                step, which most likely sees the same shapes. Rows of other shapes go: a run whose sequence length
-                varies would otherwise keep rows for every length it ever saw.
-        """
-        self.workspace.release(keep_host=keep_host)
-        self._slabs = {k: v for k, v in self._slabs.items() if k in self._used} if keep_host else {}
-        self._used = set()
-
-    def clear(self) -> None:
-        """Drop the observations kept back (the step is discarded)."""
-        self._acts, self._grads, self._kept = {}, {}, 0
-
-    def flush(self) -> bool:
-        """Reduce the kept-back outputs and gradients, one batch per shape and dtype, into the aggregator.
-
-        Returns:
-            Whether there was anything to reduce.
-        """
-        acts, grads = self._acts, self._grads
-        if not (acts or grads):
-            return False
-        self.clear()
-        for kept in acts.values():
-            self._reduce_outputs(kept.layers, *kept.slab.rows(len(kept.layers)))
-        for kept in grads.values():
-            self._reduce_grads(kept.layers, *kept.slab.rows(len(kept.layers)))
-        return True
-
-    def _exact(self, layers: list[int], rows: Tensor, bad: Tensor, gradient: bool) -> list[int] | None:
-        """Observe the rows flagged in ``bad`` by the exact path, while they are intact; the others' indices.
-
-        ``None`` (after one host read) when no row is flagged.
-        """
-        if not bool(bad.any()):
+    def take(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """``(rows, layer index, counts)`` of the calls since the last take, or ``None``; the calls are cleared."""
+        if not self.layers:
             return None
-        agg = self.aggregator
-        good = []
-        for i, flagged in enumerate(bad.tolist()):
-            if not flagged:
-                good.append(i)
-            elif gradient:  # a NaN or Inf: the exact path counts and skips it
-                agg.add(layers[i], gradient=S.gradient_moments(rows[i], agg.acc_dtype, self.workspace))
-            else:
-                agg.add(layers[i], activation=S.activation_moments(rows[i], agg.acc_dtype, self.workspace))
-        return good
+        key = (tuple(self.layers), tuple(self.counts))
+        cached = self._cache.get(key)
+        if cached is None or cached[0].device != self.table.device:
+            if len(self._cache) >= 8:  # varying calls (sequence lengths, branches): keep a few recent patterns
+                self._cache = {}
+            device = self.table.device
+            index = torch.tensor(key[0], dtype=torch.long, device=device)
+            cached = self._cache[key] = (index, torch.tensor(key[1], dtype=self.dtype, device=device))
+        rows = self.table[: len(self.layers)]
+        self.clear()
+        return rows, *cached
 
-    def _reduce_outputs(self, layers: list[int], rows: Tensor, wide: Tensor) -> None:
-        # The sufficient statistics of activation_moments, each op run once over all rows. Sums and squares in
-        # float64 (``wide``): squares of float32 values are exact there and their sums round at ~1e-16, so no
-        # centring is needed. Maxima and zero counts are exact in the rows' own dtype, which reads half the bytes.
-        # Reductions along dim 1 that torch makes slow for many rows (aminmax, count_nonzero: 0.2-0.4 ms for
-        # 48 x 4096) are avoided.
-        agg = self.aggregator
-        k = len(layers)
-        flat = rows.view(k, -1)
-        n = flat.shape[1]
-        sums = wide.view(k, -1).sum(1)
-        squares = torch.linalg.vector_norm(wide.view(k, -1), dim=1).square_()  # one pass; exact to ~1e-16
-        # NaN/Inf reach the sum, an overflowing square the sum of squares: the exact path, while the rows are intact.
-        good = self._exact(layers, rows, ~(torch.isfinite(sums) & torch.isfinite(squares)), gradient=False)
-        absmax = torch.maximum(flat.amax(1), flat.amin(1).neg_())
-        # Every row, also one with a NaN: its unit reads +inf, not dead (act_nonfinite reports the NaN).
-        units = [i for i, layer in enumerate(layers) if layer in self.unit_layers]
-        maxima = None
-        if units:
-            dim = S.unit_dim_for(rows.ndim - 1, self.unit_dim) + 1
-            others = [d for d in range(rows.ndim) if d not in (0, dim)]
-            maxima = rows.amax(dim=others) if others else rows
-            maxima = torch.nan_to_num(maxima[units].float(), nan=math.inf, posinf=math.inf, neginf=-math.inf)
-        # In place, last (``wide`` may be the same memory): 0 and -0.0 -> 0, the hook path's zero count.
-        nonzero = flat.abs_().sign_().sum(1)
-        moments = torch.zeros(k, S.ACT_SLOTS, dtype=torch.float64, device=flat.device)
-        moments[:, S.ACT_COUNT] = n
-        moments[:, S.ACT_NONZERO] = nonzero
-        moments[:, S.ACT_NONZERO_FINITE] = nonzero
-        moments[:, S.ACT_SUM] = sums
-        moments[:, S.ACT_SUMSQ] = squares
-        if good is None:
-            agg.add_rows(layers, activation=(moments, absmax))
-        elif good:
-            keep = torch.tensor(good, device=flat.device)
-            agg.add_rows([layers[i] for i in good], activation=(moments[keep], absmax[keep]))
-        if units:
-            agg.add_units([layers[i] for i in units], maxima)  # type: ignore[arg-type]
-
-    def _reduce_grads(self, layers: list[int], rows: Tensor, wide: Tensor) -> None:
-        k = len(layers)
-        flat = wide.view(k, -1)
-        squares = torch.linalg.vector_norm(flat, dim=1).square_()
-        good = self._exact(layers, rows, ~torch.isfinite(squares), gradient=True)
-        moments = torch.zeros(k, S.GRAD_SLOTS, dtype=torch.float64, device=flat.device)
-        moments[:, S.GRAD_COUNT] = flat.shape[1]
-        moments[:, S.GRAD_SUMSQ] = squares
-        if good is None:
-            self.aggregator.add_rows(layers, gradient=moments)
-        elif good:
-            keep = torch.tensor(good, device=flat.device)
-            self.aggregator.add_rows([layers[i] for i in good], gradient=moments[keep])
-
-
-_Key = tuple[torch.Size, torch.dtype]
-
-
-class _Slab:
-    """Rows of one shape and dtype, kept across steps, with a view per row built once (a row's copy is one call).
-
-    The hooks copy into rows of the tensors' own dtype; :meth:`rows` widens them to float64 in one pass at the
-    flush. Copying float32 into float64 rows inside each hook writes twice the bytes, 97 times a step on a model of
-    97 small layers: 5 us a copy instead of 2.
-    """
-
-    __slots__ = ("buffer", "views", "wide")
-
-    def __init__(self, shape: torch.Size, dtype: torch.dtype) -> None:
-        self.buffer = torch.empty(0, *shape, dtype=dtype)
-        self.wide = self.buffer if dtype == torch.float64 else torch.empty(0, *shape, dtype=torch.float64)
-        self.views: list[Tensor] = []
-
-    def row(self, i: int) -> Tensor:
-        """Row ``i``, the slab doubled first if it has fewer rows (the rows before ``i`` are kept)."""
-        if i < len(self.views):
-            return self.views[i]
-        grown = torch.empty(max(16, 2 * i), *self.buffer.shape[1:], dtype=self.buffer.dtype)
-        grown[:i].copy_(self.buffer[:i])
-        self.buffer, self.views = grown, list(grown.unbind())
-        return self.views[i]
-
-    def rows(self, n: int) -> tuple[Tensor, Tensor]:
-        """The first ``n`` rows as one ``[n, *shape]`` tensor, and in float64 (the same tensor for float64 rows).
-
-        Both are scratch: the caller may overwrite them.
-        """
-        if self.buffer.dtype == torch.float64:
-            return self.buffer[:n], self.buffer[:n]
-        if self.wide.shape[0] < n:
-            self.wide = torch.empty_like(self.buffer, dtype=torch.float64)
-        return self.buffer[:n], self.wide[:n].copy_(self.buffer[:n])
-
-
-@dataclass
-class _Kept:
-    """The layer of each row of ``slab`` kept back since the last flush."""
-
-    layers: list[int]
-    slab: _Slab
+    def clear(self) -> None:
+        self.layers, self.counts = [], []

@@ -75,7 +75,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hookdiag.hooks import _in_backward, first_floating_tensor
+from lightning_hookdiag.hooks import first_floating_tensor, in_backward
 from lightning_hookdiag.vocabulary import PRECURSOR_STATS
 
 __all__ = [
@@ -251,7 +251,7 @@ class AttentionProbe(TorchFunctionMode):
             with self:
                 return torch.overrides.redispatch_function(func, types, args, kwargs)
         out = func(*args, **kwargs)
-        if (func is F.scaled_dot_product_attention or func in _SOFTMAX) and not _in_backward():
+        if (func is F.scaled_dot_product_attention or func in _SOFTMAX) and not in_backward():
             self._observe(func, args, kwargs)
         return out
 
@@ -335,7 +335,7 @@ class OutputProbe:
 
     def _make_hook(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if _in_backward():
+            if in_backward():
                 return
             tensor = first_floating_tensor(output)
             if tensor is None or tensor.dim() == 0 or tensor.numel() == 0:

@@ -28,7 +28,7 @@ from typing_extensions import override
 
 from lightning_hookdiag import params as P
 from lightning_hookdiag import stats as S
-from lightning_hookdiag.aggregation import LayerStatsAggregator, StepRecorder
+from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.attention import PrecursorProbes, attention_scope
 from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
 from lightning_hookdiag.hooks import HookSet
@@ -37,6 +37,7 @@ from lightning_hookdiag.opt_in import OptInPlan, OptInRecorder, plan_opt_in
 from lightning_hookdiag.params import ParameterTracker, named_parameters_of, owned_parameters
 from lightning_hookdiag.precision import resolve_targets
 from lightning_hookdiag.provenance import NonFiniteTrace
+from lightning_hookdiag.recorder import StepRecorder
 from lightning_hookdiag.report.summary import format_step_table
 from lightning_hookdiag.rules import (
     AlertState,
@@ -493,7 +494,7 @@ class LayerHealthCallback(Callback):
         if self._probes is not None:
             self._probes.register(self._aggregator)
         on_grad = self._recorder.on_grad if wanted & set(S.GRADIENT_STATS) or plan.grad_targets else None
-        self._hooks = HookSet(modules, self._recorder.on_output, on_grad)
+        self._hooks = HookSet(modules, None, on_grad, on_tensor=self._recorder.on_tensor)
         self._tracker = (
             ParameterTracker(params, snapshot="param_update_ratio" in wanted, dtype=self._aggregator.acc_dtype)
             if params
@@ -1013,7 +1014,7 @@ class LayerHealthCallback(Callback):
         self._hooks.clear_order()
         no_float = sorted(self._recorder.no_float_output)
         self._recorder.no_float_output.clear()
-        self._recorder.release(keep_host=True)  # host scratch is reused by the next sampled step
+        self._recorder.release()
         agg.reset()
         agg.grad_scale = None
         self._window = None

@@ -11,8 +11,9 @@ op receives the gradient with respect to the value the module produced, which is
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -20,10 +21,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["HookSet", "first_floating_tensor"]
+__all__ = ["HookSet", "first_floating_tensor", "in_backward"]
 
 ForwardSink = Callable[[int, Any], None]
 """Called as ``sink(layer_index, output)`` with the module's raw output, under ``torch.no_grad()``."""
+TensorSink = Callable[[int, Tensor | None], None]
+"""Called as ``sink(layer_index, tensor)`` with the first floating-point tensor of the output (``None``: none)."""
 GradSink = Callable[[int, Tensor], None]
 """Called as ``sink(layer_index, grad)`` with the gradient of the loss w.r.t. the module's output."""
 
@@ -50,44 +53,34 @@ def first_floating_tensor(output: Any) -> Tensor | None:
     return None
 
 
-class _SinkMode:
-    """What a sink runs under: no grad, and never inference mode; at a fraction of ``torch.no_grad()``'s cost.
-
-    ``torch.no_grad`` builds two objects per use (its ``__enter__`` calls ``torch.set_grad_enabled``): 1.5 us a call,
-    0.3 ms per sampled step on a model of 100 small layers. This toggles the flag only when it is set (grad mode is
-    thread-local, and hooks run eagerly under the ``force_eager`` stance, so nothing traces it).
+@contextlib.contextmanager
+def sink_mode() -> Iterator[None]:
+    """What a sink runs under: no grad, and never inference mode.
 
     A module may run under ``torch.inference_mode()`` during a sampled step (a target computed with the same layers
     inside ``training_step``). Tensors a sink creates there would be inference tensors, and the scratch kept across
-    calls (rows of kept-back outputs, per-unit maxima) could not be written outside inference mode afterwards; so
+    calls (the aggregator's call table, the workspace) could not be written outside inference mode afterwards; so
     sinks leave it (reading an inference tensor outside inference mode is allowed, without grad).
     """
-
-    __slots__ = ("_enabled", "_inference")
-
-    def __enter__(self) -> None:
-        self._inference: Any = None
-        if torch.is_inference_mode_enabled():
-            self._inference = torch.inference_mode(False)
-            self._inference.__enter__()
-        self._enabled = torch.is_grad_enabled()
-        if self._enabled:
-            torch._C._set_grad_enabled(False)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._enabled:
-            torch._C._set_grad_enabled(True)
-        if self._inference is not None:
-            self._inference.__exit__(None, None, None)
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False), torch.no_grad():
+            yield
+    else:
+        with torch.no_grad():
+            yield
 
 
-def _sink_mode() -> _SinkMode:
-    return _SinkMode()
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (the hooks of a recomputed forward run there).
 
+    Activation checkpointing re-runs forwards (and their hooks) inside backward; those calls are recomputations of
+    values already observed, so sinks must not count them twice. Torch has no public API for this: it reads the
+    current graph task id (-1 outside backward).
 
-def _in_backward() -> bool:
-    # Non-reentrant activation checkpointing re-runs forwards (and their hooks) inside backward; those calls
-    # are recomputations of values already observed, so they must not be counted twice.
+    Example:
+        >>> in_backward()
+        False
+    """
     return torch._C._current_graph_task_id() != -1
 
 
@@ -149,10 +142,13 @@ class HookSet:
 
     Args:
         modules: Ordered ``{name: module}``; sinks receive the index of the module in this mapping.
-        on_output: Receives every output, under ``torch.no_grad()``; recomputations inside backward are skipped.
+        on_output: Receives every raw output, under ``torch.no_grad()``; recomputations inside backward are
+            skipped. ``None``: only ``on_tensor``.
         on_grad: If given, receives the gradient w.r.t. the first floating-point tensor of every output that
             requires grad.
         eager: Run ``torch.compile``-d code eagerly while attached so that the hooks see every module.
+        on_tensor: Like ``on_output``, but receives the output's first floating-point tensor (``None`` when it
+            has none), searched once per call for this sink and the gradient hook together.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
@@ -168,13 +164,15 @@ class HookSet:
     def __init__(
         self,
         modules: Mapping[str, nn.Module],
-        on_output: ForwardSink,
+        on_output: ForwardSink | None,
         on_grad: GradSink | None = None,
         eager: bool = True,
+        on_tensor: TensorSink | None = None,
     ) -> None:
         self.names: list[str] = list(modules)
         self.modules: list[nn.Module] = list(modules.values())
         self._on_output = on_output
+        self._on_tensor = on_tensor
         self._on_grad = on_grad
         self._stance = _EagerStance() if eager else None
         self._handles: list[RemovableHandle] = []
@@ -202,31 +200,16 @@ class HookSet:
         if self._attached:
             return self
         self._attached = True
-        if not self._handles:
-            self._handles = [m.register_forward_hook(h) for m, h in zip(self.modules, self._forward_hooks, strict=True)]
-        else:
-            # Re-attaching puts each hook back under the id of its first registration, which lands it at the end
-            # of the module's hooks, exactly where a new registration would, without building a handle and three
-            # weak references per module (attach + remove of 97 modules: 197 -> 36 us). Valid because the hook is
-            # registered with the defaults (no with_kwargs, no always_call), so `_forward_hooks` is the only dict that
-            # holds it. A module whose hook dict was replaced since gets a new registration.
-            for i, (module, hook, handle) in enumerate(
-                zip(self.modules, self._forward_hooks, self._handles, strict=True)
-            ):
-                hooks = module._forward_hooks
-                if handle.hooks_dict_ref() is hooks:
-                    hooks[handle.id] = hook
-                else:
-                    self._handles[i] = module.register_forward_hook(hook)
+        self._handles = [m.register_forward_hook(h) for m, h in zip(self.modules, self._forward_hooks, strict=True)]
         if self._stance is not None:
             self._stance.enter()
         return self
 
     def remove(self) -> None:
         """Remove every hook this set registered; safe to call any number of times."""
-        if self._attached:
-            for handle in self._handles:
-                handle.remove()  # kept: the next attach reuses its id
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
         for handle in self._tensor_handles:
             handle.remove()
         self._tensor_handles = []
@@ -268,7 +251,7 @@ class HookSet:
 
     def _make_forward_hook(self, index: int) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if _in_backward():
+            if in_backward():
                 # Reentrant activation checkpointing runs the forward under no_grad, then again with grad inside
                 # backward, where the gradient reaches only the recomputed output: hook that one, once per
                 # no-grad call (its statistics were taken in the first run).
@@ -281,10 +264,13 @@ class HookSet:
             if not self._fired[index]:
                 self._fired[index] = True
                 self.fired_order.append(index)
-            with _sink_mode():
-                self._on_output(index, output)
+            tensor = first_floating_tensor(output) if self._on_tensor or self._on_grad else None
+            with sink_mode():
+                if self._on_output is not None:
+                    self._on_output(index, output)
+                if self._on_tensor is not None:
+                    self._on_tensor(index, tensor)
             if self._on_grad is not None:
-                tensor = first_floating_tensor(output)
                 if tensor is not None and tensor.requires_grad:
                     self._grad_expected[index] = True
                     self._tensor_handles.append(tensor.register_hook(self._grad_hooks[index]))
@@ -301,7 +287,7 @@ class HookSet:
                 self._grad_fired[index] = True
                 self.grad_order.append(index)
             if on_grad is not None:
-                with _sink_mode():  # a backward with create_graph=True records its ops
+                with sink_mode():  # a backward with create_graph=True records its ops
                     on_grad(index, grad.detach() if grad.requires_grad else grad)
 
         return hook

@@ -1,7 +1,7 @@
 """The opt-in statistics (``stats=[...]`` names of :data:`~lightning_hookdiag.vocabulary.OPT_IN_STATS`).
 
 They live apart from the default path: :func:`plan_opt_in` decides once, when fit starts, which extra states and
-reductions a run needs, and :class:`OptInRecorder` (a :class:`~lightning_hookdiag.aggregation.StepRecorder` that
+reductions a run needs, and :class:`OptInRecorder` (a :class:`~lightning_hookdiag.recorder.StepRecorder` that
 adds them after the default sinks) is used only when at least one was asked for. With ``stats=None`` nothing here
 runs, so the default cost is unchanged.
 """
@@ -16,8 +16,8 @@ from torch import Tensor
 
 from lightning_hookdiag import outliers as O
 from lightning_hookdiag import precision as PR
-from lightning_hookdiag.aggregation import LayerStatsAggregator, StepRecorder
-from lightning_hookdiag.hooks import first_floating_tensor
+from lightning_hookdiag.aggregation import LayerStatsAggregator
+from lightning_hookdiag.recorder import StepRecorder
 
 __all__ = ["OptInPlan", "OptInRecorder", "plan_opt_in"]
 
@@ -112,7 +112,7 @@ class OptInRecorder(StepRecorder):
     Args:
         aggregator: Where observations are pooled; built with ``plan.aggregator_kwargs()``.
         plan: What to compute.
-        kwargs: The :class:`~lightning_hookdiag.aggregation.StepRecorder` arguments.
+        kwargs: The :class:`~lightning_hookdiag.recorder.StepRecorder` arguments.
     """
 
     def __init__(self, aggregator: LayerStatsAggregator, plan: OptInPlan, **kwargs: Any) -> None:
@@ -121,10 +121,9 @@ class OptInRecorder(StepRecorder):
         self._act_dtypes = [PR.PRECISION_TARGETS[t] for t in plan.act_targets]
         self._grad_dtypes = [PR.PRECISION_TARGETS[t] for t in plan.grad_targets]
 
-    def on_output(self, layer: int, output: Any) -> None:
+    def on_tensor(self, layer: int, tensor: Tensor | None) -> None:
         """Forward sink: the default statistics, then precision counts and power sums of the output."""
-        super().on_output(layer, output)
-        tensor = first_floating_tensor(output)
+        super().on_tensor(layer, tensor)
         if tensor is None:
             return
         agg = self.aggregator

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hookdiag.hooks import _in_backward, _sink_mode
+from lightning_hookdiag.hooks import in_backward, sink_mode
 from lightning_hookdiag.names import logged_name
 from lightning_hookdiag.rules import ROOT
 
@@ -103,12 +103,12 @@ class NonFiniteTrace:
 
     def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
         name = self._names.get(module)
-        if name is None or _in_backward():  # a recomputation inside backward saw these values already
+        if name is None or in_backward():  # a recomputation inside backward saw these values already
             return
         outputs = list(_floating(output))
         if not outputs:
             return
-        with _sink_mode():
+        with sink_mode():
             device = outputs[0].device
             flags = torch.stack(
                 [

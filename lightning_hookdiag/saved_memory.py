@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hookdiag.hooks import _in_backward
+from lightning_hookdiag.hooks import in_backward
 
 __all__ = ["SavedMemoryTracker"]
 
@@ -109,20 +109,20 @@ class SavedMemoryTracker:
 
     def _make_push(self, index: int) -> Any:
         def push(module: nn.Module, args: Any) -> None:
-            if not _in_backward():
+            if not in_backward():
                 self._stack.append(index)
 
         return push
 
     def _make_pop(self, index: int) -> Any:
         def pop(module: nn.Module, args: Any, output: Any) -> None:
-            if not _in_backward() and self._stack and self._stack[-1] == index:
+            if not in_backward() and self._stack and self._stack[-1] == index:
                 self._stack.pop()
 
         return pop
 
     def _pack(self, tensor: Tensor) -> Tensor:
-        if self._stack and not _in_backward():
+        if self._stack and not in_backward():
             key, nbytes = _storage_key(tensor)
             if key not in self._seen and key not in self._own:
                 self._seen.add(key)

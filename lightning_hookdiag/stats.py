@@ -4,27 +4,22 @@ A tensor is reduced to a few *additive* sufficient statistics (counts, sums, sum
 ones (absolute maxima, per-unit maxima), so that pooling over calls, micro-batches and processes is exact: it is a sum
 or a max of these vectors, never an average of averages. Finalisation turns the pooled vectors into the logged values.
 
-Two paths compute the same sufficient statistics:
+One path serves every device. It never reads a value back to the host and never branches on data, and it is counted
+in aten ops, each at least one kernel launch on an accelerator (``benchmarks/overhead.py --count-ops``):
 
-* :func:`activation_moments` / :func:`gradient_moments` never leave the device: no ``.item()``, no branch on data,
-  so on an accelerator a sampled step needs one host transfer in all. Being branch-free, they pay for NaN/Inf
-  handling, negative zeros and the centring on every tensor: about ten passes over an activation, six over a
-  gradient.
-* :func:`host_activation_moments` / :func:`host_gradient_moments` serve tensors in host memory
-  (:func:`reads_on_host`), where reading a scalar back is a memory load, not a device synchronisation. They take
-  four or five passes over an activation (one over a gradient) and read the results as Python floats; a tensor holding a
-  NaN or Inf makes them return ``None`` and the caller falls back to the exact device path.
+* :func:`activation_row` reduces an output in 9 ops: a float64 copy (which also turns ``-0.0`` into ``0.0``), the
+  non-zero count of its bit pattern, NaN/Inf set to 0, the count again (the difference is the non-finite count),
+  ``sum``, the sum of squares (``mul`` then ``sum``) and ``aminmax``, and writes the results into one row with
+  one ``stack``.
+* :func:`gradient_row` reduces a gradient in 6: copy, count, NaN/Inf to 0, count, ``dot``, ``stack``.
 
-The reductions were chosen by measurement on a 2-core CPU (8 MB tensor): ``sum``, ``aminmax`` and
-``count_nonzero`` on the integer bit pattern take 0.2-0.3 ms each, whereas ``count_nonzero`` on floats with many zeros
-(4.2 ms), boolean sums such as ``isfinite(x).sum()`` (3 ms) or ``var_mean`` (5.6 ms) do not.
-
-Sums of squares are :func:`square_sum`: torch's vectorised norm kernel over rows of 128 elements, rows combined in
-float64, after an exact power-of-two prescaling when the absolute maximum is far from 1. A float32 BLAS ``dot`` (the
-earlier choice) is faster by ~1.4x but its rounding depends on the kernel the CPU gets: 1.7e-4 relative on 1 M
-centred ReLU outputs on an AMD EPYC, 5e-4 on 1 M equal values; rows of 128 stay within ~3e-7 of float64 on any
-vector width. The prescaling keeps squares of finite values from overflowing (``|x| > 1.8e19``) or underflowing
-(``|x| < 1e-19``) in float32; multiplying by a power of two is exact.
+Why this is exact without prescaling or centring: a float32 (or fp16/bf16) value and its square are exact in float64
+(24 significant bits squared fit in 53), float32's largest square (1.2e77) and smallest (2e-90) are normal float64
+numbers, and torch's sums are cascaded, so a sum of a million squares rounds at ~1e-15 relative whatever the CPU's
+vector width. ``act_std`` is then ``sqrt(sumsq / n - mean**2)`` in float64: a mean ``10**4`` times the spread
+costs 8 of float64's 16 digits, and leaves ~1e-9 (measured: 7.5e-10 on 1 M values of mean 1e4 and std 1; a float64
+BLAS ``dot`` instead of ``mul`` + ``sum`` was 1.6e-6 off, so it serves only the gradients' sums of squares, which
+do not cancel). Float64 inputs are exact to ~1e-16 per square, up to ``|x| ~ 1e154``.
 """
 
 from __future__ import annotations
@@ -45,17 +40,16 @@ __all__ = [
     "PARAMETER_STATS",
     "accumulation_dtype",
     "activation_moments",
+    "activation_row",
     "finalize_dead_fraction",
     "histogram_counts",
     "histogram_edges",
-    "host_square_sum",
-    "power_of_two",
     "finalize_activations",
     "finalize_gradients",
     "gradient_moments",
-    "host_activation_moments",
-    "host_gradient_moments",
-    "reads_on_host",
+    "gradient_moments_from_rows",
+    "gradient_row",
+    "moments_from_rows",
     "resolve_stats",
     "square_sum",
     "unit_dim_for",
@@ -112,137 +106,31 @@ def _as_float32(x: Tensor) -> Tensor:
     return x.detach() if x.dtype in (torch.float32, torch.float64) else x.detach().float()
 
 
-# Bit patterns of IEEE floats as signed integers: the magnitude is every bit but the sign, and a magnitude at or
-# above "exponent all ones" is Inf or NaN.
-_BITS = {
-    torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000),
-    torch.float64: (torch.int64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000),
-}
+# Columns of the row one output is reduced to (see :func:`activation_row`).
+ROW_NONZERO, ROW_NONZERO_FINITE, ROW_SUM, ROW_SUMSQ, ROW_MIN, ROW_MAX = range(6)
+ACT_ROW = 6
+# Columns of the row one gradient is reduced to (see :func:`gradient_row`).
+GROW_NONZERO, GROW_NONZERO_FINITE, GROW_SUMSQ = range(3)
+GRAD_ROW = 3
 
-
-# Elements per row of a sum of squares: each row is one float32 vector-norm accumulation (at most 16 additions per
-# SIMD lane on AVX2, 8 on AVX-512), so its rounding error is bounded whatever the tensor's size; rows add in float64.
-_ROW = 128
-# Up to this many elements a float64 copy and a float64 dot cost less than the rows (fixed per-op costs) and round
-# like float64: 3.7 us against 15 us for 10 elements, 7.6 against 15 for 5000 (2-core CPU, one thread).
-_SMALL = 8192
-# Absolute maxima within [2**-40, 2**40] need no prescaling: squares of up to 2**47 elements stay finite in float32,
-# and squares that underflow to subnormals are below 2**-46 of the largest, so they cannot shift the sum by 1e-7.
-_SAFE_EXPONENT = 40
-# Prescaling exponents stay within the normal range of the dtype, so the power of two itself is representable.
-_MAX_EXPONENT = {torch.float32: 126, torch.float64: 1022}
-
-
-def _row_square_sum(flat: Tensor, dtype: torch.dtype) -> Tensor:
-    """0-d sum of squares of a flat, contiguous float tensor in ``dtype``, not prescaled (see :func:`square_sum`)."""
-    n = flat.numel()
-    if n <= _SMALL:
-        exact = flat.to(dtype)
-        return torch.dot(exact, exact)
-    k = n // _ROW
-    rows = torch.linalg.vector_norm(flat[: k * _ROW].view(k, _ROW), dim=1)
-    total = torch.linalg.vector_norm(rows, dtype=dtype).square()
-    if k * _ROW < n:
-        tail = flat[k * _ROW :].to(dtype)
-        total = total + torch.dot(tail, tail)
-    return total
-
-
-def power_of_two(absmax: Tensor) -> tuple[Tensor, Tensor]:
-    """``(scale, exponent)``: ``scale = 2**-exponent`` brings ``absmax`` into ``[0.5, 1)`` (1 for 0), branch-free.
-
-    Multiplying by ``scale`` is exact (short of subnormals), so sums of squares of prescaled values, multiplied by
-    ``4**exponent`` in a wider dtype, are those of the original values without overflow or underflow.
-
-    Example:
-        >>> scale, exponent = power_of_two(torch.tensor([3e20, 0.0, 0.75]))
-        >>> exponent.tolist(), (torch.tensor([3e20, 0.0, 0.75]) * scale).tolist()
-        ([69.0, 0.0, 0.0], [0.5082197785377502, 0.0, 0.75])
-    """
-    limit = _MAX_EXPONENT[absmax.dtype]
-    exponent = torch.frexp(absmax)[1].clamp(-limit, limit).to(absmax.dtype)
-    return torch.exp2(-exponent), exponent
-
-
-def square_sum(x: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
-    """Sum of squares of a tensor as a 0-d ``dtype`` tensor: finite for any finite input, within ~3e-7 of float64.
-
-    Branch-free (no host read): the tensor is prescaled by the power of two that brings its absolute maximum into
-    ``[0.5, 1)``, reduced in rows of 128 (see the module docstring) and scaled back in ``dtype``. NaN or Inf in
-    ``x`` give a NaN or Inf result.
-
-    Args:
-        x: Any floating-point tensor (fp16/bf16 are reduced in float32).
-        dtype: Dtype of the result and of the accumulation across rows.
-
-    Example:
-        >>> round(square_sum(torch.tensor([3.0, 4.0])).item(), 5)
-        25.0
-        >>> f"{square_sum(torch.tensor([3e30, 4e30])).item():.6g}"  # float32 squares would overflow
-        '2.5e+61'
-    """
-    return _prescaled_square_sum(_as_float32(x).reshape(-1), dtype, in_place=False)
-
-
-def _prescaled_square_sum(flat: Tensor, dtype: torch.dtype, in_place: bool) -> Tensor:
-    # in_place: ``flat`` is scratch memory that may be overwritten by its prescaled values.
-    if not flat.numel():
-        return torch.zeros((), dtype=dtype, device=flat.device)
-    lo, hi = torch.aminmax(flat)
-    scale, exponent = power_of_two(torch.maximum(hi, -lo))
-    scaled = flat.mul_(scale) if in_place else flat * scale
-    return _row_square_sum(scaled, dtype) * torch.exp2(2 * exponent.to(dtype))
-
-
-def host_square_sum(flat: Tensor, workspace: Workspace | None = None) -> float | None:
-    """:func:`square_sum` for a flat float32/float64 tensor in host memory, as a Python float; ``None`` for NaN/Inf.
-
-    One pass when the result lies in the safe range (the common case); otherwise the absolute maximum decides the
-    power of two and a prescaled copy (in ``workspace`` memory) is reduced.
-
-    Example:
-        >>> f"{host_square_sum(torch.tensor([3e-30, 4e-30])):.6g}", host_square_sum(torch.tensor([float("nan")]))
-        ('2.5e-59', None)
-    """
-    n = flat.numel()
-    square = _row_square_sum(flat, torch.float64).item() if n else 0.0
-    if math.isfinite(square) and square >= 2.0 ** (-2 * _SAFE_EXPONENT):
-        return square
-    if not n:
-        return 0.0
-    lo, hi = torch.aminmax(flat)
-    absmax = max(hi.item(), -lo.item())  # NaN propagates through aminmax
-    if not math.isfinite(absmax):
-        return None
-    if absmax == 0.0:
-        return 0.0
-    scaled, exponent = _host_prescaled(flat, absmax, workspace or Workspace())
-    return math.ldexp(_row_square_sum(scaled, torch.float64).item(), 2 * exponent)
-
-
-def _host_prescaled(flat: Tensor, absmax: float, workspace: Workspace) -> tuple[Tensor, int]:
-    """``(flat * 2**-exponent, exponent)`` in workspace memory, with ``absmax * 2**-exponent`` in ``[0.5, 1)``."""
-    limit = _MAX_EXPONENT[flat.dtype]
-    exponent = max(-limit, min(limit, math.frexp(absmax)[1]))
-    values, _ = workspace.get(flat.numel(), flat.dtype, flat.device)
-    return torch.mul(flat, math.ldexp(1.0, -exponent), out=values), exponent
+# The integer dtype of each float width: a float's bit pattern is zero exactly when the float is +0.0.
+_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16}
 
 
 class Workspace:
-    """Reusable scratch memory for the per-tensor reductions, one buffer pair per device and dtype.
+    """Scratch memory of the per-tensor reductions, reused within a sampled step: two buffers per device and dtype.
 
-    The reductions need a full-size copy of their input (non-finite values zeroed, then centred) and its bit
-    pattern. Fresh full-size temporaries on every hook call cost page faults on the CPU: measured on a 2-core CPU,
-    an 8 MB activation took 8.3 ms with temporaries and 3.1 ms with reused buffers. A workspace holds twice the
-    largest tensor seen, until :meth:`release`.
-
-    The device path always uses it; the host fast path only for fp16/bf16 inputs, negative zeros and centring.
+    A reduction writes a full-size float64 copy of its input and, for the sum of squares, the squares. On the CPU
+    fresh full-size temporaries cost page faults on every call, which reuse avoids (measured on a 2-core CPU: an
+    8 MB activation took 8.3 ms with temporaries, 3.1 ms with reused buffers); on an accelerator the caching
+    allocator would hand the same memory back anyway. The callback releases it at the end of every sampled step,
+    so it holds nothing between them. It holds four times the largest tensor seen, in float64.
 
     Example:
         >>> ws = Workspace()
-        >>> values, bits = ws.get(4, torch.float32, torch.device("cpu"))
-        >>> values.shape, bits.dtype
-        (torch.Size([4]), torch.int32)
+        >>> values, scratch = ws.get(4, torch.float64, torch.device("cpu"))
+        >>> values.shape, scratch.dtype
+        (torch.Size([4]), torch.float64)
         >>> ws.release()
     """
 
@@ -250,47 +138,106 @@ class Workspace:
         self._buffers: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
     def get(self, n: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
-        """A float buffer of ``n`` elements and an integer buffer of ``n`` elements (the same width)."""
+        """Two buffers of ``n`` elements of ``dtype`` on ``device``."""
         key = (device, dtype)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < 2 * n:
             buffer = torch.empty(2 * n, dtype=dtype, device=device)
             self._buffers[key] = buffer
-        return buffer[:n], buffer[n : 2 * n].view(_BITS[dtype][0])
+        return buffer[:n], buffer[n : 2 * n]
 
-    def release(self, keep_host: bool = False) -> None:
-        """Drop the buffers; with ``keep_host``, only those not in host memory.
-
-        Host memory is worth keeping between uses (page faults); an accelerator's caching allocator hands the same
-        memory back cheaply, and keeping it would hold it away from training between sampled steps.
-        """
-        for key in [k for k in self._buffers if not (keep_host and k[0].type == "cpu")]:
-            del self._buffers[key]
+    def release(self) -> None:
+        """Drop the buffers."""
+        self._buffers = {}
 
 
-def _finite_copy(
-    x: Tensor, workspace: Workspace | None, count_nonzero: bool = True
-) -> tuple[Tensor, Tensor | None, Tensor]:
-    """A float32/float64 copy of flat ``x`` with NaN/Inf set to 0, and counts of its non-zero and non-finite elements.
+def _wide_copy(x: Tensor, dtype: torch.dtype, workspace: Workspace | None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(values, scratch, nonzero)``: ``x`` in ``dtype`` with ``-0.0`` as ``0.0``, scratch, the non-zero count.
 
-    Returns ``(finite, nonzero, nonfinite)``; ``finite`` lives in workspace memory; NaN and Inf count as non-zero;
-    ``nonzero`` is ``None`` unless ``count_nonzero``.
-
-    Counting runs on the integer bit pattern without the sign bit, so ``-0.0`` counts as zero: ``count_nonzero`` on
-    floats takes a data-dependent branch per element and was measured 15x slower on ReLU outputs (half zeros).
+    ``values`` and ``scratch`` are workspace memory of ``x``'s size; the count includes NaN/Inf and reads the bit
+    pattern (one integer pass: ``count_nonzero`` on floats is several times slower on the CPU).
     """
-    x = x.detach().reshape(-1)
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32  # fp16/bf16 would overflow a square
-    n = x.numel()
-    values, bits = (workspace or Workspace()).get(n, dtype, x.device)
-    source = x if x.dtype == dtype else values.copy_(x)
-    int_dtype, magnitude, exponent_all_ones = _BITS[dtype]
-    torch.bitwise_and(source.view(int_dtype), magnitude, out=bits)
-    nonzero = torch.count_nonzero(bits) if count_nonzero else None
-    # Non-finite: magnitude >= exponent_all_ones, counted in place as max(bits - (that - 1), 0) != 0.
-    nonfinite = torch.count_nonzero(bits.sub_(exponent_all_ones - 1).clamp_(min=0))
-    finite = torch.nan_to_num(source, nan=0.0, posinf=0.0, neginf=0.0, out=values)
-    return finite, nonzero, nonfinite
+    values, scratch = (workspace or Workspace()).get(x.numel(), dtype, x.device)
+    torch.add(x.detach(), 0.0, out=values.view(x.shape))  # a cast that also turns -0.0 into 0.0: -0.0 + 0.0 == 0.0
+    return values, scratch, torch.count_nonzero(values.view(_BITS[values.element_size()]))
+
+
+def _finite(values: Tensor) -> Tensor:
+    """``values`` with NaN/Inf set to 0 in place, and the count of non-zero elements left (the finite ones)."""
+    values.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.count_nonzero(values.view(_BITS[values.element_size()]))
+
+
+def activation_row(x: Tensor, out: Tensor, workspace: Workspace | None = None) -> Tensor:
+    """Reduce one non-empty floating-point tensor into the ``[ACT_ROW]`` row ``out``, in 9 tensor ops.
+
+    The row holds ``[nonzero, nonzero_finite, sum, sum_of_squares, min, max]``: the non-zero count (NaN and Inf
+    count as non-zero, ``-0.0`` as zero), the non-zero finite count, and the sum, sum of squares, minimum and
+    maximum of the finite elements (NaN/Inf read as 0 there), all in ``out.dtype``. :func:`activation_moments`
+    turns rows into additive moments; the element count is known on the host and not part of the row.
+
+    Args:
+        x: Any floating-point tensor with at least one element, any device, any layout in memory.
+        out: Where the row is written (a row of the caller's table: no allocation).
+        workspace: Scratch memory reused across calls; ``None`` allocates temporaries.
+
+    Returns:
+        ``out``.
+
+    Example:
+        >>> activation_row(torch.tensor([0.0, -0.0, -3.0, 4.0, float("nan")]), torch.empty(ACT_ROW)).tolist()
+        [3.0, 2.0, 1.0, 25.0, -3.0, 4.0]
+    """
+    values, scratch, nonzero = _wide_copy(x, out.dtype, workspace)
+    nonzero_finite = _finite(values)
+    squares = torch.mul(values, values, out=scratch).sum()  # cascaded: exact to ~1e-16 (see the module docstring)
+    low, high = torch.aminmax(values)
+    return torch.stack([nonzero, nonzero_finite, values.sum(), squares, low, high], out=out)
+
+
+def gradient_row(g: Tensor, out: Tensor, workspace: Workspace | None = None) -> Tensor:
+    """Reduce one gradient into the ``[GRAD_ROW]`` row ``out``, in 6 tensor ops.
+
+    The row holds ``[nonzero, nonzero_finite, sum_of_squares]`` (non-finite count = their difference; the sum of
+    squares over finite elements). A float64 ``dot``: a sum of squares does not cancel, so its rounding (~1e-13
+    relative on any BLAS) is far below what is logged.
+
+    Example:
+        >>> gradient_row(torch.tensor([3.0, 0.0, -4.0, float("inf")]), torch.empty(GRAD_ROW)).tolist()
+        [3.0, 2.0, 25.0]
+    """
+    values, _, nonzero = _wide_copy(g, out.dtype, workspace)
+    nonzero_finite = _finite(values)
+    return torch.stack([nonzero, nonzero_finite, torch.dot(values, values)], out=out)
+
+
+def moments_from_rows(rows: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+    """Additive ``[k, ACT_SLOTS]`` moments and ``[k]`` absolute maxima of ``[k, ACT_ROW]`` rows.
+
+    Args:
+        rows: From :func:`activation_row`.
+        counts: ``[k]`` element counts of the reduced tensors, in the rows' dtype.
+
+    Example:
+        >>> row = activation_row(torch.tensor([0.0, 1.0, -3.0, 4.0, float("nan")]), torch.empty(ACT_ROW))
+        >>> moments, absmax = moments_from_rows(row[None], torch.tensor([5.0]))
+        >>> moments.tolist(), absmax.tolist()
+        ([[5.0, 4.0, 3.0, 2.0, 26.0]], [4.0])
+    """
+    moments = torch.cat([counts[:, None], rows[:, :ROW_MIN]], dim=1)
+    return moments, torch.maximum(rows[:, ROW_MAX], rows[:, ROW_MIN].neg())
+
+
+def gradient_moments_from_rows(rows: Tensor, counts: Tensor) -> Tensor:
+    """Additive ``[k, GRAD_SLOTS]`` moments ``[count, sum_sq, nonfinite]`` of ``[k, GRAD_ROW]`` rows.
+
+    Example:
+        >>> row = gradient_row(torch.tensor([3.0, 4.0, float("inf")]), torch.empty(GRAD_ROW))
+        >>> gradient_moments_from_rows(row[None], torch.tensor([3.0])).tolist()
+        [[3.0, 25.0, 1.0]]
+    """
+    nonfinite = rows[:, GROW_NONZERO] - rows[:, GROW_NONZERO_FINITE]
+    return torch.stack([counts, rows[:, GROW_SUMSQ], nonfinite], dim=1)
 
 
 def activation_moments(
@@ -298,51 +245,29 @@ def activation_moments(
 ) -> tuple[Tensor, Tensor]:
     """Additive and max-reducible sufficient statistics of one floating-point tensor.
 
-    NaN and Inf are counted, then treated as absent: they never make the mean, std or absmax unreadable.
-
-    The square term is not a raw sum of squares, which cancels catastrophically in float32 when the mean is large
-    against the spread (values around 1e4 with std 1 lose every digit). It is the centred sum of squares of this
-    tensor plus ``sum**2 / n``, formed in ``dtype``: additive across tensors, and exact for the spread within each.
-    The values are prescaled by a power of two (exact) so that neither the sum nor the squares overflow or
-    underflow float32, whatever their magnitude.
+    NaN and Inf are counted, then treated as absent: they never make the mean, std or absmax unreadable. This is
+    :func:`activation_row` and :func:`moments_from_rows` for one tensor (the recorder writes rows and converts a
+    whole step's rows at once).
 
     Args:
         x: Any floating-point tensor (any dtype, any device).
-        dtype: Dtype of the returned additive vector.
+        dtype: Dtype of the returned additive vector and of the accumulation.
         workspace: Scratch memory reused across calls; ``None`` allocates temporaries.
 
     Returns:
-        ``(moments, absmax)``: ``moments`` is a ``[5]`` vector ``[count, nonzero, nonzero_finite, sum, square]``
-        (sum and square term over finite elements), ``absmax`` the 0-d maximum of ``|x|`` over finite elements.
+        ``(moments, absmax)``: ``moments`` is a ``[5]`` vector ``[count, nonzero, nonzero_finite, sum, sum_sq]``
+        (sum and sum of squares over finite elements), ``absmax`` the 0-d maximum of ``|x|`` over finite elements.
 
     Example:
         >>> moments, absmax = activation_moments(torch.tensor([0.0, 1.0, -3.0, 4.0, float("nan")]))
         >>> [round(m, 5) for m in moments.tolist()], absmax.item()
         ([5.0, 4.0, 3.0, 2.0, 26.0], 4.0)
     """
-    finite, nonzero, n_nonfinite = _finite_copy(x, workspace)
-    assert nonzero is not None
-    n = finite.numel()
-    n_finite = (n - n_nonfinite).clamp_min(1)
-    lo, hi = torch.aminmax(finite) if n else (finite.new_zeros(()), finite.new_zeros(()))
-    absmax = torch.maximum(hi, -lo)
-    scale, exponent = power_of_two(absmax)
-    unscale = torch.exp2(exponent.to(dtype))
-    scaled = finite.mul_(scale)
-    total = scaled.sum()
-    mean = total / n_finite
-    centred = scaled.sub_(mean)
-    # Non-finite positions held 0 and became -mean: take them back out of both sums. The sum of the centred values
-    # corrects for the rounding of the float32 mean (two-pass variance), which matters when the mean >> the spread.
-    mean_d = mean.to(dtype)
-    centred_sum = centred.sum().to(dtype) + n_nonfinite * mean_d
-    m2 = _row_square_sum(centred, dtype) - n_nonfinite * mean_d.square() - centred_sum.square() / n_finite
-    total = total.to(dtype) * unscale
-    square = m2.clamp_min(0) * unscale.square() + total.square() / n_finite.to(dtype)
-    moments = torch.stack([nonzero.to(dtype), (nonzero - n_nonfinite).to(dtype), total, square])
-    # numel is known on the host: prepend it without a host-to-device copy.
-    moments = torch.cat([moments.new_full((1,), n), moments])
-    return moments, absmax.to(dtype)
+    row = torch.zeros(ACT_ROW, dtype=dtype, device=x.device)
+    if x.numel():
+        activation_row(x, row, workspace)
+    moments, absmax = moments_from_rows(row[None], torch.full((1,), x.numel(), dtype=dtype, device=x.device))
+    return moments[0], absmax[0]
 
 
 def gradient_moments(g: Tensor, dtype: torch.dtype = torch.float64, workspace: Workspace | None = None) -> Tensor:
@@ -352,118 +277,21 @@ def gradient_moments(g: Tensor, dtype: torch.dtype = torch.float64, workspace: W
         >>> gradient_moments(torch.tensor([3.0, 4.0, float("inf")])).tolist()
         [3.0, 25.0, 1.0]
     """
-    finite, _, nonfinite = _finite_copy(g, workspace, count_nonzero=False)
-    square = _prescaled_square_sum(finite, dtype, in_place=True)  # ``finite`` is workspace memory
-    out = torch.stack([square, nonfinite.to(dtype)])
-    return torch.cat([out.new_full((1,), finite.numel()), out])
+    row = torch.zeros(GRAD_ROW, dtype=dtype, device=g.device)
+    if g.numel():
+        gradient_row(g, row, workspace)
+    return gradient_moments_from_rows(row[None], torch.full((1,), g.numel(), dtype=dtype, device=g.device))[0]
 
 
-def reads_on_host(t: Tensor) -> bool:
-    """Whether ``t`` lives in host memory, where reading a value back costs a load and synchronises no device.
-
-    Example:
-        >>> reads_on_host(torch.zeros(1))
-        True
-    """
-    return t.is_cpu
-
-
-# The smallest integer of each bit-pattern dtype is the pattern of -0.0.
-_NEGATIVE_ZERO = {torch.int32: -(2**31), torch.int64: -(2**63)}
-# Centre before squaring when the mean term exceeds this share of the raw sum of squares: beyond it the variance
-# (square / n - mean^2) would lose more than a third of a digit to cancellation in the float32 sum of squares.
-_CANCELLATION_SHARE = 0.5
-
-
-def _host_flat(x: Tensor, workspace: Workspace) -> Tensor:
-    flat = x.detach().reshape(-1)
-    if flat.dtype in (torch.float32, torch.float64):
-        return flat
-    values, _ = workspace.get(flat.numel(), torch.float32, flat.device)  # fp16/bf16 would overflow a square
-    return values.copy_(flat)
-
-
-def host_activation_moments(x: Tensor, workspace: Workspace | None = None) -> tuple[list[float], float] | None:
-    """:func:`activation_moments` for a tensor in host memory, in four or five passes, as Python floats.
-
-    Reads ``count_nonzero`` and ``aminmax`` of the bit pattern (a tensor with negative values also needs the float
-    ``aminmax``), ``sum`` and the :func:`square_sum` rows. Negative zeros (which dropout makes of negative inputs)
-    cost one more pass, for the count; a mean large against the spread two more, to centre before squaring (the
-    cancellation :func:`activation_moments` always guards against); an absolute maximum outside ``2**±40`` one
-    more, for the exact power-of-two prescaling that keeps sums and squares finite.
-
-    Args:
-        x: Any floating-point tensor in host memory.
-        workspace: Scratch memory reused across calls; ``None`` allocates temporaries.
-
-    Returns:
-        ``(moments, absmax)`` with the same meaning as :func:`activation_moments`, or ``None`` if ``x`` is empty or
-        holds a NaN or Inf: use :func:`activation_moments` then.
+def square_sum(x: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+    """Sum of squares of a tensor as a 0-d ``dtype`` tensor, accumulated in ``dtype``; NaN/Inf propagate.
 
     Example:
-        >>> moments, absmax = host_activation_moments(torch.tensor([0.0, 1.0, -3.0, 4.0]))
-        >>> [round(m, 5) for m in moments], absmax
-        ([4.0, 3.0, 3.0, 2.0, 26.0], 4.0)
-        >>> host_activation_moments(torch.tensor([1.0, float("nan")])) is None
-        True
-        >>> f"{host_activation_moments(torch.tensor([3e38, -3e38]))[0][-1]:.6g}"  # squares beyond float32
-        '1.8e+77'
+        >>> f"{square_sum(torch.tensor([3e30, 4e30])).item():.6g}"  # float32 squares would overflow
+        '2.5e+61'
     """
-    workspace = workspace or Workspace()
-    flat = _host_flat(x, workspace)
-    n = flat.numel()
-    if not n:
-        return None
-    int_dtype, magnitude, exponent_all_ones = _BITS[flat.dtype]
-    bits = flat.view(int_dtype)
-    nonzero = torch.count_nonzero(bits).item()
-    low_bits, high_bits = torch.aminmax(bits)
-    if low_bits.item() >= 0:
-        # No sign bit anywhere (ReLU outputs, pooled ReLU outputs): non-negative floats order like their bit
-        # patterns, so the largest pattern is the absolute maximum and the float aminmax pass is not needed.
-        if high_bits.item() >= exponent_all_ones:  # +Inf or a NaN
-            return None
-        absmax = high_bits.view(flat.dtype).item()
-    else:
-        lo, hi = torch.aminmax(flat)
-        absmax = max(hi.item(), -lo.item())  # NaN propagates through aminmax
-        if not math.isfinite(absmax):
-            return None
-        if low_bits.item() == _NEGATIVE_ZERO[int_dtype]:  # -0.0 is a zero whose bit pattern is not
-            _, scratch = workspace.get(n, flat.dtype, flat.device)
-            nonzero = torch.count_nonzero(torch.bitwise_and(bits, magnitude, out=scratch)).item()
-    exponent = 0
-    if absmax > 2.0**_SAFE_EXPONENT or 0.0 < absmax < 2.0**-_SAFE_EXPONENT:
-        flat, exponent = _host_prescaled(flat, absmax, workspace)
-    total = flat.sum().item()
-    square = _row_square_sum(flat, torch.float64).item()
-    mean_term = total * total / n
-    if mean_term > _CANCELLATION_SHARE * square:
-        values, _ = workspace.get(n, flat.dtype, flat.device)
-        centred = torch.sub(flat, total / n, out=values)
-        # Two-pass variance: the centred sum corrects for the rounding of the mean that was subtracted.
-        centred_sum = centred.sum().item()
-        square = _row_square_sum(centred, torch.float64).item() - centred_sum * centred_sum / n + mean_term
-    total, square = math.ldexp(total, exponent), math.ldexp(square, 2 * exponent)
-    return [float(n), float(nonzero), float(nonzero), total, square], absmax
-
-
-def host_gradient_moments(g: Tensor, workspace: Workspace | None = None) -> list[float] | None:
-    """:func:`gradient_moments` for a tensor in host memory, in one pass (three out of ``2**±40``), as Python floats.
-
-    Returns:
-        ``[count, sum_sq, 0.0]``, or ``None`` if ``g`` holds a NaN or Inf: use :func:`gradient_moments` then.
-
-    Example:
-        >>> [round(v, 5) for v in host_gradient_moments(torch.tensor([3.0, 4.0]))]
-        [2.0, 25.0, 0.0]
-        >>> [f"{v:.6g}" for v in host_gradient_moments(torch.tensor([3e20, 4e20]))]  # float32 squares overflow
-        ['2', '2.5e+41', '0']
-    """
-    workspace = workspace or Workspace()
-    flat = _host_flat(g, workspace)
-    square = host_square_sum(flat, workspace)
-    return None if square is None else [float(flat.numel()), square, 0.0]
+    wide = x.detach().reshape(-1).to(dtype)
+    return torch.dot(wide, wide)
 
 
 def unit_dim_for(ndim: int, unit_dim: int | None = None) -> int:
@@ -479,10 +307,11 @@ def unit_dim_for(ndim: int, unit_dim: int | None = None) -> int:
 
 
 def unit_maxima(x: Tensor, unit_dim: int | None = None) -> Tensor:
-    """Per-unit maximum over every other axis, in float32 (max-reducible activity of ReLU-family outputs).
+    """Per-unit maximum over every other axis, in ``x``'s dtype (max-reducible activity of ReLU-family outputs).
 
     A unit is dead when its maximum is ``<= 0``: it was non-positive for every sample and position. Pooling these
-    maxima with ``fmax`` over micro-batches and processes reduces over the batch *first*, as it must.
+    maxima with ``fmax`` over micro-batches and processes reduces over the batch *first*, as it must. Two tensor ops;
+    ``fmax`` into the float32 state promotes fp16/bf16 maxima without a third.
 
     A NaN is not ``<= 0``, so a unit that produced one is not dead: NaN maxima become ``+inf`` (they would
     otherwise vanish in ``fmax`` pooling and leave the unit looking dead). ``act_nonfinite`` reports the NaN.
@@ -498,8 +327,7 @@ def unit_maxima(x: Tensor, unit_dim: int | None = None) -> Tensor:
         dim = unit_dim_for(x.ndim, unit_dim)
         others = [d for d in range(x.ndim) if d != dim]
         maxima = x.amax(dim=others) if others else x
-    # One op instead of where(isnan(...)): measured 28 -> 15 us on 512 units inside a forward hook.
-    return torch.nan_to_num(maxima.float(), nan=math.inf, posinf=math.inf, neginf=-math.inf)
+    return torch.nan_to_num(maxima, nan=math.inf, posinf=math.inf, neginf=-math.inf)
 
 
 def finalize_activations(moments: Tensor, absmax: Tensor) -> dict[str, Tensor]:

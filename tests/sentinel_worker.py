@@ -36,6 +36,14 @@ def main(out_dir: str, mode: str) -> None:
             super().__init__(**kwargs)
             self.logged: dict[int, dict[str, float]] = {}
             self.collectives: dict[int, int] = {}
+            self.reads = 0  # the sentinel's packed host reads (one per optimizer step)
+            read = self._sentinel._read
+
+            def counted_read(*args: Any) -> Any:
+                self.reads += 1
+                return read(*args)
+
+            self._sentinel._read = counted_read
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
             with counted() as count:
@@ -117,7 +125,7 @@ def main(out_dir: str, mode: str) -> None:
             "findings": [vars(f) for f in callback.findings],
             "logged": callback.logged,
             "collectives": callback.collectives,
-            "reads": callback._sentinel.reads,
+            "reads": callback.reads,
         },
         os.path.join(out_dir, f"{mode}_rank{trainer.global_rank}.pt"),
     )

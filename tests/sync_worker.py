@@ -135,7 +135,8 @@ def param_values(rank: int, n_params: int, step: int, sharded: bool) -> Tensor:
 
 def pooled_case(rank: int, world: int, n_layers: int, sharded: bool) -> list[dict[str, Any]]:
     """Feed ``STEPS`` sampled steps of observations through the package, as the callback does, and compute."""
-    from lightning_hookdiag.aggregation import LayerStatsAggregator, StepRecorder
+    from lightning_hookdiag.aggregation import LayerStatsAggregator
+    from lightning_hookdiag.recorder import StepRecorder
 
     agg = LayerStatsAggregator(n_layers, n_params=n_layers, sharded_params=sharded, histogram_bins=BINS)
     rec = StepRecorder(agg, unit_layers=frozenset(range(1, n_layers, 2)))
@@ -166,7 +167,8 @@ def mismatch_case(rank: int, world: int) -> list[dict[str, Any]]:
 
     Layer 2 is healthy. Returns, per step, the pooled ``act_dead_frac`` and this rank's ``unit_mismatch``.
     """
-    from lightning_hookdiag.aggregation import LayerStatsAggregator, StepRecorder
+    from lightning_hookdiag.aggregation import LayerStatsAggregator
+    from lightning_hookdiag.recorder import StepRecorder
 
     agg = LayerStatsAggregator(3)
     rec = StepRecorder(agg, moments=False, unit_layers=frozenset({0, 1, 2}))

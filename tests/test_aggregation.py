@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from lightning_hookdiag import stats as S
-from lightning_hookdiag.aggregation import LayerStatsAggregator, StepRecorder
+from lightning_hookdiag.aggregation import LayerStatsAggregator
+from lightning_hookdiag.recorder import StepRecorder
 
 
 def test_micro_batches_pool_exactly_and_reset_clears():

@@ -65,6 +65,7 @@ def test_cuda_syncs_per_sampled_step_are_constant():
     for blocks in (1, 12):
         with_cb, without = cuda_syncs(blocks, True), cuda_syncs(blocks, False)
         added[blocks] = {step: with_cb[step] - without[step] for step in with_cb}
+    print(f"CUDA syncs the package adds per step (steps 0, 2, 4 sampled), by depth: {added}")  # gpu_check.sh
     assert added[1] == added[12]  # does not grow with depth
     assert added[1][1] == added[1][3] == 0  # unsampled steps
     assert 1 <= added[1][2] == added[1][4] <= 2  # sampled steps: the one batched transfer (target 1)
@@ -76,6 +77,7 @@ def test_the_sentinel_adds_one_sync_per_optimizer_step(sentinel):
     base = cuda_syncs(4, True, sentinel=None)
     with_sentinel = cuda_syncs(4, True, sentinel=sentinel)
     extra = {step: with_sentinel[step] - base[step] for step in base}
+    print(f"CUDA syncs the {sentinel!r} sentinel adds per step: {extra}")  # gpu_check.sh
     assert extra == dict.fromkeys(base, 1), (extra, base, without)
 
 

@@ -439,13 +439,10 @@ def test_a_step_the_fp16_grad_scaler_skips_is_silent():
 def test_measuring_parameters_no_optimizer_holds_keeps_one_host_transfer_per_sampled_step(monkeypatch):
     from test_structure import CountingCallback, SyncFreeModule, count_host_transfers
 
-    from lightning_hookdiag import stats as S
-
     class SyncFreeHeadLeftOut(SyncFreeModule):
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.model[0].parameters(), lr=self.lr)
 
-    monkeypatch.setattr(S, "reads_on_host", lambda t: False)  # the accelerator path: nothing read per tensor
     counter = {"active": False, "calls": 0}
     callback = CountingCallback(counter, every_n_steps=2, on_anomaly="ignore", summary=False, sentinel=None)
     with count_host_transfers(counter):

@@ -146,43 +146,32 @@ def test_workspace_gives_the_same_results_and_is_reused(dtype):
     assert not ws._buffers
 
 
-def finalize_host(*tensors: torch.Tensor) -> dict[str, float]:
-    found = [S.host_activation_moments(t) for t in tensors]
-    assert all(f is not None for f in found)
-    moments = torch.tensor([[sum(col) for col in zip(*(m for m, _ in found), strict=True)]], dtype=torch.float64)
-    absmax = torch.tensor([max(a for _, a in found)])
-    return {k: v.item() for k, v in S.finalize_activations(moments, absmax).items()}
-
-
 @pytest.mark.parametrize(
     ("values", "dtype"),
     [
         ([0.0, 1.0, -3.0, 2.5, 0.0], torch.float32),
-        ([0.0, 2.0, 0.5, 0.0, 7.25], torch.float32),  # no sign bit: absmax read from the bit pattern
         ([0.0, 2.0, 0.5, 0.0, 7.25], torch.float64),
         ([-0.0, 0.0, -0.0, 2.0, -1.0], torch.float32),  # negative zeros (dropout of negative inputs) are zeros
         ([-0.0, -0.0, 3.5], torch.float64),
-        ([1e4 + 0.5, 1e4 - 0.5, 1e4 + 1.5, 1e4 - 1.5], torch.float32),  # cancellation trap: centred path
+        ([-0.0, float("nan"), -0.0, float("-inf")], torch.float32),  # -0.0 next to non-finite values
+        ([1e4 + 0.5, 1e4 - 0.5, 1e4 + 1.5, 1e4 - 1.5], torch.float32),  # cancellation trap
         ([60000.0, -60000.0, 30000.0, -0.0], torch.float16),  # the square would overflow float16
         ([60000.0, -60000.0, 30000.0, -0.0], torch.bfloat16),
+        ([float("nan"), -0.0, 2.0], torch.bfloat16),
     ],
 )
-def test_host_fast_path_matches_reference(values, dtype):
+def test_every_input_family_matches_reference(values, dtype):
     x = torch.tensor(values, dtype=dtype)
     expected = activation_stats([float(v) for v in x.double()])
-    got = finalize_host(x)
+    got = finalize_one(x)
     for key, value in expected.items():
         assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
 
 
-def _both_paths(x: torch.Tensor, ws: S.Workspace) -> list[dict[str, float]]:
-    results = []
-    host = S.host_activation_moments(x, ws)
-    for moments, absmax in ([host] if host is not None else []) + [S.activation_moments(x, workspace=ws)]:
-        as_row = torch.as_tensor(moments, dtype=torch.float64).reshape(1, -1)
-        stats = S.finalize_activations(as_row, torch.as_tensor(absmax, dtype=torch.float64).reshape(1))
-        results.append({k: v.item() for k, v in stats.items()})
-    return results
+def _one_path(x: torch.Tensor, ws: S.Workspace) -> dict[str, float]:
+    moments, absmax = S.activation_moments(x, workspace=ws)
+    stats = S.finalize_activations(moments[None], absmax[None])
+    return {k: v.item() for k, v in stats.items()}
 
 
 def _large_tensors() -> dict[str, torch.Tensor]:
@@ -207,14 +196,12 @@ def test_statistics_match_float64_to_1e6_on_large_tensors(name):
     x = _large_tensors()[name]
     expected = activation_stats_float64(x)
     ws = S.Workspace()
-    results = _both_paths(x, ws)
-    assert len(results) == 2  # the host fast path took it
-    for stats in results:
-        for key, value in expected.items():
-            assert stats[key] == pytest.approx(value, rel=1e-6, abs=1e-300), key
-        assert stats["act_zero_frac"] == expected["act_zero_frac"]
+    stats = _one_path(x, ws)
+    for key, value in expected.items():
+        assert stats[key] == pytest.approx(value, rel=1e-6, abs=1e-300), key
+    assert stats["act_zero_frac"] == expected["act_zero_frac"]
     d = x.double()
-    count, square, nonfinite = S.host_gradient_moments(x, ws)
+    count, square, nonfinite = S.gradient_moments(x, workspace=ws).tolist()
     assert (count, nonfinite) == (x.numel(), 0.0)
     assert square == pytest.approx(d.square().sum().item(), rel=1e-6)
     assert S.gradient_moments(x)[1].item() == pytest.approx(d.square().sum().item(), rel=1e-6)
@@ -225,61 +212,93 @@ def test_statistics_match_float64_to_1e6_on_large_tensors(name):
 @pytest.mark.parametrize("nan", [False, True], ids=["finite", "with_nan"])
 def test_statistics_stay_finite_and_exact_for_extreme_magnitudes(scale, nan):
     # Squares of |x| > 1.8e19 overflow float32 and squares of |x| < 1e-19 underflow it; the statistics of finite
-    # values must stay finite and exact anyway (1e-30 * randn also reaches subnormals). A NaN takes the device path.
+    # values must stay finite and exact anyway (1e-30 * randn also reaches subnormals), also next to a NaN.
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(300_000, generator=g) + 0.3) * scale
     if nan:
         x[17] = float("nan")
     expected = activation_stats_float64(x)
-    results = _both_paths(x, S.Workspace())
-    assert len(results) == (1 if nan else 2)
-    for stats in results:
-        assert all(math.isfinite(v) for v in stats.values()), stats
-        for key, value in expected.items():
-            assert stats[key] == pytest.approx(value, rel=1e-6), key
+    stats = _one_path(x, S.Workspace())
+    assert all(math.isfinite(v) for v in stats.values()), stats
+    for key, value in expected.items():
+        assert stats[key] == pytest.approx(value, rel=1e-6), key
     finite = x[torch.isfinite(x)].double()
     expected_sq = finite.square().sum().item()
-    assert S.gradient_moments(x)[1].item() == pytest.approx(expected_sq, rel=1e-6)
-    host = S.host_gradient_moments(x)
-    assert host is None if nan else host[1] == pytest.approx(expected_sq, rel=1e-6)
+    count, square, nonfinite = S.gradient_moments(x).tolist()
+    assert (count, nonfinite) == (x.numel(), float(nan))
+    assert square == pytest.approx(expected_sq, rel=1e-6)
 
 
 def test_float32_maximum_and_float64_inputs_stay_finite():
     top = torch.finfo(torch.float32).max
     x = torch.tensor([top, -top, top / 2, 0.0])
     d = x.double()
-    for stats in _both_paths(x, S.Workspace()):
-        assert stats["act_std"] == pytest.approx(d.std(correction=0).item(), rel=1e-6)
-        assert stats["act_mean"] == pytest.approx(d.mean().item(), rel=1e-6)
-    assert S.host_gradient_moments(x)[1] == pytest.approx(d.square().sum().item(), rel=1e-6)
+    stats = _one_path(x, S.Workspace())
+    assert stats["act_std"] == pytest.approx(d.std(correction=0).item(), rel=1e-6)
+    assert stats["act_mean"] == pytest.approx(d.mean().item(), rel=1e-6)
+    assert S.gradient_moments(x)[1].item() == pytest.approx(d.square().sum().item(), rel=1e-6)
     # float64 inputs: the pooled square term is float64 itself, so finite up to |x| ~ 1e154.
     big = torch.tensor([1e150, -3e150, 2e150], dtype=torch.float64)
-    for stats in _both_paths(big, S.Workspace()):
-        assert stats["act_absmax"] == 3e150
-        assert stats["act_std"] == pytest.approx(big.std(correction=0).item(), rel=1e-6)
+    stats = _one_path(big, S.Workspace())
+    assert stats["act_absmax"] == 3e150
+    assert stats["act_std"] == pytest.approx(big.std(correction=0).item(), rel=1e-6)
     assert S.square_sum(big).item() == pytest.approx(14e300, rel=1e-6)
     assert S.square_sum(torch.zeros(5)).item() == 0.0
-    assert S.host_gradient_moments(torch.zeros(5)) == [5.0, 0.0, 0.0]
-    assert S.host_gradient_moments(torch.zeros(0)) == [0.0, 0.0, 0.0]
+    assert S.gradient_moments(torch.zeros(5)).tolist() == [5.0, 0.0, 0.0]
+    assert S.gradient_moments(torch.zeros(0)).tolist() == [0.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_host_fast_path_declines_nonfinite(bad):
-    # A NaN/Inf must take the exact device path; finite values of any magnitude stay on the fast path.
-    x = torch.tensor([1.0, bad, -2.0])
-    assert S.host_activation_moments(x) is None
-    assert S.host_gradient_moments(x) is None
-    assert S.host_activation_moments(torch.zeros(0)) is None
-    assert S.host_gradient_moments(torch.tensor([3.0, -4.0])) == [2.0, 25.0, 0.0]
-    assert S.host_activation_moments(torch.tensor([1.0, 3e38, -2.0])) is not None
+def test_nonfinite_values_are_counted_and_left_out_of_every_other_statistic(bad):
+    x = torch.tensor([1.0, bad, -2.0, 0.0])
+    got = finalize_one(x)
+    expected = {"act_mean": -1 / 3, "act_std": math.sqrt(14 / 9), "act_absmax": 2.0, "act_zero_frac": 0.25}
+    assert got == pytest.approx({**expected, "act_nonfinite": 1.0})
+    assert S.gradient_moments(x).tolist() == [4.0, 5.0, 1.0]
+    assert S.gradient_moments(torch.tensor([3.0, -4.0])).tolist() == [2.0, 25.0, 0.0]
 
 
-def test_workspace_keeps_only_host_buffers_between_sampled_steps():
+class _LaunchCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts dispatched aten ops that are not views, detaches or allocations (a kernel launch each on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not (func.is_view or name in ("detach", "alias", "empty", "empty_strided", "empty_like")):
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_one_output_costs_nine_launches_and_one_gradient_six(dtype):
+    # The launch budget of the one path (issue 21): an output's moments in 9 ops, a gradient's in 6, whatever the
+    # dtype, the size or the memory layout; a warm workspace allocates nothing.
     ws = S.Workspace()
-    host, _ = ws.get(8, torch.float32, torch.device("cpu"))
-    ws.get(8, torch.float32, torch.device("meta"))  # stands in for an accelerator
-    ws.release(keep_host=True)
-    assert [device.type for device, _ in ws._buffers] == ["cpu"]
-    assert ws.get(8, torch.float32, torch.device("cpu"))[0].data_ptr() == host.data_ptr()
+    x = torch.randn(64, 32, dtype=dtype).t()  # not contiguous
+    act_row, grad_row = torch.empty(S.ACT_ROW, dtype=torch.float64), torch.empty(S.GRAD_ROW, dtype=torch.float64)
+    S.activation_row(x, act_row, ws)  # warm
+    with _LaunchCounter() as counter:
+        S.activation_row(x, act_row, ws)
+    assert len(counter.ops) == 9, counter.ops
+    with _LaunchCounter() as counter:
+        S.gradient_row(x, grad_row, ws)
+    assert len(counter.ops) == 6, counter.ops
+    with _LaunchCounter() as counter:
+        S.unit_maxima(x)
+    assert len(counter.ops) == 2, counter.ops
+    d = x.double()
+    nonzero = d.count_nonzero().item()
+    expected = [nonzero, nonzero, d.sum().item(), d.square().sum().item(), d.min().item(), d.max().item()]
+    assert act_row.tolist() == pytest.approx(expected)
+
+
+def test_workspace_release_drops_every_buffer():
+    ws = S.Workspace()
+    values, scratch = ws.get(8, torch.float64, torch.device("cpu"))
+    assert values.data_ptr() != scratch.data_ptr()
+    assert ws.get(4, torch.float64, torch.device("cpu"))[0].data_ptr() == values.data_ptr()  # reused within a step
     ws.release()
     assert not ws._buffers

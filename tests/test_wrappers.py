@@ -35,12 +35,12 @@ def logged(model: nn.Module, accumulate: int = 1) -> dict[str, float]:
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_checkpointed_block_statistics_equal_the_plain_block(accumulate, monkeypatch):
-    import lightning_hookdiag.aggregation as aggregation
+    import lightning_hookdiag.recorder as recorder
 
     observed: list[int] = []
-    original = aggregation.StepRecorder.on_output
+    original = recorder.StepRecorder.on_tensor
     monkeypatch.setattr(
-        aggregation.StepRecorder, "on_output", lambda self, i, o: observed.append(i) or original(self, i, o)
+        recorder.StepRecorder, "on_tensor", lambda self, i, o: observed.append(i) or original(self, i, o)
     )
     torch.manual_seed(0)
     plain = Checkpointed(use_checkpoint=False)

@@ -1,4 +1,4 @@
-"""Small host tensors reduced in batches once per step: the same statistics as a float64 reference."""
+"""StepRecorder: every output and gradient reduced into the step's call table, against a float64 reference."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from reference import activation_stats_float64
 
-from lightning_hookdiag import aggregation as A
-from lightning_hookdiag.aggregation import LayerStatsAggregator, StepRecorder
+from lightning_hookdiag.aggregation import LayerStatsAggregator
+from lightning_hookdiag.recorder import StepRecorder
 
 
 def reference(outputs: list[torch.Tensor]) -> dict[str, float]:
@@ -36,19 +36,19 @@ def layer_outputs() -> dict[int, list[torch.Tensor]]:
     }
 
 
-def recorded(outputs: dict[int, list[torch.Tensor]], unit_layers: frozenset[int] = frozenset(), deferred: bool = True):
+def recorded(outputs: dict[int, list[torch.Tensor]], unit_layers: frozenset[int] = frozenset()):
     agg = LayerStatsAggregator(n_layers=len(outputs))
     recorder = StepRecorder(agg, unit_layers=unit_layers)
     for layer, calls in outputs.items():
         for output in calls:
             recorder.on_output(layer, output)
             recorder.on_grad(layer, output)
-    assert bool(recorder._acts) == deferred  # really kept back (or reduced in the hook), as the test means
+    assert len(agg._act_calls.layers) == sum(len(calls) for calls in outputs.values())  # one row per call
     agg.update()
     return agg.compute()
 
 
-def test_batched_reduction_matches_float64_reference():
+def test_call_rows_pool_to_the_float64_reference():
     outputs = layer_outputs()
     out = recorded(outputs)
     for layer, calls in outputs.items():
@@ -62,16 +62,7 @@ def test_batched_reduction_matches_float64_reference():
         assert out["count"][layer].item() == g.numel()
 
 
-def test_batched_reduction_matches_the_per_call_path(monkeypatch):
-    batched = recorded(layer_outputs(), unit_layers=frozenset({0, 1, 4}))
-    monkeypatch.setattr(A, "SMALL_TENSOR", 0)  # every tensor reduced inside its hook, as before
-    per_call = recorded(layer_outputs(), unit_layers=frozenset({0, 1, 4}), deferred=False)
-    for stat in ("act_mean", "act_std", "act_absmax", "act_zero_frac", "act_nonfinite", "act_grad_norm"):
-        torch.testing.assert_close(batched[stat], per_call[stat], rtol=1e-6, atol=1e-12, equal_nan=True)
-    torch.testing.assert_close(batched["act_dead_frac"], per_call["act_dead_frac"], equal_nan=True)
-
-
-def test_dead_units_of_kept_back_outputs():
+def test_dead_units_of_recorded_outputs():
     x = torch.randn(8, 6)
     x[:, 2] = -1.0  # unit 2 never positive
     x[:, 5] = 0.0  # unit 5 never positive
@@ -88,7 +79,7 @@ def test_a_unit_that_produced_a_nan_is_not_dead():
     assert out["act_nonfinite"][0].item() == 1.0
 
 
-def test_a_copy_is_kept_so_a_later_in_place_op_does_not_change_what_was_seen():
+def test_an_output_is_reduced_in_its_hook_so_a_later_in_place_op_does_not_change_what_was_seen():
     agg = LayerStatsAggregator(n_layers=1)
     recorder = StepRecorder(agg)
     x = torch.tensor([[-1.0, 2.0], [3.0, -4.0]])
@@ -98,63 +89,74 @@ def test_a_copy_is_kept_so_a_later_in_place_op_does_not_change_what_was_seen():
     assert agg.compute()["act_mean"].item() == pytest.approx(0.0)
 
 
-def test_budget_reduces_early_and_reset_drops_what_was_kept(monkeypatch):
-    monkeypatch.setattr(A, "_DEFERRED_BUDGET", 10)
+def test_reset_drops_the_rows_of_a_discarded_step():
     agg = LayerStatsAggregator(n_layers=1)
     recorder = StepRecorder(agg)
-    recorder.on_output(0, torch.ones(4))
-    assert recorder._acts  # 4 elements: under the budget
-    recorder.on_output(0, torch.ones(8))
-    assert not recorder._acts  # 12 elements: reduced in the hook
     recorder.on_output(0, torch.full((2,), 7.0))
+    recorder.on_grad(0, torch.full((2,), 7.0))
     agg.reset()  # a discarded step
-    assert not recorder._acts
+    assert not agg._act_calls.layers
+    assert not agg._grad_calls.layers
     recorder.on_output(0, torch.full((3,), 2.0))
     agg.update()
-    assert agg.compute()["act_mean"].item() == 2.0
+    out = agg.compute()
+    assert out["act_mean"].item() == 2.0
+    assert out["count"].item() == 3.0
+    assert out["grad_count"].item() == 0.0
 
 
-def test_many_calls_of_one_shape_over_several_steps_reuse_the_kept_rows():
-    # 40 calls of one shape outgrow the first 16 rows kept back (twice); a second step reuses the grown rows.
+def test_many_calls_over_several_steps_reuse_the_call_table_and_copy_no_index_again():
+    # 40 calls outgrow the first 16 rows of the table (twice); a second step with the same calls reuses the grown
+    # table and the cached device copies of its layer index and counts.
     g = torch.Generator().manual_seed(4)
     agg = LayerStatsAggregator(n_layers=40)
     recorder = StepRecorder(agg)
-    buffers = []
+    tables, caches = [], []
     for step in range(2):
         outputs = [torch.randn(8, 4, generator=g) * (i + 1) + step for i in range(40)]
         for layer, output in enumerate(outputs):
             recorder.on_output(layer, output)
             recorder.on_grad(layer, output * 2)
-        buffers.append([id(slab.buffer) for slab in recorder._slabs.values()])
+        tables.append([agg._act_calls.table.data_ptr(), agg._grad_calls.table.data_ptr()])
         agg.update()
+        caches.append([id(v[0]) for v in agg._act_calls._cache.values()])
         out = agg.compute()
         agg.reset()
+        recorder.release()
         for layer, output in enumerate(outputs):
             expected = reference([output])
             for stat, value in expected.items():
                 assert out[stat][layer].item() == pytest.approx(value, rel=1e-6, abs=1e-12), (step, layer, stat)
             norm = (output.double() * 2).square().sum().sqrt().item()
             assert out["act_grad_norm"][layer].item() == pytest.approx(norm, rel=1e-6)
-    assert len(buffers[0]) == 2  # one slab for outputs, one for gradients
-    assert buffers[0] == buffers[1]
-    assert all(slab.buffer.shape[0] == 64 for slab in recorder._slabs.values())
+    assert tables[0] == tables[1]
+    assert agg._act_calls.table.shape[0] == 64
+    assert caches[0] == caches[1]
+    assert len(caches[0]) == 1
 
 
-def test_rows_of_shapes_no_longer_seen_are_released():
-    # A sequence length that changes from step to step must not leave rows behind for every length ever seen.
+def test_varying_calls_keep_only_a_few_cached_patterns():
+    # A sequence length that changes from step to step changes the counts: the cache must not grow without bound.
     agg = LayerStatsAggregator(n_layers=1)
     recorder = StepRecorder(agg)
-    for length in (5, 6, 7, 7):
+    for length in range(1, 30):
         output = torch.randn(2, length, 4)
         recorder.on_output(0, output)
-        recorder.on_grad(0, output)
         agg.update()
+        assert agg.compute()["count"].item() == output.numel()
         agg.reset()
-        recorder.release(keep_host=True)  # what the callback does when a sampled step is logged
-        assert {key[1] for key in recorder._slabs} == {torch.Size([2, length, 4])}
-    outputs_key = (True, torch.Size([2, 7, 4]), torch.float32)
-    kept = recorder._slabs[outputs_key].buffer
-    recorder.on_output(0, torch.randn(2, 7, 4))
-    assert recorder._slabs[outputs_key].buffer is kept  # a shape seen again: its rows are reused
+        assert len(agg._act_calls._cache) <= 8
     recorder.release()
-    assert not recorder._slabs
+    assert not recorder.workspace._buffers
+
+
+def test_moments_off_still_counts_the_elements():
+    agg = LayerStatsAggregator(n_layers=2)
+    recorder = StepRecorder(agg, moments=False, unit_layers=frozenset({1}))
+    recorder.on_output(0, torch.ones(3, 2))
+    recorder.on_output(1, torch.tensor([[-1.0, 2.0], [-3.0, 0.0]]))
+    agg.update()
+    out = agg.compute()
+    assert out["count"].tolist() == [6.0, 4.0]
+    assert out["act_dead_frac"][1].item() == 0.5
+    assert agg.act_moments[:, 1:].abs().sum().item() == 0.0  # no moments were computed
