@@ -424,12 +424,13 @@ class LayerHealthCallback(Callback):
     # ----------------------------------------------------------------------------------------------- lifecycle
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """A new fit starts from a fresh loss baseline (a checkpoint restores its own afterwards, before training)."""
+        """A new fit starts from a fresh loss baseline and trend history (a checkpoint restores its own afterwards)."""
         if stage == "fit":
             if self._sentinel is not None:
                 self._sentinel.reset()
             self._baseline = None
             self._last_finite = {}
+            self._history = History(4 * self.rule_config.trend_window)  # the trend rules compare within one fit
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -628,13 +629,7 @@ class LayerHealthCallback(Callback):
 
         The hook set's closures and the device state go, so the callback pickles and deep-copies after a failed fit.
         """
-        self._detach()
-        self._discard_window()
-        self._release_step()
-        self._sentinel_params = []
-        self._hooks = self._recorder = self._aggregator = self._tracker = None
-        self._modes = None
-        self._probes = None
+        self._release_fit()
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -670,14 +665,24 @@ class LayerHealthCallback(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Remove every hook and release the device state."""
+        self._release_fit()
+
+    def _release_fit(self) -> None:
+        """Drop everything the fit created (hooks, device state, references to the module and its parameters).
+
+        The one place both exits go through (``teardown``, and ``on_exception``, after which Lightning skips
+        ``teardown``), so that the callback holds no module or tensor afterwards and pickles.
+        """
         self._detach()
         self._discard_window()
         self._release_step()
         self._sentinel_params = []
+        self._params = []
         self._hooks = self._recorder = self._aggregator = self._tracker = None
         self._modes = None
         self._saved = None
         self._probes = None
+        self._watch = StepWatch()
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle the configuration and results, not the LightningModule.
