@@ -26,11 +26,24 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from lightning_hookdiag import outliers as O
-from lightning_hookdiag import params as P
-from lightning_hookdiag import precision as PR
-from lightning_hookdiag import stats as S
 from lightning_hookdiag.distributed import all_reduce_packed
+from lightning_hookdiag.outliers import POWER_SLOTS, finalize_kurtosis
+from lightning_hookdiag.params import P_SEEN, P_SLOTS, P_WEIGHT_SQ, finalize_parameters
+from lightning_hookdiag.precision import finalize_precision
+from lightning_hookdiag.stats import (
+    ACT_COUNT,
+    ACT_ROW,
+    ACT_SLOTS,
+    GRAD_COUNT,
+    GRAD_ROW,
+    GRAD_SLOTS,
+    finalize_activations,
+    finalize_dead_fraction,
+    finalize_gradients,
+    gradient_moments_from_rows,
+    histogram_edges,
+    moments_from_rows,
+)
 
 __all__ = ["LayerStatsAggregator"]
 
@@ -47,9 +60,10 @@ class LayerStatsAggregator(Metric):
         kwargs: Passed to :class:`torchmetrics.Metric` (e.g. ``process_group``).
 
     Example:
+        >>> from lightning_hookdiag.stats import activation_moments
         >>> agg = LayerStatsAggregator(n_layers=2)
         >>> for x in (torch.tensor([1.0, 3.0]), torch.tensor([5.0, 7.0])):  # two micro-batches of layer 0
-        ...     agg.update(0, activation=S.activation_moments(x))
+        ...     agg.update(0, activation=activation_moments(x))
         >>> out = agg.compute()
         >>> out["act_mean"][0].item(), round(out["act_std"][0].item(), 6), out["count"].tolist()
         (4.0, 2.236068, [4.0, 0.0])
@@ -93,16 +107,16 @@ class LayerStatsAggregator(Metric):
         # it is counted once. Sharded ones hold disjoint parts: their sums of squares add up.
         self.add_state(
             "param_stats",
-            torch.zeros(n_params, P.P_SLOTS, dtype=dtype),
+            torch.zeros(n_params, P_SLOTS, dtype=dtype),
             dist_reduce_fx="sum" if sharded_params else "max",
         )
-        self.add_state("act_moments", torch.zeros(n_layers, S.ACT_SLOTS, dtype=dtype), dist_reduce_fx="sum")
+        self.add_state("act_moments", torch.zeros(n_layers, ACT_SLOTS, dtype=dtype), dist_reduce_fx="sum")
         self.add_state("act_absmax", torch.zeros(n_layers), dist_reduce_fx="max")
-        self.add_state("grad_moments", torch.zeros(n_layers, S.GRAD_SLOTS, dtype=dtype), dist_reduce_fx="sum")
+        self.add_state("grad_moments", torch.zeros(n_layers, GRAD_SLOTS, dtype=dtype), dist_reduce_fx="sum")
         self.add_state("unit_max", torch.empty(0), dist_reduce_fx="max")
         # Histograms use fixed edges, so their counts add up exactly.
         # Registered only when asked for: every state costs collectives on each sampled step.
-        self.histogram_edges = S.histogram_edges(histogram_bins) if histogram_bins else torch.empty(0)
+        self.histogram_edges = histogram_edges(histogram_bins) if histogram_bins else torch.empty(0)
         if histogram_bins:
             self.add_state("act_hist", torch.zeros(n_layers, histogram_bins), dist_reduce_fx="sum")
             self.add_state("grad_hist", torch.zeros(n_layers, histogram_bins), dist_reduce_fx="sum")
@@ -119,7 +133,7 @@ class LayerStatsAggregator(Metric):
             slots = 1 + 2 * len(grad_precision)
             self.add_state("grad_precision", torch.zeros(n_layers, slots, dtype=dtype), dist_reduce_fx="sum")
         if power_sums:
-            self.add_state("act_power", torch.zeros(n_layers, O.POWER_SLOTS, dtype=dtype), dist_reduce_fx="sum")
+            self.add_state("act_power", torch.zeros(n_layers, POWER_SLOTS, dtype=dtype), dist_reduce_fx="sum")
         # Per-layer point the power sums are taken about (see lightning_hookdiag.outliers); the same on every process.
         self.power_shift = torch.zeros(n_layers, dtype=dtype)
         if saved_bytes:
@@ -147,8 +161,8 @@ class LayerStatsAggregator(Metric):
         where none did), from the last sync; ``None`` without one (see :meth:`_replica_low`)."""
         self.grad_scale: Tensor | None = None
         """AMP loss scale of the step's gradients, divided out of ``act_grad_norm`` at ``compute``."""
-        self._act_calls = _Calls(S.ACT_ROW, dtype)
-        self._grad_calls = _Calls(S.GRAD_ROW, dtype)
+        self._act_calls = _Calls(ACT_ROW, dtype)
+        self._grad_calls = _Calls(GRAD_ROW, dtype)
         self._count_calls = _Calls(0, dtype)
 
     def track_units(self, layers: Iterable[int]) -> None:
@@ -338,19 +352,19 @@ class LayerStatsAggregator(Metric):
         taken = self._act_calls.take()
         if taken is not None:
             rows, index, counts = taken
-            moments, absmax = S.moments_from_rows(rows, counts)
+            moments, absmax = moments_from_rows(rows, counts)
             self.act_moments.index_add_(0, index, moments)
             self.act_absmax.scatter_reduce_(0, index, absmax.to(self.act_absmax.dtype), "amax")
             folded = True
         taken = self._grad_calls.take()
         if taken is not None:
             rows, index, counts = taken
-            self.grad_moments.index_add_(0, index, S.gradient_moments_from_rows(rows, counts))
+            self.grad_moments.index_add_(0, index, gradient_moments_from_rows(rows, counts))
             folded = True
         taken = self._count_calls.take()
         if taken is not None:
             _, index, counts = taken
-            self.act_moments[:, S.ACT_COUNT].index_add_(0, index, counts)
+            self.act_moments[:, ACT_COUNT].index_add_(0, index, counts)
             folded = True
         return folded
 
@@ -444,7 +458,7 @@ class LayerStatsAggregator(Metric):
         if self.sharded_params or not self.n_params:
             return None
         stats = self.param_stats
-        return torch.where(stats[:, P.P_SEEN] > 0, stats[:, P.P_WEIGHT_SQ], math.inf).neg()
+        return torch.where(stats[:, P_SEEN] > 0, stats[:, P_WEIGHT_SQ], math.inf).neg()
 
     def _claim(self, layer: int) -> list[float]:
         pending = self._pending_units.get(layer)
@@ -475,9 +489,9 @@ class LayerStatsAggregator(Metric):
         if self._pending_units and not self._is_synced:
             # No sync (one process): this process's unit counts are the agreed ones.
             self._relayout({layer: t.numel() for layer, t in self._pending_units.items()})
-        out = S.finalize_activations(self.act_moments, self.act_absmax)
-        out.update(S.finalize_gradients(self.grad_moments, self.grad_scale))
-        dead = S.finalize_dead_fraction(
+        out = finalize_activations(self.act_moments, self.act_absmax)
+        out.update(finalize_gradients(self.grad_moments, self.grad_scale))
+        dead = finalize_dead_fraction(
             self.unit_max, self._unit_owner.to(self.unit_max.device), self.n_layers, self.acc_dtype
         )
         for layer in self.unit_mismatch:  # its units stopped being recorded: the fraction would read "all dead"
@@ -485,9 +499,9 @@ class LayerStatsAggregator(Metric):
         if self._unit_bad is not None:  # ... on some other process
             dead = torch.where(self._unit_bad.to(dead.device) > 0, torch.full_like(dead, float("nan")), dead)
         out["act_dead_frac"] = dead
-        out["count"] = self.act_moments[:, S.ACT_COUNT]
-        out["grad_count"] = self.grad_moments[:, S.GRAD_COUNT]
-        out.update(P.finalize_parameters(self.param_stats))
+        out["count"] = self.act_moments[:, ACT_COUNT]
+        out["grad_count"] = self.grad_moments[:, GRAD_COUNT]
+        out.update(finalize_parameters(self.param_stats))
         if self.param_norm_low is not None:  # synced over processes: replicas can be compared
             out["param_norm_min"] = self.param_norm_low.to(self.param_stats.device).sqrt()
         if self.histogram_edges.numel():
@@ -498,11 +512,11 @@ class LayerStatsAggregator(Metric):
 
     def _compute_opt_in(self, out: dict[str, Tensor]) -> None:
         if self.act_precision_targets:
-            out.update(PR.finalize_precision(self.act_precision, self.act_precision_targets, "act"))
+            out.update(finalize_precision(self.act_precision, self.act_precision_targets, "act"))
         if self.grad_precision_targets:
-            out.update(PR.finalize_precision(self.grad_precision, self.grad_precision_targets, "act_grad"))
+            out.update(finalize_precision(self.grad_precision, self.grad_precision_targets, "act_grad"))
         if self.power_sums:
-            out["act_kurtosis"] = O.finalize_kurtosis(self.act_power)
+            out["act_kurtosis"] = finalize_kurtosis(self.act_power)
         if self.absmax_over_std:
             out["act_absmax_over_std"] = out["act_absmax"] / out["act_std"]
         if self.saved_bytes:

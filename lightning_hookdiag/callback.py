@@ -26,15 +26,19 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_hookdiag import params as P
-from lightning_hookdiag import stats as S
 from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.attention import PrecursorProbes, attention_scope
 from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
 from lightning_hookdiag.hooks import HookSet
 from lightning_hookdiag.modes import EvalModeWatch
 from lightning_hookdiag.opt_in import OptInPlan, OptInRecorder, plan_opt_in
-from lightning_hookdiag.params import ParameterTracker, named_parameters_of, owned_parameters
+from lightning_hookdiag.params import (
+    P_UPDATE_SQ,
+    ParameterTracker,
+    named_parameters_of,
+    owned_parameters,
+    stale_gradient_squares,
+)
 from lightning_hookdiag.precision import resolve_targets
 from lightning_hookdiag.provenance import NonFiniteTrace
 from lightning_hookdiag.recorder import StepRecorder
@@ -61,6 +65,7 @@ from lightning_hookdiag.sentinel import (
     capture_rng,
     replay_step,
 )
+from lightning_hookdiag.stats import GRADIENT_STATS, PARAMETER_STATS, accumulation_dtype, resolve_stats
 from lightning_hookdiag.trends import History
 from lightning_hookdiag.updates import StepWatch
 from lightning_hookdiag.vocabulary import LAYER_STATS, PER_PARAMETER_STATS, PRECURSOR_STATS
@@ -345,7 +350,7 @@ class LayerHealthCallback(Callback):
         self.layers = _strings(layers, "layers")
         self.layer_types = import_types(layer_types, "layer_types")
         self.exclude = _strings(exclude, "exclude") or []
-        self.stats = S.resolve_stats(stats)
+        self.stats = resolve_stats(stats)
         if output_layer is not None and not {"logit_lse_mean", "logit_absmax"} & set(self.stats):
             raise ValueError(
                 f"output_layer={output_layer!r} names the layer of logit_lse_mean / logit_absmax, but stats= includes"
@@ -445,7 +450,7 @@ class LayerHealthCallback(Callback):
             else frozenset()
         )
         params: dict[str, nn.Parameter] = {}
-        if wanted & set(S.PARAMETER_STATS):
+        if wanted & set(PARAMETER_STATS):
             # The default selection counts every parameter (also those of non-leaf modules, such as a ViT's
             # cls_token), so grad_norm_total is the norm that clip_grad_norm_ sees; a selection narrows it.
             default = self.layers is None and not self.layer_types
@@ -473,7 +478,7 @@ class LayerHealthCallback(Callback):
         self._aggregator = LayerStatsAggregator(
             len(modules),
             len(params),
-            dtype=S.accumulation_dtype(device),
+            dtype=accumulation_dtype(device),
             sharded_params=_sharded(trainer, params),
             histogram_bins=self.histogram_bins if self.histogram_every_n_steps else 0,
             **plan.aggregator_kwargs(),
@@ -494,7 +499,7 @@ class LayerHealthCallback(Callback):
         self._probes = self._precursor_probes(pl_module, modules)
         if self._probes is not None:
             self._probes.register(self._aggregator)
-        on_grad = self._recorder.on_grad if wanted & set(S.GRADIENT_STATS) or plan.grad_targets else None
+        on_grad = self._recorder.on_grad if wanted & set(GRADIENT_STATS) or plan.grad_targets else None
         self._hooks = HookSet(modules, None, on_grad, on_tensor=self._recorder.on_tensor)
         self._tracker = (
             ParameterTracker(params, snapshot="param_update_ratio" in wanted, dtype=self._aggregator.acc_dtype)
@@ -559,7 +564,7 @@ class LayerHealthCallback(Callback):
         if step is None or self._stale_step == step or len(trainer.optimizers) != 1:
             return
         self._stale_step = step
-        self._stale = P.stale_gradient_squares(self._params, S.accumulation_dtype(trainer.lightning_module.device))
+        self._stale = stale_gradient_squares(self._params, accumulation_dtype(trainer.lightning_module.device))
 
     @override
     def on_before_optimizer_step(
@@ -986,7 +991,7 @@ class LayerHealthCallback(Callback):
         if self._probes is not None:
             self._probes.fold(agg)
         # Every process takes part in the reduction, also one whose layers did not run.
-        agg.update(params=None if updated is None else (updated[0], updated[1], P.P_UPDATE_SQ))
+        agg.update(params=None if updated is None else (updated[0], updated[1], P_UPDATE_SQ))
         values = agg.compute()  # reduced over processes: one SUM and one MAX all-reduce (aggregation.py)
         skip = {"param_update_ratio"} if before_update else set()
         if not self._window_layers:
@@ -1064,7 +1069,7 @@ class LayerHealthCallback(Callback):
             if stat in PER_PARAMETER_STATS:
                 names, present = self._param_names, [s > 0 for s in seen]
             else:
-                ran = grad_count if stat in S.GRADIENT_STATS or stat.startswith("act_grad_") else count
+                ran = grad_count if stat in GRADIENT_STATS or stat.startswith("act_grad_") else count
                 names, present = self.layer_names, [c > 0 for c in ran]
             # NaN: not a ReLU-family layer (act_dead_frac); undefined for this output (an opt-in statistic of an
             # all-zero or constant output).

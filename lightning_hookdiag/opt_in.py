@@ -14,8 +14,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_hookdiag import outliers as O
-from lightning_hookdiag import precision as PR
+from lightning_hookdiag import outliers, precision
 from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.recorder import StepRecorder
 
@@ -80,19 +79,21 @@ def plan_opt_in(
         'act_overflow_frac: the Trainer runs in 32-true precision, wh'
     """
     wanted = set(stats)
-    precision_stats = [s for s in PR.PRECISION_BASE_STATS if s in wanted]
-    targets = tuple(precision_targets) if precision_targets is not None else PR.default_targets(trainer_precision)
+    precision_stats = [s for s in precision.PRECISION_BASE_STATS if s in wanted]
+    targets = (
+        tuple(precision_targets) if precision_targets is not None else precision.default_targets(trainer_precision)
+    )
     note = ""
     if precision_stats and not targets:
         note = (
             f"{', '.join(precision_stats)}: the Trainer runs in {trainer_precision} precision, which implies no"
             " lower-precision target, so no precision headroom is computed; to plan a switch, pass"
-            f" precision_targets= with names from {list(PR.PRECISION_TARGETS)}"
+            f" precision_targets= with names from {list(precision.PRECISION_TARGETS)}"
         )
     act = targets if {"act_underflow_frac", "act_overflow_frac"} & wanted else ()
     grad = targets if {"act_grad_underflow_frac", "act_grad_overflow_frac"} & wanted else ()
     logged = [s for s in ("act_kurtosis", "act_absmax_over_std") if s in wanted]
-    logged += PR.logged_names(precision_stats, targets)
+    logged += precision.logged_names(precision_stats, targets)
     if "act_saved_bytes" in wanted:
         logged.append("act_saved_bytes")
     return OptInPlan(
@@ -118,8 +119,8 @@ class OptInRecorder(StepRecorder):
     def __init__(self, aggregator: LayerStatsAggregator, plan: OptInPlan, **kwargs: Any) -> None:
         super().__init__(aggregator, **kwargs)
         self.plan = plan
-        self._act_dtypes = [PR.PRECISION_TARGETS[t] for t in plan.act_targets]
-        self._grad_dtypes = [PR.PRECISION_TARGETS[t] for t in plan.grad_targets]
+        self._act_dtypes = [precision.PRECISION_TARGETS[t] for t in plan.act_targets]
+        self._grad_dtypes = [precision.PRECISION_TARGETS[t] for t in plan.grad_targets]
 
     def on_tensor(self, layer: int, tensor: Tensor | None) -> None:
         """Forward sink: the default statistics, then precision counts and power sums of the output."""
@@ -128,13 +129,13 @@ class OptInRecorder(StepRecorder):
             return
         agg = self.aggregator
         if self._act_dtypes:
-            agg.add_extra(layer, "act_precision", PR.precision_counts(tensor, self._act_dtypes, agg.acc_dtype))
+            agg.add_extra(layer, "act_precision", precision.precision_counts(tensor, self._act_dtypes, agg.acc_dtype))
         if self.plan.power_sums:
-            agg.add_extra(layer, "act_power", O.power_sums(tensor, agg.acc_dtype, agg.power_shift[layer]))
+            agg.add_extra(layer, "act_power", outliers.power_sums(tensor, agg.acc_dtype, agg.power_shift[layer]))
 
     def on_grad(self, layer: int, grad: Tensor) -> None:
         """Gradient sink: the default statistics, then precision counts of the gradient as autograd holds it."""
         super().on_grad(layer, grad)
         if self._grad_dtypes:
             agg = self.aggregator
-            agg.add_extra(layer, "grad_precision", PR.precision_counts(grad, self._grad_dtypes, agg.acc_dtype))
+            agg.add_extra(layer, "grad_precision", precision.precision_counts(grad, self._grad_dtypes, agg.acc_dtype))

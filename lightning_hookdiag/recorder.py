@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_hookdiag import stats as S
 from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.hooks import first_floating_tensor
+from lightning_hookdiag.stats import Workspace, activation_row, gradient_row, histogram_counts, unit_maxima
 
 __all__ = ["StepRecorder"]
 
@@ -66,7 +66,7 @@ class StepRecorder:
         """Layers whose output (or its gradient) was a sparse tensor (skipped, like integer outputs)."""
         self.histograms = False
         """Whether outputs and gradients are also binned into histograms (set per step by the callback)."""
-        self.workspace = S.Workspace()
+        self.workspace = Workspace()
         """Scratch memory of the reductions; the callback releases it at the end of each sampled step."""
 
     def observe(self, layer: int, tensor: Tensor | None) -> bool:
@@ -90,14 +90,14 @@ class StepRecorder:
         agg = self.aggregator
         numel = tensor.numel()
         if self.moments:
-            S.activation_row(tensor, agg.activation_row(layer, numel), self.workspace)
+            activation_row(tensor, agg.activation_row(layer, numel), self.workspace)
         else:
             agg.add_count(layer, numel)
         if layer in self.unit_layers:
             self._check_unit_dim(layer, tensor)
-            agg.add(layer, units=S.unit_maxima(tensor, self.unit_dim))
+            agg.add(layer, units=unit_maxima(tensor, self.unit_dim))
         if self.histograms:
-            agg.add(layer, act_hist=S.histogram_counts(tensor, agg.histogram_edges))
+            agg.add(layer, act_hist=histogram_counts(tensor, agg.histogram_edges))
 
     def on_output(self, layer: int, output: Any) -> None:
         """Forward sink for a raw module output: :meth:`on_tensor` of its first floating-point tensor."""
@@ -121,9 +121,9 @@ class StepRecorder:
         if not numel:
             return
         agg = self.aggregator
-        S.gradient_row(grad, agg.gradient_row(layer, numel), self.workspace)
+        gradient_row(grad, agg.gradient_row(layer, numel), self.workspace)
         if self.histograms:
-            agg.add(layer, grad_hist=S.histogram_counts(grad, agg.histogram_edges))
+            agg.add(layer, grad_hist=histogram_counts(grad, agg.histogram_edges))
 
     def release(self) -> None:
         """Release the workspace's scratch memory (end of a sampled step, or a discarded one)."""

@@ -307,7 +307,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the rules only read a Trip's fields; importing the sentinel at run time would import torch
     from lightning_hookdiag.sentinel import Trip
 
-from lightning_hookdiag import trends as T
+from lightning_hookdiag import trends
 from lightning_hookdiag.names import owning_layer
 
 __all__ = [
@@ -688,7 +688,7 @@ class _Context:
     missing_grads: Collection[str] = ()
     eval_mode: Mapping[str, str] = field(default_factory=dict)
     param_facts: Mapping[str, ParamFacts] | None = None
-    history: T.History | None = None
+    history: trends.History | None = None
     shared: dict[str, Any] = field(default_factory=dict, compare=False)
     """What several rules derive from the same values (both gradient rules sort the same ratios)."""
 
@@ -1582,18 +1582,18 @@ def _attention_trend(ctx: _Context, layer: str, value: float) -> str:
     """The message of a steady rise projected to cross the threshold soon, or ``""``."""
     config = ctx.config
     points = _window(ctx, "attn_logit_max", layer, value)
-    if len(points) < config.trend_window or T.rising_share(points) < 0.75:
+    if len(points) < config.trend_window or trends.rising_share(points) < 0.75:
         return ""
-    crossing = T.crossing_step(points, config.attn_logit_threshold)
+    crossing = trends.crossing_step(points, config.attn_logit_threshold)
     if crossing is None:
         return ""
-    spacing = T.median([b[0] - a[0] for a, b in zip(points, points[1:], strict=False)])
+    spacing = trends.median([b[0] - a[0] for a, b in zip(points, points[1:], strict=False)])
     if crossing - ctx.step > config.attn_trend_horizon * spacing:
         return ""
     first_step, first = points[0]
     return (
         f"attention_logits: the largest attention logit of {layer} rose from {first:.4g} at step {first_step} to"
-        f" {value:.4g} at step {ctx.step} and, at its rate of {T.log_slope(points):.3g} (log per step), crosses"
+        f" {value:.4g} at step {ctx.step} and, at its rate of {trends.log_slope(points):.3g} (log per step), crosses"
         f" attn_logit_threshold={config.attn_logit_threshold:g} at about step {crossing}"
     )
 
@@ -1673,13 +1673,13 @@ def _update_jump(ctx: _Context) -> list[Finding]:
         *earlier, (_, now) = points
         if len(earlier) < config.trend_window - 1:
             continue
-        own = T.median([v for _, v in earlier])
+        own = trends.median([v for _, v in earlier])
         if own > 0:
             jumps[layer] = (now / own, own)
     if not jumps:
         return []
     # A learning-rate schedule (warm-up) moves every layer's update together: compare with the typical jump too.
-    typical = T.median([j for j, _ in jumps.values()])
+    typical = trends.median([j for j, _ in jumps.values()])
     out: list[Finding] = []
     for layer, (jump, own) in jumps.items():
         if jump >= config.update_jump_ratio and jump >= config.update_jump_ratio * typical:
@@ -1735,7 +1735,7 @@ def evaluate(
     missing_grads: Collection[str] = (),
     eval_mode: Mapping[str, str] | None = None,
     param_facts: Mapping[str, ParamFacts] | None = None,
-    history: T.History | None = None,
+    history: trends.History | None = None,
 ) -> list[Finding]:
     """Apply the enabled rules to one sampled (or sentinel-tripped) step's statistics.
 
