@@ -1549,10 +1549,15 @@ def _replica_divergence(ctx: _Context) -> list[Finding]:
     return out
 
 
+def _points(ctx: _Context, stat: str, name: str, value: float, keep: int) -> list[tuple[int, float]]:
+    """The last ``keep`` kept points of ``stat`` at ``name``, the current value last."""
+    earlier = [] if ctx.history is None else [p for p in ctx.history.points(stat, name) if p[0] < ctx.step]
+    return [*earlier, (ctx.step, value)][-keep:]
+
+
 def _window(ctx: _Context, stat: str, name: str, value: float) -> list[tuple[int, float]]:
     """The last ``trend_window`` points of ``stat`` at ``name``, the current value included."""
-    earlier = [] if ctx.history is None else [p for p in ctx.history.points(stat, name) if p[0] < ctx.step]
-    return [*earlier, (ctx.step, value)][-ctx.config.trend_window :]
+    return _points(ctx, stat, name, value, ctx.config.trend_window)
 
 
 def _attention_logits(ctx: _Context) -> list[Finding]:
@@ -1600,8 +1605,7 @@ def _attention_trend(ctx: _Context, layer: str, value: float) -> str:
 
 def _span(ctx: _Context, stat: str, name: str, value: float) -> list[tuple[int, float]]:
     """Every kept point of ``stat`` at ``name`` (up to ``4 * trend_window``), the current value last."""
-    earlier = [] if ctx.history is None else [p for p in ctx.history.points(stat, name) if p[0] < ctx.step]
-    return [*earlier, (ctx.step, value)][-4 * ctx.config.trend_window :]
+    return _points(ctx, stat, name, value, 4 * ctx.config.trend_window)
 
 
 def _logit_drift(ctx: _Context) -> list[Finding]:
