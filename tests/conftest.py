@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
+import sys
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import lightning.pytorch as pl
@@ -149,3 +153,16 @@ def force_trips(monkeypatch, steps: set[int]) -> None:
         return Trip(step=step, kind="loss_spike", loss=1.0, baseline=1.0)
 
     monkeypatch.setattr(LossSentinel, "check", check)
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """The script ``benchmarks/<name>.py`` imported as a module (benchmarks/ is no package)."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while defining
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[name]
+    return module

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_benchmark
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "overhead.py"
 
@@ -28,24 +29,12 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path, monkeypatch):
     assert written["machine"]["torch"]
 
 
-def _sync_cost():
-    path = SCRIPT.with_name("sync_cost.py")
-    spec = importlib.util.spec_from_file_location("sync_cost", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sync_cost"] = module  # dataclasses look their module up while defining
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules["sync_cost"]
-    return module
-
-
 def test_sync_cost_models_the_buffers_the_aggregator_really_packs():
 
     from lightning_hookdiag.aggregation import LayerStatsAggregator
     from lightning_hookdiag.distributed import pack
 
-    cost = _sync_cost()
+    cost = load_benchmark("sync_cost")
     model = cost.Model(units=16, dead_unit_share=0.5)
     layers = 10
     agg = LayerStatsAggregator(layers, n_params=layers)
@@ -58,7 +47,7 @@ def test_sync_cost_models_the_buffers_the_aggregator_really_packs():
 
 
 def test_sync_cost_new_path_bytes_do_not_grow_with_ranks_and_old_path_bytes_do():
-    cost = _sync_cost()
+    cost = load_benchmark("sync_cost")
     model = cost.Model()
     new = [cost.new_path(1000, p, model) for p in cost.WORLDS]
     old = [cost.old_path(1000, p, model) for p in cost.WORLDS]

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import gc
-import importlib.util
 import os
-import sys
 import warnings
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import TinyModule, count_hooks, make_data, make_trainer
+from conftest import TinyModule, count_hooks, load_benchmark, make_data, make_trainer
 from lightning.pytorch import Callback
 from torch import nn
 
@@ -162,22 +159,10 @@ def test_unsampled_steps_have_no_hooks_and_no_package_work(monkeypatch):
     assert count_hooks(module) == 0
 
 
-def _overhead():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "overhead.py"
-    spec = importlib.util.spec_from_file_location("overhead", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["overhead"] = module  # dataclasses look their module up while defining
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules["overhead"]
-    return module
-
-
 def test_kernel_launch_budget_per_hooked_tensor_holds_and_the_rest_does_not_grow_with_depth():
     # The launch budget of issue 21, counted with a TorchDispatchMode on the CPU path, which is the path every
     # device takes: each aten op that is not a view, detach or allocation is at least one kernel launch on a GPU.
-    overhead = _overhead()
+    overhead = load_benchmark("overhead")
 
     def counts(blocks: int) -> tuple[dict, dict]:
         spec = overhead.ModelSpec(
