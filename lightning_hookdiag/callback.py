@@ -54,7 +54,7 @@ from lightning_hookdiag.rules import (
     values_from_metrics,
 )
 from lightning_hookdiag.saved_memory import SavedMemoryTracker
-from lightning_hookdiag.selection import _unmatched_error, excluded_names, import_types, named_modules, resolve_layers
+from lightning_hookdiag.selection import excluded_names, import_types, named_modules, resolve_layers, unmatched_error
 from lightning_hookdiag.sentinel import (
     SENTINEL_MODES,
     LossSentinel,
@@ -960,7 +960,7 @@ class LayerHealthCallback(Callback):
         output = modules
         if self.output_layer is not None:
             if self.output_layer not in every:
-                raise _unmatched_error(self.output_layer, "output_layer", list(every))
+                raise unmatched_error(self.output_layer, "output_layer", list(every))
             output = {self.output_layer: every[self.output_layer]}
         return PrecursorProbes(self.stats, attention_scope(every, list(modules)), output)
 

@@ -26,6 +26,7 @@ __all__ = [
     "list_layers",
     "named_modules",
     "resolve_layers",
+    "unmatched_error",
 ]
 
 # Containers without a ``forward``: they can never produce an output to observe.
@@ -181,7 +182,13 @@ def _is_pattern(text: str) -> bool:
     return any(ch in text for ch in "*?[")
 
 
-def _unmatched_error(pattern: str, argument: str, names: Sequence[str]) -> ValueError:
+def unmatched_error(pattern: str, argument: str, names: Sequence[str]) -> ValueError:
+    """The error for a module name or glob that matches none of ``names``, with the closest names.
+
+    Example:
+        >>> print(unmatched_error("enc.1", "layers", ["enc.0", "head"]))
+        layers: 'enc.1' matches no module. Closest names: enc.0. Call lightning_hookdiag.list_layers(model) to see every selectable name.
+    """  # noqa: E501
     # A parameter or a too-deep path ("encoder.0.weight") is best answered with the deepest module above it.
     parents = [n for n in names if pattern.startswith(n + ".")][-1:]
     close = list(dict.fromkeys(difflib.get_close_matches(pattern, names, n=5, cutoff=0.6) + parents))[:5]
@@ -197,7 +204,7 @@ def _match(patterns: Iterable[str], names: Sequence[str], argument: str) -> set[
     for pattern in patterns:
         hits = fnmatch.filter(names, pattern) if _is_pattern(pattern) else [n for n in names if n == pattern]
         if not hits:
-            raise _unmatched_error(pattern, argument, names)
+            raise unmatched_error(pattern, argument, names)
         matched.update(hits)
     return matched
 
