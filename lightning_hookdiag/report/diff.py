@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_hookdiag.report.errors import ReportError
-from lightning_hookdiag.report.health_log import HealthLog, _stat_sort_key, depth_order, owning_layer
-from lightning_hookdiag.report.plot import _matplotlib, _tick_positions
+from lightning_hookdiag.report.health_log import HealthLog, depth_order, owning_layer, stat_order_key
+from lightning_hookdiag.report.plot import label_heatmap_axes, load_matplotlib
 from lightning_hookdiag.report.summary import format_value
 
 __all__ = ["Alignment", "Difference", "align", "find_differences", "format_diff", "plot_ratio_heatmap"]
@@ -119,7 +119,7 @@ def align(a: HealthLog, b: HealthLog) -> Alignment:
     steps = tuple(sorted(set(a.steps) & set(b.steps)))
     if not steps:
         raise ReportError(f"the runs share no step: {_describe(a, 'RUN_A')}, {_describe(b, 'RUN_B')}")
-    stats = tuple(sorted(set(a.stats) & set(b.stats), key=_stat_sort_key))
+    stats = tuple(sorted(set(a.stats) & set(b.stats), key=stat_order_key))
     names = {s: tuple(sorted(set(a.stats[s]) & set(b.stats[s]))) for s in stats}
     names = {s: n for s, n in names.items() if n}
     if not names:
@@ -150,7 +150,7 @@ def find_differences(alignment: Alignment, rtol: float = 1e-4, atol: float = 0.0
             values_a, values_b = series_a[name], series_b[name]
             for step in alignment.steps:
                 if step in values_a and step in values_b and _differ(values_a[step], values_b[step], rtol, atol):
-                    key = (step, is_backward(stat), alignment.order_key(stat, name), _stat_sort_key(stat))
+                    key = (step, is_backward(stat), alignment.order_key(stat, name), stat_order_key(stat))
                     keyed.append((key, Difference(step, name, stat, values_a[step], values_b[step])))
     keyed.sort(key=lambda item: item[0])
     return [d for _, d in keyed]
@@ -190,8 +190,8 @@ def format_diff(alignment: Alignment, differences: list[Difference], rtol: float
     if params:
         parts.append(counted(len(params), "parameter"))
     lines = [f"aligned: {', '.join(parts)}, {counted(len(alignment.stats), 'statistic')}"]
-    only_a = sorted(set(alignment.a.stats) - set(alignment.stats), key=_stat_sort_key)
-    only_b = sorted(set(alignment.b.stats) - set(alignment.stats), key=_stat_sort_key)
+    only_a = sorted(set(alignment.a.stats) - set(alignment.stats), key=stat_order_key)
+    only_b = sorted(set(alignment.b.stats) - set(alignment.stats), key=stat_order_key)
     if only_a or only_b:
         lines.append(f"not compared: only in A: {', '.join(only_a) or '-'}; only in B: {', '.join(only_b) or '-'}")
     if not differences:
@@ -202,7 +202,7 @@ def format_diff(alignment: Alignment, differences: list[Difference], rtol: float
     for d in differences:
         firsts.setdefault(d.stat, d)
     lines.append("first difference per statistic (forward statistics in depth order, then backward ones):")
-    for stat in sorted(firsts, key=lambda s: (is_backward(s), _stat_sort_key(s))):
+    for stat in sorted(firsts, key=lambda s: (is_backward(s), stat_order_key(s))):
         lines.append(f"  {stat}: {_line(firsts[stat], with_stat=False)}")
     return "\n".join(lines)
 
@@ -217,7 +217,7 @@ def ratio_figure(alignment: Alignment, stat: str) -> Any:
         MissingExtraError: If matplotlib is not installed.
         KeyError: If ``stat`` is not a common statistic.
     """
-    mpl = _matplotlib()
+    mpl = load_matplotlib()
     np = mpl.np
     names = depth_order(alignment.names[stat], alignment.depth, parameters=alignment.a.is_parameter_stat(stat))
     steps = list(alignment.steps)
@@ -247,10 +247,7 @@ def ratio_figure(alignment: Alignment, stat: str) -> Any:
         interpolation="nearest",
         origin="upper",
     )
-    rows_at = _tick_positions(len(names), 60)
-    ax.set_yticks(list(rows_at), [names[i] or "(root)" for i in rows_at], fontsize=8)
-    cols_at = _tick_positions(len(steps), 12)
-    ax.set_xticks(list(cols_at), [str(steps[i]) for i in cols_at])
+    label_heatmap_axes(ax, names, steps)
     unit = "parameter" if alignment.a.is_parameter_stat(stat) else "layer"
     ax.set_xlabel("optimizer step (sampled, common to both runs)")
     ax.set_ylabel(f"{unit} (forward order, shallow at top)")
