@@ -11,8 +11,8 @@ ordered the way a change propagates, so that the first one points at its origin:
 4. statistics in the callback's vocabulary order.
 
 A planted change to one layer's initial weights therefore shows first at that layer's outputs on step 0, not at the
-output gradients of the layers below it, which it also changes. Two values differ when ``|a - b| > atol + rtol *
-max(|a|, |b|)``; NaN equals NaN, and a value logged by one run only is not a difference (it is not aligned).
+output gradients of the layers below it, which it also changes. When two values differ, and what the command
+prints: ``docs/report.md#where-do-two-runs-first-differ-hookdiag-report---diff``.
 
 Example:
     >>> from lightning_hookdiag.report.health_log import Scalar, build_health_log
@@ -142,7 +142,11 @@ def _differ(x: float, y: float, rtol: float, atol: float) -> bool:
 
 
 def find_differences(alignment: Alignment, rtol: float = 1e-4, atol: float = 0.0) -> list[Difference]:
-    """Every aligned (step, layer, statistic) whose values differ, in the order of the module docstring."""
+    """Every aligned (step, layer, statistic) whose values differ, in the order of the module docstring.
+
+    Two values differ when ``|a - b| > atol + rtol * max(|a|, |b|)``; NaN equals NaN (and differs from any number),
+    equal infinities are equal.
+    """
     keyed = []
     for stat in alignment.stats:
         series_a, series_b = alignment.a.stats[stat], alignment.b.stats[stat]
