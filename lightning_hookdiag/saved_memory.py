@@ -3,7 +3,7 @@
 While attached, :class:`SavedMemoryTracker` keeps a stack of the selected modules that are running (a forward
 pre-hook pushes, a forward hook pops, also when the forward raises) and installs
 :class:`torch.autograd.graph.saved_tensors_hooks` whose pack hook adds the size of every tensor autograd saves to the
-innermost selected module on the stack. Tensors saved outside every selected module (the loss) are not counted.
+innermost selected module on the stack, and nothing while the stack is empty.
 
 The pack hook charges each storage once per micro-batch and never a parameter or buffer, and a step's value is its
 largest micro-batch's total; what is counted, and why: ``docs/statistics.md#saved-activation-memory-per-layer``.

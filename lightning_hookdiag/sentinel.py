@@ -1,8 +1,8 @@
 """The always-on sentinel: a cheap per-step trip test, and the replay of a tripped step without side effects.
 
-:class:`LossSentinel` looks at every optimizer step, but reads the host only once per step: each micro-batch's loss
-is added up on the device, with ``"loss+grads"`` the tracked gradients' largest ``|g|`` comes from one fused
-``_foreach_norm(inf)`` (an infinity norm cannot overflow, so only NaN/Inf trips it), and the step's values are packed
+:class:`LossSentinel` looks at every optimizer step, but reads the host only once per step. It accumulates the
+micro-batch losses on their device; with ``"loss+grads"`` one fused ``_foreach_norm(inf)`` gives the tracked
+gradients' largest ``|g|`` (an infinity norm cannot overflow, so only NaN/Inf trips it); the step's values are packed
 into one small tensor, reduced with one MAX all-reduce under multi-process training (every process trips on the same
 step) and read once. :class:`SpikeDetector` is the loss-spike test. :func:`replay_step` re-runs a tripped step's
 micro-batches through a :class:`~lightning_hookdiag.hooks.HookSet`, with gradients from ``torch.autograd.grad``
