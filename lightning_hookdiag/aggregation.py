@@ -13,7 +13,8 @@ folded into the states with a constant number of ops (``index_add_``) by ``updat
 The per-unit layout (``act_dead_frac``) is the same on every process: a layer's unit count is learned from its
 output shape (host metadata), then agreed through the SUM buffer of the first sync in which any process saw the
 layer, so a layer that first runs on some processes only (a rank-dependent branch, MoE routing) gets the same slots
-everywhere. Until then its maxima wait in a per-layer pending tensor.
+everywhere. Until then its maxima wait in a per-layer pending tensor. What this means for a user:
+``docs/integrations.md#what-is-synced-and-how``.
 """
 
 from __future__ import annotations

@@ -1,65 +1,19 @@
-"""Instability precursors inside and at the end of the network: attention logits and output logits.
+"""Instability precursors: the opt-in attention-logit (``attn_logit_max``) and output-logit statistics.
 
-Two opt-in statistics families (``stats=[...]``), measured only during sampled training batches:
+:class:`AttentionProbe` is a :class:`torch.overrides.TorchFunctionMode` entered only while a sampled training
+micro-batch's forward runs. It intercepts ``F.scaled_dot_product_attention`` (:func:`sdpa_logit_absmax` recomputes
+the logits of a bounded row subsample in float32) and a last-dimension ``softmax`` of a 3-D or larger tensor
+(:func:`eager_logit_absmax`), and attributes each call to the innermost ``Module.__call__`` frame on the Python call
+stack; every other torch function costs the handler a dictionary lookup. :class:`OutputProbe` takes the output
+layer's ``logsumexp``; :class:`PrecursorProbes` runs both for the callback.
 
-``attn_logit_max/<layer>``
-    The largest ``|q . k| * scale`` (``scale`` is sdpa's ``scale=`` argument, default ``1 / sqrt(d_h)``), i.e. the
-    largest pre-softmax attention logit in absolute value, over the query rows of a bounded subsample (below) and
-    every key they attend to (masked pairs, ``is_causal`` or ``attn_mask``, are left out), head and batch element,
-    pooled by a maximum over calls, micro-batches and processes.
+Why the probe sees every call in training: ``nn.MultiheadAttention``'s fused fast path
+(``torch._native_multi_head_attention``) runs only in eval mode without grad, and it refuses inputs that have a
+torch-function handler, which the mode gives every tensor, so under the probe the Python path (sdpa or softmax) runs;
+``torch.compile``'d models run sampled batches eagerly (the callback's ``force_eager`` stance), so the calls and the
+module frames are there. Everything stays on the device and joins the callback's one host transfer per sampled step.
 
-    How it is seen: while a sampled micro-batch's forward runs, an :class:`AttentionProbe` (a
-    :class:`torch.overrides.TorchFunctionMode`) intercepts
-
-    * ``F.scaled_dot_product_attention`` (HF GPT-2 / BERT / LLaMA with ``attn_implementation="sdpa"``, timm's ViT,
-      ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` with ``need_weights=False``, hand-written
-      attention): the logits ``q @ k^T * scale`` are recomputed in float32 for the subsampled query rows; a
-      boolean mask's ``False``, an additive mask's entries ``<= -5000`` and, with ``is_causal``, the keys after the
-      row are left out, as the softmax leaves them out; grouped-query attention (fewer key heads,
-      ``enable_gqa=True``) pairs each query head with its key head;
-    * ``softmax`` over the last dimension of a tensor of 3 or more dimensions (``F.softmax``, ``torch.softmax``,
-      ``Tensor.softmax``): *eager* attention, which computes the logits with a matmul and calls no sdpa (HF
-      ``attn_implementation="eager"``, ``nn.MultiheadAttention`` with its default ``need_weights=True``). The
-      softmax input is the logit matrix plus the mask (and any additive position bias); entries ``<= -5000`` are
-      treated as masked (HF fills masks with ``finfo.min``, older code with ``-10000``) and skipped.
-
-    The call is attributed to the innermost module whose ``forward`` was running when the function was called
-    (found on the Python call stack: the innermost ``Module.__call__`` frame), provided that module is selected or
-    contains a selected module; calls made inside other modules are not observed. For HF models that is the
-    attention module (``...h.0.attn``, ``...layers.0.self_attn``, ``...attention.self``), for
-    ``nn.MultiheadAttention`` the module itself, for timm's ViT ``blocks.0.attn``.
-
-    The subsample: at most ``max_rows`` (32) query rows per call, evenly strided and always including the last row
-    (in a causal model the row that sees every key), and at most ``budget`` (2**22) logits computed per call: with
-    more batch elements, heads and keys than that allows for one row, only the first batch elements are used. With
-    at most 32 queries (and a small batch) the value is the exact maximum over every logit; otherwise it is the exact
-    maximum over the subsample, a lower bound of the true maximum that misses a large logit confined to unsampled
-    rows or batch elements. Attention-logit growth (weights of ``W_q``/``W_k`` growing) moves every row together,
-    so the subsample follows it; a single outlier token at an unsampled position is what it can miss.
-
-    ``nn.MultiheadAttention``'s fused fast path (``torch._native_multi_head_attention``) runs only in eval mode
-    without grad, so never in training; it also refuses inputs that have a torch-function handler, which the mode
-    gives every tensor, so under the probe the Python path (sdpa or softmax, both seen) always runs.
-    ``torch.compile``'d models are seen like eager ones: sampled batches run eagerly (the callback's hooks set the
-    ``force_eager`` stance), so the calls and the module frames are there.
-
-    Blind spots: attention computed by a fused kernel called directly (flash-attn's ``flash_attn_func``, xformers,
-    ``torch.ops`` custom kernels), eager attention whose softmax is taken over a dimension other than the last, or
-    as ``exp`` / ``sum`` by hand, and query rows or batch elements outside the subsample. A softmax over the last
-    dimension of a 3-D or larger tensor that is *not* attention (a per-token classifier's probabilities) is
-    reported as if it were, under the module that computed it.
-
-``logit_lse_mean`` / ``logit_absmax`` (key ``<prefix>/<stat>/<layer>``)
-    Of the model's output layer: the mean over rows (every position but the last dimension) of
-    ``logsumexp`` over the last dimension (``log Z``; the cross entropy is ``log Z - logit[target]``, so ``log Z``
-    can drift while the loss does not), and the largest ``|logit|``. The output layer is the last selected module
-    whose forward ran in the micro-batch (the last layer in forward order), or the module named by
-    ``output_layer=``. Pooled over micro-batches and processes (a row-weighted mean, a maximum).
-
-Cost: nothing outside sampled training batches. On a sampled batch, every torch function called during the forward
-passes through the mode's Python handler (a dictionary lookup for functions other than the two above), plus one
-float32 matmul per attention call over the subsample, and one ``logsumexp`` over the output. Everything stays on the
-device; the values join the callback's one host transfer per sampled step.
+Definitions, the subsample bound and the blind spots: ``docs/statistics.md#instability-precursors``.
 """
 
 from __future__ import annotations

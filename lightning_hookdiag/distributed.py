@@ -7,7 +7,8 @@ the number of processes (an all-gather's do), and the number of collectives does
 tensors. Nothing is read back to the host: on an accelerator the reduction is queued like any other kernel.
 
 Used by :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator` to sync its states, and small enough for any
-per-step agreement between processes (a flag that one process tripped, a size that one process learned).
+per-step agreement between processes (a flag that one process tripped, a size that one process learned). Its
+cost at scale: ``docs/integrations.md#what-is-synced-and-how``.
 """
 
 from __future__ import annotations

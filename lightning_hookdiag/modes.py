@@ -1,12 +1,9 @@
 """Modules left in eval mode during training: the facts of rule ``eval_mode`` (see :mod:`lightning_hookdiag.rules`).
 
-Only BatchNorm (``nn.modules.batchnorm._BatchNorm``) and Dropout (``nn.modules.dropout._DropoutNd``) modules behave
-differently in eval mode, and only where that changes their output: a BatchNorm that tracks running statistics (it
-normalises with them instead of the batch's, and stops updating them), a Dropout with ``p > 0`` (it drops nothing).
-Eval mode is a bug only if something that module affects is being trained: its own parameters require grad, or, for a
-module without parameters (Dropout, ``BatchNorm(affine=False)``), those of the nearest enclosing module that has any,
-the block it regularises or normalises. A frozen BatchNorm put in eval for fine-tuning, or a frozen backbone in eval
-mode, is deliberate and not reported.
+:func:`mode_dependent_modules` finds the BatchNorm (``_BatchNorm``) and Dropout (``_DropoutNd``) modules with the
+module whose parameters each one trains, and :func:`eval_mode_modules` keeps those in eval mode whose mode changes
+their output and whose owner trains. Which modules count, and which stay silent:
+``docs/rules.md#eval_mode-when-the-mode-is-read``.
 
 When is the mode of the forward known? Only during it, and watching it there would need a hook on every such module.
 :class:`EvalModeWatch` reads ``module.training`` at two points that bracket ``training_step`` instead: the start of

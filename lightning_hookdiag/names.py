@@ -7,7 +7,8 @@ change when the model is compiled, wrapped or sharded (FSDP2's ``fully_shard`` r
 parameter tracking, the health rules and the report all go through :func:`logged_name`; the rules and the report
 find a parameter's layer with :func:`owning_layer`, which uses it too.
 
-Pure string logic plus attribute lookups: no torch import, so the report can use it on any machine.
+Pure string logic plus attribute lookups: no torch import, so the report can use it on any machine. The names as a
+user sees them: ``docs/statistics.md#names``.
 """
 
 from __future__ import annotations

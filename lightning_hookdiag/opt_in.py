@@ -3,7 +3,7 @@
 They live apart from the default path: :func:`plan_opt_in` decides once, when fit starts, which extra states and
 reductions a run needs, and :class:`OptInRecorder` (a :class:`~lightning_hookdiag.recorder.StepRecorder` that
 adds them after the default sinks) is used only when at least one was asked for. With ``stats=None`` nothing here
-runs, so the default cost is unchanged.
+runs, so the default cost is unchanged. What each opt-in statistic is: ``docs/statistics.md#opt-in-statistics``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Outlier activations: kurtosis from pooled power sums, and the ratio of the absolute maximum to the spread.
 
-Massive activations (a few channels or tokens orders of magnitude above the rest) break quantization and fp8
-training long before they show in a layer's mean or standard deviation. Two statistics catch them:
-
-* ``act_kurtosis``: Pearson's kurtosis ``m4 / m2**2`` of the finite elements of a layer's output (3 for a normal
-  distribution, 1.8 for a uniform one, far above 3 with heavy tails or a few huge values). Pearson's rather than
-  the excess kurtosis so that it is always positive and plots on a log scale.
-* ``act_absmax_over_std``: ``act_absmax / act_std``, how many standard deviations the largest magnitude sits from
-  the mean's scale (computed from the statistics the callback already pools).
+:func:`power_sums` reduces a tensor to the sums ``act_kurtosis`` pools, :func:`finalize_kurtosis` turns pooled sums
+into the kurtosis; ``act_absmax_over_std`` needs no state of its own (it is computed from ``act_absmax`` and
+``act_std``). What the two statistics mean: ``docs/statistics.md#outlier-activations``.
 
 Pooling: each tensor is reduced to power sums about a *shift* ``c``, ``[n, S1, S2, S3, S4]`` with ``S_k = sum((x -
 c)^k)`` over its finite elements, which add up exactly over calls, micro-batches and processes as long as every one

@@ -7,6 +7,9 @@ Every reduction is a fused ``torch._foreach_*`` op over all the parameters of on
 launch per chunk of tensors on an accelerator, not one per parameter), accumulated in float64 so that squares of any
 float32 magnitude neither overflow nor underflow: a sampled step costs the same few ops for 10 parameters or 10,000.
 The copy is taken from the caching allocator on each sampled step and dropped after it.
+
+What the logged values are: ``docs/statistics.md#every-key``; over shards:
+``docs/integrations.md#sharded-parameters-fsdp-fsdp2-dtensor``.
 """
 
 from __future__ import annotations

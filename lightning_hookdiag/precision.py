@@ -1,13 +1,9 @@
 """Precision headroom: how much of a tensor a lower-precision dtype would flush to zero or overflow.
 
-For each *target* dtype (``float16``, ``bfloat16``, ``float8_e4m3fn``, ``float8_e5m2``) two counts of a tensor's
-non-zero, non-NaN elements are taken:
-
-* **underflow**: ``0 < |x| < tiny``, where ``tiny`` is the target's smallest normal number. Such values become
-  subnormals (losing significant bits) or flush to zero in the target.
-* **overflow risk**: ``|x| >= max / 2``, where ``max`` is the target's largest finite number. Such values overflow
-  (``|x| > max``, or Inf already) or sit within a factor 2 of overflowing: one doubling (a larger learning rate, a
-  loss-scale step) away from Inf.
+For each target dtype, :func:`precision_counts` counts a tensor's non-zero, non-NaN elements, those with ``0 < |x| <
+tiny`` (underflow; ``tiny``: the target's smallest normal number) and those with ``|x| >= max / 2`` (overflow risk;
+``max``: its largest finite number); :func:`finalize_precision` turns pooled counts into the logged shares. What they
+mean, and how the targets are chosen: ``docs/statistics.md#precision-headroom-can-this-layer-run-in-fp16--bf16--fp8``.
 
 Counting runs on the integer bit pattern without the sign bit: for IEEE floats the order of non-negative values is
 the order of their bit patterns, so each threshold is one integer comparison (taken as a clamp and a

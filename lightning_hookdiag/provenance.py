@@ -1,16 +1,14 @@
 """Where a NaN/Inf was made: a trace of every module's forward, only while the sentinel replays a tripped step.
 
-The selected layers show where a NaN first *appears* among them. When the first non-finite selected layer already
-received a non-finite input, the NaN was made in between, by code that is no selected layer: a ``torch.log``,
-``sqrt`` or division inside some module's ``forward`` (often a container without parameters of its own, which the
-default selection leaves out), in the LightningModule's own ``forward``, or in ``training_step``.
+The selected layers show where a NaN first *appears* among them; when the first non-finite one already received a
+non-finite input, code between two selected layers made it (what the finding then says:
+``docs/rules.md#nonfinite-and-functional-code``). :class:`NonFiniteTrace` finds that code's module.
 
-:class:`NonFiniteTrace` finds that code's module. For the replay only, one global forward hook
-(``torch.nn.modules.module.register_module_forward_hook``) records, for every module call, on the device and without
-a host read, whether its positional inputs held a NaN/Inf and whether its output did. Forward hooks fire when a
-forward *returns*, so inner modules report before the modules that call them: the first call to return a
-non-finite output from finite inputs is the innermost module whose ``forward`` made it. The flags are read once,
-at the end of the replay. Sampled steps never pay for it.
+For the replay only, one global forward hook (``torch.nn.modules.module.register_module_forward_hook``) records, for
+every module call, on the device and without a host read, whether its positional inputs held a NaN/Inf and whether
+its output did. Forward hooks fire when a forward *returns*, so inner modules report before the modules that call
+them: the first call to return a non-finite output from finite inputs is the innermost module whose ``forward`` made
+it. The flags are read once, at the end of the replay. Sampled steps never pay for it.
 
 Masks are conventionally passed by keyword (``attn_mask=``, ``attention_mask=``) and may hold ``-inf`` on purpose,
 so only positional arguments count as inputs. A NaN is preferred over an Inf: a module that returns ``-inf`` from

@@ -3,20 +3,12 @@
 While attached, :class:`SavedMemoryTracker` keeps a stack of the selected modules that are running (a forward
 pre-hook pushes, a forward hook pops, also when the forward raises) and installs
 :class:`torch.autograd.graph.saved_tensors_hooks` whose pack hook adds the size of every tensor autograd saves to the
-innermost selected module on the stack. Tensors saved outside every selected module (the loss) are not counted.
+innermost selected module on the stack, and nothing while the stack is empty.
 
-What counts:
-
-* **Storages, once.** A saved tensor is charged the bytes of its whole storage, which is what stays alive until
-  backward (a saved slice keeps its base alive), and each storage only the first time it is saved in a micro-batch:
-  a view of an already-saved tensor, or a ReLU output that the next Linear saves again, adds nothing.
-* **Not parameters or buffers.** Saving a weight for backward costs no memory: the module holds it anyway. A weight
-  *cast* by autocast is a new storage and does count.
-* **Per micro-batch.** Saved tensors are freed by each micro-batch's backward, so the statistic is the largest
-  per-micro-batch total, over micro-batches and processes (a max, which is what a device must hold).
-
-Recomputations inside backward (activation checkpointing) are not counted: non-reentrant checkpointing replaces
-saved tensors by its own hooks, so nothing reaches ours, and forwards re-run inside backward are skipped.
+The pack hook charges each storage once per micro-batch and never a parameter or buffer, and a step's value is its
+largest micro-batch's total; what is counted, and why: ``docs/statistics.md#saved-activation-memory-per-layer``.
+Non-reentrant checkpointing replaces saved tensors by its own hooks, so nothing reaches ours, and forwards re-run
+inside backward are skipped: recomputations are not counted.
 
 Example:
     >>> from torch import nn

@@ -2,6 +2,7 @@
 
 Names are the module's dotted path with wrapper segments removed (:func:`~lightning_hookdiag.names.logged_name`), so
 the keys a run logs do not change when the model is compiled, wrapped for DDP or wrapped for activation checkpointing.
+How a user chooses layers: ``README.md#choosing-layers``.
 """
 
 from __future__ import annotations

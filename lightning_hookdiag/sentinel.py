@@ -1,24 +1,16 @@
 """The always-on sentinel: a cheap per-step trip test, and the replay of a tripped step without side effects.
 
-Sampled steps are rare (one in ``every_n_steps``), and the failure a user wants named usually happens between two of
-them; by the next sampled step the optimizer has spread it into every weight. The sentinel therefore looks at every
-optimizer step, but only at what is cheap to look at:
-
-* every micro-batch's loss, accumulated on the device (one small op per micro-batch, no host read);
-* with ``"loss+grads"``, the largest ``|g|`` of the tracked parameters' accumulated gradients, in one fused
-  ``_foreach_norm(inf)`` (an infinity norm cannot overflow, so only NaN/Inf trips it);
-* once per optimizer step, everything is packed into one small tensor, reduced with one MAX all-reduce under
-  multi-process training (so every process trips together, and the same step), and read to the host once.
-
-A step trips when its loss or gradients are non-finite, or when its loss spikes: it rises far above a robust
-baseline of recent steps (:class:`SpikeDetector`). On a trip the caller can *replay* the step: :func:`replay_step`
-re-runs the step's micro-batches, with the weights still those the step's forward used, through a
-:class:`~lightning_hookdiag.hooks.HookSet`, restoring afterwards everything the replay could have changed (random
-number streams, buffers such as BatchNorm running statistics, torchmetrics states). Gradients are computed with
-``torch.autograd.grad``, which returns them instead of accumulating them into ``.grad``.
+:class:`LossSentinel` looks at every optimizer step, but reads the host only once per step. It accumulates the
+micro-batch losses on their device; with ``"loss+grads"`` one fused ``_foreach_norm(inf)`` gives the tracked
+gradients' largest ``|g|`` (an infinity norm cannot overflow, so only NaN/Inf trips it); the step's values are packed
+into one small tensor, reduced with one MAX all-reduce under multi-process training (every process trips on the same
+step) and read once. :class:`SpikeDetector` is the loss-spike test. :func:`replay_step` re-runs a tripped step's
+micro-batches through a :class:`~lightning_hookdiag.hooks.HookSet`, with gradients from ``torch.autograd.grad``
+(returned, never accumulated into ``.grad``), and restores everything the replay could have changed (random number
+streams, buffers such as BatchNorm running statistics, torchmetrics states).
 
 This module knows nothing about Lightning (the callback hands it a function that runs one micro-batch) nor about
-rules or logging.
+rules or logging. What the sentinel does, its settings and what a replay cannot restore: ``docs/sentinel.md``.
 """
 
 from __future__ import annotations

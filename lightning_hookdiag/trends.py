@@ -2,7 +2,7 @@
 
 Pure Python (no torch): the trend rules of :mod:`lightning_hookdiag.rules` read a :class:`History`, the callback
 pushes each sampled step's values into it after the rules ran, and its :meth:`History.state_dict` (plain lists)
-goes into the callback's checkpoint state.
+goes into the callback's checkpoint state. The trend rules: ``docs/rules.md#trend-rules``.
 
 Example:
     >>> history = History(window=4)

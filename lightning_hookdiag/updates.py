@@ -6,7 +6,8 @@ all, and the resolution of the weights' dtype. The learning rates are read befor
 schedulers before ``on_train_batch_end``, where the step is diagnosed); whether the step ran comes from a step
 post-hook registered on the optimizer for the sampled step only (a ``GradScaler`` that finds an overflow does not
 call ``optimizer.step()``; such a step changes nothing and is not a finding). Which tracked parameters no optimizer
-holds is found again only when the param groups change, so a sampled step normally looks at none of them.
+holds is found again only when the param groups change, so a sampled step normally looks at none of them. What the
+rule makes of these facts: ``docs/rules.md#not_updated-why-a-parameter-did-not-move``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """The names of the statistics: one definition for the callback (which needs torch) and the report (which must not).
 
+What each statistic is: ``docs/statistics.md#every-key`` (``tests/test_docs.py`` checks that every name here has a
+row there).
+
 Example:
     >>> LAYER_STATS[:2], TOTAL_STATS
     (('act_mean', 'act_std'), ('grad_norm_total',))

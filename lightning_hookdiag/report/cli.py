@@ -1,7 +1,7 @@
 """The ``hookdiag`` command line: ``hookdiag report LOG_DIR [--stat NAME] [--out FILE.png] [--prefix P]``.
 
 ``hookdiag report --diff RUN_A RUN_B [--stat NAME] [--rtol R] [--atol A]`` compares two runs instead (see
-:mod:`lightning_hookdiag.report.diff`).
+:mod:`lightning_hookdiag.report.diff`). What the command prints and its exit status: ``docs/report.md``.
 """
 
 from __future__ import annotations

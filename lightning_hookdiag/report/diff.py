@@ -11,8 +11,8 @@ ordered the way a change propagates, so that the first one points at its origin:
 4. statistics in the callback's vocabulary order.
 
 A planted change to one layer's initial weights therefore shows first at that layer's outputs on step 0, not at the
-output gradients of the layers below it, which it also changes. Two values differ when ``|a - b| > atol + rtol *
-max(|a|, |b|)``; NaN equals NaN, and a value logged by one run only is not a difference (it is not aligned).
+output gradients of the layers below it, which it also changes. When two values differ, and what the command
+prints: ``docs/report.md#where-do-two-runs-first-differ-hookdiag-report---diff``.
 
 Example:
     >>> from lightning_hookdiag.report.health_log import Scalar, build_health_log
@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_hookdiag.report.errors import ReportError
-from lightning_hookdiag.report.health_log import HealthLog, _stat_sort_key, depth_order, owning_layer
-from lightning_hookdiag.report.plot import _matplotlib, _tick_positions
+from lightning_hookdiag.report.health_log import HealthLog, depth_order, owning_layer, stat_order_key
+from lightning_hookdiag.report.plot import label_heatmap_axes, load_matplotlib
 from lightning_hookdiag.report.summary import format_value
 
 __all__ = ["Alignment", "Difference", "align", "find_differences", "format_diff", "plot_ratio_heatmap"]
@@ -119,7 +119,7 @@ def align(a: HealthLog, b: HealthLog) -> Alignment:
     steps = tuple(sorted(set(a.steps) & set(b.steps)))
     if not steps:
         raise ReportError(f"the runs share no step: {_describe(a, 'RUN_A')}, {_describe(b, 'RUN_B')}")
-    stats = tuple(sorted(set(a.stats) & set(b.stats), key=_stat_sort_key))
+    stats = tuple(sorted(set(a.stats) & set(b.stats), key=stat_order_key))
     names = {s: tuple(sorted(set(a.stats[s]) & set(b.stats[s]))) for s in stats}
     names = {s: n for s, n in names.items() if n}
     if not names:
@@ -142,7 +142,11 @@ def _differ(x: float, y: float, rtol: float, atol: float) -> bool:
 
 
 def find_differences(alignment: Alignment, rtol: float = 1e-4, atol: float = 0.0) -> list[Difference]:
-    """Every aligned (step, layer, statistic) whose values differ, in the order of the module docstring."""
+    """Every aligned (step, layer, statistic) whose values differ, in the order of the module docstring.
+
+    Two values differ when ``|a - b| > atol + rtol * max(|a|, |b|)``; NaN equals NaN (and differs from any number),
+    equal infinities are equal.
+    """
     keyed = []
     for stat in alignment.stats:
         series_a, series_b = alignment.a.stats[stat], alignment.b.stats[stat]
@@ -150,7 +154,7 @@ def find_differences(alignment: Alignment, rtol: float = 1e-4, atol: float = 0.0
             values_a, values_b = series_a[name], series_b[name]
             for step in alignment.steps:
                 if step in values_a and step in values_b and _differ(values_a[step], values_b[step], rtol, atol):
-                    key = (step, is_backward(stat), alignment.order_key(stat, name), _stat_sort_key(stat))
+                    key = (step, is_backward(stat), alignment.order_key(stat, name), stat_order_key(stat))
                     keyed.append((key, Difference(step, name, stat, values_a[step], values_b[step])))
     keyed.sort(key=lambda item: item[0])
     return [d for _, d in keyed]
@@ -190,8 +194,8 @@ def format_diff(alignment: Alignment, differences: list[Difference], rtol: float
     if params:
         parts.append(counted(len(params), "parameter"))
     lines = [f"aligned: {', '.join(parts)}, {counted(len(alignment.stats), 'statistic')}"]
-    only_a = sorted(set(alignment.a.stats) - set(alignment.stats), key=_stat_sort_key)
-    only_b = sorted(set(alignment.b.stats) - set(alignment.stats), key=_stat_sort_key)
+    only_a = sorted(set(alignment.a.stats) - set(alignment.stats), key=stat_order_key)
+    only_b = sorted(set(alignment.b.stats) - set(alignment.stats), key=stat_order_key)
     if only_a or only_b:
         lines.append(f"not compared: only in A: {', '.join(only_a) or '-'}; only in B: {', '.join(only_b) or '-'}")
     if not differences:
@@ -202,7 +206,7 @@ def format_diff(alignment: Alignment, differences: list[Difference], rtol: float
     for d in differences:
         firsts.setdefault(d.stat, d)
     lines.append("first difference per statistic (forward statistics in depth order, then backward ones):")
-    for stat in sorted(firsts, key=lambda s: (is_backward(s), _stat_sort_key(s))):
+    for stat in sorted(firsts, key=lambda s: (is_backward(s), stat_order_key(s))):
         lines.append(f"  {stat}: {_line(firsts[stat], with_stat=False)}")
     return "\n".join(lines)
 
@@ -217,7 +221,7 @@ def ratio_figure(alignment: Alignment, stat: str) -> Any:
         MissingExtraError: If matplotlib is not installed.
         KeyError: If ``stat`` is not a common statistic.
     """
-    mpl = _matplotlib()
+    mpl = load_matplotlib()
     np = mpl.np
     names = depth_order(alignment.names[stat], alignment.depth, parameters=alignment.a.is_parameter_stat(stat))
     steps = list(alignment.steps)
@@ -247,10 +251,7 @@ def ratio_figure(alignment: Alignment, stat: str) -> Any:
         interpolation="nearest",
         origin="upper",
     )
-    rows_at = _tick_positions(len(names), 60)
-    ax.set_yticks(list(rows_at), [names[i] or "(root)" for i in rows_at], fontsize=8)
-    cols_at = _tick_positions(len(steps), 12)
-    ax.set_xticks(list(cols_at), [str(steps[i]) for i in cols_at])
+    label_heatmap_axes(ax, names, steps)
     unit = "parameter" if alignment.a.is_parameter_stat(stat) else "layer"
     ax.set_xlabel("optimizer step (sampled, common to both runs)")
     ax.set_ylabel(f"{unit} (forward order, shallow at top)")

@@ -25,6 +25,7 @@ __all__ = [
     "build_health_log",
     "depth_order",
     "detect_prefix",
+    "stat_order_key",
 ]
 
 DEFAULT_PREFIX = "layer_health"
@@ -110,7 +111,15 @@ def depth_order(names: Iterable[str], depth: dict[str, int], parameters: bool = 
     return sorted(names, key=key)
 
 
-def _stat_sort_key(stat: str) -> tuple[int, str]:
+def stat_order_key(stat: str) -> tuple[int, str]:
+    """Sort key that lists statistics in the callback's vocabulary order, names it does not know last, by name.
+
+    The summary (through :attr:`HealthLog.stat_names`) and ``--diff`` list statistics in this one order.
+
+    Example:
+        >>> sorted(["param_norm", "zz_custom", "act_std", "act_mean", "aa_custom"], key=stat_order_key)
+        ['act_mean', 'act_std', 'param_norm', 'aa_custom', 'zz_custom']
+    """
     return (_KNOWN_ORDER.get(stat, len(_KNOWN_ORDER)), stat)
 
 
@@ -140,12 +149,12 @@ class HealthLog:
     @property
     def stat_names(self) -> list[str]:
         """Per-layer statistics present, in the callback's vocabulary order (unknown names last)."""
-        return sorted(self.stats, key=_stat_sort_key)
+        return sorted(self.stats, key=stat_order_key)
 
     @property
     def total_names(self) -> list[str]:
         """Per-step statistics present (no layer part)."""
-        return sorted(self.totals, key=_stat_sort_key)
+        return sorted(self.totals, key=stat_order_key)
 
     def is_parameter_stat(self, stat: str) -> bool:
         """Whether ``stat`` is keyed by parameter name rather than by layer name."""

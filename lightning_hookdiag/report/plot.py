@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 from lightning_hookdiag.report.errors import MissingExtraError
 from lightning_hookdiag.report.health_log import HealthLog
 
-__all__ = ["heatmap_figure", "plot_heatmap"]
+__all__ = ["heatmap_figure", "label_heatmap_axes", "load_matplotlib", "plot_heatmap"]
 
 _MATPLOTLIB_HINT = "plotting needs matplotlib: pip install 'lightning-hookdiag[plot]'"
 _MISSING_COLOUR = "lightgrey"
@@ -19,7 +20,22 @@ _MAX_ROW_LABELS = 60
 _MAX_COL_LABELS = 12
 
 
-def _matplotlib() -> SimpleNamespace:
+def load_matplotlib() -> SimpleNamespace:
+    """Import the matplotlib (and numpy) pieces the report's figures are drawn with, only when a figure is asked for.
+
+    The report imports matplotlib nowhere else, so a summary works on a machine without the ``plot`` extra.
+
+    Returns:
+        A namespace with ``np``, ``Figure``, ``LogNorm``, ``SymLogNorm``, ``Normalize`` and ``colormaps``.
+
+    Raises:
+        MissingExtraError: If matplotlib (or numpy) cannot be imported; the message names the extra to install.
+
+    Example:
+        >>> mpl = load_matplotlib()
+        >>> type(mpl.Figure()).__name__, mpl.np.__name__
+        ('Figure', 'numpy')
+    """
     try:
         # The top-level import comes first so that a blocked or missing matplotlib fails here even when its
         # submodules are already cached.
@@ -62,6 +78,29 @@ def _tick_positions(count: int, most: int) -> range:
     return range(0, count, max(1, -(-count // most)))
 
 
+def label_heatmap_axes(ax: Any, names: Sequence[str], steps: Sequence[int]) -> None:
+    """Label a layers x steps heatmap's rows with the layer names and its columns with the steps.
+
+    With more than 60 rows or 12 columns only every k-th is labelled, so that the labels do not overlap. The root
+    module, whose name is empty, is labelled ``(root)``.
+
+    Args:
+        ax: The matplotlib ``Axes`` the heatmap was drawn on.
+        names: The row names, top to bottom.
+        steps: The column steps, left to right.
+
+    Example:
+        >>> ax = load_matplotlib().Figure().add_subplot()
+        >>> label_heatmap_axes(ax, ["", "fc1", "fc2"], list(range(0, 50, 2)))
+        >>> [t.get_text() for t in ax.get_yticklabels()], [t.get_text() for t in ax.get_xticklabels()]
+        (['(root)', 'fc1', 'fc2'], ['0', '6', '12', '18', '24', '30', '36', '42', '48'])
+    """
+    rows_at = _tick_positions(len(names), _MAX_ROW_LABELS)
+    ax.set_yticks(list(rows_at), [names[i] or "(root)" for i in rows_at], fontsize=8)
+    cols_at = _tick_positions(len(steps), _MAX_COL_LABELS)
+    ax.set_xticks(list(cols_at), [str(steps[i]) for i in cols_at])
+
+
 def heatmap_figure(log: HealthLog, stat: str) -> Any:
     """A matplotlib ``Figure`` with the heatmap of ``stat``, not yet saved.
 
@@ -83,7 +122,7 @@ def heatmap_figure(log: HealthLog, stat: str) -> Any:
         >>> fig.axes[0].images[0].get_array().shape
         (1, 3)
     """
-    mpl = _matplotlib()
+    mpl = load_matplotlib()
     np = mpl.np
     names, steps, rows = log.matrix(stat)
     data = np.array(rows, dtype=float).reshape(len(names), len(steps))
@@ -102,10 +141,7 @@ def heatmap_figure(log: HealthLog, stat: str) -> Any:
         interpolation="nearest",
         origin="upper",
     )
-    rows_at = _tick_positions(len(names), _MAX_ROW_LABELS)
-    ax.set_yticks(list(rows_at), [names[i] or "(root)" for i in rows_at], fontsize=8)
-    cols_at = _tick_positions(len(steps), _MAX_COL_LABELS)
-    ax.set_xticks(list(cols_at), [str(steps[i]) for i in cols_at])
+    label_heatmap_axes(ax, names, steps)
     unit = "parameter" if log.is_parameter_stat(stat) else "layer"
     ax.set_xlabel("optimizer step (sampled)")
     ax.set_ylabel(f"{unit} (forward order, shallow at top)")
