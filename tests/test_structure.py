@@ -134,7 +134,9 @@ def test_memory_and_live_tensors_stay_flat_over_thousands_of_sampled_steps():
     module.record_enabled = False
     make_trainer([callback, probe], max_steps=2001, max_epochs=-1).fit(module)
     assert callback.last_step == 2000
-    assert probe.tensors[2000] == probe.tensors[200]
+    # Not equality: garbage that other tests left behind (Lightning's loop results, tracebacks) may be freed in
+    # between and lower the count. A leak per step or per sampled step would add at least 1,800.
+    assert probe.tensors[2000] <= probe.tensors[200]
     assert probe.rss[2000] - probe.rss[200] < 8 * 2**20  # no per-step growth (1800 steps in between)
 
 
