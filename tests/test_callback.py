@@ -247,8 +247,10 @@ def test_no_autograd_graph_retained_after_sampled_batches():
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             counts.append(live_graph_tensors())
 
+    # Graphs that earlier tests of the session left behind (held by a stored traceback) are not this fit's.
+    before = live_graph_tensors()
     make_trainer([callback, Probe()], max_steps=3).fit(TinyModule())
-    assert counts == [0, 0, 0]
+    assert counts == [before] * 3
     for value in vars(callback).values():
         assert not (isinstance(value, torch.Tensor) and value.grad_fn is not None)
 
