@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Literal
@@ -68,6 +68,7 @@ from lightning_hookdiag.sentinel import (
 from lightning_hookdiag.stats import GRADIENT_STATS, PARAMETER_STATS, accumulation_dtype, resolve_stats
 from lightning_hookdiag.trends import History
 from lightning_hookdiag.updates import StepWatch
+from lightning_hookdiag.validation import boolean, check, choice, integer, module_names
 from lightning_hookdiag.vocabulary import LAYER_STATS, PER_PARAMETER_STATS, PRECURSOR_STATS
 
 __all__ = ["LayerHealthCallback"]
@@ -76,18 +77,6 @@ _MOMENT_STATS = frozenset(
     {"act_mean", "act_std", "act_absmax", "act_zero_frac", "act_nonfinite", "act_absmax_over_std"}
 )
 ON_ANOMALY = ("warn", "raise", "stop", "ignore")
-
-
-def _strings(value: str | Sequence[str] | None, argument: str) -> list[str] | None:
-    if value is None:
-        return None
-    if not isinstance(value, (str, Iterable)):
-        raise ValueError(f"{argument}: expected a module name or glob, or a sequence of them, got {value!r}")
-    items = [value] if isinstance(value, str) else list(value)
-    bad = [v for v in items if not isinstance(v, str) or not v]
-    if bad:
-        raise ValueError(f"{argument}: expected non-empty module names or globs, got {bad!r}")
-    return items
 
 
 HistogramWriter = Callable[[str, list[float], list[float], list[float], int], None]
@@ -309,47 +298,37 @@ class LayerHealthCallback(Callback):
         precision_targets: str | torch.dtype | Sequence[str | torch.dtype] | None = None,
         output_layer: str | None = None,
     ) -> None:
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(f"every_n_steps: expected an integer >= 1, got {every_n_steps!r}")
-        if not isinstance(prefix, str) or not prefix.strip("/") or prefix != prefix.strip("/"):
-            raise ValueError(f"prefix: expected a non-empty key segment without leading/trailing '/', got {prefix!r}")
-        if unit_dim is not None and (isinstance(unit_dim, bool) or not isinstance(unit_dim, int)):
-            raise ValueError(f"unit_dim: expected an integer axis or None, got {unit_dim!r}")
-        if not isinstance(summary, bool):
-            raise ValueError(f"summary: expected True or False, got {summary!r}")
-        if on_anomaly not in ON_ANOMALY:
-            raise ValueError(f"on_anomaly: expected one of {list(ON_ANOMALY)}, got {on_anomaly!r}")
-        if sentinel is not None and sentinel not in SENTINEL_MODES:
-            raise ValueError(f"sentinel: expected one of {[*SENTINEL_MODES, None]}, got {sentinel!r}")
-        if output_layer is not None and (not isinstance(output_layer, str) or not output_layer):
-            raise ValueError(f"output_layer: expected None or a non-empty module name, got {output_layer!r}")
-        self.output_layer = output_layer
-        self.every_n_steps = every_n_steps
-        if histogram_every_n_steps is not None and (
-            isinstance(histogram_every_n_steps, bool)
-            or not isinstance(histogram_every_n_steps, int)
-            or histogram_every_n_steps < 1
-            or histogram_every_n_steps % every_n_steps
-        ):
-            raise ValueError(
-                f"histogram_every_n_steps: expected None or a positive multiple of every_n_steps={every_n_steps},"
-                f" got {histogram_every_n_steps!r}"
-            )
-        if (
-            isinstance(histogram_bins, bool)
-            or not isinstance(histogram_bins, int)
-            or histogram_bins < 4
-            or histogram_bins % 2
-        ):
-            raise ValueError(f"histogram_bins: expected an even integer >= 4, got {histogram_bins!r}")
-        self.histogram_every_n_steps = histogram_every_n_steps
-        self.histogram_bins = histogram_bins
-        self.on_anomaly = on_anomaly
-        self.summary = summary
+        self.every_n_steps: int = integer("every_n_steps", every_n_steps, "an integer >= 1", lambda v: v >= 1)
+        self.prefix: str = check(
+            "prefix",
+            prefix,
+            "a non-empty key segment without leading/trailing '/'",
+            lambda p: isinstance(p, str) and bool(p.strip("/")) and p == p.strip("/"),
+        )
+        self.unit_dim: int | None = integer("unit_dim", unit_dim, "an integer axis or None", optional=True)
+        self.summary = boolean("summary", summary)
+        self.on_anomaly = choice("on_anomaly", on_anomaly, ON_ANOMALY)
+        self.sentinel = choice("sentinel", sentinel, [*SENTINEL_MODES, None])
+        self.output_layer = check(
+            "output_layer",
+            output_layer,
+            "None or a non-empty module name",
+            lambda o: o is None or (isinstance(o, str) and bool(o)),
+        )
+        self.histogram_every_n_steps: int | None = integer(
+            "histogram_every_n_steps",
+            histogram_every_n_steps,
+            f"None or a positive multiple of every_n_steps={every_n_steps}",
+            lambda v: v >= 1 and v % every_n_steps == 0,
+            optional=True,
+        )
+        self.histogram_bins: int = integer(
+            "histogram_bins", histogram_bins, "an even integer >= 4", lambda v: v >= 4 and v % 2 == 0
+        )
         self.rule_config = RuleConfig.from_mapping(rules)
-        self.layers = _strings(layers, "layers")
+        self.layers = module_names("layers", layers)
         self.layer_types = import_types(layer_types, "layer_types")
-        self.exclude = _strings(exclude, "exclude") or []
+        self.exclude = module_names("exclude", exclude) or []
         self.stats = resolve_stats(stats)
         if output_layer is not None and not {"logit_lse_mean", "logit_absmax"} & set(self.stats):
             raise ValueError(
@@ -357,10 +336,7 @@ class LayerHealthCallback(Callback):
                 " neither; add them to stats= or leave output_layer=None"
             )
         self.precision_targets = resolve_targets(precision_targets)
-        self.prefix = prefix
         self.dead_unit_types = import_types(dead_unit_types, "dead_unit_types")
-        self.unit_dim = unit_dim
-        self.sentinel = sentinel
         config = self.rule_config
         # Created here, not when fit starts: a checkpoint's baseline is loaded before on_fit_start runs.
         self._sentinel = (
