@@ -42,7 +42,6 @@ from lightning_hookdiag.params import (
 from lightning_hookdiag.precision import resolve_targets
 from lightning_hookdiag.provenance import NonFiniteTrace
 from lightning_hookdiag.recorder import StepRecorder
-from lightning_hookdiag.report.summary import format_step_table
 from lightning_hookdiag.rules import (
     AlertState,
     Baseline,
@@ -65,17 +64,24 @@ from lightning_hookdiag.sentinel import (
     capture_rng,
     replay_step,
 )
-from lightning_hookdiag.stats import GRADIENT_STATS, PARAMETER_STATS, accumulation_dtype, resolve_stats
+from lightning_hookdiag.stats import accumulation_dtype, resolve_stats
+from lightning_hookdiag.table import format_step_table
 from lightning_hookdiag.trends import History
 from lightning_hookdiag.updates import StepWatch
 from lightning_hookdiag.validation import boolean, check, choice, integer, module_names
-from lightning_hookdiag.vocabulary import LAYER_STATS, PER_PARAMETER_STATS, PRECURSOR_STATS
+from lightning_hookdiag.vocabulary import (
+    GRADIENT_STATS,
+    LAYER_STATS,
+    MOMENT_STATS,
+    OUTPUT_LAYER_STATS,
+    PARAMETER_STATS,
+    PER_PARAMETER_STATS,
+    PRECURSOR_STATS,
+    counted_by_gradient,
+)
 
 __all__ = ["LayerHealthCallback"]
 
-_MOMENT_STATS = frozenset(
-    {"act_mean", "act_std", "act_absmax", "act_zero_frac", "act_nonfinite", "act_absmax_over_std"}
-)
 ON_ANOMALY = ("warn", "raise", "stop", "ignore")
 
 
@@ -162,52 +168,10 @@ class LayerHealthCallback(Callback):
     outside a sampled training batch: not during validation or sanity checking, not after ``fit``, not after an
     exception. Training is bit-identical with and without the callback.
 
-    Logged keys (``<layer>`` is the module's dotted name in the LightningModule without wrapper segments such as
-    ``_orig_mod``; ``<param>`` is ``<owner>.<attribute>``, where ``<owner>`` is the module that holds the parameter
-    directly, leaf or not, e.g. ``model.attn.in_proj_weight``):
-
-    ==================================  =========================================================================
-    Key                                 Value on step ``k``
-    ==================================  =========================================================================
-    ``<prefix>/act_mean/<layer>``       mean of the finite elements of the module's output
-    ``<prefix>/act_std/<layer>``        population std of the finite elements of the output
-    ``<prefix>/act_absmax/<layer>``     max ``|x|`` over the finite elements of the output
-    ``<prefix>/act_zero_frac/<layer>``  fraction of output elements exactly 0
-    ``<prefix>/act_nonfinite/<layer>``  number of NaN/Inf output elements
-    ``<prefix>/act_dead_frac/<layer>``  ReLU-family modules: fraction of units ``<= 0`` for every sample/position
-    ``<prefix>/act_grad_norm/<layer>``  L2 norm of d(loss)/d(output), pooled over micro-batches, AMP scale removed
-    ``<prefix>/act_grad_nonfinite/..``  number of NaN/Inf elements of d(loss)/d(output)
-    ``<prefix>/param_norm/<param>``     L2 norm of the weights before the optimizer step
-    ``<prefix>/param_grad_norm/<param>`` L2 norm of the accumulated gradient, unscaled, before clipping
-    ``<prefix>/param_update_ratio/..``  ``||w_after - w_before|| / ||w_before||`` across the step
-    ``<prefix>/grad_norm_total``        L2 norm of all gradients (of the selected layers' parameters if
-                                        ``layers``/``layer_types`` narrow the selection), pre-clip
-    ``<prefix>/depth/<layer>``          0-based position of the layer in forward execution order on step ``k``
-    ==================================  =========================================================================
-
-    The parameter statistics cover the parameters the optimizers step and, while the ``not_updated`` rule is
-    enabled, tracked parameters that have a gradient but are in no optimizer's param groups (their update ratio is
-    0, and their gradient counts in ``grad_norm_total``): that rule names them.
-
-    Opt-in keys, logged only when named in ``stats=`` (``<t>``: a target dtype name, see ``precision_targets``):
-
-    ======================================  =====================================================================
-    Key                                     Value on step ``k``
-    ======================================  =====================================================================
-    ``<prefix>/act_kurtosis/<layer>``       Pearson kurtosis ``m4 / m2**2`` of the finite output elements
-    ``<prefix>/act_absmax_over_std/..``     ``act_absmax / act_std``
-    ``<prefix>/act_underflow_frac_<t>/..``  share of non-zero outputs with ``|x|`` below ``<t>``'s smallest normal
-    ``<prefix>/act_overflow_frac_<t>/..``   share of non-zero outputs with ``|x| >= max(<t>) / 2`` (or Inf)
-    ``<prefix>/act_grad_underflow_..``      the same two for d(loss)/d(output), as autograd holds it (AMP-scaled:
-    ``<prefix>/act_grad_overflow_..``       the values the target dtype must represent)
-    ``<prefix>/act_saved_bytes/<layer>``    bytes autograd saved for backward while the layer was the innermost
-                                            selected module running (largest micro-batch; storages once,
-                                            parameters never)
-    ``<prefix>/attn_logit_max/<module>``    largest ``|q.k| * scale`` of the attention calls the module made
-                                            (a bounded row subsample; :mod:`lightning_hookdiag.attention`)
-    ``<prefix>/logit_lse_mean/<layer>``     mean ``logsumexp`` over the last dim of the output layer's output
-    ``<prefix>/logit_absmax/<layer>``       largest ``|logit|`` of the output layer
-    ======================================  =====================================================================
+    Every key is ``<prefix>/<stat>/<layer>`` (parameter statistics: ``<prefix>/<stat>/<param>``, with the
+    parameter's dotted name; ``grad_norm_total`` has no name part), logged with ``step=k``; the default and opt-in
+    statistics, their definitions and the histograms are in ``docs/statistics.md``. The always-on sentinel and its
+    replay of a tripped step are in ``docs/sentinel.md``, the rules in ``docs/rules.md``.
 
     Args:
         every_n_steps: Sample optimizer steps ``0, n, 2n, ...``.
@@ -242,17 +206,12 @@ class LayerHealthCallback(Callback):
             Must be a multiple of ``every_n_steps``. ``None`` (default): no histograms.
         histogram_bins: Number of fixed, symmetric log-spaced bins (``±1e-6`` to ``±1e4`` and 0), computed on the
             device; fixed edges make histograms pool exactly over micro-batches and processes.
-        sentinel: What is checked on *every* optimizer step, sampled or not (see "Catching the step it breaks" in
-            the README): ``"loss"`` (default; every micro-batch's loss, for NaN/Inf and for a spike over a robust
-            baseline of recent steps), ``"loss+grads"`` (also NaN/Inf in the selected parameters' gradients, before
-            the optimizer step; skipped while an AMP ``GradScaler`` handles overflow itself) or ``None`` (only
-            sampled steps are observed). When a step trips, it is replayed with hooks before the optimizer applies
-            it, from references to its micro-batches and the RNG state each started with, without touching
-            ``.grad``, the optimizer, the RNG streams, buffers or ``self.log``; its statistics are logged at
-            ``step=k`` like a sampled step's and the rules run on them. Where a replay is impossible (manual
-            optimization, sharded strategies, a failure that persists from the previous step) the finding says why
-            and the next step is sampled. ``on_anomaly="raise"`` raises before the optimizer step, so the weights
-            in memory stay those of step ``k``; ``"stop"`` stops after the batch, when step ``k`` has been applied.
+        sentinel: What is checked on *every* optimizer step, sampled or not (``docs/sentinel.md``): ``"loss"``
+            (default; every micro-batch's loss, for NaN/Inf and for a spike over a robust baseline of recent steps),
+            ``"loss+grads"`` (also NaN/Inf in the selected parameters' gradients, before the optimizer step) or
+            ``None`` (only sampled steps are observed). A step that trips is replayed with hooks before the
+            optimizer applies it, without side effects on training, and logged and diagnosed at ``step=k`` like a
+            sampled step; where it cannot be replayed, the finding says why and the next step is sampled.
         precision_targets: Target dtypes of the precision headroom statistics (``act_underflow_frac`` and
             friends in ``stats=``): names from ``"float16"``, ``"bfloat16"``, ``"float8_e4m3fn"``,
             ``"float8_e5m2"`` or the torch dtypes. ``None`` derives one from the Trainer's ``precision``
@@ -330,7 +289,7 @@ class LayerHealthCallback(Callback):
         self.layer_types = import_types(layer_types, "layer_types")
         self.exclude = module_names("exclude", exclude) or []
         self.stats = resolve_stats(stats)
-        if output_layer is not None and not {"logit_lse_mean", "logit_absmax"} & set(self.stats):
+        if output_layer is not None and not set(OUTPUT_LAYER_STATS) & set(self.stats):
             raise ValueError(
                 f"output_layer={output_layer!r} names the layer of logit_lse_mean / logit_absmax, but stats= includes"
                 " neither; add them to stats= or leave output_layer=None"
@@ -460,7 +419,7 @@ class LayerHealthCallback(Callback):
             **plan.aggregator_kwargs(),
         ).to(device)
         recorder_args: dict[str, Any] = {
-            "moments": bool(wanted & _MOMENT_STATS),
+            "moments": bool(wanted & set(MOMENT_STATS)),
             "unit_layers": unit_layers,
             "unit_dim": self.unit_dim,
             "names": self.layer_names,
@@ -1045,7 +1004,7 @@ class LayerHealthCallback(Callback):
             if stat in PER_PARAMETER_STATS:
                 names, present = self._param_names, [s > 0 for s in seen]
             else:
-                ran = grad_count if stat in GRADIENT_STATS or stat.startswith("act_grad_") else count
+                ran = grad_count if counted_by_gradient(stat) else count
                 names, present = self.layer_names, [c > 0 for c in ran]
             # NaN: not a ReLU-family layer (act_dead_frac); undefined for this output (an opt-in statistic of an
             # all-zero or constant output).
