@@ -435,7 +435,8 @@ class LayerHealthCallback(Callback):
         if self._probes is not None:
             self._probes.register(self._aggregator)
         on_grad = self._recorder.on_grad if wanted & set(GRADIENT_STATS) or plan.grad_targets else None
-        self._hooks = HookSet(modules, None, on_grad, on_tensor=self._recorder.on_tensor)
+        companions = [self._saved] if self._saved is not None else []
+        self._hooks = HookSet(modules, None, on_grad, on_tensor=self._recorder.on_tensor, companions=companions)
         self._tracker = (
             ParameterTracker(params, snapshot="param_update_ratio" in wanted, dtype=self._aggregator.acc_dtype)
             if params
@@ -470,8 +471,6 @@ class LayerHealthCallback(Callback):
         if self._window is None:
             self._open_window(step)
         self._hooks.attach()
-        if self._saved is not None:
-            self._saved.attach()
         if self._modes is not None:
             self._modes.batch_start()
         if self._probes is not None:
@@ -547,10 +546,7 @@ class LayerHealthCallback(Callback):
         if self._hooks is None:
             return
         if self._hooks.attached:  # a sampled micro-batch (an unsampled step pays nothing for the check below)
-            self._hooks.remove()
-        if self._saved is not None and self._saved.attached:
-            self._saved.remove()
-            self._fold_saved_bytes()
+            self._hooks.remove(finished=True)
         if self._probes is not None and self._probes.attached:
             self._probes.end_forward()  # no backward (a training_step that returned no loss): the output still counts
         if self._window is not None and trainer.global_step != self._window:
@@ -768,10 +764,7 @@ class LayerHealthCallback(Callback):
         must not count the re-run, so they are removed first. A re-run that fails names nothing.
         """
         assert self._hooks is not None
-        self._hooks.remove()
-        if self._saved is not None and self._saved.attached:
-            self._saved.remove()
-            self._fold_saved_bytes()
+        self._hooks.remove(finished=True)
         trace = NonFiniteTrace(pl_module)
         run = self._replay_run(trainer, pl_module)
         try:
@@ -787,9 +780,6 @@ class LayerHealthCallback(Callback):
         self._open_window(step)
         failure = ""
         run = self._replay_run(trainer, pl_module)
-        if self._saved is not None:
-            run = self._measure_saved_bytes(run)
-            self._saved.attach()
         if self._probes is not None:
             run = self._probe_forward(run)
         try:
@@ -799,9 +789,6 @@ class LayerHealthCallback(Callback):
         finally:
             if self._probes is not None:
                 self._probes.remove()
-            if self._saved is not None:
-                self._saved.remove()
-                self._fold_saved_bytes()
         flag = torch.tensor([1.0 if failure else 0.0], device=pl_module.device)
         # Every process must agree, or the pooled statistics' collectives would not match.
         if all_reduce_max(flag).item() > 0:
@@ -829,21 +816,6 @@ class LayerHealthCallback(Callback):
 
         return run
 
-    def _fold_saved_bytes(self) -> None:
-        # A max over micro-batches, kept on the host: the step's maxima reach the aggregator once, in _finish_window,
-        # so a sampled step does not copy to the device per micro-batch.
-        if self._saved is not None:
-            self._saved.end_micro_batch()
-
-    def _measure_saved_bytes(self, run: Callable[[MicroBatch], Tensor | None]) -> Callable[[MicroBatch], Tensor | None]:
-        """``run`` that first pools the previous replayed micro-batch's saved bytes (freed by its backward)."""
-
-        def measured(micro: MicroBatch) -> Tensor | None:
-            self._fold_saved_bytes()
-            return run(micro)
-
-        return measured
-
     def _probe_forward(self, run: Callable[[MicroBatch], Tensor | None]) -> Callable[[MicroBatch], Tensor | None]:
         """``run`` with the precursor probes on during its forward (a replay: no loss for ``logit_drift``)."""
         probes = self._probes
@@ -862,10 +834,7 @@ class LayerHealthCallback(Callback):
         if self._probes is not None:
             self._probes.remove()
         if self._hooks is not None:
-            self._hooks.remove()
-        if self._saved is not None:
-            self._saved.remove()
-            self._saved.take()  # bytes of an interrupted micro-batch are not a measurement
+            self._hooks.remove()  # an interrupted micro-batch's saved bytes are not a measurement
 
     def _discard_window(self) -> None:
         self._window = None
