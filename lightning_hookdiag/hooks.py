@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["HookSet", "first_floating_tensor", "in_backward"]
+__all__ = ["Companion", "HookSet", "first_floating_tensor", "in_backward"]
 
 ForwardSink = Callable[[int, Any], None]
 """Called as ``sink(layer_index, output)`` with the module's raw output, under ``torch.no_grad()``."""
@@ -29,6 +29,26 @@ TensorSink = Callable[[int, Tensor | None], None]
 """Called as ``sink(layer_index, tensor)`` with the first floating-point tensor of the output (``None``: none)."""
 GradSink = Callable[[int, Tensor], None]
 """Called as ``sink(layer_index, grad)`` with the gradient of the loss w.r.t. the module's output."""
+
+
+class Companion(Protocol):
+    """Hooks of their own that live exactly as long as a :class:`HookSet`'s (the saved-bytes tracker).
+
+    A companion measures per micro-batch: :meth:`end_micro_batch` keeps a finished micro-batch's measurement,
+    :meth:`drop_micro_batch` forgets an interrupted one's.
+    """
+
+    def attach(self) -> None:
+        """Install the hooks (no-op if installed)."""
+
+    def remove(self) -> None:
+        """Remove the hooks; idempotent."""
+
+    def end_micro_batch(self) -> None:
+        """The micro-batch ran to its end: keep what it measured."""
+
+    def drop_micro_batch(self) -> None:
+        """The micro-batch was interrupted: forget what it measured so far."""
 
 
 def first_floating_tensor(output: Any) -> Tensor | None:
@@ -149,6 +169,8 @@ class HookSet:
         eager: Run ``torch.compile``-d code eagerly while attached so that the hooks see every module.
         on_tensor: Like ``on_output``, but receives the output's first floating-point tensor (``None`` when it
             has none), searched once per call for this sink and the gradient hook together.
+        companions: Attached after this set's hooks and removed with them, so that one lifecycle covers every
+            hook of a sampled micro-batch (see :class:`Companion`).
 
     Example:
         >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
@@ -168,8 +190,10 @@ class HookSet:
         on_grad: GradSink | None = None,
         eager: bool = True,
         on_tensor: TensorSink | None = None,
+        companions: Sequence[Companion] = (),
     ) -> None:
         self.names: list[str] = list(modules)
+        self.companions: tuple[Companion, ...] = tuple(companions)
         self.modules: list[nn.Module] = list(modules.values())
         self._on_output = on_output
         self._on_tensor = on_tensor
@@ -203,10 +227,17 @@ class HookSet:
         self._handles = [m.register_forward_hook(h) for m, h in zip(self.modules, self._forward_hooks, strict=True)]
         if self._stance is not None:
             self._stance.enter()
+        for companion in self.companions:
+            companion.attach()
         return self
 
-    def remove(self) -> None:
-        """Remove every hook this set registered; safe to call any number of times."""
+    def remove(self, finished: bool = False) -> None:
+        """Remove every hook this set registered, and its companions'; safe to call any number of times.
+
+        Args:
+            finished: The micro-batch ran to its end, so the companions keep what they measured in it; otherwise
+                (an exception, an interrupted batch) they forget it.
+        """
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -216,6 +247,17 @@ class HookSet:
         self._attached = False
         if self._stance is not None:
             self._stance.exit()
+        for companion in self.companions:
+            companion.remove()
+            if finished:
+                companion.end_micro_batch()
+            else:
+                companion.drop_micro_batch()
+
+    def end_micro_batch(self) -> None:
+        """One micro-batch is over while the hooks stay attached (a replay runs a step's micro-batches in one go)."""
+        for companion in self.companions:
+            companion.end_micro_batch()
 
     def clear_order(self) -> None:
         """Forget which modules fired, to start observing a new step."""

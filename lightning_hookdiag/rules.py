@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # the rules only read a Trip's fields; importing the sentinel
 
 from lightning_hookdiag import trends
 from lightning_hookdiag.names import owning_layer
+from lightning_hookdiag.validation import integer, number
 
 __all__ = [
     "EVENT_RULES",
@@ -90,19 +91,6 @@ _MAX_LISTED = 3
 
 
 # ------------------------------------------------------------------------------------------------------ config
-def _number(name: str, value: Any, valid: str, ok: Callable[[float], bool]) -> float:
-    # bool is an int subclass: True would silently become 1.0.
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(float(value)):
-        raise ValueError(f"{name}: expected {valid}, got {value!r}")
-    return float(value)
-
-
-def _integer(name: str, value: Any, valid: str, ok: Callable[[int], bool]) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
-        raise ValueError(f"{name}: expected {valid}, got {value!r}")
-    return value
-
-
 @dataclass(frozen=True)
 class RuleConfig:
     """Which rules run, and their thresholds (see the table in :mod:`lightning_hookdiag.rules`).
@@ -228,22 +216,22 @@ class RuleConfig:
             "update_jump_ratio": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
         }
         for name, (valid, ok) in checks.items():
-            object.__setattr__(self, name, _number(name, getattr(self, name), valid, ok))
-        _integer("spike_window", self.spike_window, "an integer >= 3", lambda v: v >= 3)
+            object.__setattr__(self, name, number(name, getattr(self, name), valid, ok))
+        integer("spike_window", self.spike_window, "an integer >= 3", lambda v: v >= 3)
         window = self.spike_window
-        _integer(
+        integer(
             "spike_warmup", self.spike_warmup, f"an integer in [3, spike_window={window}]", lambda v: 3 <= v <= window
         )
         limit = self.attn_logit_threshold
-        floor = _number(
+        floor = number(
             "attn_trend_floor",
             self.attn_trend_floor,
             f"a number in [0, attn_logit_threshold={limit:g})",
             lambda v: 0.0 <= v < limit,
         )
         object.__setattr__(self, "attn_trend_floor", floor)
-        _integer("attn_trend_horizon", self.attn_trend_horizon, "an integer >= 1", lambda v: v >= 1)
-        _integer("trend_window", self.trend_window, "an integer >= 3", lambda v: v >= 3)
+        integer("attn_trend_horizon", self.attn_trend_horizon, "an integer >= 1", lambda v: v >= 1)
+        integer("trend_window", self.trend_window, "an integer >= 3", lambda v: v >= 3)
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any] | None) -> RuleConfig:

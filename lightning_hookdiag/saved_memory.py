@@ -38,6 +38,9 @@ __all__ = ["SavedMemoryTracker"]
 class SavedMemoryTracker:
     """Bytes saved for backward per selected module, between :meth:`attach` and :meth:`remove`.
 
+    A :class:`~lightning_hookdiag.hooks.Companion` of the callback's hook set, which attaches and removes it with
+    its own hooks, once per sampled micro-batch.
+
     Args:
         modules: Ordered ``{name: module}``; :meth:`take` lists bytes in this order.
         root: The model whose parameters and buffers are never counted.
@@ -93,6 +96,10 @@ class SavedMemoryTracker:
     def end_micro_batch(self) -> None:
         """Fold the current micro-batch into :attr:`peak` (host-side: no device copy per micro-batch)."""
         self.peak = [max(a, b) for a, b in zip(self.peak, self.take(), strict=True)]
+
+    def drop_micro_batch(self) -> None:
+        """Forget the current micro-batch's bytes (it was interrupted: a partial count is not a measurement)."""
+        self.take()
 
     def pop_peak(self) -> list[int]:
         """:attr:`peak` (the step's largest micro-batch per module), and start the next step afresh."""

@@ -456,7 +456,7 @@ def replay_step(
         micro_batches: The step's micro-batches, in order.
         run: Computes one micro-batch's loss; ``None`` when the step function skipped it.
         module: The module whose parameters receive (discarded) gradients and whose state is restored.
-        hooks: Attached for the replay, removed after it.
+        hooks: Attached for the replay, told the end of each micro-batch, removed after it.
         device: Where the step runs (for the accelerator RNG).
         trace: Attached for the replay and removed after it, also when ``run`` raises: where a NaN/Inf was made
             (read it afterwards with :meth:`~lightning_hookdiag.provenance.NonFiniteTrace.origin`).
@@ -488,12 +488,12 @@ def replay_step(
             for micro in micro_batches:
                 restore_rng(micro.rng, device)
                 loss = run(micro)
-                if loss is None:
-                    continue
-                produced += 1
-                if loss.requires_grad and params:
-                    torch.autograd.grad(loss, params, allow_unused=True)
+                if loss is not None:
+                    produced += 1
+                    if loss.requires_grad and params:
+                        torch.autograd.grad(loss, params, allow_unused=True)
                 del loss
+                hooks.end_micro_batch()  # its backward is over: the companions keep its measurement
     finally:
         if trace is not None:
             trace.remove()

@@ -6,6 +6,8 @@ row there).
 Example:
     >>> LAYER_STATS[:2], TOTAL_STATS
     (('act_mean', 'act_std'), ('grad_norm_total',))
+    >>> counted_by_gradient("act_grad_overflow_frac_float16"), counted_by_gradient("act_mean")
+    (True, False)
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ __all__ = [
     "ALL_STATS",
     "GRADIENT_STATS",
     "LAYER_STATS",
+    "MOMENT_STATS",
     "OPT_IN_STATS",
+    "OUTPUT_LAYER_STATS",
     "PARAMETER_STATS",
     "PER_PARAMETER_STATS",
     "PRECURSOR_STATS",
     "TOTAL_STATS",
+    "counted_by_gradient",
 ]
 
 ACTIVATION_STATS: tuple[str, ...] = (
@@ -50,7 +55,21 @@ PARAMETER_STATS: tuple[str, ...] = PER_PARAMETER_STATS + TOTAL_STATS
 ALL_STATS: tuple[str, ...] = LAYER_STATS + PARAMETER_STATS
 """Every statistic computed when ``stats=None`` (the default set)."""
 
-PRECURSOR_STATS: tuple[str, ...] = ("attn_logit_max", "logit_lse_mean", "logit_absmax")
+MOMENT_STATS: tuple[str, ...] = (
+    "act_mean",
+    "act_std",
+    "act_absmax",
+    "act_zero_frac",
+    "act_nonfinite",
+    "act_absmax_over_std",
+)
+"""Statistics finalised from an output's moments: outputs are reduced to moments only when one of them is asked for
+(otherwise only their element count is kept)."""
+
+OUTPUT_LAYER_STATS: tuple[str, ...] = ("logit_lse_mean", "logit_absmax")
+"""The precursors of the model's output layer, the statistics that ``output_layer=`` chooses the layer of."""
+
+PRECURSOR_STATS: tuple[str, ...] = ("attn_logit_max", *OUTPUT_LAYER_STATS)
 """Instability precursors (:mod:`lightning_hookdiag.attention`): the largest attention logit per attention module,
 and ``log Z`` / the largest ``|logit|`` of the output layer. Opt-in (see the cost in the benchmark README)."""
 
@@ -66,3 +85,11 @@ OPT_IN_STATS: tuple[str, ...] = (
 )
 """Statistics computed only when named in ``stats=``; the precision ones are logged once per target dtype, as
 ``<name>_<target>`` (e.g. ``act_overflow_frac_float16``)."""
+
+
+def counted_by_gradient(stat: str) -> bool:
+    """Whether a layer statistic describes the output's gradient, so that it exists where a gradient arrived.
+
+    The default gradient statistics and every ``act_grad_*`` opt-in one (the precision headroom of gradients).
+    """
+    return stat in GRADIENT_STATS or stat.startswith("act_grad_")

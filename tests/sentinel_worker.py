@@ -50,10 +50,9 @@ def main(out_dir: str, mode: str) -> None:
                 super().on_before_optimizer_step(trainer, pl_module, optimizer)
             self.collectives[trainer.global_step] = count["calls"]
 
-        def _log(self, trainer, step, *args, **kwargs):
-            metrics, values = super()._log(trainer, step, *args, **kwargs)
+        def _log(self, trainer, step, metrics):
             self.logged[step] = dict(metrics)
-            return metrics, values
+            return super()._log(trainer, step, metrics)
 
     class NaNOnRank1(nn.Module):
         def __init__(self) -> None:

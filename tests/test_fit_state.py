@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import collections
+import functools
+import inspect
 import io
 import pickle
+import types
 
 import pytest
 import torch
-from conftest import TinyModule, count_hooks, make_data, make_trainer
+from conftest import TinyModule, count_hooks, force_trips, make_data, make_trainer
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
-from lightning_hookdiag import ALL_STATS, OPT_IN_STATS, LayerHealthCallback
+from lightning_hookdiag import ALL_STATS, OPT_IN_STATS, LayerHealthCallback, LayerHealthError
+from lightning_hookdiag.fit_run import FitRun
 
 EVERY_STAT = [*ALL_STATS, *OPT_IN_STATS]
 
@@ -99,3 +105,224 @@ def test_a_second_fit_starts_a_fresh_trend_history():
     make_trainer([callback], max_steps=10).fit(module())
     # Only the second fit's steps: an earlier fit's values are no trend of this one.
     assert [s for s, _ in callback._history.points("param_norm", "model.0.weight")] == list(range(0, 10, 2))
+
+
+# ------------------------------------------------------------------------------ every exit, every opt-in statistic
+FULL = {
+    "every_n_steps": 2,
+    "stats": EVERY_STAT,
+    "precision_targets": "float16",
+    "histogram_every_n_steps": 2,
+    "sentinel": "loss+grads",
+    "summary": False,
+    "on_anomaly": "ignore",
+}
+
+
+class Attention(nn.Module):
+    """A block with attention, so that the attention probe (a torch-function mode) is entered on sampled steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.act = nn.ReLU()
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x).unsqueeze(1)
+        a, _ = self.attn(h, h, h)
+        return self.out(self.act(a.squeeze(1)))
+
+
+class Validated(TinyModule):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        return self.loss(self(x), y)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(self.data, batch_size=self.batch_size)
+
+
+def attention_module(fail_replays: bool = False) -> Validated:
+    m = Validated(model=Attention(), data=make_data(n=64))
+    m.record_enabled = False
+    if fail_replays:
+
+        def on_step(module, batch_idx):
+            if "log" in module.__dict__:  # a replay silences self.log by shadowing it on the instance
+                raise RuntimeError("the replay fails")
+
+        m.on_step = on_step
+    return m
+
+
+_ATOMS = (str, bytes, int, float, complex, bool, type(None), type, types.ModuleType, torch.dtype, torch.device)
+
+
+def reachable(callback: LayerHealthCallback) -> list[str]:
+    """The paths of every module or tensor reachable from the callback's attributes (containers, objects, closures).
+
+    ``log``/``log_dict`` are Lightning's: it binds the LightningModule's methods onto every callback at each fit, and
+    ``__getstate__`` leaves them out of a pickle.
+    """
+    found: list[str] = []
+    seen: set[int] = set()
+
+    def walk(obj, path: str) -> None:
+        if isinstance(obj, _ATOMS) or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, (torch.Tensor, nn.Module)):
+            found.append(f"{path}: {type(obj).__name__}")
+        elif isinstance(obj, dict):
+            for key, value in obj.items():
+                walk(key, f"{path}[{key!r}]")
+                walk(value, f"{path}[{key!r}]")
+        elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+            for i, value in enumerate(obj):
+                walk(value, f"{path}[{i}]")
+        elif isinstance(obj, types.MethodType):
+            walk(obj.__self__, f"{path}.__self__")
+        elif isinstance(obj, (types.FunctionType, functools.partial)):
+            cells = obj.__closure__ or () if isinstance(obj, types.FunctionType) else (obj.func, obj.args)
+            for i, cell in enumerate(cells):
+                walk(cell.cell_contents if isinstance(cell, types.CellType) else cell, f"{path}<closure {i}>")
+        else:
+            for name in getattr(type(obj), "__slots__", ()):
+                if hasattr(obj, name):
+                    walk(getattr(obj, name), f"{path}.{name}")
+            if hasattr(obj, "__dict__"):
+                walk(vars(obj), path)
+
+    for name, value in vars(callback).items():
+        if name not in ("log", "log_dict"):
+            walk(value, name)
+    return found
+
+
+def assert_released(callback: LayerHealthCallback, m: nn.Module) -> None:
+    assert callback._run is None
+    assert reachable(callback) == []
+    assert held(callback) == []  # and a pickle writes none either
+    pickle.loads(pickle.dumps(callback))
+    assert count_hooks(m) == 0
+    assert not torch.overrides._get_current_function_mode_stack()  # the attention probe's mode is gone too
+
+
+def test_the_walk_finds_what_a_fit_holds():
+    # Guards the tests below: in the middle of a sampled step, the walk finds the modules and tensors of the run.
+    seen = []
+
+    class Look(Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            seen.append(reachable(trainer.callbacks[0]))
+
+    m = attention_module()
+    callback = LayerHealthCallback(**FULL)
+    make_trainer([callback, Look()], max_steps=1).fit(m)
+    assert any(path.startswith("_run") and path.endswith(": Linear") for path in seen[0])
+    assert any(path.startswith("_run") and path.endswith(": Tensor") for path in seen[0])
+    assert_released(callback, m)
+
+
+# Sampled steps 0, 2 (hooks, probes, saved-bytes tracker attached between batch start and end); step 1 unsampled;
+# accumulation of 2 micro-batches, validation every 3 batches: in the middle of step 1's window.
+STAGES = [
+    ("setup", 0),
+    ("on_fit_start", 0),
+    ("on_train_batch_start", 2),
+    ("on_before_backward", 2),
+    ("on_after_backward", 2),
+    ("on_before_optimizer_step", 2),
+    ("on_train_batch_end", 2),
+    ("on_train_batch_end", 1),
+    ("on_validation_start", 1),
+    ("on_validation_batch_end", 1),
+]
+
+
+@pytest.mark.parametrize(("hook", "step"), STAGES)
+def test_after_an_exception_at_any_stage_with_every_opt_in_statistic_nothing_is_held(hook, step, tmp_path):
+    m = attention_module()
+    callback = LayerHealthCallback(**{**FULL, "every_n_steps": 1 if "validation" in hook else 2})
+    logger = TensorBoardLogger(tmp_path)  # histograms are written
+    with pytest.raises(RuntimeError, match=f"boom in {hook}"):
+        make_trainer(
+            [callback, Boom(hook, step)],
+            max_steps=5,
+            accumulate_grad_batches=2,
+            val_check_interval=3,
+            logger=logger,
+        ).fit(m)
+    assert_released(callback, m)
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["replayed", "replay_failed"])
+def test_after_an_exception_just_after_a_replay_nothing_is_held(monkeypatch, fail):
+    force_trips(monkeypatch, {1})
+    m = attention_module(fail_replays=fail)
+    callback = LayerHealthCallback(**FULL)
+    with pytest.raises(RuntimeError, match="boom in on_before_optimizer_step"):
+        make_trainer([callback, Boom("on_before_optimizer_step", 1)], max_steps=5).fit(m)
+    ((trip_step, replayed),) = [(t.step, t.replayed) for t in callback.trips]
+    assert (trip_step, replayed) == (1, not fail)  # guards the test: the replay ran (and failed, or not)
+    assert_released(callback, m)
+
+
+def test_after_on_anomaly_raise_on_a_replayed_step_nothing_is_held(monkeypatch):
+    force_trips(monkeypatch, {1})
+    m = attention_module()
+    callback = LayerHealthCallback(**{**FULL, "on_anomaly": "raise"})
+    with pytest.raises(LayerHealthError, match="loss_spike"):
+        make_trainer([callback], max_steps=5).fit(m)
+    assert callback.last_step == 1  # the replayed step was logged before the error
+    assert_released(callback, m)
+
+
+# ------------------------------------------------------------------------------------- the callback's own shape
+CONFIG = {
+    "every_n_steps",
+    "layers",
+    "layer_types",
+    "exclude",
+    "stats",
+    "prefix",
+    "dead_unit_types",
+    "unit_dim",
+    "on_anomaly",
+    "rule_config",  # from rules=
+    "summary",
+    "histogram_every_n_steps",
+    "histogram_bins",
+    "sentinel",
+    "precision_targets",
+    "output_layer",
+}
+RESULTS = {"last_metrics", "last_step", "layer_names", "execution_order", "findings", "last_findings", "trips"}
+# What state_dict saves besides the results: the one-time notes given, the alerts, the sentinel's loss baseline, the
+# trend history and the rules' memory between sampled steps.
+CHECKPOINTED = {"_warned", "_alerts", "_sentinel", "_history", "_baseline", "_last_finite"}
+
+
+def test_the_callback_holds_its_configuration_its_results_and_one_run_slot():
+    callback = LayerHealthCallback()
+    assert set(vars(callback)) == CONFIG | RESULTS | CHECKPOINTED | {"_run"}
+    parameters = set(inspect.signature(LayerHealthCallback.__init__).parameters) - {"self"}
+    assert (parameters - {"rules"}) | {"rule_config"} == CONFIG  # one attribute per argument
+    assert callback._run is None
+
+
+def test_the_run_is_one_object_from_fit_start_to_the_end_of_fit():
+    runs = []
+
+    class Look(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            runs.append(trainer.callbacks[0]._run)
+
+    callback = LayerHealthCallback(every_n_steps=2, summary=False)
+    make_trainer([callback, Look()], max_steps=3).fit(module())
+    assert isinstance(runs[0], FitRun)
+    assert all(run is runs[0] for run in runs)
+    assert set(vars(callback)) - {"log", "log_dict"} == CONFIG | RESULTS | CHECKPOINTED | {"_run"}
+    assert callback._run is None

@@ -123,7 +123,7 @@ def test_default_stats_use_the_plain_recorder_and_register_no_opt_in_state():
 
     class Probe(LayerHealthCallback):
         def on_train_batch_end(self, *args):
-            seen.append((type(self._recorder).__name__, set(self._aggregator._defaults), self._saved))
+            seen.append((type(self._run.recorder).__name__, set(self._run.aggregator._defaults), self._run.saved))
             super().on_train_batch_end(*args)
 
     make_trainer([Probe(every_n_steps=1)], max_steps=1).fit(TinyModule())

@@ -121,7 +121,7 @@ def test_the_callback_takes_the_shift_from_the_last_pooled_mean(tmp_path):
     assert seen[1] == pytest.approx(expected, rel=1e-6)  # about step 0's pooled mean
     assert seen[2] == pytest.approx(expected, rel=1e-6)
     assert seen[0] != pytest.approx(expected, rel=1e-6)  # step 0: about zero (documented)
-    assert callback._aggregator is None  # released at teardown
+    assert callback._run is None  # released at teardown
 
 
 def test_power_sums_of_half_precision_equal_those_of_its_float32_copy():

@@ -255,7 +255,7 @@ def test_no_hook_is_left_after_any_replay(monkeypatch):
     assert "the previous step tripped too" in callback.trips[1].reason
     assert checker.checked == 8
     assert count_hooks(module) == 0
-    assert not callback._hooks  # released at teardown
+    assert callback._run is None  # released at teardown
 
 
 # ------------------------------------------------------------------------------------------------ loss spikes

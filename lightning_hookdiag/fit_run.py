@@ -1,0 +1,476 @@
+"""The per-fit state of the callback: everything one ``fit`` creates, in one object that is dropped in one place.
+
+:meth:`FitRun.start` resolves the selection and builds the run objects (the hook set with its saved-bytes
+companion, the recorder and aggregator, the parameter tracker, the precursor probes, the eval-mode watch, the
+optimizer-step watch, the key cache) and the open-step state machine (:mod:`lightning_hookdiag.step_state`). The
+methods do the work of the callback's hook methods on them: open, discard and :meth:`~FitRun.collect` a window
+(pool, reduce over processes, one host transfer), measure the parameters around an optimizer step. Nothing here
+knows Lightning: the callback passes what it reads from the Trainer.
+
+The callback holds one :class:`FitRun` between ``on_fit_start`` and the end of the fit; :meth:`FitRun.release`
+removes every hook, and dropping the object drops every reference to the module, its parameters and the device
+state, so the callback pickles after a fit, also a failed one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_hookdiag.aggregation import LayerStatsAggregator
+from lightning_hookdiag.attention import PrecursorProbes, attention_scope
+from lightning_hookdiag.hooks import HookSet
+from lightning_hookdiag.metrics import KeyCache, StepFacts
+from lightning_hookdiag.modes import EvalModeWatch
+from lightning_hookdiag.opt_in import OptInPlan, OptInRecorder, plan_opt_in
+from lightning_hookdiag.params import (
+    P_UPDATE_SQ,
+    ParameterTracker,
+    named_parameters_of,
+    owned_parameters,
+    stale_gradient_squares,
+)
+from lightning_hookdiag.recorder import StepRecorder
+from lightning_hookdiag.rules import ParamFacts
+from lightning_hookdiag.saved_memory import SavedMemoryTracker
+from lightning_hookdiag.selection import excluded_names, named_modules, resolve_layers, unmatched_error
+from lightning_hookdiag.stats import accumulation_dtype
+from lightning_hookdiag.step_state import OpenStep, StepState
+from lightning_hookdiag.updates import StepWatch
+from lightning_hookdiag.vocabulary import (
+    GRADIENT_STATS,
+    LAYER_STATS,
+    MOMENT_STATS,
+    PARAMETER_STATS,
+    PER_PARAMETER_STATS,
+    PRECURSOR_STATS,
+)
+
+__all__ = ["FitConfig", "FitRun", "ObservedStep"]
+
+
+@dataclass(frozen=True)
+class FitConfig:
+    """What the callback was configured with that a fit's run objects need (validated by the callback).
+
+    Attributes:
+        every_n_steps: Steps ``0, n, 2n, ...`` are sampled.
+        layers, layer_types, exclude: The selection (see :func:`~lightning_hookdiag.selection.resolve_layers`).
+        stats: The resolved statistic names.
+        prefix: First segment of every key.
+        dead_unit_types: Module classes whose outputs get ``act_dead_frac``.
+        unit_dim: The unit axis of ``act_dead_frac``, or ``None``.
+        histogram_every_n_steps: Histogram interval, or ``None``.
+        histogram_bins: Bins per histogram.
+        precision_targets: Resolved ``precision_targets=``, or ``None``.
+        output_layer: The module of ``logit_lse_mean`` / ``logit_absmax``, or ``None``.
+        sentinel_grads: The sentinel also checks the selected parameters' gradients (``"loss+grads"``).
+        eval_mode: Rule ``eval_mode`` is enabled (watch the modules' train/eval mode).
+    """
+
+    every_n_steps: int
+    layers: list[str] | None
+    layer_types: tuple[type[nn.Module], ...] | None
+    exclude: list[str]
+    stats: tuple[str, ...]
+    prefix: str
+    dead_unit_types: tuple[type[nn.Module], ...]
+    unit_dim: int | None
+    histogram_every_n_steps: int | None
+    histogram_bins: int
+    precision_targets: Sequence[str] | None
+    output_layer: str | None
+    sentinel_grads: bool
+    eval_mode: bool
+
+
+@dataclass(frozen=True)
+class ObservedStep:
+    """One finished window, read back to the host: what the callback logs and the rules read.
+
+    Attributes:
+        step: The optimizer step.
+        layers: Whether its layers were observed (``False``: parameters only).
+        trip: The sentinel's trip of the step, if any.
+        host: The pooled values by name, one list per statistic (see :func:`~lightning_hookdiag.metrics.step_values`).
+        wanted: The statistics to log, in order.
+        precursors: Precursor statistic to the names of its values.
+        facts: What the step could not observe.
+        forward_order: Module names in the order their forward first ran.
+        backward_order: Module names in the order their output gradient first arrived.
+        missing_grads: Outputs that required grad but received none (rule ``no_gradient``).
+        eval_mode: Mode-dependent modules found in eval mode (rule ``eval_mode``).
+        param_facts: Learning rates and applied steps per parameter (rule ``not_updated``).
+        histogram_edges: The inner bin edges, when the step logs histograms.
+    """
+
+    step: int
+    layers: bool
+    trip: Any
+    host: dict[str, list[float]]
+    wanted: list[str]
+    precursors: dict[str, list[str]]
+    facts: StepFacts
+    forward_order: list[str]
+    backward_order: list[str]
+    missing_grads: list[str]
+    eval_mode: dict[str, str]
+    param_facts: dict[str, ParamFacts]
+    histogram_edges: list[float] | None = None
+
+
+@dataclass(eq=False)
+class FitRun:
+    """The run objects of one fit and its open-step state (build it with :meth:`start`)."""
+
+    config: FitConfig
+    layer_names: list[str]
+    layer_types: dict[str, str]
+    """Module name to class name, for the rules."""
+    param_names: list[str]
+    params: list[nn.Parameter]
+    """The tracked parameters, in :attr:`param_names` order."""
+    sentinel_params: list[nn.Parameter]
+    quiet_not_run: frozenset[str]
+    """Modules of the default selection whose not running is a note, not a warning (no parameters of their own)."""
+    plan: OptInPlan
+    aggregator: LayerStatsAggregator
+    recorder: StepRecorder
+    hooks: HookSet
+    tracker: ParameterTracker | None
+    saved: SavedMemoryTracker | None
+    probes: PrecursorProbes | None
+    modes: EvalModeWatch | None
+    keys: KeyCache
+    state: StepState
+    watch: StepWatch = field(default_factory=StepWatch)
+    """Learning rates and applied steps of the open window, for ``not_updated``."""
+
+    @classmethod
+    def start(
+        cls,
+        config: FitConfig,
+        pl_module: nn.Module,
+        trainer_precision: str | int | None,
+        sharded: Callable[[Mapping[str, nn.Parameter]], bool],
+    ) -> FitRun:
+        """Resolve the selection (errors for names that match nothing) and allocate the device state.
+
+        Args:
+            config: The callback's configuration.
+            pl_module: The LightningModule.
+            trainer_precision: ``trainer.precision``.
+            sharded: Whether the strategy shards these parameters over processes.
+        """
+        modules = resolve_layers(pl_module, config.layers, config.layer_types, config.exclude)
+        layer_names = list(modules)
+        wanted = set(config.stats)
+        params = _tracked_parameters(config, pl_module, modules) if wanted & set(PARAMETER_STATS) else {}
+        # A module of the default selection that does not run is usually unused by design (a dropout that fused
+        # attention skips, MultiheadAttention's out_proj): a note, not a warning, unless it holds parameters that
+        # nothing else observed.
+        quiet = (
+            frozenset(name for name, m in modules.items() if not any(True for _ in m.parameters()))
+            if config.layers is None
+            else frozenset()
+        )
+        device = _device(pl_module)
+        plan = plan_opt_in(config.stats, config.precision_targets, trainer_precision)
+        aggregator = LayerStatsAggregator(
+            len(modules),
+            len(params),
+            dtype=accumulation_dtype(device),
+            sharded_params=sharded(params),
+            histogram_bins=config.histogram_bins if config.histogram_every_n_steps else 0,
+            **plan.aggregator_kwargs(),
+        ).to(device)
+        unit_layers = (
+            frozenset(i for i, m in enumerate(modules.values()) if isinstance(m, config.dead_unit_types))
+            if "act_dead_frac" in wanted
+            else frozenset()
+        )
+        recorder_args: dict[str, Any] = {
+            "moments": bool(wanted & set(MOMENT_STATS)),
+            "unit_layers": unit_layers,
+            "unit_dim": config.unit_dim,
+            "names": layer_names,
+        }
+        # The default path keeps the plain StepRecorder: opt-in statistics cost nothing unless asked for.
+        recorder = (
+            OptInRecorder(aggregator, plan, **recorder_args) if plan.any else StepRecorder(aggregator, **recorder_args)
+        )
+        saved = SavedMemoryTracker(modules, pl_module) if plan.saved_bytes else None
+        probes = _precursor_probes(config, pl_module, modules)
+        if probes is not None:
+            probes.register(aggregator)
+        on_grad = recorder.on_grad if wanted & set(GRADIENT_STATS) or plan.grad_targets else None
+        hooks = HookSet(
+            modules, None, on_grad, on_tensor=recorder.on_tensor, companions=[saved] if saved is not None else []
+        )
+        tracker = (
+            ParameterTracker(params, snapshot="param_update_ratio" in wanted, dtype=aggregator.acc_dtype)
+            if params
+            else None
+        )
+        return cls(
+            config=config,
+            layer_names=layer_names,
+            layer_types={name: type(m).__name__ for name, m in modules.items()},
+            param_names=list(params),
+            params=list(params.values()),
+            sentinel_params=list(named_parameters_of(modules).values()) if config.sentinel_grads else [],
+            quiet_not_run=quiet,
+            plan=plan,
+            aggregator=aggregator,
+            recorder=recorder,
+            hooks=hooks,
+            tracker=tracker,
+            saved=saved,
+            probes=probes,
+            modes=EvalModeWatch(pl_module) if config.eval_mode else None,
+            keys=KeyCache(config.prefix),
+            state=StepState(config.every_n_steps),
+        )
+
+    # ------------------------------------------------------------------------------------------------ micro-batches
+    def attach(self) -> None:
+        """Attach every hook of one sampled micro-batch (the hook set with its companions, the probes)."""
+        self.hooks.attach()
+        if self.modes is not None:
+            self.modes.batch_start()
+        if self.probes is not None:
+            self.probes.attach()
+
+    def end_forward(self, loss: Tensor | None = None) -> None:
+        """The micro-batch's forward is over (``loss``: what is back-propagated): the probes never see backward."""
+        if self.modes is not None and self.hooks.attached:
+            self.modes.before_backward()  # the sampled forward ran between batch start and here
+        if self.probes is not None and self.probes.attached:
+            self.probes.end_forward(loss)
+
+    def end_micro_batch(self) -> None:
+        """Remove the micro-batch's hooks; its companions keep what they measured."""
+        if self.hooks.attached:  # a sampled micro-batch (an unsampled step pays nothing for the check below)
+            self.hooks.remove(finished=True)
+        if self.probes is not None and self.probes.attached:
+            self.probes.end_forward()  # no backward (a training_step that returned no loss): the output still counts
+
+    def detach(self) -> None:
+        """Remove every hook; an interrupted micro-batch's partial measurements are dropped. Idempotent."""
+        if self.probes is not None:
+            self.probes.remove()
+        self.hooks.remove()
+
+    # ------------------------------------------------------------------------------------------------------ windows
+    def open_window(self, step: int, last_metrics: Mapping[str, float], layers: bool = True) -> OpenStep:
+        """Open the window of ``step`` (``layers=False``: parameters only) and start its state afresh.
+
+        ``last_metrics``: the previous sampled step's logged values (the shift of the kurtosis power sums).
+        """
+        window = self.state.open(step, layers)
+        if self.modes is not None:
+            self.modes.take()  # a discarded window's findings are not this one's
+        self.watch.release()
+        agg = self.aggregator
+        if self.probes is not None:
+            self.probes.reset(agg.act_moments.device)
+        self.hooks.clear_order()
+        every = self.config.histogram_every_n_steps
+        # Replays follow the schedule of sampled steps; parameter-only windows have no histograms.
+        self.recorder.histograms = layers and every is not None and step % every == 0
+        if agg.power_sums:
+            # Kurtosis sums about the last pooled mean keep their digits when the mean dwarfs the spread; the logged
+            # mean is the same on every process, so the sums still add up exactly.
+            means = [last_metrics.get(self.keys.key("act_mean", name), 0.0) for name in self.layer_names]
+            shift = [m if math.isfinite(m) else 0.0 for m in means]
+            agg.power_shift = torch.tensor(shift, dtype=agg.acc_dtype, device=agg.act_moments.device)
+        return window
+
+    def discard_window(self) -> None:
+        """Drop the open window, if any: nothing of it is logged, and its device state is reset."""
+        self.state.close()
+        recorder = self.recorder
+        recorder.release()
+        recorder.no_float_output.clear()
+        recorder.empty_output.clear()
+        recorder.sparse_output.clear()
+        self.aggregator.reset()
+        self.aggregator.grad_scale = None
+        if self.tracker is not None:
+            self.tracker.release()
+        self.watch.release()
+        if self.saved is not None:
+            self.saved.pop_peak()
+
+    def check_stale(self, n_optimizers: int) -> None:
+        """At the open window's first backward, measure the gradients still held from the previous step.
+
+        None are held with ``zero_grad``: then this costs no kernel. With several optimizers (a GAN), one
+        optimizer's gradients legitimately wait through another's step, so nothing is measured.
+        """
+        window = self.state.window
+        if window is None or window.stale_checked or n_optimizers != 1:
+            return
+        window.stale_checked = True
+        window.stale = stale_gradient_squares(self.params, self.aggregator.acc_dtype)
+
+    def before_optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        optimizers: Sequence[torch.optim.Optimizer],
+        scale: Tensor | None,
+        watch_membership: bool,
+    ) -> None:
+        """Measure the weights and gradients of the open window before ``optimizer`` steps (first call only).
+
+        LBFGS evaluates its closure several times per step, at trial points, and the hook runs after each: the
+        first call sees the weights and gradients from before the step; the update ratio then spans the whole step.
+
+        Args:
+            optimizer: The optimizer about to step.
+            optimizers: Every optimizer of the Trainer.
+            scale: The AMP ``GradScaler``'s scale: the tensor hooks saw gradients scaled by it.
+            watch_membership: Watch learning rates and membership for ``not_updated`` (not where the optimizers
+                hold copies of the parameters, as DeepSpeed's do).
+        """
+        window = self.state.window
+        if window is None:
+            return
+        first = not window.stepped
+        if not window.first_call(optimizer):
+            return
+        if scale is not None:
+            # The scale may change in scaler.update() after this step.
+            self.aggregator.grad_scale = scale.detach().clone()
+        if self.tracker is None:
+            return
+        groups = optimizer.param_groups
+        if watch_membership:
+            self.watch.observe(optimizer)
+            unheld = self.watch.unheld(self.tracker.params, optimizers) if first else []
+            groups = [*groups, {"params": unheld}] if unheld else groups  # measured like the stepped ones
+        measured = self.tracker.before_step(groups)
+        if measured is not None:
+            self.aggregator.update(params=(measured[0], measured[1], slice(None)))
+
+    def collect(self, before_update: bool = False) -> ObservedStep:
+        """Close the open window: pool it, reduce it over processes and read it back in one host transfer.
+
+        Every process takes part in the reduction, also one whose layers did not run. ``before_update``: the
+        optimizer has not stepped (``on_anomaly="raise"`` on a trip): there is no update to measure.
+        """
+        window = self.state.close()
+        assert window is not None, "collect() needs an open window"
+        agg, recorder, hooks = self.aggregator, self.recorder, self.hooks
+        updated = None
+        if self.tracker is not None:
+            if before_update:
+                self.tracker.release()
+            else:
+                updated = self.tracker.after_step()
+        if self.saved is not None:
+            agg.add_saved_bytes(self.saved.pop_peak())  # one host-to-device copy per sampled step
+        if self.probes is not None:
+            self.probes.fold(agg)
+        agg.update(params=None if updated is None else (updated[0], updated[1], P_UPDATE_SQ))
+        values = agg.compute()  # reduced over processes: one SUM and one MAX all-reduce (aggregation.py)
+        wanted = self._wanted(window.layers, before_update)
+        names = [*wanted, "count", "grad_count", "param_seen", "grad_norm_total"]
+        if window.stale is not None:
+            values = {**values, "stale_grad_sq": window.stale.to(values["count"].device)}
+            names.append("stale_grad_sq")
+        if "param_norm" in wanted and "param_norm_min" in values:  # replicated parameters of a distributed run
+            names.append("param_norm_min")
+        histograms = recorder.histograms
+        if histograms:
+            names += ["act_hist", "grad_hist"]
+        precursors, owners = self.probes.finalize(values) if self.probes is not None else ({}, {})
+        values = {**values, **precursors}
+        names += list(precursors)
+        parts = [values[name].reshape(-1).to(torch.float64) for name in names]
+        flat = torch.cat(parts).tolist()  # the one host transfer
+        ends = list(itertools.accumulate(p.numel() for p in parts))
+        host = {name: flat[end - part.numel() : end] for name, part, end in zip(names, parts, ends, strict=True)}
+        facts = StepFacts(
+            unit_mismatch=frozenset(agg.unit_mismatch),
+            no_float=frozenset(recorder.no_float_output),
+            sparse=frozenset(recorder.sparse_output),
+            empty=frozenset(recorder.empty_output),
+        )
+        observed = ObservedStep(
+            step=window.step,
+            layers=window.layers,
+            trip=window.trip,
+            host=host,
+            wanted=wanted,
+            precursors=owners,
+            facts=facts,
+            forward_order=hooks.fired_names(),
+            backward_order=[hooks.names[i] for i in hooks.grad_order],
+            missing_grads=hooks.missing_grads(),  # the whole window's, replays included: rule no_gradient
+            eval_mode=self.modes.take() if self.modes is not None else {},
+            param_facts=self.watch.facts(self.param_names, self.tracker.params) if self.tracker is not None else {},
+            histogram_edges=agg.histogram_edges.tolist() if histograms else None,
+        )
+        hooks.clear_order()
+        recorder.no_float_output.clear()
+        recorder.sparse_output.clear()
+        recorder.empty_output.clear()
+        recorder.release()
+        agg.reset()
+        agg.grad_scale = None
+        self.watch.release()
+        return observed
+
+    def _wanted(self, layers: bool, before_update: bool) -> list[str]:
+        stats = self.config.stats
+        skip = {"param_update_ratio"} if before_update else set()
+        if not layers:
+            skip.update(LAYER_STATS)
+        wanted = [s for s in (*LAYER_STATS, *PER_PARAMETER_STATS) if s in stats and s not in skip]
+        if layers:
+            wanted += self.plan.logged
+        return wanted
+
+    def release(self) -> None:
+        """Remove every hook and drop the open window and the kept micro-batches (the fit is over)."""
+        self.detach()
+        self.discard_window()
+        self.state.micro.release()
+
+
+def _device(module: nn.Module) -> torch.device:
+    device = getattr(module, "device", None)
+    return device if isinstance(device, torch.device) else torch.device("cpu")
+
+
+def _tracked_parameters(
+    config: FitConfig, pl_module: nn.Module, modules: Mapping[str, nn.Module]
+) -> dict[str, nn.Parameter]:
+    """The parameters the statistics track, by logged name."""
+    # The default selection counts every parameter (also those of non-leaf modules, such as a ViT's cls_token), so
+    # grad_norm_total is the norm that clip_grad_norm_ sees; a selection narrows it.
+    if config.layers is None and not config.layer_types:
+        return owned_parameters(pl_module, skip=excluded_names(pl_module, config.exclude))
+    return named_parameters_of(modules)
+
+
+def _precursor_probes(
+    config: FitConfig, pl_module: nn.Module, modules: Mapping[str, nn.Module]
+) -> PrecursorProbes | None:
+    """The attention and output-logit probes of the requested precursor statistics, or ``None``."""
+    if not set(PRECURSOR_STATS) & set(config.stats):
+        return None
+    every = named_modules(pl_module)
+    output = modules
+    if config.output_layer is not None:
+        if config.output_layer not in every:
+            raise unmatched_error(config.output_layer, "output_layer", list(every))
+        output = {config.output_layer: every[config.output_layer]}
+    return PrecursorProbes(config.stats, attention_scope(every, list(modules)), output)

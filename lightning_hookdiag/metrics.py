@@ -1,0 +1,287 @@
+"""One sampled step's values, read back to the host, as logged metrics and as the rules' values; and its notes.
+
+Pure Python on plain floats (no torch, no Lightning): :func:`step_values` turns the host copy of the pooled state
+(``{name: [float, ...]}``, one value per layer or parameter) into ``{key: value}`` for the loggers and
+``{stat: {name: value}}`` for the rules; :func:`layer_notes`, :func:`missing_grad_notes`, :func:`histogram_note`
+and :func:`opt_in_note` turn what the step could not measure into the one-time notes the callback gives. Keys are
+``f"{prefix}/{stat}/{name}"`` (``docs/statistics.md``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from lightning_hookdiag.vocabulary import PER_PARAMETER_STATS, PRECURSOR_STATS, counted_by_gradient
+
+__all__ = [
+    "KeyCache",
+    "Note",
+    "StepFacts",
+    "histogram_note",
+    "layer_notes",
+    "missing_grad_notes",
+    "opt_in_note",
+    "step_values",
+]
+
+
+class Note(NamedTuple):
+    """A one-time message: given once per ``key`` (a warning, or an info line when ``info``)."""
+
+    key: str
+    message: str
+    info: bool = False
+
+
+class KeyCache:
+    """The logged keys of each statistic, formatted once: the same keys on every sampled step.
+
+    1,000 f-strings cost about 0.2 ms a step.
+
+    Example:
+        >>> keys = KeyCache("layer_health")
+        >>> keys.keys("act_std", ["fc1", "fc2"]), keys.key("grad_norm_total")
+        (['layer_health/act_std/fc1', 'layer_health/act_std/fc2'], 'layer_health/grad_norm_total')
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._keys: dict[str, list[str]] = {}
+
+    def keys(self, stat: str, names: Sequence[str]) -> list[str]:
+        """``f"{prefix}/{stat}/{name}"`` for every name, cached per statistic."""
+        keys = self._keys.get(stat)
+        if keys is None or len(keys) != len(names):
+            keys = self._keys[stat] = [f"{self.prefix}/{stat}/{name}" for name in names]
+        return keys
+
+    def key(self, stat: str, name: str | None = None) -> str:
+        """One key; without ``name``, the key of a statistic with one value per step."""
+        return f"{self.prefix}/{stat}" if name is None else f"{self.prefix}/{stat}/{name}"
+
+
+def step_values(
+    host: Mapping[str, Sequence[float]],
+    wanted: Sequence[str],
+    *,
+    keys: KeyCache,
+    layer_names: Sequence[str],
+    param_names: Sequence[str],
+    execution_order: Sequence[str],
+    undefined_skipped: Collection[str] = (),
+    precursors: Mapping[str, Sequence[str]] | None = None,
+    total: bool = True,
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """The step's logged metrics, and the same values by statistic and name with what only the rules read.
+
+    A layer's statistic exists where the layer ran (``count``; a gradient statistic where a gradient arrived,
+    ``grad_count``), a parameter's where it was measured (``param_seen``).
+
+    Args:
+        host: The host copy of the step: every name of ``wanted``, ``count``, ``grad_count``, ``param_seen`` and
+            ``grad_norm_total``; optionally ``stale_grad_sq`` and ``param_norm_min`` (read by the rules, not
+            logged) and the precursors.
+        wanted: The statistics to log, per layer or per parameter.
+        keys: Formats the keys.
+        layer_names: The observed modules, in the order of the layer rows.
+        param_names: The tracked parameters, in the order of the parameter rows.
+        execution_order: Module names in the order their forward first ran: ``depth`` of each layer that ran.
+        undefined_skipped: Statistics whose NaN means "undefined here" and is not logged (``act_dead_frac`` of a
+            layer that is not ReLU-like; an opt-in statistic of an all-zero or constant output).
+        precursors: Precursor statistic to the names its values belong to (``""``: no module); NaN: not seen.
+        total: Log ``grad_norm_total`` (when a parameter was measured).
+
+    Example:
+        >>> host = {"act_std": [0.5, 0.0], "count": [4.0, 0.0], "grad_count": [0.0, 0.0],
+        ...         "param_seen": [1.0], "param_norm": [2.0], "grad_norm_total": [3.0]}
+        >>> metrics, values = step_values(host, ["act_std", "param_norm"], keys=KeyCache("h"),
+        ...                               layer_names=["a", "b"], param_names=["a.weight"], execution_order=["a"])
+        >>> metrics
+        {'h/act_std/a': 0.5, 'h/param_norm/a.weight': 2.0, 'h/grad_norm_total': 3.0, 'h/depth/a': 0.0}
+        >>> values
+        {'act_std': {'a': 0.5}, 'param_norm': {'a.weight': 2.0}}
+    """
+    count, grad_count, seen = host["count"], host["grad_count"], host["param_seen"]
+    metrics: dict[str, float] = {}
+    values: dict[str, dict[str, float]] = {}
+    for stat in wanted:
+        if stat in PER_PARAMETER_STATS:
+            names, present = param_names, [s > 0 for s in seen]
+        else:
+            ran = grad_count if counted_by_gradient(stat) else count
+            names, present = layer_names, [c > 0 for c in ran]
+        skip_nan = stat in undefined_skipped
+        group: dict[str, float] = {}
+        for key, name, value, ok in zip(keys.keys(stat, names), names, host[stat], present, strict=True):
+            if ok and not (skip_nan and value != value):
+                metrics[key] = group[name] = value
+        if group:
+            values[stat] = group
+    for stat, owners in (precursors or {}).items():
+        group = {n: v for n, v in zip(owners, host[stat], strict=True) if n and v == v}  # NaN: not observed
+        if group:
+            values[stat] = group
+            if stat in PRECURSOR_STATS:
+                metrics.update({keys.key(stat, n): v for n, v in group.items()})
+    if total and any(s > 0 for s in seen):
+        metrics[keys.key("grad_norm_total")] = host["grad_norm_total"][0]
+    # Depth travels as data so that a report can order layers from the logs of any logger.
+    observed = {name for name, c in zip(layer_names, count, strict=True) if c > 0}
+    for depth, name in enumerate(n for n in execution_order if n in observed):
+        metrics[keys.key("depth", name)] = float(depth)
+    if "stale_grad_sq" in host:  # passed to the rules, not logged: it is 0 on every healthy step
+        held = zip(param_names, host["stale_grad_sq"], strict=True)
+        values["param_stale_grad_norm"] = {name: math.sqrt(sq) for name, sq in held if sq != 0}
+    if "param_norm_min" in host:  # not logged: what replica_divergence compares param_norm with
+        present_min = zip(param_names, host["param_norm_min"], seen, strict=True)
+        values["param_norm_min"] = {name: low for name, low, s in present_min if s > 0}
+    return metrics, values
+
+
+@dataclass(frozen=True)
+class StepFacts:
+    """What one sampled step could not observe, by layer index (from the recorder and the aggregator).
+
+    Attributes:
+        unit_mismatch: Layers whose number of units changed between calls or processes (no ``act_dead_frac``).
+        no_float: Layers whose output held no floating-point tensor.
+        sparse: Layers whose output (or its gradient) was a sparse tensor.
+        empty: Layers with a call whose output had no elements.
+    """
+
+    unit_mismatch: frozenset[int] = field(default_factory=frozenset)
+    no_float: frozenset[int] = field(default_factory=frozenset)
+    sparse: frozenset[int] = field(default_factory=frozenset)
+    empty: frozenset[int] = field(default_factory=frozenset)
+
+
+def layer_notes(
+    step: int,
+    layer_names: Sequence[str],
+    count: Sequence[float],
+    facts: StepFacts,
+    *,
+    layers_observed: bool = True,
+    default_selection: bool = True,
+    quiet_not_run: Collection[str] = (),
+) -> list[Note]:
+    """The notes about selected layers that the step could not observe, in a fixed order.
+
+    Args:
+        step: The optimizer step.
+        layer_names: The observed modules, in the order of ``count``.
+        count: Per layer, the elements observed (0: the layer produced no observation).
+        facts: Why some layers were not observed.
+        layers_observed: The step's layers were hooked (``False``: a tripped step only its parameters were
+            measured for; then a layer that did not run is no news).
+        default_selection: ``layers=None``: a module inside a selected module that ran is observed through it, so
+            that it did not run is an info note, not a warning.
+        quiet_not_run: Modules whose not running is a note, not a warning (no parameters of their own).
+
+    Example:
+        >>> facts = StepFacts(no_float=frozenset({0}))
+        >>> [(n.key, n.info) for n in layer_notes(3, ["emb", "fc", "drop"], [0.0, 8.0, 0.0], facts,
+        ...                                        quiet_not_run={"drop"})]
+        [('no_float:emb', False), ('not_run:drop', True)]
+    """
+    notes = [
+        Note(
+            f"unit_mismatch:{layer_names[i]}",
+            f"LayerHealthCallback: the number of units of {layer_names[i]!r} changed between calls or differs"
+            " between processes (a module shared by inputs of different widths); act_dead_frac is not tracked for"
+            " it",
+        )
+        for i in sorted(facts.unit_mismatch)
+    ]
+    notes += [
+        Note(
+            f"no_float:{layer_names[i]}",
+            f"LayerHealthCallback: the output of {layer_names[i]!r} holds no floating-point tensor; it is not observed",
+        )
+        for i in sorted(facts.no_float)
+    ]
+    no_float = {layer_names[i] for i in facts.no_float}
+    sparse = {layer_names[i] for i in facts.sparse}
+    notes += [
+        Note(
+            f"sparse:{name}",
+            f"LayerHealthCallback: the output of {name!r} (or its gradient) is a sparse tensor; sparse tensors are"
+            " not observed",
+        )
+        for name in sorted(sparse)
+    ]
+    empty = {layer_names[i] for i in facts.empty}
+    ran = [name for name, c in zip(layer_names, count, strict=True) if c > 0]
+    for name, c in zip(layer_names, count, strict=True):
+        if c == 0 and name in empty:
+            notes.append(
+                Note(
+                    f"empty:{name}",
+                    f"LayerHealthCallback: selected module {name!r} ran during sampled step {step} but its output"
+                    " had no elements; no statistics for it",
+                )
+            )
+        elif c == 0 and name not in no_float and name not in sparse and layers_observed:
+            # Inside a selected module that ran (MultiheadAttention's out_proj): observed through it.
+            covered = default_selection and any(name.startswith(r + ".") for r in ran)
+            notes.append(
+                Note(
+                    f"not_run:{name}",
+                    f"LayerHealthCallback: selected module {name!r} did not run during sampled step {step} (its"
+                    " forward was called directly instead of the module, or a branch was not taken); no"
+                    " statistics for it",
+                    info=covered or name in quiet_not_run,
+                )
+            )
+    return notes
+
+
+def missing_grad_notes(missing: Sequence[str]) -> list[Note]:
+    """Notes for the outputs that required grad but received none on a sampled step.
+
+    A note, not a warning: rule ``no_gradient`` reports the outputs that cut the network off from the gradient;
+    the others (a pooler under a token-level head) do not reach the loss by design.
+
+    Example:
+        >>> missing_grad_notes(["pooler"])[0].key
+        'no_grad:pooler'
+    """
+    return [
+        Note(
+            f"no_grad:{name}",
+            f"LayerHealthCallback: the output of {name!r} required grad but received no gradient on a sampled step"
+            " (a detached branch, or an output that does not reach the loss); no act_grad statistics for it",
+            info=True,
+        )
+        for name in missing
+    ]
+
+
+def histogram_note(skipped: Sequence[str]) -> Note | None:
+    """The note for the loggers (by class name) that cannot store histograms, or ``None``.
+
+    Example:
+        >>> histogram_note(["CSVLogger"]).message
+        'LayerHealthCallback: CSVLogger cannot store histograms; they are logged only to TensorBoard and W&B loggers'
+    """
+    if not skipped:
+        return None
+    return Note(
+        "histograms:" + ",".join(skipped),
+        f"LayerHealthCallback: {', '.join(skipped)} cannot store histograms; they are logged only to TensorBoard"
+        " and W&B loggers",
+        info=True,
+    )
+
+
+def opt_in_note(note: str) -> Note | None:
+    """The note of :attr:`~lightning_hookdiag.opt_in.OptInPlan.note` (a requested statistic not computed), or ``None``.
+
+    Example:
+        >>> opt_in_note(""), opt_in_note("why").message
+        (None, 'LayerHealthCallback: why')
+    """
+    return Note("opt_in_note", f"LayerHealthCallback: {note}", info=True) if note else None

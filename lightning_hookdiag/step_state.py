@@ -1,0 +1,148 @@
+"""Which optimizer step is being observed: the open-step state machine of one fit.
+
+An optimizer step ``k`` is *observed* when it is sampled (``k % every_n_steps == 0``), when the sentinel trips on
+it and it is replayed, or, parameters only, when it trips and cannot be replayed. Its observation is an
+:class:`OpenStep` (a *window*), which goes through these states:
+
+* **none open**: :meth:`StepState.open` opens one, at the first hooked micro-batch of a sampled step or at a trip;
+* **open** (``layers=True``: hooks see the layers; ``layers=False``: only the parameters are measured): gradient
+  accumulation and LBFGS closures add micro-batches and optimizer calls to it; a validation run in between leaves
+  it open;
+* **closed** by :meth:`StepState.close`, either *finished* (once the optimizer has stepped: pooled, logged and
+  diagnosed by the callback) or *discarded* (a batch skipped by ``on_train_batch_start`` returning -1, the end of
+  training, an exception, a failed replay): nothing of it is logged.
+
+:class:`StepMicroBatches` keeps references to the current optimizer step's micro-batches, for a replay. Pure Python:
+what the states hold beyond plain values (the stale-gradient tensor) is opaque here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["OpenStep", "StepMicroBatches", "StepState"]
+
+
+@dataclass
+class OpenStep:
+    """The observation of one optimizer step, from its opening to its logging.
+
+    Attributes:
+        step: The optimizer step ``k`` it describes (logged with ``step=k``).
+        layers: Whether the layers are observed (hooks, or a replay through them); ``False``: a trip that could
+            not be replayed, where only the parameters are measured.
+        trip: The sentinel's trip of this step, if it tripped.
+        stepped: ``id`` of every optimizer already measured in this window (LBFGS calls the optimizer step hook
+            once per closure evaluation: the first call sees the weights from before the step).
+        stale: Squares of the gradients still held at the window's first backward (``stale_gradients``).
+        stale_checked: Whether the stale gradients were looked at (only at the first backward).
+    """
+
+    step: int
+    layers: bool = True
+    trip: Any = None
+    stepped: set[int] = field(default_factory=set)
+    stale: Any = None
+    stale_checked: bool = False
+
+    def first_call(self, optimizer: object) -> bool:
+        """Whether ``optimizer`` is stepped here for the first time in this window (and record that it was).
+
+        Example:
+            >>> window, sgd = OpenStep(step=4), object()
+            >>> window.first_call(sgd), window.first_call(sgd)
+            (True, False)
+        """
+        if id(optimizer) in self.stepped:
+            return False
+        self.stepped.add(id(optimizer))
+        return True
+
+
+class StepMicroBatches:
+    """References to the micro-batches of the current optimizer step (what a replay re-runs), in order.
+
+    Example:
+        >>> micro = StepMicroBatches()
+        >>> micro.keep(3, "a"); micro.keep(3, "b"); micro.holds(3), micro.batches
+        (True, ['a', 'b'])
+        >>> micro.keep(4, "c"); micro.batches  # a new optimizer step starts afresh
+        ['c']
+        >>> micro.release(); micro.holds(4)
+        False
+    """
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        """The optimizer step the kept micro-batches belong to (``None``: none kept)."""
+        self.batches: list[Any] = []
+
+    def keep(self, step: int, micro_batch: Any) -> None:
+        """Add one micro-batch of optimizer step ``step``; those of an earlier step are dropped first."""
+        if self.step != step:
+            self.release()
+            self.step = step
+        self.batches.append(micro_batch)
+
+    def holds(self, step: int) -> bool:
+        """Whether the micro-batches of optimizer step ``step`` were seen (not, when training resumed inside it)."""
+        return self.step == step and bool(self.batches)
+
+    def release(self) -> None:
+        """Drop every reference (the step is over, or the fit)."""
+        self.batches = []
+        self.step = None
+
+
+class StepState:
+    """The open step of one fit, the schedule of sampled steps, and the kept micro-batches.
+
+    Args:
+        every_n_steps: Steps ``0, n, 2n, ...`` are sampled.
+
+    Example:
+        >>> state = StepState(every_n_steps=5)
+        >>> state.sampled(10), state.sampled(11)
+        (True, False)
+        >>> window = state.open(11, layers=False)  # a trip on step 11 that could not be replayed
+        >>> state.sample_next = 12                  # ... so step 12 is sampled
+        >>> state.sampled(12), state.close() is window, state.window
+        (True, True, None)
+    """
+
+    def __init__(self, every_n_steps: int) -> None:
+        self.every_n_steps = every_n_steps
+        self.window: OpenStep | None = None
+        """The open window, or ``None``."""
+        self.micro = StepMicroBatches()
+        self.checked_step: int | None = None
+        """The optimizer step the sentinel last checked (LBFGS: only its first closure evaluation is checked)."""
+        self.sample_next: int | None = None
+        """A step sampled out of schedule: the one after a trip that could not be replayed."""
+
+    def sampled(self, step: int) -> bool:
+        """Whether the micro-batches of optimizer step ``step`` are hooked."""
+        return step % self.every_n_steps == 0 or step == self.sample_next
+
+    def open(self, step: int, layers: bool = True) -> OpenStep:
+        """Open the window of ``step`` (replacing none: the callback closes a window before opening another)."""
+        self.window = OpenStep(step=step, layers=layers)
+        return self.window
+
+    def open_for(self, step: int) -> OpenStep | None:
+        """The open window if it is that of ``step``."""
+        window = self.window
+        return window if window is not None and window.step == step else None
+
+    def first_check(self, step: int) -> bool:
+        """Whether the sentinel has yet to check ``step`` (and mark it checked)."""
+        if self.checked_step == step:
+            return False
+        self.checked_step = step
+        return True
+
+    def close(self) -> OpenStep | None:
+        """Close the open window (to finish or discard it); returns it, ``None`` if none was open."""
+        window, self.window = self.window, None
+        return window

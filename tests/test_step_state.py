@@ -1,0 +1,71 @@
+"""The open-step state machine: windows open, finish or are discarded; micro-batches are kept per optimizer step."""
+
+from __future__ import annotations
+
+from lightning_hookdiag.step_state import OpenStep, StepMicroBatches, StepState
+
+
+def test_a_sampled_step_opens_one_window_that_closes_once():
+    state = StepState(every_n_steps=4)
+    assert [s for s in range(9) if state.sampled(s)] == [0, 4, 8]
+    assert state.window is None
+    window = state.open(4)
+    assert (window.step, window.layers, window.trip, window.stepped, window.stale) == (4, True, None, set(), None)
+    assert state.open_for(4) is window
+    assert state.open_for(5) is None  # the open window is step 4's, not step 5's
+    assert state.close() is window
+    assert state.window is None
+    assert state.close() is None  # closing again (a discard after a finish) is a no-op
+
+
+def test_a_trip_that_cannot_be_replayed_opens_a_parameter_window_and_samples_the_next_step():
+    state = StepState(every_n_steps=10)
+    window = state.open(3, layers=False)
+    state.sample_next = 4
+    assert not window.layers
+    assert state.sampled(4)
+    assert not state.sampled(5)
+    state.close()
+    assert state.sampled(4)  # the schedule outlives the window: step 4 is hooked when it starts
+
+
+def test_a_discarded_window_leaves_nothing_for_the_next_one():
+    state = StepState(every_n_steps=1)
+    first = state.open(2)
+    first.trip, first.stale, first.stale_checked = "trip", "stale", True
+    assert first.first_call("sgd")
+    state.close()  # discarded: a batch skipped by on_train_batch_start returning -1
+    second = state.open(2)
+    assert second is not first
+    assert (second.trip, second.stale, second.stale_checked, second.stepped) == (None, None, False, set())
+
+
+def test_each_optimizer_is_measured_once_per_window_however_often_its_closure_runs():
+    window = OpenStep(step=0)
+    sgd, adam = object(), object()
+    # LBFGS: the optimizer step hook runs once per closure evaluation; only the first sees the weights before it.
+    assert [window.first_call(o) for o in (sgd, sgd, adam, sgd, adam)] == [True, False, True, False, False]
+    assert window.stepped == {id(sgd), id(adam)}
+
+
+def test_the_sentinel_checks_each_step_once():
+    state = StepState(every_n_steps=1)
+    assert state.first_check(7)
+    assert not state.first_check(7)  # the second closure evaluation of step 7
+    assert state.first_check(8)
+    assert state.checked_step == 8
+
+
+def test_micro_batches_are_kept_per_optimizer_step():
+    micro = StepMicroBatches()
+    assert not micro.holds(0)
+    micro.keep(0, "a")
+    micro.keep(0, "b")  # gradient accumulation: the second micro-batch of step 0
+    assert micro.holds(0)
+    assert not micro.holds(1)
+    assert micro.batches == ["a", "b"]
+    micro.keep(1, "c")
+    assert (micro.step, micro.batches) == (1, ["c"])
+    micro.release()
+    assert (micro.step, micro.batches) == (None, [])
+    assert not micro.holds(1)  # resumed inside a step: its micro-batches were never seen
