@@ -7,11 +7,12 @@ or a max of these vectors, never an average of averages. Finalisation turns the 
 One path serves every device. It never reads a value back to the host and never branches on data, and it is counted
 in aten ops, each at least one kernel launch on an accelerator (``benchmarks/overhead.py --count-ops``):
 
-* :func:`activation_row` reduces an output in 9 ops: a float64 copy (which also turns ``-0.0`` into ``0.0``), the
-  non-zero count of its bit pattern, NaN/Inf set to 0, the count again (the difference is the non-finite count),
-  ``sum``, the sum of squares (``mul`` then ``sum``) and ``aminmax``, and writes the results into one row with
-  one ``stack``.
-* :func:`gradient_row` reduces a gradient in 6: copy, count, NaN/Inf to 0, count, ``dot``, ``stack``.
+* :func:`activation_row` reduces an output in 9 ops: a copy in its own dtype (``+ 0.0``, which turns ``-0.0`` into
+  ``0.0``), the non-zero count of its bit pattern, NaN/Inf set to 0, the count again (the difference is the
+  non-finite count), ``aminmax``, then a float64 copy, its squares (``mul``) and one ``sum`` of both, and writes
+  the results into one row with one ``stack``. Only the sums need float64, so only they read 8-byte copies.
+* :func:`gradient_row` reduces a gradient in 6: count, NaN/Inf to 0 into a copy, count, float64 copy, ``dot``,
+  ``stack``.
 
 Why this is exact without prescaling or centring: a float32 (or fp16/bf16) value and its square are exact in float64
 (24 significant bits squared fit in 53), float32's largest square (1.2e77) and smallest (2e-90) are normal float64
@@ -115,59 +116,89 @@ ACT_ROW = 6
 GROW_NONZERO, GROW_NONZERO_FINITE, GROW_SUMSQ = range(3)
 GRAD_ROW = 3
 
-# The integer dtype of each float width: a float's bit pattern is zero exactly when the float is +0.0.
-_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+# The integer dtype of each float dtype's width: a float's bit pattern is zero exactly when the float is +0.0.
+_BITS_OF = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
 
 
 class Workspace:
-    """Scratch memory of the per-tensor reductions, reused within a sampled step: two buffers per device and dtype.
+    """Scratch memory of the per-tensor reductions, reused within a sampled step, per device and dtype.
 
-    A reduction writes a full-size float64 copy of its input and, for the sum of squares, the squares. On the CPU
-    fresh full-size temporaries cost page faults on every call, which reuse avoids (measured on a 2-core CPU: an
-    8 MB activation took 8.3 ms with temporaries, 3.1 ms with reused buffers); on an accelerator the caching
-    allocator would hand the same memory back anyway. The callback releases it at the end of every sampled step,
-    so it holds nothing between them. It holds four times the largest tensor seen, in float64.
+    A reduction writes a copy of its input in the input's own dtype (for the passes that are exact in any
+    precision), a float64 copy and, for the sum of squares, the squares. On the CPU fresh full-size temporaries cost
+    page faults on every call, which reuse avoids (measured on a 2-core CPU: an 8 MB activation took 8.3 ms with
+    temporaries, 3.1 ms with reused buffers); on an accelerator the caching allocator would hand the same memory
+    back anyway. The views of a size are kept too, so that many tensors of one shape (a deep stack of equal
+    layers) do not pay a few microseconds of view creation each. The callback releases it at the end of every
+    sampled step, so it holds nothing between them. It holds, for the largest tensor seen, two float64 copies and
+    one in the input's dtype.
 
     Example:
         >>> ws = Workspace()
-        >>> values, scratch = ws.get(4, torch.float64, torch.device("cpu"))
-        >>> values.shape, scratch.dtype
-        (torch.Size([4]), torch.float64)
+        >>> finite, bits, pair = ws.get(4, torch.float32, torch.float64, torch.device("cpu"))
+        >>> finite.dtype, bits.dtype, pair.shape, pair.dtype
+        (torch.float32, torch.int32, torch.Size([2, 4]), torch.float64)
         >>> ws.release()
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        self._buffers: dict[tuple[str, torch.device, torch.dtype], Tensor] = {}
+        self._views: dict[tuple[int, torch.dtype, torch.dtype, torch.device], tuple[Tensor, Tensor, Tensor]] = {}
 
-    def get(self, n: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
-        """Two buffers of ``n`` elements of ``dtype`` on ``device``."""
-        key = (device, dtype)
+    def _buffer(self, role: str, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        key = (role, device, dtype)
         buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < 2 * n:
-            buffer = torch.empty(2 * n, dtype=dtype, device=device)
-            self._buffers[key] = buffer
-        return buffer[:n], buffer[n : 2 * n]
+        if buffer is None or buffer.numel() < n:
+            buffer = self._buffers[key] = torch.empty(n, dtype=dtype, device=device)
+            self._views = {}  # views of the replaced buffer would keep it alive
+        return buffer[:n]
+
+    def get(self, n: int, dtype: torch.dtype, wide: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """``(finite, bits, pair)`` on ``device``: views of reused memory for one reduction.
+
+        ``finite`` holds ``n`` elements of ``dtype``, ``bits`` is its bit pattern as integers (the same memory), and
+        ``pair`` a contiguous ``[2, n]`` buffer of ``wide`` (values in row 0, their squares in row 1).
+        """
+        key = (n, dtype, wide, device)
+        views = self._views.get(key)
+        if views is None:
+            finite = self._buffer("narrow", n, dtype, device)
+            pair = self._buffer("pair", 2 * n, wide, device).view(2, n)
+            views = self._views[key] = (finite, finite.view(_BITS_OF[dtype]), pair)
+        return views
 
     def release(self) -> None:
         """Drop the buffers."""
         self._buffers = {}
+        self._views = {}
 
 
-def _wide_copy(x: Tensor, dtype: torch.dtype, workspace: Workspace | None) -> tuple[Tensor, Tensor, Tensor]:
-    """``(values, scratch, nonzero)``: ``x`` in ``dtype`` with ``-0.0`` as ``0.0``, scratch, the non-zero count.
+def _finite_copy(x: Tensor, wide: torch.dtype, workspace: Workspace, signed_zeros: bool) -> tuple[Tensor, ...]:
+    """``(finite, pair, nonzero, nonzero_finite)``: ``x`` with NaN/Inf set to 0 in its own dtype, and two counts.
 
-    ``values`` and ``scratch`` are workspace memory of ``x``'s size; the count includes NaN/Inf and reads the bit
-    pattern (one integer pass: ``count_nonzero`` on floats is several times slower on the CPU).
+    Three passes over ``x``'s bytes (half of float64's for float32 input), each exact in any precision: a copy,
+    NaN/Inf to 0 in place, and the non-zero counts of the bit pattern before and after it (one integer pass each:
+    ``count_nonzero`` on floats is 20 times slower on the CPU). The copy is ``x + 0.0`` where ``signed_zeros`` is
+    False, which turns ``-0.0`` into ``0.0`` (``-0.0 + 0.0 == 0.0``) so that the counts count it as zero; otherwise
+    ``-0.0`` counts as non-zero in both counts, which keeps their difference, the non-finite count, exact, and the
+    copy is NaN/Inf to 0 itself (one pass fewer) after counting ``x``. ``pair`` is the float64 workspace.
     """
-    values, scratch = (workspace or Workspace()).get(x.numel(), dtype, x.device)
-    torch.add(x.detach(), 0.0, out=values.view(x.shape))  # a cast that also turns -0.0 into 0.0: -0.0 + 0.0 == 0.0
-    return values, scratch, torch.count_nonzero(values.view(_BITS[values.element_size()]))
-
-
-def _finite(values: Tensor) -> Tensor:
-    """``values`` with NaN/Inf set to 0 in place, and the count of non-zero elements left (the finite ones)."""
-    values.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    return torch.count_nonzero(values.view(_BITS[values.element_size()]))
+    x = x.detach()
+    if x.dtype not in _BITS_OF:
+        x = x.float()  # float8 and other exotic floats: widen exactly (no statistic needs their bit pattern)
+    finite, bits, pair = workspace.get(x.numel(), x.dtype, wide, x.device)
+    if signed_zeros:
+        nonzero = torch.count_nonzero(x.view(bits.dtype))
+        torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0, out=finite.view(x.shape))
+    else:
+        torch.add(x, 0.0, out=finite.view(x.shape))
+        nonzero = torch.count_nonzero(bits)
+        finite.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    return finite, pair, nonzero, torch.count_nonzero(bits)
 
 
 def activation_row(x: Tensor, out: Tensor, workspace: Workspace | None = None) -> Tensor:
@@ -177,6 +208,10 @@ def activation_row(x: Tensor, out: Tensor, workspace: Workspace | None = None) -
     count as non-zero, ``-0.0`` as zero), the non-zero finite count, and the sum, sum of squares, minimum and
     maximum of the finite elements (NaN/Inf read as 0 there), all in ``out.dtype``. :func:`activation_moments`
     turns rows into additive moments; the element count is known on the host and not part of the row.
+
+    The counts, the NaN/Inf removal and the extrema run in ``x``'s own dtype (exact in any precision); only the
+    sums read a float64 copy: the values and their squares side by side in one ``[2, n]`` buffer, summed by one
+    cascaded ``sum`` over its rows.
 
     Args:
         x: Any floating-point tensor with at least one element, any device, any layout in memory.
@@ -190,26 +225,30 @@ def activation_row(x: Tensor, out: Tensor, workspace: Workspace | None = None) -
         >>> activation_row(torch.tensor([0.0, -0.0, -3.0, 4.0, float("nan")]), torch.empty(ACT_ROW)).tolist()
         [3.0, 2.0, 1.0, 25.0, -3.0, 4.0]
     """
-    values, scratch, nonzero = _wide_copy(x, out.dtype, workspace)
-    nonzero_finite = _finite(values)
-    squares = torch.mul(values, values, out=scratch).sum()  # cascaded: exact to ~1e-16 (see the module docstring)
-    low, high = torch.aminmax(values)
-    return torch.stack([nonzero, nonzero_finite, values.sum(), squares, low, high], out=out)
+    finite, pair, nonzero, nonzero_finite = _finite_copy(x, out.dtype, workspace or Workspace(), False)
+    low, high = torch.aminmax(finite)  # while the copy is still in cache
+    values, squares = pair
+    values.copy_(finite)  # exact: float32 (and fp16/bf16) values are float64 values
+    torch.mul(values, values, out=squares)  # exact in float64 (24 significant bits squared fit in 53)
+    total, square_total = pair.sum(dim=1)  # cascaded: ~1e-16 relative (see the module docstring)
+    return torch.stack([nonzero, nonzero_finite, total, square_total, low, high], out=out)
 
 
 def gradient_row(g: Tensor, out: Tensor, workspace: Workspace | None = None) -> Tensor:
     """Reduce one gradient into the ``[GRAD_ROW]`` row ``out``, in 6 tensor ops.
 
-    The row holds ``[nonzero, nonzero_finite, sum_of_squares]`` (non-finite count = their difference; the sum of
-    squares over finite elements). A float64 ``dot``: a sum of squares does not cancel, so its rounding (~1e-13
-    relative on any BLAS) is far below what is logged.
+    The row holds ``[nonzero, nonzero_finite, sum_of_squares]`` (non-finite count = their difference; ``-0.0``
+    counts as non-zero in both, no gradient statistic counts zeros; the sum of squares over finite elements). The
+    counts and NaN/Inf removal run in ``g``'s dtype, the sum of squares is a float64 ``dot``: a sum of squares does
+    not cancel, so its rounding (~1e-13 relative on any BLAS) is far below what is logged.
 
     Example:
         >>> gradient_row(torch.tensor([3.0, 0.0, -4.0, float("inf")]), torch.empty(GRAD_ROW)).tolist()
         [3.0, 2.0, 25.0]
     """
-    values, _, nonzero = _wide_copy(g, out.dtype, workspace)
-    nonzero_finite = _finite(values)
+    finite, pair, nonzero, nonzero_finite = _finite_copy(g, out.dtype, workspace or Workspace(), True)
+    values = pair[0]
+    values.copy_(finite)
     return torch.stack([nonzero, nonzero_finite, torch.dot(values, values)], out=out)
 
 

@@ -139,9 +139,8 @@ def test_workspace_gives_the_same_results_and_is_reused(dtype):
             assert got[key] == pytest.approx(value, rel=1e-6), key
         assert S.gradient_moments(x, workspace=ws).tolist() == S.gradient_moments(x).tolist()
     assert x.isnan().any()  # the input itself is never modified
-    buffers = list(ws._buffers.values())
-    assert len(buffers) == 1
-    assert buffers[0].numel() == 2 * big.numel()
+    sizes = {role: (buffer.dtype, buffer.numel()) for (role, _, _), buffer in ws._buffers.items()}
+    assert sizes == {"pair": (torch.float64, 2 * big.numel()), "narrow": (dtype, big.numel())}  # one of each, reused
     ws.release()
     assert not ws._buffers
 
@@ -295,10 +294,72 @@ def test_one_output_costs_nine_launches_and_one_gradient_six(dtype):
     assert act_row.tolist() == pytest.approx(expected)
 
 
-def test_workspace_release_drops_every_buffer():
+def test_workspace_views_are_reused_and_release_drops_every_buffer():
     ws = S.Workspace()
-    values, scratch = ws.get(8, torch.float64, torch.device("cpu"))
-    assert values.data_ptr() != scratch.data_ptr()
-    assert ws.get(4, torch.float64, torch.device("cpu"))[0].data_ptr() == values.data_ptr()  # reused within a step
+    cpu = torch.device("cpu")
+    finite, bits, pair = ws.get(8, torch.float64, torch.float64, cpu)
+    assert pair.is_contiguous()
+    assert pair.shape == (2, 8)
+    assert bits.dtype == torch.int64
+    assert bits.data_ptr() == finite.data_ptr()  # the bit pattern of the same memory
+    # Same dtype, other role: the narrow copy never shares memory with the float64 pair.
+    starts = sorted([(finite.data_ptr(), 8 * 8), (pair.data_ptr(), 2 * 8 * 8)])
+    assert starts[0][0] + starts[0][1] <= starts[1][0]
+    smaller = ws.get(4, torch.float64, torch.float64, cpu)
+    assert (smaller[0].data_ptr(), smaller[2].data_ptr()) == (finite.data_ptr(), pair.data_ptr())  # reused
+    assert ws.get(8, torch.float64, torch.float64, cpu)[2] is pair  # the views of a size are kept
+    bigger = ws.get(16, torch.float64, torch.float64, cpu)  # grows: new memory, no stale views
+    assert bigger[2].shape == (2, 16)
+    assert ws.get(4, torch.float64, torch.float64, cpu)[2].shape == (2, 4)
     ws.release()
     assert not ws._buffers
+    assert not ws._views
+
+
+def _reference_rows(values: list[float]) -> tuple[list[float], list[float]]:
+    # By hand, in Python floats (float64): the activation row counts -0.0 as zero, the gradient row as non-zero
+    # (its two counts only serve their difference, the non-finite count).
+    finite = [v for v in values if math.isfinite(v)]
+    act = [
+        sum(1 for v in values if v != 0),
+        sum(1 for v in finite if v != 0),
+        math.fsum(finite),
+        math.fsum(v * v for v in finite),
+        min(finite, default=0.0),
+        max(finite, default=0.0),
+    ]
+    bits_nonzero = sum(1 for v in values if v != 0 or math.copysign(1.0, v) < 0)
+    finite_bits_nonzero = sum(1 for v in finite if v != 0 or math.copysign(1.0, v) < 0)
+    return act, [bits_nonzero, finite_bits_nonzero, math.fsum(v * v for v in finite)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "values",
+    [
+        [-0.0, 0.0, -0.0, 2.0, -1.0],
+        [-0.0, float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, 3.0],
+        [float("nan"), float("inf")],  # nothing finite: the extrema read 0
+        [1e-45, -1e-45, 1e-40, -0.0, 0.0],  # float32 subnormals are non-zero, squares normal in float64
+        [3e30, -1e30, 2.5e30, -0.0, float("nan")],  # squares beyond float32's range
+    ],
+    ids=["negative_zeros", "nonfinite_and_negative_zeros", "all_nonfinite", "subnormals", "1e30"],
+)
+def test_rows_match_a_hand_reference_on_every_edge_of_the_narrow_passes(values, dtype):
+    # The counts, NaN/Inf removal and extrema run in the input's dtype, the sums on a float64 copy: each edge case
+    # against values worked out in Python floats from the tensor's own (rounded) elements.
+    x = torch.tensor(values, dtype=torch.float64).to(dtype)
+    x = torch.stack([x, x]).t()[:, 0]  # not contiguous
+    act_expected, grad_expected = _reference_rows([float(v) for v in x.double()])
+    before = x.clone()
+    ws = S.Workspace()
+    act = S.activation_row(x, torch.empty(S.ACT_ROW, dtype=torch.float64), ws).tolist()
+    grad = S.gradient_row(x, torch.empty(S.GRAD_ROW, dtype=torch.float64), ws).tolist()
+    assert act[:2] == act_expected[:2]
+    assert grad[:2] == grad_expected[:2]
+    assert act[2:] == pytest.approx(act_expected[2:], rel=1e-12, abs=0.0)
+    assert grad[2] == pytest.approx(grad_expected[2], rel=1e-12, abs=0.0)
+    nonfinite = sum(1 for v in x.double().tolist() if not math.isfinite(v))
+    assert S.gradient_moments(x, workspace=ws).tolist()[2] == nonfinite
+    assert torch.equal(x.double().nan_to_num(7.0), before.double().nan_to_num(7.0))  # the input is not modified
+    assert torch.equal(x.signbit(), before.signbit())
