@@ -4,6 +4,10 @@ stop / ignore, the end-of-fit summary, resume."""
 import json
 import logging
 import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +21,7 @@ from lightning_hookdiag.rules import LOSS, RuleConfig
 from lightning_hookdiag.sentinel import Trip
 
 # ------------------------------------------------------------------------------------ the Diagnosis, by hand
+REPO = Path(__file__).resolve().parents[1]
 DEAD = {"act_dead_frac": {"relu": 1.0}}
 ALIVE = {"act_dead_frac": {"relu": 0.0}}
 
@@ -129,6 +134,26 @@ def test_only_a_nonfinite_trip_with_the_nonfinite_rule_on_is_traced():
     nan, grad = Trip(step=1, kind="nonfinite_loss", loss=math.nan), Trip(step=1, kind="nonfinite_grad", loss=1.0)
     assert [Diagnosis(RuleConfig()).traces(t) for t in (nan, grad, spike(1))] == [True, True, False]
     assert not Diagnosis(RuleConfig(enabled=["dead_units", "loss_spike"])).traces(nan)
+
+
+def test_the_diagnosis_runs_without_importing_torch_or_lightning(tmp_path):
+    # The package's __init__ imports the callback (torch, Lightning); a stand-in parent package isolates the module.
+    script = textwrap.dedent(
+        f"""
+        import sys, types
+        parent = types.ModuleType("lightning_hookdiag")
+        parent.__path__ = [{str(REPO / "lightning_hookdiag")!r}]
+        sys.modules["lightning_hookdiag"] = parent
+        from lightning_hookdiag.diagnosis import Diagnosis
+        from lightning_hookdiag.rules import RuleConfig
+        found = Diagnosis(RuleConfig()).step({{"act_dead_frac": {{"relu": 1.0}}}}, ["relu"], [], step=0)
+        heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "lightning", "lightning_fabric"))
+        print("RESULT", [f.rule for f in found.new], heavy)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "RESULT ['dead_units'] []" in done.stdout
 
 
 # ---------------------------------------------------------------------------------- the callback acting on it
