@@ -29,7 +29,15 @@ from lightning_hookdiag.diagnosis import Diagnosis
 from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
 from lightning_hookdiag.fit_run import FitConfig, FitRun, ObservedStep
 from lightning_hookdiag.hooks import HookSet
-from lightning_hookdiag.metrics import Note, histogram_note, layer_notes, missing_grad_notes, opt_in_note, step_values
+from lightning_hookdiag.metrics import (
+    Note,
+    histogram_note,
+    histogram_series,
+    layer_notes,
+    missing_grad_notes,
+    opt_in_note,
+    step_values,
+)
 from lightning_hookdiag.precision import resolve_targets
 from lightning_hookdiag.provenance import NonFiniteTrace
 from lightning_hookdiag.rules import Finding, RuleConfig, format_error, values_from_metrics
@@ -706,7 +714,7 @@ class LayerHealthCallback(Callback):
             self._note(note)
         error = self._log(trainer, observed.step, metrics)
         if observed.histogram_edges is not None:
-            error = self._log_histograms(trainer, observed, run.layer_names) or error
+            error = self._log_histograms(trainer, observed, run) or error
         for note in missing_grad_notes(observed.missing_grads):
             self._note(note)
         try:
@@ -727,32 +735,27 @@ class LayerHealthCallback(Callback):
                 first = first or error
         return first
 
-    def _log_histograms(
-        self, trainer: pl.Trainer, observed: ObservedStep, layer_names: list[str]
-    ) -> BaseException | None:
+    def _log_histograms(self, trainer: pl.Trainer, observed: ObservedStep, run: FitRun) -> BaseException | None:
         """Send the step's histograms to the loggers that store them; returns the first logger error."""
-        bins = self.histogram_bins
-        inner = observed.histogram_edges
-        assert inner is not None
-        # Outer bins are open-ended; give them a finite edge a decade out for loggers that need one.
-        limits = [*inner, inner[-1] * 10]
-        left = [inner[0] * 10, *inner]
-        act, grad = observed.host["act_hist"], observed.host["grad_hist"]
-        skipped = []
-        first: BaseException | None = None
+        assert observed.histogram_edges is not None
+        writes: list[HistogramWriter] = []
+        skipped: list[str] = []
         for logger in trainer.loggers:
             write = _histogram_writer(logger)
             if write is None:
                 skipped.append(type(logger).__name__)
-                continue
-            try:
-                for kind, counts in (("act_hist", act), ("act_grad_hist", grad)):
-                    for i, name in enumerate(layer_names):
-                        row = counts[i * bins : (i + 1) * bins]
-                        if sum(row) > 0:
-                            write(f"{self.prefix}/{kind}/{name}", row, left, limits, observed.step)
-            except Exception as error:  # as in _log: the other loggers and the rules first
-                first = first or error
+            else:
+                writes.append(write)
+        first: BaseException | None = None
+        if writes:  # cut into series only for a logger that stores them
+            act, grad, edges = observed.host["act_hist"], observed.host["grad_hist"], observed.histogram_edges
+            histograms = histogram_series(act, grad, edges, keys=run.keys, layer_names=run.layer_names)
+            for write in writes:
+                try:
+                    for key, counts in histograms.series:
+                        write(key, counts, histograms.left, histograms.right, observed.step)
+                except Exception as error:  # as in _log: the other loggers and the rules first
+                    first = first or error
         self._note(histogram_note(skipped))
         return first
 
