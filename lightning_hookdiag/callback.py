@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -26,21 +25,22 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_hookdiag.attention import PrecursorProbes
+from lightning_hookdiag.diagnosis import Diagnosis
 from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
 from lightning_hookdiag.fit_run import FitConfig, FitRun, ObservedStep
 from lightning_hookdiag.hooks import HookSet
-from lightning_hookdiag.metrics import Note, histogram_note, layer_notes, missing_grad_notes, opt_in_note, step_values
+from lightning_hookdiag.metrics import (
+    Note,
+    histogram_note,
+    histogram_series,
+    layer_notes,
+    missing_grad_notes,
+    opt_in_note,
+    step_values,
+)
 from lightning_hookdiag.precision import resolve_targets
 from lightning_hookdiag.provenance import NonFiniteTrace
-from lightning_hookdiag.rules import (
-    AlertState,
-    Baseline,
-    Finding,
-    RuleConfig,
-    evaluate,
-    format_error,
-    values_from_metrics,
-)
+from lightning_hookdiag.rules import Finding, RuleConfig, format_error, values_from_metrics
 from lightning_hookdiag.selection import import_types
 from lightning_hookdiag.sentinel import (
     SENTINEL_MODES,
@@ -54,7 +54,6 @@ from lightning_hookdiag.sentinel import (
 )
 from lightning_hookdiag.stats import resolve_stats
 from lightning_hookdiag.table import format_step_table
-from lightning_hookdiag.trends import History
 from lightning_hookdiag.validation import boolean, check, choice, integer, module_names
 from lightning_hookdiag.vocabulary import OUTPUT_LAYER_STATS
 
@@ -299,11 +298,9 @@ class LayerHealthCallback(Callback):
         """All findings of the most recent sampled step, earliest origin first."""
         self.trips: list[Trip] = []
         """Every optimizer step the sentinel tripped on, with whether it was replayed and, if not, why."""
-        self._alerts = AlertState()
         self._warned: set[str] = set()  # the keys of the one-time notes already given
-        self._baseline: Baseline | None = None
-        self._last_finite: dict[str, int] = {}
-        self._history = History(4 * self.rule_config.trend_window)  # logit_drift looks back this far
+        self._diagnosis = Diagnosis(self.rule_config)
+        """The rules' memory between sampled steps (alerts, baseline, trends); checkpointed, kept over fits."""
         self._run: FitRun | None = None
         """Everything one fit creates: set in ``on_fit_start``, dropped in :meth:`_release_fit`."""
 
@@ -322,9 +319,7 @@ class LayerHealthCallback(Callback):
         if stage == "fit":
             if self._sentinel is not None:
                 self._sentinel.reset()
-            self._baseline = None
-            self._last_finite = {}
-            self._history = History(4 * self.rule_config.trend_window)  # the trend rules compare within one fit
+            self._diagnosis.start_fit()
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -506,16 +501,18 @@ class LayerHealthCallback(Callback):
 
         Plain Python values only: a checkpoint never stores tensors from hooks.
         """
+        diagnosis = self._diagnosis.state_dict()
+        # The keys and their order are those of every checkpoint written so far.
         return {
             "last_metrics": dict(self.last_metrics),
             "last_step": self.last_step,
             "warned": sorted(self._warned),
-            "alerts": self._alerts.state_dict(),
+            "alerts": diagnosis["alerts"],
             "findings": [vars(f) for f in self.findings],
             "trips": [vars(t) for t in self.trips],
             "sentinel": self._sentinel.state_dict() if self._sentinel is not None else None,
-            "last_finite": dict(self._last_finite),
-            "history": self._history.state_dict(),
+            "last_finite": diagnosis["last_finite"],
+            "history": diagnosis["history"],
         }
 
     @override
@@ -524,11 +521,9 @@ class LayerHealthCallback(Callback):
         self.last_metrics = dict(state_dict.get("last_metrics", {}))
         self.last_step = state_dict.get("last_step")
         self._warned = set(state_dict.get("warned", []))
-        self._alerts.load_state_dict(state_dict.get("alerts", {}))
+        self._diagnosis.load_state_dict(state_dict)
         self.findings = [Finding(**f) for f in state_dict.get("findings", [])]
         self.trips = [Trip(**t) for t in state_dict.get("trips", [])]
-        self._last_finite = dict(state_dict.get("last_finite", {}))
-        self._history.load_state_dict(state_dict.get("history", {}))
         if self._sentinel is not None and state_dict.get("sentinel"):
             self._sentinel.load_state_dict(state_dict["sentinel"])
 
@@ -563,7 +558,7 @@ class LayerHealthCallback(Callback):
         window = run.state.open_for(step)
         if window is not None:
             trip = replace(trip, replayed=True)  # a sampled step: the hooks saw it as it happened
-            if self._traced(trip) and not self._replay_blocker(trainer, pl_module, run, step, previous):
+            if self._diagnosis.traces(trip) and not self._replay_blocker(trainer, pl_module, run, step, previous):
                 entry, origin = self._trace_sampled(trainer, pl_module, run)
                 trip = replace(trip, nan_entry=entry, nan_origin=origin)
         else:
@@ -571,7 +566,7 @@ class LayerHealthCallback(Callback):
             reason = self._replay_blocker(trainer, pl_module, run, step, previous)
             if not reason:
                 # A NaN/Inf trip is traced back to the module whose forward made it: only replays pay for it.
-                trace = NonFiniteTrace(pl_module) if self._traced(trip) else None
+                trace = NonFiniteTrace(pl_module) if self._diagnosis.traces(trip) else None
                 reason = self._replay(trainer, pl_module, run, step, trace)
             if reason:
                 trip = replace(trip, reason=reason)
@@ -608,10 +603,6 @@ class LayerHealthCallback(Callback):
         if not run.state.micro.holds(step):
             return "its micro-batches were not seen by the callback (training resumed inside the step?)"
         return None
-
-    def _traced(self, trip: Trip) -> bool:
-        # Only the nonfinite rule reads where a NaN/Inf was made.
-        return trip.kind != "loss_spike" and "nonfinite" in self.rule_config.enabled
 
     def _trace_sampled(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, run: FitRun
@@ -723,7 +714,7 @@ class LayerHealthCallback(Callback):
             self._note(note)
         error = self._log(trainer, observed.step, metrics)
         if observed.histogram_edges is not None:
-            error = self._log_histograms(trainer, observed, run.layer_names) or error
+            error = self._log_histograms(trainer, observed, run) or error
         for note in missing_grad_notes(observed.missing_grads):
             self._note(note)
         try:
@@ -744,32 +735,27 @@ class LayerHealthCallback(Callback):
                 first = first or error
         return first
 
-    def _log_histograms(
-        self, trainer: pl.Trainer, observed: ObservedStep, layer_names: list[str]
-    ) -> BaseException | None:
+    def _log_histograms(self, trainer: pl.Trainer, observed: ObservedStep, run: FitRun) -> BaseException | None:
         """Send the step's histograms to the loggers that store them; returns the first logger error."""
-        bins = self.histogram_bins
-        inner = observed.histogram_edges
-        assert inner is not None
-        # Outer bins are open-ended; give them a finite edge a decade out for loggers that need one.
-        limits = [*inner, inner[-1] * 10]
-        left = [inner[0] * 10, *inner]
-        act, grad = observed.host["act_hist"], observed.host["grad_hist"]
-        skipped = []
-        first: BaseException | None = None
+        assert observed.histogram_edges is not None
+        writes: list[HistogramWriter] = []
+        skipped: list[str] = []
         for logger in trainer.loggers:
             write = _histogram_writer(logger)
             if write is None:
                 skipped.append(type(logger).__name__)
-                continue
-            try:
-                for kind, counts in (("act_hist", act), ("act_grad_hist", grad)):
-                    for i, name in enumerate(layer_names):
-                        row = counts[i * bins : (i + 1) * bins]
-                        if sum(row) > 0:
-                            write(f"{self.prefix}/{kind}/{name}", row, left, limits, observed.step)
-            except Exception as error:  # as in _log: the other loggers and the rules first
-                first = first or error
+            else:
+                writes.append(write)
+        first: BaseException | None = None
+        if writes:  # cut into series only for a logger that stores them
+            act, grad, edges = observed.host["act_hist"], observed.host["grad_hist"], observed.histogram_edges
+            histograms = histogram_series(act, grad, edges, keys=run.keys, layer_names=run.layer_names)
+            for write in writes:
+                try:
+                    for key, counts in histograms.series:
+                        write(key, counts, histograms.left, histograms.right, observed.step)
+                except Exception as error:  # as in _log: the other loggers and the rules first
+                    first = first or error
         self._note(histogram_note(skipped))
         return first
 
@@ -780,30 +766,19 @@ class LayerHealthCallback(Callback):
         values: dict[str, dict[str, float]],
         layer_types: Mapping[str, str],
     ) -> None:
-        step, trip = observed.step, observed.trip
-        findings = evaluate(
+        """Run the rules on the step, keep their findings, and act on them as ``on_anomaly`` says."""
+        findings, new = self._diagnosis.step(
             values,
             self.execution_order,
             observed.backward_order,
-            step,
-            self.rule_config,
+            observed.step,
             layer_types,
-            trip=trip,
-            baseline=self._baseline,
-            last_finite=self._last_finite,
+            trip=observed.trip,
             missing_grads=observed.missing_grads,
             eval_mode=observed.eval_mode,
             param_facts=observed.param_facts,
-            history=self._history,
         )
-        self._history.push(step, values)
-        for name, norm in values.get("param_norm", {}).items():
-            if math.isfinite(norm):
-                self._last_finite[name] = step
-        if trip is None:
-            self._baseline = Baseline(step, values)  # what the next loss spike is compared with
         self.last_findings = findings
-        new = self._alerts.update(findings)
         self.findings.extend(new)
         if self.on_anomaly == "raise" and findings:
             raise LayerHealthError(format_error(findings))

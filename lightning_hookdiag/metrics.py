@@ -2,7 +2,8 @@
 
 Pure Python on plain floats (no torch, no Lightning): :func:`step_values` turns the host copy of the pooled state
 (``{name: [float, ...]}``, one value per layer or parameter) into ``{key: value}`` for the loggers and
-``{stat: {name: value}}`` for the rules; :func:`layer_notes`, :func:`missing_grad_notes`, :func:`histogram_note`
+``{stat: {name: value}}`` for the rules; :func:`histogram_series` cuts the histogram counts into one series per
+logged key; :func:`layer_notes`, :func:`missing_grad_notes`, :func:`histogram_note`
 and :func:`opt_in_note` turn what the step could not measure into the one-time notes the callback gives. Keys are
 ``f"{prefix}/{stat}/{name}"`` (``docs/statistics.md``).
 """
@@ -17,10 +18,12 @@ from typing import NamedTuple
 from lightning_hookdiag.vocabulary import PER_PARAMETER_STATS, PRECURSOR_STATS, counted_by_gradient
 
 __all__ = [
+    "Histograms",
     "KeyCache",
     "Note",
     "StepFacts",
     "histogram_note",
+    "histogram_series",
     "layer_notes",
     "missing_grad_notes",
     "opt_in_note",
@@ -139,6 +142,50 @@ def step_values(
         present_min = zip(param_names, host["param_norm_min"], seen, strict=True)
         values["param_norm_min"] = {name: low for name, low, s in present_min if s > 0}
     return metrics, values
+
+
+class Histograms(NamedTuple):
+    """One step's histograms as loggers take them: bin edges, and the counts of each logged key.
+
+    Attributes:
+        left: The left edge of every bin.
+        right: The right edge of every bin.
+        series: ``(key, counts)`` per layer and kind (output, then output gradient), only where a value was counted.
+    """
+
+    left: list[float]
+    right: list[float]
+    series: list[tuple[str, list[float]]]
+
+
+def histogram_series(
+    act: Sequence[float], grad: Sequence[float], inner: Sequence[float], *, keys: KeyCache, layer_names: Sequence[str]
+) -> Histograms:
+    """The step's histograms: ``bins = len(inner) + 1`` counts per layer, in ``layer_names`` order, of each kind.
+
+    The outer bins are open-ended; they get a finite edge a decade out for loggers that need one.
+
+    Args:
+        act: The output counts, ``bins`` per layer.
+        grad: The output-gradient counts, ``bins`` per layer.
+        inner: The inner bin edges, increasing.
+        keys: Formats the keys (``act_hist`` and ``act_grad_hist``).
+        layer_names: The observed modules, in the order of the rows.
+
+    Example:
+        >>> h = histogram_series([1, 0, 2, 0, 0, 0], [0, 0, 0, 0, 3, 0], [-1.0, 1.0], keys=KeyCache("h"),
+        ...                      layer_names=["a", "b"])
+        >>> h.left, h.right, h.series
+        ([-10.0, -1.0, 1.0], [-1.0, 1.0, 10.0], [('h/act_hist/a', [1, 0, 2]), ('h/act_grad_hist/b', [0, 3, 0])])
+    """
+    bins = len(inner) + 1
+    series = []
+    for kind, counts in (("act_hist", act), ("act_grad_hist", grad)):
+        for i, name in enumerate(layer_names):
+            row = list(counts[i * bins : (i + 1) * bins])
+            if sum(row) > 0:
+                series.append((keys.key(kind, name), row))
+    return Histograms([inner[0] * 10, *inner], [*inner, inner[-1] * 10], series)
 
 
 @dataclass(frozen=True)

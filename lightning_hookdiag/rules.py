@@ -93,7 +93,10 @@ _MAX_LISTED = 3
 # ------------------------------------------------------------------------------------------------------ config
 @dataclass(frozen=True)
 class RuleConfig:
-    """Which rules run, and their thresholds (see the table in :mod:`lightning_hookdiag.rules`).
+    """Which rules run, and their thresholds.
+
+    What each rule fires on: ``docs/rules.md#the-rules``; why each default is what it is:
+    ``docs/rules.md#why-these-defaults``.
 
     Attributes:
         enabled: Names from :data:`RULES` to evaluate (a single name or any iterable is accepted and stored as a
@@ -131,7 +134,7 @@ class RuleConfig:
         attn_logit_threshold: ``attention_logits`` fires when ``attn_logit_max >= attn_logit_threshold``; finite,
             ``> 0``.
         attn_trend_floor: ... or when it is at least ``attn_trend_floor`` and rising steadily towards the threshold
-            (see the module table); in ``[0, attn_logit_threshold)``.
+            (``docs/rules.md#the-rules``); in ``[0, attn_logit_threshold)``.
         attn_trend_horizon: ... projected to cross it within this many sampled steps; an integer ``>= 1``.
         trend_window: Sampled steps (the current one included) a trend rule needs before it says anything, and
             looks back over; an integer ``>= 3``.
@@ -1106,7 +1109,8 @@ def moved_mass_bound(ratio: float, eps: float) -> float:
     """Upper bound on the share of a weight's squared mass held by the entries that changed across a step.
 
     An entry that changes moves by at least one unit in the last place, ``>= (eps / 2) |w_i|``, so the changed
-    entries' squared mass is at most ``||dw||**2 / (eps / 2)**2`` (see the module docstring).
+    entries' squared mass is at most ``||dw||**2 / (eps / 2)**2``
+    (``docs/rules.md#not_updated-why-a-parameter-did-not-move``).
 
     Args:
         ratio: ``param_update_ratio``, ``||dw|| / ||w||``, ``>= 0``.

@@ -31,6 +31,7 @@ from lightning_hookdiag.hooks import HookSet
 from lightning_hookdiag.params import stored_values
 from lightning_hookdiag.provenance import NonFiniteTrace
 from lightning_hookdiag.stats import accumulation_dtype
+from lightning_hookdiag.validation import choice
 
 __all__ = [
     "SENTINEL_MODES",
@@ -272,9 +273,8 @@ class LossSentinel:
     def __init__(
         self, mode: str = "loss", detector: SpikeDetector | None = None, reduce_max: ReduceMax | None = None
     ) -> None:
-        if mode not in SENTINEL_MODES:
-            raise ValueError(f"sentinel: expected one of {[*SENTINEL_MODES, None]}, got {mode!r}")
-        self.mode = mode
+        # None is the callback's "no sentinel" (checked there); a LossSentinel needs a mode.
+        self.mode = choice("sentinel", mode, SENTINEL_MODES)
         self.detector = detector if detector is not None else SpikeDetector()
         self.reduce_max = reduce_max
         self.last_finite_step: int | None = None

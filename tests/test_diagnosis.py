@@ -1,6 +1,13 @@
-"""The callback acting on health findings: warn / raise / stop / ignore, the end-of-fit summary, resume."""
+"""The rules' memory between steps (``Diagnosis``, by hand), and the callback acting on its findings: warn / raise /
+stop / ignore, the end-of-fit summary, resume."""
 
+import json
 import logging
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +16,147 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthError, LayerHealthWarning
+from lightning_hookdiag.diagnosis import Diagnosis
+from lightning_hookdiag.rules import LOSS, RuleConfig
+from lightning_hookdiag.sentinel import Trip
+
+# ------------------------------------------------------------------------------------ the Diagnosis, by hand
+REPO = Path(__file__).resolve().parents[1]
+DEAD = {"act_dead_frac": {"relu": 1.0}}
+ALIVE = {"act_dead_frac": {"relu": 0.0}}
+
+
+def spike(step: int) -> Trip:
+    return Trip(step=step, kind="loss_spike", loss=40.0, baseline=1.0, replayed=True)
+
+
+def test_a_finding_is_new_once_while_it_persists_and_again_after_it_clears():
+    diagnosis = Diagnosis(RuleConfig())
+    steps = [(0, DEAD), (2, DEAD), (4, ALIVE), (6, DEAD)]
+    seen = [diagnosis.step(values, ["relu"], [], step=step) for step, values in steps]
+    assert [[(f.rule, f.layer, f.step) for f in d.findings] for d in seen] == [
+        [("dead_units", "relu", 0)],
+        [("dead_units", "relu", 2)],
+        [],
+        [("dead_units", "relu", 6)],
+    ]
+    assert [[f.step for f in d.new] for d in seen] == [[0], [], [], [6]]
+    assert seen[0].new == seen[0].findings  # the very findings, not copies
+    assert diagnosis.alerts.counts["dead_units"] == 3  # every finding counts, alerted or not
+    assert diagnosis.alerts.active == {("dead_units", "relu")}
+
+
+def test_every_loss_spike_is_new():
+    diagnosis = Diagnosis(RuleConfig())
+    values = {"act_absmax": {"fc": 1.0}}
+    news = [diagnosis.step(values, ["fc"], [], step=s, trip=spike(s)).new for s in (3, 4)]
+    assert [[(f.rule, f.layer, f.step) for f in new] for new in news] == [
+        [("loss_spike", LOSS, 3)],
+        [("loss_spike", LOSS, 4)],
+    ]
+
+
+def test_the_baseline_is_the_last_step_without_a_trip():
+    diagnosis = Diagnosis(RuleConfig())
+    regular = {"act_absmax": {"fc": 1.0}}
+    assert diagnosis.step(regular, ["fc"], [], step=0).findings == []
+    assert diagnosis.baseline.step == 0
+    assert diagnosis.baseline.values is regular
+    diagnosis.step({"act_absmax": {"fc": 100.0}}, ["fc"], [], step=2, trip=spike(2))
+    assert diagnosis.baseline.step == 0  # a tripped step is no baseline
+    # Compared with step 0 (1.0), not with the tripped step 2 (100.0): a 50x growth names the layer.
+    (finding,) = diagnosis.step({"act_absmax": {"fc": 50.0}}, ["fc"], [], step=4, trip=spike(4)).findings
+    assert (finding.rule, finding.layer, finding.value, finding.stat) == ("loss_spike", "fc", 50.0, "act_absmax")
+    assert "grew 50x since step 0" in finding.message
+    diagnosis.step({"act_absmax": {"fc": 2.0}}, ["fc"], [], step=6)
+    assert diagnosis.baseline.step == 6
+
+
+def test_last_finite_follows_only_finite_weight_norms():
+    diagnosis = Diagnosis(RuleConfig())
+    diagnosis.step({"param_norm": {"fc.weight": 1.0, "fc.bias": 2.0}}, ["fc"], [], step=1)
+    diagnosis.step({"param_norm": {"fc.weight": math.nan, "fc.bias": 2.0}}, ["fc"], [], step=3)
+    assert diagnosis.last_finite == {"fc.weight": 1, "fc.bias": 3}
+    (finding,) = diagnosis.step(
+        {"param_norm": {"fc.weight": math.inf, "fc.bias": math.nan}}, ["fc"], [], step=5
+    ).findings
+    assert diagnosis.last_finite == {"fc.weight": 1, "fc.bias": 3}
+    assert (finding.rule, finding.layer, finding.value) == ("nonfinite", "fc", 2.0)
+    assert "they were last observed finite at step 3" in finding.message  # the later of the two
+
+
+def test_each_step_goes_into_the_history_after_the_rules_ran():
+    diagnosis = Diagnosis(RuleConfig(trend_window=5))
+    assert diagnosis.history.window == 20  # logit_drift looks back 4 trend windows
+    for step, norm in [(0, 1.0), (2, math.nan), (4, 3.0)]:
+        diagnosis.step({"param_norm": {"w": norm}}, ["fc"], [], step=step)
+    assert diagnosis.history.points("param_norm", "w") == [(0, 1.0), (4, 3.0)]
+
+
+def test_a_new_fit_forgets_baseline_finite_steps_and_trends_but_not_the_alerts():
+    diagnosis = Diagnosis(RuleConfig())
+    diagnosis.step({**DEAD, "param_norm": {"w": 1.0}}, ["relu"], [], step=8)
+    diagnosis.start_fit()
+    assert (diagnosis.baseline, diagnosis.last_finite, diagnosis.history.names("param_norm")) == (None, {}, [])
+    assert diagnosis.history.window == 4 * RuleConfig().trend_window
+    assert diagnosis.step(DEAD, ["relu"], [], step=0).new == []  # still the same condition
+
+
+def test_the_state_dict_round_trips_through_json_without_the_baseline():
+    diagnosis = Diagnosis(RuleConfig())
+    diagnosis.step({**DEAD, "param_norm": {"w": 1.0}}, ["relu"], [], step=0)
+    diagnosis.step({**DEAD, "param_norm": {"w": math.nan}}, ["relu"], [], step=2)
+    state = diagnosis.state_dict()
+    assert list(state) == ["alerts", "last_finite", "history"]
+    # The NaN norm of w (a parameter of no known layer: its own owner) is a nonfinite finding too.
+    assert state["alerts"]["active"] == [["dead_units", "relu"], ["nonfinite", "w"]]
+    assert (state["alerts"]["counts"]["dead_units"], state["alerts"]["counts"]["nonfinite"]) == (2, 1)
+    assert state["last_finite"] == {"w": 0}
+    assert state["history"]["points"]["param_norm"] == {"w": [[0, 1.0]]}
+    restored = Diagnosis(RuleConfig())
+    restored.load_state_dict({**json.loads(json.dumps(state)), "trips": []})  # the callback's other keys are ignored
+    assert restored.state_dict() == state
+    assert restored.baseline is None
+    assert restored.step(DEAD, ["relu"], [], step=4).new == []  # restored as active: no repeated alert
+    empty = Diagnosis(RuleConfig())
+    empty.load_state_dict({})
+    assert empty.state_dict() == Diagnosis(RuleConfig()).state_dict()
+
+
+def test_a_malformed_state_names_what_is_wrong():
+    with pytest.raises(ValueError, match=r"'active' expects \[rule, layer\] pairs, got 'dead_units'"):
+        Diagnosis(RuleConfig()).load_state_dict({"alerts": {"active": ["dead_units"]}})
+    with pytest.raises(ValueError, match=r"param_norm/w expects \[\[step, value\], ...\], got 5"):
+        Diagnosis(RuleConfig()).load_state_dict({"history": {"points": {"param_norm": {"w": 5}}}})
+
+
+def test_only_a_nonfinite_trip_with_the_nonfinite_rule_on_is_traced():
+    nan, grad = Trip(step=1, kind="nonfinite_loss", loss=math.nan), Trip(step=1, kind="nonfinite_grad", loss=1.0)
+    assert [Diagnosis(RuleConfig()).traces(t) for t in (nan, grad, spike(1))] == [True, True, False]
+    assert not Diagnosis(RuleConfig(enabled=["dead_units", "loss_spike"])).traces(nan)
+
+
+def test_the_diagnosis_runs_without_importing_torch_or_lightning(tmp_path):
+    # The package's __init__ imports the callback (torch, Lightning); a stand-in parent package isolates the module.
+    script = textwrap.dedent(
+        f"""
+        import sys, types
+        parent = types.ModuleType("lightning_hookdiag")
+        parent.__path__ = [{str(REPO / "lightning_hookdiag")!r}]
+        sys.modules["lightning_hookdiag"] = parent
+        from lightning_hookdiag.diagnosis import Diagnosis
+        from lightning_hookdiag.rules import RuleConfig
+        found = Diagnosis(RuleConfig()).step({{"act_dead_frac": {{"relu": 1.0}}}}, ["relu"], [], step=0)
+        heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "lightning", "lightning_fabric"))
+        print("RESULT", [f.rule for f in found.new], heavy)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "RESULT ['dead_units'] []" in done.stdout
+
+
+# ---------------------------------------------------------------------------------- the callback acting on it
 
 
 class NaNAfter(nn.Module):
@@ -124,3 +272,19 @@ def test_resume_from_checkpoint_continues_schedule_and_alerts(tmp_path):
     assert [s for s, _ in logger.ours()] == [4, 6]  # the schedule continues from global_step 3
     assert second.findings[: len(first.findings)] == first.findings  # alert history restored
     assert len(second.findings) == len(first.findings)  # still active: no repeated alert after resuming
+    # The checkpoint restores the rules' memory after setup() reset it: step 0's weights were the last finite ones
+    # (NaN gradients broke them at its update), in the first fit.
+    assert second._diagnosis.last_finite == {"model.4.weight": 0, "model.4.bias": 0}
+    assert [s for s, _ in second._diagnosis.history.points("param_norm", "model.4.weight")] == [0]
+    assert list(state) == [  # the checkpoint format of every earlier version
+        "last_metrics",
+        "last_step",
+        "warned",
+        "alerts",
+        "findings",
+        "trips",
+        "sentinel",
+        "last_finite",
+        "history",
+    ]
+    assert {k: state[k] for k in ("alerts", "last_finite", "history")} == first._diagnosis.state_dict()

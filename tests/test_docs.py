@@ -468,6 +468,30 @@ def test_module_docstring_links_resolve(module):
     assert not problems, f"{module_id(module)}: " + "; ".join(problems)
 
 
+def docstrings(path: Path) -> list[tuple[str, str]]:
+    """``(where, docstring)`` of the module at ``path`` and of every class and function in it."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    return [
+        (f"line {getattr(node, 'lineno', 1)} ({getattr(node, 'name', 'module')})", ast.get_docstring(node) or "")
+        for node in ast.walk(tree)
+        if isinstance(node, kinds)
+    ]
+
+
+def test_docstrings_reads_classes_and_functions_too(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text('"""Mod."""\nclass A:\n    """Cls."""\n    def f(self):\n        """Fn."""\n')
+    assert docstrings(path) == [("line 1 (module)", "Mod."), ("line 2 (A)", "Cls."), ("line 4 (f)", "Fn.")]
+
+
+@pytest.mark.parametrize("module", MODULES, ids=module_id)
+def test_every_docstring_link_resolves(module):
+    """A class's or a function's link to a docs section (a ``RuleConfig`` field's) breaks as silently as a module's."""
+    problems = [f"{where}: {p}" for where, doc in docstrings(module) for p in broken_docstring_links(doc, ROOT)]
+    assert not problems, f"{module_id(module)}: " + "; ".join(problems)
+
+
 def test_docstrings_link_the_docs():
     linked = {target for module in MODULES for target in DOCSTRING_LINK.findall(module_docstring(module))}
     assert len(linked) >= 10, linked  # the link reader sees the module docstrings' links

@@ -17,6 +17,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
 from lightning_hookdiag import ALL_STATS, OPT_IN_STATS, LayerHealthCallback, LayerHealthError
+from lightning_hookdiag.diagnosis import Diagnosis
 from lightning_hookdiag.fit_run import FitRun
 
 EVERY_STAT = [*ALL_STATS, *OPT_IN_STATS]
@@ -100,11 +101,11 @@ def test_after_an_exception_at_any_stage_the_callback_holds_no_module_and_no_ten
 def test_a_second_fit_starts_a_fresh_trend_history():
     callback = LayerHealthCallback(every_n_steps=2, summary=False, on_anomaly="ignore")
     make_trainer([callback], max_steps=20).fit(module())
-    first = [s for s, _ in callback._history.points("param_norm", "model.0.weight")]
+    first = [s for s, _ in callback._diagnosis.history.points("param_norm", "model.0.weight")]
     assert first == list(range(0, 20, 2))
     make_trainer([callback], max_steps=10).fit(module())
     # Only the second fit's steps: an earlier fit's values are no trend of this one.
-    assert [s for s, _ in callback._history.points("param_norm", "model.0.weight")] == list(range(0, 10, 2))
+    assert [s for s, _ in callback._diagnosis.history.points("param_norm", "model.0.weight")] == list(range(0, 10, 2))
 
 
 # ------------------------------------------------------------------------------ every exit, every opt-in statistic
@@ -300,9 +301,11 @@ CONFIG = {
     "output_layer",
 }
 RESULTS = {"last_metrics", "last_step", "layer_names", "execution_order", "findings", "last_findings", "trips"}
-# What state_dict saves besides the results: the one-time notes given, the alerts, the sentinel's loss baseline, the
-# trend history and the rules' memory between sampled steps.
-CHECKPOINTED = {"_warned", "_alerts", "_sentinel", "_history", "_baseline", "_last_finite"}
+# What state_dict saves besides the results: the one-time notes given, the sentinel's loss baseline, and the rules'
+# memory between sampled steps (one Diagnosis: the alerts, the loss_spike baseline, the trend history, the last finite
+# steps).
+CHECKPOINTED = {"_warned", "_sentinel", "_diagnosis"}
+DIAGNOSIS = {"config", "alerts", "baseline", "last_finite", "history"}
 
 
 def test_the_callback_holds_its_configuration_its_results_and_one_run_slot():
@@ -311,6 +314,12 @@ def test_the_callback_holds_its_configuration_its_results_and_one_run_slot():
     parameters = set(inspect.signature(LayerHealthCallback.__init__).parameters) - {"self"}
     assert (parameters - {"rules"}) | {"rule_config"} == CONFIG  # one attribute per argument
     assert callback._run is None
+    # The rules' memory is one object, with the callback's rule settings, empty before the first fit.
+    assert isinstance(callback._diagnosis, Diagnosis)
+    assert set(vars(callback._diagnosis)) == DIAGNOSIS
+    assert callback._diagnosis.config is callback.rule_config
+    assert callback._diagnosis.baseline is None
+    assert callback._diagnosis.last_finite == {}
 
 
 def test_the_run_is_one_object_from_fit_start_to_the_end_of_fit():

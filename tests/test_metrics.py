@@ -11,6 +11,7 @@ from lightning_hookdiag.metrics import (
     Note,
     StepFacts,
     histogram_note,
+    histogram_series,
     layer_notes,
     missing_grad_notes,
     opt_in_note,
@@ -184,6 +185,21 @@ def test_missing_gradient_histogram_and_opt_in_notes():
     assert opt_in_note("act_overflow_frac: no target") == Note(
         "opt_in_note", "LayerHealthCallback: act_overflow_frac: no target", info=True
     )
+
+
+def test_histograms_are_cut_into_one_series_per_layer_and_kind_with_open_outer_bins():
+    inner = [-1e4, -1e-6, 0.0, 1e-6, 1e4]  # 6 bins per layer
+    act = [0, 1, 2, 3, 4, 5] + [0] * 6 + [7, 0, 0, 0, 0, 1]
+    grad = [0] * 6 + [0, 0, 9, 9, 0, 0] + [0] * 6
+    h = histogram_series(act, grad, inner, keys=KeyCache("lh"), layer_names=LAYERS)
+    assert h.left == [-1e5, -1e4, -1e-6, 0.0, 1e-6, 1e4]
+    assert h.right == [-1e4, -1e-6, 0.0, 1e-6, 1e4, 1e5]
+    # Layers without a counted value (enc.inner's outputs, every gradient but enc.inner's) have no series.
+    assert h.series == [
+        ("lh/act_hist/enc", [0, 1, 2, 3, 4, 5]),
+        ("lh/act_hist/head", [7, 0, 0, 0, 0, 1]),
+        ("lh/act_grad_hist/enc.inner", [0, 0, 9, 9, 0, 0]),
+    ]
 
 
 @pytest.mark.parametrize("missing", ["count", "grad_count", "param_seen"])

@@ -204,7 +204,7 @@ def test_healthy_zoo_raises_no_precursor_finding_over_a_hundred_steps(name):
         make_trainer([health], max_steps=ZOO_STEPS).fit(module)
     assert health.last_step == ZOO_STEPS - 1
     assert [f.message for f in health.findings] == []
-    assert sum(health._alerts.counts.values()) == 0
+    assert sum(health._diagnosis.alerts.counts.values()) == 0
     assert count_hooks(module) == 0
     assert torch._C._len_torch_function_stack() == 0
 
@@ -221,7 +221,7 @@ def test_history_goes_into_the_checkpoint_state_and_comes_back():
     assert points[-1][1] == health.last_metrics["layer_health/attn_logit_max/model.blocks.0.attn"]
     restored = _health()
     restored.load_state_dict(state)
-    assert restored._history.points("attn_logit_max", "model.blocks.0.attn") == [tuple(p) for p in points]
+    assert restored._diagnosis.history.points("attn_logit_max", "model.blocks.0.attn") == [tuple(p) for p in points]
 
 
 def test_a_replayed_step_is_probed_like_a_sampled_one(monkeypatch):

@@ -378,6 +378,13 @@ def test_bad_sentinel_settings_are_rejected_naming_the_value(kwargs, message):
         LayerHealthCallback(**kwargs)
 
 
+@pytest.mark.parametrize("mode", ["grads", None])
+def test_a_loss_sentinel_needs_one_of_its_modes(mode):
+    # None is the callback's "no sentinel", not a mode of the sentinel itself.
+    with pytest.raises(ValueError, match=rf"sentinel: expected one of \['loss', 'loss\+grads'\], got {mode!r}$"):
+        LossSentinel(mode)
+
+
 def test_the_sentinel_state_survives_a_checkpoint_round_trip():
     callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", summary=False)
     module, _ = mlp_with(lambda clock: NaNAt(clock, step=25))

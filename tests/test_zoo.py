@@ -49,7 +49,7 @@ def test_healthy_zoo_raises_no_finding_on_any_step(name):
     assert callback.last_step == STEPS - 1
     assert callback.rule_config.enabled == RULES  # every rule was on
     assert [f.message for f in callback.findings] == []
-    assert sum(callback._alerts.counts.values()) == 0  # not even a finding that repeated an earlier alert
+    assert sum(callback._diagnosis.alerts.counts.values()) == 0  # not even a finding that repeated an earlier alert
     assert count_hooks(module) == 0
 
 
