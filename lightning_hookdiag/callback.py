@@ -398,6 +398,7 @@ class LayerHealthCallback(Callback):
         scale = getattr(getattr(trainer.precision_plugin, "scaler", None), "_scale", None)
         scale = scale if isinstance(scale, Tensor) else None
         trip = self._check(trainer, pl_module, run, scale)
+        run.end_closure()
         # DeepSpeed's optimizers hold copies of the parameters: membership says nothing there.
         watch = "not_updated" in self.rule_config.enabled and not isinstance(trainer.strategy, DeepSpeedStrategy)
         run.before_optimizer_step(optimizer, trainer.optimizers, scale, watch)

@@ -261,6 +261,15 @@ class FitRun:
         if self.probes is not None and self.probes.attached:
             self.probes.end_forward()  # no backward (a training_step that returned no loss): the output still counts
 
+    def end_closure(self) -> None:
+        """An optimizer closure's forward and backward are over, the hooks stay attached for the next one.
+
+        LBFGS evaluates its closure several times per step, each a forward that saves for its own backward: the
+        saved bytes are one measurement per evaluation (the largest is kept), not their sum.
+        """
+        if self.hooks.attached:
+            self.hooks.end_micro_batch()
+
     def detach(self) -> None:
         """Remove every hook; an interrupted micro-batch's partial measurements are dropped. Idempotent."""
         if self.probes is not None:

@@ -174,6 +174,28 @@ def test_fit_logs_the_largest_micro_batch_and_shows_it_in_the_summary(capsys):
     assert table[3].split()[-2:] == ["256", "B"]  # model.1: 8 rows x 8 floats
 
 
+class LBFGSModule(TinyModule):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
+
+
+def test_lbfgs_closures_are_one_measurement_each_not_a_sum():
+    # Every closure evaluation runs a forward that saves for its own backward; before, the evaluations of a step were
+    # added up wherever the allocator gave a saved tensor a new address (1x-3x the bytes of one forward, by run).
+    module = LBFGSModule(model=nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), data=make_data(n=8))
+    callback = LayerHealthCallback(every_n_steps=1, stats=["act_mean", "act_saved_bytes"], summary=False)
+    make_trainer([callback], max_steps=2).fit(module)
+    steps = [step for step, *_ in module.record]
+    assert steps.count(0) > 1  # several closure evaluations per step
+    assert steps.count(1) > 1
+    assert callback.last_step == 1
+    saved = {k.rsplit("/", 1)[1]: v for k, v in callback.last_metrics.items() if "act_saved_bytes" in k}
+    # Linear saves its input (8 rows x 4), ReLU its output (8 x 8); the last Linear's input is ReLU's output.
+    assert saved == {"model.0": 8 * 4 * F32, "model.1": 8 * 8 * F32, "model.2": 0.0}
+    assert count_hooks(module) == 0
+    assert no_saved_tensor_hooks()
+
+
 def test_an_exception_in_a_sampled_training_step_leaves_no_hooks():
     module = TinyModule()
 
