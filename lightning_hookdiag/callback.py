@@ -384,8 +384,9 @@ class LayerHealthCallback(Callback):
             return
         if self._sentinel is not None:
             self._sentinel.observe_loss(loss)
-        run.end_forward(loss)
-        run.check_stale(len(trainer.optimizers))
+        if run.state.window is not None:  # an unsampled step pays for nothing below
+            run.end_forward(loss)
+            run.check_stale(len(trainer.optimizers))
 
     @override
     def on_before_optimizer_step(
@@ -398,6 +399,8 @@ class LayerHealthCallback(Callback):
         scale = getattr(getattr(trainer.precision_plugin, "scaler", None), "_scale", None)
         scale = scale if isinstance(scale, Tensor) else None
         trip = self._check(trainer, pl_module, run, scale)
+        if run.state.window is None:  # unsampled and not tripped (a trip opens a window)
+            return
         run.end_closure()
         # DeepSpeed's optimizers hold copies of the parameters: membership says nothing there.
         watch = "not_updated" in self.rule_config.enabled and not isinstance(trainer.strategy, DeepSpeedStrategy)

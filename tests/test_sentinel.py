@@ -360,6 +360,20 @@ def test_manual_optimization_is_not_replayed_and_the_next_step_is_sampled():
     assert count_hooks(module) == 0
 
 
+def test_a_step_marked_for_sampling_at_the_end_of_a_fit_is_not_sampled_in_the_next_fit():
+    # Step 3, the last of the first fit, trips and cannot be replayed: its next step would be sampled. The next fit
+    # (a new Trainer, steps from 0) has its own schedule: before the per-fit state it sampled its step 4 too.
+    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", summary=False)
+    make_trainer([callback], max_steps=4).fit(ManualModule(clock_step=3))
+    assert [(t.step, t.replayed) for t in callback.trips] == [(3, False)]
+    logger = RecordingLogger()
+    module = TinyModule(data=make_data(n=64))
+    make_trainer([callback], max_steps=6, logger=logger).fit(module)
+    assert [s for s, _ in logger.ours()] == [0]
+    assert callback.trips == [callback.trips[0]]  # the healthy second fit never trips
+    assert count_hooks(module) == 0
+
+
 # ------------------------------------------------------------------------------------------------ configuration
 @pytest.mark.parametrize(
     ("kwargs", "message"),
