@@ -408,6 +408,8 @@ class LayerHealthCallback(Callback):
         if trip is None:
             return
         if self.on_anomaly == "raise":
+            # The step is finished here, before the update: its hooks must not see LBFGS's later closures.
+            run.end_micro_batch()
             self._finish_window(trainer, before_update=True)  # raises on any finding, before the update
         elif self.on_anomaly == "stop":
             trainer.should_stop = True

@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, count_hooks, make_trainer
+from conftest import RecordingLogger, TinyModule, count_hooks, force_trips, make_trainer
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -205,6 +205,28 @@ def test_lbfgs_measures_weights_before_and_update_across_the_whole_step():
     ref = module.reference_model(before)
     nn.functional.mse_loss(ref(x), y).backward()
     assert metrics[f"{P}/param_grad_norm/model.0.weight"] == pytest.approx(ref[0].weight.grad.norm().item(), rel=1e-5)
+
+
+def test_a_step_finished_before_its_update_is_not_pooled_into_the_next_sampled_step(monkeypatch):
+    # on_anomaly="raise" finishes a tripped step at its first closure, before the update; with no finding, training
+    # goes on. LBFGS then evaluates the closure again: those forwards and backwards were pooled into the next sampled
+    # step (step 2 here), and their saved bytes too.
+    def fit(trips: set[int]) -> dict[int, dict[str, float]]:
+        force_trips(monkeypatch, trips)
+        logger = RecordingLogger()
+        stats = ["act_mean", "act_std", "act_grad_norm", "act_saved_bytes", "param_norm"]
+        callback = LayerHealthCallback(
+            every_n_steps=2, stats=stats, on_anomaly="raise", rules={"enabled": ["saturation"]}, summary=False
+        )
+        torch.manual_seed(0)
+        module = LBFGSModule()
+        make_trainer([callback], max_steps=3, logger=logger).fit(module)
+        assert count_hooks(module) == 0
+        assert [t.step for t in callback.trips] == sorted(trips)
+        return dict(logger.ours())
+
+    healthy, tripped = fit(set()), fit({0})
+    assert tripped[2] == healthy[2]
 
 
 # ------------------------------------------------------------------------------------------ failing logger
