@@ -1,4 +1,4 @@
-"""The rules added with the bug benchmark: update_ratio, stale_gradients, input_scale (see rules.py's table).
+"""The rules added with the bug benchmark: update_ratio, stale_gradients, input_scale (see docs/rules.md's table).
 
 Detection and silence by hand on plain values, then stale_gradients end to end in real fits (its value comes from
 the callback, not from a logged statistic). Silence on the healthy zoo is tests/test_zoo.py's (every rule enabled),

@@ -1,0 +1,136 @@
+"""What a rule reads on one step, gathered in one :class:`Context`.
+
+The step's values, the layers' forward and backward orders (:class:`Orders`), and what the caller knows besides: the
+last regular sampled step (:class:`Baseline`), each parameter's optimizer facts (:class:`ParamFacts`), the sentinel's
+trip and the history of earlier sampled steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from lightning_hookdiag import trends
+from lightning_hookdiag.names import owning_layer
+from lightning_hookdiag.rules.config import RuleConfig
+
+if TYPE_CHECKING:  # the rules only read a Trip's fields; importing the sentinel at run time would import torch
+    from lightning_hookdiag.sentinel import Trip
+
+__all__ = [
+    "Baseline",
+    "Context",
+    "Orders",
+    "ParamFacts",
+    "finite",
+]
+
+
+class Orders:
+    """Positions of layers in forward and backward order, with documented fallbacks for layers missing from one."""
+
+    def __init__(self, forward_order: Sequence[str], backward_order: Sequence[str]) -> None:
+        self.forward: dict[str, int] = {}
+        for i, name in enumerate(forward_order):
+            self.forward.setdefault(name, i)  # a module called twice: its first call is its depth
+        self.backward: dict[str, int] = {}
+        for i, name in enumerate(backward_order):
+            self.backward.setdefault(name, i)
+        self.layers = self.forward.keys() | self.backward.keys()
+
+    def place(self, layer: str, like: str) -> None:
+        """Sort ``layer``, a module outside the observed order (not selected), at the position of observed ``like``."""
+        if like in self.forward:
+            self.forward.setdefault(layer, self.forward[like])
+
+    def owner(self, param: str) -> str:
+        """The observed layer that owns parameter ``param`` (see :func:`~lightning_hookdiag.names.owning_layer`)."""
+        # A selected container owns "<container>.<child>.<name>": the longest known layer prefix is the module that
+        # was observed, not the dotted name minus its last segment.
+        return owning_layer(param, self.layers)
+
+    def forward_key(self, layer: str) -> tuple[int, int, str]:
+        """Sort key of ``layer`` in forward order; layers of unknown position last, by name."""
+        if layer in self.forward:
+            return (0, self.forward[layer], "")
+        return (1, 0, layer)  # unknown position: after every known layer, deterministically by name
+
+    def backward_key(self, layer: str) -> tuple[int, int, str]:
+        """Sort key of ``layer`` in backward order; unrecorded ones in reversed forward order, then by name."""
+        if layer in self.backward:
+            return (0, self.backward[layer], "")
+        # Without a recorded backward order (no gradient hooks), reversed forward order is exact for a chain of
+        # modules and the best available guess otherwise.
+        if layer in self.forward:
+            return (1, -self.forward[layer], "")
+        return (2, 0, layer)
+
+
+def finite(x: Any) -> bool:
+    """Whether ``x`` is a finite ``int`` or ``float`` (a ``bool`` is not)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class ParamFacts:
+    """Host facts about one tracked parameter on a sampled step, which ``not_updated`` reads beside its statistics.
+
+    Attributes:
+        held: Whether an optimizer of the Trainer holds the parameter in one of its param groups.
+        applied: Whether an optimizer that holds it ran its step (not skipped by an fp16 ``GradScaler`` for an
+            overflow, or by a ``training_step`` that returned ``None``).
+        lr: The learning rate it was stepped with (the largest of the groups that hold it); NaN if unknown.
+        base_lr: The lr an LR scheduler scales (the group's ``initial_lr``), ``None`` without a scheduler.
+        dtype: Name of the weights' dtype, for the message (``"bfloat16"``).
+        eps: ``torch.finfo(dtype).eps`` of the weights: the gap between 1 and the next representable number.
+
+    Example:
+        >>> ParamFacts(held=True, lr=0.1, dtype="bfloat16", eps=2**-7).eps
+        0.0078125
+    """
+
+    held: bool
+    applied: bool = True
+    lr: float = math.nan
+    base_lr: float | None = None
+    dtype: str = "float32"
+    eps: float = 2.0**-23
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every rule reads: the arguments of :func:`~lightning_hookdiag.rules.evaluate`, and the layers' orders."""
+
+    values: Mapping[str, Mapping[str, float]]
+    orders: Orders
+    step: int
+    config: RuleConfig
+    layer_types: Mapping[str, str]
+    trip: Trip | None = None
+    baseline: Baseline | None = None
+    last_finite: Mapping[str, int] | None = None
+    missing_grads: Collection[str] = ()
+    eval_mode: Mapping[str, str] = field(default_factory=dict)
+    param_facts: Mapping[str, ParamFacts] | None = None
+    history: trends.History | None = None
+    shared: dict[str, Any] = field(default_factory=dict, compare=False)
+    """What several rules derive from the same values (both gradient rules sort the same ratios)."""
+
+    def stat(self, name: str) -> Mapping[str, float]:
+        """The values of statistic ``name`` per layer or parameter; empty when it is absent."""
+        return self.values.get(name) or {}
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The values of an earlier, regular sampled step, for rules that compare against the recent past.
+
+    Attributes:
+        step: The optimizer step the values describe.
+        values: As the ``values`` argument of :func:`~lightning_hookdiag.rules.evaluate`.
+    """
+
+    step: int
+    values: Mapping[str, Mapping[str, float]]

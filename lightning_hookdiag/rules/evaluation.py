@@ -1,0 +1,148 @@
+"""Run the enabled rules on one step and sort their findings; :func:`format_error` writes them as one message.
+
+The rules run in :data:`RULES` order; the findings are sorted forward ones (in forward order) before backward ones
+(in backward order), so that the first is the earliest problem's origin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from lightning_hookdiag import trends
+from lightning_hookdiag.rules import activations, gradients, nonfinite, parameters, precursors, spike
+from lightning_hookdiag.rules.config import RULES, RuleConfig
+from lightning_hookdiag.rules.context import Baseline, Context, Orders, ParamFacts
+from lightning_hookdiag.rules.findings import PHASES, Finding, plural
+
+if TYPE_CHECKING:  # the rules only read a Trip's fields; importing the sentinel at run time would import torch
+    from lightning_hookdiag.sentinel import Trip
+
+__all__ = [
+    "evaluate",
+    "format_error",
+]
+
+
+_RULE_FUNCTIONS: dict[str, Callable[[Context], list[Finding]]] = {
+    "nonfinite": nonfinite.nonfinite,
+    "loss_spike": spike.loss_spike,
+    "eval_mode": activations.eval_mode,
+    "dead_units": activations.dead_units,
+    "no_gradient": gradients.no_gradient,
+    "vanishing_gradient": lambda ctx: gradients.gradient_scale(ctx, "vanishing_gradient"),
+    "exploding_gradient": lambda ctx: gradients.gradient_scale(ctx, "exploding_gradient"),
+    "saturation": activations.saturation,
+    "precision_headroom": activations.precision_headroom,
+    "update_ratio": parameters.update_ratio,
+    "stale_gradients": parameters.stale_gradients,
+    "input_scale": activations.input_scale,
+    "not_updated": parameters.not_updated,
+    "replica_divergence": parameters.replica_divergence,
+    "attention_logits": precursors.attention_logits,
+    "logit_drift": precursors.logit_drift,
+    "update_jump": precursors.update_jump,
+}
+
+
+def evaluate(
+    values: Mapping[str, Mapping[str, float]],
+    forward_order: Sequence[str],
+    backward_order: Sequence[str],
+    step: int,
+    config: RuleConfig | None = None,
+    layer_types: Mapping[str, str] | None = None,
+    trip: Trip | None = None,
+    baseline: Baseline | None = None,
+    last_finite: Mapping[str, int] | None = None,
+    missing_grads: Collection[str] = (),
+    eval_mode: Mapping[str, str] | None = None,
+    param_facts: Mapping[str, ParamFacts] | None = None,
+    history: trends.History | None = None,
+) -> list[Finding]:
+    """Apply the enabled rules to one sampled (or sentinel-tripped) step's statistics.
+
+    Args:
+        values: Statistic name to ``{layer or parameter name: value}``; any statistic may be absent. Besides the
+            logged statistics, ``param_norm_min`` (the smallest ``param_norm`` over processes, where ``param_norm``
+            is the largest; replicated parameters of a distributed run) feeds ``replica_divergence``.
+        forward_order: Layers in the order their forward first ran (input end first).
+        backward_order: Layers in the order their output gradient arrived (output end first). Layers missing from
+            it (e.g. no gradient statistics were recorded) are placed after it in reversed forward order.
+        step: The optimizer step, copied into each finding.
+        config: Rules and thresholds; ``None`` for :class:`RuleConfig` defaults.
+        layer_types: Layer to module class name (``"Tanh"``), for ``saturation``; without it that rule is silent.
+        trip: What the sentinel saw, when it tripped on this step (``loss_spike`` needs it; ``nonfinite`` uses it).
+        baseline: The last regular sampled step's values, which ``loss_spike`` compares against.
+        last_finite: Parameter name to the last step its ``param_norm`` was observed finite, for the message about
+            non-finite weights.
+        missing_grads: Layers whose output required grad but received no gradient on the step, for
+            ``no_gradient`` (see :func:`~lightning_hookdiag.rules.cut_off`).
+        eval_mode: BatchNorm and Dropout modules that ran in eval mode in the training step while what they train
+            requires grad, to their class names, for ``eval_mode`` (see
+            :func:`~lightning_hookdiag.modes.eval_mode_modules`).
+        param_facts: Parameter name to what the host knows about its optimizer step, for ``not_updated``; without
+            it that rule is silent.
+        history: The earlier sampled steps' values, for the trend rules (``attention_logits``' trend,
+            ``logit_drift``, ``update_jump``); without it they compare levels only.
+
+    Returns:
+        Findings with forward ones (in forward order) before backward ones (in backward order); the first is the
+        origin of the earliest problem. Findings of the same layer follow :data:`RULES` order.
+
+    Example:
+        >>> values = {"act_grad_norm": {"fc3": 1.0, "fc2": 0.5, "fc1": 2e-4}, "act_dead_frac": {"relu1": 0.95}}
+        >>> for f in evaluate(values, ["fc1", "relu1", "fc2", "fc3"], ["fc3", "fc2", "fc1"], step=3):
+        ...     print(f.rule, f.layer, f.value)
+        dead_units relu1 0.95
+        vanishing_gradient fc1 0.0002
+    """
+    config = RuleConfig() if config is None else config
+    orders = Orders(forward_order, backward_order)
+    ctx = Context(
+        values=values,
+        orders=orders,
+        step=step,
+        config=config,
+        layer_types=layer_types or {},
+        trip=trip,
+        baseline=baseline,
+        last_finite=last_finite,
+        missing_grads=missing_grads,
+        eval_mode=eval_mode or {},
+        param_facts=param_facts,
+        history=history,
+    )
+    findings = [f for rule in config.enabled for f in _RULE_FUNCTIONS[rule](ctx)]
+
+    def key(f: Finding) -> tuple[Any, ...]:
+        position = orders.forward_key(f.layer) if f.phase == "forward" else orders.backward_key(f.layer)
+        return (PHASES.index(f.phase), position, RULES.index(f.rule), f.stat)
+
+    return sorted(findings, key=key)
+
+
+def format_error(findings: Sequence[Finding]) -> str:
+    """The message of a :class:`~lightning_hookdiag.LayerHealthError`: the earliest origin first, then the rest.
+
+    Args:
+        findings: As returned by :func:`evaluate` (already ordered), not empty.
+
+    Raises:
+        ValueError: If ``findings`` is empty.
+
+    Example:
+        >>> values = {"act_nonfinite": {"b": 3.0}, "act_dead_frac": {"c": 1.0}}
+        >>> print(format_error(evaluate(values, ["a", "b", "c"], [], step=5)))
+        layer health check failed at step 5 in b (rule nonfinite): nonfinite: 3 NaN/Inf output elements in b at step 5 (the first non-finite layer in forward order)
+        1 more finding:
+          - dead_units: 100.0% of the units of c were <= 0 for every sample of step 5 (dead_frac_threshold=0.9)
+    """  # noqa: E501
+    if not findings:
+        raise ValueError("format_error: expected at least one finding, got none")
+    first, rest = findings[0], findings[1:]
+    lines = [f"layer health check failed at step {first.step} in {first.layer} (rule {first.rule}): {first.message}"]
+    if rest:
+        lines.append(f"{plural(len(rest), 'more finding')}:")
+        lines += [f"  - {f.message}" for f in rest]
+    return "\n".join(lines)

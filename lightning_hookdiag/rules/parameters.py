@@ -1,0 +1,289 @@
+"""The rules on what the optimizer step did to the weights.
+
+``update_ratio``, ``stale_gradients``, ``not_updated`` (:func:`moved_mass_bound`) and ``replica_divergence``
+(``docs/rules.md#not_updated-why-a-parameter-did-not-move``, ``docs/rules.md#replica_divergence``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from lightning_hookdiag.rules.context import Context, Orders, ParamFacts, finite
+from lightning_hookdiag.rules.findings import MAX_LISTED, Finding, listing, plural
+
+__all__ = [
+    "moved_mass_bound",
+    "not_updated",
+    "replica_divergence",
+    "stale_gradients",
+    "update_ratio",
+]
+
+
+def _layer_updates(orders: Orders, values: Mapping[str, Mapping[str, float]]) -> dict[str, tuple[float, float]]:
+    """Per layer, ``(||dw|| / ||w||, ||dw|| / ||g||)`` over all of its tracked parameters together.
+
+    ``dw`` is the update across the optimizer step, ``g`` the gradient; the second ratio is the learning rate the
+    step effectively applied (SGD's ``lr``). Pooled from each parameter's ``param_update_ratio``, ``param_norm`` and
+    ``param_grad_norm``. Left out: a layer whose weights are all exactly 0 (a zero-initialised norm), and one whose
+    gradient is exactly 0 (a branch behind a zero-initialised norm), which moves by weight decay alone (``lr *
+    weight_decay``, 1e-5 with AdamW's defaults at lr 1e-3).
+    """
+    ratios, norms = values.get("param_update_ratio") or {}, values.get("param_norm") or {}
+    grads = values.get("param_grad_norm") or {}
+    update_sq: dict[str, float] = {}
+    weight_sq: dict[str, float] = {}
+    grad_sq: dict[str, float] = {}
+    for param, ratio in ratios.items():
+        norm, grad = norms.get(param, math.nan), grads.get(param, math.nan)
+        if finite(ratio) and finite(norm) and finite(grad) and ratio >= 0:
+            layer = orders.owner(param)
+            update_sq[layer] = update_sq.get(layer, 0.0) + (ratio * norm) ** 2
+            weight_sq[layer] = weight_sq.get(layer, 0.0) + norm * norm
+            grad_sq[layer] = grad_sq.get(layer, 0.0) + grad * grad
+    return {
+        layer: (math.sqrt(update_sq[layer] / w), math.sqrt(update_sq[layer] / grad_sq[layer]))
+        for layer, w in weight_sq.items()
+        if w > 0 and grad_sq[layer] > 0
+    }
+
+
+def _slow_layers(ctx: Context, values: Mapping[str, Mapping[str, float]]) -> dict[str, tuple[float, float]] | None:
+    """The layers' updates if every layer that moved at all is slow (see ``update_ratio``), else ``None``."""
+    low, lr_low = ctx.config.update_ratio_low, ctx.config.effective_lr_low
+    # Exactly 0 is no update at all (a parameter outside every optimizer group, lr 0 in a warm-up): not a low one.
+    moved = {k: u for k, u in _layer_updates(ctx.orders, values).items() if u[0] > 0}
+    if moved and all(ratio < low and lr < lr_low for ratio, lr in moved.values()):
+        return moved
+    return None
+
+
+def update_ratio(ctx: Context) -> list[Finding]:
+    """Rule ``update_ratio``: every layer's update is too small for its weights and its gradient."""
+    if ctx.baseline is None:
+        return []
+    # The whole network, not one layer: a norm layer's weights of 1 move by at most about lr per step under Adam,
+    # so one layer alone is below 1e-5 in healthy fine-tuning. And small against the gradient too: in a converged
+    # fit the weights stop moving because the gradient is small, not the learning rate.
+    now, before = _slow_layers(ctx, ctx.values), _slow_layers(ctx, ctx.baseline.values)
+    if now is None or before is None:
+        return []
+    low, lr_low = ctx.config.update_ratio_low, ctx.config.effective_lr_low
+    layers = sorted(now, key=ctx.orders.forward_key)
+    fastest = max(now, key=lambda k: now[k][0])
+    ratio, lr = now[fastest]
+    slow = f"by less than update_ratio_low={low:g} of their norm at step {ctx.step} and at step {ctx.baseline.step}"
+    where = f"the most, {ratio:.3g}, in {fastest}; the first layer in forward order: {layers[0]}"
+    message = (
+        f"update_ratio: the optimizer step changed the weights of every one of the {plural(len(now), 'layer')}"
+        f" that got a gradient {slow} ({where}), and by less than effective_lr_low={lr_low:g} times their gradient"
+        f" ({lr:.3g} in {fastest}): the learning rate is too low for the weights to move"
+    )
+    return [
+        Finding(
+            rule="update_ratio",
+            layer=layers[0],
+            step=ctx.step,
+            value=ratio,
+            threshold=low,
+            message=message,
+            phase="forward",
+            stat="param_update_ratio",
+        )
+    ]
+
+
+def stale_gradients(ctx: Context) -> list[Finding]:
+    """Rule ``stale_gradients``: parameters that held a gradient at the step's first backward."""
+    # A parameter that no optimizer holds keeps its gradient because zero_grad() never clears it: not_updated names
+    # that cause exactly, so it is left to that rule when it runs.
+    facts = ctx.param_facts if "not_updated" in ctx.config.enabled and ctx.param_facts else {}
+    stale = {
+        p: norm
+        for p, norm in ctx.stat("param_stale_grad_norm").items()
+        if isinstance(norm, (int, float))
+        and not isinstance(norm, bool)
+        and norm != 0  # NaN is stale too
+        and (p not in facts or facts[p].held)
+    }
+    if not stale:
+        return []
+    owners = sorted({ctx.orders.owner(p) for p in stale}, key=ctx.orders.forward_key)
+    first = [p for p in stale if ctx.orders.owner(p) == owners[0]]
+    return [
+        Finding(
+            rule="stale_gradients",
+            layer=owners[0],
+            step=ctx.step,
+            value=float(len(stale)),
+            threshold=0.0,
+            message=f"stale_gradients: at the first backward of step {ctx.step}, {plural(len(stale), 'parameter')}"
+            f" already held a non-zero gradient ({listing(first)} in {owners[0]}, the first of"
+            f" {plural(len(owners), 'layer')} in forward order; norm {stale[first[0]]:.3g}): .grad was not zeroed"
+            " after the last optimizer step, so the gradients of all past steps add up. Either zero_grad() is not"
+            " called (manual optimization), or these parameters are in none of the optimizer's param groups, which"
+            " zero_grad() clears",
+            phase="backward",
+            stat="param_stale_grad_norm",
+        )
+    ]
+
+
+def moved_mass_bound(ratio: float, eps: float) -> float:
+    """Upper bound on the share of a weight's squared mass held by the entries that changed across a step.
+
+    An entry that changes moves by at least one unit in the last place, ``>= (eps / 2) |w_i|``, so the changed
+    entries' squared mass is at most ``||dw||**2 / (eps / 2)**2``
+    (``docs/rules.md#not_updated-why-a-parameter-did-not-move``).
+
+    Args:
+        ratio: ``param_update_ratio``, ``||dw|| / ||w||``, ``>= 0``.
+        eps: ``torch.finfo(dtype).eps`` of the weights.
+
+    Example:
+        >>> moved_mass_bound(0.0, 2**-7), moved_mass_bound(2**-10, 2**-7), moved_mass_bound(1e-3, 2**-23)
+        (0.0, 0.0625, 1.0)
+    """
+    return min(1.0, (2.0 * ratio / eps) ** 2)
+
+
+_SCHEDULED_LOW = 1e-2
+"""``not_updated`` does not report rounding while a scheduler holds the lr below this share of its base lr."""
+
+
+# Why a parameter did not move, in the order a module's finding names them.
+_UNHELD, _LR_ZERO, _ROUNDED = "unheld", "lr_zero", "rounded"
+
+
+_FLOAT32_EPS = 2.0**-23
+
+
+def _stuck(facts: ParamFacts, bound: float | None, intended: float, threshold: float) -> str | None:
+    """Why a parameter with a finite, non-zero gradient did not move, or ``None``.
+
+    Args:
+        facts: What the host knows about its step.
+        bound: :func:`moved_mass_bound` of its update ratio; ``None`` if not measured.
+        intended: ``lr * param_grad_norm / param_norm``, the update ratio of a plain SGD step (NaN if unknown).
+        threshold: ``moved_mass_threshold``.
+    """
+    if not facts.held:  # measured anyway: a weight that moved (changed by hand) is not reported
+        return _UNHELD if bound is None or bound < threshold else None
+    if not facts.applied or bound is None or bound >= threshold:
+        return None
+    if facts.lr == 0.0:
+        # A scheduler at lr 0 (a warm-up from 0, the end of a decay) raises it again, unless it scales a base of 0.
+        return _LR_ZERO if not facts.base_lr else None
+    if facts.base_lr is not None and facts.lr < _SCHEDULED_LOW * facts.base_lr:
+        return None
+    # Rounding loses an update that float32 master weights would keep: weights coarser than float32, and a step meant
+    # to move them (plain SGD's lr x gradient at least half a float32 ulp; a converged parameter's residual gradient
+    # asks for no change). `not >=` is also true for NaN: an unknown lr or weight norm.
+    if not (facts.eps > _FLOAT32_EPS and intended >= _FLOAT32_EPS / 2):
+        return None
+    return _ROUNDED
+
+
+def not_updated(ctx: Context) -> list[Finding]:
+    """Rule ``not_updated``: per module, parameters with a gradient whose weights did not move, and why."""
+    facts = ctx.param_facts
+    if not facts:
+        return []
+    threshold = ctx.config.moved_mass_threshold
+    ratios, norms = ctx.stat("param_update_ratio"), ctx.stat("param_norm")
+    stuck: dict[str, dict[str, list[tuple[str, float]]]] = {}  # owner -> cause -> [(parameter, value)]
+    for param, grad in ctx.stat("param_grad_norm").items():
+        fact = facts.get(param)
+        if fact is None or not (finite(grad) and grad > 0):
+            continue
+        ratio = ratios.get(param)
+        bound = moved_mass_bound(ratio, fact.eps) if finite(ratio) and ratio >= 0 else None
+        norm = norms.get(param, math.nan)
+        intended = fact.lr * grad / norm if finite(norm) and norm > 0 else math.nan
+        cause = _stuck(fact, bound, intended, threshold)
+        if cause is not None:
+            value = float(grad) if cause == _UNHELD else float(bound)  # type: ignore[arg-type]
+            stuck.setdefault(ctx.orders.owner(param), {}).setdefault(cause, []).append((param, value))
+    return [_not_updated_finding(ctx, owner, causes, facts) for owner, causes in stuck.items()]
+
+
+def _not_updated_finding(
+    ctx: Context, owner: str, causes: dict[str, list[tuple[str, float]]], facts: Mapping[str, ParamFacts]
+) -> Finding:
+    order = [c for c in (_UNHELD, _LR_ZERO, _ROUNDED) if c in causes]
+    unheld = order[0] == _UNHELD  # the finding's value and statistic come from its first cause
+    sentences = "; ".join(_stuck_sentence(ctx, cause, causes[cause], facts) for cause in order)
+    return Finding(
+        rule="not_updated",
+        layer=owner,
+        step=ctx.step,
+        value=max(v for _, v in causes[order[0]]),
+        threshold=0.0 if unheld else ctx.config.moved_mass_threshold,
+        message=f"not_updated: the weights of {owner} did not move across step {ctx.step}: {sentences}",
+        phase="backward",
+        stat="param_grad_norm" if unheld else "param_update_ratio",
+    )
+
+
+def _stuck_sentence(ctx: Context, cause: str, found: list[tuple[str, float]], facts: Mapping[str, ParamFacts]) -> str:
+    names = listing([p for p, _ in found])
+    them, their = ("it", "its") if len(found) == 1 else ("them", "their")
+    if cause == _UNHELD:
+        norms = ", ".join(f"{v:.3g}" for _, v in found[:MAX_LISTED])
+        return (
+            f"{names} got a gradient (norm {norms}) but no optimizer of the Trainer holds {them}, so no change was"
+            f" applied: add {them} to configure_optimizers, or set requires_grad=False to freeze {them} on purpose"
+        )
+    if cause == _LR_ZERO:
+        return (
+            f"{names} did not change although {their} gradient is finite and non-zero: the learning rate of the"
+            " param group is 0 and no LR scheduler raises it, so no change was applied"
+        )
+    first, bound = max(found, key=lambda item: item[1])
+    fact = facts[first]
+    what = (
+        f"did not change at all although the learning rate is {fact.lr:.3g}"
+        if bound == 0.0
+        else f"changed in almost none of {their} entries (at most {bound:.2%} of the weights' squared mass can have"
+        f" changed, from param_update_ratio={ctx.stat('param_update_ratio')[first]:.3g}, eps={fact.eps:.3g} and"
+        f" moved_mass_threshold={ctx.config.moved_mass_threshold:g}; lr={fact.lr:.3g})"
+    )
+    return (
+        f"{names} {what}: the update was rounded away in {fact.dtype}, each change being below half a unit in the"
+        f" last place of its weight; to fix, keep float32 master weights (precision='bf16-mixed' or '16-mixed') or"
+        " raise the learning rate"
+    )
+
+
+def replica_divergence(ctx: Context) -> list[Finding]:
+    """Rule ``replica_divergence``: per module, parameters whose norms differ between processes."""
+    rtol = ctx.config.replica_rtol
+    highest = ctx.stat("param_norm")
+    apart: dict[str, list[tuple[str, float, float]]] = {}  # owner -> [(parameter, smallest, largest)]
+    for param, low in ctx.stat("param_norm_min").items():
+        high = highest.get(param)
+        if finite(high) and finite(low) and high - low > rtol * high:
+            apart.setdefault(ctx.orders.owner(param), []).append((param, float(low), float(high)))
+    out = []
+    for owner, found in apart.items():
+        spread = max((high - low) / high for _, low, high in found)
+        norms = ", ".join(f"{p} {low:.9g} to {high:.9g}" for p, low, high in found[:MAX_LISTED])
+        out.append(
+            Finding(
+                rule="replica_divergence",
+                layer=owner,
+                step=ctx.step,
+                value=spread,
+                threshold=rtol,
+                message=f"replica_divergence: the weights of {owner} differ between processes before step {ctx.step}:"
+                f" {plural(len(found), 'replicated parameter')} {'has' if len(found) == 1 else 'have'} different"
+                f" norms on different processes ({norms}{', ...' if len(found) > MAX_LISTED else ''}; relative"
+                f" difference up to {spread:.3g} > replica_rtol={rtol:g}). DDP replicas must be identical: a"
+                " rank-dependent update or a weight changed on one process only makes each process train its own"
+                " model",
+                phase="forward",
+                stat="param_norm",
+            )
+        )
+    return out

@@ -1,0 +1,178 @@
+"""The trend rules, precursors of a loss spike: ``attention_logits``, ``logit_drift`` and ``update_jump``.
+
+Each reads the current step and the earlier sampled steps of a :class:`~lightning_hookdiag.trends.History`
+(``docs/rules.md#trend-rules``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from lightning_hookdiag import trends
+from lightning_hookdiag.rules.context import Context, finite
+from lightning_hookdiag.rules.findings import LOSS, Finding
+
+__all__ = [
+    "attention_logits",
+    "logit_drift",
+    "update_jump",
+]
+
+
+def _points(ctx: Context, stat: str, name: str, value: float, keep: int) -> list[tuple[int, float]]:
+    """The last ``keep`` kept points of ``stat`` at ``name``, the current value last."""
+    earlier = [] if ctx.history is None else [p for p in ctx.history.points(stat, name) if p[0] < ctx.step]
+    return [*earlier, (ctx.step, value)][-keep:]
+
+
+def _window(ctx: Context, stat: str, name: str, value: float) -> list[tuple[int, float]]:
+    """The last ``trend_window`` points of ``stat`` at ``name``, the current value included."""
+    return _points(ctx, stat, name, value, ctx.config.trend_window)
+
+
+def attention_logits(ctx: Context) -> list[Finding]:
+    """Rule ``attention_logits``: logits at the threshold, or rising steadily towards it."""
+    config = ctx.config
+    limit = config.attn_logit_threshold
+    out: list[Finding] = []
+    for layer, value in ctx.stat("attn_logit_max").items():
+        if not finite(value):
+            continue
+        message = ""
+        if value >= limit:
+            message = (
+                f"attention_logits: the largest attention logit |q.k|*scale of {layer} is {value:.4g} at step"
+                f" {ctx.step}, at or above attn_logit_threshold={limit:g} (the softmax is close to one-hot; qk-norm"
+                " or a lower learning rate keeps it bounded)"
+            )
+        elif value >= config.attn_trend_floor:
+            message = _attention_trend(ctx, layer, value)
+        if message:
+            out.append(
+                Finding("attention_logits", layer, ctx.step, float(value), limit, message, "forward", "attn_logit_max")
+            )
+    return out
+
+
+def _attention_trend(ctx: Context, layer: str, value: float) -> str:
+    """The message of a steady rise projected to cross the threshold soon, or ``""``."""
+    config = ctx.config
+    points = _window(ctx, "attn_logit_max", layer, value)
+    if len(points) < config.trend_window or trends.rising_share(points) < 0.75:
+        return ""
+    crossing = trends.crossing_step(points, config.attn_logit_threshold)
+    if crossing is None:
+        return ""
+    spacing = trends.median([b[0] - a[0] for a, b in zip(points, points[1:], strict=False)])
+    if crossing - ctx.step > config.attn_trend_horizon * spacing:
+        return ""
+    first_step, first = points[0]
+    return (
+        f"attention_logits: the largest attention logit of {layer} rose from {first:.4g} at step {first_step} to"
+        f" {value:.4g} at step {ctx.step} and, at its rate of {trends.log_slope(points):.3g} (log per step), crosses"
+        f" attn_logit_threshold={config.attn_logit_threshold:g} at about step {crossing}"
+    )
+
+
+def _span(ctx: Context, stat: str, name: str, value: float) -> list[tuple[int, float]]:
+    """Every kept point of ``stat`` at ``name`` (up to ``4 * trend_window``), the current value last."""
+    return _points(ctx, stat, name, value, 4 * ctx.config.trend_window)
+
+
+def logit_drift(ctx: Context) -> list[Finding]:
+    """Rule ``logit_drift``: the output logits' log Z drifted over the window while the loss stayed flat."""
+    config = ctx.config
+    loss = ctx.stat("step_loss").get(LOSS)
+    out: list[Finding] = []
+    if not finite(loss):
+        return out
+    losses = dict(_span(ctx, "step_loss", LOSS, float(loss)))
+    for layer, value in ctx.stat("logit_lse_mean").items():
+        if not finite(value):
+            continue
+        points = _span(ctx, "logit_lse_mean", layer, value)
+        if len(points) < config.trend_window:
+            continue
+        # The earliest kept step from which log Z moved far while the loss stayed flat: a slow drift is caught once
+        # it has accumulated, over up to 4 * trend_window sampled steps.
+        for start, first in points[:-1]:
+            old_loss = losses.get(start)
+            if old_loss is None:
+                continue
+            drift, change = value - first, abs(loss - old_loss)
+            if abs(drift) >= config.logit_drift_nats and change <= config.drift_loss_tolerance * abs(old_loss):
+                out.append(
+                    Finding(
+                        rule="logit_drift",
+                        layer=layer,
+                        step=ctx.step,
+                        value=drift,
+                        threshold=config.logit_drift_nats,
+                        message=f"logit_drift: the output logits of {layer} drifted: log Z (logit_lse_mean) moved by"
+                        f" {drift:+.3g} nats from step {start} to step {ctx.step} (logit_drift_nats="
+                        f"{config.logit_drift_nats:g}) while the loss changed by {change:.3g} (from {old_loss:.4g});"
+                        " the softmax does not pin log Z, a z-loss (1e-4 * log Z**2) does",
+                        phase="forward",
+                        stat="logit_lse_mean",
+                    )
+                )
+                break
+    return out
+
+
+def _layer_update_norms(ctx: Context) -> dict[str, list[tuple[int, float]]]:
+    """Per layer, ``||w_after - w_before||`` over all its parameters on each step of the window, oldest first.
+
+    The update norm is ``param_update_ratio * param_norm``; the current step comes last (if it was measured).
+    """
+    by_step: dict[str, dict[int, list[float]]] = {}
+    params = [p for p in ctx.stat("param_update_ratio") if p in ctx.stat("param_norm")]
+    for param in params:
+        ratio, norm = ctx.stat("param_update_ratio")[param], ctx.stat("param_norm")[param]
+        ratios = dict(_window(ctx, "param_update_ratio", param, ratio)) if finite(ratio) else {}
+        norms = dict(_window(ctx, "param_norm", param, norm)) if finite(norm) else {}
+        steps = by_step.setdefault(ctx.orders.owner(param), {})
+        for step, r in ratios.items():
+            if step in norms and r >= 0:
+                steps.setdefault(step, []).append((r * norms[step]) ** 2)
+    out: dict[str, list[tuple[int, float]]] = {}
+    for layer, steps in by_step.items():
+        if ctx.step in steps:  # a layer whose parameters did not all update now is not compared
+            out[layer] = [(s, math.sqrt(sum(sq))) for s, sq in sorted(steps.items())]
+    return out
+
+
+def update_jump(ctx: Context) -> list[Finding]:
+    """Rule ``update_jump``: a layer's update jumped far above its own recent ones and the typical jump."""
+    config = ctx.config
+    jumps: dict[str, tuple[float, float]] = {}
+    for layer, points in _layer_update_norms(ctx).items():
+        *earlier, (_, now) = points
+        if len(earlier) < config.trend_window - 1:
+            continue
+        own = trends.median([v for _, v in earlier])
+        if own > 0:
+            jumps[layer] = (now / own, own)
+    if not jumps:
+        return []
+    # A learning-rate schedule (warm-up) moves every layer's update together: compare with the typical jump too.
+    typical = trends.median([j for j, _ in jumps.values()])
+    out: list[Finding] = []
+    for layer, (jump, own) in jumps.items():
+        if jump >= config.update_jump_ratio and jump >= config.update_jump_ratio * typical:
+            out.append(
+                Finding(
+                    rule="update_jump",
+                    layer=layer,
+                    step=ctx.step,
+                    value=jump,
+                    threshold=config.update_jump_ratio,
+                    message=f"update_jump: the optimizer update of {layer} at step {ctx.step} (the norm of its"
+                    f" parameters' change) is {jump:.3g}x the median {own:.3g} of its last {config.trend_window - 1}"
+                    f" sampled updates (update_jump_ratio={config.update_jump_ratio:g}; the median layer's is"
+                    f" {typical:.3g}x), a precursor of a loss spike",
+                    phase="backward",
+                    stat="param_update_ratio",
+                )
+            )
+    return out

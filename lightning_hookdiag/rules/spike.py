@@ -1,0 +1,71 @@
+"""Rule ``loss_spike``: the step the sentinel tripped on, and what in the network grew.
+
+Named at the first layer whose activation scale grew since the last regular sampled step, or at the loss when none
+did (``docs/sentinel.md``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from lightning_hookdiag.rules.activations import activation_scale
+from lightning_hookdiag.rules.context import Context
+from lightning_hookdiag.rules.findings import LOSS, Finding, also
+
+__all__ = [
+    "loss_spike",
+]
+
+
+def loss_spike(ctx: Context) -> list[Finding]:
+    """Rule ``loss_spike``: the sentinel's spike, at the first layer whose activation scale grew."""
+    trip = ctx.trip
+    if trip is None or trip.kind != "loss_spike":
+        return []
+    growth_limit = ctx.config.spike_growth
+    against = "" if trip.baseline is None else f" the median of recent steps ({trip.baseline:.3g})"
+    factor = (
+        f" is {trip.loss / trip.baseline:.3g}x{against}"
+        if trip.baseline and trip.baseline > 0
+        else f" rose far above{against or ' its recent values'}"
+    )
+    head = f"loss_spike: the loss {trip.loss:.3g} at step {ctx.step}{factor}"
+    stat, layer, growth = "loss", LOSS, math.nan
+    if not trip.replayed:
+        tail = f"; not replayed because {trip.reason}; step {ctx.step + 1} is sampled"
+    elif ctx.baseline is None:
+        tail = "; no earlier sampled step to compare the layers with"
+    else:
+        stat, now = activation_scale(ctx.values)
+        _, before = activation_scale(ctx.baseline.values)
+        grown = [
+            (name, now[name] / before[name])
+            for name in sorted(now.keys() & before.keys(), key=ctx.orders.forward_key)
+            if before[name] > 0 and now[name] > growth_limit * before[name]
+        ]
+        if grown:
+            layer, growth = grown[0]
+            tail = (
+                f"; the activation scale of {layer} grew {growth:.3g}x since step {ctx.baseline.step}, the first layer"
+                f" in forward order to grow more than spike_growth={growth_limit:g}"
+                f"{also([n for n, _ in grown[1:]], ' after it', 'grown')}"
+            )
+        else:
+            stat = "loss"
+            tail = (
+                f"; no observed layer's activation scale grew more than spike_growth={growth_limit:g} since step"
+                f" {ctx.baseline.step}, so the spike comes from the targets or the loss, not from the network"
+                " (inputs far off their usual scale would have grown the first layer)"
+            )
+    return [
+        Finding(
+            rule="loss_spike",
+            layer=layer,
+            step=ctx.step,
+            value=float(growth if layer != LOSS else trip.loss),
+            threshold=growth_limit if layer != LOSS else (trip.baseline or 0.0),
+            message=head + tail,
+            phase="forward",
+            stat=stat,
+        )
+    ]
