@@ -527,7 +527,7 @@ class LayerHealthCallback(Callback):
         self.last_metrics = dict(state_dict.get("last_metrics", {}))
         self.last_step = state_dict.get("last_step")
         self._warned = set(state_dict.get("warned", []))
-        self._diagnosis.load_state_dict(state_dict)
+        self._diagnosis.load_state_dict(state_dict, self.prefix)
         self.findings = [Finding(**f) for f in state_dict.get("findings", [])]
         self.trips = [Trip(**t) for t in state_dict.get("trips", [])]
         if self._sentinel is not None and state_dict.get("sentinel"):

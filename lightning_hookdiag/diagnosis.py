@@ -24,7 +24,15 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from lightning_hookdiag.rules import AlertState, Baseline, Finding, ParamFacts, RuleConfig, evaluate
+from lightning_hookdiag.rules import (
+    AlertState,
+    Baseline,
+    Finding,
+    ParamFacts,
+    RuleConfig,
+    evaluate,
+    values_from_metrics,
+)
 from lightning_hookdiag.trends import History
 
 if TYPE_CHECKING:  # only a Trip's fields are read; importing the sentinel at run time would import torch
@@ -146,7 +154,8 @@ class Diagnosis:
     def state_dict(self) -> dict[str, Any]:
         """``{"alerts": ..., "last_finite": ..., "history": ...}``, JSON types only: the keys of the callback's state.
 
-        The baseline is not saved: a resumed fit compares its first spike with its own first regular step.
+        The baseline is not saved apart: :meth:`load_state_dict` takes it back from the last logged step's metrics,
+        which the callback's state holds anyway.
         """
         return {
             "alerts": self.alerts.state_dict(),
@@ -154,8 +163,12 @@ class Diagnosis:
             "history": self.history.state_dict(),
         }
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned; other keys are ignored, missing ones mean an empty state.
+    def load_state_dict(self, state_dict: Mapping[str, Any], prefix: str = "layer_health") -> None:
+        """Restore what :meth:`state_dict` returned; missing keys mean an empty state.
+
+        The callback's whole state is passed: the baseline is its last logged step (``last_step``,
+        ``last_metrics`` under ``prefix``) unless the sentinel tripped on that step (listed in ``trips``), so the
+        first spike after a resume is compared with the layers before it. Other keys are ignored.
 
         Raises:
             ValueError: If the alerts or the history are malformed.
@@ -163,3 +176,13 @@ class Diagnosis:
         self.alerts.load_state_dict(state_dict.get("alerts", {}))
         self.last_finite = dict(state_dict.get("last_finite", {}))
         self.history.load_state_dict(state_dict.get("history", {}))
+        self.baseline = _resumed_baseline(state_dict, prefix)
+
+
+def _resumed_baseline(state_dict: Mapping[str, Any], prefix: str) -> Baseline | None:
+    """The baseline a checkpoint implies: its last logged step, unless that step tripped (then none is known)."""
+    step = state_dict.get("last_step")
+    if step is None or any(trip.get("step") == step for trip in state_dict.get("trips", [])):
+        return None
+    values = values_from_metrics(state_dict.get("last_metrics", {}), prefix)
+    return Baseline(int(step), values) if values else None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, count_hooks, make_data, make_trainer
+from conftest import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
@@ -121,6 +121,22 @@ def test_the_state_dict_round_trips_through_json_without_the_baseline():
     empty = Diagnosis(RuleConfig())
     empty.load_state_dict({})
     assert empty.state_dict() == Diagnosis(RuleConfig()).state_dict()
+
+
+def test_a_resumed_baseline_is_the_last_logged_step_unless_it_tripped():
+    metrics = {"layer_health/act_absmax/fc": 2.0, "layer_health/depth/fc": 0.0}
+    restored = Diagnosis(RuleConfig())
+    restored.load_state_dict({"last_step": 6, "last_metrics": metrics, "trips": [{"step": 3}]})
+    assert restored.baseline.step == 6
+    assert restored.baseline.values["act_absmax"] == {"fc": 2.0}
+    (finding,) = restored.step({"act_absmax": {"fc": 100.0}}, ["fc"], [], step=8, trip=spike(8)).findings
+    assert "grew 50x since step 6" in finding.message
+    tripped = Diagnosis(RuleConfig())
+    tripped.load_state_dict({"last_step": 6, "last_metrics": metrics, "trips": [{"step": 6}]})
+    assert tripped.baseline is None  # the values of a tripped step are no baseline
+    other = Diagnosis(RuleConfig())
+    other.load_state_dict({"last_step": 6, "last_metrics": {"run/act_absmax/fc": 2.0}}, prefix="run")
+    assert other.baseline.values == {"act_absmax": {"fc": 2.0}}
 
 
 def test_a_malformed_state_names_what_is_wrong():
@@ -255,6 +271,22 @@ def test_end_of_fit_summary_in_depth_order_with_findings(caplog):
     with caplog.at_level(logging.INFO):
         make_trainer([quiet], max_steps=1).fit(sick_module())
     assert "LayerHealthCallback: step" not in caplog.text
+
+
+def test_a_spike_right_after_a_resume_is_compared_with_the_layers_before_the_checkpoint(tmp_path, monkeypatch):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=3)
+    torch.manual_seed(0)
+    make_trainer([LayerHealthCallback(every_n_steps=5), checkpoint], max_steps=3, enable_checkpointing=True).fit(
+        TinyModule(data=make_data(n=64))
+    )
+    force_trips(monkeypatch, {4})  # step 4: not sampled, replayed
+    resumed = LayerHealthCallback(every_n_steps=5, on_anomaly="ignore")
+    torch.manual_seed(0)
+    make_trainer([resumed], max_steps=5).fit(TinyModule(data=make_data(n=64)), ckpt_path=tmp_path / "last.ckpt")
+    (finding,) = [f for f in resumed.findings if f.rule == "loss_spike"]
+    assert finding.step == 4
+    # Before, the baseline was not restored: "no earlier sampled step to compare the layers with".
+    assert "since step 0" in finding.message
 
 
 def test_resume_from_checkpoint_continues_schedule_and_alerts(tmp_path):
