@@ -33,10 +33,7 @@ from lightning_hookdiag.metrics import (
     Note,
     histogram_note,
     histogram_series,
-    layer_notes,
-    missing_grad_notes,
     opt_in_note,
-    step_values,
 )
 from lightning_hookdiag.precision import resolve_targets
 from lightning_hookdiag.provenance import NonFiniteTrace
@@ -694,35 +691,12 @@ class LayerHealthCallback(Callback):
         observed = run.collect(before_update)
         if observed.layers:  # a window of parameters only keeps the last observed order for the rules
             self.execution_order = observed.forward_order
-        metrics, values = step_values(
-            observed.host,
-            observed.wanted,
-            keys=run.keys,
-            layer_names=run.layer_names,
-            param_names=run.param_names,
-            execution_order=self.execution_order,
-            # NaN: not a ReLU-family layer (act_dead_frac); undefined for this output (an opt-in statistic of an
-            # all-zero or constant output).
-            undefined_skipped={"act_dead_frac", *run.plan.logged},
-            precursors=observed.precursors,
-            total="grad_norm_total" in self.stats,
-        )
-        notes = layer_notes(
-            observed.step,
-            run.layer_names,
-            observed.host["count"],
-            observed.facts,
-            layers_observed=observed.layers,
-            default_selection=self.layers is None,
-            quiet_not_run=run.quiet_not_run,
-        )
-        for note in notes:
+        metrics, values = run.values(observed, self.execution_order)
+        for note in run.notes(observed):
             self._note(note)
         error = self._log(trainer, observed.step, metrics)
         if observed.histogram_edges is not None:
             error = self._log_histograms(trainer, observed, run) or error
-        for note in missing_grad_notes(observed.missing_grads):
-            self._note(note)
         try:
             self._diagnose(trainer, observed, values, run.layer_types)
         finally:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.attention import PrecursorProbes, attention_scope
 from lightning_hookdiag.hooks import HookSet
-from lightning_hookdiag.metrics import KeyCache, StepFacts
+from lightning_hookdiag.metrics import KeyCache, Note, StepFacts, layer_notes, missing_grad_notes, step_values
 from lightning_hookdiag.modes import EvalModeWatch
 from lightning_hookdiag.opt_in import OptInPlan, OptInRecorder, plan_opt_in
 from lightning_hookdiag.params import (
@@ -367,6 +367,39 @@ class FitRun:
         measured = self.tracker.before_step(groups)
         if measured is not None:
             self.aggregator.update(params=(measured[0], measured[1], slice(None)))
+
+    def values(
+        self, observed: ObservedStep, execution_order: Sequence[str]
+    ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+        """The step's logged metrics and the rules' values (:func:`~lightning_hookdiag.metrics.step_values`)."""
+        return step_values(
+            observed.host,
+            observed.wanted,
+            keys=self.keys,
+            layer_names=self.layer_names,
+            param_names=self.param_names,
+            execution_order=execution_order,
+            # NaN: not a ReLU-family layer (act_dead_frac); undefined for this output (an opt-in statistic of an
+            # all-zero or constant output).
+            undefined_skipped={"act_dead_frac", *self.plan.logged},
+            precursors=observed.precursors,
+            total="grad_norm_total" in self.config.stats,
+        )
+
+    def notes(self, observed: ObservedStep) -> list[Note]:
+        """The one-time notes of the observed step: layers it could not observe, outputs that got no gradient."""
+        return [
+            *layer_notes(
+                observed.step,
+                self.layer_names,
+                observed.host["count"],
+                observed.facts,
+                layers_observed=observed.layers,
+                default_selection=self.config.layers is None,
+                quiet_not_run=self.quiet_not_run,
+            ),
+            *missing_grad_notes(observed.missing_grads),
+        ]
 
     def collect(self, before_update: bool = False) -> ObservedStep:
         """Close the open window: pool it, reduce it over processes and read it back in one host transfer.
