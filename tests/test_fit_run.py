@@ -1,0 +1,147 @@
+"""FitRun on its own: what one window leaves for the next (discard, release, the kurtosis shift, histograms).
+
+Driven by hand, without a Trainer, so that each reset of ``discard_window``/``open_window``/``release`` is pinned by a
+step whose every value is known: the values of a window that follows a discarded one are those of the same window
+on a fresh run, and a few are checked against a hand computation as well.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch import nn
+
+from lightning_hookdiag import ALL_STATS
+from lightning_hookdiag.fit_run import FitConfig, FitRun, ObservedStep
+
+
+def config(**changes: object) -> FitConfig:
+    fields: dict[str, object] = {
+        "every_n_steps": 1,
+        "layers": None,
+        "layer_types": None,
+        "exclude": [],
+        "stats": (*ALL_STATS, "act_saved_bytes", "act_kurtosis"),
+        "prefix": "h",
+        "dead_unit_types": (nn.ReLU,),
+        "unit_dim": None,
+        "histogram_every_n_steps": None,
+        "histogram_bins": 8,
+        "precision_targets": None,
+        "output_layer": None,
+        "sentinel_grads": False,
+        "eval_mode": True,
+    }
+    fields.update(changes)
+    return FitConfig(**fields)  # type: ignore[arg-type]
+
+
+def net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.Dropout(0.5), nn.ReLU())
+
+
+def start(model: nn.Module, **changes: object) -> FitRun:
+    return FitRun.start(config(**changes), model, "32-true", lambda params: False)
+
+
+def window_b(run: FitRun, model: nn.Sequential, opt: torch.optim.Optimizer, x: torch.Tensor) -> ObservedStep:
+    """Step 0 in train mode through the first two layers only (the ReLU does not run), then the update."""
+    model.train()
+    opt.zero_grad(set_to_none=True)
+    run.open_window(0, {})
+    run.attach()
+    torch.manual_seed(1)  # the same dropout mask on both runs
+    loss = model[1](model[0](x)).sum()
+    run.end_forward(loss)
+    loss.backward()
+    run.end_micro_batch()
+    run.before_optimizer_step(opt, [opt], None, True)
+    opt.step()
+    return run.collect()
+
+
+def exact(host: dict[str, list[float]]) -> dict[str, list[str]]:
+    """Every value by its repr: equal to the last bit, and NaN equal to NaN."""
+    return {name: [repr(v) for v in values] for name, values in host.items()}
+
+
+def test_a_discarded_window_leaves_nothing_in_the_next_one():
+    fresh_model = net()
+    model = copy.deepcopy(fresh_model)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(2))
+    run, fresh = start(model), start(fresh_model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    # Window A, then discarded: a larger batch (more saved bytes), dropout in eval mode (an eval_mode fact), an
+    # empty output, the ReLU running but cut off from the loss, a GradScaler scale, an update snapshot.
+    model.eval()
+    run.open_window(0, {})
+    run.attach()
+    out = model[0](torch.randn(8, 4))
+    model[2](model[1](out))
+    model[0](torch.empty(0, 4))
+    loss = out.sum()
+    run.end_forward(loss)
+    loss.backward()
+    run.end_micro_batch()
+    run.before_optimizer_step(opt, [opt], torch.tensor(4.0), True)
+    run.discard_window()
+    assert run.tracker is not None
+    assert run.tracker.after_step() is None
+
+    before = model[0].weight.detach().double().clone()
+    bias = model[0].bias.detach().double().clone()
+    got = window_b(run, model, opt, x)
+    want = window_b(fresh, fresh_model, torch.optim.SGD(fresh_model.parameters(), lr=0.1), x)
+
+    assert got.forward_order == ["0", "1"] == want.forward_order
+    assert got.backward_order == want.backward_order
+    assert got.missing_grads == [] == want.missing_grads
+    assert got.eval_mode == {} == want.eval_mode
+    assert got.facts == want.facts
+    assert not got.facts.empty
+    assert exact(got.host) == exact(want.host)  # NaN: a layer that did not run
+    # By hand: 2 x 3 outputs per layer, none of the ReLU's; the first layer's mean; SGD's update ratio.
+    assert got.host["count"] == [6.0, 6.0, 0.0]
+    assert math.isclose(got.host["act_mean"][0], float((x.double() @ before.T + bias).mean()), rel_tol=1e-6)
+    ratio = float((model[0].weight.detach().double() - before).norm() / before.norm())
+    assert math.isclose(got.host["param_update_ratio"][0], ratio, rel_tol=1e-6)
+
+
+def test_release_drops_the_kept_micro_batches():
+    run = start(net())
+    run.state.micro.keep(3, "a micro-batch")
+    run.release()
+    assert run.state.micro.batches == []
+    assert run.state.micro.step is None
+    assert not run.state.micro.holds(3)
+
+
+def test_a_nan_mean_on_the_last_step_shifts_the_kurtosis_sums_by_zero():
+    model = nn.Sequential(nn.Linear(4, 3))
+    run = start(model, stats=("act_mean", "act_kurtosis"))
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(3))
+    run.open_window(1, {"h/act_mean/0": float("nan")})  # the last sampled step's output was NaN
+    run.attach()
+    with torch.no_grad():
+        y = model(x).double()
+    run.end_micro_batch()
+    got = run.collect(before_update=True).host["act_kurtosis"][0]
+    centred = y - y.mean()
+    pearson = float((centred**4).mean() / (centred**2).mean() ** 2)  # m4 / m2**2, by hand
+    assert math.isclose(got, pearson, rel_tol=1e-9)
+
+
+def test_a_parameter_window_on_a_histogram_step_has_no_histograms():
+    run = start(net(), histogram_every_n_steps=2)
+    run.open_window(4, {}, layers=False)
+    assert run.recorder.histograms is False
+    run.discard_window()
+    run.open_window(4, {})
+    assert run.recorder.histograms is True
+    run.discard_window()
+    run.open_window(5, {})
+    assert run.recorder.histograms is False
