@@ -208,3 +208,8 @@ def test_the_counts_are_required(missing):
     del values[missing]
     with pytest.raises(KeyError, match=missing):
         build(values, [])
+
+
+def test_a_sibling_whose_name_extends_one_that_ran_is_not_covered():
+    notes = layer_notes(2, ["fc1", "fc10", "fc1.drop"], [4.0, 0.0, 0.0], StepFacts())
+    assert [(n.key, n.info) for n in notes] == [("not_run:fc10", False), ("not_run:fc1.drop", True)]
