@@ -490,3 +490,37 @@ def test_layers_that_also_run_under_inference_mode_are_observed_without_breaking
     dead = (hidden.amax(dim=0) <= 0).double().mean().item()
     assert metrics["layer_health/act_dead_frac/model.1"] == pytest.approx(dead, abs=1e-12)
     assert count_hooks(module) == 0
+
+
+# ------------------------------------------------------------------------------------------ what a window logs
+def test_only_the_requested_statistics_are_logged():
+    logger = RecordingLogger()
+    callback = LayerHealthCallback(every_n_steps=1, stats=["act_mean", "param_norm"], summary=False)
+    make_trainer([callback], max_steps=2, logger=logger).fit(TinyModule())
+    for _, metrics in logger.ours():
+        # grad_norm_total is a statistic of its own: not logged unless asked for.
+        assert {key.split("/")[1] for key in metrics} == {"act_mean", "param_norm", "depth"}
+
+
+def test_a_step_finished_before_its_update_logs_no_update_ratio(monkeypatch):
+    # on_anomaly="raise" on a tripped step measures before the optimizer steps: there is no update to divide.
+    force_trips(monkeypatch, {0})
+    logger = RecordingLogger()
+    callback = LayerHealthCallback(
+        every_n_steps=1, on_anomaly="raise", rules={"enabled": ["saturation"]}, summary=False
+    )
+    make_trainer([callback], max_steps=2, logger=logger).fit(TinyModule())
+    logged = dict(logger.ours())
+    assert not any("/param_update_ratio/" in key for key in logged[0])
+    assert any("/param_norm/" in key for key in logged[0])
+    assert any("/param_update_ratio/" in key for key in logged[1])
+
+
+def test_gradient_accumulation_is_not_taken_for_stale_gradients():
+    # The second micro-batch's backward finds the first one's gradients in .grad: that is accumulation, measured once
+    # per window at its first backward, where zero_grad left none.
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
+    module = TinyModule()
+    make_trainer([callback], max_steps=3, accumulate_grad_batches=2).fit(module)
+    assert callback.last_step == 2
+    assert [f for f in callback.findings if f.rule == "stale_gradients"] == []
