@@ -97,6 +97,14 @@ def test_precursors_are_logged_by_their_own_names_and_nan_means_not_seen():
     assert "p/attn_logit_max/head" not in metrics
 
 
+def test_a_value_with_no_owner_is_dropped_and_step_loss_reaches_only_the_rules():
+    # The output layer of logit_lse_mean ran outside every module (owner ""): a value, but no layer to name.
+    values = host(logit_lse_mean=[4.0], step_loss=[0.5])
+    metrics, by_stat = build(values, [], precursors={"logit_lse_mean": [""], "step_loss": ["loss"]})
+    assert by_stat == {"step_loss": {"loss": 0.5}}  # what logit_drift compares the drift with
+    assert not any(key.startswith(("p/logit_lse_mean/", "p/step_loss/")) for key in metrics)
+
+
 def test_stale_gradients_and_replica_minima_reach_the_rules_but_are_not_logged():
     values = host(stale_grad_sq=[9.0, 0.0], param_norm_min=[1.5, 7.0], param_norm=[2.0, 9.0])
     metrics, by_stat = build(values, ["param_norm"])

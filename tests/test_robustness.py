@@ -524,3 +524,11 @@ def test_gradient_accumulation_is_not_taken_for_stale_gradients():
     make_trainer([callback], max_steps=3, accumulate_grad_batches=2).fit(module)
     assert callback.last_step == 2
     assert [f for f in callback.findings if f.rule == "stale_gradients"] == []
+
+
+def test_a_layer_type_selection_tracks_only_the_parameters_of_the_selected_layers():
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 1))
+    callback = LayerHealthCallback(every_n_steps=1, layer_types=["torch.nn.Linear"], summary=False)
+    make_trainer([callback], max_steps=1).fit(TinyModule(model=model))
+    tracked = {key.rsplit("/", 1)[1] for key in callback.last_metrics if "/param_norm/" in key}
+    assert tracked == {"model.0.weight", "model.0.bias", "model.2.weight", "model.2.bias"}
