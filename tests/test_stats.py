@@ -333,6 +333,26 @@ def _reference_rows(values: list[float]) -> tuple[list[float], list[float]]:
     return act, [bits_nonzero, finite_bits_nonzero, math.fsum(v * v for v in finite)]
 
 
+@pytest.mark.parametrize(
+    ("dtype", "values"),
+    [
+        (torch.float8_e4m3fn, [-0.0, 0.0, 2.0, -1.5, 448.0, float("nan")]),  # e4m3fn has NaN but no Inf
+        (torch.float8_e5m2, [-0.0, 0.0, 2.0, -1.5, 57344.0, float("nan"), float("inf")]),
+    ],
+    ids=["e4m3fn", "e5m2"],
+)
+def test_float8_outputs_are_widened_exactly_and_counted_like_any_float(dtype, values):
+    # float8 has no integer view of its width among the bit-pattern counts: it is widened to float32, which
+    # represents every float8 value (and its sign of zero) exactly.
+    x = torch.tensor(values, dtype=torch.float32).to(dtype)
+    act_expected, grad_expected = _reference_rows([float(v) for v in x.double()])
+    ws = S.Workspace()
+    act = S.activation_row(x, torch.empty(S.ACT_ROW, dtype=torch.float64), ws).tolist()
+    grad = S.gradient_row(x, torch.empty(S.GRAD_ROW, dtype=torch.float64), ws).tolist()
+    assert act == act_expected
+    assert grad == grad_expected
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "values",
