@@ -436,6 +436,28 @@ def test_a_step_the_fp16_grad_scaler_skips_is_silent():
     assert logged(logger, 2, "param_update_ratio/model.0.weight") > 0.0
 
 
+def test_output_gradients_are_unscaled_by_the_scale_they_were_made_with_not_the_next_one():
+    # On the skipped step 1 scaler.update() halves the scale after the optimizer step, before the step is logged.
+    # Step 1 computes the same gradients with or without the skip (the Inf only reaches `spare`), so its unscaled
+    # output-gradient norms must agree.
+    def fit(skip: bool) -> tuple[dict[int, dict[str, float]], float]:
+        torch.manual_seed(0)
+        module = SkippedByTheScaler()
+        if not skip:
+            module.spare = nn.Parameter(torch.zeros(3))  # the same parameter, without the Inf hook
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        logger = RecordingLogger()
+        callback = LayerHealthCallback(every_n_steps=1, layers=["model.*"], on_anomaly="ignore", summary=False)
+        plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+        make_trainer([callback], max_steps=2, logger=logger, plugins=[plugin]).fit(module)
+        return dict(logger.ours()), scaler.get_scale()
+
+    (skipped, low), (kept, high) = fit(True), fit(False)
+    assert (low, high) == (2.0**7, 2.0**8)
+    key = f"{P}/act_grad_norm/model.2"
+    assert skipped[1][key] == kept[1][key]
+
+
 def test_measuring_parameters_no_optimizer_holds_keeps_one_host_transfer_per_sampled_step(monkeypatch):
     from test_structure import CountingCallback, SyncFreeModule, count_host_transfers
 
