@@ -616,7 +616,7 @@ class LayerHealthCallback(Callback):
         initialisation shows, is always sampled. The window's hooks are still attached (batch end removes them) and
         must not count the re-run, so they are removed first. A re-run that fails names nothing.
         """
-        run.hooks.remove(finished=True)
+        run.end_micro_batch()
         trace = NonFiniteTrace(pl_module)
         replayed = self._replay_run(trainer, pl_module)
         try:

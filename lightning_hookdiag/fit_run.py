@@ -283,13 +283,9 @@ class FitRun:
         ``last_metrics``: the previous sampled step's logged values (the shift of the kurtosis power sums).
         """
         window = self.state.open(step, layers)
-        if self.modes is not None:
-            self.modes.take()  # a discarded window's findings are not this one's
-        self.watch.release()
         agg = self.aggregator
         if self.probes is not None:
             self.probes.reset(agg.act_moments.device)
-        self.hooks.clear_order()
         every = self.config.histogram_every_n_steps
         # Replays follow the schedule of sampled steps; parameter-only windows have no histograms.
         self.recorder.histograms = layers and every is not None and step % every == 0
@@ -304,18 +300,21 @@ class FitRun:
     def discard_window(self) -> None:
         """Drop the open window, if any: nothing of it is logged, and its device state is reset."""
         self.state.close()
-        recorder = self.recorder
-        recorder.release()
-        recorder.no_float_output.clear()
-        recorder.empty_output.clear()
-        recorder.sparse_output.clear()
-        self.aggregator.reset()
-        self.aggregator.grad_scale = None
         if self.tracker is not None:
             self.tracker.release()
-        self.watch.release()
         if self.saved is not None:
             self.saved.pop_peak()
+        self._end_window()
+
+    def _end_window(self) -> None:
+        """What every window leaves behind, reset for the next (after collect, and on a discard)."""
+        self.hooks.clear_order()
+        if self.modes is not None:
+            self.modes.take()  # a discarded window's eval-mode findings are not the next one's
+        self.recorder.release()
+        self.aggregator.reset()
+        self.aggregator.grad_scale = None
+        self.watch.release()
 
     def check_stale(self, n_optimizers: int) -> None:
         """At the open window's first backward, measure the gradients still held from the previous step.
@@ -460,14 +459,7 @@ class FitRun:
             param_facts=self.watch.facts(self.param_names, self.tracker.params) if self.tracker is not None else {},
             histogram_edges=agg.histogram_edges.tolist() if histograms else None,
         )
-        hooks.clear_order()
-        recorder.no_float_output.clear()
-        recorder.sparse_output.clear()
-        recorder.empty_output.clear()
-        recorder.release()
-        agg.reset()
-        agg.grad_scale = None
-        self.watch.release()
+        self._end_window()
         return observed
 
     def _wanted(self, layers: bool, before_update: bool) -> list[str]:

@@ -126,5 +126,8 @@ class StepRecorder:
             agg.add(layer, grad_hist=histogram_counts(grad, agg.histogram_edges))
 
     def release(self) -> None:
-        """Release the workspace's scratch memory (end of a sampled step, or a discarded one)."""
+        """End of a window (logged or discarded): release the scratch memory, forget the outputs not observed."""
         self.workspace.release()
+        self.no_float_output.clear()
+        self.empty_output.clear()
+        self.sparse_output.clear()
