@@ -482,9 +482,7 @@ class LayerHealthCallback(Callback):
         """
         run, self._run = self._run, None
         if run is not None:
-            run.release()
-        if self._sentinel is not None:
-            self._sentinel.discard()
+            self._drop_step(run)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle the configuration and results, not the LightningModule.
@@ -532,10 +530,10 @@ class LayerHealthCallback(Callback):
 
     # ------------------------------------------------------------------------------------------------ internals
     def _drop_step(self, run: FitRun) -> None:
-        """Remove the hooks, and drop the open window and the step's micro-batches: nothing of them is logged."""
-        run.detach()
-        run.discard_window()
-        self._release_step()
+        """Remove the hooks, drop the open window, the step's micro-batches and loss total: none of it is logged."""
+        run.release()
+        if self._sentinel is not None:
+            self._sentinel.discard()
 
     def _release_step(self) -> None:
         """The optimizer step is over: forget its micro-batches and the sentinel's loss total."""

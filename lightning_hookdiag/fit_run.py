@@ -473,7 +473,7 @@ class FitRun:
         return wanted
 
     def release(self) -> None:
-        """Remove every hook and drop the open window and the kept micro-batches (the fit is over)."""
+        """Remove every hook and drop the open window and the kept micro-batches (the fit is over, or the step)."""
         self.detach()
         self.discard_window()
         self.state.micro.release()
