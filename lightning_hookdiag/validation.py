@@ -48,9 +48,8 @@ def number(name: str, value: Any, valid: str, ok: Callable[[float], bool]) -> fl
         ValueError: spike_ratio: expected a finite number > 1, got True
     """
     # bool is an int subclass: True would silently become 1.0.
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(float(value)):
-        raise ValueError(f"{name}: expected {valid}, got {value!r}")
-    return float(value)
+    real = check(name, value, valid, lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and ok(float(v)))
+    return float(real)
 
 
 def integer(
@@ -68,9 +67,7 @@ def integer(
     """
     if optional and value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
-        raise ValueError(f"{name}: expected {valid}, got {value!r}")
-    return value
+    return check(name, value, valid, lambda v: not isinstance(v, bool) and isinstance(v, int) and ok(v))
 
 
 def boolean(name: str, value: Any) -> bool:
