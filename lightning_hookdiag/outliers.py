@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_hookdiag.stats import chunked_sum
+
 __all__ = ["POWER_SLOTS", "finalize_kurtosis", "power_sums"]
 
 POWER_SLOTS = 5
@@ -51,9 +53,15 @@ def power_sums(x: Tensor, dtype: torch.dtype = torch.float64, shift: Tensor | fl
         >>> power_sums(x, shift=1e4).tolist()
         [4.0, 0.0, 10.0, 0.0, 34.0]
     """
-    # Centred sums in the accumulation dtype: float32 sums of cubes would carry a rounding error that the recentring
-    # below multiplies by |mean| / std. Opt-in, so the extra width is paid only when asked for; the work happens in
-    # place in one widened copy plus its square (two full-size buffers at the peak).
+    if not x.numel():
+        return torch.zeros(POWER_SLOTS, dtype=dtype, device=x.device)
+    return chunked_sum(lambda piece: _power_sums(piece, dtype, shift), x.detach())
+
+
+def _power_sums(x: Tensor, dtype: torch.dtype, shift: Tensor | float) -> Tensor:
+    # One piece of at most CHUNK_ELEMENTS. Centred sums in the accumulation dtype: float32 sums of cubes would carry a
+    # rounding error that the recentring below multiplies by |mean| / std. Opt-in, so the extra width is paid only
+    # when asked for; the work happens in place in one widened copy of the piece plus its square.
     work = x.detach().reshape(-1).to(dtype, copy=True)
     finite = torch.isfinite(work)
     n = torch.count_nonzero(finite)

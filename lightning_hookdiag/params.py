@@ -1,12 +1,16 @@
 """Parameter statistics around the optimizer step: weight norms, gradient norms and the update-to-weight ratio.
 
-The update ratio needs the weights from before the step: :class:`ParameterTracker` copies the tracked parameters in
-``before_step`` and subtracts the new weights from the copy in ``after_step``.
+The update ratio needs the weights from before the step. :class:`ParameterTracker` keeps, across the step, a copy
+of a bounded set of entries of each tracked parameter (every entry of the small ones; an evenly strided sample of
+the large ones, see :func:`update_samples`) and subtracts the new values from it in ``after_step``: the memory is at
+most :data:`SNAPSHOT_ELEMENTS` elements whatever the size of the model, and the update is the one the optimizer
+really applied (weight decay, momentum, updates rounded away in bf16), for any optimizer.
 
-Every reduction is a fused ``torch._foreach_*`` op over all the parameters of one dtype and device (one kernel
-launch per chunk of tensors on an accelerator, not one per parameter), accumulated in float64 so that squares of any
-float32 magnitude neither overflow nor underflow: a sampled step costs the same few ops for 10 parameters or 10,000.
-The copy is taken from the caching allocator on each sampled step and dropped after it.
+Every norm is a fused ``torch._foreach_norm`` over pieces of at most
+:data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS` elements of the parameters of one dtype and device (one kernel
+launch per group of tensors on an accelerator, not one per parameter), accumulated in float64 so that squares of
+any float32 magnitude neither overflow nor underflow. A CUDA device reads each piece in its own dtype and
+accumulates in float64; the CPU casts one piece at a time, so no whole parameter is ever copied to float64.
 
 What the logged values are: ``docs/statistics.md#every-key``; over shards:
 ``docs/integrations.md#sharded-parameters-fsdp-fsdp2-dtensor``.
@@ -14,6 +18,7 @@ What the logged values are: ``docs/statistics.md#every-key``; over shards:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -21,8 +26,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_hookdiag.names import logged_name
+from lightning_hookdiag.stats import chunks
 
 __all__ = [
+    "SNAPSHOT_ELEMENTS",
     "ParameterTracker",
     "finalize_parameters",
     "local_tensor",
@@ -32,6 +39,7 @@ __all__ = [
     "squared_norms",
     "stale_gradient_squares",
     "stored_values",
+    "update_samples",
 ]
 
 # Columns of the per-parameter state.
@@ -94,9 +102,12 @@ def replicas(t: Tensor, group_size: int | None = None) -> int:
 def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64) -> Tensor:
     """Sums of squares of each tensor, as one ``[len(tensors)]`` vector: finite for finite values of any magnitude.
 
-    One fused ``_foreach_norm`` per dtype and device, accumulated in ``dtype`` (float64: a float32 value's square is
-    exact there and cannot overflow), one ``stack`` and one ``square``. The local part of a ``DTensor`` and the
-    stored values of a sparse tensor are what is measured. NaN and Inf propagate to their tensor's entry.
+    Each tensor is cut into pieces of at most :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS` elements (views, no
+    copy); one fused ``_foreach_norm`` per dtype and device measures every piece, accumulated in ``dtype`` (float64:
+    a float32 value's square is exact there and cannot overflow), then one ``stack`` and one ``square``, plus one
+    ``sum`` for each tensor of several pieces. The scratch memory is that of one piece, never a whole tensor. The
+    local part of a ``DTensor`` and the stored values of a sparse tensor are what is measured. NaN and Inf
+    propagate to their tensor's entry.
 
     Example:
         >>> [round(v, 4) for v in squared_norms([torch.tensor([3.0, 4.0]), torch.tensor([1.0])]).tolist()]
@@ -107,15 +118,78 @@ def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64)
     if not tensors:
         return torch.zeros(0, dtype=dtype)
     local = [stored_values(local_tensor(t).detach()) for t in tensors]
+    pieces: list[Tensor] = []
+    counts: list[int] = []
+    for t in local:
+        parts = list(chunks(t)) if t.numel() else [t]
+        pieces.extend(parts)
+        counts.append(len(parts))
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for i, t in enumerate(local):
+    for i, t in enumerate(pieces):
         groups.setdefault((t.dtype, t.device), []).append(i)
-    norms: list[Tensor] = [local[0]] * len(local)
+    norms: list[Tensor] = [pieces[0]] * len(pieces)
     for members in groups.values():
-        for i, norm in zip(members, torch._foreach_norm([local[i] for i in members], 2, dtype=dtype), strict=True):
+        for i, norm in zip(members, torch._foreach_norm([pieces[i] for i in members], 2, dtype=dtype), strict=True):
             norms[i] = norm
     device = local[0].device
-    return torch.stack([norm.to(device) for norm in norms]).square()
+    squares = torch.stack([norm.to(device) for norm in norms]).square()
+    if len(pieces) == len(local):
+        return squares
+    per_tensor = squares.split(counts)
+    return torch.stack([part[0] if len(part) == 1 else part.sum() for part in per_tensor])
+
+
+SNAPSHOT_ELEMENTS = 1 << 22
+"""The most parameter entries :class:`ParameterTracker` keeps across an optimizer step, over all parameters (16 MiB of
+float32); see :func:`update_samples`."""
+
+_MIN_SAMPLE = 1024
+
+
+def update_samples(numels: Sequence[int], budget: int = SNAPSHOT_ELEMENTS) -> list[int]:
+    """How many entries of each parameter to keep across the step: all of the small ones, a share of the large ones.
+
+    Water-filling: parameters are served from the smallest up, each with every entry while that fits its even share
+    of what is left of ``budget``; the others share the rest evenly, with at least 1024 entries each. A model whose
+    parameters add up to at most ``budget`` entries is measured exactly.
+
+    Args:
+        numels: Element count of each parameter.
+        budget: The entries to share out.
+
+    Example:
+        >>> update_samples([10, 5000, 100, 8000], budget=4000)
+        [10, 1945, 100, 1945]
+        >>> update_samples([10, 20], budget=4000)
+        [10, 20]
+    """
+    taken = [0] * len(numels)
+    left, waiting = budget, len(numels)
+    for i in sorted(range(len(numels)), key=numels.__getitem__):
+        share = max(_MIN_SAMPLE, left // waiting)
+        taken[i] = min(numels[i], share)
+        left, waiting = max(0, left - taken[i]), waiting - 1
+    return taken
+
+
+def _sample_view(t: Tensor, size: int, phase: int) -> Tensor:
+    """About ``size`` entries of ``t`` as a view: every ``k``-th entry of its flat form, starting at ``phase % k``.
+
+    A tensor that is not contiguous is sampled the same way along its leading dimension, then its next ones, until
+    the view holds at most ``size`` entries (or a single row of it).
+    """
+    if t.numel() <= size:
+        return t
+    if t.is_contiguous():
+        step = math.ceil(t.numel() / size)
+        return t.view(-1)[phase % step :: step]
+    view = t
+    while view.numel() > size and view.ndim:
+        step = min(view.shape[0], math.ceil(view.numel() / size))
+        view = view[phase % step :: step]
+        if view.numel() > size and view.shape[0] == 1:
+            view = view[0]
+    return view
 
 
 def stored_values(t: Tensor) -> Tensor:
@@ -234,10 +308,11 @@ def owned_parameters(root: nn.Module, skip: Iterable[str] = ()) -> dict[str, nn.
 class _Snapshot:
     index: Tensor
     current: list[Tensor]
-    """The stepped parameters' local tensors."""
+    """Views of the entries kept of each stepped parameter's local tensor."""
     before: list[Tensor]
     """Their copies from before the step."""
     share: Tensor | None
+    """Per parameter: 1 / replicas times ``numel / entries kept`` (the sampled share's scale); ``None`` for all 1."""
 
 
 class ParameterTracker:
@@ -245,8 +320,10 @@ class ParameterTracker:
 
     Args:
         params: ``{name: parameter}``; results refer to parameters by their position in this mapping.
-        snapshot: Keep a copy of the weights across the step, for the update ratio.
+        snapshot: Keep entries of the weights across the step, for the update ratio (at most ``snapshot_elements``
+            of them, see :func:`update_samples`).
         dtype: Of the sums of squares.
+        snapshot_elements: The budget of entries kept across a step.
 
     Example:
         >>> lin = nn.Linear(2, 1)
@@ -260,7 +337,11 @@ class ParameterTracker:
     """
 
     def __init__(
-        self, params: dict[str, nn.Parameter], snapshot: bool = True, dtype: torch.dtype = torch.float64
+        self,
+        params: dict[str, nn.Parameter],
+        snapshot: bool = True,
+        dtype: torch.dtype = torch.float64,
+        snapshot_elements: int = SNAPSHOT_ELEMENTS,
     ) -> None:
         self.names = list(params)
         self.params = list(params.values())
@@ -270,6 +351,10 @@ class ParameterTracker:
         self._snapshots: list[_Snapshot] = []
         self._index_cache: dict[tuple[int, ...], tuple[Tensor, Tensor, Tensor]] = {}
         self._share_cache: dict[tuple[int, ...], Tensor | None] = {}
+        self._snapshot_elements = snapshot_elements
+        self._sample_cache: dict[tuple[int, ...], tuple[list[int], Tensor | None]] = {}
+        self._phase = 0
+        """Where the strided samples start, advanced every snapshot: over steps they visit every entry."""
 
     def _index(self, positions: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         # The positions and the constant columns (update 0, seen 1) on the device: one host-to-device copy per
@@ -278,7 +363,7 @@ class ParameterTracker:
         cached = self._index_cache.get(positions)
         if cached is None or cached[0].device != device:
             if len(self._index_cache) >= 8:
-                self._index_cache, self._share_cache = {}, {}
+                self._index_cache, self._share_cache, self._sample_cache = {}, {}, {}
             index = torch.tensor(positions, dtype=torch.long, device=device)
             zeros = torch.zeros(len(positions), dtype=self.dtype, device=device)
             cached = self._index_cache[positions] = (index, zeros, torch.ones_like(zeros))
@@ -328,12 +413,40 @@ class ParameterTracker:
             weight_sq, grad_sq = weight_sq * share, grad_sq * share
         values = torch.stack([weight_sq, grad_sq, zeros, ones], dim=1)
         if self._snapshot_enabled:
-            self._snapshots.append(_Snapshot(index, local, torch._foreach_mul(local, 1.0), share))
+            sizes, scale = self._samples(key, local, squares.device)
+            phase, self._phase = self._phase, self._phase + 1
+            current = [_sample_view(t, size, phase) for t, size in zip(local, sizes, strict=True)]
+            if scale is not None:
+                share = scale if share is None else share * scale
+            self._snapshots.append(_Snapshot(index, current, torch._foreach_mul(current, 1.0), share))
         return index, values
+
+    def _samples(
+        self, positions: tuple[int, ...], local: list[Tensor], device: torch.device
+    ) -> tuple[list[int], Tensor | None]:
+        # Entries kept of each parameter, and numel / kept where that is not 1 (the sampled share's scale, on the
+        # device once per distinct parameter set).
+        numels = [t.numel() for t in local]
+        key = (*positions, *numels)  # a parameter can change shape between steps (resized embeddings)
+        cached = self._sample_cache.get(key)
+        if cached is None or (cached[1] is not None and cached[1].device != device):
+            if len(self._sample_cache) >= 8:
+                self._sample_cache = {}
+            sizes = update_samples(numels, self._snapshot_elements)
+            kept = [_sample_view(t, size, 0).numel() for t, size in zip(local, sizes, strict=True)]
+            scale = None
+            if kept != numels:
+                scale = torch.tensor([n / max(k, 1) for n, k in zip(numels, kept, strict=True)], dtype=self.dtype)
+                scale = scale.to(device)
+            cached = self._sample_cache[key] = (sizes, scale)
+        return cached
 
     @torch.no_grad()
     def after_step(self) -> tuple[Tensor, Tensor] | None:
         """Squared norms of ``w_after - w_before`` for the parameters snapshotted since the last call.
+
+        Exact for parameters kept whole; for a sampled one, the sum of squares of the kept entries' updates times
+        ``numel / entries kept`` (an estimate; its error is in ``docs/statistics.md#every-key``).
 
         Returns:
             ``(index, update_sq)`` or ``None`` if nothing was snapshotted. The snapshot is released.

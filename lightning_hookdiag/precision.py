@@ -28,6 +28,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_hookdiag.stats import chunked_sum
+
 __all__ = [
     "PRECISION_TARGETS",
     "PRECISION_BASE_STATS",
@@ -158,7 +160,12 @@ def precision_counts(x: Tensor, targets: Sequence[torch.dtype], dtype: torch.dty
         >>> precision_counts(torch.tensor([-0.0, 2.0**-7, 2.0**-6, 224.0, 500.0]), [torch.float8_e4m3fn]).tolist()
         [4.0, 1.0, 2.0]
     """
-    flat = x.detach().reshape(-1)
+    return chunked_sum(lambda piece: _precision_counts(piece, targets, dtype), x.detach())
+
+
+def _precision_counts(x: Tensor, targets: Sequence[torch.dtype], dtype: torch.dtype) -> Tensor:
+    # One piece of at most CHUNK_ELEMENTS: its temporaries (the widened copy, the magnitudes) stay bounded.
+    flat = x.reshape(-1)
     widened = torch.float64 if flat.dtype == torch.float64 else torch.float32
     if flat.dtype != widened:
         flat = flat.to(widened)  # fp16/bf16/fp8 widen exactly

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.hooks import first_floating_tensor
-from lightning_hookdiag.stats import Workspace, activation_row, gradient_row, histogram_counts, unit_maxima
+from lightning_hookdiag.stats import Workspace, activation_row, chunks, gradient_row, histogram_counts, unit_maxima
 
 __all__ = ["StepRecorder"]
 
@@ -26,7 +26,9 @@ class StepRecorder:
     Each output or gradient is reduced to the sufficient statistics that the requested statistics need and added to
     a :class:`LayerStatsAggregator`, on any device by the same ops: 12 kernel-launching tensor ops per output with
     every default statistic (9 for the moments, 3 for per-unit activity), 6 per gradient, and
-    no host read (see :mod:`lightning_hookdiag.stats`).
+    no host read (see :mod:`lightning_hookdiag.stats`). Tensors of more than
+    :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS` elements are reduced piece by piece (9 and 6 ops per piece), so
+    the scratch memory is bounded.
 
     Args:
         aggregator: Where observations are pooled.
@@ -90,7 +92,10 @@ class StepRecorder:
         agg = self.aggregator
         numel = tensor.numel()
         if self.moments:
-            activation_row(tensor, agg.activation_row(layer, numel), self.workspace)
+            # Piece by piece: the scratch memory stays bounded whatever the tensor's size (one piece, and so one row,
+            # for tensors up to CHUNK_ELEMENTS); the pieces' rows pool like calls.
+            for piece in chunks(tensor):
+                activation_row(piece, agg.activation_row(layer, piece.numel()), self.workspace)
         else:
             agg.add_count(layer, numel)
         if layer in self.unit_layers:
@@ -121,7 +126,8 @@ class StepRecorder:
         if not numel:
             return
         agg = self.aggregator
-        gradient_row(grad, agg.gradient_row(layer, numel), self.workspace)
+        for piece in chunks(grad):
+            gradient_row(piece, agg.gradient_row(layer, piece.numel()), self.workspace)
         if self.histograms:
             agg.add(layer, grad_hist=histogram_counts(grad, agg.histogram_edges))
 

@@ -28,7 +28,7 @@ What the logged values are: ``docs/statistics.md#every-key``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -41,7 +41,10 @@ __all__ = [
     "GRADIENT_STATS",
     "OPT_IN_STATS",
     "PARAMETER_STATS",
+    "CHUNK_ELEMENTS",
     "accumulation_dtype",
+    "chunks",
+    "chunked_sum",
     "activation_moments",
     "activation_row",
     "finalize_dead_fraction",
@@ -66,6 +69,63 @@ ACT_SLOTS = 5
 # Columns of the additive activation-gradient vector.
 GRAD_COUNT, GRAD_SUMSQ, GRAD_NONFINITE = range(3)
 GRAD_SLOTS = 3
+
+
+CHUNK_ELEMENTS = 1 << 20
+"""The most elements one reduction reads at once: larger tensors are reduced piece by piece (see :func:`chunks`).
+
+It bounds every scratch buffer the statistics allocate, whatever the size of the tensor: the :class:`Workspace`
+holds at most ``CHUNK_ELEMENTS`` elements in the input's dtype and ``2 * CHUNK_ELEMENTS`` float64 values (20 MiB for a
+float32 input), and the opt-in reductions' temporaries are of the same order. A piece of 1 M elements keeps kernel
+launches per tensor low on an accelerator (a 64 M-element logits tensor is 64 pieces) while its float64 copy stays
+in a CPU's cache.
+"""
+
+
+def chunks(x: Tensor, limit: int | None = None) -> Iterator[Tensor]:
+    """Views of ``x`` of at most ``limit`` elements each that together hold every element of ``x`` once.
+
+    A contiguous tensor is cut along its flat view; any other layout along its leading dimensions, so that no piece
+    needs a copy. Additive statistics of ``x`` are the sums of those of its pieces, and maxima the maxima.
+
+    Args:
+        x: Any tensor.
+        limit: The largest piece, in elements (at least 1); ``None`` for :data:`CHUNK_ELEMENTS`.
+
+    Example:
+        >>> [tuple(p.shape) for p in chunks(torch.zeros(10), limit=4)]
+        [(4,), (4,), (2,)]
+        >>> [tuple(p.shape) for p in chunks(torch.zeros(4, 6).t(), limit=8)]  # not contiguous: leading rows
+        [(2, 4), (2, 4), (2, 4)]
+    """
+    limit = CHUNK_ELEMENTS if limit is None else limit
+    if x.numel() <= limit:
+        yield x
+    elif x.is_contiguous():
+        yield from x.view(-1).split(limit)
+    else:
+        inner = x.numel() // x.shape[0]
+        if inner <= limit:
+            yield from x.split(limit // inner, dim=0)
+        else:
+            for row in x.unbind(0):
+                yield from chunks(row, limit)
+
+
+def chunked_sum(reduce: Callable[[Tensor], Tensor], x: Tensor, limit: int | None = None) -> Tensor:
+    """``reduce(x)`` for an additive ``reduce``, taken piece by piece (:func:`chunks`): bounded scratch memory.
+
+    A tensor of at most ``limit`` elements costs exactly ``reduce(x)``; a larger one one ``add_`` per further piece.
+
+    Example:
+        >>> chunked_sum(lambda p: p.square().sum(), torch.arange(10.0), limit=3).item()
+        285.0
+    """
+    pieces = chunks(x, limit)
+    total = reduce(next(pieces))
+    for piece in pieces:
+        total.add_(reduce(piece))
+    return total
 
 
 def resolve_stats(stats: Sequence[str] | None) -> tuple[str, ...]:
@@ -129,13 +189,14 @@ class Workspace:
     """Scratch memory of the per-tensor reductions, reused within a sampled step, per device and dtype.
 
     A reduction writes a copy of its input in the input's own dtype (for the passes that are exact in any
-    precision), a float64 copy and, for the sum of squares, the squares. On the CPU fresh full-size temporaries cost
-    page faults on every call, which reuse avoids (measured on a 2-core CPU: an 8 MB activation took 8.3 ms with
+    precision), a float64 copy and, for the sum of squares, the squares. On the CPU fresh temporaries cost page
+    faults on every call, which reuse avoids (measured on a 2-core CPU: an 8 MB activation took 8.3 ms with
     temporaries, 3.1 ms with reused buffers); on an accelerator the caching allocator would hand the same memory
     back anyway. The views of a size are kept too, so that many tensors of one shape (a deep stack of equal
-    layers) do not pay a few microseconds of view creation each. The callback releases it at the end of every
-    sampled step, so it holds nothing between them. It holds, for the largest tensor seen, two float64 copies and
-    one in the input's dtype.
+    layers) do not pay a few microseconds of view creation each. Reductions read at most :data:`CHUNK_ELEMENTS`
+    elements at once, so it never holds more than that many elements in one dtype and twice as many float64
+    values, whatever the size of the tensors (20 MiB for float32 inputs); the callback releases it at the end of
+    every sampled step, so it holds nothing between them.
 
     Example:
         >>> ws = Workspace()
@@ -187,6 +248,11 @@ def _finite_copy(x: Tensor, wide: torch.dtype, workspace: Workspace, signed_zero
     ``-0.0`` counts as non-zero in both counts, which keeps their difference, the non-finite count, exact, and the
     copy is NaN/Inf to 0 itself (one pass fewer) after counting ``x``. ``pair`` is the float64 workspace.
     """
+    if x.numel() > CHUNK_ELEMENTS:
+        raise ValueError(
+            f"expected at most CHUNK_ELEMENTS={CHUNK_ELEMENTS} elements, got {x.numel()}: reduce the pieces of"
+            " chunks(x) one by one (bounded scratch memory)"
+        )
     x = x.detach()
     if x.dtype not in _BITS_OF:
         x = x.float()  # float8 and other exotic floats: widen exactly (no statistic needs their bit pattern)
@@ -214,9 +280,13 @@ def activation_row(x: Tensor, out: Tensor, workspace: Workspace | None = None) -
     cascaded ``sum`` over its rows.
 
     Args:
-        x: Any floating-point tensor with at least one element, any device, any layout in memory.
+        x: Any floating-point tensor with at least one and at most :data:`CHUNK_ELEMENTS` elements (a piece of
+            :func:`chunks`), any device, any layout in memory.
         out: Where the row is written (a row of the caller's table: no allocation).
         workspace: Scratch memory reused across calls; ``None`` allocates temporaries.
+
+    Raises:
+        ValueError: For a tensor of more than :data:`CHUNK_ELEMENTS` elements.
 
     Returns:
         ``out``.
@@ -304,11 +374,13 @@ def activation_moments(
         >>> [round(m, 5) for m in moments.tolist()], absmax.item()
         ([5.0, 4.0, 3.0, 2.0, 26.0], 4.0)
     """
-    row = torch.zeros(ACT_ROW, dtype=dtype, device=x.device)
-    if x.numel():
-        activation_row(x, row, workspace)
-    moments, absmax = moments_from_rows(row[None], torch.full((1,), x.numel(), dtype=dtype, device=x.device))
-    return moments[0], absmax[0]
+    pieces = list(chunks(x)) if x.numel() else []
+    rows = torch.zeros(max(len(pieces), 1), ACT_ROW, dtype=dtype, device=x.device)
+    for piece, row in zip(pieces, rows, strict=False):
+        activation_row(piece, row, workspace)
+    counts = torch.tensor([p.numel() for p in pieces] or [0], dtype=dtype, device=x.device)
+    moments, absmax = moments_from_rows(rows, counts)
+    return moments.sum(0), absmax.amax(0)
 
 
 def gradient_moments(g: Tensor, dtype: torch.dtype = torch.float64, workspace: Workspace | None = None) -> Tensor:
@@ -318,10 +390,12 @@ def gradient_moments(g: Tensor, dtype: torch.dtype = torch.float64, workspace: W
         >>> gradient_moments(torch.tensor([3.0, 4.0, float("inf")])).tolist()
         [3.0, 25.0, 1.0]
     """
-    row = torch.zeros(GRAD_ROW, dtype=dtype, device=g.device)
-    if g.numel():
-        gradient_row(g, row, workspace)
-    return gradient_moments_from_rows(row[None], torch.full((1,), g.numel(), dtype=dtype, device=g.device))[0]
+    pieces = list(chunks(g)) if g.numel() else []
+    rows = torch.zeros(max(len(pieces), 1), GRAD_ROW, dtype=dtype, device=g.device)
+    for piece, row in zip(pieces, rows, strict=False):
+        gradient_row(piece, row, workspace)
+    counts = torch.tensor([p.numel() for p in pieces] or [0], dtype=dtype, device=g.device)
+    return gradient_moments_from_rows(rows, counts).sum(0)
 
 
 def square_sum(x: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
@@ -331,8 +405,12 @@ def square_sum(x: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
         >>> f"{square_sum(torch.tensor([3e30, 4e30])).item():.6g}"  # float32 squares would overflow
         '2.5e+61'
     """
-    wide = x.detach().reshape(-1).to(dtype)
-    return torch.dot(wide, wide)
+
+    def piece_square_sum(piece: Tensor) -> Tensor:
+        wide = piece.detach().reshape(-1).to(dtype)
+        return torch.dot(wide, wide)
+
+    return chunked_sum(piece_square_sum, x) if x.numel() else torch.zeros((), dtype=dtype, device=x.device)
 
 
 def unit_dim_for(ndim: int, unit_dim: int | None = None) -> int:
@@ -453,15 +531,19 @@ def histogram_counts(x: Tensor, edges: Tensor) -> Tensor:
     """Counts of the finite elements of ``x`` in the bins delimited by ``edges`` (``len(edges) + 1`` bins).
 
     Bin ``i`` holds ``edges[i-1] < x <= edges[i]``. Uses ``scatter_add`` rather than ``bincount``, whose output size
-    depends on the data and so forces a host synchronisation.
+    depends on the data and so forces a host synchronisation; reads ``x`` piece by piece (:func:`chunks`), so its
+    temporaries stay bounded.
 
     Example:
         >>> x = torch.tensor([-5.0, 0.0, 0.05, 3.0, float("nan")])
         >>> histogram_counts(x, torch.tensor([-1.0, 0.0, 1.0])).tolist()
         [1.0, 1.0, 1.0, 1.0]
     """
-    x = _as_float32(x).reshape(-1)
-    finite = torch.isfinite(x)
-    index = torch.bucketize(torch.where(finite, x, 0.0), edges.to(x.device))
     counts = torch.zeros(edges.numel() + 1, dtype=torch.float32, device=x.device)
-    return counts.scatter_add_(0, index, finite.to(torch.float32))
+    edges = edges.to(x.device)  # a no-op for the aggregator's edges, which live on the statistics' device
+    for piece in chunks(x.detach()):
+        flat = _as_float32(piece).reshape(-1)
+        finite = torch.isfinite(flat)
+        index = torch.bucketize(torch.where(finite, flat, 0.0), edges)
+        counts.scatter_add_(0, index, finite.to(torch.float32))
+    return counts
