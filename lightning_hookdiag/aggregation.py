@@ -46,7 +46,27 @@ from lightning_hookdiag.stats import (
     moments_from_rows,
 )
 
-__all__ = ["LayerStatsAggregator"]
+__all__ = ["LayerStatsAggregator", "host_values"]
+
+
+def host_values(values: Iterable[float], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 1-D tensor of host ``values`` on ``device``, without a stream synchronisation on CUDA.
+
+    A plain ``torch.tensor(values, device="cuda")`` copies from pageable memory, which makes the host wait for the
+    device's queue; a pinned copy sent with ``non_blocking=True`` is queued like a kernel (torch keeps the pinned
+    block alive until the copy is done). Used only where the values change between sampled steps (patterns of
+    calls that vary with the input's shape); everything else is cached on the device.
+
+    Example:
+        >>> host_values([1, 2], torch.float64, torch.device("cpu"))
+        tensor([1., 2.], dtype=torch.float64)
+    """
+    host = torch.tensor(list(values), dtype=dtype)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 class LayerStatsAggregator(Metric):
@@ -112,12 +132,18 @@ class LayerStatsAggregator(Metric):
             dist_reduce_fx="sum" if sharded_params else "max",
         )
         self.add_state("act_moments", torch.zeros(n_layers, ACT_SLOTS, dtype=dtype), dist_reduce_fx="sum")
+        # float32, like the other maxima, so that the MAX buffer stays float32 in sharded runs: only float64 outputs
+        # beyond float32's range (3.4e38) overflow it, and they are logged as inf with a note (metrics.overflow_notes).
         self.add_state("act_absmax", torch.zeros(n_layers), dist_reduce_fx="max")
         self.add_state("grad_moments", torch.zeros(n_layers, GRAD_SLOTS, dtype=dtype), dist_reduce_fx="sum")
         self.add_state("unit_max", torch.empty(0), dist_reduce_fx="max")
         # Histograms use fixed edges, so their counts add up exactly.
         # Registered only when asked for: every state costs collectives on each sampled step.
-        self.histogram_edges = histogram_edges(histogram_bins) if histogram_bins else torch.empty(0)
+        # A buffer, so that it moves with the states: binning reads it on the statistics' device, with no copy of
+        # host data per hooked call. The host copy is what the loggers get.
+        edges = histogram_edges(histogram_bins) if histogram_bins else torch.empty(0)
+        self.histogram_edges_host: list[float] = edges.tolist()
+        self.register_buffer("histogram_edges", edges, persistent=False)
         if histogram_bins:
             self.add_state("act_hist", torch.zeros(n_layers, histogram_bins), dist_reduce_fx="sum")
             self.add_state("grad_hist", torch.zeros(n_layers, histogram_bins), dist_reduce_fx="sum")
@@ -139,6 +165,8 @@ class LayerStatsAggregator(Metric):
         self.power_shift = torch.zeros(n_layers, dtype=dtype)
         if saved_bytes:
             self.add_state("act_saved", torch.zeros(n_layers, dtype=dtype), dist_reduce_fx="max")
+        self._saved_host: list[int] | None = None
+        """Saved-activation bytes per layer of the step so far (host numbers), until the fold."""
         # States other modules register (register_extra): reduced in the same two packed all-reduces.
         self._extra_sums: list[str] = []
         self._extra_maxima: list[str] = []
@@ -336,10 +364,16 @@ class LayerStatsAggregator(Metric):
             torch.maximum(state, values.to(state.dtype), out=state)
 
     def add_saved_bytes(self, per_layer: list[int]) -> None:
-        """Pool one micro-batch's saved-activation bytes per layer (max over micro-batches and processes)."""
+        """Pool one micro-batch's saved-activation bytes per layer (max over micro-batches and processes).
+
+        The bytes are host numbers: the maximum over micro-batches is taken on the host, and the step's maxima reach
+        the device once, at the fold.
+        """
         self._mark_stale()
-        saved = torch.tensor(per_layer, dtype=self.act_saved.dtype, device=self.act_saved.device)
-        torch.maximum(self.act_saved, saved, out=self.act_saved)
+        held = self._saved_host
+        self._saved_host = (
+            list(per_layer) if held is None else [max(a, b) for a, b in zip(held, per_layer, strict=True)]
+        )
 
     def _mark_stale(self) -> None:
         # What torchmetrics' update wrapper does: a cached result is stale now. Only assigned when set, because
@@ -367,6 +401,11 @@ class LayerStatsAggregator(Metric):
             _, index, counts = taken
             self.act_moments[:, ACT_COUNT].index_add_(0, index, counts)
             folded = True
+        if self._saved_host is not None:
+            saved = host_values(self._saved_host, self.act_saved.dtype, self.act_saved.device)
+            torch.maximum(self.act_saved, saved, out=self.act_saved)
+            self._saved_host = None
+            folded = True
         return folded
 
     def update(self, *args: Any, **kwargs: Any) -> None:
@@ -382,6 +421,7 @@ class LayerStatsAggregator(Metric):
         super().reset()
         for calls in (self._act_calls, self._grad_calls, self._count_calls):
             calls.clear()
+        self._saved_host = None
         self._pending_units = {}
         self._unit_bad = None
         self.param_norm_low = None
@@ -565,8 +605,10 @@ class _Calls:
             if len(self._cache) >= 8:  # varying calls (sequence lengths, branches): keep a few recent patterns
                 self._cache = {}
             device = self.table.device
-            index = torch.tensor(key[0], dtype=torch.long, device=device)
-            cached = self._cache[key] = (index, torch.tensor(key[1], dtype=self.dtype, device=device))
+            cached = self._cache[key] = (
+                host_values(key[0], torch.long, device),
+                host_values(key[1], self.dtype, device),
+            )
         rows = self.table[: len(self.layers)]
         self.clear()
         return rows, *cached

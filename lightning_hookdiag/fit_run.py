@@ -26,7 +26,15 @@ from torch import Tensor, nn
 from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.attention import PrecursorProbes, attention_scope
 from lightning_hookdiag.hooks import HookSet
-from lightning_hookdiag.metrics import KeyCache, Note, StepFacts, layer_notes, missing_grad_notes, step_values
+from lightning_hookdiag.metrics import (
+    KeyCache,
+    Note,
+    StepFacts,
+    layer_notes,
+    missing_grad_notes,
+    overflow_notes,
+    step_values,
+)
 from lightning_hookdiag.modes import EvalModeWatch
 from lightning_hookdiag.opt_in import OptInPlan, OptInRecorder, plan_opt_in
 from lightning_hookdiag.params import (
@@ -398,6 +406,7 @@ class FitRun:
                 quiet_not_run=self.quiet_not_run,
             ),
             *missing_grad_notes(observed.missing_grads),
+            *overflow_notes(self.layer_names, observed.host),
         ]
 
     def collect(self, before_update: bool = False) -> ObservedStep:
@@ -416,7 +425,7 @@ class FitRun:
             else:
                 updated = self.tracker.after_step()
         if self.saved is not None:
-            agg.add_saved_bytes(self.saved.pop_peak())  # one host-to-device copy per sampled step
+            agg.add_saved_bytes(self.saved.pop_peak())
         if self.probes is not None:
             self.probes.fold(agg)
         agg.update(params=None if updated is None else (updated[0], updated[1], P_UPDATE_SQ))
@@ -457,7 +466,7 @@ class FitRun:
             missing_grads=hooks.missing_grads(),  # the whole window's, replays included: rule no_gradient
             eval_mode=self.modes.take() if self.modes is not None else {},
             param_facts=self.watch.facts(self.param_names, self.tracker.params) if self.tracker is not None else {},
-            histogram_edges=agg.histogram_edges.tolist() if histograms else None,
+            histogram_edges=agg.histogram_edges_host if histograms else None,
         )
         self._end_window()
         return observed

@@ -23,6 +23,7 @@ __all__ = [
     "Note",
     "StepFacts",
     "histogram_note",
+    "overflow_notes",
     "histogram_series",
     "layer_notes",
     "missing_grad_notes",
@@ -305,6 +306,52 @@ def missing_grad_notes(missing: Sequence[str]) -> list[Note]:
         )
         for name in missing
     ]
+
+
+_OVERFLOW_CHECKS = (
+    ("act_nonfinite", ("act_mean", "act_std", "act_absmax"), "output"),
+    ("act_grad_nonfinite", ("act_grad_norm",), "output gradient"),
+)
+
+
+def overflow_notes(layer_names: Sequence[str], host: dict[str, list[float]]) -> list[Note]:
+    """Notes for statistics that are not finite although the tensor they describe held only finite values.
+
+    That is an overflow of what the statistic is held in: float64 sums of squares of values beyond about ``1e154``,
+    float32 maxima beyond ``3.4e38`` (only float64 tensors reach either), or float32 sums on a device without
+    float64 (MPS). The value is logged as it came out (``inf`` or ``NaN``), never as a wrong finite number, and this
+    note says why.
+
+    Args:
+        layer_names: The observed modules, in the order of the host values.
+        host: The step's host values by statistic (only those present are checked).
+
+    Example:
+        >>> host = {"act_nonfinite": [0.0, 3.0], "act_std": [float("inf"), float("nan")], "act_mean": [1.0, 2.0]}
+        >>> [n.key for n in overflow_notes(["fc1", "fc2"], host)]
+        ['overflow:act_std:fc1']
+    """
+    notes = []
+    for count_key, stats, what in _OVERFLOW_CHECKS:
+        counts = host.get(count_key)
+        if counts is None:
+            continue
+        for stat in stats:
+            values = host.get(stat)
+            if values is None:
+                continue
+            for name, count, value in zip(layer_names, counts, values, strict=True):
+                if count == 0 and not math.isfinite(value):
+                    notes.append(
+                        Note(
+                            f"overflow:{stat}:{name}",
+                            f"LayerHealthCallback: {stat} of {name!r} is {value} although its {what} held no NaN/Inf:"
+                            " it overflowed what it is held in (float64 sums of squares beyond ~1e154, float32 maxima"
+                            " beyond ~3.4e38, float32 sums on a device without float64); it is logged as it is, not"
+                            " as a finite number",
+                        )
+                    )
+    return notes
 
 
 def histogram_note(skipped: Sequence[str]) -> Note | None:

@@ -1,6 +1,6 @@
 """Bounded scratch memory: every reduction reads a tensor piece by piece, and the pieces pool exactly.
 
-The pieces are :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS` (1 M) elements in production; these tests shrink
+The pieces are :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS` (256 K) elements in production; these tests shrink
 the limit so that small tensors are cut into many pieces, and compare with hand-written float64 references and with
 the statistics of the tensor in one piece.
 """

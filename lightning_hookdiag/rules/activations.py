@@ -120,7 +120,7 @@ def activation_scale(values: Mapping[str, Mapping[str, float]]) -> tuple[str, di
     """Per-layer activation scale: RMS of the finite outputs from act_mean/act_std, else act_absmax."""
     means, stds = values.get("act_mean") or {}, values.get("act_std") or {}
     if means and stds:
-        rms = {k: math.sqrt(means[k] ** 2 + stds[k] ** 2) for k in means.keys() & stds.keys()}
+        rms = {k: math.hypot(means[k], stds[k]) for k in means.keys() & stds.keys()}  # no OverflowError at 1e200
         return "act_std", {k: v for k, v in rms.items() if finite(v)}
     return "act_absmax", {k: v for k, v in (values.get("act_absmax") or {}).items() if finite(v)}
 

@@ -39,7 +39,7 @@ def _layer_updates(orders: Orders, values: Mapping[str, Mapping[str, float]]) ->
         norm, grad = norms.get(param, math.nan), grads.get(param, math.nan)
         if finite(ratio) and finite(norm) and finite(grad) and ratio >= 0:
             layer = orders.owner(param)
-            update_sq[layer] = update_sq.get(layer, 0.0) + (ratio * norm) ** 2
+            update_sq[layer] = update_sq.get(layer, 0.0) + (ratio * norm) * (ratio * norm)  # inf, not OverflowError
             weight_sq[layer] = weight_sq.get(layer, 0.0) + norm * norm
             grad_sq[layer] = grad_sq.get(layer, 0.0) + grad * grad
     return {

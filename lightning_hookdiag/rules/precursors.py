@@ -134,7 +134,7 @@ def _layer_update_norms(ctx: Context) -> dict[str, list[tuple[int, float]]]:
         steps = by_step.setdefault(ctx.orders.owner(param), {})
         for step, r in ratios.items():
             if step in norms and r >= 0:
-                steps.setdefault(step, []).append((r * norms[step]) ** 2)
+                steps.setdefault(step, []).append((r * norms[step]) * (r * norms[step]))
     out: dict[str, list[tuple[int, float]]] = {}
     for layer, steps in by_step.items():
         if ctx.step in steps:  # a layer whose parameters did not all update now is not compared
