@@ -4,8 +4,9 @@
 callback's Lightning methods, and every hook function defined in the package that is registered while the fit runs
 (module forward and pre-forward hooks, tensor hooks on outputs, global module hooks, saved-tensor hooks, optimizer
 step hooks) plus the attention probe's observation. Each call runs inside ``scope(kind)``, a context manager the
-instrument chooses: ``kind`` is ``"hook"`` for code that runs per layer or per micro-batch and ``"callback"`` for
-the callback's Lightning methods.
+instrument chooses: ``kind`` is ``"hook"`` for hooks (per layer and micro-batch), ``"micro_batch"`` for the
+callback's Lightning methods that run once per micro-batch (:data:`MICRO_BATCH_METHODS`) and ``"callback"`` for its
+other Lightning methods.
 
 Two instruments use it:
 
@@ -38,6 +39,8 @@ import lightning_hookdiag
 
 PACKAGE_DIR = str(Path(lightning_hookdiag.__file__).resolve().parent)
 Scope = Callable[[str], contextlib.AbstractContextManager]
+MICRO_BATCH_METHODS = ("on_before_backward", "on_after_backward")
+"""The callback's Lightning methods that run once per micro-batch and do no per-step work."""
 
 
 def _is_package_code(fn: Any) -> bool:
@@ -109,7 +112,8 @@ def package_code(callback: Any, scope: Scope) -> Iterator[None]:
         if name.startswith("on_") or name in ("setup", "teardown"):
             method = getattr(callback, name)
             if callable(method) and _is_package_code(method):
-                setattr(callback, name, _scoped(method, scope, "callback"))
+                kind = "micro_batch" if name in MICRO_BATCH_METHODS else "callback"
+                setattr(callback, name, _scoped(method, scope, kind))
                 wrapped_methods.append(name)
     try:
         yield
@@ -212,15 +216,16 @@ class HostCopy:
     """``"from host data"`` or ``"host tensor to device"``."""
     call: str
     kind: str
-    """The scope it happened in: ``"hook"`` or ``"callback"``."""
+    """The scope it happened in: ``"hook"``, ``"micro_batch"`` or ``"callback"``."""
     where: str
     """``path:line (function)`` of the innermost package frame."""
     step: int
 
 
 def _package_frame() -> str:
+    # The attention probe is a mode that sees the package's own calls too: its pass-through is not where they are.
     for frame in reversed(traceback.extract_stack()):
-        if str(Path(frame.filename).resolve()).startswith(PACKAGE_DIR):
+        if frame.name != "__torch_function__" and str(Path(frame.filename).resolve()).startswith(PACKAGE_DIR):
             return f"lightning_hookdiag/{Path(frame.filename).name}:{frame.lineno} ({frame.name})"
     return "?"
 
@@ -234,6 +239,7 @@ def _names_a_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 class HostDataWatch(TorchFunctionMode):
     """Records the package's host-to-device copies (see the module docstring), per step and scope.
 
+    Enter it around the fit (``with watch:``) and use :meth:`scope` as the ``scope`` of :func:`package_code`.
     Tensors the package makes on the host (a factory call without ``device``, ``torch.tensor`` without one, and
     anything computed from such tensors alone) are remembered; moving one with ``.to(device)``, ``.cuda()`` or
     ``copy_`` into a tensor the model's device holds is a host-to-device copy on an accelerator.
@@ -248,19 +254,19 @@ class HostDataWatch(TorchFunctionMode):
 
     @contextlib.contextmanager
     def scope(self, kind: str) -> Iterator[None]:
-        """Watch while the package's code runs (the outermost scope enters the mode)."""
+        """Watch while the package's code runs.
+
+        The mode itself stays entered around the whole fit (``with watch:``) instead: the package pushes and pops
+        modes of its own (the attention probe) inside its scopes, and a mode entered per scope would pop theirs.
+        """
         self._kinds.append(kind)
         try:
-            if len(self._kinds) == 1:
-                with self:
-                    yield
-            else:
-                yield
+            yield
         finally:
             self._kinds.pop()
 
     def _record(self, what: str, func: Any) -> None:
-        kind = "hook" if "hook" in self._kinds else "callback"
+        kind = next((k for k in ("hook", "micro_batch") if k in self._kinds), "callback")
         name = getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
         self.copies.append(HostCopy(what, name, kind, _package_frame(), self.step))
 
@@ -269,6 +275,8 @@ class HostDataWatch(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if not self._kinds:  # the model's code, Lightning's
+            return func(*args, **kwargs)
         if func in _FROM_HOST_DATA:
             self._record("from host data", func)
         elif func in _MOVES:
@@ -277,11 +285,17 @@ class HostDataWatch(TorchFunctionMode):
             copies = func in (Tensor.copy_, Tensor.__setitem__) or _names_a_device(args[1:], kwargs)
             if (
                 self._is_host_made(source)
+                and source.numel()  # an empty copy moves nothing (no launch, no sync)
                 and copies
                 and not self._is_host_made(args[0] if func is not Tensor.to else None)
             ):
                 self._record("host tensor to device", func)
         out = func(*args, **kwargs)
+        if func in (Tensor.to, Tensor.cuda) and isinstance(out, Tensor) and _names_a_device(args[1:], kwargs):
+            # Moved: on an accelerator ``out`` is a new tensor on the device. On the CPU ``.to("cpu")`` returns
+            # the tensor itself, which must not stay marked as the host's (its later uses are the device's).
+            self._host_made.pop(out, None)
+            return out
         made_here = (func in _FACTORIES or func in _FROM_HOST_DATA) and kwargs.get("device") is None
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
         for a in (*args, *kwargs.values()):
@@ -292,12 +306,7 @@ class HostDataWatch(TorchFunctionMode):
             self._host_made[out] = True
         return out
 
-    def where(self, kind: str | None = None, after_step: int = -1) -> list[str]:
-        """``what: call at where`` of the recorded copies (optionally of one scope kind, after a step), sorted."""
-        return sorted(
-            {
-                f"{c.what}: {c.call} at {c.where}"
-                for c in self.copies
-                if (kind is None or c.kind == kind) and c.step > after_step
-            }
-        )
+    def where(self, kinds: tuple[str, ...] = ("hook", "micro_batch", "callback"), after_step: int = -1) -> list[str]:
+        """``what: call at where`` of the recorded copies in scopes of ``kinds`` after ``after_step``, sorted."""
+        found = {f"{c.what}: {c.call} at {c.where}" for c in self.copies if c.kind in kinds and c.step > after_step}
+        return sorted(found)
