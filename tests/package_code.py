@@ -4,7 +4,9 @@
 callback's Lightning methods, and every hook function defined in the package that is registered while the fit runs
 (module forward and pre-forward hooks, tensor hooks on outputs, global module hooks, saved-tensor hooks, optimizer
 step hooks) plus the attention probe's observation. Each call runs inside ``scope(kind)``, a context manager the
-instrument chooses: ``kind`` is ``"hook"`` for hooks (per layer and micro-batch), ``"micro_batch"`` for the
+instrument chooses: ``kind`` is ``"hook:output"`` for module forward hooks (which observe outputs), ``"hook:grad"``
+for tensor hooks (output gradients), ``"hook:attention"`` for the attention probe, ``"hook:other"`` for any other
+hook (all of them per layer and micro-batch), ``"micro_batch"`` for the
 callback's Lightning methods that run once per micro-batch (:data:`MICRO_BATCH_METHODS`) and ``"callback"`` for its
 other Lightning methods.
 
@@ -76,29 +78,30 @@ def package_code(callback: Any, scope: Scope) -> Iterator[None]:
         patches.append((owner, name, owner.__dict__[name] if name in vars(owner) else None))
         setattr(owner, name, value)
 
-    def wrap_registration(owner: Any, name: str, position: int = 0) -> None:
+    def wrap_registration(owner: Any, name: str, position: int, kind: str) -> None:
         original = getattr(owner, name)
 
         def register(*args: Any, **kwargs: Any) -> Any:
             args = list(args)
             if len(args) > position and _is_package_code(args[position]):
-                args[position] = _scoped(args[position], scope, "hook")
+                args[position] = _scoped(args[position], scope, kind)
             return original(*args, **kwargs)
 
         patch(owner, name, register)
 
     # Methods: the hook is the second positional argument (after self); module-level functions: the first.
-    for name in ("register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook"):
-        wrap_registration(nn.Module, name, 1)
-    wrap_registration(Tensor, "register_hook", 1)
-    wrap_registration(torch.optim.Optimizer, "register_step_post_hook", 1)
-    wrap_registration(torch.optim.Optimizer, "register_step_pre_hook", 1)
-    wrap_registration(torch.nn.modules.module, "register_module_forward_hook", 0)
+    wrap_registration(nn.Module, "register_forward_hook", 1, "hook:output")
+    wrap_registration(nn.Module, "register_forward_pre_hook", 1, "hook:other")
+    wrap_registration(nn.Module, "register_full_backward_hook", 1, "hook:other")
+    wrap_registration(Tensor, "register_hook", 1, "hook:grad")
+    wrap_registration(torch.optim.Optimizer, "register_step_post_hook", 1, "hook:other")
+    wrap_registration(torch.optim.Optimizer, "register_step_pre_hook", 1, "hook:other")
+    wrap_registration(torch.nn.modules.module, "register_module_forward_hook", 0, "hook:other")
     saved_init = torch.autograd.graph.saved_tensors_hooks.__init__
 
     def saved_hooks_init(self: Any, pack: Any, unpack: Any) -> None:
         if _is_package_code(pack):
-            pack, unpack = _scoped(pack, scope, "hook"), _scoped(unpack, scope, "hook")
+            pack, unpack = _scoped(pack, scope, "hook:other"), _scoped(unpack, scope, "hook:other")
         saved_init(self, pack, unpack)
 
     patch(torch.autograd.graph.saved_tensors_hooks, "__init__", saved_hooks_init)
@@ -106,7 +109,7 @@ def package_code(callback: Any, scope: Scope) -> Iterator[None]:
 
     probe = getattr(attention, "AttentionProbe", None)
     if probe is not None and hasattr(probe, "_observe"):
-        patch(probe, "_observe", _scoped(probe._observe, scope, "hook"))
+        patch(probe, "_observe", _scoped(probe._observe, scope, "hook:attention"))
     wrapped_methods = []
     for name in dir(type(callback)):
         if name.startswith("on_") or name in ("setup", "teardown"):
@@ -266,7 +269,8 @@ class HostDataWatch(TorchFunctionMode):
             self._kinds.pop()
 
     def _record(self, what: str, func: Any) -> None:
-        kind = next((k for k in ("hook", "micro_batch") if k in self._kinds), "callback")
+        kinds = [k.split(":")[0] for k in self._kinds]
+        kind = next((k for k in ("hook", "micro_batch") if k in kinds), "callback")
         name = getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
         self.copies.append(HostCopy(what, name, kind, _package_frame(), self.step))
 
@@ -292,9 +296,11 @@ class HostDataWatch(TorchFunctionMode):
                 self._record("host tensor to device", func)
         out = func(*args, **kwargs)
         if func in (Tensor.to, Tensor.cuda) and isinstance(out, Tensor) and _names_a_device(args[1:], kwargs):
-            # Moved: on an accelerator ``out`` is a new tensor on the device. On the CPU ``.to("cpu")`` returns
-            # the tensor itself, which must not stay marked as the host's (its later uses are the device's).
-            self._host_made.pop(out, None)
+            # Moved: on an accelerator ``out`` is a new tensor on the device, not the host's. On the CPU
+            # ``.to("cpu")`` returns the host tensor itself; an alias stands in for the device's copy, so that what
+            # the package keeps of it is the device's and the host tensor, moved again later, is still the host's.
+            if out is args[0] and self._is_host_made(out):
+                out = out.view_as(out)
             return out
         made_here = (func in _FACTORIES or func in _FROM_HOST_DATA) and kwargs.get("device") is None
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]

@@ -5,8 +5,8 @@ which include the temporaries inside one aten op) attributed to the package's co
 a whole fit whose step 0 and 1 are sampled, default statistics. Each test runs one model at two sizes 8 x apart,
 once with a large output (and its gradient) and once with a large parameter (and its gradient), and checks:
 
-* the peak does not grow with the size (at most :data:`GROWTH` more at the large size: per-unit state of the
-  larger layer, a few KiB, fits easily);
+* the peak does not grow with the size (at most :data:`GROWTH` more at the large size, less than any whole-tensor
+  copy would add);
 * the peak stays within :data:`SCRATCH_BOUND` at the large size, where one float32 copy of the large tensor is
   already 64 MiB and one float64 copy 128 MiB.
 """
@@ -25,18 +25,19 @@ from lightning_hookdiag import LayerHealthCallback
 MIB = 2**20
 SCRATCH_BOUND = 64 * MIB
 """Issue 27's goal for the two models of ``benchmarks/memory.py``, and the bound every model's sampled step keeps."""
-GROWTH = 1 * MIB
-"""What the peak may grow by between the two sizes (the state that is per unit or per layer, not per element)."""
+GROWTH = 16 * MIB
+"""What the peak may grow by between the two sizes: room for a chunk buffer that the small size does not fill, and
+for per-unit state; a quarter of what one whole-tensor float32 copy adds between them (56 MiB), a bf16 one 28 MiB."""
 
 
-def scratch_peak(model: nn.Module, data: TensorDataset, batch_size: int) -> ScratchMeter:
+def scratch_peak(model: nn.Module, data: TensorDataset, batch_size: int, device: str = "cpu") -> ScratchMeter:
     torch.manual_seed(0)
     callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
     module = TinyModule(model=model, data=data, batch_size=batch_size)
     module.record_enabled = False
     meter = ScratchMeter()
     with package_code(callback, meter.scope), meter.profiling():
-        make_trainer([callback], max_steps=2).fit(module)
+        make_trainer([callback], max_steps=2, accelerator=device).fit(module)
     assert callback.last_step == 1  # both steps sampled
     return meter
 
@@ -73,8 +74,13 @@ def large_parameter(vocab: int) -> tuple[nn.Module, TensorDataset, int]:
     ],
     ids=["large_output", "large_parameter"],
 )
-def test_issue27_callback_scratch_on_a_sampled_step_does_not_grow_with_the_tensor(build, small, large, what):
-    peaks = {size: scratch_peak(*build(size)) for size in (small, large)}
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+def test_issue27_callback_scratch_on_a_sampled_step_does_not_grow_with_the_tensor(build, small, large, what, device):
+    # On CUDA the meter reads the caching allocator's blocks handed to tensors (not what it reserves).
+    peaks = {size: scratch_peak(*build(size), device=device) for size in (small, large)}
     low, high = peaks[small].peak_bytes, peaks[large].peak_bytes
     report = (
         f"callback scratch peak with a {what}: {high / MIB:.1f} MiB; at 1/8 of the size {low / MIB:.1f} MiB"

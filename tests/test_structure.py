@@ -15,7 +15,7 @@ from package_code import HostDataWatch, package_code
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.vocabulary import ALL_STATS, PRECURSOR_STATS
+from lightning_hookdiag.vocabulary import ALL_STATS, OPT_IN_STATS
 
 # Tensor methods that force a device-to-host copy (and so a sync on an accelerator).
 SYNCING = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
@@ -256,7 +256,7 @@ def host_copies_of_a_fit() -> tuple[HostDataWatch, LayerHealthCallback]:
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             watch.step = trainer.global_step
 
-    stats = [*ALL_STATS, *PRECURSOR_STATS]
+    stats = [*ALL_STATS, *OPT_IN_STATS]
     callback = LayerHealthCallback(
         every_n_steps=1, stats=stats, histogram_every_n_steps=1, on_anomaly="ignore", summary=False
     )
