@@ -56,3 +56,32 @@ def test_sync_cost_new_path_bytes_do_not_grow_with_ranks_and_old_path_bytes_do()
     assert old[-1].received > 1000 * old[0].received / 2  # linear in the ranks: 8 -> 8192
     text = cost.main(["--markdown"])
     assert text.count("\n| 8192 |") == 6
+
+
+@pytest.mark.slow
+def test_memory_benchmark_measures_one_step_per_fresh_process(tmp_path):
+    memory = load_benchmark("memory")
+    out = tmp_path / "memory.json"
+    memory.main(["--quick", "--models", "lm_head", "--json", str(out)])
+    written = json.loads(out.read_text())
+    row = written["results"]["lm_head"]
+    assert {"plain", "callback", "tutorial"} <= set(row), row
+    # A plain step holds the logits, their log-softmax and the gradient of the logits at once.
+    assert row["plain"]["peak"] >= 2 * row["logits_bytes"]
+    assert row["callback"]["extra"] == row["callback"]["peak"] - row["plain"]["peak"]
+    assert row["tutorial"]["extra"] == row["tutorial"]["peak"] - row["plain"]["peak"]
+    assert written["table"].count("\n| lm_head") == 1
+
+
+@pytest.mark.slow
+def test_gpu_kernels_dry_run_counts_per_output_per_gradient_and_host_reads_per_step():
+    kernels = load_benchmark("gpu_kernels")
+    result = kernels.main(["--dry-run", "--quick", "--models", "mlp", "--steps", "2"])["results"]["mlp"]
+    counted = result["kernels"]
+    # The quick MLP has 9 leaf layers (4 x Linear + ReLU, a head): one output and one gradient each per sampled step.
+    assert counted["hook:output"]["calls_per_sampled_step"] == 9
+    assert counted["hook:grad"]["calls_per_sampled_step"] == 9
+    assert counted["hook:output"]["aten_ops"] > 0
+    assert counted["hook:grad"]["aten_ops"] > 0
+    # Sampled steps 0 and 2: the one batched transfer and the sentinel's read; steps 1 and 3: the sentinel's read.
+    assert result["syncs_added_per_step"] == {0: 2, 1: 1, 2: 2, 3: 1}

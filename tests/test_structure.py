@@ -11,9 +11,11 @@ import pytest
 import torch
 from conftest import TinyModule, count_hooks, load_benchmark, make_data, make_trainer
 from lightning.pytorch import Callback
+from package_code import HostDataWatch, package_code
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
+from lightning_hookdiag.vocabulary import ALL_STATS, OPT_IN_STATS
 
 # Tensor methods that force a device-to-host copy (and so a sync on an accelerator).
 SYNCING = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
@@ -191,3 +193,117 @@ def test_kernel_launch_budget_per_hooked_tensor_holds_and_the_rest_does_not_grow
         fixed[blocks] = round(every["sampled"]["launching"] - plain["sampled"]["launching"] - sinks, 6)
     # Parameters, the fold of the call rows, pooling and logging: the same ops for 3 layers or 25.
     assert fixed[1] == fixed[12], fixed
+
+
+# ------------------------------------------------------------------------- issue 27, item 4: no host-to-device copies
+class Attention(nn.Module):
+    """Causal self-attention through ``F.scaled_dot_product_attention``, two heads."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, 2, c // 2).permute(2, 0, 3, 1, 4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, n, c))
+
+
+class TinyLM(nn.Module):
+    """Embedding, one causal attention block with a ReLU MLP, and a vocabulary head."""
+
+    def __init__(self, vocab: int = 32, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.attn = Attention(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 32), nn.ReLU(), nn.Linear(32, width))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h = h + self.attn(h)
+        return self.head(h + self.mlp(h))
+
+
+class VaryingLengths(TinyModule):
+    """Next-token prediction on batches whose sequence length changes from one micro-batch to the next."""
+
+    def __init__(self) -> None:
+        super().__init__(model=TinyLM())
+        g = torch.Generator().manual_seed(0)
+        self.batches = [torch.randint(0, 32, (4, 5 + 3 * (i % 4)), generator=g) for i in range(16)]
+        self.record_enabled = False
+
+    def training_step(self, batch, batch_idx):
+        logits = self(batch[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.batches, batch_size=None)
+
+
+def host_copies_of_a_fit() -> tuple[HostDataWatch, LayerHealthCallback]:
+    """Every host-to-device copy the package's code makes while four steps of two micro-batches each are sampled.
+
+    Every per-layer and per-micro-batch path is on: default statistics, histograms, the attention and output-logit
+    probes; the sequence length changes with every micro-batch, so every shape-keyed cache misses.
+    """
+    watch = HostDataWatch()
+
+    class Steps(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            watch.step = trainer.global_step
+
+    stats = [*ALL_STATS, *OPT_IN_STATS]
+    callback = LayerHealthCallback(
+        every_n_steps=1, stats=stats, histogram_every_n_steps=1, on_anomaly="ignore", summary=False
+    )
+    with watch, package_code(callback, watch.scope):
+        make_trainer([Steps(), callback], max_steps=4, accumulate_grad_batches=2).fit(VaryingLengths())
+    assert callback.last_step == 3
+    assert any("/attn_logit_max/" in k for k in callback.last_metrics)  # the attention probe ran
+    return watch, callback
+
+
+def test_issue27_no_host_data_is_copied_to_the_device_in_per_layer_or_per_micro_batch_code():
+    # Hooks and what they call (recorder, statistics, histograms, attention and output probes) and the callback's
+    # per-micro-batch methods (the end of a forward: the output probe), on every step, the first included.
+    watch, _ = host_copies_of_a_fit()
+    assert watch.where(("hook", "micro_batch")) == []
+
+
+def test_issue27_no_host_data_is_copied_to_the_device_on_a_sampled_step_once_the_first_has_run():
+    # All of the package's code in a sampled step (its batch-level methods included: pooling, parameters, logging),
+    # from the second sampled step on: what is built once (a cache filled by the first step) is allowed, what is
+    # built again whenever the shapes change is not.
+    watch, _ = host_copies_of_a_fit()
+    assert watch.where(after_step=0) == []
+
+
+def test_the_host_data_watch_sees_the_copies_it_is_for():
+    # The instrument itself, on code that stands in for the package's: each kind of copy, and nothing else.
+    def hook(module, args, output):
+        torch.tensor([1.0, 2.0], device=output.device)  # from host data
+        edges = torch.linspace(0.0, 1.0, 4)  # made on the host ...
+        edges.to(output.device)  # ... then moved: a copy
+        output.new_zeros(3).copy_(torch.ones(3))  # a host tensor copied into a device one
+        torch.full((3,), 1.0, device=output.device).to(output.dtype)  # made on the device: no copy
+
+    package_file = __import__("lightning_hookdiag").__file__
+    hook.__code__ = hook.__code__.replace(co_filename=package_file)
+    watch, layer = HostDataWatch(), nn.Linear(2, 2)
+    with watch, package_code(LayerHealthCallback(), watch.scope):
+        handle = layer.register_forward_hook(hook)
+        layer(torch.ones(1, 2))
+        handle.remove()
+    layer(torch.ones(1, 2))  # no package code: nothing
+    found = [(c.what, c.call.split(".")[-1], c.kind, c.where.split(" ")[0]) for c in watch.copies]
+    line = hook.__code__.co_firstlineno
+    where = [f"lightning_hookdiag/__init__.py:{line + i}" for i in (1, 3, 4)]
+    assert found == [
+        ("from host data", "tensor", "hook", where[0]),
+        ("host tensor to device", "to", "hook", where[1]),
+        ("host tensor to device", "copy_", "hook", where[2]),
+    ]
