@@ -222,7 +222,8 @@ class LayerStatsAggregator(Metric):
             offset += size
             if not size:
                 continue
-            fill = torch.full((size,), float("-inf"), dtype=self.unit_max.dtype)
+            # Filled on the device, the default too: reset() copies the default into the state every sampled step.
+            fill = torch.full((size,), float("-inf"), dtype=self.unit_max.dtype, device=device)
             default.append(fill)
             if old_sizes[layer]:
                 start = old_offsets[layer]
@@ -230,14 +231,14 @@ class LayerStatsAggregator(Metric):
             elif layer in self._pending_units and self._pending_units[layer].numel() == size:
                 current.append(self._pending_units[layer].to(device, self.unit_max.dtype))
             else:
-                current.append(fill.to(device))
+                current.append(fill)
         for layer in sizes:
             self._pending_units.pop(layer, None)
-        empty = torch.empty(0, dtype=self.unit_max.dtype)
+        empty = torch.empty(0, dtype=self.unit_max.dtype, device=device)
         self.add_state("unit_max", torch.cat(default) if default else empty, dist_reduce_fx="max")
-        self.unit_max = torch.cat(current) if current else empty.to(device)
-        owners = [torch.full((n,), i, dtype=torch.long) for i, n in enumerate(self.unit_sizes)]
-        self._unit_owner = torch.cat(owners).to(device)
+        self.unit_max = torch.cat(current) if current else empty
+        owners = [torch.full((n,), i, dtype=torch.long, device=device) for i, n in enumerate(self.unit_sizes)]
+        self._unit_owner = torch.cat(owners)
 
     def _add_units(self, layer: int, units: Tensor) -> None:
         if torch.promote_types(units.dtype, self.unit_max.dtype) != self.unit_max.dtype:

@@ -29,6 +29,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from lightning_hookdiag import stats
 from lightning_hookdiag.hooks import first_floating_tensor, in_backward
 from lightning_hookdiag.vocabulary import PRECURSOR_STATS
 
@@ -307,12 +308,18 @@ class OutputProbe:
             return
         index, tensor = last
         with torch.no_grad():
-            x = tensor.detach().float()
-            lse = torch.logsumexp(x, dim=-1)
-            if self.sums.device != x.device:
-                self.reset(x.device)
-            self.sums += torch.stack([lse.sum().double(), torch.tensor(float(lse.numel()), device=x.device).double()])
-            self.absmax = torch.maximum(self.absmax, x.abs().amax())
+            logits = tensor.detach()
+            if self.sums.device != logits.device:
+                self.reset(logits.device)
+            # Rows of logits, a block of rows at a time: the float32 copy and the temporaries of logsumexp hold at most
+            # CHUNK_ELEMENTS values, not a copy of the whole (a 128 k vocabulary at 8 k tokens is 4 GiB of float32).
+            rows = logits.reshape(-1, logits.shape[-1]) if logits.ndim else logits.reshape(1, 1)
+            block = max(1, stats.CHUNK_ELEMENTS // max(1, rows.shape[1]))
+            for part in rows.split(block):
+                x = part.float()
+                self.sums[0] += torch.logsumexp(x, dim=-1).sum()
+                self.absmax = torch.maximum(self.absmax, x.abs().amax())
+            self.sums[1] += rows.shape[0]  # a scalar argument, not a copy of host data
         self.layer = index
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_hookdiag.aggregation import LayerStatsAggregator
+from lightning_hookdiag.aggregation import LayerStatsAggregator, host_values
 from lightning_hookdiag.attention import PrecursorProbes, attention_scope
 from lightning_hookdiag.hooks import HookSet
 from lightning_hookdiag.metrics import (
@@ -302,7 +302,7 @@ class FitRun:
             # mean is the same on every process, so the sums still add up exactly.
             means = [last_metrics.get(self.keys.key("act_mean", name), 0.0) for name in self.layer_names]
             shift = [m if math.isfinite(m) else 0.0 for m in means]
-            agg.power_shift = torch.tensor(shift, dtype=agg.acc_dtype, device=agg.act_moments.device)
+            agg.power_shift = host_values(shift, agg.acc_dtype, agg.act_moments.device)
         return window
 
     def discard_window(self) -> None:

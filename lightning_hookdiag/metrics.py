@@ -309,8 +309,8 @@ def missing_grad_notes(missing: Sequence[str]) -> list[Note]:
 
 
 _OVERFLOW_CHECKS = (
-    ("act_nonfinite", ("act_mean", "act_std", "act_absmax"), "output"),
-    ("act_grad_nonfinite", ("act_grad_norm",), "output gradient"),
+    ("count", "act_nonfinite", ("act_mean", "act_std", "act_absmax"), "output"),
+    ("grad_count", "act_grad_nonfinite", ("act_grad_norm",), "output gradient"),
 )
 
 
@@ -320,28 +320,29 @@ def overflow_notes(layer_names: Sequence[str], host: dict[str, list[float]]) -> 
     That is an overflow of what the statistic is held in: float64 sums of squares of values beyond about ``1e154``,
     float32 maxima beyond ``3.4e38`` (only float64 tensors reach either), or float32 sums on a device without
     float64 (MPS). The value is logged as it came out (``inf`` or ``NaN``), never as a wrong finite number, and this
-    note says why.
+    note says why. Layers that observed nothing (NaN statistics of a layer that did not run) are not overflows.
 
     Args:
         layer_names: The observed modules, in the order of the host values.
         host: The step's host values by statistic (only those present are checked).
 
     Example:
-        >>> host = {"act_nonfinite": [0.0, 3.0], "act_std": [float("inf"), float("nan")], "act_mean": [1.0, 2.0]}
-        >>> [n.key for n in overflow_notes(["fc1", "fc2"], host)]
+        >>> host = {"count": [4.0, 4.0, 0.0], "act_nonfinite": [0.0, 3.0, 0.0],
+        ...         "act_std": [float("inf"), float("nan"), float("nan")]}
+        >>> [n.key for n in overflow_notes(["fc1", "fc2", "fc3"], host)]
         ['overflow:act_std:fc1']
     """
     notes = []
-    for count_key, stats, what in _OVERFLOW_CHECKS:
-        counts = host.get(count_key)
-        if counts is None:
+    for count_key, nonfinite_key, stats, what in _OVERFLOW_CHECKS:
+        counts, nonfinite = host.get(count_key), host.get(nonfinite_key)
+        if counts is None or nonfinite is None:
             continue
         for stat in stats:
             values = host.get(stat)
             if values is None:
                 continue
-            for name, count, value in zip(layer_names, counts, values, strict=True):
-                if count == 0 and not math.isfinite(value):
+            for name, count, bad, value in zip(layer_names, counts, nonfinite, values, strict=True):
+                if count > 0 and bad == 0 and not math.isfinite(value):
                     notes.append(
                         Note(
                             f"overflow:{stat}:{name}",
