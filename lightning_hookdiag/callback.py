@@ -114,12 +114,18 @@ _FACT_RULES = frozenset({"not_updated", "zeroed_gradients", "warmup_stuck"})
 """The rules that read the optimizer facts of a sampled step (``ParamFacts``)."""
 
 
-def _schedule(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> tuple[str | None, int | None]:
-    """How the Trainer steps ``optimizer``'s LR scheduler and how many times it has stepped; ``(None, None)``: none."""
+def _schedule(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+) -> tuple[str | None, int | None]:
+    """How the Trainer steps ``optimizer``'s LR scheduler and how many times it has stepped; ``(None, None)``: none.
+
+    In manual optimization the Trainer steps no scheduler: the interval is ``None`` there.
+    """
     for config in trainer.lr_scheduler_configs:
         if getattr(config.scheduler, "optimizer", None) is optimizer:
             steps = getattr(config.scheduler, "last_epoch", None)
-            return config.interval, steps if isinstance(steps, int) else None
+            interval = config.interval if pl_module.automatic_optimization else None
+            return interval, steps if isinstance(steps, int) else None
     return None, None
 
 
@@ -422,7 +428,7 @@ class LayerHealthCallback(Callback):
         watch = bool(_FACT_RULES & set(self.rule_config.enabled)) and not isinstance(
             trainer.strategy, DeepSpeedStrategy
         )
-        run.before_optimizer_step(optimizer, trainer.optimizers, scale, watch, _schedule(trainer, optimizer))
+        run.before_optimizer_step(optimizer, trainer.optimizers, scale, watch, _schedule(trainer, pl_module, optimizer))
         if trip is None:
             return
         if self.on_anomaly == "raise":

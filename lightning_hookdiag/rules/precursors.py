@@ -121,6 +121,14 @@ def logit_drift(ctx: Context) -> list[Finding]:
     return out
 
 
+_UNBOUNDED_SLOPE = 10.0
+"""``unbounded_loss``: the smallest fall of the loss per unit of growth of the largest ``|logit|``.
+
+A cross-entropy with probability targets moves by at most twice the largest change of a logit (its gradient
+``p - y`` has an L1 norm of at most 2), a Gaussian likelihood by half the change of its log-variance; BCE on a target
+of 255 falls by up to 254 per unit of logit."""
+
+
 def unbounded_loss(ctx: Context) -> list[Finding]:
     """Rule ``unbounded_loss``: a negative loss that keeps falling while the output layer's logits keep growing."""
     config = ctx.config
@@ -142,9 +150,11 @@ def unbounded_loss(ctx: Context) -> list[Finding]:
         logits = [trends.median([v for _, v in part]) for part in parts]
         early, middle, late = (trends.median([losses[s] for s, _ in part]) for part in parts)
         falls = (early - middle, middle - late)
+        grown = logits[2] - logits[0]
         if not (
             late < 0
             and early - late >= (growth - 1) * abs(early)
+            and early - late >= _UNBOUNDED_SLOPE * grown
             # A bounded loss that goes negative (a Gaussian likelihood) slows down as it nears its minimum; one with
             # no minimum falls as fast as the logits grow.
             and falls[1] > 0
@@ -164,8 +174,9 @@ def unbounded_loss(ctx: Context) -> list[Finding]:
                 threshold=growth,
                 message=f"unbounded_loss: the loss fell from {early:.4g} to {late:.4g} (medians of the first and last"
                 f" thirds of steps {start} to {end}) and keeps falling while the largest |logit| of {layer} grew"
-                f" {logits[2] / logits[0]:.3g}x, from {logits[0]:.3g} to {logits[2]:.3g} (unbounded_growth={growth:g}):"
-                " the loss has no minimum, so the logits grow without bound. A loss of a bounded family (cross-entropy,"
+                f" {logits[2] / logits[0]:.3g}x, from {logits[0]:.3g} to {logits[2]:.3g} (unbounded_growth={growth:g});"
+                f" the loss fell {(early - late) / grown:.3g} per unit of logit, more than a loss with probability"
+                " targets can: the loss has no minimum, so the logits grow without bound. A loss of a bounded family (cross-entropy,"
                 " BCE) below 0 means targets outside its domain: BCEWithLogits on 0/255 masks (divide by 255), labels"
                 " that are not probabilities",
                 phase="forward",

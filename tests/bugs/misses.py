@@ -151,7 +151,7 @@ def _hard_batch_or_wrong_labels(sick: bool) -> Fit:
 MISSES: tuple[Case, ...] = (
     Case(
         "warmup_per_epoch",
-        "a LambdaLR warm-up over 1000 steps returned without `\"interval\": \"step\"`: Lightning steps it per epoch,"
+        'a LambdaLR warm-up over 1000 steps returned without `"interval": "step"`: Lightning steps it per epoch,'
         " the lr stays at lr/1000",
         _warmup_per_epoch,
         "warmup_stuck",
