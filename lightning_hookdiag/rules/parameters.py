@@ -184,9 +184,9 @@ def warmup_stuck(ctx: Context) -> list[Finding]:
             value=share,
             threshold=_SCHEDULED_LOW,
             message=f"warmup_stuck at step {ctx.step}: the LR scheduler has not stepped once in"
-            f" {plural(ctx.step, 'optimizer step')} and holds the learning rate at its starting value {fact.lr:.3g}, {share:.3g} of its base lr"
-            f" {fact.base_lr:.3g} ({plural(len(stuck), 'parameter')} in {plural(len(owners), 'layer')}, the first in"
-            f" forward order: {owners[0]}): {how}",
+            f" {plural(ctx.step, 'optimizer step')} and holds the learning rate at its starting value {fact.lr:.3g},"
+            f" {share:.3g} of its base lr {fact.base_lr:.3g} ({plural(len(stuck), 'parameter')} in"
+            f" {plural(len(owners), 'layer')}, the first in forward order: {owners[0]}): {how}",
             phase="backward",
             stat="param_update_ratio",
         )

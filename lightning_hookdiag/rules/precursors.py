@@ -176,8 +176,9 @@ def unbounded_loss(ctx: Context) -> list[Finding]:
                 f" thirds of steps {start} to {end}) and keeps falling while the largest |logit| of {layer} grew"
                 f" {logits[2] / logits[0]:.3g}x, from {logits[0]:.3g} to {logits[2]:.3g} (unbounded_growth={growth:g});"
                 f" the loss fell {(early - late) / grown:.3g} per unit of logit, more than a loss with probability"
-                " targets can: the loss has no minimum, so the logits grow without bound. A loss of a bounded family (cross-entropy,"
-                " BCE) below 0 means targets outside its domain: BCEWithLogits on 0/255 masks (divide by 255), labels"
+                " targets can: the loss has no minimum, so the logits grow without bound. A loss of a bounded family"
+                " (cross-entropy, BCE) below 0 means targets outside its domain: BCEWithLogits on 0/255 masks"
+                " (divide by 255), labels"
                 " that are not probabilities",
                 phase="forward",
                 stat="logit_absmax",

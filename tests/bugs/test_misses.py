@@ -39,7 +39,8 @@ def test_a_warm_up_stepped_per_epoch_is_named_with_its_lr_and_the_fix_and_update
     (f,) = callback.findings  # update_ratio (updates of 4e-6 of the weights) defers to the rule that names the cause
     assert (f.rule, f.layer, f.step) == ("warmup_stuck", "model.0", 1)
     assert f.value == pytest.approx(1e-3)  # lr / base lr: LambdaLR's factor at step 0, (0 + 1) / 1000
-    assert "starting value 1e-06" in f.message and "'interval': 'step'" in f.message
+    assert "starting value 1e-06" in f.message
+    assert "'interval': 'step'" in f.message
     assert "6 parameters in 3 layers" in f.message
 
 
@@ -75,7 +76,8 @@ def test_manual_optimization_that_never_steps_its_scheduler_is_named_with_that_c
 
     case = Case("manual", "", lambda sick: Fit(Manual(False, model=_mlp(), data=_data(64, 8), lr=0.01)), None, None)
     (f,) = _only(run(case, sick=True, max_steps=3), "warmup_stuck")
-    assert f.step == 1 and "nothing stepped it" in f.message
+    assert f.step == 1
+    assert "nothing stepped it" in f.message
 
 
 # --- 2. zeroed_gradients ------------------------------------------------------------------------------------------
@@ -84,7 +86,9 @@ def test_gradients_zeroed_before_the_step_are_named_with_the_output_gradient_tha
     f = _only(callback, "zeroed_gradients")[0]
     # The output gradient the finding quotes is the one logged for model.0 on that step.
     assert f.value == pytest.approx(callback.last_metrics["layer_health/act_grad_norm/model.0"], rel=0.5)
-    assert f.value > 0 and ".grad was None" in f.message and "3 layers with parameters" in f.message
+    assert f.value > 0
+    assert ".grad was None" in f.message
+    assert "3 layers with parameters" in f.message
     assert "opt.zero_grad() before manual_backward(loss)" in f.message
 
 
@@ -100,7 +104,8 @@ def test_gradients_set_to_zero_instead_of_none_are_named_too():
 
     case = Case("zeros", "", lambda sick: Fit(ZeroNotNone(True, model=_mlp(), data=_data(64, 8), lr=0.01)), None, None)
     (f,) = _only(run(case, sick=True, max_steps=2), "zeroed_gradients")
-    assert (f.layer, f.step) == ("model.0", 0) and ".grad was 0" in f.message
+    assert (f.layer, f.step) == ("model.0", 0)
+    assert ".grad was 0" in f.message
 
 
 def test_a_frozen_body_under_a_trained_head_is_not_zeroed_gradients():
@@ -121,7 +126,8 @@ def test_a_non_finite_batch_is_named_as_data_with_the_tensor_and_its_count_not_a
     first = callback.findings[0]
     assert (first.rule, first.layer, first.step, first.stat) == ("nonfinite", BATCH, 0, "batch_nonfinite")
     assert first.value == 8.0  # the constant feature: one NaN per sample of the batch of 8
-    assert "the data is non-finite" in first.message and "batch[0] holds 8 NaN/Inf of its 64 elements" in first.message
+    assert "the data is non-finite" in first.message
+    assert "batch[0] holds 8 NaN/Inf of its 64 elements" in first.message
     assert not [f for f in callback.findings if f.layer == "<root>"]
     assert callback.trips[0].bad_batch == (("batch[0]", 8, 64),)
 
@@ -164,14 +170,16 @@ def test_weights_last_finite_on_the_step_before_are_blamed_on_that_steps_update(
 
 def test_weights_broken_by_step_0s_update_are_named_at_step_0_with_the_default_interval():
     callback = run(BY_NAME["fp16_adam_eps"], sick=True, max_steps=3, every_n_steps=50)
-    assert callback.findings[0].step == 0 and "optimizer update of step 0" in callback.findings[0].message
+    assert callback.findings[0].step == 0
+    assert "optimizer update of step 0" in callback.findings[0].message
 
 
 # --- 5. unbounded_loss --------------------------------------------------------------------------------------------
 def test_a_loss_unbounded_below_is_named_at_the_head_with_its_growth_and_the_likely_cause():
     callback = run(BY_NAME["uint8_masks"], sick=True)
     f = _only(callback, "unbounded_loss")[0]
-    assert f.layer == "model.head" and f.value >= 2.0
+    assert f.layer == "model.head"
+    assert f.value >= 2.0
     assert "BCEWithLogits on 0/255 masks" in f.message
 
 
@@ -228,7 +236,8 @@ def test_a_bounded_negative_likelihood_that_falls_through_zero_is_silent():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(fit.module)
-    assert losses[0] > 0 and min(losses) < -1.5  # it did fall through zero, far
+    assert losses[0] > 0  # it fell through zero, far
+    assert min(losses) < -1.5
     assert callback.findings == []
 
 
@@ -236,11 +245,13 @@ def test_a_bounded_negative_likelihood_that_falls_through_zero_is_silent():
 def test_a_harder_batch_40x_the_median_is_silent_and_wrong_labels_in_the_same_regime_still_trip():
     case = BY_NAME["hard_batch_vs_wrong_labels"]
     twin, sick = run(case, sick=False), run(case, sick=True)
-    assert twin.trips == [] and twin.findings == []
+    assert twin.trips == []
+    assert twin.findings == []
     start = twin._sentinel.detector.start
     assert 0.1 < start < 2.1  # the lower median of the first 20 losses, from 2.08 down
     (trip,) = sick.trips
-    assert trip.loss > 10 and trip.loss > 1e5 * trip.baseline
+    assert trip.loss > 10
+    assert trip.loss > 1e5 * trip.baseline
     # Without the floor the harder batch trips: the floor, not another test, keeps the twin silent.
     assert run(case, sick=False, rules={"spike_floor": 0.0}).trips[0].step == 80
 
