@@ -53,7 +53,8 @@ def nonfinite(ctx: Context) -> list[Finding]:
     if batch is not None:
         # Every layer that received the batch is non-finite as a consequence: the first selected layer, and a NaN
         # traced to code outside every module's forward (or the LightningModule's own), which is where it entered.
-        first = min(ctx.orders.forward, key=ctx.orders.forward.__getitem__, default=None)
+        layers = [n for n in ctx.orders.forward if n != ROOT]  # ROOT may have been placed beside the first layer
+        first = min(layers, key=ctx.orders.forward.__getitem__, default=None)
         entered = {first, ROOT} if ctx.trip is None or ctx.trip.nan_origin is None else {first}
         found = [f for f in found if not (f.phase == "forward" and f.layer in entered)]
         ctx.orders.first(BATCH)

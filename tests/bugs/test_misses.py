@@ -15,10 +15,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from cases import BY_NAME, BugModule, Case, Fit, _data, _mlp, run
+from conftest import count_hooks, make_trainer
 from misses import _WarmupModule, _ZeroAfterBackward
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
+from zoo import ZOO, zoo_module
 
 from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.provenance import nonfinite_in_batch
@@ -78,6 +80,19 @@ def test_manual_optimization_that_never_steps_its_scheduler_is_named_with_that_c
     (f,) = _only(run(case, sick=True, max_steps=3), "warmup_stuck")
     assert f.step == 1
     assert "nothing stepped it" in f.message
+
+
+def test_update_ratio_still_names_a_low_lr_that_a_scheduler_holds_at_its_base():
+    # A scheduler attached (StepLR, stepped per step) leaves update_ratio on while it holds the lr at its base: the
+    # silence is for a warm-up below 1% of the base only.
+    class Scheduled(BugModule):
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+            decay = torch.optim.lr_scheduler.StepLR(opt, step_size=1000)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": decay, "interval": "step"}}
+
+    case = Case("typo", "", lambda sick: Fit(Scheduled(_mlp(), _data(64, 8), lr=1e-6)), None, None, max_steps=3)
+    assert [(f.rule, f.layer, f.step) for f in run(case, sick=True).findings] == [("update_ratio", "model.0", 1)]
 
 
 # --- 2. zeroed_gradients ------------------------------------------------------------------------------------------
@@ -283,3 +298,26 @@ def test_the_early_level_survives_a_checkpoint_and_an_old_checkpoint_takes_the_r
 def test_bad_settings_of_the_new_rules_are_rejected_naming_the_value(field, value, message):
     with pytest.raises(ValueError, match=r"^" + message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         RuleConfig(**{field: value})
+
+
+# --- the zoo, with the output layer's statistics on -----------------------------------------------------------------
+@pytest.mark.parametrize("name", ZOO)
+def test_the_zoo_is_silent_with_the_output_layers_statistics_on(name):
+    # unbounded_loss reads logit_absmax and the step loss, which come with the output-layer statistics (opt-in here,
+    # on by default once the precursors are); every rule runs, every step is sampled.
+    pytest.importorskip("transformers")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    steps = 42
+    module = zoo_module(name, n=8 * steps)
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False, **PRECURSORS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer([callback], max_steps=steps).fit(module)
+    assert callback.last_step == steps - 1
+    assert "logit_absmax" in callback._diagnosis.history.stats
+    assert callback._diagnosis.history.points("step_loss", "loss")  # the rule had its inputs
+    assert [f.message for f in callback.findings] == []
+    assert callback.trips == []
+    assert count_hooks(module) == 0
