@@ -36,7 +36,7 @@ from lightning_hookdiag.metrics import (
     opt_in_note,
 )
 from lightning_hookdiag.precision import resolve_targets
-from lightning_hookdiag.provenance import NonFiniteTrace
+from lightning_hookdiag.provenance import NonFiniteTrace, nonfinite_in_batch
 from lightning_hookdiag.rules import Finding, RuleConfig, format_error, values_from_metrics
 from lightning_hookdiag.selection import import_types
 from lightning_hookdiag.sentinel import (
@@ -108,6 +108,25 @@ def _sharded(trainer: pl.Trainer, params: dict[str, nn.Parameter]) -> bool:
     if any(callable(getattr(p, "to_local", None)) for p in params.values()):
         return True
     return isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
+
+
+_FACT_RULES = frozenset({"not_updated", "zeroed_gradients", "warmup_stuck"})
+"""The rules that read the optimizer facts of a sampled step (``ParamFacts``)."""
+
+
+def _schedule(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+) -> tuple[str | None, int | None]:
+    """How the Trainer steps ``optimizer``'s LR scheduler and how many times it has stepped; ``(None, None)``: none.
+
+    In manual optimization the Trainer steps no scheduler: the interval is ``None`` there.
+    """
+    for config in trainer.lr_scheduler_configs:
+        if getattr(config.scheduler, "optimizer", None) is optimizer:
+            steps = getattr(config.scheduler, "last_epoch", None)
+            interval = config.interval if pl_module.automatic_optimization else None
+            return interval, steps if isinstance(steps, int) else None
+    return None, None
 
 
 def _ignore_output(layer: int, output: Any) -> None:
@@ -275,7 +294,13 @@ class LayerHealthCallback(Callback):
         self._sentinel = (
             LossSentinel(
                 sentinel,
-                SpikeDetector(config.spike_window, config.spike_warmup, config.spike_zscore, config.spike_ratio),
+                SpikeDetector(
+                    config.spike_window,
+                    config.spike_warmup,
+                    config.spike_zscore,
+                    config.spike_ratio,
+                    floor=config.spike_floor,
+                ),
             )
             if sentinel is not None
             else None
@@ -400,8 +425,10 @@ class LayerHealthCallback(Callback):
             return
         run.end_closure()
         # DeepSpeed's optimizers hold copies of the parameters: membership says nothing there.
-        watch = "not_updated" in self.rule_config.enabled and not isinstance(trainer.strategy, DeepSpeedStrategy)
-        run.before_optimizer_step(optimizer, trainer.optimizers, scale, watch)
+        watch = bool(_FACT_RULES & set(self.rule_config.enabled)) and not isinstance(
+            trainer.strategy, DeepSpeedStrategy
+        )
+        run.before_optimizer_step(optimizer, trainer.optimizers, scale, watch, _schedule(trainer, pl_module, optimizer))
         if trip is None:
             return
         if self.on_anomaly == "raise":
@@ -581,6 +608,10 @@ class LayerHealthCallback(Callback):
                 trip = replace(trip, replayed=True, nan_entry=entry, nan_origin=origin)
                 window = run.state.window
         assert window is not None
+        if trip.kind != "loss_spike" and run.state.micro.holds(step):
+            # Data that arrives non-finite (a division by a zero std in preprocessing) is named as such; one read.
+            bad = nonfinite_in_batch([micro.batch for micro in run.state.micro.batches])
+            trip = replace(trip, bad_batch=tuple(bad))
         window.trip = trip
         self.trips.append(trip)
         return trip

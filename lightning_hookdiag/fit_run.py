@@ -50,7 +50,7 @@ from lightning_hookdiag.saved_memory import SavedMemoryTracker
 from lightning_hookdiag.selection import excluded_names, named_modules, resolve_layers, unmatched_error
 from lightning_hookdiag.stats import accumulation_dtype
 from lightning_hookdiag.step_state import OpenStep, StepState
-from lightning_hookdiag.updates import StepWatch
+from lightning_hookdiag.updates import Schedule, StepWatch
 from lightning_hookdiag.vocabulary import (
     GRADIENT_STATS,
     LAYER_STATS,
@@ -342,6 +342,7 @@ class FitRun:
         optimizers: Sequence[torch.optim.Optimizer],
         scale: Tensor | None,
         watch_membership: bool,
+        schedule: Schedule = (None, None),
     ) -> None:
         """Measure the weights and gradients of the open window before ``optimizer`` steps (first call only).
 
@@ -354,6 +355,8 @@ class FitRun:
             scale: The AMP ``GradScaler``'s scale: the tensor hooks saw gradients scaled by it.
             watch_membership: Watch learning rates and membership for ``not_updated`` (not where the optimizers
                 hold copies of the parameters, as DeepSpeed's do).
+            schedule: How Lightning steps ``optimizer``'s LR scheduler (``"step"``, ``"epoch"``) and how many times
+                it has stepped; ``(None, None)``: none.
         """
         window = self.state.window
         if window is None:
@@ -368,7 +371,7 @@ class FitRun:
             return
         groups = optimizer.param_groups
         if watch_membership:
-            self.watch.observe(optimizer)
+            self.watch.observe(optimizer, schedule)
             unheld = self.watch.unheld(self.tracker.params, optimizers) if first else []
             groups = [*groups, {"params": unheld}] if unheld else groups  # measured like the stepped ones
         measured = self.tracker.before_step(groups)

@@ -28,7 +28,7 @@ from lightning_hookdiag.hooks import in_backward, sink_mode
 from lightning_hookdiag.names import logged_name
 from lightning_hookdiag.rules import ROOT
 
-__all__ = ["NonFiniteTrace"]
+__all__ = ["NonFiniteTrace", "nonfinite_in_batch"]
 
 
 def _floating(value: Any) -> Iterator[Tensor]:
@@ -42,6 +42,44 @@ def _floating(value: Any) -> Iterator[Tensor]:
     elif isinstance(value, Mapping):
         for item in value.values():
             yield from _floating(item)
+
+
+def _paths(value: Any, path: str) -> Iterator[tuple[str, Tensor]]:
+    """Every floating-point tensor in ``value`` with its path (``batch[0]``, ``batch['x']``), depth-first."""
+    if isinstance(value, Tensor):
+        if value.is_floating_point() or value.is_complex():
+            yield path, value
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            yield from _paths(item, f"{path}[{i}]")
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _paths(item, f"{path}[{key!r}]")
+
+
+def nonfinite_in_batch(batches: Sequence[Any]) -> list[tuple[str, int, int]]:
+    """The floating-point tensors of a step's micro-batches that hold NaN/Inf: ``(path, bad elements, elements)``.
+
+    Counted over every micro-batch (summed per path), with one host read; tensors without a NaN/Inf are left out.
+    Called on a step the sentinel tripped on for a NaN/Inf, so that data that arrives non-finite is named as such.
+
+    Example:
+        >>> nonfinite_in_batch([(torch.tensor([[1.0, float("nan")], [0.0, 2.0]]), torch.tensor([1, 0]))])
+        [('batch[0]', 1, 4)]
+        >>> nonfinite_in_batch([{"x": torch.ones(3)}])
+        []
+    """
+    found = [(path, t) for batch in batches for path, t in _paths(batch, "batch")]
+    if not found:
+        return []
+    device = found[0][1].device
+    counts = torch.stack([(~torch.isfinite(t.detach())).sum().to(device) for _, t in found]).tolist()  # the read
+    bad: dict[str, list[int]] = {}
+    for (path, t), n in zip(found, counts, strict=True):
+        total = bad.setdefault(path, [0, 0])
+        total[0] += int(n)
+        total[1] += t.numel()
+    return [(path, n, size) for path, (n, size) in bad.items() if n > 0]
 
 
 def _any_nonfinite(tensors: Sequence[Tensor], device: torch.device) -> Tensor:

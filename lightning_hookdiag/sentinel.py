@@ -67,6 +67,8 @@ class Trip:
         nan_origin: With ``nan_entry``: the innermost module whose forward made the NaN/Inf
             (:data:`~lightning_hookdiag.rules.ROOT` for the LightningModule's own), or ``None`` when it was made
             outside every module's forward.
+        bad_batch: On a ``nonfinite_*`` trip: the floating-point tensors of the step's batch that hold NaN/Inf, as
+            ``(path, NaN/Inf elements, elements)`` (``("batch[0]", 512, 512)``); empty when the data is finite.
     """
 
     step: int
@@ -78,6 +80,7 @@ class Trip:
     reason: str = ""
     nan_entry: str | None = None
     nan_origin: str | None = None
+    bad_batch: tuple[tuple[str, int, int], ...] = ()
 
 
 class SpikeDetector:
@@ -106,6 +109,11 @@ class SpikeDetector:
     one. The window fills only with steps that did not trip, and nothing trips during the first ``warmup`` steps it
     has seen. A trip is an event: the next healthy step is compared with the same window.
 
+    On the log scale a spike must also be large on the run's own scale: at least ``floor`` times the run's early loss
+    level (:attr:`start`, the lower median of the first ``warmup`` positive healthy losses). A classifier that has
+    descended to 2e-5 rises 40x on one harder batch, to 8e-4: far above the recent median and its noise, yet 4e-4 of
+    where the run started, which is no spike to anyone.
+
     Cost (one call per optimizer step, on the host): on most steps the loss is below ``ratio`` times the smallest of
     the recent losses and the test stops there (1.5 us measured on a 2-core CPU); the full test sorts the window's
     differences twice (12 us on the log scale, 7 us on the linear one).
@@ -116,6 +124,7 @@ class SpikeDetector:
         zscore: Minimum rise in robust standard deviations of the step-to-step noise.
         ratio: Minimum rise as a factor of the centre (log scale) or of ``max(|centre|, scale)`` (linear scale).
         recent: How many of the latest healthy (positive, on the log scale) losses the centre is the median of.
+        floor: On the log scale, the smallest spike as a share of :attr:`start`; 0: no floor.
 
     Example:
         >>> detector = SpikeDetector(window=50, warmup=5, zscore=8.0, ratio=10.0)
@@ -130,16 +139,33 @@ class SpikeDetector:
         [False, False, False, False, False, False, False, False, False]
         >>> hinge.observe(1e3)
         True
+        >>> descent = SpikeDetector(warmup=5)
+        >>> for loss in (2.0, 1.9, 2.1, 1.8, 2.0, 2e-5, 2.04e-5, 1.96e-5, 2e-5, 2.04e-5, 1.96e-5):
+        ...     _ = descent.observe(loss)
+        >>> descent.start, descent.is_spike(8e-4), descent.is_spike(27.7)  # 8e-4 is 4e-4 of the start: no spike
+        (2.0, False, True)
+        >>> SpikeDetector(warmup=5, floor=0.0).is_spike(8e-4)  # an empty window
+        False
     """
 
     def __init__(
-        self, window: int = 50, warmup: int = 20, zscore: float = 8.0, ratio: float = 10.0, recent: int = 5
+        self,
+        window: int = 50,
+        warmup: int = 20,
+        zscore: float = 8.0,
+        ratio: float = 10.0,
+        recent: int = 5,
+        floor: float = 1e-2,
     ) -> None:
         self.window = window
         self.warmup = warmup
         self.zscore = zscore
         self.ratio = ratio
         self.recent = recent
+        self.floor = floor
+        self.start: float | None = None
+        """The run's early loss level: the lower median of its first ``warmup`` positive healthy losses."""
+        self._early: list[float] = []
         self.losses: deque[float] = deque(maxlen=window)
         # Logs of the window's positive losses, oldest first, taken once when a loss enters the window (the test
         # runs on every optimizer step).
@@ -171,6 +197,8 @@ class SpikeDetector:
         # case, decided without a sort.
         if rise - min(latest) <= self._log_ratio:
             return False
+        if self.start is not None and loss < self.floor * self.start:
+            return False
         rise -= _lower_median(latest)
         return rise > self._log_ratio and rise > self.zscore * _step_spread(list(logs))
 
@@ -185,10 +213,12 @@ class SpikeDetector:
         return rise > (self.ratio - 1) * max(abs(centre), scale) and rise > self.zscore * _step_spread(values)
 
     def clear(self) -> None:
-        """Empty the window."""
+        """Empty the window and forget the run's early level."""
         self.losses.clear()
         self._logs.clear()
         self._negative = 0
+        self.start = None
+        self._early = []
 
     def record(self, loss: float) -> None:
         """Add a healthy loss to the window."""
@@ -200,6 +230,10 @@ class SpikeDetector:
         self.losses.append(loss)
         if loss > 0:
             self._logs.append(math.log(loss))
+            if self.start is None:
+                self._early.append(loss)
+                if len(self._early) >= max(self.warmup, 1):
+                    self.start, self._early = _lower_median(self._early), []
         self._negative += loss < 0
 
     def observe(self, loss: float) -> bool:
@@ -358,9 +392,10 @@ class LossSentinel:
         return values[0], not all(math.isfinite(v) for v in values[1:])
 
     def state_dict(self) -> dict[str, Any]:
-        """The baseline window, the last finite step and the last trip: plain Python values."""
+        """The baseline window, the run's early loss level, the last finite step and the last trip: plain values."""
         return {
             "losses": list(self.detector.losses),
+            "start": self.detector.start,
             "last_finite_step": self.last_finite_step,
             "previous_trip": self.previous_trip,
         }
@@ -370,6 +405,8 @@ class LossSentinel:
         self.detector.clear()
         for value in state.get("losses", []):
             self.detector.record(float(value))
+        if state.get("start") is not None:  # older checkpoints: the level of the restored window's first losses
+            self.detector.start = float(state["start"])
         self.last_finite_step = state.get("last_finite_step")
         self.previous_trip = state.get("previous_trip")
 

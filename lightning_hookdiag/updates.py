@@ -23,7 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_hookdiag.rules import ParamFacts
 
-__all__ = ["StepWatch", "held_by_none"]
+__all__ = ["Schedule", "StepWatch", "held_by_none"]
 
 
 def held_by_none(params: Sequence[Tensor], optimizers: Iterable[Optimizer]) -> list[Tensor]:
@@ -49,6 +49,11 @@ def _lr(group: Mapping[str, Any]) -> float:
     if isinstance(lr, Tensor):  # a tensor lr (capturable optimizers): read only where that costs no device sync
         return float(lr) if lr.device.type == "cpu" and lr.numel() == 1 else math.nan
     return float(lr) if isinstance(lr, (int, float)) else math.nan
+
+
+def _opt_eps(group: Mapping[str, Any]) -> float | None:
+    eps = group.get("eps")
+    return float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None
 
 
 def _base_lr(group: Mapping[str, Any]) -> float | None:
@@ -79,19 +84,24 @@ class StepWatch:
     """
 
     def __init__(self) -> None:
-        self._rates: dict[int, tuple[Optimizer, list[tuple[float, float | None]]]] = {}
+        self._rates: dict[int, tuple[Optimizer, list[tuple[float, float | None, float | None]], Schedule]] = {}
         self._applied: set[int] = set()
         self._handles: list[RemovableHandle] = []
         self._unheld: set[int] = set()
         # Kept across windows: which tracked parameters no optimizer holds, and the membership it was found for.
         self._outside: tuple[tuple[Any, ...], list[Tensor]] | None = None
 
-    def observe(self, optimizer: Optimizer) -> None:
-        """Record the learning rates ``optimizer`` is about to step with, and watch whether its step runs."""
+    def observe(self, optimizer: Optimizer, schedule: Schedule = (None, None)) -> None:
+        """Record the learning rates ``optimizer`` is about to step with, and watch whether its step runs.
+
+        ``schedule``: how Lightning steps the optimizer's LR scheduler (``"step"``, ``"epoch"``) and how many times it
+        has stepped; ``(None, None)`` without one.
+        """
         key = id(optimizer)
         if key in self._rates:
             return
-        self._rates[key] = (optimizer, [(_lr(g), _base_lr(g)) for g in optimizer.param_groups])
+        rates = [(_lr(g), _base_lr(g), _opt_eps(g)) for g in optimizer.param_groups]
+        self._rates[key] = (optimizer, rates, schedule)
         register = getattr(optimizer, "register_step_post_hook", None)
         if callable(register):
             applied = self._applied
@@ -122,17 +132,17 @@ class StepWatch:
         """
         if not (self._rates or self._unheld):
             return {}  # nothing observed (the rule is disabled)
-        holders: dict[int, tuple[float, float | None, bool]] = {}
-        for key, (optimizer, rates) in self._rates.items():
+        holders: dict[int, _Holder] = {}
+        for key, (optimizer, rates, schedule) in self._rates.items():
             applied = key in self._applied
-            for group, (lr, base) in zip(optimizer.param_groups, rates, strict=False):
+            for group, (lr, base, eps) in zip(optimizer.param_groups, rates, strict=False):
                 for p in group["params"]:
                     seen = holders.get(id(p))
                     if seen is None:
-                        holders[id(p)] = (lr, base, applied)
+                        holders[id(p)] = (lr, base, applied, eps, schedule)
                     else:
-                        top = (lr, base) if lr > seen[0] else seen[:2]
-                        holders[id(p)] = (*top, applied or seen[2])
+                        top = (lr, base, eps, schedule) if lr > seen[0] else (*seen[:2], *seen[3:])
+                        holders[id(p)] = (top[0], top[1], applied or seen[2], top[2], top[3])
         out: dict[str, ParamFacts] = {}
         interned: dict[tuple[Any, ...], ParamFacts] = {}  # a few distinct facts: building one costs microseconds
         for name, p in zip(names, params, strict=True):
@@ -156,11 +166,33 @@ class StepWatch:
         self._unheld = set()
 
 
-def _facts(holder: tuple[float, float | None, bool] | None, dtype: torch.dtype) -> ParamFacts:
-    """Facts of a parameter of ``dtype`` held with ``(lr, base_lr, applied)``, or by no optimizer (``None``)."""
+Schedule = tuple["str | None", "int | None"]
+"""How Lightning steps an optimizer's LR scheduler (``"step"``, ``"epoch"``) and its ``last_epoch``."""
+
+_Holder = tuple[float, "float | None", bool, "float | None", Schedule]
+"""``(lr, base_lr, applied, the group's eps, the schedule)`` of a parameter an optimizer holds."""
+
+
+def _facts(holder: _Holder | None, dtype: torch.dtype) -> ParamFacts:
+    """Facts of a parameter of ``dtype`` held as ``holder`` says, or by no optimizer (``None``)."""
     name = str(dtype).removeprefix("torch.")
-    eps = torch.finfo(dtype).eps if dtype.is_floating_point else math.nan  # NaN: no rounding bound applies
+    if dtype.is_floating_point:
+        info = torch.finfo(dtype)
+        eps, tiny = info.eps, info.smallest_normal * info.eps  # tiny: the smallest subnormal
+    else:  # NaN: no rounding bound applies
+        eps = tiny = math.nan
     if holder is None:
-        return ParamFacts(held=False, applied=False, dtype=name, eps=eps)
-    lr, base, applied = holder
-    return ParamFacts(held=True, applied=applied, lr=lr, base_lr=base, dtype=name, eps=eps)
+        return ParamFacts(held=False, applied=False, dtype=name, eps=eps, tiny=tiny)
+    lr, base, applied, opt_eps, (interval, scheduler_steps) = holder
+    return ParamFacts(
+        held=True,
+        applied=applied,
+        lr=lr,
+        base_lr=base,
+        dtype=name,
+        eps=eps,
+        tiny=tiny,
+        opt_eps=opt_eps,
+        interval=interval,
+        scheduler_steps=scheduler_steps,
+    )

@@ -553,9 +553,10 @@ def test_alert_state_counts_every_finding_seen():
     state.update([finding("dead_units", "x")])
     assert state.counts == {"nonfinite": 0, "loss_spike": 0, "eval_mode": 0, "dead_units": 3, "no_gradient": 0,
                             "vanishing_gradient": 0, "exploding_gradient": 0, "saturation": 0,
-                            "precision_headroom": 0, "update_ratio": 0, "stale_gradients": 0,
-                            "input_scale": 0, "not_updated": 0, "replica_divergence": 0,
-                            "attention_logits": 0, "logit_drift": 0, "update_jump": 0}  # fmt: skip
+                            "precision_headroom": 0, "update_ratio": 0, "warmup_stuck": 0, "stale_gradients": 0,
+                            "zeroed_gradients": 0, "input_scale": 0, "not_updated": 0, "replica_divergence": 0,
+                            "attention_logits": 0, "logit_drift": 0, "unbounded_loss": 0,
+                            "update_jump": 0}  # fmt: skip
 
 
 def test_alert_state_round_trips_through_json_and_pickle():
@@ -667,8 +668,9 @@ def test_from_mapping_rejects_unknown_keys_listing_valid_ones_sorted():
         "['attn_logit_threshold', 'attn_trend_floor', 'attn_trend_horizon', 'dead_frac_threshold',"
         " 'drift_loss_tolerance', 'effective_lr_low', 'enabled', 'exploding_ratio', 'input_scale_limit',"
         " 'logit_drift_nats', 'moved_mass_threshold', 'overflow_frac_threshold', 'replica_rtol',"
-        " 'saturation_frac', 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window',"
-        " 'spike_zscore', 'trend_window', 'update_jump_ratio', 'update_ratio_low', 'vanishing_ratio']"
+        " 'saturation_frac', 'saturation_level', 'spike_floor', 'spike_growth', 'spike_ratio', 'spike_warmup',"
+        " 'spike_window', 'spike_zscore', 'trend_window', 'unbounded_growth', 'update_jump_ratio', 'update_ratio_low',"
+        " 'vanishing_ratio']"
     )
     with pytest.raises(ValueError, match=r"unknown rule setting\(s\) \['vanish', 'zzz'\]; valid keys: ") as info:
         RuleConfig.from_mapping({"zzz": 1, "vanish": 0.1, "exploding_ratio": 10})

@@ -31,12 +31,15 @@ RULES: tuple[str, ...] = (
     "saturation",
     "precision_headroom",
     "update_ratio",
+    "warmup_stuck",
     "stale_gradients",
+    "zeroed_gradients",
     "input_scale",
     "not_updated",
     "replica_divergence",
     "attention_logits",
     "logit_drift",
+    "unbounded_loss",
     "update_jump",
 )
 """Names of the health rules, in the order findings of the same layer are listed."""
@@ -73,6 +76,8 @@ class RuleConfig:
             ``> 0``.
         spike_ratio: ... and more than this factor above it (see
             :class:`~lightning_hookdiag.sentinel.SpikeDetector`); finite, ``> 1``.
+        spike_floor: ... and, on the log scale, the loss reaches at least this share of the run's early loss level
+            (the lower median of its first ``spike_warmup`` positive losses); in ``[0, 1)``, 0: no floor.
         spike_growth: ``loss_spike`` names the earliest layer whose activation scale grew more than this factor
             since the last regular sampled step; finite, ``> 1``.
         overflow_frac_threshold: ``precision_headroom`` fires when the share of non-zero values at risk of
@@ -97,6 +102,9 @@ class RuleConfig:
             many nats over the window; finite, ``> 0``.
         drift_loss_tolerance: ... while the loss changed by at most this fraction of its value at the window's
             start; in ``(0, 1)``.
+        unbounded_growth: ``unbounded_loss`` fires when, over the kept sampled steps (at least ``trend_window``), the
+            loss is negative and fell by at least ``unbounded_growth - 1`` times its early value without slowing down,
+            while the output layer's ``logit_absmax`` grew by at least this factor; finite, ``> 1``.
         update_jump_ratio: ``update_jump`` fires when a parameter's ``param_update_ratio`` is at least this factor
             above the median of its own window, and this factor above the same jump of the median parameter;
             finite, ``> 1``.
@@ -125,6 +133,7 @@ class RuleConfig:
     spike_warmup: int = 20
     spike_zscore: float = 8.0
     spike_ratio: float = 10.0
+    spike_floor: float = 1e-2
     spike_growth: float = 10.0
     overflow_frac_threshold: float = 0.0
     update_ratio_low: float = 1e-5
@@ -138,6 +147,7 @@ class RuleConfig:
     trend_window: int = 8
     logit_drift_nats: float = 5.0
     drift_loss_tolerance: float = 0.1
+    unbounded_growth: float = 2.0
     update_jump_ratio: float = 5.0
 
     def __post_init__(self) -> None:
@@ -161,6 +171,7 @@ class RuleConfig:
             "saturation_frac": ("a number in (0, 1]", lambda v: 0.0 < v <= 1.0),
             "spike_zscore": ("a finite number > 0", lambda v: 0.0 < v < math.inf),
             "spike_ratio": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
+            "spike_floor": ("a number in [0, 1)", lambda v: 0.0 <= v < 1.0),
             "spike_growth": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
             "overflow_frac_threshold": ("a number in [0, 1)", lambda v: 0.0 <= v < 1.0),
             "update_ratio_low": ("a number in (0, 1)", lambda v: 0.0 < v < 1.0),
@@ -171,6 +182,7 @@ class RuleConfig:
             "attn_logit_threshold": ("a finite number > 0", lambda v: 0.0 < v < math.inf),
             "logit_drift_nats": ("a finite number > 0", lambda v: 0.0 < v < math.inf),
             "drift_loss_tolerance": ("a number in (0, 1)", lambda v: 0.0 < v < 1.0),
+            "unbounded_growth": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
             "update_jump_ratio": ("a finite number > 1", lambda v: 1.0 < v < math.inf),
         }
         for name, (valid, ok) in checks.items():
@@ -203,11 +215,11 @@ class RuleConfig:
 
         Example:
             >>> RuleConfig.from_mapping({"exploding_ratio": 1e4, "enabled": ["nonfinite"]})
-            RuleConfig(enabled=('nonfinite',), dead_frac_threshold=0.9, vanishing_ratio=0.001, exploding_ratio=10000.0, saturation_level=0.9, saturation_frac=0.5, spike_window=50, spike_warmup=20, spike_zscore=8.0, spike_ratio=10.0, spike_growth=10.0, overflow_frac_threshold=0.0, update_ratio_low=1e-05, effective_lr_low=0.0005, input_scale_limit=20.0, moved_mass_threshold=0.1, replica_rtol=1e-06, attn_logit_threshold=50.0, attn_trend_floor=10.0, attn_trend_horizon=10, trend_window=8, logit_drift_nats=5.0, drift_loss_tolerance=0.1, update_jump_ratio=5.0)
+            RuleConfig(enabled=('nonfinite',), dead_frac_threshold=0.9, vanishing_ratio=0.001, exploding_ratio=10000.0, saturation_level=0.9, saturation_frac=0.5, spike_window=50, spike_warmup=20, spike_zscore=8.0, spike_ratio=10.0, spike_floor=0.01, spike_growth=10.0, overflow_frac_threshold=0.0, update_ratio_low=1e-05, effective_lr_low=0.0005, input_scale_limit=20.0, moved_mass_threshold=0.1, replica_rtol=1e-06, attn_logit_threshold=50.0, attn_trend_floor=10.0, attn_trend_horizon=10, trend_window=8, logit_drift_nats=5.0, drift_loss_tolerance=0.1, unbounded_growth=2.0, update_jump_ratio=5.0)
             >>> RuleConfig.from_mapping({"dead_frac": 0.5})
             Traceback (most recent call last):
             ...
-            ValueError: unknown rule setting(s) ['dead_frac']; valid keys: ['attn_logit_threshold', 'attn_trend_floor', 'attn_trend_horizon', 'dead_frac_threshold', 'drift_loss_tolerance', 'effective_lr_low', 'enabled', 'exploding_ratio', 'input_scale_limit', 'logit_drift_nats', 'moved_mass_threshold', 'overflow_frac_threshold', 'replica_rtol', 'saturation_frac', 'saturation_level', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore', 'trend_window', 'update_jump_ratio', 'update_ratio_low', 'vanishing_ratio']
+            ValueError: unknown rule setting(s) ['dead_frac']; valid keys: ['attn_logit_threshold', 'attn_trend_floor', 'attn_trend_horizon', 'dead_frac_threshold', 'drift_loss_tolerance', 'effective_lr_low', 'enabled', 'exploding_ratio', 'input_scale_limit', 'logit_drift_nats', 'moved_mass_threshold', 'overflow_frac_threshold', 'replica_rtol', 'saturation_frac', 'saturation_level', 'spike_floor', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore', 'trend_window', 'unbounded_growth', 'update_jump_ratio', 'update_ratio_low', 'vanishing_ratio']
         """  # noqa: E501
         if d is None:
             return cls()

@@ -45,6 +45,10 @@ class Orders:
         if like in self.forward:
             self.forward.setdefault(layer, self.forward[like])
 
+    def first(self, layer: str) -> None:
+        """Sort ``layer`` (the batch) before every observed layer in forward order."""
+        self.forward[layer] = min(self.forward.values(), default=0) - 1
+
     def owner(self, param: str) -> str:
         """The observed layer that owns parameter ``param`` (see :func:`~lightning_hookdiag.names.owning_layer`)."""
         # A selected container owns "<container>.<child>.<name>": the longest known layer prefix is the module that
@@ -85,6 +89,11 @@ class ParamFacts:
         base_lr: The lr an LR scheduler scales (the group's ``initial_lr``), ``None`` without a scheduler.
         dtype: Name of the weights' dtype, for the message (``"bfloat16"``).
         eps: ``torch.finfo(dtype).eps`` of the weights: the gap between 1 and the next representable number.
+        tiny: The smallest positive number of the weights' dtype (its smallest subnormal; ``5.96e-08`` in float16).
+        opt_eps: The ``eps`` of the param group (Adam's denominator term), ``None`` where the group has none.
+        interval: How Lightning steps the LR scheduler of the optimizer (``"step"`` or ``"epoch"``), ``None``
+            without one.
+        scheduler_steps: How many times that scheduler has stepped (its ``last_epoch``), ``None`` if unknown.
 
     Example:
         >>> ParamFacts(held=True, lr=0.1, dtype="bfloat16", eps=2**-7).eps
@@ -97,6 +106,10 @@ class ParamFacts:
     base_lr: float | None = None
     dtype: str = "float32"
     eps: float = 2.0**-23
+    tiny: float = 2.0**-149
+    opt_eps: float | None = None
+    interval: str | None = None
+    scheduler_steps: int | None = None
 
 
 @dataclass(frozen=True)

@@ -35,12 +35,15 @@ _RULE_FUNCTIONS: dict[str, Callable[[Context], list[Finding]]] = {
     "saturation": activations.saturation,
     "precision_headroom": activations.precision_headroom,
     "update_ratio": parameters.update_ratio,
+    "warmup_stuck": parameters.warmup_stuck,
     "stale_gradients": parameters.stale_gradients,
+    "zeroed_gradients": parameters.zeroed_gradients,
     "input_scale": activations.input_scale,
     "not_updated": parameters.not_updated,
     "replica_divergence": parameters.replica_divergence,
     "attention_logits": precursors.attention_logits,
     "logit_drift": precursors.logit_drift,
+    "unbounded_loss": precursors.unbounded_loss,
     "update_jump": precursors.update_jump,
 }
 

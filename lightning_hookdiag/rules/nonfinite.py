@@ -12,8 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from lightning_hookdiag.rules.context import Context, finite
-from lightning_hookdiag.rules.findings import LOSS, ROOT, Finding, also, listing, plural
+from lightning_hookdiag.rules.context import Context, ParamFacts, finite
+from lightning_hookdiag.rules.findings import BATCH, LOSS, ROOT, Finding, also, listing, plural
 
 if TYPE_CHECKING:  # the rules only read a Trip's fields; importing the sentinel at run time would import torch
     from lightning_hookdiag.sentinel import Trip
@@ -49,6 +49,19 @@ def _origin(
 def nonfinite(ctx: Context) -> list[Finding]:
     """Rule ``nonfinite``: the origin of each NaN/Inf (outputs, gradients, weights) and of a non-finite loss."""
     found = _nonfinite_origins(ctx)
+    batch = _nonfinite_batch(ctx)
+    if batch is not None:
+        # Every layer that received the batch is non-finite as a consequence: the first selected layer, and a NaN
+        # traced to code outside every module's forward (or the LightningModule's own), which is where it entered.
+        layers = [n for n in ctx.orders.forward if n != ROOT]  # ROOT may have been placed beside the first layer
+        first = min(layers, key=ctx.orders.forward.__getitem__, default=None)
+        entered = {first, ROOT} if ctx.trip is None or ctx.trip.nan_origin is None else {first}
+        found = [f for f in found if not (f.phase == "forward" and f.layer in entered)]
+        ctx.orders.first(BATCH)
+        found.insert(0, batch)
+    stepped = _broken_by_step(ctx)
+    if stepped is not None:
+        found.append(stepped)
     weights = _nonfinite_weights(ctx)
     if weights is not None:
         # A broken weight makes everything computed from it non-finite: only a forward origin upstream of every
@@ -88,6 +101,87 @@ def _last_finite_loss(trip: Trip | None) -> str:
     return f" (the sentinel last saw a finite step at step {trip.last_finite_step})"
 
 
+def _nonfinite_batch(ctx: Context) -> Finding | None:
+    """A finding naming the tensors of the step's batch that hold NaN/Inf (the sentinel counted them), if any."""
+    trip = ctx.trip
+    if trip is None or not trip.bad_batch:
+        return None
+    bad = list(trip.bad_batch)
+    held = ", ".join(f"{path} holds {n:g} NaN/Inf of its {size:g} elements" for path, n, size in bad[:3])
+    more = f" (and {plural(len(bad) - 3, 'more tensor')})" if len(bad) > 3 else ""
+    return Finding(
+        rule="nonfinite",
+        layer=BATCH,
+        step=ctx.step,
+        value=float(sum(n for _, n, _ in bad)),
+        threshold=0.0,
+        message=f"nonfinite: the data is non-finite: the batch of step {ctx.step} already held NaN/Inf before any"
+        f" layer ran: {held}{more}. Every layer computed from it is non-finite as a consequence and is not blamed;"
+        " look at the data pipeline (a standardisation by a per-feature std that is 0 for a constant feature, a log"
+        " of 0, missing values read as NaN)",
+        phase="forward",
+        stat="batch_nonfinite",
+    )
+
+
+def _broken_by_step(ctx: Context) -> Finding | None:
+    """A finding naming the parameters whose finite weights the optimizer step made NaN/Inf from finite gradients.
+
+    The update ratio ``||w_after - w_before|| / ||w_before||`` is non-finite exactly when ``w_after`` is, given a
+    finite, non-zero ``w_before`` (a weight norm of 0 has no ratio).
+    """
+    norms, grads = ctx.stat("param_norm"), ctx.stat("param_grad_norm")
+    bad = [
+        p
+        for p, ratio in ctx.stat("param_update_ratio").items()
+        if isinstance(ratio, (int, float))
+        and not math.isfinite(ratio)
+        and finite(norms.get(p))
+        and norms[p] > 0
+        and finite(grads.get(p))
+    ]
+    if not bad:
+        return None
+    owners = sorted({ctx.orders.owner(p) for p in bad}, key=ctx.orders.forward_key)
+    facts = ctx.param_facts or {}
+    return Finding(
+        rule="nonfinite",
+        layer=owners[0],
+        step=ctx.step,
+        value=float(len(bad)),
+        threshold=0.0,
+        message=f"nonfinite: the optimizer update of step {ctx.step} wrote NaN/Inf into finite weights from finite"
+        f" gradients: {listing(bad)} ({plural(len(bad), 'parameter')} in {plural(len(owners), 'layer')}, the first in"
+        f" forward order: {owners[0]}) were finite with finite gradients before the step and are not after it."
+        f" {_step_cause(facts.get(bad[0]))}",
+        phase="backward",
+        stat="param_update_ratio",
+    )
+
+
+def _step_cause(fact: ParamFacts | None) -> str:
+    """The likely cause of an optimizer step that broke finite weights, from the param group's facts."""
+    if fact is None or not fact.held:
+        return "Likely an eps or a learning rate below what the weights' dtype can hold, or an update beyond its range"
+    dtype, tiny = fact.dtype, fact.tiny
+    if fact.opt_eps is not None and 0 < fact.opt_eps < tiny / 2:
+        return (
+            f"Likely cause: the optimizer's eps={fact.opt_eps:g} is below half the smallest {dtype} number"
+            f" ({tiny:.3g}), so it rounds to 0 in the {dtype} optimizer state, and Adam-like updates divide by"
+            f" sqrt(v) + 0 = 0 where a squared gradient underflows; raise eps (1e-4 in float16) or keep float32"
+            " master weights (precision='16-mixed' or 'bf16-mixed')"
+        )
+    if finite(fact.lr) and 0 < fact.lr < tiny / 2:
+        return (
+            f"Likely cause: the learning rate {fact.lr:g} is below half the smallest {dtype} number ({tiny:.3g}); keep"
+            " float32 master weights (precision='16-mixed' or 'bf16-mixed')"
+        )
+    return (
+        f"Likely cause: an eps or learning rate below what {dtype} can hold, or an update beyond its range (lr="
+        f"{fact.lr:g}{'' if fact.opt_eps is None else f', eps={fact.opt_eps:g}'})"
+    )
+
+
 def _nonfinite_weights(ctx: Context) -> Finding | None:
     """A finding naming the parameters whose weights are already NaN/Inf before the step, if any."""
     bad = [
@@ -98,6 +192,14 @@ def _nonfinite_weights(ctx: Context) -> Finding | None:
     owners = sorted({ctx.orders.owner(p) for p in bad}, key=ctx.orders.forward_key)
     known = [ctx.last_finite[p] for p in bad if ctx.last_finite and p in ctx.last_finite]
     when = f"; they were last observed finite at step {max(known)}" if known else ""
+    trip = ctx.trip
+    if known and max(known) == ctx.step - 1:
+        when += f", before its optimizer step: step {ctx.step - 1}'s update made them non-finite"
+    elif trip is not None and trip.last_finite_step == ctx.step - 1 and trip.kind == "nonfinite_loss":
+        when += (
+            f"; the loss of step {ctx.step - 1} was still finite, so step {ctx.step - 1}'s optimizer update most"
+            " likely made them non-finite"
+        )
     return Finding(
         rule="nonfinite",
         layer=owners[0],

@@ -18,6 +18,8 @@ __all__ = [
     "replica_divergence",
     "stale_gradients",
     "update_ratio",
+    "warmup_stuck",
+    "zeroed_gradients",
 ]
 
 
@@ -59,9 +61,20 @@ def _slow_layers(ctx: Context, values: Mapping[str, Mapping[str, float]]) -> dic
     return None
 
 
+def _scheduled_low(facts: Mapping[str, ParamFacts] | None) -> bool:
+    """Whether an LR scheduler holds every stepped parameter's lr below ``_SCHEDULED_LOW`` of its base (a warm-up).
+
+    The scheduler raises it again; one that never steps is ``warmup_stuck``'s.
+    """
+    stepped = [f for f in (facts or {}).values() if f.held and f.applied]
+    return bool(stepped) and all(
+        f.base_lr is not None and f.base_lr > 0 and finite(f.lr) and f.lr < _SCHEDULED_LOW * f.base_lr for f in stepped
+    )
+
+
 def update_ratio(ctx: Context) -> list[Finding]:
     """Rule ``update_ratio``: every layer's update is too small for its weights and its gradient."""
-    if ctx.baseline is None:
+    if ctx.baseline is None or _scheduled_low(ctx.param_facts):
         return []
     # The whole network, not one layer: a norm layer's weights of 1 move by at most about lr per step under Adam,
     # so one layer alone is below 1e-5 in healthy fine-tuning. And small against the gradient too: in a converged
@@ -126,6 +139,95 @@ def stale_gradients(ctx: Context) -> list[Finding]:
             " zero_grad() clears",
             phase="backward",
             stat="param_stale_grad_norm",
+        )
+    ]
+
+
+def _held_at_start(fact: ParamFacts) -> bool:
+    """Whether a scheduler that never stepped holds the parameter's lr below ``_SCHEDULED_LOW`` of its base."""
+    base = fact.base_lr
+    return (
+        fact.held
+        and fact.applied
+        and fact.scheduler_steps == 0
+        and fact.interval != "step"  # stepped every n steps on purpose ("frequency"): not this mistake
+        and base is not None
+        and base > 0
+        and finite(fact.lr)
+        and fact.lr < _SCHEDULED_LOW * base
+    )
+
+
+def warmup_stuck(ctx: Context) -> list[Finding]:
+    """Rule ``warmup_stuck``: an LR scheduler that has not stepped once holds the lr at its low starting value."""
+    facts = ctx.param_facts
+    if not facts or ctx.step < 1:
+        return []
+    stuck = [p for p, fact in facts.items() if _held_at_start(fact)]
+    if not stuck:
+        return []
+    owners = sorted({ctx.orders.owner(p) for p in stuck}, key=ctx.orders.forward_key)
+    fact = facts[stuck[0]]
+    assert fact.base_lr is not None
+    share = fact.lr / fact.base_lr
+    how = (
+        "Lightning steps a scheduler once per epoch unless configure_optimizers returns it as {'scheduler': ...,"
+        " 'interval': 'step'}: a warm-up written in steps then lasts that many epochs"
+        if fact.interval == "epoch"
+        else "nothing stepped it (in manual optimization, call the scheduler's step() after opt.step())"
+    )
+    return [
+        Finding(
+            rule="warmup_stuck",
+            layer=owners[0],
+            step=ctx.step,
+            value=share,
+            threshold=_SCHEDULED_LOW,
+            message=f"warmup_stuck at step {ctx.step}: the LR scheduler has not stepped once in"
+            f" {plural(ctx.step, 'optimizer step')} and holds the learning rate at its starting value {fact.lr:.3g},"
+            f" {share:.3g} of its base lr {fact.base_lr:.3g} ({plural(len(stuck), 'parameter')} in"
+            f" {plural(len(owners), 'layer')}, the first in forward order: {owners[0]}): {how}",
+            phase="backward",
+            stat="param_update_ratio",
+        )
+    ]
+
+
+def zeroed_gradients(ctx: Context) -> list[Finding]:
+    """Rule ``zeroed_gradients``: gradients reached the layers' outputs, yet no parameter held one at the step."""
+    facts = ctx.param_facts
+    if not facts or not any(f.held and f.applied for f in facts.values()):
+        return []
+    # Measured parameters are those an optimizer stepped with a gradient; an exact 0 is zero_grad(set_to_none=False).
+    grads = ctx.stat("param_grad_norm")
+    measured = set(grads) | set(ctx.stat("param_norm")) | set(ctx.stat("param_update_ratio"))
+    if any(not (finite(g) and g == 0) for g in grads.values()) or measured - set(grads):
+        return []
+    owners = {ctx.orders.owner(p) for p, f in facts.items() if f.held}
+    reached = sorted(
+        (layer for layer, norm in ctx.stat("act_grad_norm").items() if finite(norm) and norm > 0 and layer in owners),
+        key=ctx.orders.forward_key,
+    )
+    if not reached:
+        return []
+    first = reached[0]
+    norm = ctx.stat("act_grad_norm")[first]
+    held = sorted(p for p, f in facts.items() if f.held and ctx.orders.owner(p) == first)
+    what = "was 0" if grads else "was None"
+    return [
+        Finding(
+            rule="zeroed_gradients",
+            layer=first,
+            step=ctx.step,
+            value=float(norm),
+            threshold=0.0,
+            message=f"zeroed_gradients at step {ctx.step}: the backward reached the outputs of"
+            f" {plural(len(reached), 'layer')} with parameters (the first in forward order: {first}, output gradient"
+            f" norm {norm:.3g}), but at the optimizer step every parameter's .grad {what} ({listing(held)} in"
+            f" {first}): the gradients were zeroed between backward and the step, so the step changes nothing. In"
+            " manual optimization call opt.zero_grad() before manual_backward(loss), not between it and opt.step()",
+            phase="backward",
+            stat="param_grad_norm",
         )
     ]
 

@@ -15,6 +15,7 @@ from lightning_hookdiag.rules.findings import LOSS, Finding
 __all__ = [
     "attention_logits",
     "logit_drift",
+    "unbounded_loss",
     "update_jump",
 ]
 
@@ -117,6 +118,72 @@ def logit_drift(ctx: Context) -> list[Finding]:
                     )
                 )
                 break
+    return out
+
+
+_UNBOUNDED_SLOPE = 10.0
+"""``unbounded_loss``: the smallest fall of the loss per unit of growth of the largest ``|logit|``.
+
+A cross-entropy with probability targets moves by at most twice the largest change of a logit (its gradient
+``p - y`` has an L1 norm of at most 2), a Gaussian likelihood by half the change of its log-variance; BCE on a target
+of 255 falls by up to 254 per unit of logit."""
+
+
+def unbounded_loss(ctx: Context) -> list[Finding]:
+    """Rule ``unbounded_loss``: a negative loss that keeps falling while the output layer's logits keep growing."""
+    config = ctx.config
+    loss = ctx.stat("step_loss").get(LOSS)
+    if not finite(loss) or loss >= 0:  # a loss of a bounded family (cross-entropy, MSE) is never negative
+        return []
+    losses = dict(_span(ctx, "step_loss", LOSS, float(loss)))
+    growth = config.unbounded_growth
+    out: list[Finding] = []
+    for layer, value in ctx.stat("logit_absmax").items():
+        if not finite(value):
+            continue
+        points = [(s, v) for s, v in _span(ctx, "logit_absmax", layer, value) if s in losses]
+        if len(points) < config.trend_window:
+            continue
+        # Medians of thirds of the span: one noisy batch does not make or break a trend.
+        third = len(points) // 3
+        parts = [points[:third], points[third:-third], points[-third:]]
+        logits = [trends.median([v for _, v in part]) for part in parts]
+        early, middle, late = (trends.median([losses[s] for s, _ in part]) for part in parts)
+        falls = (early - middle, middle - late)
+        grown = logits[2] - logits[0]
+        if not (
+            late < 0
+            and early - late >= (growth - 1) * abs(early)
+            and early - late >= _UNBOUNDED_SLOPE * grown
+            # A bounded loss that goes negative (a Gaussian likelihood) slows down as it nears its minimum; one with
+            # no minimum falls as fast as the logits grow.
+            and falls[1] > 0
+            and falls[1] >= 0.5 * falls[0]
+            and logits[0] > 0
+            and logits[2] >= growth * logits[0]
+            and logits[1] < logits[2]
+        ):
+            continue
+        (start, _), (end, _) = points[0], points[-1]
+        out.append(
+            Finding(
+                rule="unbounded_loss",
+                layer=layer,
+                step=ctx.step,
+                value=logits[2] / logits[0],
+                threshold=growth,
+                message=f"unbounded_loss: the loss fell from {early:.4g} to {late:.4g} (medians of the first and last"
+                f" thirds of steps {start} to {end}) and keeps falling while the largest |logit| of {layer} grew"
+                f" {logits[2] / logits[0]:.3g}x, from {logits[0]:.3g} to {logits[2]:.3g} (unbounded_growth={growth:g});"
+                f" the loss fell {(early - late) / grown:.3g} per unit of logit, more than a loss with probability"
+                " targets can: the loss has no minimum, so the logits grow without bound. A loss of a bounded family"
+                " (cross-entropy, BCE) below 0 means targets outside its domain: BCEWithLogits on 0/255 masks"
+                " (divide by 255), labels"
+                " that are not probabilities",
+                phase="forward",
+                stat="logit_absmax",
+            )
+        )
     return out
 
 
