@@ -288,7 +288,7 @@ class FitRun:
             self.probes.reset(agg.act_moments.device)
         every = self.config.histogram_every_n_steps
         # Replays follow the schedule of sampled steps; parameter-only windows have no histograms.
-        self.recorder.histograms = layers and every is not None and step % every == 0
+        self.recorder.histograms = layers and every is not None and self.state.due(step, every)
         if agg.power_sums:
             # Kurtosis sums about the last pooled mean keep their digits when the mean dwarfs the spread; the logged
             # mean is the same on every process, so the sums still add up exactly.

@@ -24,8 +24,10 @@ __all__ = [
     "StepFacts",
     "histogram_note",
     "histogram_series",
+    "late_note",
     "layer_notes",
     "missing_grad_notes",
+    "no_logger_note",
     "opt_in_note",
     "step_values",
 ]
@@ -320,6 +322,43 @@ def histogram_note(skipped: Sequence[str]) -> Note | None:
         "histograms:" + ",".join(skipped),
         f"LayerHealthCallback: {', '.join(skipped)} cannot store histograms; they are logged only to TensorBoard"
         " and W&B loggers",
+        info=True,
+    )
+
+
+def late_note(late: int | None, step: int, every_n_steps: int) -> Note | None:
+    """The note for a sampled step ``late`` observed on the next training batch (at ``step``), or ``None``.
+
+    Example:
+        >>> late_note(3, 4, 3).message[:75]
+        'LayerHealthCallback: optimizer step 3 (every_n_steps=3) fell inside a train'
+    """
+    if late is None:
+        return None
+    return Note(
+        "late",
+        f"LayerHealthCallback: optimizer step {late} (every_n_steps={every_n_steps}) fell inside a training batch"
+        " that made several optimizer steps (manual optimization); hooks observe whole batches, so the next batch"
+        f" is observed instead and logged at its first optimizer step, {step}. Sampled batches are logged at their"
+        " first optimizer step",
+        info=True,
+    )
+
+
+def no_logger_note(n_loggers: int) -> Note | None:
+    """The note for a Trainer without loggers (``logger=False``, ``barebones=True``), or ``None``.
+
+    Example:
+        >>> no_logger_note(1) is None, no_logger_note(0).info
+        (True, True)
+    """
+    if n_loggers:
+        return None
+    return Note(
+        "no_logger",
+        "LayerHealthCallback: the Trainer has no logger (logger=False or barebones=True), so no statistic is"
+        " logged; the last sampled step's values are kept in callback.last_metrics and the findings in"
+        " callback.findings",
         info=True,
     )
 
