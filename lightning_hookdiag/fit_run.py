@@ -149,6 +149,8 @@ class FitRun:
     modes: EvalModeWatch | None
     keys: KeyCache
     state: StepState
+    tracked: Callable[[], Mapping[str, nn.Parameter]] = dict
+    """The tracked parameters as the module names them now (see :meth:`follow_names`)."""
     watch: StepWatch = field(default_factory=StepWatch)
     """Learning rates and applied steps of the open window, for ``not_updated``."""
 
@@ -236,6 +238,7 @@ class FitRun:
             modes=EvalModeWatch(pl_module) if config.eval_mode else None,
             keys=KeyCache(config.prefix),
             state=StepState(config.every_n_steps),
+            tracked=lambda: _tracked_parameters(config, pl_module, modules),
         )
 
     # ------------------------------------------------------------------------------------------------ micro-batches
@@ -283,6 +286,7 @@ class FitRun:
         ``last_metrics``: the previous sampled step's logged values (the shift of the kurtosis power sums).
         """
         window = self.state.open(step, layers)
+        self.follow_names()
         agg = self.aggregator
         if self.probes is not None:
             self.probes.reset(agg.act_moments.device)
@@ -296,6 +300,23 @@ class FitRun:
             shift = [m if math.isfinite(m) else 0.0 for m in means]
             agg.power_shift = torch.tensor(shift, dtype=agg.acc_dtype, device=agg.act_moments.device)
         return window
+
+    def follow_names(self) -> None:
+        """Name each tracked parameter as its module names it now: a reparametrisation during the fit renames it.
+
+        Pruning (Lightning's ``ModelPruning``, ``torch.nn.utils.prune``) moves a layer's ``weight`` to
+        ``weight_orig`` and computes ``weight`` from it and a mask before each forward; ``torch.nn.utils.parametrize``
+        moves it to ``parametrizations.weight.original``. The parameter the optimizer steps, the one measured, is the
+        same object under its new name; the key follows it rather than keep a name that now holds another tensor.
+        One walk over the parameters per observed step.
+        """
+        if not self.params:
+            return
+        now = {id(p): name for name, p in self.tracked().items()}
+        names = [now.get(id(p), name) for p, name in zip(self.params, self.param_names, strict=True)]
+        if names != self.param_names:
+            self.param_names = names
+            self.keys.clear()
 
     def discard_window(self) -> None:
         """Drop the open window, if any: nothing of it is logged, and its device state is reset."""

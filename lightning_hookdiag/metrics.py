@@ -63,6 +63,10 @@ class KeyCache:
             keys = self._keys[stat] = [f"{self.prefix}/{stat}/{name}" for name in names]
         return keys
 
+    def clear(self) -> None:
+        """Forget every formatted key (the names changed but not their number: a parameter was renamed)."""
+        self._keys.clear()
+
     def key(self, stat: str, name: str | None = None) -> str:
         """One key; without ``name``, the key of a statistic with one value per step."""
         return f"{self.prefix}/{stat}" if name is None else f"{self.prefix}/{stat}/{name}"

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelPruning
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_hookdiag
@@ -367,3 +368,66 @@ def test_numbers_that_are_not_integers_are_still_rejected(kwargs, facts):
         LayerHealthCallback(**kwargs)
     for fact in facts:
         assert fact in str(excinfo.value)
+
+
+# ------------------------------------------------------------------------------------- reparametrised weights
+class Double(nn.Module):
+    """A parametrization: the layer computes with twice the parameter it holds."""
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return 2 * weight
+
+
+def test_pruned_weights_are_logged_under_the_name_of_the_parameter_measured():
+    logger = RecordingLogger()
+    module = TinyModule(data=make_data(n=32))  # 4 batches an epoch; ModelPruning prunes when epoch 0 ends
+    prune = ModelPruning("l1_unstructured", amount=0.5, make_pruning_permanent=False, verbose=0)
+    make_trainer([prune, LayerHealthCallback(every_n_steps=1, summary=False)], max_steps=6, logger=logger).fit(module)
+    by_step = dict(logger.ours())
+    records = {step: weights for step, _, _, weights in module.record}
+    for step in (0, 3):  # before pruning: the layer computes with model.0.weight itself
+        assert by_step[step][f"{P}/param_norm/model.0.weight"] == pytest.approx(records[step]["0.weight"].norm().item())
+    for step in (4, 5):  # after: with weight_orig * weight_mask; weight_orig is the parameter the optimizer steps
+        assert f"{P}/param_norm/model.0.weight" not in by_step[step]
+        weights = records[step]
+        measured = by_step[step][f"{P}/param_norm/model.0.weight_orig"]
+        assert measured == pytest.approx(weights["0.weight_orig"].norm().item(), rel=1e-6)
+        effective = (weights["0.weight_orig"] * weights["0.weight_mask"]).norm().item()
+        assert measured != pytest.approx(effective, rel=0.01)  # what the old key claimed to be, and was not
+
+
+def test_a_parametrized_layer_is_observed_as_the_layer_and_its_parameter_under_its_own_name():
+    logger = RecordingLogger()
+    module = TinyModule(data=make_data(n=32))
+    parametrize.register_parametrization(module.model[0], "weight", Double())
+    callback = LayerHealthCallback(every_n_steps=2, summary=False)
+    make_trainer([callback], max_steps=1, logger=logger).fit(module)
+    # The parametrization computes the weight; it is no layer of the network (before: it replaced model.0).
+    assert callback.layer_names == ["model.0", "model.1", "model.2"]
+    ((_, metrics),) = logger.ours()
+    _, x, _, weights = module.record[0]
+    original = weights["0.parametrizations.weight.original"].double()
+    out = x.double() @ (2 * original).T + weights["0.bias"].double()
+    assert metrics[f"{P}/act_mean/model.0"] == pytest.approx(out.mean().item(), rel=1e-5)
+    key = f"{P}/param_norm/model.0.parametrizations.weight.original"
+    assert metrics[key] == pytest.approx(original.norm().item(), rel=1e-6)
+    assert not any(k.endswith("/model.0.weight") for k in metrics)
+    assert count_hooks(module) == 0
+
+
+def test_a_parametrization_registered_during_the_fit_renames_the_key_from_the_next_step():
+    class Reparametrize(pl.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            if trainer.current_epoch == 0:
+                parametrize.register_parametrization(pl_module.model[0], "weight", Double())
+
+    logger = RecordingLogger()
+    module = TinyModule(data=make_data(n=32))
+    weight = module.model[0].weight
+    make_trainer(
+        [Reparametrize(), LayerHealthCallback(every_n_steps=1, summary=False)], max_steps=6, logger=logger
+    ).fit(module)
+    assert module.model[0].parametrizations.weight.original is weight  # the same parameter, moved
+    names = {s: {k.split("/")[2] for k in m if k.startswith(f"{P}/param_norm/model.0.")} for s, m in logger.ours()}
+    assert names[3] == {"model.0.weight", "model.0.bias"}
+    assert names[4] == {"model.0.parametrizations.weight.original", "model.0.bias"}
