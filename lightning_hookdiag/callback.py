@@ -140,7 +140,9 @@ class LayerHealthCallback(Callback):
     ``k % every_n_steps == 0``. On a sampled step, hooks are attached to the selected modules at the start of each
     of its micro-batches and removed at the end of each; everything observed is pooled exactly (over calls,
     micro-batches and processes) and, once the optimizer has stepped, logged once to every logger of the Trainer
-    with ``step=k``. The same values are kept in :attr:`last_metrics`, also without a logger. Hooks never exist
+    with ``step=k``. The same values are kept in :attr:`last_metrics`, also without a logger (said once). A fresh fit
+    starts with no results and an empty alert memory; a checkpoint restores them only when a fit resumes from it
+    (``test``/``validate``/``predict`` with ``ckpt_path`` keep the fit's). Hooks never exist
     outside a sampled training batch: not during validation or sanity checking, not after ``fit``, not after an
     exception. Training is bit-identical with and without the callback.
 
@@ -150,7 +152,9 @@ class LayerHealthCallback(Callback):
     replay of a tripped step are in ``docs/sentinel.md``, the rules in ``docs/rules.md``.
 
     Args:
-        every_n_steps: Sample optimizer steps ``0, n, 2n, ...``.
+        every_n_steps: Sample optimizer steps ``0, n, 2n, ...``; any integral number. Under manual optimization
+            with several optimizer steps per batch (a GAN), a sampled step inside a batch is observed on the next
+            batch, logged at its first step (``docs/statistics.md#which-steps-are-sampled``).
         layers: Dotted module names or fnmatch globs (``*`` also crosses dots), relative to the LightningModule,
             as listed by :func:`~lightning_hookdiag.list_layers`. ``None`` selects every leaf module and every
             module that computes with parameters it owns, such as ``nn.MultiheadAttention``, except loss modules
