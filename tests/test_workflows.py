@@ -193,12 +193,14 @@ def test_evaluating_the_best_checkpoint_after_fit_keeps_the_fits_results(tmp_pat
     assert count_hooks(module) == 0
 
 
-def test_a_fit_resumed_from_the_best_checkpoint_still_restores_its_state(tmp_path, monkeypatch):
+@pytest.mark.parametrize("same", [False, True], ids=["new callback", "same callback"])
+def test_a_fit_resumed_from_the_best_checkpoint_still_restores_its_state(tmp_path, monkeypatch, same):
     callback, trainer, _ = fit_until_sick(tmp_path, monkeypatch)
     trainer.test(ckpt_path="best", verbose=False)
     path = trainer.checkpoint_callback.best_model_path
     saved = torch.load(path, weights_only=False)["callbacks"][callback.state_key]
-    resumed = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", summary=False)
+    # The same object rolls back to the checkpoint like a new one: its later findings (step 8) are not this run's
+    resumed = callback if same else LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", summary=False)
     logger = RecordingLogger()
     # Resumed at step 4 and stopped at 6, before the model goes sick: what it holds of steps 0-3 is the checkpoint's.
     make_trainer([resumed], max_steps=6, logger=logger).fit(GoesSick(), ckpt_path=path)
