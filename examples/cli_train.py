@@ -7,16 +7,22 @@ Run from the repository root (needs ``pip install -e ".[cli]"``, which brings ``
 Every ``init_args`` entry of the callback in ``cli_config.yaml`` can be overridden on the command line, e.g.
 ``--trainer.callbacks.init_args.every_n_steps 5`` when the callback is the only one, and
 ``python examples/cli_train.py fit --config examples/cli_config.yaml --print_config`` shows the full configuration.
-The data module's sizes are linked to the model's, so ``--data.in_features 16`` changes both.
+The data module's sizes are linked to the model's, so ``--data.in_features 16`` changes both. A value the callback
+rejects ends the command with one ``error:`` line naming where it is (``HealthCLI.before_instantiate_classes``).
 """
 
 from __future__ import annotations
 
+import importlib
+
 import lightning.pytorch as pl
 import torch
+from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_hookdiag import LayerHealthCallback
 
 
 class SyntheticClassifier(pl.LightningModule):
@@ -94,12 +100,41 @@ class SyntheticDataModule(pl.LightningDataModule):
 
 
 class HealthCLI(LightningCLI):
-    """``LightningCLI`` that keeps the model's sizes in step with the data module's."""
+    """``LightningCLI`` that keeps the model's sizes in step with the data module's, and reports a bad callback value.
+
+    LightningCLI instantiates the Trainer's callbacks after parsing, through jsonargparse, which turns a
+    constructor's ``ValueError`` into a traceback ending in a list of every type of ``trainer.callbacks`` it tried.
+    Building each ``LayerHealthCallback`` once before that turns it into a parser error: usage, then one line.
+    """
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """Link ``data.in_features``/``data.num_classes`` to the model's arguments of the same names."""
         parser.link_arguments("data.in_features", "model.in_features")
         parser.link_arguments("data.num_classes", "model.num_classes")
+
+    def before_instantiate_classes(self) -> None:
+        """Check each ``LayerHealthCallback`` of ``trainer.callbacks``; exit with one line naming a rejected value."""
+        config = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
+        callbacks = config.get("trainer.callbacks") or []
+        for i, entry in enumerate(callbacks if isinstance(callbacks, list) else [callbacks]):
+            cls = _class_of(entry)
+            if not (isinstance(cls, type) and issubclass(cls, LayerHealthCallback)):
+                continue
+            init_args = entry.get("init_args")
+            try:
+                cls(**(init_args.as_dict() if isinstance(init_args, Namespace) else {}))
+            except ValueError as error:
+                self.parser.error(f"trainer.callbacks[{i}].init_args: {error}")
+
+
+def _class_of(entry: object) -> object:
+    """The class a ``class_path`` entry names (``None`` when it is no such entry or does not import)."""
+    path = entry.get("class_path") if isinstance(entry, Namespace) else None
+    module, _, name = path.rpartition(".") if isinstance(path, str) else ("", "", "")
+    try:
+        return getattr(importlib.import_module(module), name) if module else None
+    except (ImportError, AttributeError):
+        return None
 
 
 def main(args: list[str] | None = None) -> HealthCLI:

@@ -21,7 +21,9 @@ _EXPORTS = {
     "LayerHealthWarning": "lightning_hookdiag.errors",
     "LayerInfo": "lightning_hookdiag.selection",
     "OPT_IN_STATS": "lightning_hookdiag.stats",
+    "PRECURSOR_STATS": "lightning_hookdiag.vocabulary",
     "RuleConfig": "lightning_hookdiag.rules",
+    "Trip": "lightning_hookdiag.sentinel",
     "capture_activations": "lightning_hookdiag.capture",
     "list_layers": "lightning_hookdiag.selection",
 }
@@ -34,7 +36,9 @@ __all__ = [
     "LayerHealthWarning",
     "LayerInfo",
     "OPT_IN_STATS",
+    "PRECURSOR_STATS",
     "RuleConfig",
+    "Trip",
     "__version__",
     "capture_activations",
     "list_layers",
@@ -46,7 +50,9 @@ if TYPE_CHECKING:
     from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
     from lightning_hookdiag.rules import Finding, RuleConfig
     from lightning_hookdiag.selection import LayerInfo, list_layers
+    from lightning_hookdiag.sentinel import Trip
     from lightning_hookdiag.stats import ALL_STATS, OPT_IN_STATS
+    from lightning_hookdiag.vocabulary import PRECURSOR_STATS
 
 
 def __getattr__(name: str) -> Any:

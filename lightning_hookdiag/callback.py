@@ -33,6 +33,8 @@ from lightning_hookdiag.metrics import (
     Note,
     histogram_note,
     histogram_series,
+    late_note,
+    no_logger_note,
     opt_in_note,
 )
 from lightning_hookdiag.precision import resolve_targets
@@ -51,8 +53,8 @@ from lightning_hookdiag.sentinel import (
 )
 from lightning_hookdiag.stats import resolve_stats
 from lightning_hookdiag.table import format_step_table
-from lightning_hookdiag.validation import boolean, check, choice, integer, module_names
-from lightning_hookdiag.vocabulary import OUTPUT_LAYER_STATS
+from lightning_hookdiag.validation import boolean, check, choice, integer, module_names, names
+from lightning_hookdiag.vocabulary import ALL_STATS, OPT_IN_STATS, OUTPUT_LAYER_STATS
 
 __all__ = ["LayerHealthCallback"]
 
@@ -157,7 +159,9 @@ class LayerHealthCallback(Callback):
     ``k % every_n_steps == 0``. On a sampled step, hooks are attached to the selected modules at the start of each
     of its micro-batches and removed at the end of each; everything observed is pooled exactly (over calls,
     micro-batches and processes) and, once the optimizer has stepped, logged once to every logger of the Trainer
-    with ``step=k``. The same values are kept in :attr:`last_metrics`, also without a logger. Hooks never exist
+    with ``step=k``. The same values are kept in :attr:`last_metrics`, also without a logger (said once). A fresh fit
+    starts with no results and an empty alert memory; a checkpoint restores them only when a fit resumes from it
+    (``test``/``validate``/``predict`` with ``ckpt_path`` keep the fit's). Hooks never exist
     outside a sampled training batch: not during validation or sanity checking, not after ``fit``, not after an
     exception. Training is bit-identical with and without the callback.
 
@@ -167,7 +171,9 @@ class LayerHealthCallback(Callback):
     replay of a tripped step are in ``docs/sentinel.md``, the rules in ``docs/rules.md``.
 
     Args:
-        every_n_steps: Sample optimizer steps ``0, n, 2n, ...``.
+        every_n_steps: Sample optimizer steps ``0, n, 2n, ...``; any integral number. Under manual optimization
+            with several optimizer steps per batch (a GAN), a sampled step inside a batch is observed on the next
+            batch, logged at its first step (``docs/statistics.md#which-steps-are-sampled``).
         layers: Dotted module names or fnmatch globs (``*`` also crosses dots), relative to the LightningModule,
             as listed by :func:`~lightning_hookdiag.list_layers`. ``None`` selects every leaf module and every
             module that computes with parameters it owns, such as ``nn.MultiheadAttention``, except loss modules
@@ -176,10 +182,12 @@ class LayerHealthCallback(Callback):
         layer_types: Keep only instances of these classes, given as classes or import strings such as
             ``"torch.nn.Linear"``.
         exclude: Globs of module names to leave out.
-        stats: Names of the statistics to compute and log; ``None`` for the default set
+        stats: Names of the statistics to compute and log, the full list; ``None`` for the default set
             (:data:`~lightning_hookdiag.ALL_STATS`). Work for statistics not asked for is skipped (e.g. without
             ``"param_update_ratio"`` no weight copy is made). The names of
-            :data:`~lightning_hookdiag.OPT_IN_STATS` are computed only when listed here.
+            :data:`~lightning_hookdiag.OPT_IN_STATS` are computed only when listed here or in ``extra_stats``.
+        extra_stats: Names added to ``stats`` (to the default set when ``stats=None``), e.g.
+            ``["act_kurtosis"]`` for the defaults plus kurtosis.
         prefix: First segment of every logged key.
         dead_unit_types: Module classes (or import strings) whose outputs get ``act_dead_frac``.
         unit_dim: Axis of the output that indexes units for ``act_dead_frac``. ``None``: dim 1 (channels) for
@@ -189,8 +197,8 @@ class LayerHealthCallback(Callback):
             and layer until it clears), ``"raise"`` (:class:`~lightning_hookdiag.LayerHealthError` naming the origin
             of the earliest problem), ``"stop"`` (warn, then stop training gracefully) or ``"ignore"`` (findings are
             still recorded in :attr:`findings`).
-        rules: Rule settings, e.g. ``{"dead_frac_threshold": 0.5, "enabled": ["nonfinite", "dead_units"]}``; keys
-            are the fields of :class:`~lightning_hookdiag.rules.RuleConfig`.
+        rules: Rule settings: a :class:`~lightning_hookdiag.RuleConfig`, or a mapping of its fields, e.g.
+            ``{"dead_frac_threshold": 0.5, "enabled": ["nonfinite", "dead_units"]}`` (from YAML).
         summary: At the end of fit, print (rank zero) a table of the last sampled step's values per layer in depth
             order, with the rules that fired marked.
         histogram_every_n_steps: Also log histograms of every selected layer's output and output gradient
@@ -238,11 +246,12 @@ class LayerHealthCallback(Callback):
         layer_types: Sequence[str | type[nn.Module]] | None = None,
         exclude: Sequence[str] = (),
         stats: Sequence[str] | None = None,
+        extra_stats: Sequence[str] | None = None,
         prefix: str = "layer_health",
         dead_unit_types: Sequence[str | type[nn.Module]] = ("torch.nn.ReLU", "torch.nn.ReLU6"),
         unit_dim: int | None = None,
         on_anomaly: Literal["warn", "raise", "stop", "ignore"] = "warn",
-        rules: dict[str, Any] | None = None,
+        rules: dict[str, Any] | RuleConfig | None = None,
         summary: bool = True,
         histogram_every_n_steps: int | None = None,
         histogram_bins: int = 64,
@@ -270,18 +279,19 @@ class LayerHealthCallback(Callback):
         self.histogram_every_n_steps: int | None = integer(
             "histogram_every_n_steps",
             histogram_every_n_steps,
-            f"None or a positive multiple of every_n_steps={every_n_steps}",
-            lambda v: v >= 1 and v % every_n_steps == 0,
+            f"None or a positive multiple of every_n_steps={self.every_n_steps}",
+            lambda v: v >= 1 and v % self.every_n_steps == 0,
             optional=True,
         )
         self.histogram_bins: int = integer(
             "histogram_bins", histogram_bins, "an even integer >= 4", lambda v: v >= 4 and v % 2 == 0
         )
-        self.rule_config = RuleConfig.from_mapping(rules)
+        self.rule_config = rules if isinstance(rules, RuleConfig) else RuleConfig.from_mapping(rules)
         self.layers = module_names("layers", layers)
         self.layer_types = import_types(layer_types, "layer_types")
         self.exclude = module_names("exclude", exclude) or []
-        self.stats = resolve_stats(stats)
+        extra = names("extra_stats", extra_stats, ALL_STATS + OPT_IN_STATS, "statistic")
+        self.stats = resolve_stats([*resolve_stats(stats), *extra])
         if output_layer is not None and not set(OUTPUT_LAYER_STATS) & set(self.stats):
             raise ValueError(
                 f"output_layer={output_layer!r} names the layer of logit_lse_mean / logit_absmax, but stats= includes"
@@ -322,9 +332,11 @@ class LayerHealthCallback(Callback):
         """Every optimizer step the sentinel tripped on, with whether it was replayed and, if not, why."""
         self._warned: set[str] = set()  # the keys of the one-time notes already given
         self._diagnosis = Diagnosis(self.rule_config)
-        """The rules' memory between sampled steps (alerts, baseline, trends); checkpointed, kept over fits."""
+        """The rules' memory between sampled steps (alerts, baseline, trends); checkpointed, reset by a fresh fit."""
         self._run: FitRun | None = None
         """Everything one fit creates: set in ``on_fit_start``, dropped in :meth:`_release_fit`."""
+        self._stage: str | None = None
+        """The Trainer's stage between ``setup`` and ``teardown``: a checkpoint restores this state only in a fit."""
 
     @property
     @override
@@ -337,11 +349,14 @@ class LayerHealthCallback(Callback):
     # ----------------------------------------------------------------------------------------------- lifecycle
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """A new fit starts from a fresh loss baseline and trend history (a checkpoint restores its own afterwards)."""
-        if stage == "fit":
-            if self._sentinel is not None:
-                self._sentinel.reset()
-            self._diagnosis.start_fit()
+        """A fresh fit starts with no results and an empty memory; a checkpoint restores its own afterwards.
+
+        A fit is fresh when its Trainer starts from step 0 (Lightning restores a ``ckpt_path`` after ``setup``); a
+        second ``fit`` of the same Trainer goes on from its step and keeps what the first one found.
+        """
+        self._stage = stage
+        if stage == "fit" and trainer.global_step == 0:
+            self._start_fresh()
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -367,6 +382,7 @@ class LayerHealthCallback(Callback):
         self._run = run
         self.layer_names = list(run.layer_names)
         self._note(opt_in_note(run.plan.note))
+        self._note(no_logger_note(len(trainer.loggers)))
         if self._sentinel is not None:  # every process must trip on the same steps
             self._sentinel.reduce_max = all_reduce_max if trainer.world_size > 1 else None
             self._sentinel.discard()
@@ -392,6 +408,7 @@ class LayerHealthCallback(Callback):
             return
         if state.window is None:
             run.open_window(step, self.last_metrics)
+            self._note(late_note(state.late, step, self.every_n_steps))
         run.attach()
 
     @override
@@ -465,6 +482,7 @@ class LayerHealthCallback(Callback):
 
         The hook set's closures and the device state go, so the callback pickles and deep-copies after a failed fit.
         """
+        self._stage = None
         self._release_fit()
 
     @override
@@ -499,6 +517,7 @@ class LayerHealthCallback(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Remove every hook and release the device state."""
+        self._stage = None
         self._release_fit()
 
     def _release_fit(self) -> None:
@@ -545,7 +564,14 @@ class LayerHealthCallback(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved."""
+        """Restore what :meth:`state_dict` saved, when a fit resumes from it (or when called outside a Trainer).
+
+        ``validate``, ``test`` and ``predict`` with a ``ckpt_path`` leave the state alone: Lightning restores callback
+        state in every stage, and the checkpoint (``"best"`` is usually older than the end of the fit) would
+        replace the findings, trips and last values of the fit that just ran.
+        """
+        if self._stage is not None and self._stage != "fit":
+            return
         self.last_metrics = dict(state_dict.get("last_metrics", {}))
         self.last_step = state_dict.get("last_step")
         self._warned = set(state_dict.get("warned", []))
@@ -556,6 +582,23 @@ class LayerHealthCallback(Callback):
             self._sentinel.load_state_dict(state_dict["sentinel"])
 
     # ------------------------------------------------------------------------------------------------ internals
+    def _start_fresh(self) -> None:
+        """Forget the results and the memory of earlier fits (alerts, notes given, loss baseline, trends).
+
+        A new model, even with the same bug, is warned about again. New containers, not cleared ones: a reference
+        kept to the previous fit's ``findings`` still holds that fit's findings.
+        """
+        self.last_metrics = {}
+        self.last_step = None
+        self.execution_order = []
+        self.findings = []
+        self.last_findings = []
+        self.trips = []
+        self._warned = set()
+        self._diagnosis = Diagnosis(self.rule_config)
+        if self._sentinel is not None:
+            self._sentinel.reset()
+
     def _drop_step(self, run: FitRun) -> None:
         """Remove the hooks, drop the open window, the step's micro-batches and loss total: none of it is logged."""
         run.release()

@@ -61,9 +61,9 @@ class Diagnosis:
 
     Attributes:
         config: As given.
-        alerts: Which (rule, layer) pairs are active, and every rule's finding count; kept over fits.
+        alerts: Which (rule, layer) pairs are active, and every rule's finding count.
         baseline: The values of the last step evaluated without a sentinel trip, which ``loss_spike`` compares with;
-            ``None`` before one (and after :meth:`start_fit`). Not checkpointed.
+            ``None`` before one. Not checkpointed.
         last_finite: Parameter name to the last evaluated step on which its ``param_norm`` was finite.
         history: The earlier evaluated steps' values, for the trend rules.
 
@@ -84,16 +84,6 @@ class Diagnosis:
 
     def _new_history(self) -> History:
         return History(4 * self.config.trend_window)  # logit_drift looks back this far
-
-    def start_fit(self) -> None:
-        """Forget the previous fit's baseline, finite steps and trends; a checkpoint restores its own afterwards.
-
-        An earlier fit's loss level and values are no baseline or trend of this one. The alerts stay: a condition
-        still present in the next fit is not new.
-        """
-        self.baseline = None
-        self.last_finite = {}
-        self.history = self._new_history()
 
     def step(
         self,

@@ -157,6 +157,12 @@ class FitRun:
     modes: EvalModeWatch | None
     keys: KeyCache
     state: StepState
+    tracked: Callable[[], Mapping[str, nn.Parameter]] = dict
+    """The tracked parameters as the module names them now (see :meth:`follow_names`)."""
+    model: nn.Module | None = None
+    """The LightningModule, where the tracked parameters are looked for when one moved."""
+    homes: list[tuple[nn.Module, str]] = field(default_factory=list)
+    """The module and attribute holding each tracked parameter when it was last named, in :attr:`params` order."""
     watch: StepWatch = field(default_factory=StepWatch)
     """Learning rates and applied steps of the open window, for ``not_updated``."""
 
@@ -179,7 +185,8 @@ class FitRun:
         modules = resolve_layers(pl_module, config.layers, config.layer_types, config.exclude)
         layer_names = list(modules)
         wanted = set(config.stats)
-        params = _tracked_parameters(config, pl_module, modules) if wanted & set(PARAMETER_STATS) else {}
+        tracked = _tracked_parameters(config, pl_module, modules)
+        params = tracked() if wanted & set(PARAMETER_STATS) else {}
         # A module of the default selection that does not run is usually unused by design (a dropout that fused
         # attention skips, MultiheadAttention's out_proj): a note, not a warning, unless it holds parameters that
         # nothing else observed.
@@ -244,6 +251,9 @@ class FitRun:
             modes=EvalModeWatch(pl_module) if config.eval_mode else None,
             keys=KeyCache(config.prefix),
             state=StepState(config.every_n_steps),
+            tracked=tracked,
+            model=pl_module,
+            homes=_homes(pl_module, list(params.values())),
         )
 
     # ------------------------------------------------------------------------------------------------ micro-batches
@@ -291,12 +301,13 @@ class FitRun:
         ``last_metrics``: the previous sampled step's logged values (the shift of the kurtosis power sums).
         """
         window = self.state.open(step, layers)
+        self.follow_names()
         agg = self.aggregator
         if self.probes is not None:
             self.probes.reset(agg.act_moments.device)
         every = self.config.histogram_every_n_steps
         # Replays follow the schedule of sampled steps; parameter-only windows have no histograms.
-        self.recorder.histograms = layers and every is not None and step % every == 0
+        self.recorder.histograms = layers and every is not None and self.state.due(step, every)
         if agg.power_sums:
             # Kurtosis sums about the last pooled mean keep their digits when the mean dwarfs the spread; the logged
             # mean is the same on every process, so the sums still add up exactly.
@@ -304,6 +315,25 @@ class FitRun:
             shift = [m if math.isfinite(m) else 0.0 for m in means]
             agg.power_shift = host_values(shift, agg.acc_dtype, agg.act_moments.device)
         return window
+
+    def follow_names(self) -> None:
+        """Name each tracked parameter as its module names it now: a reparametrisation during the fit renames it.
+
+        Pruning (Lightning's ``ModelPruning``, ``torch.nn.utils.prune``) moves a layer's ``weight`` to
+        ``weight_orig`` and computes ``weight`` from it and a mask before each forward; ``torch.nn.utils.parametrize``
+        moves it to ``parametrizations.weight.original``. The parameter the optimizer steps, the one measured, is the
+        same object under its new name; the key follows it rather than keep a name that now holds another tensor.
+        An observed step looks up each parameter where it was (one dict lookup each); only when one moved are the
+        names derived again from a walk over the model.
+        """
+        held = zip(self.homes, self.params, strict=True)
+        if all(module._parameters.get(attr) is p for (module, attr), p in held):
+            return
+        now = {id(p): name for name, p in self.tracked().items()}
+        self.param_names = [now.get(id(p), name) for p, name in zip(self.params, self.param_names, strict=True)]
+        self.keys.clear()
+        if self.model is not None:
+            self.homes = _homes(self.model, self.params)
 
     def discard_window(self) -> None:
         """Drop the open window, if any: nothing of it is logged, and its device state is reset."""
@@ -496,15 +526,28 @@ def _device(module: nn.Module) -> torch.device:
     return device if isinstance(device, torch.device) else torch.device("cpu")
 
 
+def _homes(root: nn.Module, params: Sequence[nn.Parameter]) -> list[tuple[nn.Module, str]]:
+    """The module and attribute that hold each of ``params`` in ``root`` (the first found), in order."""
+    found: dict[int, tuple[nn.Module, str]] = {}
+    for module in root.modules():
+        for attr, p in module._parameters.items():
+            if p is not None:
+                found.setdefault(id(p), (module, attr))
+    # A parameter no longer in the model keeps its name; an empty home never holds it, so it is looked up each time.
+    return [found.get(id(p), (root, "")) for p in params]
+
+
 def _tracked_parameters(
     config: FitConfig, pl_module: nn.Module, modules: Mapping[str, nn.Module]
-) -> dict[str, nn.Parameter]:
-    """The parameters the statistics track, by logged name."""
+) -> Callable[[], dict[str, nn.Parameter]]:
+    """The parameters the statistics track, by logged name, as the modules name them when called."""
     # The default selection counts every parameter (also those of non-leaf modules, such as a ViT's cls_token), so
     # grad_norm_total is the norm that clip_grad_norm_ sees; a selection narrows it.
     if config.layers is None and not config.layer_types:
-        return owned_parameters(pl_module, skip=excluded_names(pl_module, config.exclude))
-    return named_parameters_of(modules)
+        skip = excluded_names(pl_module, config.exclude)  # module names, resolved once
+        return lambda: owned_parameters(pl_module, skip=skip)
+    selected = dict(modules)
+    return lambda: named_parameters_of(selected)
 
 
 def _precursor_probes(

@@ -25,8 +25,10 @@ __all__ = [
     "histogram_note",
     "overflow_notes",
     "histogram_series",
+    "late_note",
     "layer_notes",
     "missing_grad_notes",
+    "no_logger_note",
     "opt_in_note",
     "step_values",
 ]
@@ -61,6 +63,10 @@ class KeyCache:
         if keys is None or len(keys) != len(names):
             keys = self._keys[stat] = [f"{self.prefix}/{stat}/{name}" for name in names]
         return keys
+
+    def clear(self) -> None:
+        """Forget every formatted key (the names changed but not their number: a parameter was renamed)."""
+        self._keys.clear()
 
     def key(self, stat: str, name: str | None = None) -> str:
         """One key; without ``name``, the key of a statistic with one value per step."""
@@ -368,6 +374,43 @@ def histogram_note(skipped: Sequence[str]) -> Note | None:
         "histograms:" + ",".join(skipped),
         f"LayerHealthCallback: {', '.join(skipped)} cannot store histograms; they are logged only to TensorBoard"
         " and W&B loggers",
+        info=True,
+    )
+
+
+def late_note(late: int | None, step: int, every_n_steps: int) -> Note | None:
+    """The note for a sampled step ``late`` observed on the next training batch (at ``step``), or ``None``.
+
+    Example:
+        >>> late_note(3, 4, 3).message[:75]
+        'LayerHealthCallback: optimizer step 3 (every_n_steps=3) fell inside a train'
+    """
+    if late is None:
+        return None
+    return Note(
+        "late",
+        f"LayerHealthCallback: optimizer step {late} (every_n_steps={every_n_steps}) fell inside a training batch"
+        " that made several optimizer steps (manual optimization); hooks observe whole batches, so the next batch"
+        f" is observed instead and logged at its first optimizer step, {step}. Sampled batches are logged at their"
+        " first optimizer step",
+        info=True,
+    )
+
+
+def no_logger_note(n_loggers: int) -> Note | None:
+    """The note for a Trainer without loggers (``logger=False``, ``barebones=True``), or ``None``.
+
+    Example:
+        >>> no_logger_note(1) is None, no_logger_note(0).info
+        (True, True)
+    """
+    if n_loggers:
+        return None
+    return Note(
+        "no_logger",
+        "LayerHealthCallback: the Trainer has no logger (logger=False or barebones=True), so no statistic is"
+        " logged; the last sampled step's values are kept in callback.last_metrics and the findings in"
+        " callback.findings",
         info=True,
     )
 

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from lightning_hookdiag.names import logged_name
 
@@ -70,7 +71,14 @@ def _is_leaf(module: nn.Module) -> bool:
 
 
 def _owns_parameters(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters(recurse=False))
+    # A parametrized tensor (torch.nn.utils.parametrize) is the module's own, kept in its ``parametrizations``.
+    return parametrize.is_parametrized(module) or any(True for _ in module.parameters(recurse=False))
+
+
+def _own_children(module: nn.Module) -> list[nn.Module]:
+    """The children of ``module``, without the ``parametrizations`` that compute its parametrized tensors."""
+    skip = module.parametrizations if parametrize.is_parametrized(module) else None
+    return [c for c in module.children() if c is not skip]
 
 
 def is_measurement(module: nn.Module) -> bool:
@@ -101,7 +109,9 @@ def is_default_layer(module: nn.Module) -> bool:
     child never runs and only the module itself can be observed. A model that owns parameters next to whole
     sub-networks (a ViT's ``cls_token``) is not selected: its output is the network's output, already observed
     at the head. Losses and torchmetrics metrics (:func:`is_measurement`) are never default layers, nor is
-    anything inside one (:func:`resolve_layers` skips their submodules); ``layers=`` still selects them by name.
+    anything inside one (:func:`resolve_layers` skips their submodules); ``layers=`` still selects them by name. A
+    module with tensors parametrized by ``torch.nn.utils.parametrize`` is judged without its ``parametrizations``:
+    they compute its weight, not an output of the network, and are not default layers either.
 
     Example:
         >>> is_default_layer(nn.Linear(2, 2)), is_default_layer(nn.MultiheadAttention(4, 2))
@@ -111,7 +121,7 @@ def is_default_layer(module: nn.Module) -> bool:
     """
     if isinstance(module, _NOT_CALLABLE) or is_measurement(module):
         return False
-    children = list(module.children())
+    children = _own_children(module)
     return not children or (_owns_parameters(module) and all(_is_leaf(c) for c in children))
 
 
@@ -263,10 +273,9 @@ def resolve_layers(
     elif layer_types:
         candidates = names
     else:
-        measuring = [n for n in names if is_measurement(modules[n])]
-        candidates = [
-            n for n in names if is_default_layer(modules[n]) and not any(n.startswith(m + ".") for m in measuring)
-        ]
+        inside = [f"{n}." for n in names if is_measurement(modules[n])]
+        inside += [f"{n}.parametrizations." for n in names if parametrize.is_parametrized(modules[n])]
+        candidates = [n for n in names if is_default_layer(modules[n]) and not any(n.startswith(m) for m in inside)]
     if layer_types:
         typed = [n for n in candidates if isinstance(modules[n], tuple(layer_types))]
         if not typed:

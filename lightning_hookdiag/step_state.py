@@ -120,10 +120,53 @@ class StepState:
         """The optimizer step the sentinel last checked (LBFGS: only its first closure evaluation is checked)."""
         self.sample_next: int | None = None
         """A step sampled out of schedule: the one after a trip that could not be replayed."""
+        self.late: int | None = None
+        """The sampled step that the last batch found by :meth:`sampled` was hooked for, when it fell inside the
+        batch before it (``None``: on time, or not sampled)."""
+        self._batch_step: int | None = None
+        self._previous: int | None = None
 
     def sampled(self, step: int) -> bool:
-        """Whether the micro-batches of optimizer step ``step`` are hooked."""
-        return step % self.every_n_steps == 0 or step == self.sample_next
+        """Whether the training batch that starts at optimizer step ``step`` is hooked; call it at each batch start.
+
+        A batch is hooked when a sampled step (``k % every_n_steps == 0``, or :attr:`sample_next`) is its first
+        optimizer step, or lies between the first optimizer step of the batch before it and its own. The second
+        case is manual optimization making several optimizer steps in one batch (a GAN): hooks see whole batches,
+        so a sampled step inside a batch is observed on the next one (:attr:`late` names it). With one optimizer
+        step per batch, consecutive batches start one step apart and only the first case occurs.
+
+        Example:
+            >>> state = StepState(every_n_steps=3)
+            >>> [(s, state.late) for s in range(0, 12, 2) if state.sampled(s)]  # two optimizer steps a batch
+            [(0, None), (4, 3), (6, None), (10, 9)]
+        """
+        if step != self._batch_step:
+            self._previous, self._batch_step = self._batch_step, step
+        self.late = None
+        if step % self.every_n_steps == 0 or step == self.sample_next:
+            return True
+        late = self._passed(step, self.every_n_steps)
+        if late is None and self.sample_next is not None and self._previous is not None:
+            late = self.sample_next if self._previous < self.sample_next < step else None
+        self.late = late
+        return late is not None
+
+    def due(self, step: int, every: int) -> bool:
+        """Whether a multiple of ``every`` is ``step`` or lies inside the batch before it (see :meth:`sampled`).
+
+        Example:
+            >>> state = StepState(every_n_steps=2)
+            >>> [s for s in (0, 2, 4, 6) if state.sampled(s) and state.due(s, 3)]
+            [0, 4, 6]
+        """
+        return step % every == 0 or self._passed(step, every) is not None
+
+    def _passed(self, step: int, every: int) -> int | None:
+        """The last multiple of ``every`` after the previous batch's first step and before ``step``, or ``None``."""
+        previous = self._previous
+        if previous is None or previous >= step or previous // every == step // every:
+            return None
+        return step // every * every
 
     def open(self, step: int, layers: bool = True) -> OpenStep:
         """Open the window of ``step`` (replacing none: the callback closes a window before opening another)."""

@@ -14,10 +14,11 @@ Example:
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["boolean", "check", "choice", "integer", "module_names", "number"]
+__all__ = ["boolean", "check", "choice", "integer", "module_names", "names", "number"]
 
 T = TypeVar("T")
 
@@ -36,8 +37,16 @@ def check(name: str, value: T, valid: str, ok: Callable[[T], bool]) -> T:
     return value
 
 
+def _is_integral(value: Any) -> bool:
+    # bool is an int subclass: True would silently become 1. numbers.Integral covers numpy's and other integer
+    # scalars (np.bool_ is not registered as one).
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def number(name: str, value: Any, valid: str, ok: Callable[[float], bool]) -> float:
-    """A real number (``int`` or ``float``, never ``bool``) for which ``ok`` holds, as a ``float``.
+    """A real number for which ``ok`` holds, as a ``float``.
+
+    Any ``numbers.Real`` passes (``int``, ``float``, numpy scalars), never a ``bool``.
 
     Example:
         >>> number("spike_ratio", 10, "a finite number > 1", lambda v: 1 < v < float("inf"))
@@ -47,17 +56,21 @@ def number(name: str, value: Any, valid: str, ok: Callable[[float], bool]) -> fl
         ...
         ValueError: spike_ratio: expected a finite number > 1, got True
     """
-    # bool is an int subclass: True would silently become 1.0.
-    real = check(name, value, valid, lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and ok(float(v)))
+    real = check(name, value, valid, lambda v: not isinstance(v, bool) and isinstance(v, numbers.Real) and ok(float(v)))
     return float(real)
 
 
 def integer(
     name: str, value: Any, valid: str, ok: Callable[[int], bool] = lambda v: True, *, optional: bool = False
 ) -> Any:
-    """An ``int`` (never ``bool`` or ``float``) for which ``ok`` holds; ``None`` passes too when ``optional``.
+    """An integral number for which ``ok`` holds, as an ``int``; ``None`` passes too when ``optional``.
+
+    Any ``numbers.Integral`` passes (``int``, numpy integers), never a ``bool`` or a ``float``.
 
     Example:
+        >>> import numpy as np
+        >>> integer("every_n_steps", np.int64(5), "an integer >= 1", lambda v: v >= 1)
+        5
         >>> integer("histogram_bins", 7, "an even integer >= 4", lambda v: v >= 4 and v % 2 == 0)
         Traceback (most recent call last):
         ...
@@ -67,7 +80,7 @@ def integer(
     """
     if optional and value is None:
         return None
-    return check(name, value, valid, lambda v: not isinstance(v, bool) and isinstance(v, int) and ok(v))
+    return int(check(name, value, valid, lambda v: _is_integral(v) and ok(int(v))))
 
 
 def boolean(name: str, value: Any) -> bool:
@@ -113,4 +126,26 @@ def module_names(name: str, value: str | Iterable[str] | None) -> list[str] | No
     bad = [v for v in items if not isinstance(v, str) or not v]
     if bad:
         raise ValueError(f"{name}: expected non-empty module names or globs, got {bad!r}")
+    return items
+
+
+def names(name: str, value: str | Iterable[str] | None, known: Sequence[str], what: str = "name") -> list[str]:
+    """A name or an iterable of names, each one of ``known``, as a list; ``None`` is the empty list.
+
+    Example:
+        >>> names("extra_stats", "act_kurtosis", ["act_mean", "act_kurtosis"], "statistic")
+        ['act_kurtosis']
+        >>> names("extra_stats", ["act_kurtosis", "act_kurt"], ["act_mean", "act_kurtosis"], "statistic")
+        Traceback (most recent call last):
+        ...
+        ValueError: extra_stats: unknown statistic(s) ['act_kurt']; expected names from ['act_mean', 'act_kurtosis']
+    """
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else list(value) if isinstance(value, Iterable) else None
+    if items is None or not all(isinstance(v, str) for v in items):
+        raise ValueError(f"{name}: expected None, a {what} name or a sequence of them, got {value!r}")
+    unknown = sorted(set(items) - set(known))
+    if unknown:
+        raise ValueError(f"{name}: unknown {what}(s) {unknown}; expected names from {list(known)}")
     return items

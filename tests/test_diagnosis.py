@@ -93,15 +93,6 @@ def test_each_step_goes_into_the_history_after_the_rules_ran():
     assert diagnosis.history.points("param_norm", "w") == [(0, 1.0), (4, 3.0)]
 
 
-def test_a_new_fit_forgets_baseline_finite_steps_and_trends_but_not_the_alerts():
-    diagnosis = Diagnosis(RuleConfig())
-    diagnosis.step({**DEAD, "param_norm": {"w": 1.0}}, ["relu"], [], step=8)
-    diagnosis.start_fit()
-    assert (diagnosis.baseline, diagnosis.last_finite, diagnosis.history.names("param_norm")) == (None, {}, [])
-    assert diagnosis.history.window == 4 * RuleConfig().trend_window
-    assert diagnosis.step(DEAD, ["relu"], [], step=0).new == []  # still the same condition
-
-
 def test_the_state_dict_round_trips_through_json_without_the_baseline():
     diagnosis = Diagnosis(RuleConfig())
     diagnosis.step({**DEAD, "param_norm": {"w": 1.0}}, ["relu"], [], step=0)

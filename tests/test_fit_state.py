@@ -310,9 +310,10 @@ DIAGNOSIS = {"config", "alerts", "baseline", "last_finite", "history"}
 
 def test_the_callback_holds_its_configuration_its_results_and_one_run_slot():
     callback = LayerHealthCallback()
-    assert set(vars(callback)) == CONFIG | RESULTS | CHECKPOINTED | {"_run"}
+    assert set(vars(callback)) == CONFIG | RESULTS | CHECKPOINTED | {"_run", "_stage"}
     parameters = set(inspect.signature(LayerHealthCallback.__init__).parameters) - {"self"}
-    assert (parameters - {"rules"}) | {"rule_config"} == CONFIG  # one attribute per argument
+    # One attribute per argument; extra_stats is folded into stats.
+    assert (parameters - {"rules", "extra_stats"}) | {"rule_config"} == CONFIG
     assert callback._run is None
     # The rules' memory is one object, with the callback's rule settings, empty before the first fit.
     assert isinstance(callback._diagnosis, Diagnosis)
@@ -333,5 +334,5 @@ def test_the_run_is_one_object_from_fit_start_to_the_end_of_fit():
     make_trainer([callback, Look()], max_steps=3).fit(module())
     assert isinstance(runs[0], FitRun)
     assert all(run is runs[0] for run in runs)
-    assert set(vars(callback)) - {"log", "log_dict"} == CONFIG | RESULTS | CHECKPOINTED | {"_run"}
+    assert set(vars(callback)) - {"log", "log_dict"} == CONFIG | RESULTS | CHECKPOINTED | {"_run", "_stage"}
     assert callback._run is None

@@ -10,14 +10,15 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import TinyModule, make_trainer
+from conftest import TinyModule, make_data, make_trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 import lightning_hookdiag
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.report import ReportError, read_health_log
+from lightning_hookdiag.report import ReportError, ReportWarning, read_health_log
 from lightning_hookdiag.report.cli import main
 from lightning_hookdiag.report.plot import heatmap_figure, plot_heatmap
+from lightning_hookdiag.report.reading import read_csv_scalars
 
 REPO = Path(lightning_hookdiag.__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -400,3 +401,43 @@ def test_report_of_a_real_training_run(tmp_path: Path, capsys: pytest.CaptureFix
     out = capsys.readouterr().out
     assert [r[1] for r in summary_rows(out, callback.execution_order)] == callback.execution_order
     assert (log_dir / "layer_health_act_grad_norm.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.parametrize("cut", ["inside the step cell", "inside a value"])
+def test_a_csv_still_being_written_leaves_out_its_cut_last_row_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], cut: str
+) -> None:
+    callback = LayerHealthCallback(every_n_steps=1, summary=False)
+    trainer = make_trainer([callback], max_steps=12, logger=CSVLogger(tmp_path, name="fit"), log_every_n_steps=50)
+    trainer.fit(TinyModule(data=make_data(n=96)))
+    log_dir = Path(trainer.logger.log_dir)
+    whole = read_health_log(log_dir)
+    assert whole.steps == tuple(range(12))
+    csv_path = log_dir / "metrics.csv"
+    text = csv_path.read_text()
+    rows = text.splitlines(keepends=True)
+    assert rows[-1].rstrip("\n").endswith(",11")  # step is CSVLogger's last column (it sorts them)
+    # A run still writing: the last row is cut one character short of "11", or in the middle of its values.
+    last = rows[-1].rstrip("\n")
+    csv_path.write_text("".join(rows[:-1]) + (last[:-1] if cut == "inside the step cell" else last[: len(last) // 2]))
+
+    with pytest.warns(ReportWarning, match="last row has no line end") as caught:
+        log = read_health_log(log_dir)
+    assert str(csv_path) in str(caught[0].message)
+    assert log.steps == tuple(range(11))
+    assert log.stats == {
+        s: {n: {k: v for k, v in vs.items() if k < 11} for n, vs in ls.items()} for s, ls in whole.stats.items()
+    }
+
+    assert main(["report", str(log_dir)]) == 0
+    captured = capsys.readouterr()
+    (warning,) = [line for line in captured.err.splitlines() if line.startswith("hookdiag: warning:")]
+    assert "that row was skipped" in warning
+    assert "11 sampled steps (0..10)" in captured.out
+
+
+def test_a_csv_whose_header_is_still_being_written_is_read_as_empty(tmp_path: Path) -> None:
+    csv_path = tmp_path / "metrics.csv"
+    csv_path.write_text("epoch,layer_health/act_mean/fc,st")
+    with pytest.warns(ReportWarning, match="its header is incomplete"):
+        assert read_csv_scalars(csv_path) == []

@@ -69,3 +69,30 @@ def test_micro_batches_are_kept_per_optimizer_step():
     micro.release()
     assert (micro.step, micro.batches) == (None, [])
     assert not micro.holds(1)  # resumed inside a step: its micro-batches were never seen
+
+
+def test_a_sampled_step_inside_a_batch_is_observed_on_the_next_batch():
+    state = StepState(every_n_steps=3)
+    # Two optimizer steps a batch (a GAN): batches start at 0, 2, 4, ...; histograms every 9 steps (step 9 falls
+    # inside the batch of steps 8 and 9, so the histograms come with the next sampled batch, at 10).
+    found = [(s, state.late, state.due(s, 9)) for s in range(0, 24, 2) if state.sampled(s)]
+    assert found == [
+        (0, None, True),
+        (4, 3, False),
+        (6, None, False),
+        (10, 9, True),
+        (12, None, False),
+        (16, 15, False),
+        (18, None, True),
+        (22, 21, False),
+    ]
+    # Gradient accumulation: one step starts several batches; each asks again and gets the same answer.
+    state = StepState(every_n_steps=3)
+    assert [state.sampled(s) for s in (0, 0, 1, 1, 2, 2, 3, 3)] == [True, True, False, False, False, False, True, True]
+    # A trip that could not be replayed inside a batch: the step after it falls inside that batch too.
+    state = StepState(every_n_steps=10)
+    assert not state.sampled(2)
+    state.sample_next = 3
+    assert state.sampled(4)
+    assert state.late == 3
+    assert not state.sampled(6)  # once

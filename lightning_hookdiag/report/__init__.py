@@ -5,7 +5,7 @@ This package imports neither torch nor Lightning, so a run can be inspected wher
 command's use and output: ``docs/report.md``.
 """
 
-from lightning_hookdiag.report.errors import MissingExtraError, ReportError
+from lightning_hookdiag.report.errors import MissingExtraError, ReportError, ReportWarning
 from lightning_hookdiag.report.health_log import HealthLog, Scalar, build_health_log, depth_order, detect_prefix
 from lightning_hookdiag.report.reading import read_health_log
 from lightning_hookdiag.report.summary import format_summary
@@ -14,6 +14,7 @@ __all__ = [
     "HealthLog",
     "MissingExtraError",
     "ReportError",
+    "ReportWarning",
     "Scalar",
     "build_health_log",
     "depth_order",

@@ -10,9 +10,11 @@ import argparse
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
+from typing import Any
 
-from lightning_hookdiag.report.errors import MissingExtraError, ReportError
+from lightning_hookdiag.report.errors import MissingExtraError, ReportError, ReportWarning
 from lightning_hookdiag.report.health_log import HealthLog
 from lightning_hookdiag.report.reading import read_health_log
 from lightning_hookdiag.report.summary import format_summary
@@ -149,11 +151,16 @@ def _diff(args: argparse.Namespace) -> int:
     return _EXIT_DIFFERENT if differences else 0
 
 
+def _show_warning(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+    print(f"{_PROG}: warning: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``hookdiag`` command line and return its exit status.
 
     Errors in the input (missing folder, no logs, no health keys, unknown statistic, missing optional
-    dependency) print one ``hookdiag: error: ...`` line to stderr and return 2, never a traceback.
+    dependency) print one ``hookdiag: error: ...`` line to stderr and return 2, never a traceback. Logs read only
+    in part (a CSV row cut short by a run still writing it) print one ``hookdiag: warning: ...`` line each.
 
     Args:
         argv: Arguments without the program name; ``None`` reads ``sys.argv``.
@@ -172,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else _EXIT_ERROR
     code = 0
     try:
-        code = _report(args)
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", ReportWarning)
+            warnings.showwarning = _show_warning  # restored when the block ends
+            code = _report(args)
     except (ReportError, MissingExtraError) as exc:
         print(f"{_PROG}: error: {exc}", file=sys.stderr)
         return _EXIT_ERROR

@@ -1,8 +1,8 @@
-"""Errors of the report command: bad input it can explain in one line, and a missing optional dependency."""
+"""What the report command raises and warns: bad input in one line, a missing extra, logs read only in part."""
 
 from __future__ import annotations
 
-__all__ = ["MissingExtraError", "ReportError"]
+__all__ = ["MissingExtraError", "ReportError", "ReportWarning"]
 
 
 class ReportError(Exception):
@@ -11,3 +11,7 @@ class ReportError(Exception):
 
 class MissingExtraError(ImportError):
     """An optional dependency is not installed; the message names the ``pip install`` extra that provides it."""
+
+
+class ReportWarning(UserWarning):
+    """Part of the logs was left out (a CSV row cut short by a run still writing it); the message says which."""

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import csv
+import io
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
-from lightning_hookdiag.report.errors import MissingExtraError, ReportError
+from lightning_hookdiag.report.errors import MissingExtraError, ReportError, ReportWarning
 from lightning_hookdiag.report.health_log import HealthLog, Scalar, build_health_log, detect_prefix
 
 __all__ = [
@@ -90,7 +92,9 @@ def read_csv_scalars(path: str | os.PathLike[str]) -> list[Scalar]:
     r"""Every numeric cell of a CSVLogger ``metrics.csv``, with the ``step`` of its row.
 
     A row holds the keys of one ``log_metrics`` call and leaves the other columns empty; several rows may share a
-    step. Non-numeric cells are skipped.
+    step. Non-numeric cells are skipped. A last row without its line end (a run still writing the file) is left
+    out with a :class:`~lightning_hookdiag.report.ReportWarning`: CSVLogger writes ``step`` as the last column,
+    so a row cut inside it would file its values under a wrong step (``11`` cut to ``1``).
 
     Raises:
         ReportError: If the file cannot be read or has no ``step`` column.
@@ -106,22 +110,32 @@ def read_csv_scalars(path: str | os.PathLike[str]) -> list[Scalar]:
     scalars = []
     try:
         with open(path, newline="", encoding="utf-8") as file:
-            reader = csv.DictReader(file)
-            if reader.fieldnames is None:  # an empty file: the logger never saved a row
-                return []
-            if "step" not in reader.fieldnames:
-                raise ReportError(f"{path}: no 'step' column; not a Lightning CSVLogger {CSV_NAME}")
-            for row in reader:
-                step = _to_float(row.get("step") or "")
-                if step is None or not math.isfinite(step):
+            text = file.read()
+        if text and not text.endswith(("\n", "\r")):
+            end = max(text.rfind("\n"), text.rfind("\r")) + 1
+            what = "its header is incomplete" if end == 0 else "its last row has no line end"
+            warnings.warn(
+                f"{path}: {what} (is the run still writing it?); that {'file' if end == 0 else 'row'} was skipped",
+                ReportWarning,
+                stacklevel=2,
+            )
+            text = text[:end]
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        if reader.fieldnames is None:  # an empty file: the logger never saved a row
+            return []
+        if "step" not in reader.fieldnames:
+            raise ReportError(f"{path}: no 'step' column; not a Lightning CSVLogger {CSV_NAME}")
+        for row in reader:
+            step = _to_float(row.get("step") or "")
+            if step is None or not math.isfinite(step):
+                continue
+            for key, cell in row.items():
+                # A ragged row puts its extra cells under the key None, as a list.
+                if key is None or key == "step" or not isinstance(cell, str) or not cell:
                     continue
-                for key, cell in row.items():
-                    # A ragged row puts its extra cells under the key None, as a list.
-                    if key is None or key == "step" or not isinstance(cell, str) or not cell:
-                        continue
-                    value = _to_float(cell)
-                    if value is not None:
-                        scalars.append(Scalar(key, int(step), value))
+                value = _to_float(cell)
+                if value is not None:
+                    scalars.append(Scalar(key, int(step), value))
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise ReportError(f"{path}: cannot read it as CSV ({exc})") from exc
     return scalars

@@ -187,9 +187,8 @@ class RuleConfig:
         }
         for name, (valid, ok) in checks.items():
             object.__setattr__(self, name, number(name, getattr(self, name), valid, ok))
-        integer("spike_window", self.spike_window, "an integer >= 3", lambda v: v >= 3)
-        window = self.spike_window
-        integer(
+        window = integer("spike_window", self.spike_window, "an integer >= 3", lambda v: v >= 3)
+        warmup = integer(
             "spike_warmup", self.spike_warmup, f"an integer in [3, spike_window={window}]", lambda v: 3 <= v <= window
         )
         limit = self.attn_logit_threshold
@@ -200,8 +199,16 @@ class RuleConfig:
             lambda v: 0.0 <= v < limit,
         )
         object.__setattr__(self, "attn_trend_floor", floor)
-        integer("attn_trend_horizon", self.attn_trend_horizon, "an integer >= 1", lambda v: v >= 1)
-        integer("trend_window", self.trend_window, "an integer >= 3", lambda v: v >= 3)
+        horizon = integer("attn_trend_horizon", self.attn_trend_horizon, "an integer >= 1", lambda v: v >= 1)
+        trend = integer("trend_window", self.trend_window, "an integer >= 3", lambda v: v >= 3)
+        # Stored as int: a numpy integer from a config would otherwise leak into arithmetic and checkpoints.
+        for name, value in (
+            ("spike_window", window),
+            ("spike_warmup", warmup),
+            ("attn_trend_horizon", horizon),
+            ("trend_window", trend),
+        ):
+            object.__setattr__(self, name, value)
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any] | None) -> RuleConfig:
