@@ -241,8 +241,10 @@ class LayerStatsAggregator(Metric):
         self._unit_owner = torch.cat(owners)
 
     def _add_units(self, layer: int, units: Tensor) -> None:
-        if torch.promote_types(units.dtype, self.unit_max.dtype) != self.unit_max.dtype:
-            units = units.to(self.unit_max.dtype)  # float64 outputs; float32/16 ones promote inside fmax
+        if units.dtype.itemsize > self.unit_max.dtype.itemsize:
+            # float64 outputs; float32/16 ones promote inside fmax. (A dtype test, not torch.promote_types, which
+            # is dispatched like an op on every hooked call.)
+            units = units.to(self.unit_max.dtype)
         size = self.unit_sizes[layer]
         if size:
             if units.numel() != size:
@@ -274,6 +276,19 @@ class LayerStatsAggregator(Metric):
         """:meth:`activation_row` for an output gradient (:func:`~lightning_hookdiag.stats.gradient_row`)."""
         self._mark_stale()
         return self._grad_calls.row(layer, numel, self.act_moments.device)
+
+    def activation_rows(self, layers: list[int], numel: int) -> Tensor:
+        """``[len(layers), ACT_ROW]`` consecutive rows for outputs of ``numel`` elements of ``layers``, in order.
+
+        The caller writes them with :func:`~lightning_hookdiag.stats.activation_rows` (a stack of small outputs).
+        """
+        self._mark_stale()
+        return self._act_calls.rows(layers, numel, self.act_moments.device)
+
+    def gradient_rows(self, layers: list[int], numel: int) -> Tensor:
+        """:meth:`activation_rows` for output gradients (:func:`~lightning_hookdiag.stats.gradient_rows`)."""
+        self._mark_stale()
+        return self._grad_calls.rows(layers, numel, self.act_moments.device)
 
     def add_count(self, layer: int, numel: int) -> None:
         """Count one output of ``numel`` elements without its moments (no moment statistic was asked for)."""
@@ -587,14 +602,18 @@ class _Calls:
         self._cache: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[Tensor, Tensor]] = {}
 
     def row(self, layer: int, count: int, device: torch.device) -> Tensor:
-        i = len(self.layers)
-        if i >= self.table.shape[0] or self.table.device != device:
-            grown = torch.empty(max(16, 2 * i), self.width, dtype=self.dtype, device=device)
+        return self.rows([layer], count, device)[0]
+
+    def rows(self, layers: list[int], count: int, device: torch.device) -> Tensor:
+        """``len(layers)`` consecutive rows, for calls of ``count`` elements each."""
+        i, k = len(self.layers), len(layers)
+        if i + k > self.table.shape[0] or self.table.device != device:
+            grown = torch.empty(max(16, 2 * i, i + k), self.width, dtype=self.dtype, device=device)
             grown[:i].copy_(self.table[:i])
             self.table = grown
-        self.layers.append(layer)
-        self.counts.append(count)
-        return self.table[i]
+        self.layers.extend(layers)
+        self.counts.extend([count] * k)
+        return self.table[i : i + k]
 
     def take(self) -> tuple[Tensor, Tensor, Tensor] | None:
         """``(rows, layer index, counts)`` of the calls since the last take, or ``None``; the calls are cleared."""

@@ -215,6 +215,7 @@ class FitRun:
             "unit_layers": unit_layers,
             "unit_dim": config.unit_dim,
             "names": layer_names,
+            "stack_small": True,
         }
         # The default path keeps the plain StepRecorder: opt-in statistics cost nothing unless asked for.
         recorder = (
@@ -461,6 +462,7 @@ class FitRun:
             agg.add_saved_bytes(self.saved.pop_peak())
         if self.probes is not None:
             self.probes.fold(agg)
+        recorder.flush()  # the stacked small outputs and gradients, before the fold
         agg.update(params=None if updated is None else (updated[0], updated[1], P_UPDATE_SQ))
         values = agg.compute()  # reduced over processes: one SUM and one MAX all-reduce (aggregation.py)
         wanted = self._wanted(window.layers, before_update)

@@ -47,6 +47,7 @@ __all__ = [
     "chunked_sum",
     "activation_moments",
     "activation_row",
+    "activation_rows",
     "finalize_dead_fraction",
     "histogram_counts",
     "histogram_edges",
@@ -55,6 +56,7 @@ __all__ = [
     "gradient_moments",
     "gradient_moments_from_rows",
     "gradient_row",
+    "gradient_rows",
     "moments_from_rows",
     "resolve_stats",
     "square_sum",
@@ -240,7 +242,9 @@ class Workspace:
         self._views = {}
 
 
-def _finite_copy(x: Tensor, wide: torch.dtype, workspace: Workspace, signed_zeros: bool) -> tuple[Tensor, ...]:
+def _finite_copy(
+    x: Tensor, wide: torch.dtype, workspace: Workspace, signed_zeros: bool, dim: int | None = None
+) -> tuple[Tensor, ...]:
     """``(finite, pair, nonzero, nonzero_finite)``: ``x`` with NaN/Inf set to 0 in its own dtype, and two counts.
 
     Three passes over ``x``'s bytes (half of float64's for float32 input), each exact in any precision: a copy,
@@ -248,7 +252,9 @@ def _finite_copy(x: Tensor, wide: torch.dtype, workspace: Workspace, signed_zero
     ``count_nonzero`` on floats is 20 times slower on the CPU). The copy is ``x + 0.0`` where ``signed_zeros`` is
     False, which turns ``-0.0`` into ``0.0`` (``-0.0 + 0.0 == 0.0``) so that the counts count it as zero; otherwise
     ``-0.0`` counts as non-zero in both counts, which keeps their difference, the non-finite count, exact, and the
-    copy is NaN/Inf to 0 itself (one pass fewer) after counting ``x``. ``pair`` is the float64 workspace.
+    copy is NaN/Inf to 0 itself (one pass fewer) after counting ``x``. ``pair`` is the float64 workspace. With
+    ``dim=1`` ``x`` is a ``[k, n]`` stack of tensors, counted row by row; ``finite`` and ``pair`` then have its shape
+    (``pair``: ``[2, k, n]``).
     """
     if x.numel() > CHUNK_ELEMENTS:
         raise ValueError(
@@ -259,14 +265,16 @@ def _finite_copy(x: Tensor, wide: torch.dtype, workspace: Workspace, signed_zero
     if x.dtype not in _BITS_OF:
         x = x.float()  # float8 and other exotic floats: widen exactly (no statistic needs their bit pattern)
     finite, bits, pair = workspace.get(x.numel(), x.dtype, wide, x.device)
+    if dim is not None:
+        finite, bits, pair = finite.view(x.shape), bits.view(x.shape), pair.view(2, *x.shape)
     if signed_zeros:
-        nonzero = torch.count_nonzero(x.view(bits.dtype))
+        nonzero = torch.count_nonzero(x.view(bits.dtype), dim=dim)
         torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0, out=finite.view(x.shape))
     else:
         torch.add(x, 0.0, out=finite.view(x.shape))
-        nonzero = torch.count_nonzero(bits)
+        nonzero = torch.count_nonzero(bits, dim=dim)
         finite.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    return finite, pair, nonzero, torch.count_nonzero(bits)
+    return finite, pair, nonzero, torch.count_nonzero(bits, dim=dim)
 
 
 def activation_row(x: Tensor, out: Tensor, workspace: Workspace | None = None) -> Tensor:
@@ -322,6 +330,45 @@ def gradient_row(g: Tensor, out: Tensor, workspace: Workspace | None = None) -> 
     values = pair[0]
     values.copy_(finite)
     return torch.stack([nonzero, nonzero_finite, torch.dot(values, values)], out=out)
+
+
+def activation_rows(x: Tensor, out: Tensor, workspace: Workspace | None = None) -> Tensor:
+    """:func:`activation_row` of every row of a ``[k, n]`` stack of tensors, into the ``[k, ACT_ROW]`` ``out``.
+
+    The same 9 ops and the same values as ``k`` calls of :func:`activation_row`, reduced along the rows: the
+    recorder stacks the small outputs of a step (many layers, few elements each) and pays the ops once per stack.
+
+    Args:
+        x: ``[k, n]`` floating-point values, at most :data:`CHUNK_ELEMENTS` in all.
+        out: ``[k, ACT_ROW]``, where the rows are written.
+        workspace: Scratch memory reused across calls; ``None`` allocates temporaries.
+
+    Example:
+        >>> x = torch.tensor([[0.0, -3.0, 4.0], [1.0, float("nan"), 2.0]])
+        >>> activation_rows(x, torch.empty(2, ACT_ROW)).tolist()
+        [[2.0, 2.0, 1.0, 25.0, -3.0, 4.0], [3.0, 2.0, 3.0, 5.0, 0.0, 2.0]]
+    """
+    finite, pair, nonzero, nonzero_finite = _finite_copy(x, out.dtype, workspace or Workspace(), False, dim=1)
+    low, high = torch.aminmax(finite, dim=1)
+    values, squares = pair
+    values.copy_(finite)
+    torch.mul(values, values, out=squares)
+    total, square_total = pair.sum(dim=-1)
+    return torch.stack([nonzero, nonzero_finite, total, square_total, low, high], dim=-1, out=out)
+
+
+def gradient_rows(g: Tensor, out: Tensor, workspace: Workspace | None = None) -> Tensor:
+    """:func:`gradient_row` of every row of a ``[k, n]`` stack of gradients, into the ``[k, GRAD_ROW]`` ``out``.
+
+    Example:
+        >>> gradient_rows(torch.tensor([[3.0, 4.0], [float("inf"), -0.0]]), torch.empty(2, GRAD_ROW)).tolist()
+        [[2.0, 2.0, 25.0], [2.0, 1.0, 0.0]]
+    """
+    finite, pair, nonzero, nonzero_finite = _finite_copy(g, out.dtype, workspace or Workspace(), True, dim=1)
+    values, squares = pair
+    values.copy_(finite)
+    torch.mul(values, values, out=squares)
+    return torch.stack([nonzero, nonzero_finite, squares.sum(dim=-1)], dim=-1, out=out)
 
 
 def moments_from_rows(rows: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:

@@ -160,3 +160,77 @@ def test_moments_off_still_counts_the_elements():
     assert out["count"].tolist() == [6.0, 4.0]
     assert out["act_dead_frac"][1].item() == 0.5
     assert agg.act_moments[:, 1:].abs().sum().item() == 0.0  # no moments were computed
+
+
+# ------------------------------------------------------------------ issue 27 item 6: small tensors reduced in stacks
+def _stacked_and_single(outputs: dict[int, list[torch.Tensor]], monkeypatch=None):
+    results = []
+    for stack_small in (True, False):
+        agg = LayerStatsAggregator(n_layers=len(outputs))
+        recorder = StepRecorder(agg, stack_small=stack_small)
+        for layer, calls in outputs.items():
+            for output in calls:
+                recorder.on_output(layer, output)
+                recorder.on_grad(layer, output * 3)
+        recorder.flush()
+        agg.update()
+        results.append(agg.compute())
+        recorder.release()
+    return results
+
+
+def test_stacked_small_outputs_and_gradients_match_the_reference_and_the_single_path():
+    outputs = layer_outputs()
+    outputs[6] = [torch.randn(16, 32, dtype=torch.bfloat16), torch.full((16, 32), -0.0, dtype=torch.bfloat16)]
+    outputs[7] = [torch.randn(3, 4).t()]  # not contiguous
+    stacked, single = _stacked_and_single(outputs)
+    for layer, calls in outputs.items():
+        expected = reference(calls)
+        for stat, value in expected.items():
+            assert stacked[stat][layer].item() == pytest.approx(value, rel=1e-6, abs=1e-12), (layer, stat)
+            assert stacked[stat][layer].item() == pytest.approx(single[stat][layer].item(), rel=1e-12, abs=0), stat
+        finite = torch.cat([(c * 3).double().reshape(-1) for c in calls])  # the gradients as recorded (bf16 too)
+        finite = finite[torch.isfinite(finite)]
+        norm = finite.square().sum().sqrt().item()
+        assert stacked["act_grad_norm"][layer].item() == pytest.approx(norm, rel=1e-6)
+        assert stacked["act_grad_nonfinite"][layer].item() == sum((~torch.isfinite(c)).sum().item() for c in calls)
+
+
+def test_a_full_stack_is_reduced_at_once_and_the_copies_stay_bounded(monkeypatch):
+    from lightning_hookdiag import stats as S
+
+    monkeypatch.setattr(S, "CHUNK_ELEMENTS", 64)  # a stack of 16-element outputs holds 4 of them
+    outputs = {i: [torch.randn(4, 4) + i] for i in range(10)}
+    agg = LayerStatsAggregator(n_layers=10)
+    recorder = StepRecorder(agg, stack_small=True)
+    for layer, calls in outputs.items():
+        recorder.on_output(layer, calls[0])
+    assert len(agg._act_calls.layers) == 8  # two full stacks reduced, the last two outputs still held
+    assert all(b.numel() <= 64 for b in recorder._act_stacks._buffers.values())
+    recorder.flush()
+    assert len(agg._act_calls.layers) == 10
+    agg.update()
+    out = agg.compute()
+    for layer, calls in outputs.items():
+        assert out["act_mean"][layer].item() == pytest.approx(calls[0].double().mean().item(), rel=1e-9)
+
+
+def test_an_output_changed_in_place_after_its_hook_is_measured_as_it_was():
+    agg = LayerStatsAggregator(n_layers=1)
+    recorder = StepRecorder(agg, stack_small=True)
+    x = torch.tensor([[-1.0, 2.0], [3.0, -4.0]])
+    recorder.on_output(0, x)
+    torch.relu_(x)  # what ReLU(inplace=True) after the layer does
+    recorder.flush()
+    agg.update()
+    assert agg.compute()["act_mean"].item() == 0.0  # (-1 + 2 + 3 - 4) / 4, not the ReLU's 5 / 4
+
+
+def test_release_drops_what_the_stacks_hold():
+    agg = LayerStatsAggregator(n_layers=1)
+    recorder = StepRecorder(agg, stack_small=True)
+    recorder.on_output(0, torch.ones(3))
+    recorder.release()
+    recorder.flush()
+    assert agg._act_calls.layers == []
+    assert recorder._act_stacks._buffers == {}

@@ -195,6 +195,20 @@ def test_kernel_launch_budget_per_hooked_tensor_holds_and_the_rest_does_not_grow
     assert fixed[1] == fixed[12], fixed
 
 
+def test_many_small_layers_cost_at_most_five_launches_each():
+    # Issue 27 item 6: small outputs and gradients are copied into stacks (one op each) and reduced a stack at a
+    # time, so on 48 x (Linear(64) + ReLU) every launching op the callback adds to a sampled step, the parameters'
+    # and the pooling's included, comes to at most 5 per hooked layer (it was about 18).
+    overhead = load_benchmark("overhead")
+    spec = overhead.model_specs(quick=False)["mlp48"]
+    batch = spec.batch(torch.Generator().manual_seed(0))
+    plain, every = overhead.count_ops(spec, batch, "plain"), overhead.count_ops(spec, batch, "every_step")
+    layers = every["per_output"]["calls_per_step"]
+    assert layers == 97
+    extra = every["sampled"]["launching"] - plain["sampled"]["launching"]
+    assert extra <= 5 * layers, (extra, every["top_sampled"])
+
+
 # ------------------------------------------------------------------------- issue 27, item 4: no host-to-device copies
 class Attention(nn.Module):
     """Causal self-attention through ``F.scaled_dot_product_attention``, two heads."""
