@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.attention import PrecursorProbes, attention_scope
+from lightning_hookdiag.batches import repeated_rows
 from lightning_hookdiag.hooks import HookSet
 from lightning_hookdiag.metrics import KeyCache, Note, StepFacts, layer_notes, missing_grad_notes, step_values
 from lightning_hookdiag.modes import EvalModeWatch
@@ -42,6 +43,7 @@ from lightning_hookdiag.saved_memory import SavedMemoryTracker
 from lightning_hookdiag.selection import excluded_names, named_modules, resolve_layers, unmatched_error
 from lightning_hookdiag.stats import accumulation_dtype
 from lightning_hookdiag.step_state import OpenStep, StepState
+from lightning_hookdiag.unregistered import UnregisteredWatch
 from lightning_hookdiag.updates import StepWatch
 from lightning_hookdiag.vocabulary import (
     GRADIENT_STATS,
@@ -72,6 +74,8 @@ class FitConfig:
         output_layer: The module of ``logit_lse_mean`` / ``logit_absmax``, or ``None``.
         sentinel_grads: The sentinel also checks the selected parameters' gradients (``"loss+grads"``).
         eval_mode: Rule ``eval_mode`` is enabled (watch the modules' train/eval mode).
+        unregistered: Rule ``unregistered_module`` is enabled (watch for modules that run unregistered).
+        batch_rows: Rule ``repeated_batch`` is enabled (compare the rows of each sampled batch).
     """
 
     every_n_steps: int
@@ -88,6 +92,8 @@ class FitConfig:
     output_layer: str | None
     sentinel_grads: bool
     eval_mode: bool
+    unregistered: bool = False
+    batch_rows: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,7 @@ class ObservedStep:
         backward_order: Module names in the order their output gradient first arrived.
         missing_grads: Outputs that required grad but received none (rule ``no_gradient``).
         eval_mode: Mode-dependent modules found in eval mode (rule ``eval_mode``).
+        unregistered: Registered module to the unregistered modules its forward ran (rule ``unregistered_module``).
         param_facts: Learning rates and applied steps per parameter (rule ``not_updated``).
         histogram_edges: The inner bin edges, when the step logs histograms.
     """
@@ -123,6 +130,7 @@ class ObservedStep:
     eval_mode: dict[str, str]
     param_facts: dict[str, ParamFacts]
     histogram_edges: list[float] | None = None
+    unregistered: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -151,6 +159,7 @@ class FitRun:
     state: StepState
     watch: StepWatch = field(default_factory=StepWatch)
     """Learning rates and applied steps of the open window, for ``not_updated``."""
+    unregistered: UnregisteredWatch | None = None
 
     @classmethod
     def start(
@@ -236,6 +245,7 @@ class FitRun:
             modes=EvalModeWatch(pl_module) if config.eval_mode else None,
             keys=KeyCache(config.prefix),
             state=StepState(config.every_n_steps),
+            unregistered=UnregisteredWatch(pl_module) if config.unregistered else None,
         )
 
     # ------------------------------------------------------------------------------------------------ micro-batches
@@ -246,6 +256,17 @@ class FitRun:
             self.modes.batch_start()
         if self.probes is not None:
             self.probes.attach()
+        if self.unregistered is not None:
+            self.unregistered.attach()
+
+    def observe_batch(self, batch: Any) -> None:
+        """A sampled micro-batch starts: whether its rows repeat one sample (rule ``repeated_batch``), on the device."""
+        window = self.state.window
+        if window is None or not self.config.batch_rows:
+            return
+        same = repeated_rows(batch)
+        if same is not None:
+            window.repeated = same if window.repeated is None else window.repeated & same
 
     def end_forward(self, loss: Tensor | None = None) -> None:
         """The micro-batch's forward is over (``loss``: what is back-propagated): the probes never see backward."""
@@ -253,6 +274,8 @@ class FitRun:
             self.modes.before_backward()  # the sampled forward ran between batch start and here
         if self.probes is not None and self.probes.attached:
             self.probes.end_forward(loss)
+        if self.unregistered is not None:
+            self.unregistered.remove()
 
     def end_micro_batch(self) -> None:
         """Remove the micro-batch's hooks; its companions keep what they measured."""
@@ -260,6 +283,8 @@ class FitRun:
             self.hooks.remove(finished=True)
         if self.probes is not None and self.probes.attached:
             self.probes.end_forward()  # no backward (a training_step that returned no loss): the output still counts
+        if self.unregistered is not None:
+            self.unregistered.remove()
 
     def end_closure(self) -> None:
         """An optimizer closure's forward and backward are over, the hooks stay attached for the next one.
@@ -274,6 +299,8 @@ class FitRun:
         """Remove every hook; an interrupted micro-batch's partial measurements are dropped. Idempotent."""
         if self.probes is not None:
             self.probes.remove()
+        if self.unregistered is not None:
+            self.unregistered.remove()
         self.hooks.remove()
 
     # ------------------------------------------------------------------------------------------------------ windows
@@ -311,6 +338,8 @@ class FitRun:
         self.hooks.clear_order()
         if self.modes is not None:
             self.modes.take()  # a discarded window's eval-mode findings are not the next one's
+        if self.unregistered is not None:
+            self.unregistered.take()
         self.recorder.release()
         self.aggregator.reset()
         self.aggregator.grad_scale = None
@@ -426,6 +455,9 @@ class FitRun:
         if window.stale is not None:
             values = {**values, "stale_grad_sq": window.stale.to(values["count"].device)}
             names.append("stale_grad_sq")
+        if window.repeated is not None:  # this process's batches only: a repeated batch is a fact of its loader
+            values = {**values, "batch_repeated": window.repeated.to(values["count"].device)}
+            names.append("batch_repeated")
         if "param_norm" in wanted and "param_norm_min" in values:  # replicated parameters of a distributed run
             names.append("param_norm_min")
         histograms = recorder.histograms
@@ -456,6 +488,7 @@ class FitRun:
             backward_order=[hooks.names[i] for i in hooks.grad_order],
             missing_grads=hooks.missing_grads(),  # the whole window's, replays included: rule no_gradient
             eval_mode=self.modes.take() if self.modes is not None else {},
+            unregistered=self.unregistered.take() if self.unregistered is not None else {},
             param_facts=self.watch.facts(self.param_names, self.tracker.params) if self.tracker is not None else {},
             histogram_edges=agg.histogram_edges.tolist() if histograms else None,
         )

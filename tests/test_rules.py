@@ -555,7 +555,8 @@ def test_alert_state_counts_every_finding_seen():
                             "vanishing_gradient": 0, "exploding_gradient": 0, "saturation": 0,
                             "precision_headroom": 0, "update_ratio": 0, "stale_gradients": 0,
                             "input_scale": 0, "not_updated": 0, "replica_divergence": 0,
-                            "attention_logits": 0, "logit_drift": 0, "update_jump": 0}  # fmt: skip
+                            "attention_logits": 0, "logit_drift": 0, "update_jump": 0, "repeated_batch": 0,
+                            "unregistered_module": 0}  # fmt: skip
 
 
 def test_alert_state_round_trips_through_json_and_pickle():

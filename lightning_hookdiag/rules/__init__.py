@@ -26,13 +26,14 @@ from lightning_hookdiag.rules.alerts import AlertState
 from lightning_hookdiag.rules.config import EVENT_RULES, RULES, RuleConfig
 from lightning_hookdiag.rules.context import Baseline, ParamFacts
 from lightning_hookdiag.rules.evaluation import evaluate, format_error
-from lightning_hookdiag.rules.findings import LOSS, ROOT, Finding
+from lightning_hookdiag.rules.findings import BATCH, LOSS, ROOT, Finding
 from lightning_hookdiag.rules.findings import PHASES as PHASES
 from lightning_hookdiag.rules.gradients import cut_off
 from lightning_hookdiag.rules.logged import values_from_metrics
 from lightning_hookdiag.rules.parameters import moved_mass_bound
 
 __all__ = [
+    "BATCH",
     "EVENT_RULES",
     "LOSS",
     "ROOT",

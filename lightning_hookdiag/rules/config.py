@@ -38,6 +38,8 @@ RULES: tuple[str, ...] = (
     "attention_logits",
     "logit_drift",
     "update_jump",
+    "repeated_batch",
+    "unregistered_module",
 )
 """Names of the health rules, in the order findings of the same layer are listed."""
 

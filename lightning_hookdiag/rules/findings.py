@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "BATCH",
     "LOSS",
     "MAX_LISTED",
     "PHASES",
@@ -27,6 +28,10 @@ PHASES: tuple[str, ...] = ("forward", "backward")
 
 LOSS = "loss"
 """The ``layer`` of a finding about the loss itself rather than about one layer."""
+
+
+BATCH = "<batch>"
+"""The ``layer`` of a finding about the training batch itself, before any layer (``repeated_batch``)."""
 
 
 ROOT = "<root>"

@@ -1,7 +1,8 @@
 """The rules on what the optimizer step did to the weights.
 
-``update_ratio``, ``stale_gradients``, ``not_updated`` (:func:`moved_mass_bound`) and ``replica_divergence``
-(``docs/rules.md#not_updated-why-a-parameter-did-not-move``, ``docs/rules.md#replica_divergence``).
+``update_ratio``, ``stale_gradients``, ``not_updated`` (:func:`moved_mass_bound`), ``replica_divergence`` and
+``unregistered_module`` (``docs/rules.md#not_updated-why-a-parameter-did-not-move``,
+``docs/rules.md#replica_divergence``, ``docs/rules.md#unregistered_module``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ __all__ = [
     "not_updated",
     "replica_divergence",
     "stale_gradients",
+    "unregistered_module",
     "update_ratio",
 ]
 
@@ -284,6 +286,29 @@ def replica_divergence(ctx: Context) -> list[Finding]:
                 " model",
                 phase="forward",
                 stat="param_norm",
+            )
+        )
+    return out
+
+
+def unregistered_module(ctx: Context) -> list[Finding]:
+    """Rule ``unregistered_module``: layers with trainable parameters ran in the forward without being submodules."""
+    out: list[Finding] = []
+    for parent, modules in ctx.unregistered.items():
+        out.append(
+            Finding(
+                rule="unregistered_module",
+                layer=parent,
+                step=ctx.step,
+                value=float(len(modules)),
+                threshold=0.0,
+                message=f"unregistered_module at step {ctx.step}: the forward of {parent} ran"
+                f" {plural(len(modules), 'module')} with trainable parameters outside its registered submodules:"
+                f" {listing(list(modules))}. self.parameters() does not yield their"
+                " parameters, so no optimizer built from it updates them, no checkpoint saves them and .to(device)"
+                " does not move them; hold layers in nn.ModuleList / nn.ModuleDict, not in a Python list or dict",
+                phase="forward",
+                stat="registration",
             )
         )
     return out
