@@ -291,9 +291,8 @@ class _CopyLM(pl.LightningModule):
 def _copy_run(qk_norm: bool, steps: int = 120) -> tuple[_CopyLM, LayerHealthCallback, _Watch]:
     torch.manual_seed(0)
     module = _CopyLM(qk_norm, lr=0.03)
-    health = LayerHealthCallback(
+    health = LayerHealthCallback(  # the default statistics: the precursors are among them
         every_n_steps=2,
-        stats=["attn_logit_max", "logit_lse_mean"],
         on_anomaly="ignore",
         summary=False,
         rules={"enabled": PRECURSOR_RULES},
