@@ -41,6 +41,7 @@ def repeated_rows(batch: Any) -> Tensor | None:
     healthy batches of few classes. ``None`` when no tensor counts.
 
     Example:
+        >>> import torch
         >>> x = torch.arange(6.0).repeat(8, 1)
         >>> repeated_rows((x, torch.zeros(8))).item(), repeated_rows({"x": torch.randn(8, 6)}).item()
         (True, False)

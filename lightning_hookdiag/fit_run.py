@@ -218,6 +218,8 @@ class FitRun:
         probes = _precursor_probes(config, pl_module, modules)
         if probes is not None:
             probes.register(aggregator)
+        if config.batch_rows:  # [judged, differs]: a maximum over micro-batches and processes
+            aggregator.register_extra("batch_rows", torch.zeros(2, dtype=torch.float64, device=device), "max")
         on_grad = recorder.on_grad if wanted & set(GRADIENT_STATS) or plan.grad_targets else None
         hooks = HookSet(
             modules, None, on_grad, on_tensor=recorder.on_tensor, companions=[saved] if saved is not None else []
@@ -260,13 +262,20 @@ class FitRun:
             self.unregistered.attach()
 
     def observe_batch(self, batch: Any) -> None:
-        """A sampled micro-batch starts: whether its rows repeat one sample (rule ``repeated_batch``), on the device."""
-        window = self.state.window
-        if window is None or not self.config.batch_rows:
+        """A sampled micro-batch starts: whether its rows repeat one sample (rule ``repeated_batch``), on the device.
+
+        Pooled as ``[judged, differs]`` by maximum: the step's batches repeat when some process judged one and no
+        micro-batch of any process differed, so every process reaches the same finding.
+        """
+        if self.state.window is None or not self.config.batch_rows:
             return
         same = repeated_rows(batch)
-        if same is not None:
-            window.repeated = same if window.repeated is None else window.repeated & same
+        if same is None:
+            return
+        seen = torch.zeros(2, dtype=torch.float64, device=self.aggregator.batch_rows.device)
+        seen[0] = 1.0
+        seen[1] = ~same.to(seen.device)
+        self.aggregator.pool_extra("batch_rows", seen)
 
     def end_forward(self, loss: Tensor | None = None) -> None:
         """The micro-batch's forward is over (``loss``: what is back-propagated): the probes never see backward."""
@@ -455,9 +464,8 @@ class FitRun:
         if window.stale is not None:
             values = {**values, "stale_grad_sq": window.stale.to(values["count"].device)}
             names.append("stale_grad_sq")
-        if window.repeated is not None:  # this process's batches only: a repeated batch is a fact of its loader
-            values = {**values, "batch_repeated": window.repeated.to(values["count"].device)}
-            names.append("batch_repeated")
+        if "batch_rows" in values:
+            names.append("batch_rows")
         if "param_norm" in wanted and "param_norm_min" in values:  # replicated parameters of a distributed run
             names.append("param_norm_min")
         histograms = recorder.histograms

@@ -37,7 +37,6 @@ class OpenStep:
             once per closure evaluation: the first call sees the weights from before the step).
         stale: Squares of the gradients still held at the window's first backward (``stale_gradients``).
         stale_checked: Whether the stale gradients were looked at (only at the first backward).
-        repeated: Whether every sampled micro-batch so far held one row repeated (``repeated_batch``), or ``None``.
     """
 
     step: int
@@ -46,7 +45,6 @@ class OpenStep:
     stepped: set[int] = field(default_factory=set)
     stale: Any = None
     stale_checked: bool = False
-    repeated: Any = None
 
     def first_call(self, optimizer: object) -> bool:
         """Whether ``optimizer`` is stepped here for the first time in this window (and record that it was).

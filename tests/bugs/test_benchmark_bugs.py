@@ -25,3 +25,5 @@ def test_the_bug_table_has_a_row_per_case_and_totals(capsys, monkeypatch):
     assert f"false alarms on 0/{len(CASES)} fixed twins and on 0/7 healthy zoo models" in out
     assert "| bugs localised |" in out
     assert "34/53" in out
+    named = {name for _, _, names in module.CATEGORIES for name in names}
+    assert named <= {c.name for c in CASES}  # every category lists real cases
