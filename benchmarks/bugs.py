@@ -31,10 +31,41 @@ DEFAULT_EVERY = 50
 ZOO_STEPS = 42
 # DeepDiagnosis (Wardat et al., ICSE 2022), on its benchmark of 53 buggy and 188 healthy models.
 DEEPDIAGNOSIS = {"identified": (46, 53), "localised": (34, 53), "healthy flagged": (67, 188)}
+# Where each case sits in the categories the field reports (a case may sit in several).
+CATEGORIES = [
+    ("issue 28, stretch", "layers in a Python list; a repeated-sample batch; a softmax before cross-entropy",
+     ["layers_in_a_python_list", "repeated_sample_batch", "double_softmax"]),
+    ("PyTorch forum", "\"no trainable layers\", \"eval() before forward\", eval mode left on, zero_grad forgotten",
+     ["layers_in_a_python_list", "eval_before_forward", "eval_mode_left_on", "grads_never_zeroed"]),
+    ("DeepDiagnosis: numerical errors", "NaN/Inf made in the forward or the backward",
+     ["nan_log_in_wrapper", "nan_from_sqrt"]),
+    ("DeepDiagnosis: dying ReLU", "units <= 0 for every sample",
+     ["dying_relus", "sgd_lr_too_high", "zero_init", "relu_on_the_output"]),
+    ("DeepDiagnosis: saturated activation", "Tanh/Sigmoid at their bounds", ["saturating_tanh"]),
+    ("DeepDiagnosis: vanishing / exploding gradient", "the gradient fades or grows towards the input",
+     ["deep_sigmoid", "exploding_no_clipping", "exploding_relu_rnn", "loss_summed_not_averaged"]),
+    ("DeepDiagnosis: unchanged weight", "weights that do not move",
+     ["head_not_in_optimizer", "bf16_rounded_away", "lr_too_low", "tiny_gradient_clip", "step_lr_every_step"]),
+    ("DeepDiagnosis: preprocessing, last-layer activation, layout", "what the fixes of their benchmark change",
+     ["raw_pixels", "one_feature_in_raw_units", "unnormalised_batch", "relu_on_the_output", "double_softmax",
+      "sigmoid_into_bce_with_logits", "missing_activation"]),
+    ("TrainCheck: API misuse and silent pipeline errors", "optimizer membership, mode, gradient flow, scheduler,"
+     " data pipeline, precision",
+     ["head_not_in_optimizer", "grads_never_zeroed", "eval_mode_left_on", "stray_detach", "no_grad_body",
+      "step_lr_every_step", "repeated_sample_batch", "wrong_label_batch", "bf16_rounded_away"]),
+]  # fmt: skip
 ELSEWHERE = [
     (
         "DDP replicas out of sync (a rank-dependent update, a buffer never broadcast)",
         "`replica_divergence`, tested with 2 gloo processes in the DDP tests of that rule (not repeated here)",
+    ),
+    (
+        "Post-LN without warm-up stalling at chance (blind spot, no case)",
+        "a 6-layer Post-LN `nn.TransformerEncoder` (d_model 64, Adam at 1e-3 from step 0) against its Pre-LN twin on"
+        " a 4-class token task, 200 steps with every step sampled: both losses stay near chance (means of the last 10"
+        " steps 1.34 and 1.25, ln 4 = 1.39), the first layer's output gradient is 0.16x the head's (Pre-LN: 0.29x),"
+        " attention logits at most 5.1: no statistic separates them and no rule fires on either. The stall of"
+        " Xiong et al. (2020) needs depth and width beyond a CPU test's budget to reproduce",
     ),
 ]
 
@@ -150,6 +181,12 @@ def main() -> None:
         "The benchmarks differ (DeepDiagnosis's 53 Keras models from Stack Overflow and GitHub against these small",
         "Lightning fits), so the comparison is of rates, not of bugs.",
     ]
+    out += ["", "## Categories", "", "| category | what | cases |", "|---|---|---|"]
+    out += [f"| {cat} | {what} | {', '.join(f'`{n}`' for n in names)} |" for cat, what, names in CATEGORIES]
+    missed = [c for c in CASES if c.rule is not None and c.default_step is None]
+    if missed:
+        out += ["", f"## Missed at every_n_steps={DEFAULT_EVERY}, and what the sentinel's every-step signals show", ""]
+        out += [f"- `{c.name}`: {c.default_note}." for c in missed]
     out += ["", "## Blind spots", ""]
     out += [f"- `{c.name}` ({c.bug}): {c.blind}." for c in blind]
     out += [f"- {what}: {where}." for what, where in ELSEWHERE]

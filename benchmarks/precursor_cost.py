@@ -50,6 +50,7 @@ def measure(model_name: str, stats: list[str], pairs: int, every: int = 50) -> d
         loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
         if probed:
             probes.end_forward(loss)
+            probes.settle()  # as after every sampled step: a model without attention stops entering the mode
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -64,7 +65,12 @@ def measure(model_name: str, stats: list[str], pairs: int, every: int = 50) -> d
             step(probed)
             times[probed].append(time.process_time() - start)
     plain, probed = statistics.median(times[False]) * 1e3, statistics.median(times[True]) * 1e3
-    return {"plain_ms": plain, "probed_ms": probed, "amortised_pct": (probed - plain) / plain / every * 100}
+    return {
+        "plain_ms": plain,
+        "probed_ms": probed,
+        "amortised_pct": (probed - plain) / plain / every * 100,
+        "attention_on": probes.attention_on,
+    }
 
 
 def main() -> None:
@@ -80,6 +86,7 @@ def main() -> None:
     print(
         f"{args.model} {stats}: plain {r['plain_ms']:.2f} ms, probed {r['probed_ms']:.2f} ms (CPU time);"
         f" at every_n_steps=50: {r['amortised_pct']:.3f}% per step"
+        f" (attention probe {'on' if r['attention_on'] else 'off after the first step: no attention call'})"
     )
 
 

@@ -1,11 +1,12 @@
-"""Instability precursors: the opt-in attention-logit (``attn_logit_max``) and output-logit statistics.
+"""Instability precursors: the attention-logit (``attn_logit_max``) and output-logit statistics, on by default.
 
 :class:`AttentionProbe` is a :class:`torch.overrides.TorchFunctionMode` entered only while a sampled training
 micro-batch's forward runs. It intercepts ``F.scaled_dot_product_attention`` (:func:`sdpa_logit_absmax` recomputes
-the logits of a bounded row subsample in float32) and a last-dimension ``softmax`` of a 3-D or larger tensor
-(:func:`eager_logit_absmax`), and attributes each call to the innermost ``Module.__call__`` frame on the Python call
-stack; every other torch function costs the handler a dictionary lookup. :class:`OutputProbe` takes the output
-layer's ``logsumexp``; :class:`PrecursorProbes` runs both for the callback.
+the logits of a bounded row subsample in float32) and a last-dimension ``softmax`` of a 4-D tensor, or of a 3-D one
+inside ``nn.MultiheadAttention`` (:func:`eager_logit_absmax`), and attributes each call to the innermost
+``Module.__call__`` frame on the Python call stack; every other torch function costs the handler a dictionary lookup.
+:class:`OutputProbe` takes the output layer's ``logsumexp``; :class:`PrecursorProbes` runs both for the callback, and
+stops entering the mode once a sampled step's forward made no attention call.
 
 Why the probe sees every call in training: ``nn.MultiheadAttention``'s fused fast path
 (``torch._native_multi_head_attention``) runs only in eval mode without grad, and it refuses inputs that have a
@@ -190,6 +191,7 @@ class AttentionProbe(TorchFunctionMode):
         """Per module, the largest logit seen since :meth:`reset` (``-1``: no call seen)."""
         self.calls = {"sdpa": 0, "softmax": 0}
         """Attention calls measured since :meth:`reset`, by kind (host counts, for tests and notes)."""
+        self._in_mha = 0  # nesting depth of F.multi_head_attention_forward, whose eager softmax is 3-D
 
     def reset(self, device: torch.device | None = None) -> None:
         """Forget every measurement (``device``: where the maxima live)."""
@@ -203,8 +205,12 @@ class AttentionProbe(TorchFunctionMode):
         if func is F.multi_head_attention_forward:
             # A Python composite that is itself a torch function: the mode is off inside its handler, so the sdpa or
             # softmax it calls would go unseen. Run its body with the mode on (one hop skipped: no recursion).
-            with self:
-                return torch.overrides.redispatch_function(func, types, args, kwargs)
+            self._in_mha += 1
+            try:
+                with self:
+                    return torch.overrides.redispatch_function(func, types, args, kwargs)
+            finally:
+                self._in_mha -= 1
         out = func(*args, **kwargs)
         if (func is F.scaled_dot_product_attention or func in _SOFTMAX) and not in_backward():
             self._observe(func, args, kwargs)
@@ -229,7 +235,11 @@ class AttentionProbe(TorchFunctionMode):
             else:
                 scores = args[0] if args else kwargs.get("input")
                 dim = args[1] if len(args) > 1 else kwargs.get("dim")
-                if not isinstance(scores, Tensor) or scores.dim() < 3 or dim not in (-1, scores.dim() - 1):
+                if not isinstance(scores, Tensor) or dim not in (-1, scores.dim() - 1):
+                    return
+                # Eager attention's scores are [batch, heads, queries, keys]; nn.MultiheadAttention folds the heads
+                # into the batch. A 3-D softmax elsewhere is as likely a per-token classifier's probabilities.
+                if scores.dim() < 3 or (scores.dim() == 3 and not self._in_mha):
                     return
                 if not scores.is_floating_point() or scores.is_nested:
                     return
@@ -244,7 +254,10 @@ class OutputProbe:
     """``log Z`` and ``|logit|`` statistics of the output layer, from forward hooks on the candidate modules.
 
     With one candidate (a named output layer) its every call is measured; with several (the selection), the output
-    of the last one to run in a micro-batch is measured when :meth:`end_forward` is called.
+    of the last one to run in a micro-batch is measured when :meth:`end_forward` is called. Only outputs that can be
+    logits count: floating, at least 2-D (a 1-D output's last dimension is the batch) and part of the autograd graph
+    (not a teacher or an evaluation run under ``no_grad`` inside the training step); ``log Z`` also needs a last
+    dimension of at least 2 (over one value it is that value: a regression output).
 
     Args:
         modules: ``{name: module}`` candidates, in selection order.
@@ -259,8 +272,8 @@ class OutputProbe:
         """Index of the layer measured last (the output layer)."""
         self.sums: Tensor = torch.zeros(2, dtype=torch.float64)
         """``[sum of log Z over rows, rows]`` since :meth:`reset`."""
-        self.absmax: Tensor = torch.zeros(())
-        """Largest ``|logit|`` since :meth:`reset`."""
+        self.absmax: Tensor = torch.full((), -1.0)
+        """Largest ``|logit|`` since :meth:`reset` (``-1``: no output seen)."""
 
     @property
     def attached(self) -> bool:
@@ -285,7 +298,7 @@ class OutputProbe:
         """Forget every measurement."""
         device = device or self.sums.device
         self.sums = torch.zeros(2, dtype=torch.float64, device=device)
-        self.absmax = torch.zeros((), device=device)
+        self.absmax = torch.full((), -1.0, device=device)
         self.layer = None
 
     def _make_hook(self, index: int) -> Any:
@@ -293,7 +306,7 @@ class OutputProbe:
             if in_backward():
                 return
             tensor = first_floating_tensor(output)
-            if tensor is None or tensor.dim() == 0 or tensor.numel() == 0:
+            if tensor is None or tensor.dim() < 2 or tensor.numel() == 0 or not tensor.requires_grad:
                 return
             self._last = (index, tensor)
             if len(self.modules) == 1:
@@ -317,9 +330,11 @@ class OutputProbe:
             block = max(1, stats.CHUNK_ELEMENTS // max(1, rows.shape[1]))
             for part in rows.split(block):
                 x = part.float()
-                self.sums[0] += torch.logsumexp(x, dim=-1).sum()
+                if x.shape[-1] > 1:  # log Z of one logit is the logit itself (a regression output): not logged
+                    self.sums[0] += torch.logsumexp(x, dim=-1).sum()
                 self.absmax = torch.maximum(self.absmax, x.abs().amax())
-            self.sums[1] += rows.shape[0]  # a scalar argument, not a copy of host data
+            if rows.shape[-1] > 1:
+                self.sums[1] += rows.shape[0]  # a Python scalar is a kernel argument: no host data is copied
         self.layer = index
 
 
@@ -342,6 +357,10 @@ class PrecursorProbes:
         wanted = set(OUTPUT_STATS) & set(stats)
         self.output = OutputProbe(output_candidates) if wanted else None
         self.output_stats = tuple(s for s in OUTPUT_STATS if s in wanted)
+        self.attention_on = self.attention is not None
+        """Whether the mode is entered on sampled forwards: off once a sampled step's forward made no attention call
+        in scope (a model without attention pays for no handler on its later sampled steps)."""
+        self._forwards = 0
         self._loss: Tensor | None = None
         self._entered = False
 
@@ -352,7 +371,7 @@ class PrecursorProbes:
 
     def attach(self) -> None:
         """Enter the mode and install the output hooks, for one micro-batch's forward."""
-        if self.attention is not None and not self._entered:
+        if self.attention_on and not self._entered:
             self.attention.__enter__()
             self._entered = True
         if self.output is not None:
@@ -362,6 +381,8 @@ class PrecursorProbes:
         """The forward is over (``loss`` is what is back-propagated): measure the output and detach everything."""
         if self.output is not None and self.output.attached:
             self.output.end_forward()
+        if loss is not None and self._entered:
+            self._forwards += 1  # a forward that reached its loss under the mode
         if loss is not None and self.attached:
             value = loss.detach().double().reshape(())
             self._loss = value if self._loss is None else self._loss + value
@@ -382,27 +403,37 @@ class PrecursorProbes:
         if self.output is not None:
             self.output.reset(device)
         self._loss = None
+        self._forwards = 0
+
+    def settle(self) -> None:
+        """After a sampled step: stop entering the mode if forwards that reached their loss made no attention call."""
+        if self.attention_on and self._forwards and not any(self.attention.calls.values()):
+            self.attention_on = False
 
     def register(self, aggregator: Any) -> None:
         """Register the two pooled states on a :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator`.
 
         ``precursor_sums``: ``[sum of log Z, rows, loss, processes that saw a loss]``; ``precursor_maxima``: the
-        largest ``|logit|`` of the output layer, then the attention maxima (``-1``: no call seen).
+        largest ``|logit|`` of the output layer, the output layer's index among the candidates (so that every
+        process names the same one: the latest in selection order any of them measured), then the attention maxima
+        (``-1``: no call seen).
         """
         device = aggregator.act_moments.device
         n = len(self.attention.names) if self.attention is not None else 0
         aggregator.register_extra("precursor_sums", torch.zeros(4, dtype=torch.float64, device=device), "sum")
-        maxima = torch.full((1 + n,), -1.0, dtype=torch.float64, device=device)
+        maxima = torch.full((2 + n,), -1.0, dtype=torch.float64, device=device)
         aggregator.register_extra("precursor_maxima", maxima, "max")
 
     def fold(self, aggregator: Any) -> None:
         """Pool this process's step into the registered states (once per sampled step, before ``compute``)."""
         device = aggregator.precursor_sums.device
         sums = torch.zeros(4, dtype=torch.float64, device=device)
-        maxima = [torch.full((1,), -1.0, dtype=torch.float64, device=device)]
+        maxima = [torch.full((1,), -1.0, dtype=torch.float64, device=device)] * 2
         if self.output is not None:
             sums[:2] = self.output.sums.to(device)
             maxima[0] = self.output.absmax.to(device, torch.float64).reshape(1)
+            layer = -1 if self.output.layer is None else self.output.layer
+            maxima[1] = torch.full((1,), float(layer), dtype=torch.float64, device=device)  # a fill, not a copy
         if self._loss is not None:
             sums[2] = self._loss.to(device)
             sums[3] = 1.0
@@ -410,6 +441,7 @@ class PrecursorProbes:
             maxima.append(self.attention.maxima.to(device, torch.float64))
         aggregator.pool_extra("precursor_sums", sums)
         aggregator.pool_extra("precursor_maxima", torch.cat(maxima))
+        self.settle()
 
     def finalize(self, pooled: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, list[str]]]:
         """The step's values (device tensors, NaN where nothing was seen) and the names they belong to.
@@ -427,15 +459,30 @@ class PrecursorProbes:
             name = self.output.names[layer] if layer is not None else ""
             found = {
                 "logit_lse_mean": torch.where(rows > 0, lse / rows, math.nan).reshape(1),
-                "logit_absmax": torch.where(rows > 0, maxima[0], math.nan).reshape(1),
+                "logit_absmax": torch.where(maxima[0] >= 0, maxima[0], math.nan).reshape(1),
             }
             for stat in self.output_stats:
                 values[stat], names[stat] = found[stat], [name]
+        values["output_layer"], names["output_layer"] = maxima[1].reshape(1), [""]  # read by agree_owners
         if self.attention is not None:
-            attention = maxima[1:]
+            attention = maxima[2:]
             values["attn_logit_max"] = torch.where(attention >= 0, attention, math.nan)
             names["attn_logit_max"] = self.attention.names
         return values, names
+
+    def agree_owners(self, owners: dict[str, list[str]], host: Mapping[str, Sequence[float]]) -> None:
+        """Name the output-layer statistics after the output layer every process agreed on (from the host values).
+
+        A process names the last candidate it saw run; in a rank-dependent branch the processes can differ, and
+        the pooled values must have the same key everywhere.
+        """
+        if self.output is None or "output_layer" not in host:
+            return
+        index = int(host["output_layer"][0])
+        name = self.output.names[index] if 0 <= index < len(self.output.names) else ""
+        for stat in self.output_stats:
+            if stat in owners:
+                owners[stat] = [name]
 
 
 def _exit_mode(mode: TorchFunctionMode | None) -> None:

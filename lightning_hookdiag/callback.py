@@ -376,6 +376,8 @@ class LayerHealthCallback(Callback):
             output_layer=self.output_layer,
             sentinel_grads=self.sentinel == "loss+grads",
             eval_mode="eval_mode" in self.rule_config.enabled,
+            unregistered="unregistered_module" in self.rule_config.enabled,
+            batch_rows="repeated_batch" in self.rule_config.enabled,
         )
         self._release_fit()  # a fit that ended without teardown (an interrupted one) leaves nothing behind
         run = FitRun.start(config, pl_module, trainer.precision, lambda params: _sharded(trainer, params))
@@ -409,6 +411,7 @@ class LayerHealthCallback(Callback):
         if state.window is None:
             run.open_window(step, self.last_metrics)
             self._note(late_note(state.late, step, self.every_n_steps))
+        run.observe_batch(batch)
         run.attach()
 
     @override
@@ -829,6 +832,7 @@ class LayerHealthCallback(Callback):
             missing_grads=observed.missing_grads,
             eval_mode=observed.eval_mode,
             param_facts=observed.param_facts,
+            unregistered=observed.unregistered,
         )
         self.last_findings = findings
         self.findings.extend(new)

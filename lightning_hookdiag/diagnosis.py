@@ -97,6 +97,7 @@ class Diagnosis:
         missing_grads: Collection[str] = (),
         eval_mode: Mapping[str, str] | None = None,
         param_facts: Mapping[str, ParamFacts] | None = None,
+        unregistered: Mapping[str, Sequence[str]] | None = None,
     ) -> Diagnosed:
         """Evaluate one step's values, then remember them for the next: call it once per evaluated step.
 
@@ -119,6 +120,7 @@ class Diagnosis:
             eval_mode=eval_mode,
             param_facts=param_facts,
             history=self.history,
+            unregistered=unregistered,
         )
         self.history.push(step, values)
         for name, norm in values.get("param_norm", {}).items():

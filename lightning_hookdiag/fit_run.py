@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from lightning_hookdiag.aggregation import LayerStatsAggregator, host_values
 from lightning_hookdiag.attention import PrecursorProbes, attention_scope
+from lightning_hookdiag.batches import repeated_rows
 from lightning_hookdiag.hooks import HookSet
 from lightning_hookdiag.metrics import (
     KeyCache,
@@ -50,6 +51,7 @@ from lightning_hookdiag.saved_memory import SavedMemoryTracker
 from lightning_hookdiag.selection import excluded_names, named_modules, resolve_layers, unmatched_error
 from lightning_hookdiag.stats import accumulation_dtype
 from lightning_hookdiag.step_state import OpenStep, StepState
+from lightning_hookdiag.unregistered import UnregisteredWatch
 from lightning_hookdiag.updates import Schedule, StepWatch
 from lightning_hookdiag.vocabulary import (
     GRADIENT_STATS,
@@ -80,6 +82,8 @@ class FitConfig:
         output_layer: The module of ``logit_lse_mean`` / ``logit_absmax``, or ``None``.
         sentinel_grads: The sentinel also checks the selected parameters' gradients (``"loss+grads"``).
         eval_mode: Rule ``eval_mode`` is enabled (watch the modules' train/eval mode).
+        unregistered: Rule ``unregistered_module`` is enabled (watch for modules that run unregistered).
+        batch_rows: Rule ``repeated_batch`` is enabled (compare the rows of each sampled batch).
     """
 
     every_n_steps: int
@@ -96,6 +100,8 @@ class FitConfig:
     output_layer: str | None
     sentinel_grads: bool
     eval_mode: bool
+    unregistered: bool = False
+    batch_rows: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,7 @@ class ObservedStep:
         backward_order: Module names in the order their output gradient first arrived.
         missing_grads: Outputs that required grad but received none (rule ``no_gradient``).
         eval_mode: Mode-dependent modules found in eval mode (rule ``eval_mode``).
+        unregistered: Registered module to the unregistered modules its forward ran (rule ``unregistered_module``).
         param_facts: Learning rates and applied steps per parameter (rule ``not_updated``).
         histogram_edges: The inner bin edges, when the step logs histograms.
     """
@@ -131,6 +138,7 @@ class ObservedStep:
     eval_mode: dict[str, str]
     param_facts: dict[str, ParamFacts]
     histogram_edges: list[float] | None = None
+    unregistered: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -165,6 +173,7 @@ class FitRun:
     """The module and attribute holding each tracked parameter when it was last named, in :attr:`params` order."""
     watch: StepWatch = field(default_factory=StepWatch)
     """Learning rates and applied steps of the open window, for ``not_updated``."""
+    unregistered: UnregisteredWatch | None = None
 
     @classmethod
     def start(
@@ -225,6 +234,8 @@ class FitRun:
         probes = _precursor_probes(config, pl_module, modules)
         if probes is not None:
             probes.register(aggregator)
+        if config.batch_rows:  # [judged, differs]: a maximum over micro-batches and processes
+            aggregator.register_extra("batch_rows", torch.zeros(2, dtype=torch.float64, device=device), "max")
         on_grad = recorder.on_grad if wanted & set(GRADIENT_STATS) or plan.grad_targets else None
         hooks = HookSet(
             modules, None, on_grad, on_tensor=recorder.on_tensor, companions=[saved] if saved is not None else []
@@ -255,6 +266,7 @@ class FitRun:
             tracked=tracked,
             model=pl_module,
             homes=_homes(pl_module, list(params.values())),
+            unregistered=UnregisteredWatch(pl_module) if config.unregistered else None,
         )
 
     # ------------------------------------------------------------------------------------------------ micro-batches
@@ -265,6 +277,24 @@ class FitRun:
             self.modes.batch_start()
         if self.probes is not None:
             self.probes.attach()
+        if self.unregistered is not None:
+            self.unregistered.attach()
+
+    def observe_batch(self, batch: Any) -> None:
+        """A sampled micro-batch starts: whether its rows repeat one sample (rule ``repeated_batch``), on the device.
+
+        Pooled as ``[judged, differs]`` by maximum: the step's batches repeat when some process judged one and no
+        micro-batch of any process differed, so every process reaches the same finding.
+        """
+        if self.state.window is None or not self.config.batch_rows:
+            return
+        same = repeated_rows(batch)
+        if same is None:
+            return
+        seen = torch.zeros(2, dtype=torch.float64, device=self.aggregator.batch_rows.device)
+        seen[0] = 1.0
+        seen[1] = ~same.to(seen.device)
+        self.aggregator.pool_extra("batch_rows", seen)
 
     def end_forward(self, loss: Tensor | None = None) -> None:
         """The micro-batch's forward is over (``loss``: what is back-propagated): the probes never see backward."""
@@ -272,6 +302,8 @@ class FitRun:
             self.modes.before_backward()  # the sampled forward ran between batch start and here
         if self.probes is not None and self.probes.attached:
             self.probes.end_forward(loss)
+        if self.unregistered is not None:
+            self.unregistered.remove()
 
     def end_micro_batch(self) -> None:
         """Remove the micro-batch's hooks; its companions keep what they measured."""
@@ -279,6 +311,8 @@ class FitRun:
             self.hooks.remove(finished=True)
         if self.probes is not None and self.probes.attached:
             self.probes.end_forward()  # no backward (a training_step that returned no loss): the output still counts
+        if self.unregistered is not None:
+            self.unregistered.remove()
 
     def end_closure(self) -> None:
         """An optimizer closure's forward and backward are over, the hooks stay attached for the next one.
@@ -293,6 +327,8 @@ class FitRun:
         """Remove every hook; an interrupted micro-batch's partial measurements are dropped. Idempotent."""
         if self.probes is not None:
             self.probes.remove()
+        if self.unregistered is not None:
+            self.unregistered.remove()
         self.hooks.remove()
 
     # ------------------------------------------------------------------------------------------------------ windows
@@ -350,6 +386,8 @@ class FitRun:
         self.hooks.clear_order()
         if self.modes is not None:
             self.modes.take()  # a discarded window's eval-mode findings are not the next one's
+        if self.unregistered is not None:
+            self.unregistered.take()
         self.recorder.release()
         self.aggregator.reset()
         self.aggregator.grad_scale = None
@@ -470,6 +508,8 @@ class FitRun:
         if window.stale is not None:
             values = {**values, "stale_grad_sq": window.stale.to(values["count"].device)}
             names.append("stale_grad_sq")
+        if "batch_rows" in values:
+            names.append("batch_rows")
         if "param_norm" in wanted and "param_norm_min" in values:  # replicated parameters of a distributed run
             names.append("param_norm_min")
         histograms = recorder.histograms
@@ -482,6 +522,8 @@ class FitRun:
         flat = torch.cat(parts).tolist()  # the one host transfer
         ends = list(itertools.accumulate(p.numel() for p in parts))
         host = {name: flat[end - part.numel() : end] for name, part, end in zip(names, parts, ends, strict=True)}
+        if self.probes is not None:
+            self.probes.agree_owners(owners, host)
         facts = StepFacts(
             unit_mismatch=frozenset(agg.unit_mismatch),
             no_float=frozenset(recorder.no_float_output),
@@ -500,6 +542,7 @@ class FitRun:
             backward_order=[hooks.names[i] for i in hooks.grad_order],
             missing_grads=hooks.missing_grads(),  # the whole window's, replays included: rule no_gradient
             eval_mode=self.modes.take() if self.modes is not None else {},
+            unregistered=self.unregistered.take() if self.unregistered is not None else {},
             param_facts=self.watch.facts(self.param_names, self.tracker.params) if self.tracker is not None else {},
             histogram_edges=agg.histogram_edges_host if histograms else None,
         )

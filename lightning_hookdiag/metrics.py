@@ -15,6 +15,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from lightning_hookdiag.rules.findings import BATCH
 from lightning_hookdiag.vocabulary import PER_PARAMETER_STATS, PRECURSOR_STATS, counted_by_gradient
 
 __all__ = [
@@ -145,6 +146,8 @@ def step_values(
     if "stale_grad_sq" in host:  # passed to the rules, not logged: it is 0 on every healthy step
         held = zip(param_names, host["stale_grad_sq"], strict=True)
         values["param_stale_grad_norm"] = {name: math.sqrt(sq) for name, sq in held if sq != 0}
+    if "batch_rows" in host and host["batch_rows"][0] > 0:  # for the rules, not logged: a fact of the batch
+        values["batch_repeated"] = {BATCH: 1.0 if host["batch_rows"][1] == 0 else 0.0}
     if "param_norm_min" in host:  # not logged: what replica_divergence compares param_norm with
         present_min = zip(param_names, host["param_norm_min"], seen, strict=True)
         values["param_norm_min"] = {name: low for name, low, s in present_min if s > 0}

@@ -3,8 +3,8 @@
 The update ratio needs the weights from before the step. :class:`ParameterTracker` keeps, across the step, a copy
 of a bounded set of entries of each tracked parameter (every entry of the small ones; an evenly strided sample of
 the large ones, see :func:`update_samples`) and subtracts the new values from it in ``after_step``: the memory is at
-most :data:`SNAPSHOT_ELEMENTS` elements whatever the size of the model, and the update is the one the optimizer
-really applied (weight decay, momentum, updates rounded away in bf16), for any optimizer.
+most :data:`SNAPSHOT_ELEMENTS` elements whatever the size of the model, and what is measured is the change the
+optimizer made to the stored values, whichever optimizer it is (``docs/statistics.md#memory-bounded-scratch``).
 
 Every norm is a fused ``torch._foreach_norm`` over pieces of at most
 :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS` elements of the parameters of one dtype and device (one kernel

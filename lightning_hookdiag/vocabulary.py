@@ -52,7 +52,14 @@ TOTAL_STATS: tuple[str, ...] = ("grad_norm_total",)
 PARAMETER_STATS: tuple[str, ...] = PER_PARAMETER_STATS + TOTAL_STATS
 """Every statistic computed from parameters."""
 
-ALL_STATS: tuple[str, ...] = LAYER_STATS + PARAMETER_STATS
+OUTPUT_LAYER_STATS: tuple[str, ...] = ("logit_lse_mean", "logit_absmax")
+"""The precursors of the model's output layer, the statistics that ``output_layer=`` chooses the layer of."""
+
+PRECURSOR_STATS: tuple[str, ...] = ("attn_logit_max", *OUTPUT_LAYER_STATS)
+"""Instability precursors (:mod:`lightning_hookdiag.attention`): the largest attention logit per attention module,
+and ``log Z`` / the largest ``|logit|`` of the output layer. In the default set (their cost: the benchmark README)."""
+
+ALL_STATS: tuple[str, ...] = LAYER_STATS + PARAMETER_STATS + PRECURSOR_STATS
 """Every statistic computed when ``stats=None`` (the default set)."""
 
 MOMENT_STATS: tuple[str, ...] = (
@@ -66,13 +73,6 @@ MOMENT_STATS: tuple[str, ...] = (
 """Statistics finalised from an output's moments: outputs are reduced to moments only when one of them is asked for
 (otherwise only their element count is kept)."""
 
-OUTPUT_LAYER_STATS: tuple[str, ...] = ("logit_lse_mean", "logit_absmax")
-"""The precursors of the model's output layer, the statistics that ``output_layer=`` chooses the layer of."""
-
-PRECURSOR_STATS: tuple[str, ...] = ("attn_logit_max", *OUTPUT_LAYER_STATS)
-"""Instability precursors (:mod:`lightning_hookdiag.attention`): the largest attention logit per attention module,
-and ``log Z`` / the largest ``|logit|`` of the output layer. Opt-in (see the cost in the benchmark README)."""
-
 OPT_IN_STATS: tuple[str, ...] = (
     "act_kurtosis",
     "act_absmax_over_std",
@@ -81,7 +81,6 @@ OPT_IN_STATS: tuple[str, ...] = (
     "act_grad_underflow_frac",
     "act_grad_overflow_frac",
     "act_saved_bytes",
-    *PRECURSOR_STATS,
 )
 """Statistics computed only when named in ``stats=``; the precision ones are logged once per target dtype, as
 ``<name>_<target>`` (e.g. ``act_overflow_frac_float16``)."""

@@ -35,7 +35,7 @@ def main(out_dir: str) -> None:
     from torch import nn
     from torch.utils.data import TensorDataset
 
-    from lightning_hookdiag import OPT_IN_STATS, LayerHealthCallback
+    from lightning_hookdiag import OPT_IN_STATS, PRECURSOR_STATS, LayerHealthCallback
 
     counting = {"active": False, "calls": 0}
     for name in COLLECTIVES:
@@ -87,7 +87,9 @@ def main(out_dir: str) -> None:
         model = nn.Sequential(*layers, nn.Linear(width, 1))
         module = PerRankData(model=model, lr=0.01)
         callback = (
-            CountingCallback(every_n_steps=2, stats=list(OPT_IN_STATS), precision_targets=["float16", "float8_e5m2"])
+            CountingCallback(
+                every_n_steps=2, stats=[*OPT_IN_STATS, *PRECURSOR_STATS], precision_targets=["float16", "float8_e5m2"]
+            )
             if opt_in
             else CountingCallback(every_n_steps=2)
         )

@@ -9,6 +9,7 @@ import torch
 from conftest import count_hooks, make_trainer
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.data import TensorDataset
 from zoo import _tokens, hf_model, zoo_module
 
 from lightning_hookdiag import ALL_STATS, LayerHealthCallback
@@ -244,7 +245,7 @@ def test_output_layer_named_by_the_user_and_its_errors():
     with pytest.raises(ValueError, match=r"output_layer: expected None or a non-empty module name, got ''"):
         LayerHealthCallback(output_layer="")
     with pytest.raises(ValueError, match=r"output_layer='model.lm_head' names the layer of logit_lse_mean"):
-        LayerHealthCallback(output_layer="model.lm_head")  # the default stats compute no output logits
+        LayerHealthCallback(stats=["act_mean", "attn_logit_max"], output_layer="model.lm_head")  # no output logits
     bad = LayerHealthCallback(stats=["logit_absmax"], output_layer="model.lm_haed", summary=False)
     with pytest.raises(ValueError, match=r"output_layer.*model\.lm_haed.*model\.lm_head"):
         make_trainer([bad], max_steps=1).fit(zoo_module("gpt2", n=8))
@@ -313,3 +314,180 @@ def test_removing_the_probe_leaves_a_mode_entered_after_it_in_place():
     other.__exit__(None, None, None)
     assert torch._C._len_torch_function_stack() == 0
     probes.remove()  # again: a no-op
+
+
+# --------------------------------------------------------------------- the default set: attribution heuristics
+class _TokenClassifier(nn.Module):
+    """A per-token classifier whose forward returns probabilities: a 3-D softmax that is not attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.softmax(self.proj(x) * 30.0, dim=-1)
+
+
+def test_a_3d_softmax_counts_as_attention_only_inside_multihead_attention():
+    # [batch, tokens, classes] probabilities are not attention logits; nn.MultiheadAttention's eager path folds the
+    # heads into the batch and is 3-D too, and is still seen (test_multihead_attention_... above); 4-D is eager
+    # attention's [batch, heads, queries, keys].
+    net = _TokenClassifier()
+    probe = AttentionProbe({"net": net})
+    with probe:
+        net(torch.randn(2, 4, 8))
+    assert probe.calls == {"sdpa": 0, "softmax": 0}
+    assert probe.maxima[0].item() == -1.0
+
+    class Eager4d(nn.Module):
+        def forward(self, scores: torch.Tensor) -> torch.Tensor:
+            return scores.softmax(-1)
+
+    eager = Eager4d()
+    scores = torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(0)) * 7
+    probe = AttentionProbe({"eager": eager})
+    with probe:
+        eager(scores)
+    assert probe.calls == {"sdpa": 0, "softmax": 1}
+    assert probe.maxima[0].item() == pytest.approx(float(scores.double().abs().max()), rel=1e-6)
+
+
+class _Score(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.weight).sum(-1)
+
+
+class _StudentTeacher(nn.Module):
+    """A student head, then a frozen teacher run under no_grad after it, then a 1-D score: which is the output?"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.student = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 6))
+        self.teacher = nn.Linear(4, 6)
+        self.score = _Score()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.student(x)
+        with torch.no_grad():
+            self.teacher(x)  # distillation target: not in the autograd graph
+        self.score(logits.detach())  # a 1-D output: its last dimension is the batch
+        return logits
+
+
+def test_the_output_layer_is_the_last_module_whose_output_can_be_logits():
+    from conftest import TinyModule
+
+    seen: list[torch.Tensor] = []
+    net = _StudentTeacher()
+    net.student[2].register_forward_hook(lambda m, a, out: seen.append(out.detach().double()))
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 6, generator=g))
+    module = TinyModule(model=net, data=data)
+    module.record_enabled = False
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)  # the default set
+    make_trainer([callback], max_steps=2).fit(module)
+    metrics = callback.last_metrics
+    assert sorted(k for k in metrics if "/logit_" in k) == [
+        "layer_health/logit_absmax/model.student.2",
+        "layer_health/logit_lse_mean/model.student.2",
+    ]
+    logits = seen[-1]
+    assert metrics["layer_health/logit_lse_mean/model.student.2"] == pytest.approx(
+        float(torch.logsumexp(logits, -1).mean()), rel=1e-6
+    )
+    assert metrics["layer_health/logit_absmax/model.student.2"] == pytest.approx(float(logits.abs().max()), rel=1e-6)
+
+
+def test_a_one_wide_output_gets_its_largest_logit_but_no_log_z():
+    from conftest import TinyModule
+
+    seen: list[torch.Tensor] = []
+    module = TinyModule()  # Linear(4, 8), ReLU, Linear(8, 1): a regression head
+    module.record_enabled = False
+    module.model[2].register_forward_hook(lambda m, a, out: seen.append(out.detach().double()))
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
+    make_trainer([callback], max_steps=2).fit(module)
+    assert [k for k in callback.last_metrics if "/logit_" in k] == ["layer_health/logit_absmax/model.2"]
+    assert callback.last_metrics["layer_health/logit_absmax/model.2"] == pytest.approx(
+        float(seen[-1].abs().max()), rel=1e-6
+    )
+
+
+def test_a_model_without_attention_stops_paying_for_the_mode_after_its_first_sampled_step():
+    from conftest import TinyModule
+
+    def stack_sizes(module) -> list[int]:
+        sizes: list[int] = []
+
+        class Look(nn.Module):
+            def forward(self, x):
+                sizes.append(torch._C._len_torch_function_stack())
+                return x
+
+        module.model.insert(0, Look())
+        callback = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", summary=False)
+        make_trainer([callback], max_steps=6).fit(module)
+        return sizes
+
+    mlp = TinyModule()
+    mlp.record_enabled = False
+    assert stack_sizes(mlp) == [1, 0, 0, 0, 0, 0]  # step 0 probed, no attention call: never again
+
+    attn = nn.MultiheadAttention(4, 2, batch_first=True)
+
+    class SelfAttention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = attn
+
+        def forward(self, x):
+            return self.attn(x, x, x, need_weights=False)[0]
+
+    net = nn.Sequential(nn.Unflatten(1, (1, 4)), SelfAttention(), nn.Flatten(), nn.Linear(4, 1))
+    module = TinyModule(model=net)
+    module.record_enabled = False
+    assert stack_sizes(module) == [1, 0, 1, 0, 1, 0]  # sampled steps 0, 2, 4
+
+
+def test_the_probes_copy_no_host_data_to_the_device_in_a_micro_batch():
+    # The invariant of hooks.py: nothing per micro-batch turns Python values into tensors (aten.lift_fresh), which
+    # on an accelerator is a host-to-device copy and a sync.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_hookdiag.attention import PrecursorProbes
+
+    class Fresh(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fresh = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.fresh += func.overloadpacket.__name__ == "lift_fresh"
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = hf_model("gpt2")
+    model.set_attn_implementation("sdpa")
+    modules = named_modules(model)
+    probes = PrecursorProbes(PRECURSOR_STATS, attention_scope(modules, list(modules)), {"lm_head": model.lm_head})
+    probes.reset(torch.device("cpu"))
+    x = _tokens(2, 0)
+
+    def fresh(probed: bool) -> int:
+        with Fresh() as counter:
+            for _ in range(2):  # two micro-batches
+                if probed:
+                    probes.attach()
+                loss = model(input_ids=x, labels=x).loss
+                if probed:
+                    probes.end_forward(loss)
+        return counter.fresh
+
+    plain = fresh(False)  # transformers' own mask code makes a few
+    assert fresh(True) == plain
+    assert probes.attention.calls["sdpa"] == 4  # the probe did run: 2 layers x 2 micro-batches
+    assert probes.output.sums[1].item() == 2 * 2 * 16  # and measured the head: 2 micro-batches of 2 x 16 rows

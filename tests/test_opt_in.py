@@ -39,7 +39,7 @@ def test_every_opt_in_statistic_read_back_from_csv_matches_float64(tmp_path):
     trainer.fit(module)
     log = read_health_log(trainer.logger.log_dir)
     assert log.steps == (0, 2)
-    expected_stats = {"act_kurtosis", "act_absmax_over_std", "act_saved_bytes", "logit_lse_mean", "logit_absmax"}
+    expected_stats = {"act_kurtosis", "act_absmax_over_std", "act_saved_bytes"}  # the precursors are default now
     expected_stats |= {f"{kind}_{t}" for kind in ("act_underflow_frac", "act_overflow_frac") for t in TARGETS}
     expected_stats |= {f"act_grad_{kind}_{t}" for kind in ("underflow_frac", "overflow_frac") for t in TARGETS}
     assert set(log.stats) == expected_stats  # nothing of the default set: stats= replaced it

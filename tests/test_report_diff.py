@@ -78,7 +78,7 @@ def test_identical_runs_have_no_difference(runs, capsys):
     assert main(["report", "--diff", str(runs["base"]), str(runs["same"]), "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "no difference beyond rtol=0.0001, atol=0" in text
-    assert "aligned: 3 common steps (0..4), 5 common layers, 6 common parameters, 11 common statistics" in text
+    assert "aligned: 3 common steps (0..4), 5 common layers, 6 common parameters, 12 common statistics" in text
 
 
 def test_csv_against_tensorboard_with_a_chosen_statistic(runs, capsys):

@@ -556,7 +556,7 @@ def test_alert_state_counts_every_finding_seen():
                             "precision_headroom": 0, "update_ratio": 0, "warmup_stuck": 0, "stale_gradients": 0,
                             "zeroed_gradients": 0, "input_scale": 0, "not_updated": 0, "replica_divergence": 0,
                             "attention_logits": 0, "logit_drift": 0, "unbounded_loss": 0,
-                            "update_jump": 0}  # fmt: skip
+                            "update_jump": 0, "repeated_batch": 0, "unregistered_module": 0}  # fmt: skip
 
 
 def test_alert_state_round_trips_through_json_and_pickle():

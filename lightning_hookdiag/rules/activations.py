@@ -1,6 +1,7 @@
 """The rules on what the layers' forward does, over one step's activation statistics and module modes.
 
-``eval_mode``, ``dead_units``, ``saturation``, ``precision_headroom`` and ``input_scale``; :func:`activation_scale` is
+``eval_mode``, ``dead_units``, ``saturation``, ``precision_headroom``, ``input_scale`` and ``repeated_batch`` (what
+the layers are fed); :func:`activation_scale` is
 the per-layer scale that ``loss_spike`` compares too (``docs/rules.md#the-rules``).
 """
 
@@ -10,7 +11,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from lightning_hookdiag.rules.context import Context, finite
-from lightning_hookdiag.rules.findings import Finding, listing, plural
+from lightning_hookdiag.rules.findings import BATCH, Finding, listing, plural
 
 __all__ = [
     "SATURATING_TYPES",
@@ -19,6 +20,7 @@ __all__ = [
     "eval_mode",
     "input_scale",
     "precision_headroom",
+    "repeated_batch",
     "saturation",
 ]
 
@@ -186,5 +188,26 @@ def input_scale(ctx: Context) -> list[Finding]:
             " mean 0 and std 1",
             phase="forward",
             stat=stat,
+        )
+    ]
+
+
+def repeated_batch(ctx: Context) -> list[Finding]:
+    """Rule ``repeated_batch``: every row of the step's training batch was one sample repeated."""
+    if ctx.stat("batch_repeated").get(BATCH) != 1.0:
+        return []
+    return [
+        Finding(
+            rule="repeated_batch",
+            layer=BATCH,
+            step=ctx.step,
+            value=1.0,
+            threshold=0.0,
+            message=f"repeated_batch at step {ctx.step}: every row of the training batch is the same sample (each"
+            " tensor of 2 or more dims, at least 8 rows): the model trains on one example while its loss falls;"
+            " does the Dataset's __getitem__ use its index, and do the sampler and the collate function keep the"
+            " samples apart?",
+            phase="forward",
+            stat="batch_repeated",
         )
     ]

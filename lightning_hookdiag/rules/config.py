@@ -41,6 +41,8 @@ RULES: tuple[str, ...] = (
     "logit_drift",
     "unbounded_loss",
     "update_jump",
+    "repeated_batch",
+    "unregistered_module",
 )
 """Names of the health rules, in the order findings of the same layer are listed."""
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_hookdiag import trends
 from lightning_hookdiag.names import owning_layer
 from lightning_hookdiag.rules.config import RuleConfig
+from lightning_hookdiag.rules.findings import BATCH
 
 if TYPE_CHECKING:  # the rules only read a Trip's fields; importing the sentinel at run time would import torch
     from lightning_hookdiag.sentinel import Trip
@@ -56,7 +57,9 @@ class Orders:
         return owning_layer(param, self.layers)
 
     def forward_key(self, layer: str) -> tuple[int, int, str]:
-        """Sort key of ``layer`` in forward order; layers of unknown position last, by name."""
+        """Sort key of ``layer`` in forward order; the batch first, layers of unknown position last, by name."""
+        if layer == BATCH:
+            return (-1, 0, "")
         if layer in self.forward:
             return (0, self.forward[layer], "")
         return (1, 0, layer)  # unknown position: after every known layer, deterministically by name
@@ -126,6 +129,7 @@ class Context:
     last_finite: Mapping[str, int] | None = None
     missing_grads: Collection[str] = ()
     eval_mode: Mapping[str, str] = field(default_factory=dict)
+    unregistered: Mapping[str, Sequence[str]] = field(default_factory=dict)
     param_facts: Mapping[str, ParamFacts] | None = None
     history: trends.History | None = None
     shared: dict[str, Any] = field(default_factory=dict, compare=False)

@@ -45,6 +45,8 @@ _RULE_FUNCTIONS: dict[str, Callable[[Context], list[Finding]]] = {
     "logit_drift": precursors.logit_drift,
     "unbounded_loss": precursors.unbounded_loss,
     "update_jump": precursors.update_jump,
+    "repeated_batch": activations.repeated_batch,
+    "unregistered_module": parameters.unregistered_module,
 }
 
 
@@ -62,6 +64,7 @@ def evaluate(
     eval_mode: Mapping[str, str] | None = None,
     param_facts: Mapping[str, ParamFacts] | None = None,
     history: trends.History | None = None,
+    unregistered: Mapping[str, Sequence[str]] | None = None,
 ) -> list[Finding]:
     """Apply the enabled rules to one sampled (or sentinel-tripped) step's statistics.
 
@@ -88,6 +91,9 @@ def evaluate(
             it that rule is silent.
         history: The earlier sampled steps' values, for the trend rules (``attention_logits``' trend,
             ``logit_drift``, ``update_jump``); without it they compare levels only.
+        unregistered: Registered module to the modules with trainable parameters of their own that its forward ran
+            without their being submodules, for ``unregistered_module`` (see
+            :class:`~lightning_hookdiag.unregistered.UnregisteredWatch`).
 
     Returns:
         Findings with forward ones (in forward order) before backward ones (in backward order); the first is the
@@ -113,6 +119,7 @@ def evaluate(
         last_finite=last_finite,
         missing_grads=missing_grads,
         eval_mode=eval_mode or {},
+        unregistered=unregistered or {},
         param_facts=param_facts,
         history=history,
     )

@@ -31,7 +31,8 @@ LOSS = "loss"
 
 
 BATCH = "<batch>"
-"""The ``layer`` of a finding about the training data itself: a batch that arrives holding NaN/Inf."""
+"""The ``layer`` of a finding about the training batch itself, before any layer: a batch that arrives holding NaN/Inf
+(``nonfinite``), or one sample repeated (``repeated_batch``)."""
 
 
 ROOT = "<root>"

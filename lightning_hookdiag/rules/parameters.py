@@ -1,7 +1,8 @@
 """The rules on what the optimizer step did to the weights.
 
-``update_ratio``, ``stale_gradients``, ``not_updated`` (:func:`moved_mass_bound`) and ``replica_divergence``
-(``docs/rules.md#not_updated-why-a-parameter-did-not-move``, ``docs/rules.md#replica_divergence``).
+``update_ratio``, ``stale_gradients``, ``not_updated`` (:func:`moved_mass_bound`), ``replica_divergence`` and
+``unregistered_module`` (``docs/rules.md#not_updated-why-a-parameter-did-not-move``,
+``docs/rules.md#replica_divergence``, ``docs/rules.md#unregistered_module``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ __all__ = [
     "not_updated",
     "replica_divergence",
     "stale_gradients",
+    "unregistered_module",
     "update_ratio",
     "warmup_stuck",
     "zeroed_gradients",
@@ -72,15 +74,28 @@ def _scheduled_low(facts: Mapping[str, ParamFacts] | None) -> bool:
     )
 
 
+def _never_stepped(facts: Mapping[str, ParamFacts] | None) -> bool:
+    """Whether a scheduler holds the lr and has not stepped once (``warmup_stuck`` names that)."""
+    return any(f.scheduler_steps == 0 for f in (facts or {}).values() if f.held and f.applied)
+
+
 def update_ratio(ctx: Context) -> list[Finding]:
     """Rule ``update_ratio``: every layer's update is too small for its weights and its gradient."""
-    if ctx.baseline is None or _scheduled_low(ctx.param_facts):
+    if ctx.baseline is None:
         return []
     # The whole network, not one layer: a norm layer's weights of 1 move by at most about lr per step under Adam,
     # so one layer alone is below 1e-5 in healthy fine-tuning. And small against the gradient too: in a converged
     # fit the weights stop moving because the gradient is small, not the learning rate.
     now, before = _slow_layers(ctx, ctx.values), _slow_layers(ctx, ctx.baseline.values)
     if now is None or before is None:
+        return []
+    # A scheduler holding the lr low while it rises (or stays: a warm-up that has not stepped yet) is a warm-up; one
+    # whose lr fell more than 2x since the last sampled step (a decay stepped far too often: 10x a step) is what this
+    # rule is for. The effective lr wobbles with Adam's moments, hence the factor.
+    if _scheduled_low(ctx.param_facts) and (
+        _never_stepped(ctx.param_facts)
+        or max(lr for _, lr in now.values()) >= 0.5 * max(lr for _, lr in before.values())
+    ):
         return []
     low, lr_low = ctx.config.update_ratio_low, ctx.config.effective_lr_low
     layers = sorted(now, key=ctx.orders.forward_key)
@@ -386,6 +401,29 @@ def replica_divergence(ctx: Context) -> list[Finding]:
                 " model",
                 phase="forward",
                 stat="param_norm",
+            )
+        )
+    return out
+
+
+def unregistered_module(ctx: Context) -> list[Finding]:
+    """Rule ``unregistered_module``: layers with trainable parameters ran in the forward without being submodules."""
+    out: list[Finding] = []
+    for parent, modules in ctx.unregistered.items():
+        out.append(
+            Finding(
+                rule="unregistered_module",
+                layer=parent,
+                step=ctx.step,
+                value=float(len(modules)),
+                threshold=0.0,
+                message=f"unregistered_module at step {ctx.step}: the forward of {parent} ran"
+                f" {plural(len(modules), 'module')} with trainable parameters outside its registered submodules:"
+                f" {listing(list(modules))}. self.parameters() does not yield their"
+                " parameters, so no optimizer built from it updates them, no checkpoint saves them and .to(device)"
+                " does not move them; hold layers in nn.ModuleList / nn.ModuleDict, not in a Python list or dict",
+                phase="forward",
+                stat="registration",
             )
         )
     return out

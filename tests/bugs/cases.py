@@ -46,6 +46,8 @@ class BugModule(pl.LightningModule):
         on_batch: ``(module, batch_idx)`` called at the start of ``training_step`` (an inner evaluation).
         clip: ``gradient_clip_val`` given to the Trainer by :func:`run`.
         batch_size: Batch size.
+        scheduler: ``(optimizer) -> lr_scheduler config`` (the dict ``configure_optimizers`` returns under
+            ``"lr_scheduler"``), or ``None``.
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class BugModule(pl.LightningModule):
         zero_grad: bool = True,
         on_batch: Callable[[BugModule, int], None] | None = None,
         batch_size: int = 8,
+        scheduler: Callable[[torch.optim.Optimizer], dict[str, Any]] | None = None,
     ) -> None:
         super().__init__()
         self.model = model
@@ -74,6 +77,7 @@ class BugModule(pl.LightningModule):
         self.zero_grad_in_step = zero_grad
         self.on_batch = on_batch
         self.batch_size = batch_size
+        self.scheduler = scheduler
 
     def forward(self, x: Tensor) -> Tensor:
         return self.model(x)
@@ -100,11 +104,15 @@ class BugModule(pl.LightningModule):
         opt.step()
         return loss.detach()
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> Any:
         params = list(self.parameters()) if self.optimized is None else list(self.optimized(self))
         if self.optimizer_name == "adam":
-            return torch.optim.Adam(params, lr=self.lr)
-        return torch.optim.SGD(params, lr=self.lr)
+            optimizer: torch.optim.Optimizer = torch.optim.Adam(params, lr=self.lr)
+        else:
+            optimizer = torch.optim.SGD(params, lr=self.lr)
+        if self.scheduler is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": self.scheduler(optimizer)}
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.data, batch_size=self.batch_size, shuffle=False)
@@ -135,6 +143,10 @@ class Case:
         step: The step it must be reported on when that is certain (the bad batch's step; the first step with a
             previous sampled step to compare with); ``None``: any step of the fit.
         blind: For a blind spot: why no rule can see it.
+        default_step: The step its rule names it on when the bug reruns with the default ``every_n_steps=50`` for
+            ``max(max_steps, 51)`` steps; ``None``: missed there (``default_note`` says what was measured).
+        default_note: For a bug missed at the default interval: what the sentinel's every-step signals (the loss;
+            the gradients with ``sentinel="loss+grads"``) show, measured, and why no cheap check was added.
     """
 
     name: str
@@ -146,6 +158,8 @@ class Case:
     callback: dict[str, Any] = field(default_factory=dict)
     step: int | None = None
     blind: str = ""
+    default_step: int | None = None
+    default_note: str = ""
 
 
 def run(case: Case, sick: bool, max_steps: int | None = None, **callback: Any) -> LayerHealthCallback:
@@ -400,6 +414,163 @@ def _eval_mode_left_on(sick: bool) -> Fit:
     return Fit(BugModule(model, _data(64, 8), on_batch=inner_eval))
 
 
+# --- issue 28: the stretch cases, the field's categories ---------------------------------------------------------
+class _ListBlocks(nn.Module):
+    """Two hidden blocks and a head; the blocks in a Python list (the bug) or an ``nn.ModuleList`` (the fix)."""
+
+    def __init__(self, registered: bool) -> None:
+        super().__init__()
+        blocks = [nn.Sequential(nn.Linear(8 if i == 0 else 16, 16), nn.ReLU()) for i in range(2)]
+        self.blocks = nn.ModuleList(blocks) if registered else blocks
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _layers_in_a_python_list(sick: bool) -> Fit:
+    # The PyTorch forum's "my model has no trainable layers": self.parameters() yields only the head's.
+    return Fit(BugModule(_ListBlocks(registered=not sick), _data(64, 8)))
+
+
+class _FirstSampleOnly(TensorDataset):
+    """A Dataset whose ``__getitem__`` ignores its index (the bug): every batch is sample 0, repeated."""
+
+    def __getitem__(self, index: int) -> tuple[Tensor, ...]:
+        return super().__getitem__(0)
+
+
+def _repeated_sample_batch(sick: bool) -> Fit:
+    data = _data(64, 8)
+    return Fit(BugModule(_mlp(), _FirstSampleOnly(*data.tensors) if sick else data))
+
+
+def _eval_before_forward(sick: bool) -> Fit:
+    # `self.model.eval()` at the top of training_step, copied from an inference snippet (the forum's "eval() before
+    # forward"): every training forward runs BatchNorm on running statistics and Dropout off.
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+
+    def every_batch(module: BugModule, batch_idx: int) -> None:
+        if sick:
+            module.model.eval()
+
+    return Fit(BugModule(model, _data(64, 8), on_batch=every_batch))
+
+
+def _deep_sigmoid(sick: bool) -> Fit:
+    # DeepDiagnosis's "vanishing gradient": ten Sigmoid layers; the fix: ReLU with He init.
+    model = _mlp(16, 32, depth=10, act=nn.Sigmoid if sick else nn.ReLU)
+    if not sick:
+        for m in model:
+            if isinstance(m, nn.Linear):
+                nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+    return Fit(BugModule(model, _data(64, 16), lr=0.01))
+
+
+def _relu_on_the_output(sick: bool) -> Fit:
+    # A regression head ending in ReLU (DeepDiagnosis: "change the last layer's activation") on targets mostly < 0.
+    model = _mlp()
+    if sick:
+        model.append(nn.ReLU())
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    return Fit(BugModule(model, TensorDataset(x, x[:, :1] - 2.0)))
+
+
+def _tiny_gradient_clip(sick: bool) -> Fit:
+    # gradient_clip_val=1e-6 (a learning rate typed into the clipping value): every update is clipped to nothing.
+    return Fit(BugModule(_mlp(), _data(64, 8)), {"gradient_clip_val": 1e-6 if sick else 1.0})
+
+
+def _step_lr_every_step(sick: bool) -> Fit:
+    # StepLR(step_size=1, gamma=0.1) meant per epoch, configured with interval "step": the lr falls 10x a step.
+    def scheduler(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        decay = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.1)
+        return {"scheduler": decay, "interval": "step" if sick else "epoch"}
+
+    return Fit(BugModule(_mlp(), _data(64, 8), scheduler=scheduler))
+
+
+class _BodyHead(nn.Module):
+    def __init__(self, no_grad: bool) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.head = nn.Linear(16, 1)
+        self.no_grad = no_grad
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.set_grad_enabled(not self.no_grad):  # the bug: `with torch.no_grad()` from a feature extractor
+            h = self.body(x)
+        return self.head(h)
+
+
+def _no_grad_body(sick: bool) -> Fit:
+    return Fit(BugModule(_BodyHead(no_grad=sick), _data(64, 8)))
+
+
+def _sigmoid_into_bce_with_logits(sick: bool) -> Fit:
+    # The model ends in nn.Sigmoid and its output goes into BCEWithLogitsLoss, which applies the sigmoid again.
+    model = _mlp(8, 32, d_out=1)
+    if sick:
+        model.append(nn.Sigmoid())
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+
+    def loss(module: BugModule, batch: Any) -> Tensor:
+        return F.binary_cross_entropy_with_logits(module(batch[0]), batch[1])
+
+    return Fit(BugModule(model, TensorDataset(x, (x[:, :1] > 0).float()), loss=loss, lr=0.5))
+
+
+def _loss_summed_not_averaged(sick: bool) -> Fit:
+    # MSELoss(reduction="sum") over a batch of 64 with an lr tuned for the mean: every step is 64x too large.
+    def loss(module: BugModule, batch: Any) -> Tensor:
+        x, y = batch
+        return F.mse_loss(module(x), y, reduction="sum" if sick else "mean")
+
+    return Fit(BugModule(_mlp(8, 32, depth=3), _data(256, 8), loss=loss, lr=0.05, batch_size=64))
+
+
+def _one_feature_in_raw_units(sick: bool) -> Fit:
+    # A tabular feature (a price) left in its raw units, ~1e4, next to standardised ones; the fix standardises it.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    y = x.sum(1, keepdim=True)
+    if sick:
+        x[:, 0] = 2e4 + 5e3 * x[:, 0]
+    return Fit(BugModule(_mlp(), TensorDataset(x, y), lr=0.01))
+
+
+# What was measured for the cases below (kept apart so the table above stays readable).
+DEFAULT_NOTES: dict[str, str] = {
+    "sgd_lr_too_high": "the ReLUs die at step 4, between the sampled steps 0 and 50. The sentinel's every-step loss"
+    " (0.68, 0.87, 0.86, 2.21, 7.96, 150, 8.2e7, then Inf at step 7) trips on the Inf loss of step 7, whose replay"
+    " names exploding_gradient on model.6 and the non-finite loss: the run is stopped in time, at the wrong layer."
+    " A spike test could not trip earlier: its baseline needs spike_warmup=20 healthy steps; loss+grads trips on"
+    " the same step 7",
+    "step_lr_every_step": "nothing fires in 101 steps: by steps 50 and 100 the lr is 5e-52 and 5e-102 and every"
+    " update is exactly 0 in float32, which not_updated leaves to a scheduler (a warm-up also holds the lr at 0) and"
+    " update_ratio does not see below its first sampled step. The every-step signals are healthy: the loss cycles"
+    " through the epoch's 8 batches (0.48-1.99) without a trip, the gradients stay finite (loss+grads); the lr itself,"
+    " fallen 1e10x while a scheduler is attached, is what would show it, and the sentinel does not read it",
+    "loss_summed_not_averaged": "the sentinel trips on the Inf loss of step 5 (53, 61, 985, 3.3e4, 2.1e11, Inf) and"
+    " its replay names exploding_gradient on model.6 and nonfinite on model.4 at step 5: detected on time by the"
+    " every-step loss, one layer off (every layer's gradient is 64x, so no layer makes the explosion; loss+grads"
+    " trips on the same step)",
+}
+BLIND_NOTES: dict[str, str] = {
+    "no_grad_body": "the body's outputs do not require grad, so no gradient is missing from them (no_gradient is"
+    " about outputs that require grad) and its parameters get none (.grad stays None), which is exactly how a"
+    " backbone frozen on purpose with torch.no_grad() looks in linear-probe code; the head trains normally (after 60"
+    " steps: output gradient 1.02, update ratio 0.14), so a rule would fire on intentional freezing",
+    "sigmoid_into_bce_with_logits": "a second sigmoid squeezes the logits into (0, 1), which only flattens the loss"
+    " (0.85 -> 0.69 = ln 2 after 60 steps, its floor): the Sigmoid's outputs stay at 0.07 +- 0.05, far from"
+    " saturation (|2y - 1| > 0.9), it passes back 1/14 of its output gradient (0.18 -> 0.013, vanishing_ratio=1e-3),"
+    " and the output's largest |logit| is 0.15: no statistic is out of range",
+}
+
 CASES: tuple[Case, ...] = (
     Case(
         "head_not_in_optimizer",
@@ -408,6 +579,7 @@ CASES: tuple[Case, ...] = (
         "not_updated",
         "model.head",
         max_steps=4,
+        default_step=0,
     ),
     Case(
         "stray_detach",
@@ -416,6 +588,7 @@ CASES: tuple[Case, ...] = (
         "no_gradient",
         "model.body.0",
         max_steps=4,
+        default_step=0,
     ),
     Case(
         "bf16_rounded_away",
@@ -424,6 +597,7 @@ CASES: tuple[Case, ...] = (
         "not_updated",
         "model.0",
         max_steps=4,
+        default_step=0,
     ),
     Case(
         "sgd_lr_too_high",
@@ -432,6 +606,7 @@ CASES: tuple[Case, ...] = (
         "dead_units",
         "model.5",
         step=4,
+        default_note=DEFAULT_NOTES["sgd_lr_too_high"],
     ),
     Case(
         "unnormalised_batch",
@@ -442,6 +617,7 @@ CASES: tuple[Case, ...] = (
         max_steps=28,
         callback={"every_n_steps": 50},
         step=26,
+        default_step=26,
     ),
     Case(
         "wrong_label_batch",
@@ -452,6 +628,7 @@ CASES: tuple[Case, ...] = (
         max_steps=58,
         callback={"every_n_steps": 50},
         step=56,
+        default_step=56,
     ),
     Case(
         "nan_log_in_wrapper",
@@ -461,6 +638,7 @@ CASES: tuple[Case, ...] = (
         "model.scale",
         max_steps=12,
         callback={"every_n_steps": 50},
+        default_step=0,
     ),
     Case(
         "exploding_relu_rnn",
@@ -469,6 +647,7 @@ CASES: tuple[Case, ...] = (
         "exploding_gradient",
         "model.rnn",
         max_steps=3,
+        default_step=0,
     ),
     Case(
         "lr_too_low",
@@ -478,6 +657,7 @@ CASES: tuple[Case, ...] = (
         "model.0",
         max_steps=4,
         step=1,
+        default_step=50,
     ),
     Case(
         "zero_init",
@@ -487,6 +667,7 @@ CASES: tuple[Case, ...] = (
         "model.1",
         max_steps=3,
         step=0,
+        default_step=0,
     ),
     Case(
         "missing_activation",
@@ -506,6 +687,7 @@ CASES: tuple[Case, ...] = (
         "model.0",
         max_steps=3,
         step=0,
+        default_step=0,
     ),
     Case(
         "double_softmax",
@@ -524,6 +706,7 @@ CASES: tuple[Case, ...] = (
         _dying_relus,
         "dead_units",
         "model.3",
+        default_step=50,
     ),
     Case(
         "saturating_tanh",
@@ -533,6 +716,7 @@ CASES: tuple[Case, ...] = (
         "model.3",
         max_steps=3,
         step=0,
+        default_step=0,
     ),
     Case(
         "exploding_no_clipping",
@@ -542,6 +726,7 @@ CASES: tuple[Case, ...] = (
         "model.3",
         max_steps=3,
         step=0,
+        default_step=0,
     ),
     Case(
         "nan_from_sqrt",
@@ -551,6 +736,7 @@ CASES: tuple[Case, ...] = (
         "model.4",
         max_steps=3,
         step=0,
+        default_step=0,
     ),
     Case(
         "grads_never_zeroed",
@@ -560,6 +746,7 @@ CASES: tuple[Case, ...] = (
         "model.0",
         max_steps=4,
         step=1,
+        default_step=50,
     ),
     Case(
         "eval_mode_left_on",
@@ -568,8 +755,115 @@ CASES: tuple[Case, ...] = (
         "eval_mode",
         "model.1",
         max_steps=5,
+        default_step=50,
+    ),
+    # --- issue 28 ---------------------------------------------------------------------------------------------
+    Case(
+        "layers_in_a_python_list",
+        "hidden blocks in a Python list, not nn.ModuleList: in no optimizer and no checkpoint (no trainable layers)",
+        _layers_in_a_python_list,
+        "unregistered_module",
+        "model",
+        max_steps=3,
+        step=0,
+        default_step=0,
+    ),
+    Case(
+        "repeated_sample_batch",
+        "a Dataset whose __getitem__ ignores its index: every batch is one sample, repeated",
+        _repeated_sample_batch,
+        "repeated_batch",
+        "<batch>",
+        max_steps=3,
+        step=0,
+        default_step=0,
+    ),
+    Case(
+        "eval_before_forward",
+        "`self.model.eval()` at the top of training_step (copied from inference code): BatchNorm never trains",
+        _eval_before_forward,
+        "eval_mode",
+        "model.1",
+        max_steps=4,
+        default_step=50,
+    ),
+    Case(
+        "deep_sigmoid",
+        "ten Sigmoid layers: the gradient fades towards the input",
+        _deep_sigmoid,
+        "vanishing_gradient",
+        "model.12",
+        max_steps=3,
+        step=0,
+        default_step=0,
+    ),
+    Case(
+        "relu_on_the_output",
+        "a regression head ending in ReLU, targets mostly below 0: the output unit dies",
+        _relu_on_the_output,
+        "dead_units",
+        "model.5",
+        max_steps=4,
+        default_step=50,
+    ),
+    Case(
+        "tiny_gradient_clip",
+        "`gradient_clip_val=1e-6` (a learning rate typed into the clipping value): every update is clipped away",
+        _tiny_gradient_clip,
+        "update_ratio",
+        "model.0",
+        max_steps=4,
+        step=1,
+        default_step=50,
+    ),
+    Case(
+        "step_lr_every_step",
+        "StepLR(step_size=1, gamma=0.1) meant per epoch, configured with interval 'step': the lr falls 10x a step",
+        _step_lr_every_step,
+        "update_ratio",
+        "model.0",
+        max_steps=10,
+        default_note=DEFAULT_NOTES["step_lr_every_step"],
+    ),
+    Case(
+        "loss_summed_not_averaged",
+        "MSELoss(reduction='sum') over batches of 64 with an lr tuned for the mean: each step is 64x too large",
+        _loss_summed_not_averaged,
+        "exploding_gradient",
+        "model.4",
+        max_steps=8,
+        default_note=DEFAULT_NOTES["loss_summed_not_averaged"],
+    ),
+    Case(
+        "one_feature_in_raw_units",
+        "one tabular feature (a price, ~2e4) left in raw units next to standardised ones",
+        _one_feature_in_raw_units,
+        "input_scale",
+        "model.0",
+        max_steps=3,
+        step=0,
+        default_step=0,
+    ),
+    Case(
+        "no_grad_body",
+        "the body's forward inside `torch.no_grad()` (copied from feature extraction) while meant to be fine-tuned",
+        _no_grad_body,
+        None,
+        None,
+        max_steps=4,
+        blind=BLIND_NOTES["no_grad_body"],
+    ),
+    Case(
+        "sigmoid_into_bce_with_logits",
+        "the model ends in nn.Sigmoid and BCEWithLogitsLoss applies the sigmoid again",
+        _sigmoid_into_bce_with_logits,
+        None,
+        None,
+        max_steps=8,
+        blind=BLIND_NOTES["sigmoid_into_bce_with_logits"],
     ),
 )
+
 """Every bug of the benchmark, in the order of the table in ``docs/bugs.md``."""
 
 from misses import MISSES  # noqa: E402  (the held-out misses of issue 28 build on BugModule above)

@@ -157,6 +157,7 @@ MISSES: tuple[Case, ...] = (
         "warmup_stuck",
         "model.0",
         max_steps=60,
+        default_step=50,
     ),
     Case(
         "grads_zeroed_before_step",
@@ -166,6 +167,7 @@ MISSES: tuple[Case, ...] = (
         "model.0",
         max_steps=4,
         step=0,
+        default_step=0,
     ),
     Case(
         "nonfinite_batch",
@@ -175,6 +177,7 @@ MISSES: tuple[Case, ...] = (
         "<batch>",
         max_steps=3,
         step=0,
+        default_step=0,
     ),
     Case(
         "fp16_adam_eps",
@@ -185,6 +188,7 @@ MISSES: tuple[Case, ...] = (
         "model.0",
         max_steps=4,
         step=0,
+        default_step=0,
     ),
     Case(
         "uint8_masks",
@@ -193,7 +197,10 @@ MISSES: tuple[Case, ...] = (
         "unbounded_loss",
         "model.head",
         max_steps=60,
-        callback={"stats": [*ALL_STATS, *OUTPUT_LAYER_STATS]},  # the output layer's statistics (opt-in here)
+        callback={"stats": [*ALL_STATS, *OUTPUT_LAYER_STATS]},  # the output layer's statistics
+        default_note="unbounded_loss needs 8 sampled steps of a falling negative loss and a growing head (about"
+        " 350 steps at every_n_steps=50); the every-step loss falls smoothly through zero (no spike, no NaN), so the"
+        " sentinel has nothing to trip on, and a loss below zero is not a fault in general (likelihoods)",
     ),
     Case(
         "hard_batch_vs_wrong_labels",
@@ -205,6 +212,7 @@ MISSES: tuple[Case, ...] = (
         max_steps=82,
         callback={"every_n_steps": 50},
         step=80,
+        default_step=80,
     ),
 )
 """The held-out misses, in the order of issue 28."""

@@ -1,0 +1,60 @@
+"""What the training batch itself shows: the facts of rule ``repeated_batch``.
+
+A batch made of one sample repeated (a ``Dataset.__getitem__`` that ignores its index, an ``expand`` in a
+collate function, a sampler that yields one index) trains the model on one example while the loss falls as if it
+learned. :func:`repeated_rows` tells it on the device, without a host sync, from a bounded subsample of each row;
+which batches count: ``docs/rules.md#repeated_batch``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["MIN_ROWS", "ROW_SAMPLE", "repeated_rows"]
+
+MIN_ROWS = 8
+"""Batches with fewer rows are not judged: small batches of a dataset with few distinct rows repeat by chance."""
+
+ROW_SAMPLE = 4096
+"""Elements compared per row at most, evenly strided over the whole row."""
+
+
+def _tensors(batch: Any) -> list[Tensor]:
+    if isinstance(batch, Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [t for value in batch.values() for t in _tensors(value)]
+    if isinstance(batch, (list, tuple)):
+        return [t for value in batch for t in _tensors(value)]
+    return []
+
+
+def repeated_rows(batch: Any) -> Tensor | None:
+    """Whether every tensor of ``batch`` with 2 or more dims holds one row repeated (0-d bool, on its device).
+
+    Only tensors of at least :data:`MIN_ROWS` rows (the first dimension) and 2 dimensions count: an attention mask
+    of ones repeats in a healthy batch, but not together with the tokens it masks; 1-D label vectors repeat in
+    healthy batches of few classes. ``None`` when no tensor counts.
+
+    Example:
+        >>> import torch
+        >>> x = torch.arange(6.0).repeat(8, 1)
+        >>> repeated_rows((x, torch.zeros(8))).item(), repeated_rows({"x": torch.randn(8, 6)}).item()
+        (True, False)
+        >>> repeated_rows(torch.randn(4, 6)) is None  # too few rows to judge
+        True
+    """
+    same: Tensor | None = None
+    for t in _tensors(batch):
+        if t.dim() < 2 or t.shape[0] < MIN_ROWS or t.is_sparse or t.is_nested:
+            continue
+        rows = t.detach().reshape(t.shape[0], -1)
+        stride = max(1, math.ceil(rows.shape[1] / ROW_SAMPLE))
+        sample = rows[:, ::stride]
+        equal = (sample == sample[:1]).all()
+        same = equal if same is None else same & equal
+    return same

@@ -1,0 +1,142 @@
+"""Layers that run in the training forward without being submodules: the facts of rule ``unregistered_module``.
+
+A layer held in a Python list, tuple or dict (``self.layers = [nn.Linear(...), ...]`` instead of ``nn.ModuleList``)
+is called like any module, but ``self.parameters()`` does not yield its parameters: no optimizer built from them
+updates it, no checkpoint saves it, ``.to(device)`` does not move it, and the selection never sees it.
+:class:`UnregisteredWatch` finds such layers with one global forward hook
+(``torch.nn.modules.module.register_module_forward_hook``), registered for a sampled micro-batch's forward only;
+which modules count and which stay silent: ``docs/rules.md#unregistered_module``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_hookdiag.hooks import in_backward
+from lightning_hookdiag.rules.findings import ROOT
+from lightning_hookdiag.selection import named_modules
+
+__all__ = ["UnregisteredWatch", "where_held"]
+
+_CALL_CODES = frozenset({nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__})
+
+
+def where_held(parent: nn.Module, module: nn.Module) -> str:
+    """How ``parent`` holds ``module`` outside its submodules: ``"layers[1]"``, ``"heads['a']"``, or ``""``.
+
+    Example:
+        >>> class Net(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.layers = [nn.Linear(2, 2), nn.Linear(2, 2)]
+        >>> net = Net()
+        >>> where_held(net, net.layers[1]), where_held(net, nn.ReLU())
+        ('layers[1]', '')
+    """
+    for attr, value in vars(parent).items():
+        if isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                if item is module:
+                    return f"{attr}[{i}]"
+        elif isinstance(value, dict) and not attr.startswith("_"):
+            for key, item in value.items():
+                if item is module:
+                    return f"{attr}[{key!r}]"
+        elif value is module:
+            return attr
+    return ""
+
+
+class UnregisteredWatch:
+    """Collect the modules with trainable parameters of their own that ran in a sampled training forward unregistered.
+
+    A module counts when it is not ``root`` or one of its submodules, owns a parameter that requires grad and is not
+    one of ``root``'s parameters (a layer that shares registered weights is not lost), and ran with grad enabled
+    outside backward (a teacher run under ``no_grad`` is not trained on purpose). Call :meth:`attach` before a
+    sampled micro-batch's forward, :meth:`remove` after it, and :meth:`take` once per sampled step.
+
+    Args:
+        root: The LightningModule.
+
+    Example:
+        >>> class Net(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.head = nn.Linear(2, 1)
+        ...         self.blocks = [nn.Linear(2, 2)]  # the bug: a Python list
+        ...     def forward(self, x):
+        ...         return self.head(self.blocks[0](x))
+        >>> net = Net()
+        >>> watch = UnregisteredWatch(net)
+        >>> watch.attach(); _ = net(torch.randn(3, 2)); watch.remove()
+        >>> watch.take()
+        {'<root>': ['blocks[0] (Linear, 6 parameter elements)']}
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        self._names = {id(m): name for name, m in named_modules(root).items()}
+        self._names[id(root)] = ROOT
+        self._params = {id(p) for p in root.parameters()}
+        self._handle: RemovableHandle | None = None
+        self._found: dict[str, list[str]] = {}
+        self._seen: set[int] = set()
+
+    @property
+    def attached(self) -> bool:
+        """Whether the global hook is registered."""
+        return self._handle is not None
+
+    def attach(self) -> None:
+        """Register the global forward hook (no-op if registered)."""
+        if self._handle is None:
+            self._handle = nn.modules.module.register_module_forward_hook(self._hook)
+
+    def remove(self) -> None:
+        """Remove the global hook; safe to call any number of times."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def take(self) -> dict[str, list[str]]:
+        """Registered module (the innermost one whose forward called them) to the unregistered modules; forget them."""
+        found, self._found = self._found, {}
+        self._seen = set()
+        return found
+
+    def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if id(module) in self._names or id(module) in self._seen:
+            return  # every registered module: one dictionary lookup
+        if not torch.is_grad_enabled() or in_backward():
+            return
+        if not any(p.requires_grad and id(p) not in self._params for p in module.parameters(recurse=False)):
+            return
+        parent, parent_name, outer = self._caller(module)
+        for m in outer.modules():
+            self._seen.add(id(m))  # the layer held unregistered is reported once, with everything it holds
+        held = where_held(parent, outer) if parent is not None else ""
+        elements = sum(p.numel() for p in outer.parameters() if p.requires_grad and id(p) not in self._params)
+        what = f"{held or 'a module'} ({type(outer).__name__}, {elements} parameter elements)"
+        self._found.setdefault(parent_name, []).append(what)
+
+    def _caller(self, module: nn.Module) -> tuple[nn.Module | None, str, nn.Module]:
+        """The innermost registered module on the call stack, its name, and what it holds unregistered.
+
+        The name is :data:`ROOT` at worst; what it holds is the outermost unregistered module on the way to ``module``.
+        """
+        outer = module
+        frame = sys._getframe(3)
+        while frame is not None:
+            if frame.f_code in _CALL_CODES:
+                candidate = frame.f_locals.get("self")
+                name = self._names.get(id(candidate))
+                if name is not None:
+                    return candidate, name, outer
+                if isinstance(candidate, nn.Module):
+                    outer = candidate
+            frame = frame.f_back
+        return None, ROOT, outer
