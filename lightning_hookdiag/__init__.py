@@ -50,8 +50,8 @@ if TYPE_CHECKING:
     from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
     from lightning_hookdiag.rules import Finding, RuleConfig
     from lightning_hookdiag.selection import LayerInfo, list_layers
-    from lightning_hookdiag.sentinel import Trip
     from lightning_hookdiag.stats import ALL_STATS, OPT_IN_STATS
+    from lightning_hookdiag.step_state import Trip
     from lightning_hookdiag.vocabulary import PRECURSOR_STATS
 
 

@@ -36,7 +36,7 @@ from lightning_hookdiag.rules import (
 from lightning_hookdiag.trends import History
 
 if TYPE_CHECKING:  # only a Trip's fields are read; importing the sentinel at run time would import torch
-    from lightning_hookdiag.sentinel import Trip
+    from lightning_hookdiag.step_state import Trip
 
 __all__ = ["Diagnosed", "Diagnosis"]
 
@@ -134,7 +134,7 @@ class Diagnosis:
         """Whether a tripped step's NaN/Inf is worth tracing to the module that made it (only ``nonfinite`` reads it).
 
         Example:
-            >>> from lightning_hookdiag.sentinel import Trip
+            >>> from lightning_hookdiag.step_state import Trip
             >>> nan, spike = Trip(3, "nonfinite_loss", float("nan")), Trip(3, "loss_spike", 40.0, baseline=1.0)
             >>> Diagnosis(RuleConfig()).traces(nan), Diagnosis(RuleConfig()).traces(spike)
             (True, False)

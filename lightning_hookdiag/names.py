@@ -16,7 +16,22 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-__all__ = ["MODULE_ATTR_WRAPPERS", "WRAPPER_SEGMENTS", "logged_name", "owning_layer"]
+__all__ = ["BATCH", "LOSS", "ROOT", "MODULE_ATTR_WRAPPERS", "WRAPPER_SEGMENTS", "logged_name", "owning_layer"]
+
+LOSS = "loss"
+"""The ``layer`` of a finding about the loss itself rather than about one layer."""
+
+
+BATCH = "<batch>"
+"""The ``layer`` of a finding about the training batch itself, before any layer: a batch that arrives holding NaN/Inf
+(``nonfinite``), or one sample repeated (``repeated_batch``)."""
+
+
+ROOT = "<root>"
+"""The ``layer`` of a finding about the LightningModule's own code: a NaN made in its ``forward`` (or, outside every
+module's forward, in ``training_step``) between two layers. Module names are relative to the LightningModule, whose
+own name would be empty; the angle brackets cannot occur in a module path."""
+
 
 WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_forward_module"})
 """Attribute names under which wrappers keep the module they wrap: private names no user model would choose, so

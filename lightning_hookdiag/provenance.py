@@ -25,8 +25,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hookdiag.hooks import in_backward, sink_mode
-from lightning_hookdiag.names import logged_name
-from lightning_hookdiag.rules import ROOT
+from lightning_hookdiag.names import ROOT, logged_name
 
 __all__ = ["NonFiniteTrace", "nonfinite_in_batch"]
 

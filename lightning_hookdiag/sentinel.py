@@ -21,7 +21,7 @@ import random
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -31,6 +31,7 @@ from lightning_hookdiag.hooks import HookSet
 from lightning_hookdiag.params import stored_values
 from lightning_hookdiag.provenance import NonFiniteTrace
 from lightning_hookdiag.stats import accumulation_dtype
+from lightning_hookdiag.step_state import Trip, TripKind
 from lightning_hookdiag.validation import choice
 
 __all__ = [
@@ -44,43 +45,6 @@ __all__ = [
 
 SENTINEL_MODES: tuple[str, ...] = ("loss", "loss+grads")
 """Values of the callback's ``sentinel`` argument besides ``None``."""
-
-TripKind = Literal["nonfinite_loss", "nonfinite_grad", "loss_spike"]
-
-
-@dataclass(frozen=True)
-class Trip:
-    """What the sentinel saw on the optimizer step it tripped on.
-
-    Attributes:
-        step: The optimizer step.
-        kind: ``"nonfinite_loss"``, ``"nonfinite_grad"`` (only with ``"loss+grads"``) or ``"loss_spike"``.
-        loss: The step's loss (the sum of its micro-batch losses as Lightning back-propagates them, i.e. their mean;
-            the largest over processes); NaN when not finite.
-        baseline: The centre the spike test compared the loss with (the lower median of the latest healthy losses,
-            :meth:`SpikeDetector.median`); ``None`` if unknown.
-        last_finite_step: The last earlier step whose loss (and, with ``"loss+grads"``, gradients) was finite.
-        replayed: Whether the step's statistics come from hooks (a replay, or a step that was sampled anyway).
-        reason: Why the step was not replayed (empty when it was).
-        nan_entry: Set by the replay of a ``nonfinite_*`` trip when the first selected layer with a non-finite
-            output had received a non-finite input (see :mod:`lightning_hookdiag.provenance`): that layer.
-        nan_origin: With ``nan_entry``: the innermost module whose forward made the NaN/Inf
-            (:data:`~lightning_hookdiag.rules.ROOT` for the LightningModule's own), or ``None`` when it was made
-            outside every module's forward.
-        bad_batch: On a ``nonfinite_*`` trip: the floating-point tensors of the step's batch that hold NaN/Inf, as
-            ``(path, NaN/Inf elements, elements)`` (``("batch[0]", 512, 512)``); empty when the data is finite.
-    """
-
-    step: int
-    kind: TripKind
-    loss: float
-    baseline: float | None = None
-    last_finite_step: int | None = None
-    replayed: bool = False
-    reason: str = ""
-    nan_entry: str | None = None
-    nan_origin: str | None = None
-    bad_batch: tuple[tuple[str, int, int], ...] = ()
 
 
 class SpikeDetector:

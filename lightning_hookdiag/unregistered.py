@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_hookdiag.hooks import in_backward
-from lightning_hookdiag.rules.findings import ROOT
+from lightning_hookdiag.names import ROOT
 from lightning_hookdiag.selection import named_modules
 
 __all__ = ["UnregisteredWatch", "where_held"]

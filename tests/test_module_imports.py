@@ -68,3 +68,70 @@ def test_the_private_import_finder_sees_both_spellings(tmp_path):
 def test_no_module_takes_a_private_name_from_another():
     found = private_cross_module_imports(Path(lightning_hookdiag.__file__).parent)
     assert not found, "make these helpers public in their owning module:\n" + "\n".join(found)
+
+
+def import_cycles(package: Path) -> list[list[str]]:
+    """The import cycles among a package's modules, counting every ``import`` statement (``TYPE_CHECKING`` too).
+
+    ``from pkg.sub import name`` is an import of ``pkg.sub.name`` where that is a module, else of ``pkg.sub``; a
+    package is its ``__init__``. Returns the strongly connected components of more than one module, sorted.
+    """
+    root = package.name
+    modules: dict[str, Path] = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(root):
+                for alias in node.names:
+                    target = f"{node.module}.{alias.name}"
+                    graph[name].add(target if target in modules else node.module)
+            elif isinstance(node, ast.Import):
+                graph[name].update(a.name for a in node.names if a.name.split(".")[0] == root)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph[node] & modules.keys()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for name in sorted(modules):
+        if name not in index:
+            visit(name)
+    return sorted(cycles)
+
+
+def test_the_cycle_finder_sees_a_cycle_through_a_type_checking_import(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg.b import thing\n")
+    (package / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.c import x\n")
+    (package / "c.py").write_text("import pkg.a\n")
+    (package / "d.py").write_text("from pkg import a\n")
+    assert import_cycles(package) == [["pkg.a", "pkg.b", "pkg.c"]]
+
+
+def test_the_package_has_no_import_cycle():
+    # Names live where they belong (ROOT / LOSS / BATCH in names.py, Trip in step_state.py), so that provenance,
+    # the rules and the sentinel do not import each other in a circle (issue 30 item 3).
+    assert import_cycles(Path(lightning_hookdiag.__file__).parent) == []

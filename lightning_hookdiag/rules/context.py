@@ -18,7 +18,7 @@ from lightning_hookdiag.rules.config import RuleConfig
 from lightning_hookdiag.rules.findings import BATCH
 
 if TYPE_CHECKING:  # the rules only read a Trip's fields; importing the sentinel at run time would import torch
-    from lightning_hookdiag.sentinel import Trip
+    from lightning_hookdiag.step_state import Trip
 
 __all__ = [
     "Baseline",

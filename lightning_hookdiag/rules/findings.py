@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightning_hookdiag.names import BATCH, LOSS, ROOT  # noqa: F401  (re-exported: the rules' pseudo-layers)
+
 __all__ = [
     "BATCH",
     "LOSS",
@@ -24,21 +26,6 @@ __all__ = [
 
 
 PHASES: tuple[str, ...] = ("forward", "backward")
-
-
-LOSS = "loss"
-"""The ``layer`` of a finding about the loss itself rather than about one layer."""
-
-
-BATCH = "<batch>"
-"""The ``layer`` of a finding about the training batch itself, before any layer: a batch that arrives holding NaN/Inf
-(``nonfinite``), or one sample repeated (``repeated_batch``)."""
-
-
-ROOT = "<root>"
-"""The ``layer`` of a finding about the LightningModule's own code: a NaN made in its ``forward`` (or, outside every
-module's forward, in ``training_step``) between two layers. Module names are relative to the LightningModule, whose
-own name would be empty; the angle brackets cannot occur in a module path."""
 
 
 # Names of the other affected layers listed in a nonfinite message; the count is always complete.
