@@ -326,14 +326,14 @@ class OutputProbe:
                 self.reset(logits.device)
             # Rows of logits, a block of rows at a time: the float32 copy and the temporaries of logsumexp hold at most
             # CHUNK_ELEMENTS values, not a copy of the whole (a 128 k vocabulary at 8 k tokens is 4 GiB of float32).
-            rows = logits.reshape(-1, logits.shape[-1]) if logits.ndim else logits.reshape(1, 1)
-            block = max(1, stats.CHUNK_ELEMENTS // max(1, rows.shape[1]))
-            for part in rows.split(block):
+            rows = logits.reshape(-1, logits.shape[-1])  # the hook keeps outputs of 2 or more dimensions only
+            log_z = rows.shape[1] > 1  # log Z of one logit is the logit itself (a regression output): not logged
+            for part in rows.split(max(1, stats.CHUNK_ELEMENTS // rows.shape[1])):
                 x = part.float()
-                if x.shape[-1] > 1:  # log Z of one logit is the logit itself (a regression output): not logged
+                if log_z:
                     self.sums[0] += torch.logsumexp(x, dim=-1).sum()
                 self.absmax = torch.maximum(self.absmax, x.abs().amax())
-            if rows.shape[-1] > 1:
+            if log_z:
                 self.sums[1] += rows.shape[0]  # a Python scalar is a kernel argument: no host data is copied
         self.layer = index
 

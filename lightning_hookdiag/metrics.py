@@ -15,7 +15,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from lightning_hookdiag.rules.findings import BATCH
+from lightning_hookdiag.names import BATCH
 from lightning_hookdiag.vocabulary import PER_PARAMETER_STATS, PRECURSOR_STATS, counted_by_gradient
 
 __all__ = [

@@ -121,7 +121,7 @@ def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64)
     pieces: list[Tensor] = []
     counts: list[int] = []
     for t in local:
-        parts = list(chunks(t)) if t.numel() else [t]
+        parts = list(chunks(t))  # an empty tensor is one (empty) piece
         pieces.extend(parts)
         counts.append(len(parts))
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
@@ -173,23 +173,28 @@ def update_samples(numels: Sequence[int], budget: int = SNAPSHOT_ELEMENTS) -> li
 
 
 def _sample_view(t: Tensor, size: int, phase: int) -> Tensor:
-    """About ``size`` entries of ``t`` as a view: every ``k``-th entry of its flat form, starting at ``phase % k``.
+    """At most ``size`` entries of ``t`` as a view: every ``k``-th entry of its flat form, from ``phase % k`` on.
 
-    A tensor that is not contiguous is sampled the same way along its leading dimension, then its next ones, until
-    the view holds at most ``size`` entries (or a single row of it).
+    The view holds the same number of entries whatever the phase (``numel // k``), so the scale computed once for a
+    parameter set holds on every step. A tensor that is not contiguous is sampled the same way along its leading
+    dimension, then its next ones, until the view holds at most ``size`` entries (or a single row of it).
     """
     if t.numel() <= size:
         return t
     if t.is_contiguous():
-        step = math.ceil(t.numel() / size)
-        return t.view(-1)[phase % step :: step]
+        return _every(t.view(-1), math.ceil(t.numel() / size), phase)
     view = t
     while view.numel() > size and view.ndim:
-        step = min(view.shape[0], math.ceil(view.numel() / size))
-        view = view[phase % step :: step]
+        view = _every(view, min(view.shape[0], math.ceil(view.numel() / size)), phase)
         if view.numel() > size and view.shape[0] == 1:
             view = view[0]
     return view
+
+
+def _every(t: Tensor, step: int, phase: int) -> Tensor:
+    # Every step-th entry along dim 0 from phase % step on, always len(t) // step of them.
+    start = phase % step
+    return t[start : start + (t.shape[0] // step) * step : step]
 
 
 def stored_values(t: Tensor) -> Tensor:
@@ -363,7 +368,7 @@ class ParameterTracker:
         cached = self._index_cache.get(positions)
         if cached is None or cached[0].device != device:
             if len(self._index_cache) >= 8:
-                self._index_cache, self._share_cache, self._sample_cache = {}, {}, {}
+                self._index_cache, self._share_cache = {}, {}
             index = torch.tensor(positions, dtype=torch.long, device=device)
             zeros = torch.zeros(len(positions), dtype=self.dtype, device=device)
             cached = self._index_cache[positions] = (index, zeros, torch.ones_like(zeros))

@@ -37,6 +37,11 @@ _MAX_STACKS = 8
 _STACKABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def _stackable(tensor: Tensor) -> bool:
+    # A stack holds at least one tensor within the reductions' piece limit (CHUNK_ELEMENTS, read at run time).
+    return tensor.numel() <= min(SMALL_ELEMENTS, stats.CHUNK_ELEMENTS) and tensor.dtype in _STACKABLE
+
+
 class _Stacks:
     """Small tensors of one kind, copied into stacks of equal size and reduced one stack at a time.
 
@@ -165,7 +170,7 @@ class StepRecorder:
         assert tensor is not None
         agg = self.aggregator
         numel = tensor.numel()
-        if self.moments and self._act_stacks is not None and numel <= SMALL_ELEMENTS and tensor.dtype in _STACKABLE:
+        if self.moments and self._act_stacks is not None and _stackable(tensor):
             self._act_stacks.add(layer, tensor, self.workspace)
         elif self.moments:
             # Piece by piece: the scratch memory stays bounded whatever the tensor's size (one piece, and so one row,
@@ -202,7 +207,7 @@ class StepRecorder:
         if not numel:
             return
         agg = self.aggregator
-        if self._grad_stacks is not None and numel <= SMALL_ELEMENTS and grad.dtype in _STACKABLE:
+        if self._grad_stacks is not None and _stackable(grad):
             self._grad_stacks.add(layer, grad, self.workspace)
         else:
             for piece in chunks(grad):

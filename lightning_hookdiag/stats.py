@@ -305,13 +305,18 @@ def activation_row(x: Tensor, out: Tensor, workspace: Workspace | None = None) -
         >>> activation_row(torch.tensor([0.0, -0.0, -3.0, 4.0, float("nan")]), torch.empty(ACT_ROW)).tolist()
         [3.0, 2.0, 1.0, 25.0, -3.0, 4.0]
     """
-    finite, pair, nonzero, nonzero_finite = _finite_copy(x, out.dtype, workspace or Workspace(), False)
-    low, high = torch.aminmax(finite)  # while the copy is still in cache
+    return _activation(x, out, workspace, None)
+
+
+def _activation(x: Tensor, out: Tensor, workspace: Workspace | None, dim: int | None) -> Tensor:
+    # The one body of activation_row (dim=None: the whole tensor) and activation_rows (dim=1: each row of a stack).
+    finite, pair, nonzero, nonzero_finite = _finite_copy(x, out.dtype, workspace or Workspace(), False, dim)
+    low, high = torch.aminmax(finite, dim=dim)  # while the copy is still in cache
     values, squares = pair
     values.copy_(finite)  # exact: float32 (and fp16/bf16) values are float64 values
     torch.mul(values, values, out=squares)  # exact in float64 (24 significant bits squared fit in 53)
-    total, square_total = pair.sum(dim=1)  # cascaded: ~1e-16 relative (see the module docstring)
-    return torch.stack([nonzero, nonzero_finite, total, square_total, low, high], out=out)
+    total, square_total = pair.sum(dim=-1)  # cascaded: ~1e-16 relative (see the module docstring)
+    return torch.stack([nonzero, nonzero_finite, total, square_total, low, high], dim=-1, out=out)
 
 
 def gradient_row(g: Tensor, out: Tensor, workspace: Workspace | None = None) -> Tensor:
@@ -326,10 +331,17 @@ def gradient_row(g: Tensor, out: Tensor, workspace: Workspace | None = None) -> 
         >>> gradient_row(torch.tensor([3.0, 0.0, -4.0, float("inf")]), torch.empty(GRAD_ROW)).tolist()
         [3.0, 2.0, 25.0]
     """
-    finite, pair, nonzero, nonzero_finite = _finite_copy(g, out.dtype, workspace or Workspace(), True)
-    values = pair[0]
+    return _gradient(g, out, workspace, None)
+
+
+def _gradient(g: Tensor, out: Tensor, workspace: Workspace | None, dim: int | None) -> Tensor:
+    # The one body of gradient_row (dim=None) and gradient_rows (dim=1). A whole tensor's sum of squares is one BLAS
+    # dot; a stack's is squares summed along its rows (dot has no batched form).
+    finite, pair, nonzero, nonzero_finite = _finite_copy(g, out.dtype, workspace or Workspace(), True, dim)
+    values, squares = pair
     values.copy_(finite)
-    return torch.stack([nonzero, nonzero_finite, torch.dot(values, values)], out=out)
+    square_total = torch.dot(values, values) if dim is None else torch.mul(values, values, out=squares).sum(dim=-1)
+    return torch.stack([nonzero, nonzero_finite, square_total], dim=-1, out=out)
 
 
 def activation_rows(x: Tensor, out: Tensor, workspace: Workspace | None = None) -> Tensor:
@@ -348,13 +360,7 @@ def activation_rows(x: Tensor, out: Tensor, workspace: Workspace | None = None) 
         >>> activation_rows(x, torch.empty(2, ACT_ROW)).tolist()
         [[2.0, 2.0, 1.0, 25.0, -3.0, 4.0], [3.0, 2.0, 3.0, 5.0, 0.0, 2.0]]
     """
-    finite, pair, nonzero, nonzero_finite = _finite_copy(x, out.dtype, workspace or Workspace(), False, dim=1)
-    low, high = torch.aminmax(finite, dim=1)
-    values, squares = pair
-    values.copy_(finite)
-    torch.mul(values, values, out=squares)
-    total, square_total = pair.sum(dim=-1)
-    return torch.stack([nonzero, nonzero_finite, total, square_total, low, high], dim=-1, out=out)
+    return _activation(x, out, workspace, 1)
 
 
 def gradient_rows(g: Tensor, out: Tensor, workspace: Workspace | None = None) -> Tensor:
@@ -364,11 +370,7 @@ def gradient_rows(g: Tensor, out: Tensor, workspace: Workspace | None = None) ->
         >>> gradient_rows(torch.tensor([[3.0, 4.0], [float("inf"), -0.0]]), torch.empty(2, GRAD_ROW)).tolist()
         [[2.0, 2.0, 25.0], [2.0, 1.0, 0.0]]
     """
-    finite, pair, nonzero, nonzero_finite = _finite_copy(g, out.dtype, workspace or Workspace(), True, dim=1)
-    values, squares = pair
-    values.copy_(finite)
-    torch.mul(values, values, out=squares)
-    return torch.stack([nonzero, nonzero_finite, squares.sum(dim=-1)], dim=-1, out=out)
+    return _gradient(g, out, workspace, 1)
 
 
 def moments_from_rows(rows: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
@@ -423,12 +425,7 @@ def activation_moments(
         >>> [round(m, 5) for m in moments.tolist()], absmax.item()
         ([5.0, 4.0, 3.0, 2.0, 26.0], 4.0)
     """
-    pieces = list(chunks(x)) if x.numel() else []
-    rows = torch.zeros(max(len(pieces), 1), ACT_ROW, dtype=dtype, device=x.device)
-    for piece, row in zip(pieces, rows, strict=False):
-        activation_row(piece, row, workspace)
-    counts = torch.tensor([p.numel() for p in pieces] or [0], dtype=dtype, device=x.device)
-    moments, absmax = moments_from_rows(rows, counts)
+    moments, absmax = moments_from_rows(*_piece_rows(x, ACT_ROW, activation_row, dtype, workspace))
     return moments.sum(0), absmax.amax(0)
 
 
@@ -439,12 +436,22 @@ def gradient_moments(g: Tensor, dtype: torch.dtype = torch.float64, workspace: W
         >>> gradient_moments(torch.tensor([3.0, 4.0, float("inf")])).tolist()
         [3.0, 25.0, 1.0]
     """
-    pieces = list(chunks(g)) if g.numel() else []
-    rows = torch.zeros(max(len(pieces), 1), GRAD_ROW, dtype=dtype, device=g.device)
+    return gradient_moments_from_rows(*_piece_rows(g, GRAD_ROW, gradient_row, dtype, workspace)).sum(0)
+
+
+def _piece_rows(
+    x: Tensor,
+    width: int,
+    reduce: Callable[[Tensor, Tensor, Workspace | None], Tensor],
+    dtype: torch.dtype,
+    workspace: Workspace | None,
+) -> tuple[Tensor, Tensor]:
+    """``(rows, counts)``: one ``[width]`` row per piece of ``x`` (one row of zeros, count 0, for an empty tensor)."""
+    pieces = list(chunks(x)) if x.numel() else []
+    rows = torch.zeros(max(len(pieces), 1), width, dtype=dtype, device=x.device)
     for piece, row in zip(pieces, rows, strict=False):
-        gradient_row(piece, row, workspace)
-    counts = torch.tensor([p.numel() for p in pieces] or [0], dtype=dtype, device=g.device)
-    return gradient_moments_from_rows(rows, counts).sum(0)
+        reduce(piece, row, workspace)
+    return rows, torch.tensor([p.numel() for p in pieces] or [0], dtype=dtype, device=x.device)
 
 
 def square_sum(x: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:

@@ -202,3 +202,15 @@ def test_the_snapshot_is_bounded_whatever_the_model():
     assert kept <= P.SNAPSHOT_ELEMENTS
     assert kept >= P.SNAPSHOT_ELEMENTS // 2
     tracker.release()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_a_sampled_parameter_keeps_as_many_entries_at_every_phase(layout):
+    # The numel / kept scale is computed once per parameter set; the strided sample must hold that many entries
+    # whatever the step's starting phase (10_007 entries, a share of 1_000: every 11th, 909 of them).
+    t = torch.arange(10_007.0) if layout == "contiguous" else torch.arange(10_007.0 * 3).reshape(3, 10_007).t()
+    lengths = {P._sample_view(t, 1_000, phase).numel() for phase in range(40)}
+    assert len(lengths) == 1
+    assert lengths.pop() <= 1_000
+    view = P._sample_view(t, 1_000, 5)
+    assert view.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()  # a view, no copy
