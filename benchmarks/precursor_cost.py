@@ -27,7 +27,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import overhead  # noqa: E402
 
-from lightning_hookdiag.attention import PrecursorProbes, attention_scope  # noqa: E402
+from lightning_hookdiag.precursor_probes import PrecursorProbes, attention_scope  # noqa: E402
 from lightning_hookdiag.selection import named_modules, resolve_layers  # noqa: E402
 from lightning_hookdiag.vocabulary import PRECURSOR_STATS  # noqa: E402
 

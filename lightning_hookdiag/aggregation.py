@@ -28,7 +28,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_hookdiag.distributed import all_reduce_packed
-from lightning_hookdiag.outliers import POWER_SLOTS, finalize_kurtosis
+from lightning_hookdiag.kurtosis import POWER_SLOTS, finalize_kurtosis
 from lightning_hookdiag.params import P_SEEN, P_SLOTS, P_WEIGHT_SQ, finalize_parameters
 from lightning_hookdiag.precision import finalize_precision
 from lightning_hookdiag.stats import (
@@ -161,7 +161,7 @@ class LayerStatsAggregator(Metric):
             self.add_state("grad_precision", torch.zeros(n_layers, slots, dtype=dtype), dist_reduce_fx="sum")
         if power_sums:
             self.add_state("act_power", torch.zeros(n_layers, POWER_SLOTS, dtype=dtype), dist_reduce_fx="sum")
-        # Per-layer point the power sums are taken about (see lightning_hookdiag.outliers); the same on every process.
+        # Per-layer point the power sums are taken about (see lightning_hookdiag.kurtosis); the same on every process.
         self.power_shift = torch.zeros(n_layers, dtype=dtype)
         if saved_bytes:
             self.add_state("act_saved", torch.zeros(n_layers, dtype=dtype), dist_reduce_fx="max")
@@ -351,7 +351,7 @@ class LayerStatsAggregator(Metric):
             layer: Index of the layer.
             state: ``"act_precision"``, ``"grad_precision"`` or ``"act_power"`` (registered when asked for).
             values: From :func:`~lightning_hookdiag.precision.precision_counts` or
-                :func:`~lightning_hookdiag.outliers.power_sums`.
+                :func:`~lightning_hookdiag.kurtosis.power_sums`.
         """
         self._mark_stale()
         getattr(self, state)[layer].add_(values)

@@ -24,12 +24,11 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_hookdiag.attention import PrecursorProbes
 from lightning_hookdiag.diagnosis import Diagnosis
 from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
 from lightning_hookdiag.fit_run import FitConfig, FitRun, ObservedStep
 from lightning_hookdiag.hooks import HookSet
-from lightning_hookdiag.metrics import (
+from lightning_hookdiag.logged_values import (
     Note,
     histogram_note,
     histogram_series,
@@ -38,6 +37,7 @@ from lightning_hookdiag.metrics import (
     opt_in_note,
 )
 from lightning_hookdiag.precision import resolve_targets
+from lightning_hookdiag.precursor_probes import PrecursorProbes
 from lightning_hookdiag.provenance import NonFiniteTrace, nonfinite_in_batch
 from lightning_hookdiag.rules import Finding, RuleConfig, format_error, values_from_metrics
 from lightning_hookdiag.selection import import_types

@@ -24,10 +24,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_hookdiag.aggregation import LayerStatsAggregator, host_values
-from lightning_hookdiag.attention import PrecursorProbes, attention_scope
 from lightning_hookdiag.batches import repeated_rows
+from lightning_hookdiag.eval_mode import EvalModeWatch
 from lightning_hookdiag.hooks import HookSet
-from lightning_hookdiag.metrics import (
+from lightning_hookdiag.logged_values import (
     KeyCache,
     Note,
     StepFacts,
@@ -36,8 +36,8 @@ from lightning_hookdiag.metrics import (
     overflow_notes,
     step_values,
 )
-from lightning_hookdiag.modes import EvalModeWatch
 from lightning_hookdiag.opt_in import OptInPlan, OptInRecorder, plan_opt_in
+from lightning_hookdiag.optimizer_watch import Schedule, StepWatch
 from lightning_hookdiag.params import (
     P_UPDATE_SQ,
     ParameterTracker,
@@ -45,14 +45,14 @@ from lightning_hookdiag.params import (
     owned_parameters,
     stale_gradient_squares,
 )
+from lightning_hookdiag.precursor_probes import PrecursorProbes, attention_scope
 from lightning_hookdiag.recorder import StepRecorder
 from lightning_hookdiag.rules import ParamFacts
 from lightning_hookdiag.saved_memory import SavedMemoryTracker
 from lightning_hookdiag.selection import excluded_names, named_modules, resolve_layers, unmatched_error
 from lightning_hookdiag.stats import accumulation_dtype
-from lightning_hookdiag.step_state import OpenStep, StepState
+from lightning_hookdiag.step_state import StepState, Window
 from lightning_hookdiag.unregistered import UnregisteredWatch
-from lightning_hookdiag.updates import Schedule, StepWatch
 from lightning_hookdiag.vocabulary import (
     GRADIENT_STATS,
     LAYER_STATS,
@@ -112,7 +112,7 @@ class ObservedStep:
         step: The optimizer step.
         layers: Whether its layers were observed (``False``: parameters only).
         trip: The sentinel's trip of the step, if any.
-        host: The pooled values by name, one list per statistic (see :func:`~lightning_hookdiag.metrics.step_values`).
+        host: The pooled values by name, one list per statistic (:func:`~lightning_hookdiag.logged_values.step_values`).
         wanted: The statistics to log, in order.
         precursors: Precursor statistic to the names of its values.
         facts: What the step could not observe.
@@ -332,7 +332,7 @@ class FitRun:
         self.hooks.remove()
 
     # ------------------------------------------------------------------------------------------------------ windows
-    def open_window(self, step: int, last_metrics: Mapping[str, float], layers: bool = True) -> OpenStep:
+    def open_window(self, step: int, last_metrics: Mapping[str, float], layers: bool = True) -> Window:
         """Open the window of ``step`` (``layers=False``: parameters only) and start its state afresh.
 
         ``last_metrics``: the previous sampled step's logged values (the shift of the kurtosis power sums).
@@ -450,7 +450,7 @@ class FitRun:
     def values(
         self, observed: ObservedStep, execution_order: Sequence[str]
     ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
-        """The step's logged metrics and the rules' values (:func:`~lightning_hookdiag.metrics.step_values`)."""
+        """The step's logged metrics and the rules' values (:func:`~lightning_hookdiag.logged_values.step_values`)."""
         return step_values(
             observed.host,
             observed.wanted,

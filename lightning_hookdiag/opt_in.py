@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_hookdiag import outliers, precision
+from lightning_hookdiag import kurtosis, precision
 from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.recorder import StepRecorder
 
@@ -131,7 +131,7 @@ class OptInRecorder(StepRecorder):
         if self._act_dtypes:
             agg.add_extra(layer, "act_precision", precision.precision_counts(tensor, self._act_dtypes, agg.acc_dtype))
         if self.plan.power_sums:
-            agg.add_extra(layer, "act_power", outliers.power_sums(tensor, agg.acc_dtype, agg.power_shift[layer]))
+            agg.add_extra(layer, "act_power", kurtosis.power_sums(tensor, agg.acc_dtype, agg.power_shift[layer]))
 
     def on_grad(self, layer: int, grad: Tensor) -> None:
         """Gradient sink: the default statistics, then precision counts of the gradient as autograd holds it."""

@@ -2,7 +2,7 @@
 
 An optimizer step ``k`` is *observed* when it is sampled (``k % every_n_steps == 0``), when the sentinel trips on
 it and it is replayed, or, parameters only, when it trips and cannot be replayed. Its observation is an
-:class:`OpenStep` (a *window*), which goes through these states:
+:class:`Window` (a *window*), which goes through these states:
 
 * **none open**: :meth:`StepState.open` opens one, at the first hooked micro-batch of a sampled step or at a trip;
 * **open** (``layers=True``: hooks see the layers; ``layers=False``: only the parameters are measured): gradient
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["OpenStep", "StepMicroBatches", "StepState", "Trip", "TripKind"]
+__all__ = ["Window", "StepMicroBatches", "StepState", "Trip", "TripKind"]
 
 TripKind = Literal["nonfinite_loss", "nonfinite_grad", "loss_spike"]
 
@@ -62,7 +62,7 @@ class Trip:
 
 
 @dataclass
-class OpenStep:
+class Window:
     """The observation of one optimizer step, from its opening to its logging.
 
     Attributes:
@@ -87,7 +87,7 @@ class OpenStep:
         """Whether ``optimizer`` is stepped here for the first time in this window (and record that it was).
 
         Example:
-            >>> window, sgd = OpenStep(step=4), object()
+            >>> window, sgd = Window(step=4), object()
             >>> window.first_call(sgd), window.first_call(sgd)
             (True, False)
         """
@@ -150,7 +150,7 @@ class StepState:
 
     def __init__(self, every_n_steps: int) -> None:
         self.every_n_steps = every_n_steps
-        self.window: OpenStep | None = None
+        self.window: Window | None = None
         """The open window, or ``None``."""
         self.micro = StepMicroBatches()
         self.checked_step: int | None = None
@@ -205,12 +205,12 @@ class StepState:
             return None
         return step // every * every
 
-    def open(self, step: int, layers: bool = True) -> OpenStep:
+    def open(self, step: int, layers: bool = True) -> Window:
         """Open the window of ``step`` (replacing none: the callback closes a window before opening another)."""
-        self.window = OpenStep(step=step, layers=layers)
+        self.window = Window(step=step, layers=layers)
         return self.window
 
-    def open_for(self, step: int) -> OpenStep | None:
+    def open_for(self, step: int) -> Window | None:
         """The open window if it is that of ``step``."""
         window = self.window
         return window if window is not None and window.step == step else None
@@ -222,7 +222,7 @@ class StepState:
         self.checked_step = step
         return True
 
-    def close(self) -> OpenStep | None:
+    def close(self) -> Window | None:
         """Close the open window (to finish or discard it); returns it, ``None`` if none was open."""
         window, self.window = self.window, None
         return window

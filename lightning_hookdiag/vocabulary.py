@@ -56,8 +56,8 @@ OUTPUT_LAYER_STATS: tuple[str, ...] = ("logit_lse_mean", "logit_absmax")
 """The precursors of the model's output layer, the statistics that ``output_layer=`` chooses the layer of."""
 
 PRECURSOR_STATS: tuple[str, ...] = ("attn_logit_max", *OUTPUT_LAYER_STATS)
-"""Instability precursors (:mod:`lightning_hookdiag.attention`): the largest attention logit per attention module,
-and ``log Z`` / the largest ``|logit|`` of the output layer. In the default set (their cost: the benchmark README)."""
+"""Instability precursors (:mod:`lightning_hookdiag.precursor_probes`): the largest attention logit per attention
+module, and ``log Z`` / the largest ``|logit|`` of the output layer. In the default set (cost: the benchmark README)."""
 
 ALL_STATS: tuple[str, ...] = LAYER_STATS + PARAMETER_STATS + PRECURSOR_STATS
 """Every statistic computed when ``stats=None`` (the default set)."""

@@ -12,7 +12,7 @@ import torch
 from reference import activation_stats_float64
 from torch import nn
 
-from lightning_hookdiag import outliers as O
+from lightning_hookdiag import kurtosis as O
 from lightning_hookdiag import params as P
 from lightning_hookdiag import precision as PR
 from lightning_hookdiag import stats as S

@@ -108,7 +108,7 @@ def test_a_relu_branch_first_run_on_one_rank_gets_the_same_layout_everywhere(ran
 
 
 def test_opt_in_statistics_pool_over_processes(ranks):
-    from test_outliers import reference as outlier_reference
+    from test_kurtosis import reference as outlier_reference
     from test_precision import reference_counts
 
     assert ranks[0]["opt_in"]["pooled"] == ranks[1]["opt_in"]["pooled"]

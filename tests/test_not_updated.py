@@ -18,8 +18,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
+from lightning_hookdiag.optimizer_watch import StepWatch, held_by_none
 from lightning_hookdiag.rules import ParamFacts, RuleConfig, evaluate, moved_mass_bound
-from lightning_hookdiag.updates import StepWatch, held_by_none
 
 P = "layer_health"
 LAYERS = ["net.stem", "net.act", "net.head"]

@@ -10,7 +10,7 @@ import torch
 from conftest import RecordingLogger, TinyModule, force_trips, make_data, make_trainer
 from lightning.pytorch.loggers import CSVLogger
 from reference import flat, replay_sequential
-from test_outliers import reference as outlier_reference
+from test_kurtosis import reference as outlier_reference
 from test_precision import reference_counts
 from torch import nn
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_hookdiag.step_state import OpenStep, StepMicroBatches, StepState
+from lightning_hookdiag.step_state import StepMicroBatches, StepState, Window
 
 
 def test_a_sampled_step_opens_one_window_that_closes_once():
@@ -41,7 +41,7 @@ def test_a_discarded_window_leaves_nothing_for_the_next_one():
 
 
 def test_each_optimizer_is_measured_once_per_window_however_often_its_closure_runs():
-    window = OpenStep(step=0)
+    window = Window(step=0)
     sgd, adam = object(), object()
     # LBFGS: the optimizer step hook runs once per closure evaluation; only the first sees the weights before it.
     assert [window.first_call(o) for o in (sgd, sgd, adam, sgd, adam)] == [True, False, True, False, False]

@@ -86,7 +86,7 @@ def evaluate(
             ``no_gradient`` (see :func:`~lightning_hookdiag.rules.cut_off`).
         eval_mode: BatchNorm and Dropout modules that ran in eval mode in the training step while what they train
             requires grad, to their class names, for ``eval_mode`` (see
-            :func:`~lightning_hookdiag.modes.eval_mode_modules`).
+            :func:`~lightning_hookdiag.eval_mode.eval_mode_modules`).
         param_facts: Parameter name to what the host knows about its optimizer step, for ``not_updated``; without
             it that rule is silent.
         history: The earlier sampled steps' values, for the trend rules (``attention_logits``' trend,

@@ -1,4 +1,4 @@
-"""Attention-logit and output-logit probes (lightning_hookdiag.attention) against hand-written float64 references."""
+"""Attention-logit and output-logit probes against hand-written float64 references."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch.utils.data import TensorDataset
 from zoo import _tokens, hf_model, zoo_module
 
 from lightning_hookdiag import ALL_STATS, LayerHealthCallback
-from lightning_hookdiag.attention import (
+from lightning_hookdiag.precursor_probes import (
     AttentionProbe,
     attention_scope,
     eager_logit_absmax,
@@ -299,7 +299,7 @@ def test_a_compiled_model_gets_the_same_precursor_statistics_as_eager():
 
 
 def test_removing_the_probe_leaves_a_mode_entered_after_it_in_place():
-    from lightning_hookdiag.attention import PrecursorProbes
+    from lightning_hookdiag.precursor_probes import PrecursorProbes
 
     class Other(torch.overrides.TorchFunctionMode):
         pass
@@ -458,7 +458,7 @@ def test_the_probes_copy_no_host_data_to_the_device_in_a_micro_batch():
     # on an accelerator is a host-to-device copy and a sync.
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lightning_hookdiag.attention import PrecursorProbes
+    from lightning_hookdiag.precursor_probes import PrecursorProbes
 
     class Fresh(TorchDispatchMode):
         def __init__(self) -> None:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lightning_hookdiag.metrics import (
+from lightning_hookdiag.logged_values import (
     KeyCache,
     Note,
     StepFacts,

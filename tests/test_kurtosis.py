@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lightning_hookdiag import outliers as O
+from lightning_hookdiag import kurtosis as O
 from lightning_hookdiag import stats as S
 from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.opt_in import OptInRecorder, plan_opt_in
