@@ -37,7 +37,6 @@ from lightning_hookdiag.logged_values import (
     opt_in_note,
 )
 from lightning_hookdiag.precision import resolve_targets
-from lightning_hookdiag.precursor_probes import PrecursorProbes
 from lightning_hookdiag.provenance import NonFiniteTrace, nonfinite_in_batch
 from lightning_hookdiag.rules import Finding, RuleConfig, format_error, values_from_metrics
 from lightning_hookdiag.selection import import_types
@@ -713,15 +712,13 @@ class LayerHealthCallback(Callback):
         run.open_window(step, self.last_metrics)
         failure = ""
         replayed = self._replay_run(trainer, pl_module)
-        if run.probes is not None:
-            replayed = _probed(run.probes, replayed)
+        replayed = run.probed(replayed)
         try:
             replay_step(run.state.micro.batches, replayed, pl_module, run.hooks, pl_module.device, trace)
         except Exception as error:  # a failed replay is reported in the finding; training goes on untouched
             failure = f"the replay raised {type(error).__name__}: {error}"
         finally:
-            if run.probes is not None:
-                run.probes.remove()
+            run.detach_probes()
         flag = torch.tensor([1.0 if failure else 0.0], device=pl_module.device)
         # Every process must agree, or the pooled statistics' collectives would not match.
         if all_reduce_max(flag).item() > 0:
@@ -843,18 +840,3 @@ class LayerHealthCallback(Callback):
                 rank_zero_warn(f"LayerHealthCallback: {finding.message}", category=LayerHealthWarning)
         if self.on_anomaly == "stop" and findings:
             trainer.should_stop = True
-
-
-def _probed(
-    probes: PrecursorProbes, run: Callable[[MicroBatch], Tensor | None]
-) -> Callable[[MicroBatch], Tensor | None]:
-    """``run`` with the precursor probes on during its forward (a replay: no loss for ``logit_drift``)."""
-
-    def probed(micro: MicroBatch) -> Tensor | None:
-        probes.attach()
-        try:
-            return run(micro)
-        finally:
-            probes.end_forward()
-
-    return probed

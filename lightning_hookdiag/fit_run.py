@@ -50,6 +50,7 @@ from lightning_hookdiag.recorder import StepRecorder
 from lightning_hookdiag.rules import ParamFacts
 from lightning_hookdiag.saved_memory import SavedMemoryTracker
 from lightning_hookdiag.selection import excluded_names, named_modules, resolve_layers, unmatched_error
+from lightning_hookdiag.sentinel import MicroBatch
 from lightning_hookdiag.stats import accumulation_dtype
 from lightning_hookdiag.step_state import StepState, Window
 from lightning_hookdiag.unregistered import UnregisteredWatch
@@ -330,6 +331,26 @@ class FitRun:
         if self.unregistered is not None:
             self.unregistered.remove()
         self.hooks.remove()
+
+    def probed(self, run: Callable[[MicroBatch], Tensor | None]) -> Callable[[MicroBatch], Tensor | None]:
+        """``run`` with the forward-watching probes on during each replayed forward (no loss: no ``logit_drift``)."""
+        probes = self.probes
+        if probes is None:
+            return run
+
+        def probed(micro: MicroBatch) -> Tensor | None:
+            probes.attach()
+            try:
+                return run(micro)
+            finally:
+                probes.end_forward()
+
+        return probed
+
+    def detach_probes(self) -> None:
+        """Remove the forward-watching probes (after a replay); the hook set stays as it is. Idempotent."""
+        if self.probes is not None:
+            self.probes.remove()
 
     # ------------------------------------------------------------------------------------------------------ windows
     def open_window(self, step: int, last_metrics: Mapping[str, float], layers: bool = True) -> Window:
