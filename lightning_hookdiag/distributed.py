@@ -1,14 +1,10 @@
 """Packed all-reduces: many small tensors reduced across processes with one collective.
 
 Every process passes tensors of the same shapes in the same order; they are flattened into one buffer of their
-common dtype, reduced with a single ``torch.distributed.all_reduce`` and split back. A ring all-reduce sends and
-receives about ``2 * (world - 1) / world`` times the buffer per process, so the bytes per process do not grow with
-the number of processes (an all-gather's do), and the number of collectives does not grow with the number of
-tensors. Nothing is read back to the host: on an accelerator the reduction is queued like any other kernel.
-
-Used by :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator` to sync its states, and small enough for any
-per-step agreement between processes (a flag that one process tripped, a size that one process learned). Its
-cost at scale: ``docs/integrations.md#what-is-synced-and-how``.
+common dtype, reduced with a single ``torch.distributed.all_reduce`` and split back, so the number of collectives does
+not grow with the number of tensors, and (a ring all-reduce) the bytes per process do not grow with the number of
+processes. Nothing is read back to the host. Used to sync the aggregator's states and for per-step agreement between
+processes (a flag that one process tripped); the cost at scale: ``docs/integrations.md#what-is-synced-and-how``.
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-__all__ = ["all_reduce_packed", "distributed_ready", "pack", "unpack"]
+__all__ = ["all_reduce_max", "all_reduce_packed", "distributed_ready", "pack", "unpack"]
 
 Op = Literal["sum", "max", "min"]
 
@@ -96,3 +92,13 @@ def all_reduce_packed(tensors: Sequence[Tensor], op: Op = "sum", group: Any = No
     buffer = pack(tensors)
     torch.distributed.all_reduce(buffer, op=getattr(torch.distributed.ReduceOp, ops[op]), group=group)
     return unpack(buffer, tensors)
+
+
+def all_reduce_max(t: Tensor) -> Tensor:
+    """MAX of ``t`` over the processes of the default group (``t`` itself without one).
+
+    Example:
+        >>> all_reduce_max(torch.tensor([1.0, 2.0]))  # single process
+        tensor([1., 2.])
+    """
+    return all_reduce_packed([t], "max")[0]

@@ -7,7 +7,7 @@ import torch
 from conftest import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer
 from torch import nn
 
-from lightning_hookdiag import LayerHealthCallback, LayerHealthError
+from lightning_hookdiag import LayerHealthCallback, LayerHealthError, replay
 from lightning_hookdiag import sentinel as SN
 from lightning_hookdiag.provenance import NonFiniteTrace
 from lightning_hookdiag.rules import LOSS, ROOT, evaluate
@@ -83,7 +83,7 @@ def test_a_nan_made_on_a_sampled_step_is_traced_by_a_re_run_that_adds_nothing_to
     logged = {}
     for traced in (True, False):
         if not traced:
-            monkeypatch.setattr(LayerHealthCallback, "_trace_sampled", lambda self, *args: (None, None))
+            monkeypatch.setattr(replay, "_trace_sampled", lambda *args: {"nan_entry": None, "nan_origin": None})
         module = wrapped_module()
         logger = RecordingLogger()
         callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
