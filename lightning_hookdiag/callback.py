@@ -367,11 +367,7 @@ class LayerHealthCallback(Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        """Add the micro-batch's loss to the sentinel's total for this step (on the device, no host read).
-
-        On a sampled step's first backward, also measure the gradients still held from the previous step (none with
-        ``zero_grad``: then this costs no kernel), for ``stale_gradients``.
-        """
+        """Add the micro-batch's loss to the sentinel's total (on the device); end an observed step's forward."""
         run = self._run
         if run is None:
             return
@@ -429,10 +425,7 @@ class LayerHealthCallback(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        """Remove every hook, drop the unfinished step and release the state (Lightning skips ``teardown`` then).
-
-        The hook set's closures and the device state go, so the callback pickles and deep-copies after a failed fit.
-        """
+        """Release the fit as ``teardown`` does: Lightning skips ``teardown`` after an exception."""
         self._stage = None
         self._release_fit()
 
@@ -472,11 +465,7 @@ class LayerHealthCallback(Callback):
         self._release_fit()
 
     def _release_fit(self) -> None:
-        """Drop everything the fit created (hooks, device state, references to the module and its parameters).
-
-        The one place every exit goes through (``teardown``, and ``on_exception``, after which Lightning skips
-        ``teardown``), so that the callback holds no module or tensor afterwards and pickles.
-        """
+        """Drop everything the fit created: the one place every exit goes through, so that no module or tensor stays."""
         run, self._run = self._run, None
         if run is not None:
             self._drop_step(run)
@@ -484,9 +473,8 @@ class LayerHealthCallback(Callback):
     def __getstate__(self) -> dict[str, Any]:
         """Pickle the configuration and results, not the LightningModule.
 
-        Lightning binds ``log``/``log_dict`` of the LightningModule onto every callback at each fit; pickling or
-        deep-copying them would drag in the whole model (and fail on a model that does not pickle). The next fit
-        binds them again.
+        Lightning binds the LightningModule's ``log``/``log_dict`` onto every callback at each fit (and again at the
+        next): pickling them would drag in the whole model, and fail on one that does not pickle.
         """
         state = self.__dict__.copy()
         state.pop("log", None)
@@ -495,10 +483,7 @@ class LayerHealthCallback(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """Checkpointed state: last values, alert state, warnings given, trips and the sentinel's loss baseline.
-
-        Plain Python values only: a checkpoint never stores tensors from hooks.
-        """
+        """Checkpointed state, plain Python values only: results, alerts, notes given, the sentinel's baseline."""
         diagnosis = self._diagnosis.state_dict()
         # The keys and their order are those of every checkpoint written so far.
         return {
@@ -534,10 +519,9 @@ class LayerHealthCallback(Callback):
 
     # ------------------------------------------------------------------------------------------------ internals
     def _start_fresh(self) -> None:
-        """Forget the results and the memory of earlier fits (alerts, notes given, loss baseline, trends).
+        """Forget earlier fits' results and memory: a new model with the same bug is warned about again.
 
-        A new model, even with the same bug, is warned about again. New containers, not cleared ones: a reference
-        kept to the previous fit's ``findings`` still holds that fit's findings.
+        New containers, not cleared ones: a reference kept to the previous fit's ``findings`` still holds them.
         """
         self.last_metrics = {}
         self.last_step = None
@@ -606,7 +590,9 @@ class LayerHealthCallback(Callback):
         if observed.histogram_edges is not None:
             error = self._log_histograms(trainer, observed, run) or error
         try:
-            self._diagnose(trainer, observed, values, run.layer_types)
+            self._diagnose(observed, values, run.layer_types)
+            if self.on_anomaly == "stop" and self.last_findings:
+                trainer.should_stop = True
         finally:
             if error is not None:  # the other loggers and the rules got the step first
                 raise error
@@ -626,14 +612,8 @@ class LayerHealthCallback(Callback):
     def _log_histograms(self, trainer: pl.Trainer, observed: ObservedStep, run: FitRun) -> BaseException | None:
         """Send the step's histograms to the loggers that store them; returns the first logger error."""
         assert observed.histogram_edges is not None
-        writes: list[HistogramWriter] = []
-        skipped: list[str] = []
-        for logger in trainer.loggers:
-            write = _histogram_writer(logger)
-            if write is None:
-                skipped.append(type(logger).__name__)
-            else:
-                writes.append(write)
+        writes = [write for write in map(_histogram_writer, trainer.loggers) if write is not None]
+        skipped = [type(logger).__name__ for logger in trainer.loggers if _histogram_writer(logger) is None]
         first: BaseException | None = None
         if writes:  # cut into series only for a logger that stores them
             act, grad, edges = observed.host["act_hist"], observed.host["grad_hist"], observed.histogram_edges
@@ -648,13 +628,9 @@ class LayerHealthCallback(Callback):
         return first
 
     def _diagnose(
-        self,
-        trainer: pl.Trainer,
-        observed: ObservedStep,
-        values: dict[str, dict[str, float]],
-        layer_types: Mapping[str, str],
+        self, observed: ObservedStep, values: dict[str, dict[str, float]], layer_types: Mapping[str, str]
     ) -> None:
-        """Run the rules on the step, keep their findings, and act on them as ``on_anomaly`` says."""
+        """Run the rules on the step, keep their findings; warn or raise as ``on_anomaly`` says."""
         findings, new = self._diagnosis.step(
             values,
             self.execution_order,
@@ -674,5 +650,3 @@ class LayerHealthCallback(Callback):
         if self.on_anomaly in ("warn", "stop"):
             for finding in new:
                 rank_zero_warn(f"LayerHealthCallback: {finding.message}", category=LayerHealthWarning)
-        if self.on_anomaly == "stop" and findings:
-            trainer.should_stop = True

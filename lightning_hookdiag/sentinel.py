@@ -216,12 +216,8 @@ def _step_spread(values: list[float]) -> float:
     return _MAD_TO_SIGMA * _median([abs(s - trend) for s in steps]) / math.sqrt(2)
 
 
-ReduceMax = Callable[[Tensor], Tensor]
-"""Reduces a tensor with MAX over every process."""
-
-
 class LossSentinel:
-    """The per-step trip test (see the module docstring).
+    """The per-step trip test: a NaN/Inf loss (or, with ``"loss+grads"``, gradient), or a loss spike.
 
     Call :meth:`observe_loss` with every micro-batch's loss and :meth:`check` once per optimizer step.
 
@@ -240,7 +236,10 @@ class LossSentinel:
     """
 
     def __init__(
-        self, mode: str = "loss", detector: SpikeDetector | None = None, reduce_max: ReduceMax | None = None
+        self,
+        mode: str = "loss",
+        detector: SpikeDetector | None = None,
+        reduce_max: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         # None is the callback's "no sentinel" (checked there); a LossSentinel needs a mode.
         self.mode = choice("sentinel", mode, SENTINEL_MODES)
@@ -255,8 +254,7 @@ class LossSentinel:
     def observe_loss(self, loss: Tensor) -> None:
         """Add one micro-batch's loss (as back-propagated, with any AMP scale) to the step's total, on its device.
 
-        The total is kept in float64 where the device has it (``float32`` on MPS): a finite float64 loss such as
-        ``1e300`` (``precision="64-true"``) stays finite, and float32 losses lose nothing.
+        In float64 where the device has it: a finite ``1e300`` (``precision="64-true"``) stays finite.
         """
         value = loss.detach().to(accumulation_dtype(loss.device))
         if value.ndim:
@@ -312,10 +310,8 @@ class LossSentinel:
     def _read(self, loss: Tensor, grads: Sequence[Tensor]) -> tuple[float, bool]:
         """``(loss, whether a gradient holds a NaN/Inf)``, with one host read, in at most four tensor ops.
 
-        The loss and the gradients' infinity norms (one fused ``_foreach_norm``: it never overflows, and NaN
-        propagates through the max) are stacked and read together. Over processes, NaN and -Inf become +Inf before
-        the MAX all-reduce (a maximum with NaN is not defined), so every process sees a non-finite loss or gradient
-        as +Inf, and the largest finite loss otherwise.
+        The gradients' infinity norms (one fused ``_foreach_norm``) never overflow and propagate NaN. Before the MAX
+        all-reduce NaN and -Inf become +Inf (a maximum with NaN is not defined): every process sees the same trip.
         """
         parts = [loss.reshape(())]
         if grads:
@@ -374,11 +370,7 @@ class MicroBatch:
 
 
 class _StateSnapshot:
-    """Everything a forward pass in train mode can change besides the graph: buffers and torchmetrics states.
-
-    BatchNorm updates its running statistics and ``num_batches_tracked``; a torchmetrics metric updated inside
-    ``training_step`` accumulates the micro-batch again. Both are copied before a replay and written back after it.
-    """
+    """Buffers (BatchNorm's running statistics) and torchmetrics states, as a replayed forward would change them."""
 
     def __init__(self, module: nn.Module) -> None:
         from torchmetrics import Metric
