@@ -115,9 +115,9 @@ class LayerHealthCallback(Callback):
     micro-batches and processes) and, once the optimizer has stepped, logged once to every logger of the Trainer
     with ``step=k``. The same values are kept in :attr:`last_metrics`, also without a logger (said once). A fresh fit
     starts with no results and an empty alert memory; a checkpoint restores them only when a fit resumes from it
-    (``test``/``validate``/``predict`` with ``ckpt_path`` keep the fit's). Hooks never exist
-    outside a sampled training batch: not during validation or sanity checking, not after ``fit``, not after an
-    exception. Training is bit-identical with and without the callback.
+    (``test``/``validate``/``predict`` with ``ckpt_path`` keep the fit's). Hooks never exist outside a sampled
+    training batch (not in validation, not after ``fit`` or an exception). Training is bit-identical with and without
+    the callback.
 
     Every key is ``<prefix>/<stat>/<layer>`` (parameter statistics: ``<prefix>/<stat>/<param>``, with the
     parameter's dotted name; ``grad_norm_total`` has no name part), logged with ``step=k``; the default and opt-in
@@ -161,17 +161,14 @@ class LayerHealthCallback(Callback):
             Must be a multiple of ``every_n_steps``. ``None`` (default): no histograms.
         histogram_bins: Number of fixed, symmetric log-spaced bins (``±1e-6`` to ``±1e4`` and 0), computed on the
             device; fixed edges make histograms pool exactly over micro-batches and processes.
-        sentinel: What is checked on *every* optimizer step, sampled or not (``docs/sentinel.md``): ``"loss"``
-            (default; every micro-batch's loss, for NaN/Inf and for a spike over a robust baseline of recent steps),
-            ``"loss+grads"`` (also NaN/Inf in the selected parameters' gradients, before the optimizer step) or
-            ``None`` (only sampled steps are observed). A step that trips is replayed with hooks before the
-            optimizer applies it, without side effects on training, and logged and diagnosed at ``step=k`` like a
-            sampled step; where it cannot be replayed, the finding says why and the next step is sampled.
-        precision_targets: Target dtypes of the precision headroom statistics (``act_underflow_frac`` and
-            friends in ``stats=``): names from ``"float16"``, ``"bfloat16"``, ``"float8_e4m3fn"``,
-            ``"float8_e5m2"`` or the torch dtypes. ``None`` derives one from the Trainer's ``precision``
-            (``16-mixed``/``16-true``: float16, ``bf16-mixed``/``bf16-true``: bfloat16); with full precision
-            nothing is computed unless targets are named here (to plan a switch to lower precision).
+        sentinel: What is checked on *every* optimizer step (``docs/sentinel.md``): ``"loss"`` (default; NaN/Inf
+            or a spike in the loss), ``"loss+grads"`` (also NaN/Inf in the selected parameters' gradients) or
+            ``None``. A step that trips is replayed with hooks before the optimizer applies it, without side effects,
+            and logged at ``step=k``; where it cannot be, the finding says why and the next step is sampled.
+        precision_targets: Target dtypes of the precision headroom statistics (``act_underflow_frac`` and friends in
+            ``stats=``): ``"float16"``, ``"bfloat16"``, ``"float8_e4m3fn"``, ``"float8_e5m2"`` or torch dtypes.
+            ``None`` derives one from the Trainer's ``precision`` (``16-*``: float16, ``bf16-*``: bfloat16; full
+            precision: none, unless named here to plan a switch to lower precision).
         output_layer: The module whose output is the model's logits, for ``logit_lse_mean`` / ``logit_absmax``
             (a dotted name as :func:`~lightning_hookdiag.list_layers` prints it). ``None``: the last selected module
             to run in each micro-batch's forward. Naming one without either statistic in ``stats=`` is an error.
