@@ -21,12 +21,7 @@ Op = Literal["sum", "max", "min"]
 
 
 def distributed_ready() -> bool:
-    """Whether ``torch.distributed`` is available and a default process group exists.
-
-    Example:
-        >>> distributed_ready()
-        False
-    """
+    """Whether ``torch.distributed`` is available and a default process group exists."""
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized()
 
@@ -36,10 +31,6 @@ def pack(tensors: Sequence[Tensor], dtype: torch.dtype | None = None) -> Tensor:
 
     Promotion is exact for the reductions used here: float32 values, counts and maxima survive a round trip through
     float64 unchanged.
-
-    Example:
-        >>> pack([torch.tensor([[1.0, 2.0]]), torch.tensor([3.0], dtype=torch.float64)])
-        tensor([1., 2., 3.], dtype=torch.float64)
     """
     if not tensors:
         raise ValueError("pack: expected at least one tensor, got none")
@@ -51,13 +42,7 @@ def pack(tensors: Sequence[Tensor], dtype: torch.dtype | None = None) -> Tensor:
 
 
 def unpack(buffer: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
-    """Split ``buffer`` back into tensors of the shapes and dtypes of ``like`` (the inverse of :func:`pack`).
-
-    Example:
-        >>> parts = [torch.zeros(1, 2), torch.zeros(1, dtype=torch.float64)]
-        >>> [t.tolist() for t in unpack(pack(parts) + 1, parts)]
-        [[[1.0, 1.0]], [1.0]]
-    """
+    """Split ``buffer`` back into tensors of the shapes and dtypes of ``like`` (the inverse of :func:`pack`)."""
     sizes = [t.numel() for t in like]
     if sum(sizes) != buffer.numel():
         raise ValueError(f"unpack: the buffer holds {buffer.numel()} elements, the tensors {sum(sizes)}")
@@ -78,11 +63,6 @@ def all_reduce_packed(tensors: Sequence[Tensor], op: Op = "sum", group: Any = No
 
     Returns:
         New tensors with the reduced values, in the shapes and dtypes of ``tensors``.
-
-    Example:
-        >>> flag, count = all_reduce_packed([torch.tensor([1.0]), torch.tensor([2.0])], "max")  # one process
-        >>> flag.item(), count.item()
-        (1.0, 2.0)
     """
     ops = {"sum": "SUM", "max": "MAX", "min": "MIN"}
     if op not in ops:
@@ -95,10 +75,5 @@ def all_reduce_packed(tensors: Sequence[Tensor], op: Op = "sum", group: Any = No
 
 
 def all_reduce_max(t: Tensor) -> Tensor:
-    """MAX of ``t`` over the processes of the default group (``t`` itself without one).
-
-    Example:
-        >>> all_reduce_max(torch.tensor([1.0, 2.0]))  # single process
-        tensor([1., 2.])
-    """
+    """MAX of ``t`` over the processes of the default group (``t`` itself without one)."""
     return all_reduce_packed([t], "max")[0]

@@ -92,14 +92,6 @@ def plan_trip(
             replay), or ``None``.
         previous: The step of the trip before this one, or ``None``.
         held: The step's micro-batches were kept.
-
-    Example:
-        >>> nan = Trip(5, "nonfinite_loss", float("nan"))
-        >>> plan = plan_trip(nan, sampled=False, traces=True, blocker=None, previous=None, held=True)
-        >>> plan.action, plan.trace, plan.read_batch
-        ('replay', True, True)
-        >>> plan_trip(nan, sampled=False, traces=True, blocker=None, previous=4, held=True).action
-        'record'
     """
     persists = previous == trip.step - 1
     reason = PERSISTS if persists else blocker or (None if held else UNSEEN)
@@ -137,13 +129,7 @@ class Window:
     stale_checked: bool = False
 
     def first_call(self, optimizer: object) -> bool:
-        """Whether ``optimizer`` is stepped here for the first time in this window (and record that it was).
-
-        Example:
-            >>> window, sgd = Window(step=4), object()
-            >>> window.first_call(sgd), window.first_call(sgd)
-            (True, False)
-        """
+        """Whether ``optimizer`` is stepped here for the first time in this window (and record that it was)."""
         if id(optimizer) in self.stepped:
             return False
         self.stepped.add(id(optimizer))
@@ -151,17 +137,7 @@ class Window:
 
 
 class StepMicroBatches:
-    """References to the micro-batches of the current optimizer step (what a replay re-runs), in order.
-
-    Example:
-        >>> micro = StepMicroBatches()
-        >>> micro.keep(3, "a"); micro.keep(3, "b"); micro.holds(3), micro.batches
-        (True, ['a', 'b'])
-        >>> micro.keep(4, "c"); micro.batches  # a new optimizer step starts afresh
-        ['c']
-        >>> micro.release(); micro.holds(4)
-        False
-    """
+    """References to the micro-batches of the current optimizer step (what a replay re-runs), in order."""
 
     def __init__(self) -> None:
         self.step: int | None = None
@@ -190,15 +166,6 @@ class StepState:
 
     Args:
         every_n_steps: Steps ``0, n, 2n, ...`` are sampled.
-
-    Example:
-        >>> state = StepState(every_n_steps=5)
-        >>> state.sampled(10), state.sampled(11)
-        (True, False)
-        >>> window = state.open(11, layers=False)  # a trip on step 11 that could not be replayed
-        >>> state.sample_next = 12                  # ... so step 12 is sampled
-        >>> state.sampled(12), state.close() is window, state.window
-        (True, True, None)
     """
 
     def __init__(self, every_n_steps: int) -> None:
@@ -224,11 +191,6 @@ class StepState:
         case is manual optimization making several optimizer steps in one batch (a GAN): hooks see whole batches,
         so a sampled step inside a batch is observed on the next one (:attr:`late` names it). With one optimizer
         step per batch, consecutive batches start one step apart and only the first case occurs.
-
-        Example:
-            >>> state = StepState(every_n_steps=3)
-            >>> [(s, state.late) for s in range(0, 12, 2) if state.sampled(s)]  # two optimizer steps a batch
-            [(0, None), (4, 3), (6, None), (10, 9)]
         """
         if step != self._batch_step:
             self._previous, self._batch_step = self._batch_step, step
@@ -242,13 +204,7 @@ class StepState:
         return late is not None
 
     def due(self, step: int, every: int) -> bool:
-        """Whether a multiple of ``every`` is ``step`` or lies inside the batch before it (see :meth:`sampled`).
-
-        Example:
-            >>> state = StepState(every_n_steps=2)
-            >>> [s for s in (0, 2, 4, 6) if state.sampled(s) and state.due(s, 3)]
-            [0, 4, 6]
-        """
+        """Whether a multiple of ``every`` is ``step`` or lies inside the batch before it (see :meth:`sampled`)."""
         return step % every == 0 or self._passed(step, every) is not None
 
     def _passed(self, step: int, every: int) -> int | None:
