@@ -262,6 +262,7 @@ class LayerHealthCallback(Callback):
         self.precision_targets = resolve_targets(precision_targets)
         self.dead_unit_types = import_types(dead_unit_types, "dead_unit_types")
         enabled = self.rule_config.enabled
+        # What every fit of this callback starts from; the configuration is fixed at construction.
         self._config = FitConfig(
             every_n_steps=self.every_n_steps,
             layers=self.layers,
@@ -280,8 +281,8 @@ class LayerHealthCallback(Callback):
             unregistered="unregistered_module" in enabled,
             batch_rows="repeated_batch" in enabled,
         )
-        c = self.rule_config
-        spikes = SpikeDetector(c.spike_window, c.spike_warmup, c.spike_zscore, c.spike_ratio, floor=c.spike_floor)
+        r = self.rule_config
+        spikes = SpikeDetector(r.spike_window, r.spike_warmup, r.spike_zscore, r.spike_ratio, floor=r.spike_floor)
         # Created here, not when fit starts: a checkpoint's baseline is loaded before on_fit_start runs.
         self._sentinel = LossSentinel(sentinel, spikes) if sentinel is not None else None
         self.last_metrics: dict[str, float] = {}
