@@ -1,10 +1,15 @@
+import contextlib
 import json
 import math
 import pickle
 import re
+from collections.abc import Iterator
 
 import pytest
+import torch
+from conftest import TinyModule, make_trainer
 
+from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.rules import (
     RULES,
     AlertState,
@@ -14,6 +19,7 @@ from lightning_hookdiag.rules import (
     format_error,
     values_from_metrics,
 )
+from lightning_hookdiag.rules.registry import REGISTRY, Found, registered, rule
 
 # Six layers whose forward order is neither alphabetical nor reverse-alphabetical, so that any accidental sorting
 # by name picks the wrong layer.
@@ -734,3 +740,67 @@ def test_precision_headroom_threshold_is_exclusive_and_configurable():
     assert [f.layer for f in evaluate(values, ORDER, ORDER[::-1], step=0, config=config)] == ["fc2"]
     config = RuleConfig(enabled=["nonfinite"])
     assert evaluate(values, ORDER, ORDER[::-1], step=0, config=config) == []
+
+
+# ------------------------------------------------------------------------------------------------ the registry
+
+
+@contextlib.contextmanager
+def wide_output_rule() -> Iterator[str]:
+    """A rule added the way a user adds one, in one decorated function; it leaves the registry with the block."""
+
+    @rule(order=99, phase="forward", stat="act_absmax", name="wide_output")
+    def wide_output(ctx):
+        for layer, value in ctx.stat("act_absmax").items():
+            if value > 50.0:
+                yield Found(layer, value, f"wide_output: |y| reached {value:.3g} in {layer} at step {ctx.step}", 50.0)
+
+    try:
+        yield "wide_output"
+    finally:
+        del REGISTRY["wide_output"]
+
+
+def test_a_rule_written_in_one_function_fires_on_a_real_fit_and_stays_silent_on_a_healthy_one():
+    def fit(weight: float) -> LayerHealthCallback:
+        module = TinyModule()
+        with torch.no_grad():
+            module.model[0].weight.fill_(weight)
+        callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore")
+        make_trainer([callback], max_steps=2).fit(module)
+        return callback
+
+    with wide_output_rule() as name:
+        assert name in RuleConfig().enabled  # on by default, like every registered rule
+        wide, healthy = fit(100.0), fit(0.1)
+    found = [f for f in wide.findings if f.rule == name]
+    assert {f.step for f in found} == {0}  # alerted once per layer while it persists
+    first = found[0]  # in forward order, like every rule's findings
+    assert (first.layer, first.phase, first.stat, first.threshold) == ("model.0", "forward", "act_absmax", 50.0)
+    assert first.value > 50.0
+    assert "in model.0 at step 0" in first.message
+    assert [f for f in healthy.findings if f.rule == name] == []
+    # Gone with its block: no later configuration, evaluation or checkpoint sees it.
+    assert name not in REGISTRY
+    assert name not in RuleConfig().enabled
+    assert name not in AlertState().counts
+    with pytest.raises(ValueError, match=name):
+        RuleConfig(enabled=[name])
+
+
+def test_a_rule_name_registers_once():
+    with pytest.raises(ValueError, match="'dead_units' is registered already") as info:
+        rule(order=0, phase="forward", stat="act_dead_frac", name="dead_units")(lambda ctx: [])
+    assert "activations" in str(info.value)  # where the first one lives
+
+
+def test_a_rule_says_nothing_without_the_context_it_reads():
+    values = {"param_update_ratio": {"net.stem.weight": 1e-9}, "param_norm": {"net.stem.weight": 1.0}}
+    # not_updated reads the optimizer facts: without them it is silent whatever the values say.
+    assert REGISTRY["not_updated"].reads == ("param_facts",)
+    assert evaluate(values, FORWARD, BACKWARD, step=3, config=RuleConfig(enabled=["not_updated"])) == []
+    assert [r.family for r in registered() if r.name in ("nonfinite", "loss_spike", "update_jump")] == [
+        "nonfinite",
+        "spike",
+        "precursors",
+    ]

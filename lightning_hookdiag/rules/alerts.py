@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from lightning_hookdiag.rules.config import EVENT_RULES, RULES
 from lightning_hookdiag.rules.findings import Finding
+from lightning_hookdiag.rules.registry import REGISTRY, registered
 
 __all__ = [
     "AlertState",
@@ -22,7 +22,7 @@ class AlertState:
 
     A finding is *new* when its (rule, layer) pair was not found on the previously evaluated step. A pair that is
     absent on a later evaluated step clears, and alerts again when it comes back. Findings of the
-    :data:`EVENT_RULES` (``loss_spike``) are events, not conditions that persist: every one is new, and none is kept
+    :data:`~lightning_hookdiag.rules.EVENT_RULES` (``loss_spike``) are events, not conditions that persist: every one is new, and none is kept
     as active (two spikes a few steps apart, with no sampled step between them, alert twice). The state is plain
     Python (a set and a dict), so it pickles, and :meth:`state_dict` holds only JSON types for checkpoints.
 
@@ -43,7 +43,7 @@ class AlertState:
 
     def __init__(self) -> None:
         self._active: set[tuple[str, str]] = set()
-        self.counts: dict[str, int] = dict.fromkeys(RULES, 0)
+        self.counts: dict[str, int] = dict.fromkeys((r.name for r in registered()), 0)
 
     @property
     def active(self) -> frozenset[tuple[str, str]]:
@@ -59,7 +59,7 @@ class AlertState:
         new: list[Finding] = []
         active: set[tuple[str, str]] = set()
         for f in findings:
-            if f.rule in EVENT_RULES:
+            if f.rule in REGISTRY and REGISTRY[f.rule].event:
                 new.append(f)
                 continue
             pair = (f.rule, f.layer)
@@ -94,4 +94,4 @@ class AlertState:
         ):
             raise ValueError(f"AlertState.load_state_dict: 'counts' expects {{rule: count >= 0}}, got {counts!r}")
         self._active = pairs
-        self.counts = dict.fromkeys(RULES, 0) | dict(counts)
+        self.counts = dict.fromkeys((r.name for r in registered()), 0) | dict(counts)

@@ -1,28 +1,11 @@
-"""What a rule returns: a :class:`Finding`, and the phrases the rules' messages share.
-
-:data:`LOSS` and :data:`ROOT` are the layers of findings about the loss and about the LightningModule's own code;
-:func:`plural`, :func:`listing` and :func:`also` write counts and short listings of more layers the same way in
-every message.
-"""
+"""What the rules find: a :class:`Finding`, and the phrases every message shares (:func:`plural`, :func:`also`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_hookdiag.names import BATCH, LOSS, ROOT  # noqa: F401  (re-exported: the rules' pseudo-layers)
-
-__all__ = [
-    "BATCH",
-    "LOSS",
-    "MAX_LISTED",
-    "PHASES",
-    "ROOT",
-    "Finding",
-    "also",
-    "listing",
-    "plural",
-]
+__all__ = ["MAX_LISTED", "PHASES", "Finding", "also", "listing", "plural"]
 
 
 PHASES: tuple[str, ...] = ("forward", "backward")
@@ -40,8 +23,8 @@ class Finding:
         rule: Name from :data:`~lightning_hookdiag.rules.RULES`.
         layer: The layer (module name) the finding is about; for findings about parameters, the parameter's
             module: the longest layer of ``forward_order``/``backward_order`` that prefixes its dotted name, else the
-            name minus its last segment. :data:`LOSS` for the loss itself; for a NaN made by functional code between
-            two layers, the module whose forward made it (not necessarily selected), or :data:`ROOT`.
+            name minus its last segment. ``LOSS`` for the loss itself; for a NaN made by functional code between
+            two layers, the module whose forward made it (not necessarily selected), or ``ROOT``.
             ``exploding_gradient``: the layer whose backward amplifies the gradient most; ``no_gradient``: the first
             cut-off layer in forward order; ``eval_mode``: the first module in eval mode in forward order (a
             BatchNorm or Dropout, selected or not).
