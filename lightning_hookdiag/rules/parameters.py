@@ -55,20 +55,21 @@ def _slow_layers(ctx: Context, values: Mapping[str, Mapping[str, float]]) -> dic
     return None
 
 
-def _scheduled_low(facts: Mapping[str, ParamFacts] | None) -> bool:
-    """Whether an LR scheduler holds every stepped parameter's lr below ``_SCHEDULED_LOW`` of its base (a warm-up).
-
-    The scheduler raises it again; one that never steps is ``warmup_stuck``'s.
-    """
-    stepped = [f for f in (facts or {}).values() if f.held and f.applied]
-    return bool(stepped) and all(
-        f.base_lr is not None and f.base_lr > 0 and finite(f.lr) and f.lr < _SCHEDULED_LOW * f.base_lr for f in stepped
-    )
+def _held_low(fact: ParamFacts) -> bool:
+    """Whether an LR scheduler holds the parameter's lr below ``_SCHEDULED_LOW`` of its base lr (a warm-up)."""
+    base = fact.base_lr
+    return base is not None and base > 0 and finite(fact.lr) and fact.lr < _SCHEDULED_LOW * base
 
 
-def _never_stepped(facts: Mapping[str, ParamFacts] | None) -> bool:
+def _scheduled_low(facts: Mapping[str, ParamFacts]) -> bool:
+    """Whether every stepped parameter's lr is held low: the scheduler raises it again (or ``warmup_stuck`` fires)."""
+    stepped = [f for f in facts.values() if f.held and f.applied]
+    return bool(stepped) and all(_held_low(f) for f in stepped)
+
+
+def _never_stepped(facts: Mapping[str, ParamFacts]) -> bool:
     """Whether a scheduler holds the lr and has not stepped once (``warmup_stuck`` names that)."""
-    return any(f.scheduler_steps == 0 for f in (facts or {}).values() if f.held and f.applied)
+    return any(f.scheduler_steps == 0 for f in facts.values() if f.held and f.applied)
 
 
 @rule(order=9, phase="forward", stat="param_update_ratio", reads=["baseline"])
@@ -132,18 +133,9 @@ def stale_gradients(ctx: Context) -> list[Found]:
 
 
 def _held_at_start(fact: ParamFacts) -> bool:
-    """Whether a scheduler that never stepped holds the parameter's lr below ``_SCHEDULED_LOW`` of its base."""
-    base = fact.base_lr
-    return (
-        fact.held
-        and fact.applied
-        and fact.scheduler_steps == 0
-        and fact.interval != "step"  # stepped every n steps on purpose ("frequency"): not this mistake
-        and base is not None
-        and base > 0
-        and finite(fact.lr)
-        and fact.lr < _SCHEDULED_LOW * base
-    )
+    """Whether a scheduler that never stepped holds the parameter's lr low."""
+    # Stepped every n steps on purpose ("frequency"), interval "step" is not this mistake.
+    return fact.held and fact.applied and fact.scheduler_steps == 0 and fact.interval != "step" and _held_low(fact)
 
 
 @rule(order=10, phase="backward", stat="param_update_ratio", reads=["param_facts"])

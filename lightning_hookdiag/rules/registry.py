@@ -1,4 +1,4 @@
-"""Which rules exist: the :func:`rule` decorator registers a rule where it is written, and :func:`evaluate` runs them.
+"""Which rules exist: the :func:`rule` decorator registers a rule where it is written.
 
 A rule is one function of a :class:`~lightning_hookdiag.rules.context.Context` that yields :class:`Found` tuples;
 the registry turns them into :class:`~lightning_hookdiag.rules.Finding` objects, so that adding a rule is one
