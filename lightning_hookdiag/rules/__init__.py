@@ -2,9 +2,7 @@
 
 Pure Python on plain floats (no torch, no Lightning), so the rules can be unit-tested by hand and run on the values
 of any logger. Every rule reads only the statistics it needs and does nothing when one is absent (the user chose a
-subset) or not finite where a finite value is required. :func:`evaluate` lists forward-pass findings before
-backward-pass ones, each pass in its own execution order, so that the first finding is the earliest problem's origin;
-:class:`AlertState` decides which findings are new.
+subset) or not finite where a finite value is required.
 
 This package's ``__init__`` is its public surface: import from ``lightning_hookdiag.rules``. Each rule is one function
 registered where it is written (:func:`~lightning_hookdiag.rules.registry.rule`), in one module per family
@@ -26,11 +24,10 @@ from lightning_hookdiag.rules.activations import SATURATING_TYPES
 from lightning_hookdiag.rules.alerts import AlertState
 from lightning_hookdiag.rules.config import RuleConfig
 from lightning_hookdiag.rules.context import Baseline, ParamFacts
-from lightning_hookdiag.rules.evaluation import evaluate, format_error
+from lightning_hookdiag.rules.evaluation import evaluate, format_error, values_from_metrics
 from lightning_hookdiag.rules.findings import PHASES as PHASES
 from lightning_hookdiag.rules.findings import Finding
 from lightning_hookdiag.rules.gradients import cut_off
-from lightning_hookdiag.rules.logged import values_from_metrics
 from lightning_hookdiag.rules.parameters import moved_mass_bound
 from lightning_hookdiag.rules.registry import registered
 

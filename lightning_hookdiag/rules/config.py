@@ -1,8 +1,4 @@
-"""Which rules run, with their thresholds: :class:`RuleConfig`, validated when it is built.
-
-Every field is declared once, with its default, what is valid and what it does; why each default is what it is:
-``docs/rules.md#why-these-defaults``.
-"""
+"""Which rules run, with their thresholds: :class:`RuleConfig`, each field declared once with what is valid."""
 
 from __future__ import annotations
 
@@ -41,7 +37,7 @@ def _all_rules() -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class RuleConfig:
-    """Which rules run, and their thresholds; each field's docstring says what it does and what is valid.
+    """Which rules run, and their thresholds, validated when built; each field's docstring says what it does.
 
     What each rule fires on: ``docs/rules.md#the-rules``; why each default is what it is:
     ``docs/rules.md#why-these-defaults``.

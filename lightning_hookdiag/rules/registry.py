@@ -89,7 +89,7 @@ def rule(
         order: Where the rule's findings sort among those of the same layer (lower first).
         phase: Its findings' default phase: ``"forward"`` (about activations) or ``"backward"`` (about gradients).
         stat: Its findings' default statistic.
-        name: The rule's name, for a function that several rules share.
+        name: The rule's name; by default the function's.
         reads: Parts of the context (``"trip"``, ``"param_facts"``) without which the rule says nothing.
         event: Whether each finding is an event of one step that alerts every time (``loss_spike``), not a
             condition that persists until it clears.
