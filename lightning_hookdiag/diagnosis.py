@@ -1,10 +1,7 @@
 """The rules' memory between sampled steps: one step's statistics in, its findings and the new ones out.
 
-:class:`Diagnosis` owns what the rules read besides the step's own values (the ``loss_spike`` baseline, the last
-step each parameter's norm was finite, the trend history) and the :class:`~lightning_hookdiag.rules.AlertState`
-that decides which findings are new, and updates them in one place, after the rules ran. The callback routes what it
-gets back: it keeps the findings, warns, raises or stops. Pure Python, so it is tested by hand; its
-:meth:`Diagnosis.state_dict` holds only JSON types and is a part of the callback's checkpoint state.
+:class:`Diagnosis` updates what the rules read besides the step's own values in one place, after the rules ran; the
+callback routes what it gets back (keeps the findings, warns, raises or stops). Pure Python, tested by hand.
 
 Example:
     >>> diagnosis = Diagnosis(RuleConfig())

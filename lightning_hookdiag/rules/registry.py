@@ -1,8 +1,7 @@
-"""Which rules exist: the :func:`rule` decorator registers a rule where it is written.
+"""Which rules exist: adding one is one function, registered by :func:`rule` where it is written.
 
-A rule is one function of a :class:`~lightning_hookdiag.rules.context.Context` that yields :class:`Found` tuples;
-the registry turns them into :class:`~lightning_hookdiag.rules.Finding` objects, so that adding a rule is one
-decorated function in one module, and nothing else changes.
+A rule is a function of a :class:`~lightning_hookdiag.rules.context.Context` that yields :class:`Found` tuples; the
+registry turns them into :class:`~lightning_hookdiag.rules.Finding` objects, the one place a finding is built.
 """
 
 from __future__ import annotations
