@@ -26,6 +26,7 @@ from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.provenance import nonfinite_in_batch
 from lightning_hookdiag.rules import BATCH, RuleConfig, evaluate
 from lightning_hookdiag.sentinel import LossSentinel, SpikeDetector
+from lightning_hookdiag.trends import History
 from lightning_hookdiag.vocabulary import ALL_STATS, OUTPUT_LAYER_STATS
 
 PRECURSORS = {"stats": [*ALL_STATS, *OUTPUT_LAYER_STATS]}
@@ -320,8 +321,8 @@ def test_the_zoo_is_silent_with_the_output_layers_statistics_on(name):
         warnings.simplefilter("ignore")
         make_trainer([callback], max_steps=steps).fit(module)
     assert callback.last_step == steps - 1
-    assert "logit_absmax" in callback._diagnosis.history.stats
-    assert callback._diagnosis.history.points("step_loss", "loss")  # the rule had its inputs
+    assert "logit_absmax" in History.stats
+    assert callback.state_dict()["history"]["points"]["step_loss"]["loss"]  # the rule had its inputs
     assert [f.message for f in callback.findings] == []
     assert callback.trips == []
     assert count_hooks(module) == 0
