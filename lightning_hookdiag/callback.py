@@ -33,7 +33,7 @@ from lightning_hookdiag.logged_values import (
 )
 from lightning_hookdiag.precision import resolve_targets
 from lightning_hookdiag.replay import respond, sharded
-from lightning_hookdiag.rules import Finding, RuleConfig, format_error, values_from_metrics
+from lightning_hookdiag.rules import FACT_RULES, Finding, RuleConfig, format_error, values_from_metrics
 from lightning_hookdiag.selection import import_types
 from lightning_hookdiag.sentinel import SENTINEL_MODES, LossSentinel, MicroBatch, SpikeDetector, Trip, capture_rng
 from lightning_hookdiag.stats import resolve_stats
@@ -85,10 +85,6 @@ def _histogram_writer(logger: Logger) -> HistogramWriter | None:
 
         return wandb_histogram
     return None
-
-
-_FACT_RULES = frozenset({"not_updated", "zeroed_gradients", "warmup_stuck"})
-"""The rules that read the optimizer facts of a sampled step (``ParamFacts``)."""
 
 
 def _schedule(
@@ -390,9 +386,7 @@ class LayerHealthCallback(Callback):
             return
         run.end_closure()
         # DeepSpeed's optimizers hold copies of the parameters: membership says nothing there.
-        watch = bool(_FACT_RULES & set(self.rule_config.enabled)) and not isinstance(
-            trainer.strategy, DeepSpeedStrategy
-        )
+        watch = bool(FACT_RULES & set(self.rule_config.enabled)) and not isinstance(trainer.strategy, DeepSpeedStrategy)
         run.before_optimizer_step(optimizer, trainer.optimizers, scale, watch, _schedule(trainer, pl_module, optimizer))
         if trip is not None and self.on_anomaly == "raise":
             run.end_micro_batch()  # finished before the update: its hooks must not see LBFGS's later closures

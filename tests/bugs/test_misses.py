@@ -267,7 +267,7 @@ def test_a_harder_batch_40x_the_median_is_silent_and_wrong_labels_in_the_same_re
     twin, sick = run(case, sick=False), run(case, sick=True)
     assert twin.trips == []
     assert twin.findings == []
-    start = twin._sentinel.detector.start
+    start = twin.state_dict()["sentinel"]["start"]
     assert 0.1 < start < 2.1  # the lower median of the first 20 losses, from 2.08 down
     (trip,) = sick.trips
     assert trip.loss > 10
