@@ -1,8 +1,4 @@
-"""Plain-text formatting of statistics: values, byte counts, and one step's table per layer.
-
-Shared by the callback's end-of-fit summary and the ``hookdiag report`` summary; pure Python (no torch, no
-Lightning), so the report can use it without importing either.
-"""
+"""Plain-text formatting of statistics, shared by the callback's end-of-fit summary and the report: no torch."""
 
 from __future__ import annotations
 
@@ -49,7 +45,7 @@ def display_name(name: str) -> str:
     return name or "(root)"
 
 
-def table_lines(header: list[str], rows: list[list[str]], align: list[str] | None = None) -> list[str]:
+def table_lines(header: list[str], rows: list[list[str]], align: list[str]) -> list[str]:
     """Rows as indented, column-aligned lines (``align``: a format alignment per column).
 
     Example:
@@ -60,8 +56,6 @@ def table_lines(header: list[str], rows: list[list[str]], align: list[str] | Non
              10  out
     """
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    # Depth and numbers read best right-aligned, names and notes left-aligned.
-    align = align or [">", "<", ">", ">", ">", "<"]
     return [
         "  " + "  ".join(f"{c:{a}{w}}" for c, a, w in zip(r, align, widths, strict=True)).rstrip()
         for r in [header, *rows]
@@ -75,13 +69,10 @@ _FORMATS = {"act_saved_bytes": format_bytes}
 def format_step_table(
     values: dict[str, dict[str, float]], order: list[str], marks: dict[str, list[str]], title: str
 ) -> str:
-    """A compact table of one step's values per layer, in depth order, with the rules that fired marked.
+    """A compact table of one step's ``{stat: {layer: value}}`` under ``title``, with the rules that fired marked.
 
-    Args:
-        values: Statistic name to ``{layer: value}`` (as logged on one step).
-        order: Layers in depth order; layers of ``values`` missing from it follow in name order.
-        marks: Layer to the names of the rules that fired on it.
-        title: First line.
+    Layers follow ``order`` (depth order), those missing from it in name order; ``marks`` maps a layer to the names
+    of the rules that fired on it.
 
     Example:
         >>> values = {"act_std": {"fc1": 1.0, "relu": 0.5}, "act_dead_frac": {"relu": 0.95}}

@@ -86,9 +86,20 @@ def _check_stat(log: HealthLog, stat: str, log_dir: str) -> None:
     raise ReportError(f"stat '{stat}' is not in the logs of {log_dir}; stats present: {present}")
 
 
-def _default_out(log_dir: Path, stat: str) -> Path:
-    folder = log_dir if log_dir.is_dir() else log_dir.parent
-    return folder / f"layer_health_{stat}.png"
+def _out_path(out: str | None, run: Path, name: str) -> Path:
+    path = Path(out) if out is not None else (run if run.is_dir() else run.parent) / f"layer_health_{name}.png"
+    if not path.parent.is_dir():
+        raise ReportError(f"{path}: the folder {path.parent} does not exist")
+    return path
+
+
+def _save(figure: Any, out: Path) -> None:
+    from lightning_hookdiag.report.plot import save_figure
+
+    try:
+        save_figure(figure, out)
+    except OSError as exc:
+        raise ReportError(f"{out}: cannot write the heatmap ({exc.strerror or exc})") from exc
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -101,17 +112,12 @@ def _report(args: argparse.Namespace) -> int:
     args.stat = args.stat or DEFAULT_STAT
     log = read_health_log(args.log_dir, prefix=args.prefix)
     _check_stat(log, args.stat, args.log_dir)
-    out = Path(args.out) if args.out is not None else _default_out(Path(args.log_dir), args.stat)
-    if not out.parent.is_dir():
-        raise ReportError(f"{out}: the folder {out.parent} does not exist")
+    out = _out_path(args.out, Path(args.log_dir), args.stat)
     print(format_summary(log, args.stat))
     # The summary is printed first: it is useful even when the plot then fails for want of matplotlib.
-    from lightning_hookdiag.report.plot import plot_heatmap
+    from lightning_hookdiag.report.plot import heatmap_figure
 
-    try:
-        plot_heatmap(log, args.stat, out)
-    except OSError as exc:
-        raise ReportError(f"{out}: cannot write the heatmap ({exc.strerror or exc})") from exc
+    _save(heatmap_figure(log, args.stat), out)
     print(f"heatmap: {out}")
     return 0
 
@@ -123,7 +129,7 @@ def _tolerance(name: str, value: float) -> float:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from lightning_hookdiag.report.diff import align, find_differences, format_diff
+    from lightning_hookdiag.report.diff import align, find_differences, format_diff, ratio_figure
 
     rtol, atol = _tolerance("rtol", args.rtol), _tolerance("atol", args.atol)
     run_a, run_b = args.diff
@@ -136,17 +142,10 @@ def _diff(args: argparse.Namespace) -> int:
             stat = alignment.stats[0]
     elif stat not in alignment.names:
         raise ReportError(f"--stat {stat} is not logged by both runs; common statistics: {', '.join(alignment.stats)}")
-    out = Path(args.out) if args.out is not None else _default_out(Path(run_b), f"diff_{stat}")
-    if not out.parent.is_dir():
-        raise ReportError(f"{out}: the folder {out.parent} does not exist")
+    out = _out_path(args.out, Path(run_b), f"diff_{stat}")
     print(f"RUN_A: {run_a}\nRUN_B: {run_b}")
     print(format_diff(alignment, differences, rtol, atol))
-    from lightning_hookdiag.report.diff import plot_ratio_heatmap
-
-    try:
-        plot_ratio_heatmap(alignment, stat, out)
-    except OSError as exc:
-        raise ReportError(f"{out}: cannot write the heatmap ({exc.strerror or exc})") from exc
+    _save(ratio_figure(alignment, stat), out)
     print(f"ratio heatmap (B/A of {stat}): {out}")
     return _EXIT_DIFFERENT if differences else 0
 

@@ -45,10 +45,9 @@ def _runs_below(root: Path) -> list[Path]:
 
 
 def find_log_files(path: str | os.PathLike[str]) -> list[Path]:
-    r"""The log files of one run: ``metrics.csv`` first, then TensorBoard event files in name (= time) order.
+    r"""The log files of a run folder (a logger's ``log_dir``) or the one log file ``path`` names.
 
-    Args:
-        path: A run folder (a logger's ``log_dir``, e.g. ``lightning_logs/version_0``) or one log file in it.
+    ``metrics.csv`` comes first, then the TensorBoard event files in name (= time) order.
 
     Raises:
         ReportError: If the path does not exist or holds no log file; run folders further down are named.
@@ -188,11 +187,9 @@ def read_tensorboard_scalars(path: str | os.PathLike[str]) -> list[Scalar]:
 
 
 def read_health_log(path: str | os.PathLike[str], prefix: str | None = None) -> HealthLog:
-    r"""Read the health statistics of one run from its CSVLogger and/or TensorBoardLogger files.
+    r"""Read the health statistics of one run (as :func:`find_log_files` finds its files) under the callback's prefix.
 
-    Args:
-        path: A run folder (a logger's ``log_dir``) or one log file.
-        prefix: The callback's ``prefix=``; ``None`` detects it from the keys.
+    ``prefix=None`` detects the prefix from the keys (:func:`~lightning_hookdiag.report.detect_prefix`).
 
     Raises:
         ReportError: If the path holds no logs or no health statistics under the prefix.
