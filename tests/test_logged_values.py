@@ -12,13 +12,17 @@ from lightning_hookdiag.logged_values import (
     StepFacts,
     histogram_note,
     histogram_series,
+    late_note,
     layer_notes,
     missing_grad_notes,
+    no_logger_note,
     opt_in_note,
+    overflow_notes,
     step_values,
 )
 
 NAN = float("nan")
+INF = float("inf")
 LAYERS = ["enc", "enc.inner", "head"]
 PARAMS = ["enc.weight", "head.weight"]
 
@@ -221,3 +225,33 @@ def test_the_counts_are_required(missing):
 def test_a_sibling_whose_name_extends_one_that_ran_is_not_covered():
     notes = layer_notes(2, ["fc1", "fc10", "fc1.drop"], [4.0, 0.0, 0.0], StepFacts())
     assert [(n.key, n.info) for n in notes] == [("not_run:fc10", False), ("not_run:fc1.drop", True)]
+
+
+def test_an_overflow_is_a_non_finite_statistic_of_finite_values_of_a_layer_that_ran():
+    host = {
+        "count": [4.0, 4.0, 0.0, 4.0],
+        "act_nonfinite": [0.0, 3.0, 0.0, 0.0],  # fc2 held NaN/Inf: its NaN statistic is no overflow
+        "act_std": [INF, NAN, NAN, 1.0],  # fc3 did not run: NaN means nothing was observed
+        "grad_count": [2.0, 0.0, 0.0, 2.0],
+        "act_grad_nonfinite": [0.0, 0.0, 0.0, 0.0],
+        "act_grad_norm": [1.0, NAN, NAN, INF],
+    }
+    notes = overflow_notes(["fc1", "fc2", "fc3", "fc4"], host)
+    assert [n.key for n in notes] == ["overflow:act_std:fc1", "overflow:act_grad_norm:fc4"]
+    for fact in ("'fc1'", "inf", "output held no NaN/Inf"):
+        assert fact in notes[0].message
+    assert "output gradient held no NaN/Inf" in notes[1].message
+    assert overflow_notes(["fc1"], {"act_std": [INF]}) == []  # without the counts nothing is judged
+
+
+def test_the_late_and_no_logger_notes_name_their_facts():
+    assert late_note(None, 4, 3) is None
+    note = late_note(3, 4, 3)
+    assert (note.key, note.info) == ("late", True)
+    assert "optimizer step 3 (every_n_steps=3)" in note.message
+    assert "first optimizer step, 4" in note.message
+    assert no_logger_note(1) is None
+    note = no_logger_note(0)
+    assert note.info
+    assert "logger=False" in note.message
+    assert "callback.last_metrics" in note.message
