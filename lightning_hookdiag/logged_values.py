@@ -92,16 +92,6 @@ def step_values(
             layer that is not ReLU-like; an opt-in statistic of an all-zero or constant output).
         precursors: Precursor statistic to the names its values belong to (``""``: no module); NaN: not seen.
         total: Log ``grad_norm_total`` (when a parameter was measured).
-
-    Example:
-        >>> host = {"act_std": [0.5, 0.0], "count": [4.0, 0.0], "grad_count": [0.0, 0.0],
-        ...         "param_seen": [1.0], "param_norm": [2.0], "grad_norm_total": [3.0]}
-        >>> metrics, values = step_values(host, ["act_std", "param_norm"], keys=KeyCache("h"),
-        ...                               layer_names=["a", "b"], param_names=["a.weight"], execution_order=["a"])
-        >>> metrics
-        {'h/act_std/a': 0.5, 'h/param_norm/a.weight': 2.0, 'h/grad_norm_total': 3.0, 'h/depth/a': 0.0}
-        >>> values
-        {'act_std': {'a': 0.5}, 'param_norm': {'a.weight': 2.0}}
     """
     count, grad_count, seen = host["count"], host["grad_count"], host["param_seen"]
     metrics: dict[str, float] = {}

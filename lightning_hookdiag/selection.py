@@ -209,15 +209,6 @@ def resolve_layers(
 
     Raises:
         ValueError: If a name, glob or exclude pattern matches nothing, or if the selection ends up empty.
-
-    Example:
-        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-        >>> list(resolve_layers(net, layer_types=(nn.Linear,)))
-        ['0', '2']
-        >>> resolve_layers(net, layers=["2.weight"])
-        Traceback (most recent call last):
-        ...
-        ValueError: layers: '2.weight' matches no module. Closest names: 2. Call lightning_hookdiag.list_layers(...
     """
     modules = named_modules(model)
     names = list(modules)

@@ -8,22 +8,12 @@ __all__ = ["display_name", "format_bytes", "format_step_table", "format_value", 
 
 
 def format_value(value: float) -> str:
-    """A statistic in four significant digits; non-finite values as ``nan``/``inf``/``-inf``.
-
-    Example:
-        >>> format_value(0.000123456), format_value(float("nan")), format_value(1234567.0)
-        ('0.0001235', 'nan', '1.235e+06')
-    """
+    """A statistic in four significant digits; non-finite values as ``nan``/``inf``/``-inf``."""
     return f"{value:.4g}"
 
 
 def format_bytes(value: float) -> str:
-    """A byte count in binary units, as memory tools print it.
-
-    Example:
-        >>> format_bytes(512.0), format_bytes(33792.0), format_bytes(3 * 2**30)
-        ('512 B', '33.0 KiB', '3.0 GiB')
-    """
+    """A byte count in binary units, as memory tools print it."""
     if not math.isfinite(value):
         return format_value(value)
     if abs(value) < 1024:
@@ -36,25 +26,12 @@ def format_bytes(value: float) -> str:
 
 
 def display_name(name: str) -> str:
-    """A layer's name as a table prints it: the root module logs under an empty name, an invisible row otherwise.
-
-    Example:
-        >>> display_name("model.0"), display_name("")
-        ('model.0', '(root)')
-    """
+    """A layer's name as a table prints it: the root module logs under an empty name, an invisible row otherwise."""
     return name or "(root)"
 
 
 def table_lines(header: list[str], rows: list[list[str]], align: list[str]) -> list[str]:
-    """Rows as indented, column-aligned lines (``align``: a format alignment per column).
-
-    Example:
-        >>> for line in table_lines(["depth", "layer"], [["0", "fc1"], ["10", "out"]], [">", "<"]):
-        ...     print(line)
-          depth  layer
-              0  fc1
-             10  out
-    """
+    """Rows as indented, column-aligned lines (``align``: a format alignment per column)."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     return [
         "  " + "  ".join(f"{c:{a}{w}}" for c, a, w in zip(r, align, widths, strict=True)).rstrip()

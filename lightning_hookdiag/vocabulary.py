@@ -1,12 +1,6 @@
 """The names of the statistics, for the callback and for the report (which must not import torch).
 
 What each statistic is: ``docs/statistics.md#every-key`` (``tests/test_docs.py`` checks that every name has a row).
-
-Example:
-    >>> LAYER_STATS[:2], TOTAL_STATS
-    (('act_mean', 'act_std'), ('grad_norm_total',))
-    >>> counted_by_gradient("act_grad_overflow_frac_float16"), counted_by_gradient("act_mean")
-    (True, False)
 """
 
 from __future__ import annotations

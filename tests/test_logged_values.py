@@ -20,6 +20,7 @@ from lightning_hookdiag.logged_values import (
     overflow_notes,
     step_values,
 )
+from lightning_hookdiag.vocabulary import counted_by_gradient
 
 NAN = float("nan")
 INF = float("inf")
@@ -255,3 +256,8 @@ def test_the_late_and_no_logger_notes_name_their_facts():
     assert note.info
     assert "logger=False" in note.message
     assert "callback.last_metrics" in note.message
+
+
+def test_a_statistic_of_the_output_gradient_is_counted_where_a_gradient_arrived():
+    stats = ["act_mean", "act_grad_norm", "act_grad_nonfinite", "act_grad_underflow_frac_bfloat16", "act_kurtosis"]
+    assert [s for s in stats if counted_by_gradient(s)] == stats[1:4]

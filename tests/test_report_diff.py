@@ -14,7 +14,7 @@ from torch import nn
 from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.report import read_health_log
 from lightning_hookdiag.report.cli import main
-from lightning_hookdiag.report.diff import align, find_differences, ratio_figure
+from lightning_hookdiag.report.diff import align, find_differences, is_backward, ratio_figure
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -162,3 +162,13 @@ def test_bad_arguments_are_one_error_line_and_exit_2(tmp_path, capsys, argv, mes
     err = capsys.readouterr().err
     assert err.startswith(message.format(**names))
     assert err.count("\n") == 1
+
+
+def test_gradient_and_update_statistics_are_the_backward_ones():
+    stats = ["act_std", "act_grad_norm", "act_grad_overflow_frac_float16", "param_norm", "param_grad_norm"]
+    assert [s for s in stats + ["param_update_ratio"] if is_backward(s)] == [
+        "act_grad_norm",
+        "act_grad_overflow_frac_float16",
+        "param_grad_norm",
+        "param_update_ratio",
+    ]

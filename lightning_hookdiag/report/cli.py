@@ -31,13 +31,7 @@ _DEFAULT_RTOL = 1e-4
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``hookdiag`` and its ``report`` sub-command.
-
-    Example:
-        >>> args = build_parser().parse_args(["report", "logs/version_0", "--stat", "act_std"])
-        >>> args.log_dir, args.stat, args.out, args.prefix
-        ('logs/version_0', 'act_std', None, None)
-    """
+    """The argument parser of ``hookdiag`` and its ``report`` sub-command."""
     parser = argparse.ArgumentParser(prog=_PROG, description="Layer health diagnostics for Lightning runs.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     report = commands.add_parser(

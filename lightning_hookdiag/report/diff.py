@@ -5,17 +5,7 @@ ordered the way a change propagates (a parameter at its module's depth, ties in 
 change to one layer's initial weights shows first at that layer's outputs on step 0, not at the output gradients of
 the layers below it. The order, and what the command prints:
 ``docs/report.md#where-do-two-runs-first-differ-hookdiag-report---diff``.
-
-Example:
-    >>> from lightning_hookdiag.report.health_log import Scalar, build_health_log
-    >>> def run(scale):
-    ...     return build_health_log([Scalar("layer_health/depth/fc1", 0, 0.0), Scalar("layer_health/depth/fc2", 0, 1.0),
-    ...         Scalar("layer_health/act_std/fc1", 0, 1.0), Scalar("layer_health/act_std/fc2", 0, 2.0 * scale),
-    ...         Scalar("layer_health/act_grad_norm/fc1", 0, 0.5 * scale)])
-    >>> first = find_differences(align(run(1.0), run(3.0)))[0]
-    >>> first.step, first.layer, first.stat, first.a, first.b
-    (0, 'fc2', 'act_std', 2.0, 6.0)
-"""  # noqa: E501
+"""
 
 from __future__ import annotations
 
@@ -36,12 +26,7 @@ _MAX_LISTED = 5
 
 
 def is_backward(stat: str) -> bool:
-    """Whether ``stat`` is measured in the backward pass (or from gradients), not from outputs or weights.
-
-    Example:
-        >>> is_backward("act_grad_norm"), is_backward("param_update_ratio"), is_backward("act_std")
-        (True, True, False)
-    """
+    """Whether ``stat`` is measured in the backward pass (or from gradients), not from outputs or weights."""
     return stat.startswith("act_grad_") or stat in _BACKWARD_PARAMETER_STATS
 
 

@@ -97,12 +97,7 @@ def depth_order(names: Iterable[str], depth: dict[str, int], parameters: bool = 
 
 
 def stat_order_key(stat: str) -> tuple[int, str]:
-    """Sort key of the one order the summary and ``--diff`` list statistics in: the vocabulary's, unknown names last.
-
-    Example:
-        >>> sorted(["param_norm", "zz_custom", "act_std", "act_mean", "aa_custom"], key=stat_order_key)
-        ['act_mean', 'act_std', 'param_norm', 'aa_custom', 'zz_custom']
-    """
+    """Sort key of the one order the summary and ``--diff`` list statistics in: the vocabulary's, unknown names last."""
     return (_KNOWN_ORDER.get(stat, len(_KNOWN_ORDER)), stat)
 
 

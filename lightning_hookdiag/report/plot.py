@@ -27,11 +27,6 @@ def load_matplotlib() -> SimpleNamespace:
 
     Raises:
         MissingExtraError: If matplotlib (or numpy) cannot be imported; the message names the extra to install.
-
-    Example:
-        >>> mpl = load_matplotlib()
-        >>> type(mpl.Figure()).__name__, mpl.np.__name__
-        ('Figure', 'numpy')
     """
     try:
         # The top-level import comes first so that a blocked or missing matplotlib fails here even when its
@@ -83,14 +78,6 @@ def draw_heatmap(
 
     Rows are labelled with the names (the root module's empty one as ``(root)``) and their ``unit``, columns with the
     steps; with more than 60 rows or 12 columns only every k-th is labelled, so that the labels do not overlap.
-
-    Example:
-        >>> mpl = load_matplotlib()
-        >>> data = mpl.np.ones((3, 25))
-        >>> names, steps = ["", "fc1", "fc2"], range(0, 50, 2)
-        >>> _, ax, _ = draw_heatmap(mpl, data, data == 0, names, steps, cmap="viridis", norm=None, unit="layer")
-        >>> [t.get_text() for t in ax.get_yticklabels()], [t.get_text() for t in ax.get_xticklabels()]
-        (['(root)', 'fc1', 'fc2'], ['0', '6', '12', '18', '24', '30', '36', '42', '48'])
     """
     width = min(16.0, max(6.0, 3.0 + 0.25 * len(steps)))
     height = min(40.0, max(3.0, 1.5 + 0.22 * len(names)))
@@ -159,14 +146,5 @@ def plot_heatmap(log: HealthLog, stat: str, out: str | os.PathLike[str], dpi: in
     Raises:
         MissingExtraError: If matplotlib is not installed.
         OSError: If the file cannot be written.
-
-    Example:
-        >>> import tempfile
-        >>> from lightning_hookdiag.report.health_log import Scalar, build_health_log
-        >>> log = build_health_log([Scalar("layer_health/act_absmax/fc", s, 2.0**s) for s in range(3)])
-        >>> with tempfile.TemporaryDirectory() as tmp:
-        ...     path = plot_heatmap(log, "act_absmax", Path(tmp) / "h.png")
-        ...     path.read_bytes()[:4]
-        b'\x89PNG'
     """
     return save_figure(heatmap_figure(log, stat), out, dpi)

@@ -51,13 +51,6 @@ def find_log_files(path: str | os.PathLike[str]) -> list[Path]:
 
     Raises:
         ReportError: If the path does not exist or holds no log file; run folders further down are named.
-
-    Example:
-        >>> import tempfile
-        >>> with tempfile.TemporaryDirectory() as tmp:
-        ...     _ = (Path(tmp) / "metrics.csv").write_text("step\n")
-        ...     [p.name for p in find_log_files(tmp)]
-        ['metrics.csv']
     """
     path = Path(path)
     if not path.exists():
@@ -97,14 +90,6 @@ def read_csv_scalars(path: str | os.PathLike[str]) -> list[Scalar]:
 
     Raises:
         ReportError: If the file cannot be read or has no ``step`` column.
-
-    Example:
-        >>> import tempfile
-        >>> with tempfile.TemporaryDirectory() as tmp:
-        ...     csv_path = Path(tmp) / "metrics.csv"
-        ...     _ = csv_path.write_text("epoch,layer_health/act_mean/fc,step\n0,,3\n,0.5,3\n")
-        ...     read_csv_scalars(csv_path)
-        [Scalar(key='epoch', step=3, value=0.0), Scalar(key='layer_health/act_mean/fc', step=3, value=0.5)]
     """
     scalars = []
     try:
