@@ -202,16 +202,13 @@ def ratio_figure(alignment: Alignment, stat: str) -> Any:
     parameters = alignment.a.is_parameter_stat(stat)
     names = depth_order(alignment.names[stat], alignment.depth, parameters=parameters)
     steps = list(alignment.steps)
-    series_a, series_b = alignment.a.stats[stat], alignment.b.stats[stat]
-    rows = []
-    for name in names:
-        row = []
-        for step in steps:
-            a, b = series_a[name].get(step, math.nan), series_b[name].get(step, math.nan)
-            ratio = b / a if a != 0 and math.isfinite(a) and math.isfinite(b) else math.nan
-            row.append(math.log10(ratio) if ratio > 0 and math.isfinite(ratio) else math.nan)
-        rows.append(row)
-    data = np.array(rows, dtype=float).reshape(len(names), len(steps))
+
+    def values(log: HealthLog) -> Any:
+        return np.array([[log.stats[stat][n].get(s, math.nan) for s in steps] for n in names], dtype=float)
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # A 0, inf or NaN in either run, or a ratio <= 0, comes out non-finite: masked as not comparable.
+        data = np.log10(values(alignment.b) / values(alignment.a))
     finite = np.isfinite(data)
     top = float(np.abs(data[finite]).max()) if finite.any() else 0.0
     top = top or 1e-3  # identical runs: a visible, non-empty range around 1

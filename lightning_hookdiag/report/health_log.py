@@ -177,16 +177,10 @@ def build_health_log(scalars: Iterable[Scalar], prefix: str | None = None) -> He
         ReportError: If ``prefix`` is ``None`` and the logs hold several prefixes.
 
     Example:
-        >>> log = build_health_log([
-        ...     Scalar("train_loss", 0, 0.9),
-        ...     Scalar("layer_health/depth/net.head", 0, 1.0),
-        ...     Scalar("layer_health/depth/net.stem", 0, 0.0),
-        ...     Scalar("layer_health/act_grad_norm/net.head", 0, 0.5),
-        ...     Scalar("layer_health/act_grad_norm/net.stem", 0, 0.25),
-        ...     Scalar("layer_health/grad_norm_total", 0, 2.0),
-        ... ])
-        >>> log.layers("act_grad_norm"), log.stats["act_grad_norm"]["net.stem"], log.totals
-        (['net.stem', 'net.head'], {0: 0.25}, {'grad_norm_total': {0: 2.0}})
+        >>> log = build_health_log([Scalar("train_loss", 0, 0.9), Scalar("layer_health/depth/fc", 0, 0.0),
+        ...     Scalar("layer_health/act_std/fc", 0, 0.5), Scalar("layer_health/grad_norm_total", 0, 2.0)])
+        >>> log.stats, log.totals, log.depth
+        ({'act_std': {'fc': {0: 0.5}}}, {'grad_norm_total': {0: 2.0}}, {'fc': 0})
     """
     scalars = list(scalars)
     if prefix is None:

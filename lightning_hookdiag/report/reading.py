@@ -8,10 +8,9 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any
 
 from lightning_hookdiag.report.errors import MissingExtraError, ReportError, ReportWarning
-from lightning_hookdiag.report.health_log import HealthLog, Scalar, build_health_log, detect_prefix
+from lightning_hookdiag.report.health_log import HealthLog, Scalar, build_health_log
 
 __all__ = [
     "CSV_NAME",
@@ -125,17 +124,6 @@ def read_csv_scalars(path: str | os.PathLike[str]) -> list[Scalar]:
     return scalars
 
 
-def _event_accumulator() -> Any:
-    try:
-        # Importing the top-level package first makes a blocked or missing tensorboard fail here even when
-        # the submodule is already cached.
-        import tensorboard  # noqa: F401
-        from tensorboard.backend.event_processing import event_accumulator
-    except ImportError as exc:
-        raise MissingExtraError(_TENSORBOARD_HINT) from exc
-    return event_accumulator
-
-
 def read_tensorboard_scalars(path: str | os.PathLike[str]) -> list[Scalar]:
     """Every scalar of one TensorBoard event file, both old-style ``simple_value`` and scalar-plugin tensors.
 
@@ -143,7 +131,13 @@ def read_tensorboard_scalars(path: str | os.PathLike[str]) -> list[Scalar]:
         MissingExtraError: If tensorboard is not installed.
         ReportError: If the file cannot be parsed.
     """
-    ea = _event_accumulator()
+    try:
+        # Importing the top-level package first makes a blocked or missing tensorboard fail here even when
+        # the submodule is already cached.
+        import tensorboard  # noqa: F401
+        from tensorboard.backend.event_processing import event_accumulator as ea
+    except ImportError as exc:
+        raise MissingExtraError(_TENSORBOARD_HINT) from exc
     # purge_orphaned_data=False: Lightning may log train_loss at a later step before the callback logs the step it
     # describes, which TensorBoard's restart heuristics would otherwise treat as orphaned data and drop.
     acc = ea.EventAccumulator(str(path), size_guidance={ea.SCALARS: 0, ea.TENSORS: 0}, purge_orphaned_data=False)
@@ -195,15 +189,12 @@ def read_health_log(path: str | os.PathLike[str], prefix: str | None = None) -> 
     scalars: list[Scalar] = []
     for file in files:
         scalars += read_csv_scalars(file) if file.name == CSV_NAME else read_tensorboard_scalars(file)
-    keys = {s.key for s in scalars}
-    if prefix is None:
-        prefix = detect_prefix(keys)
     log = build_health_log(scalars, prefix)
     if log.empty:
         shown = ", ".join(str(f) for f in files)
-        hint = "" if keys else " (the logs hold no numeric values)"
+        hint = "" if scalars else " (the logs hold no numeric values)"
         raise ReportError(
-            f"no '{prefix}/...' keys in {shown}{hint}; was LayerHealthCallback attached and did it sample a step"
+            f"no '{log.prefix}/...' keys in {shown}{hint}; was LayerHealthCallback attached and did it sample a step"
             " (if it was given another prefix=, pass --prefix)?"
         )
     return log
