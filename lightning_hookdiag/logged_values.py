@@ -133,11 +133,9 @@ def step_values(
 
 
 class Histograms(NamedTuple):
-    """One step's histograms as loggers take them: bin edges, and the counts of each logged key.
+    """One step's histograms as loggers take them: the ``left`` and ``right`` edges of every bin, and the counts.
 
     Attributes:
-        left: The left edge of every bin.
-        right: The right edge of every bin.
         series: ``(key, counts)`` per layer and kind (output, then output gradient), only where a value was counted.
     """
 

@@ -18,7 +18,7 @@ from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.report import ReportError, ReportWarning, read_health_log
 from lightning_hookdiag.report.cli import build_parser, main
 from lightning_hookdiag.report.health_log import stat_order_key
-from lightning_hookdiag.report.plot import draw_heatmap, heatmap_figure, load_matplotlib, plot_heatmap
+from lightning_hookdiag.report.plot import draw_heatmap, heatmap_figure, load_matplotlib
 from lightning_hookdiag.report.reading import read_csv_scalars
 
 REPO = Path(lightning_hookdiag.__file__).resolve().parent.parent
@@ -268,7 +268,7 @@ def test_missing_matplotlib_names_the_extra(
     log = read_health_log(csv_run)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r"pip install 'lightning-hookdiag\[plot\]'"):
-        plot_heatmap(log, "act_grad_norm", csv_run / "x.png")
+        heatmap_figure(log, "act_grad_norm")
 
     assert main(["report", str(csv_run)]) == 2
     out, err = capsys.readouterr()

@@ -45,20 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument(
         "--stat",
-        default=None,
         help=f"statistic to report (default: {DEFAULT_STAT}; with --diff, that of the first difference)",
     )
     report.add_argument(
         "--out",
-        default=None,
         help="heatmap file (default: LOG_DIR/layer_health_<stat>.png; with --diff, RUN_B/layer_health_diff_<stat>.png)",
     )
-    report.add_argument("--prefix", default=None, help="the callback's prefix= (default: detected from the logs)")
+    report.add_argument("--prefix", help="the callback's prefix= (default: detected from the logs)")
     report.add_argument(
         "--diff",
         nargs=2,
         metavar=("RUN_A", "RUN_B"),
-        default=None,
         help="compare two runs: print the first (step, layer, statistic) where they differ, in depth order, and"
         " draw the B/A ratio heatmap of --stat; exit status 1 if they differ, 0 if not",
     )
@@ -149,17 +146,11 @@ def _show_warning(message: Warning | str, category: type[Warning], *args: Any, *
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the ``hookdiag`` command line and return its exit status.
-
-    Errors in the input (missing folder, no logs, no health keys, unknown statistic, missing optional
-    dependency) print one ``hookdiag: error: ...`` line to stderr and return 2, never a traceback. Logs read only
-    in part (a CSV row cut short by a run still writing it) print one ``hookdiag: warning: ...`` line each.
-
-    Args:
-        argv: Arguments without the program name; ``None`` reads ``sys.argv``.
+    """Run the ``hookdiag`` command line on ``argv`` (without the program name; ``None``: ``sys.argv``).
 
     Returns:
-        0 on success, 2 on an error; with ``--diff``, 1 when the runs differ.
+        The exit status: 0 on success, 2 on an error (one ``hookdiag: error: ...`` line on stderr, never a
+        traceback); with ``--diff``, 1 when the runs differ.
 
     Example:
         >>> main(["report", "/no/such/run"])

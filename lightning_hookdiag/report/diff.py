@@ -48,11 +48,9 @@ class Difference:
 
 @dataclass(frozen=True)
 class Alignment:
-    """What two runs have in common.
+    """What two runs (``a`` and ``b``) have in common.
 
     Attributes:
-        a: Run A's statistics.
-        b: Run B's statistics.
         steps: Steps both runs logged, ascending.
         stats: Per-layer statistics both runs logged, in vocabulary order.
         names: For each common statistic, the layer (or parameter) names both runs logged.

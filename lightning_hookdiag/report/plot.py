@@ -11,7 +11,7 @@ from typing import Any
 from lightning_hookdiag.report.errors import MissingExtraError
 from lightning_hookdiag.report.health_log import HealthLog
 
-__all__ = ["draw_heatmap", "heatmap_figure", "load_matplotlib", "plot_heatmap", "save_figure"]
+__all__ = ["draw_heatmap", "heatmap_figure", "load_matplotlib", "save_figure"]
 
 _MATPLOTLIB_HINT = "plotting needs matplotlib: pip install 'lightning-hookdiag[plot]'"
 # Beyond these many rows/columns every label would overlap; label every k-th instead.
@@ -138,13 +138,3 @@ def save_figure(fig: Any, out: str | os.PathLike[str], dpi: int = 100) -> Path:
     out = Path(out)
     fig.savefig(out, dpi=dpi)
     return out
-
-
-def plot_heatmap(log: HealthLog, stat: str, out: str | os.PathLike[str], dpi: int = 100) -> Path:
-    r"""Save :func:`heatmap_figure` with :func:`save_figure`.
-
-    Raises:
-        MissingExtraError: If matplotlib is not installed.
-        OSError: If the file cannot be written.
-    """
-    return save_figure(heatmap_figure(log, stat), out, dpi)
