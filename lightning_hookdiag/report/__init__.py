@@ -4,7 +4,7 @@ No torch or Lightning import, so a run can be inspected wherever its logs are; m
 imported only when needed. The command's use and output: ``docs/report.md``.
 """
 
-from lightning_hookdiag.report.errors import MissingExtraError, ReportError, ReportWarning
+from lightning_hookdiag.errors import MissingExtraError, ReportError, ReportWarning
 from lightning_hookdiag.report.health_log import HealthLog, Scalar, build_health_log, depth_order, detect_prefix
 from lightning_hookdiag.report.reading import read_health_log
 from lightning_hookdiag.report.summary import format_summary

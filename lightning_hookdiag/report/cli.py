@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from lightning_hookdiag.report.errors import MissingExtraError, ReportError, ReportWarning
+from lightning_hookdiag.errors import MissingExtraError, ReportError, ReportWarning
 from lightning_hookdiag.report.health_log import HealthLog
 from lightning_hookdiag.report.reading import read_health_log
 from lightning_hookdiag.report.summary import format_summary

@@ -13,11 +13,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_hookdiag.errors import ReportError
 from lightning_hookdiag.names import owning_layer
-from lightning_hookdiag.report.errors import ReportError
 from lightning_hookdiag.report.health_log import HealthLog, depth_order, stat_order_key
 from lightning_hookdiag.report.plot import draw_heatmap, load_matplotlib
-from lightning_hookdiag.table import format_value
+from lightning_hookdiag.table import display_name, format_value
 
 __all__ = ["Alignment", "Difference", "align", "find_differences", "format_diff", "ratio_figure"]
 
@@ -137,7 +137,7 @@ def find_differences(alignment: Alignment, rtol: float = 1e-4, atol: float = 0.0
 def _line(d: Difference, with_stat: bool = True) -> str:
     stat = f", {d.stat}" if with_stat else ""
     return (
-        f"step {d.step}, {d.layer or '(root)'}{stat}: A={format_value(d.a)} B={format_value(d.b)}"
+        f"step {d.step}, {display_name(d.layer)}{stat}: A={format_value(d.a)} B={format_value(d.b)}"
         f" (B/A={format_value(d.ratio)})"
     )
 

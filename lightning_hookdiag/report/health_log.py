@@ -7,8 +7,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from lightning_hookdiag.errors import ReportError
 from lightning_hookdiag.names import owning_layer
-from lightning_hookdiag.report.errors import ReportError
 from lightning_hookdiag.vocabulary import LAYER_STATS, PER_PARAMETER_STATS, TOTAL_STATS
 
 __all__ = [

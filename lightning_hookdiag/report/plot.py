@@ -8,8 +8,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from lightning_hookdiag.report.errors import MissingExtraError
+from lightning_hookdiag.errors import MissingExtraError
 from lightning_hookdiag.report.health_log import HealthLog
+from lightning_hookdiag.table import display_name
 
 __all__ = ["draw_heatmap", "heatmap_figure", "load_matplotlib", "save_figure"]
 
@@ -92,7 +93,7 @@ def draw_heatmap(
         origin="upper",
     )
     rows_at = _tick_positions(len(names), _MAX_ROW_LABELS)
-    ax.set_yticks(rows_at, [names[i] or "(root)" for i in rows_at], fontsize=8)
+    ax.set_yticks(rows_at, [display_name(names[i]) for i in rows_at], fontsize=8)
     cols_at = _tick_positions(len(steps), _MAX_COL_LABELS)
     ax.set_xticks(cols_at, [str(steps[i]) for i in cols_at])
     ax.set_ylabel(f"{unit} (forward order, shallow at top)")

@@ -9,7 +9,7 @@ import os
 import warnings
 from pathlib import Path
 
-from lightning_hookdiag.report.errors import MissingExtraError, ReportError, ReportWarning
+from lightning_hookdiag.errors import MissingExtraError, ReportError, ReportWarning
 from lightning_hookdiag.report.health_log import HealthLog, Scalar, build_health_log
 
 __all__ = [

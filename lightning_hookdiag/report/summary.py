@@ -9,7 +9,7 @@ from lightning_hookdiag.table import display_name, format_value, table_lines
 
 __all__ = ["format_summary"]
 
-_COUNT_STATS = ("act_nonfinite", "act_grad_nonfinite")
+_NONFINITE_COUNTERS = ("act_nonfinite", "act_grad_nonfinite")
 _MAX_NAMED = 5
 
 
@@ -84,7 +84,7 @@ def format_summary(log: HealthLog, stat: str) -> str:
     header = ["depth", unit[:-1], "latest", "min", "max", ""]
     lines += table_lines(header, _layer_rows(log, stat, steps[-1]), [">", "<", ">", ">", ">", "<"])
     lines += [_total_line(log, s) for s in log.total_names]
-    lines += [_count_line(log, s) for s in _COUNT_STATS if s in log.stats]
+    lines += [_count_line(log, s) for s in _NONFINITE_COUNTERS if s in log.stats]
     present = ", ".join(f"{s} ({len(log.stats[s])})" for s in log.stat_names)
     lines.append(f"stats present: {present}" + "".join(f", {s}" for s in log.total_names))
     return "\n".join(lines)
