@@ -230,9 +230,8 @@ def resolve_layers(
                 f"layer_types: no selected module is an instance of {wanted}; the selection holds {', '.join(present)}"
             )
         candidates = typed
-    if exclude:
-        removed = _match(exclude, names, "exclude")
-        candidates = [n for n in candidates if n not in removed]
+    removed = _match(exclude, names, "exclude")
+    candidates = [n for n in candidates if n not in removed]
     if not candidates:
         raise ValueError(
             f"no module left to observe after exclude={list(exclude)!r}; relax `exclude` or widen `layers`"

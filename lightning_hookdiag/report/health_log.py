@@ -11,17 +11,9 @@ from lightning_hookdiag.errors import ReportError
 from lightning_hookdiag.names import owning_layer
 from lightning_hookdiag.vocabulary import LAYER_STATS, PER_PARAMETER_STATS, TOTAL_STATS
 
-__all__ = [
-    "DEFAULT_PREFIX",
-    "HealthLog",
-    "Scalar",
-    "build_health_log",
-    "depth_order",
-    "detect_prefix",
-    "stat_order_key",
-]
+__all__ = ["HealthLog", "Scalar", "build_health_log", "depth_order", "detect_prefix", "stat_order_key"]
 
-DEFAULT_PREFIX = "layer_health"
+_DEFAULT_PREFIX = "layer_health"
 
 _DEPTH = "depth"
 _KNOWN_ORDER = {s: i for i, s in enumerate(LAYER_STATS + PER_PARAMETER_STATS + TOTAL_STATS)}
@@ -52,7 +44,7 @@ def detect_prefix(keys: Iterable[str]) -> str:
     """The key prefix under which the health statistics were logged, among every key of the logs.
 
     Keys ``<prefix>/depth/<layer>`` decide first, because every sampled step logs them; failing those, keys whose
-    statistic segment is a known statistic name; failing both, :data:`DEFAULT_PREFIX`.
+    statistic segment is a known statistic name; failing both, the callback's default ``layer_health``.
 
     Raises:
         ReportError: If the logs hold several prefixes (two callbacks with different ``prefix=``), which only the
@@ -73,7 +65,7 @@ def detect_prefix(keys: Iterable[str]) -> str:
         raise ReportError(
             f"the logs hold several health prefixes ({', '.join(sorted(candidates))}); pick one with --prefix"
         )
-    return candidates.pop() if candidates else DEFAULT_PREFIX
+    return candidates.pop() if candidates else _DEFAULT_PREFIX
 
 
 def depth_order(names: Iterable[str], depth: dict[str, int], parameters: bool = False) -> list[str]:

@@ -12,24 +12,17 @@ from pathlib import Path
 from lightning_hookdiag.errors import MissingExtraError, ReportError, ReportWarning
 from lightning_hookdiag.report.health_log import HealthLog, Scalar, build_health_log
 
-__all__ = [
-    "CSV_NAME",
-    "EVENTS_GLOB",
-    "find_log_files",
-    "read_csv_scalars",
-    "read_health_log",
-    "read_tensorboard_scalars",
-]
+__all__ = ["find_log_files", "read_csv_scalars", "read_health_log", "read_tensorboard_scalars"]
 
-CSV_NAME = "metrics.csv"
-EVENTS_GLOB = "events.out.tfevents.*"
+_CSV_NAME = "metrics.csv"
+_EVENTS_GLOB = "events.out.tfevents.*"
 _TENSORBOARD_HINT = "reading TensorBoard event files needs tensorboard: pip install 'lightning-hookdiag[loggers]'"
 # How far below LOG_DIR to look for run folders when LOG_DIR itself holds no logs (save_dir/name/version_N).
 _SEARCH_DEPTH = 3
 
 
 def _is_log_file(path: Path) -> bool:
-    return path.name == CSV_NAME or path.match(EVENTS_GLOB)
+    return path.name == _CSV_NAME or path.match(_EVENTS_GLOB)
 
 
 def _runs_below(root: Path) -> list[Path]:
@@ -56,15 +49,15 @@ def find_log_files(path: str | os.PathLike[str]) -> list[Path]:
         raise ReportError(f"{path}: no such file or folder")
     if path.is_file():
         if not _is_log_file(path):
-            raise ReportError(f"{path}: not a {CSV_NAME} or {EVENTS_GLOB} file")
+            raise ReportError(f"{path}: not a {_CSV_NAME} or {_EVENTS_GLOB} file")
         return [path]
     if not path.is_dir():
         raise ReportError(f"{path}: not a folder")
-    found = [path / CSV_NAME] if (path / CSV_NAME).is_file() else []
-    found += sorted(p for p in path.glob(EVENTS_GLOB) if p.is_file())
+    found = [path / _CSV_NAME] if (path / _CSV_NAME).is_file() else []
+    found += sorted(p for p in path.glob(_EVENTS_GLOB) if p.is_file())
     if found:
         return found
-    message = f"{path}: no {CSV_NAME} or {EVENTS_GLOB} files (expected a logger's log_dir)"
+    message = f"{path}: no {_CSV_NAME} or {_EVENTS_GLOB} files (expected a logger's log_dir)"
     runs = _runs_below(path)
     if runs:
         shown = ", ".join(str(r) for r in runs[:5]) + (", ..." if len(runs) > 5 else "")
@@ -107,7 +100,7 @@ def read_csv_scalars(path: str | os.PathLike[str]) -> list[Scalar]:
         if reader.fieldnames is None:  # an empty file: the logger never saved a row
             return []
         if "step" not in reader.fieldnames:
-            raise ReportError(f"{path}: no 'step' column; not a Lightning CSVLogger {CSV_NAME}")
+            raise ReportError(f"{path}: no 'step' column; not a Lightning CSVLogger {_CSV_NAME}")
         for row in reader:
             step = _to_float(row.get("step") or "")
             if step is None or not math.isfinite(step):
@@ -188,7 +181,7 @@ def read_health_log(path: str | os.PathLike[str], prefix: str | None = None) -> 
     files = find_log_files(path)
     scalars: list[Scalar] = []
     for file in files:
-        scalars += read_csv_scalars(file) if file.name == CSV_NAME else read_tensorboard_scalars(file)
+        scalars += read_csv_scalars(file) if file.name == _CSV_NAME else read_tensorboard_scalars(file)
     log = build_health_log(scalars, prefix)
     if log.empty:
         shown = ", ".join(str(f) for f in files)
