@@ -270,10 +270,8 @@ _OVERFLOW_CHECKS = (
 def overflow_notes(layer_names: Sequence[str], host: dict[str, list[float]]) -> list[Note]:
     """Notes for statistics that are not finite although the tensor they describe held only finite values.
 
-    That is an overflow of what the statistic is held in: float64 sums of squares of values beyond about ``1e154``,
-    float32 maxima beyond ``3.4e38`` (only float64 tensors reach either), or float32 sums on a device without
-    float64 (MPS). The value is logged as it came out (``inf`` or ``NaN``), never as a wrong finite number, and this
-    note says why. Layers that observed nothing (NaN statistics of a layer that did not run) are not overflows.
+    That is an overflow of what the statistic is held in (``docs/statistics.md#the-numeric-contract``). Layers that
+    observed nothing (NaN statistics of a layer that did not run) are not overflows.
     """
     notes = []
     for count_key, nonfinite_key, stats, what in _OVERFLOW_CHECKS:
