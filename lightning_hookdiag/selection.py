@@ -62,17 +62,6 @@ def _is_leaf(module: nn.Module) -> bool:
     return not any(True for _ in module.children()) and not isinstance(module, _NOT_CALLABLE)
 
 
-def _owns_parameters(module: nn.Module) -> bool:
-    # A parametrized tensor (torch.nn.utils.parametrize) is the module's own, kept in its ``parametrizations``.
-    return parametrize.is_parametrized(module) or any(True for _ in module.parameters(recurse=False))
-
-
-def _own_children(module: nn.Module) -> list[nn.Module]:
-    # Without the ``parametrizations`` that compute its parametrized tensors.
-    skip = module.parametrizations if parametrize.is_parametrized(module) else None
-    return [c for c in module.children() if c is not skip]
-
-
 def is_measurement(module: nn.Module) -> bool:
     """Whether ``module`` measures the network rather than being part of it: a loss or a torchmetrics ``Metric``.
 
@@ -98,8 +87,11 @@ def is_default_layer(module: nn.Module) -> bool:
     """
     if isinstance(module, _NOT_CALLABLE) or is_measurement(module):
         return False
-    children = _own_children(module)
-    return not children or (_owns_parameters(module) and all(_is_leaf(c) for c in children))
+    # A parametrized tensor is the module's own, computed by its ``parametrizations``, which are no child of note.
+    parametrized = parametrize.is_parametrized(module)
+    children = [c for c in module.children() if not (parametrized and c is module.parametrizations)]
+    owns = parametrized or any(True for _ in module.parameters(recurse=False))
+    return not children or (owns and all(_is_leaf(c) for c in children))
 
 
 def list_layers(model: nn.Module) -> list[LayerInfo]:
