@@ -14,20 +14,21 @@ __version__ = "0.1.0"
 # Exports load on first use: the ``hookdiag report`` command reads logs without torch or Lightning, and importing
 # the package for it should not cost the seconds those take to import.
 _EXPORTS = {
-    "ALL_STATS": "lightning_hookdiag.stats",
+    "ALL_STATS": "lightning_hookdiag.vocabulary",
     "Finding": "lightning_hookdiag.rules",
     "LayerHealthCallback": "lightning_hookdiag.callback",
     "LayerHealthError": "lightning_hookdiag.errors",
     "LayerHealthWarning": "lightning_hookdiag.errors",
     "LayerInfo": "lightning_hookdiag.selection",
-    "OPT_IN_STATS": "lightning_hookdiag.stats",
+    "OPT_IN_STATS": "lightning_hookdiag.vocabulary",
     "PRECURSOR_STATS": "lightning_hookdiag.vocabulary",
     "RuleConfig": "lightning_hookdiag.rules",
-    "Trip": "lightning_hookdiag.sentinel",
+    "Trip": "lightning_hookdiag.step_state",
     "capture_activations": "lightning_hookdiag.capture",
     "list_layers": "lightning_hookdiag.selection",
 }
 
+# A literal list, so that linters and type checkers see the lazy exports.
 __all__ = [
     "ALL_STATS",
     "Finding",
@@ -50,9 +51,8 @@ if TYPE_CHECKING:
     from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
     from lightning_hookdiag.rules import Finding, RuleConfig
     from lightning_hookdiag.selection import LayerInfo, list_layers
-    from lightning_hookdiag.stats import ALL_STATS, OPT_IN_STATS
     from lightning_hookdiag.step_state import Trip
-    from lightning_hookdiag.vocabulary import PRECURSOR_STATS
+    from lightning_hookdiag.vocabulary import ALL_STATS, OPT_IN_STATS, PRECURSOR_STATS
 
 
 def __getattr__(name: str) -> Any:

@@ -1,11 +1,7 @@
-"""One sampled step's values, read back to the host, as logged metrics and as the rules' values; and its notes.
+"""One sampled step's host values as logged keys and as the rules' values, and the notes on what it could not measure.
 
-Pure Python on plain floats (no torch, no Lightning): :func:`step_values` turns the host copy of the pooled state
-(``{name: [float, ...]}``, one value per layer or parameter) into ``{key: value}`` for the loggers and
-``{stat: {name: value}}`` for the rules; :func:`histogram_series` cuts the histogram counts into one series per
-logged key; :func:`layer_notes`, :func:`missing_grad_notes`, :func:`histogram_note`
-and :func:`opt_in_note` turn what the step could not measure into the one-time notes the callback gives. Keys are
-``f"{prefix}/{stat}/{name}"`` (``docs/statistics.md``).
+Pure Python on plain floats (no torch): the host copy of the pooled state is ``{name: [float, ...]}``, one value per
+layer or parameter. Keys are ``f"{prefix}/{stat}/{name}"`` (``docs/statistics.md``).
 """
 
 from __future__ import annotations
@@ -44,15 +40,7 @@ class Note(NamedTuple):
 
 
 class KeyCache:
-    """The logged keys of each statistic, formatted once: the same keys on every sampled step.
-
-    1,000 f-strings cost about 0.2 ms a step.
-
-    Example:
-        >>> keys = KeyCache("layer_health")
-        >>> keys.keys("act_std", ["fc1", "fc2"]), keys.key("grad_norm_total")
-        (['layer_health/act_std/fc1', 'layer_health/act_std/fc2'], 'layer_health/grad_norm_total')
-    """
+    """The logged keys of each statistic, formatted once (1,000 f-strings cost about 0.2 ms a step)."""
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
@@ -92,28 +80,18 @@ def step_values(
     ``grad_count``), a parameter's where it was measured (``param_seen``).
 
     Args:
-        host: The host copy of the step: every name of ``wanted``, ``count``, ``grad_count``, ``param_seen`` and
-            ``grad_norm_total``; optionally ``stale_grad_sq`` and ``param_norm_min`` (read by the rules, not
-            logged) and the precursors.
-        wanted: The statistics to log, per layer or per parameter.
+        host: Every name of ``wanted``, ``count``, ``grad_count``, ``param_seen`` and ``grad_norm_total``;
+            optionally what only the rules read (``stale_grad_sq``, ``batch_rows``, ``param_norm_min``) and the
+            precursors.
+        wanted: The statistics to log, per layer (rows in ``layer_names`` order) or per parameter (``param_names``).
         keys: Formats the keys.
-        layer_names: The observed modules, in the order of the layer rows.
-        param_names: The tracked parameters, in the order of the parameter rows.
+        layer_names: The observed modules.
+        param_names: The tracked parameters.
         execution_order: Module names in the order their forward first ran: ``depth`` of each layer that ran.
         undefined_skipped: Statistics whose NaN means "undefined here" and is not logged (``act_dead_frac`` of a
             layer that is not ReLU-like; an opt-in statistic of an all-zero or constant output).
         precursors: Precursor statistic to the names its values belong to (``""``: no module); NaN: not seen.
         total: Log ``grad_norm_total`` (when a parameter was measured).
-
-    Example:
-        >>> host = {"act_std": [0.5, 0.0], "count": [4.0, 0.0], "grad_count": [0.0, 0.0],
-        ...         "param_seen": [1.0], "param_norm": [2.0], "grad_norm_total": [3.0]}
-        >>> metrics, values = step_values(host, ["act_std", "param_norm"], keys=KeyCache("h"),
-        ...                               layer_names=["a", "b"], param_names=["a.weight"], execution_order=["a"])
-        >>> metrics
-        {'h/act_std/a': 0.5, 'h/param_norm/a.weight': 2.0, 'h/grad_norm_total': 3.0, 'h/depth/a': 0.0}
-        >>> values
-        {'act_std': {'a': 0.5}, 'param_norm': {'a.weight': 2.0}}
     """
     count, grad_count, seen = host["count"], host["grad_count"], host["param_seen"]
     metrics: dict[str, float] = {}
@@ -155,11 +133,9 @@ def step_values(
 
 
 class Histograms(NamedTuple):
-    """One step's histograms as loggers take them: bin edges, and the counts of each logged key.
+    """One step's histograms as loggers take them: the ``left`` and ``right`` edges of every bin, and the counts.
 
     Attributes:
-        left: The left edge of every bin.
-        right: The right edge of every bin.
         series: ``(key, counts)`` per layer and kind (output, then output gradient), only where a value was counted.
     """
 
@@ -171,22 +147,9 @@ class Histograms(NamedTuple):
 def histogram_series(
     act: Sequence[float], grad: Sequence[float], inner: Sequence[float], *, keys: KeyCache, layer_names: Sequence[str]
 ) -> Histograms:
-    """The step's histograms: ``bins = len(inner) + 1`` counts per layer, in ``layer_names`` order, of each kind.
+    """The step's ``act_hist`` and ``act_grad_hist``: ``act`` and ``grad`` hold ``len(inner) + 1`` counts per layer.
 
     The outer bins are open-ended; they get a finite edge a decade out for loggers that need one.
-
-    Args:
-        act: The output counts, ``bins`` per layer.
-        grad: The output-gradient counts, ``bins`` per layer.
-        inner: The inner bin edges, increasing.
-        keys: Formats the keys (``act_hist`` and ``act_grad_hist``).
-        layer_names: The observed modules, in the order of the rows.
-
-    Example:
-        >>> h = histogram_series([1, 0, 2, 0, 0, 0], [0, 0, 0, 0, 3, 0], [-1.0, 1.0], keys=KeyCache("h"),
-        ...                      layer_names=["a", "b"])
-        >>> h.left, h.right, h.series
-        ([-10.0, -1.0, 1.0], [-1.0, 1.0, 10.0], [('h/act_hist/a', [1, 0, 2]), ('h/act_grad_hist/b', [0, 3, 0])])
     """
     bins = len(inner) + 1
     series = []
@@ -215,6 +178,17 @@ class StepFacts:
     empty: frozenset[int] = field(default_factory=frozenset)
 
 
+_FACT_NOTES = (
+    (
+        "unit_mismatch",
+        "the number of units of {!r} changed between calls or differs between processes (a module shared by inputs"
+        " of different widths); act_dead_frac is not tracked for it",
+    ),
+    ("no_float", "the output of {!r} holds no floating-point tensor; it is not observed"),
+    ("sparse", "the output of {!r} (or its gradient) is a sparse tensor; sparse tensors are not observed"),
+)
+
+
 def layer_notes(
     step: int,
     layer_names: Sequence[str],
@@ -237,38 +211,12 @@ def layer_notes(
         default_selection: ``layers=None``: a module inside a selected module that ran is observed through it, so
             that it did not run is an info note, not a warning.
         quiet_not_run: Modules whose not running is a note, not a warning (no parameters of their own).
-
-    Example:
-        >>> facts = StepFacts(no_float=frozenset({0}))
-        >>> [(n.key, n.info) for n in layer_notes(3, ["emb", "fc", "drop"], [0.0, 8.0, 0.0], facts,
-        ...                                        quiet_not_run={"drop"})]
-        [('no_float:emb', False), ('not_run:drop', True)]
     """
+    unobservable = {kind: [layer_names[i] for i in sorted(getattr(facts, kind))] for kind, _ in _FACT_NOTES}
     notes = [
-        Note(
-            f"unit_mismatch:{layer_names[i]}",
-            f"LayerHealthCallback: the number of units of {layer_names[i]!r} changed between calls or differs"
-            " between processes (a module shared by inputs of different widths); act_dead_frac is not tracked for"
-            " it",
-        )
-        for i in sorted(facts.unit_mismatch)
-    ]
-    notes += [
-        Note(
-            f"no_float:{layer_names[i]}",
-            f"LayerHealthCallback: the output of {layer_names[i]!r} holds no floating-point tensor; it is not observed",
-        )
-        for i in sorted(facts.no_float)
-    ]
-    no_float = {layer_names[i] for i in facts.no_float}
-    sparse = {layer_names[i] for i in facts.sparse}
-    notes += [
-        Note(
-            f"sparse:{name}",
-            f"LayerHealthCallback: the output of {name!r} (or its gradient) is a sparse tensor; sparse tensors are"
-            " not observed",
-        )
-        for name in sorted(sparse)
+        Note(f"{kind}:{name}", "LayerHealthCallback: " + text.format(name))
+        for kind, text in _FACT_NOTES
+        for name in unobservable[kind]
     ]
     empty = {layer_names[i] for i in facts.empty}
     ran = [name for name, c in zip(layer_names, count, strict=True) if c > 0]
@@ -281,7 +229,7 @@ def layer_notes(
                     " had no elements; no statistics for it",
                 )
             )
-        elif c == 0 and name not in no_float and name not in sparse and layers_observed:
+        elif c == 0 and name not in unobservable["no_float"] + unobservable["sparse"] and layers_observed:
             # Inside a selected module that ran (MultiheadAttention's out_proj): observed through it.
             covered = default_selection and any(name.startswith(r + ".") for r in ran)
             notes.append(
@@ -301,10 +249,6 @@ def missing_grad_notes(missing: Sequence[str]) -> list[Note]:
 
     A note, not a warning: rule ``no_gradient`` reports the outputs that cut the network off from the gradient;
     the others (a pooler under a token-level head) do not reach the loss by design.
-
-    Example:
-        >>> missing_grad_notes(["pooler"])[0].key
-        'no_grad:pooler'
     """
     return [
         Note(
@@ -326,20 +270,8 @@ _OVERFLOW_CHECKS = (
 def overflow_notes(layer_names: Sequence[str], host: dict[str, list[float]]) -> list[Note]:
     """Notes for statistics that are not finite although the tensor they describe held only finite values.
 
-    That is an overflow of what the statistic is held in: float64 sums of squares of values beyond about ``1e154``,
-    float32 maxima beyond ``3.4e38`` (only float64 tensors reach either), or float32 sums on a device without
-    float64 (MPS). The value is logged as it came out (``inf`` or ``NaN``), never as a wrong finite number, and this
-    note says why. Layers that observed nothing (NaN statistics of a layer that did not run) are not overflows.
-
-    Args:
-        layer_names: The observed modules, in the order of the host values.
-        host: The step's host values by statistic (only those present are checked).
-
-    Example:
-        >>> host = {"count": [4.0, 4.0, 0.0], "act_nonfinite": [0.0, 3.0, 0.0],
-        ...         "act_std": [float("inf"), float("nan"), float("nan")]}
-        >>> [n.key for n in overflow_notes(["fc1", "fc2", "fc3"], host)]
-        ['overflow:act_std:fc1']
+    That is an overflow of what the statistic is held in (``docs/statistics.md#the-numeric-contract``). Layers that
+    observed nothing (NaN statistics of a layer that did not run) are not overflows.
     """
     notes = []
     for count_key, nonfinite_key, stats, what in _OVERFLOW_CHECKS:
@@ -365,12 +297,7 @@ def overflow_notes(layer_names: Sequence[str], host: dict[str, list[float]]) -> 
 
 
 def histogram_note(skipped: Sequence[str]) -> Note | None:
-    """The note for the loggers (by class name) that cannot store histograms, or ``None``.
-
-    Example:
-        >>> histogram_note(["CSVLogger"]).message
-        'LayerHealthCallback: CSVLogger cannot store histograms; they are logged only to TensorBoard and W&B loggers'
-    """
+    """The note for the loggers (by class name) that cannot store histograms, or ``None``."""
     if not skipped:
         return None
     return Note(
@@ -382,12 +309,7 @@ def histogram_note(skipped: Sequence[str]) -> Note | None:
 
 
 def late_note(late: int | None, step: int, every_n_steps: int) -> Note | None:
-    """The note for a sampled step ``late`` observed on the next training batch (at ``step``), or ``None``.
-
-    Example:
-        >>> late_note(3, 4, 3).message[:75]
-        'LayerHealthCallback: optimizer step 3 (every_n_steps=3) fell inside a train'
-    """
+    """The note for a sampled step ``late`` observed on the next training batch (at ``step``), or ``None``."""
     if late is None:
         return None
     return Note(
@@ -401,12 +323,7 @@ def late_note(late: int | None, step: int, every_n_steps: int) -> Note | None:
 
 
 def no_logger_note(n_loggers: int) -> Note | None:
-    """The note for a Trainer without loggers (``logger=False``, ``barebones=True``), or ``None``.
-
-    Example:
-        >>> no_logger_note(1) is None, no_logger_note(0).info
-        (True, True)
-    """
+    """The note for a Trainer without loggers (``logger=False``, ``barebones=True``), or ``None``."""
     if n_loggers:
         return None
     return Note(
@@ -419,10 +336,5 @@ def no_logger_note(n_loggers: int) -> Note | None:
 
 
 def opt_in_note(note: str) -> Note | None:
-    """The note of :attr:`~lightning_hookdiag.opt_in.OptInPlan.note` (a requested statistic not computed), or ``None``.
-
-    Example:
-        >>> opt_in_note(""), opt_in_note("why").message
-        (None, 'LayerHealthCallback: why')
-    """
+    """The note :attr:`~lightning_hookdiag.opt_in.OptInPlan.note` gives, or ``None`` when it gives none."""
     return Note("opt_in_note", f"LayerHealthCallback: {note}", info=True) if note else None

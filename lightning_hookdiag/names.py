@@ -1,14 +1,8 @@
-"""The one mapping from a module or parameter path to the name the callback logs, and from a parameter to its layer.
+"""The logged names: module and parameter paths without wrapper segments, and the pseudo-layers of findings.
 
-Wrappers insert segments into module paths: ``torch.compile`` (``_orig_mod``), activation checkpointing
-(``_checkpoint_wrapped_module``), FSDP1 (``_fsdp_wrapped_module``), Lightning's strategy wrappers
-(``_forward_module``) and DDP / DataParallel (``module``). Logged names leave them out, so the keys of a run do not
-change when the model is compiled, wrapped or sharded (FSDP2's ``fully_shard`` renames nothing). Selection,
-parameter tracking, the health rules and the report all go through :func:`logged_name`; the rules and the report
-find a parameter's layer with :func:`owning_layer`, which uses it too.
-
-Pure string logic plus attribute lookups: no torch import, so the report can use it on any machine. The names as a
-user sees them: ``docs/statistics.md#names``.
+Wrapper segments (``torch.compile``, activation checkpointing, FSDP1, Lightning's strategy wrappers, DDP) are left
+out, so the keys of a run do not change when the model is compiled, wrapped or sharded. No torch import: the report
+uses it on any machine. The names as a user sees them: ``docs/statistics.md#names``.
 """
 
 from __future__ import annotations
@@ -21,17 +15,14 @@ __all__ = ["BATCH", "LOSS", "ROOT", "MODULE_ATTR_WRAPPERS", "WRAPPER_SEGMENTS", 
 LOSS = "loss"
 """The ``layer`` of a finding about the loss itself rather than about one layer."""
 
-
 BATCH = "<batch>"
 """The ``layer`` of a finding about the training batch itself, before any layer: a batch that arrives holding NaN/Inf
 (``nonfinite``), or one sample repeated (``repeated_batch``)."""
-
 
 ROOT = "<root>"
 """The ``layer`` of a finding about the LightningModule's own code: a NaN made in its ``forward`` (or, outside every
 module's forward, in ``training_step``) between two layers. Module names are relative to the LightningModule, whose
 own name would be empty; the angle brackets cannot occur in a module path."""
-
 
 WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_forward_module"})
 """Attribute names under which wrappers keep the module they wrap: private names no user model would choose, so
@@ -47,21 +38,10 @@ def _wraps_as_module(parent: Any) -> bool:
 
 
 def logged_name(path: str, root: Any = None) -> str:
-    """The logged name of the module or parameter at dotted ``path``: the path without wrapper segments.
+    """The logged name of the module or parameter at dotted ``path`` (as ``named_modules()`` gives it) of ``root``.
 
-    Args:
-        path: A dotted path as ``named_modules()`` / ``named_parameters()`` of ``root`` give it.
-        root: The module ``path`` is relative to. With it, a ``module`` segment is dropped where its parent is a
-            DDP-style wrapper (see :data:`MODULE_ATTR_WRAPPERS`); without it, ``module`` segments are kept.
-
-    Example:
-        >>> logged_name("model._orig_mod.encoder._checkpoint_wrapped_module.0.weight")
-        'model.encoder.0.weight'
-        >>> import torch
-        >>> from torch import nn
-        >>> ddp_like = nn.DataParallel(nn.Sequential(nn.Linear(2, 2)))
-        >>> logged_name("module.0.weight", ddp_like), logged_name("module.0.weight")
-        ('0.weight', 'module.0.weight')
+    With ``root``, a ``module`` segment is dropped where its parent is a DDP-style wrapper (see
+    :data:`MODULE_ATTR_WRAPPERS`); without it, ``module`` segments are kept.
     """
     kept = []
     parent = root
@@ -74,18 +54,10 @@ def logged_name(path: str, root: Any = None) -> str:
 
 
 def owning_layer(parameter: str, layers: Collection[str] = ()) -> str:
-    """The layer a parameter's statistics belong to.
+    """The layer a parameter's statistics belong to, given its logged name or raw path.
 
-    The longest name in ``layers`` that is a dotted prefix of the parameter's logged name (a selected container
-    owns ``<container>.<child>.weight``); without one, the name minus its last segment.
-
-    Args:
-        parameter: A logged parameter name (or a raw path: it goes through :func:`logged_name` first).
-        layers: The known layer names, e.g. the selection or the layers of a forward order.
-
-    Example:
-        >>> owning_layer("block.0.weight", ["block", "head"]), owning_layer("head._orig_mod.bias")
-        ('block', 'head')
+    The longest name of the known ``layers`` that is a dotted prefix of the parameter's logged name (a selected
+    container owns ``<container>.<child>.weight``); without one, the name minus its last segment.
     """
     name = logged_name(parameter)
     parts = name.split(".")

@@ -1,7 +1,5 @@
-"""Turning a user's layer configuration into an ordered ``{name: module}`` mapping.
+"""A user's layer configuration as an ordered ``{name: module}`` mapping, under the logged names (``names.py``).
 
-Names are the module's dotted path with wrapper segments removed (:func:`~lightning_hookdiag.names.logged_name`), so
-the keys a run logs do not change when the model is compiled, wrapped for DDP or wrapped for activation checkpointing.
 How a user chooses layers: ``README.md#choosing-layers``.
 """
 
@@ -47,16 +45,10 @@ class LayerInfo(NamedTuple):
 
 
 def named_modules(root: nn.Module) -> dict[str, nn.Module]:
-    """Every submodule of ``root`` under its normalised dotted name, in ``named_modules()`` order.
+    """Every submodule of ``root`` (not the root itself) under its logged name, in ``named_modules()`` order.
 
     A wrapper and the module it wraps share a name; the wrapped module wins, because it is the one whose
-    ``forward`` does the work. The root itself is not included.
-
-    Example:
-        >>> import torch
-        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
-        >>> list(named_modules(nn.Sequential(torch.compile(net))))
-        ['0', '0.0', '0.1']
+    ``forward`` does the work.
     """
     found: dict[str, nn.Module] = {}
     for path, module in root.named_modules():  # each module once, parents before children
@@ -70,32 +62,15 @@ def _is_leaf(module: nn.Module) -> bool:
     return not any(True for _ in module.children()) and not isinstance(module, _NOT_CALLABLE)
 
 
-def _owns_parameters(module: nn.Module) -> bool:
-    # A parametrized tensor (torch.nn.utils.parametrize) is the module's own, kept in its ``parametrizations``.
-    return parametrize.is_parametrized(module) or any(True for _ in module.parameters(recurse=False))
-
-
-def _own_children(module: nn.Module) -> list[nn.Module]:
-    """The children of ``module``, without the ``parametrizations`` that compute its parametrized tensors."""
-    skip = module.parametrizations if parametrize.is_parametrized(module) else None
-    return [c for c in module.children() if c is not skip]
-
-
 def is_measurement(module: nn.Module) -> bool:
     """Whether ``module`` measures the network rather than being part of it: a loss or a torchmetrics ``Metric``.
 
-    Loss modules (``nn.modules.loss._Loss``, e.g. ``nn.CrossEntropyLoss``) and metrics kept on a LightningModule
-    (``self.train_acc = Accuracy(...)``) are leaf modules called in ``training_step``, but their outputs are the
-    loss or a score computed without gradient: observing them logs statistics of a number and warns about a
-    gradient that is absent by design. torchmetrics is not imported here: if it is not already imported, no module
-    can be one of its metrics.
-
-    Example:
-        >>> is_measurement(nn.CrossEntropyLoss()), is_measurement(nn.Linear(2, 2))
-        (True, False)
+    Both are leaf modules called in ``training_step`` whose outputs are a number computed without gradient:
+    observing them logs statistics of a number and warns about a gradient that is absent by design.
     """
     if isinstance(module, nn.modules.loss._Loss):
         return True
+    # If torchmetrics is not imported yet, no module can be one of its metrics; importing it would cost seconds.
     torchmetrics = sys.modules.get("torchmetrics")
     metric = getattr(torchmetrics, "Metric", None)
     return isinstance(metric, type) and isinstance(module, metric)
@@ -104,25 +79,19 @@ def is_measurement(module: nn.Module) -> bool:
 def is_default_layer(module: nn.Module) -> bool:
     """Whether ``layers=None`` selects ``module``: a leaf, or a module that computes with parameters it owns.
 
-    The second kind is a module that owns parameters directly and whose children are all leaves, such as
-    ``nn.MultiheadAttention``: it uses ``in_proj_weight`` and its ``out_proj`` child's weight functionally, so the
-    child never runs and only the module itself can be observed. A model that owns parameters next to whole
-    sub-networks (a ViT's ``cls_token``) is not selected: its output is the network's output, already observed
-    at the head. Losses and torchmetrics metrics (:func:`is_measurement`) are never default layers, nor is
-    anything inside one (:func:`resolve_layers` skips their submodules); ``layers=`` still selects them by name. A
-    module with tensors parametrized by ``torch.nn.utils.parametrize`` is judged without its ``parametrizations``:
-    they compute its weight, not an output of the network, and are not default layers either.
-
-    Example:
-        >>> is_default_layer(nn.Linear(2, 2)), is_default_layer(nn.MultiheadAttention(4, 2))
-        (True, True)
-        >>> is_default_layer(nn.Sequential(nn.Linear(2, 2))), is_default_layer(nn.MSELoss())
-        (False, False)
+    The second kind owns parameters directly and has only leaf children, such as ``nn.MultiheadAttention``: it uses
+    its ``out_proj`` child's weight functionally, so only the module itself can be observed. A model that owns
+    parameters next to whole sub-networks (a ViT's ``cls_token``) is not selected: its output is the network's,
+    already observed at the head. Never a measurement (:func:`is_measurement`); a module's ``parametrizations``
+    (``torch.nn.utils.parametrize``) compute its weight, so it is judged without them.
     """
     if isinstance(module, _NOT_CALLABLE) or is_measurement(module):
         return False
-    children = _own_children(module)
-    return not children or (_owns_parameters(module) and all(_is_leaf(c) for c in children))
+    # A parametrized tensor is the module's own, computed by its ``parametrizations``, which are no child of note.
+    parametrized = parametrize.is_parametrized(module)
+    children = [c for c in module.children() if not (parametrized and c is module.parametrizations)]
+    owns = parametrized or any(True for _ in module.parameters(recurse=False))
+    return not children or (owns and all(_is_leaf(c) for c in children))
 
 
 def list_layers(model: nn.Module) -> list[LayerInfo]:
@@ -133,9 +102,7 @@ def list_layers(model: nn.Module) -> list[LayerInfo]:
 
     Returns:
         One :class:`LayerInfo` per submodule, in registration order. ``leaf`` marks modules without children;
-        ``layers=None`` selects those and modules that compute with parameters they own directly (see
-        :func:`is_default_layer`), except losses and torchmetrics metrics and their submodules
-        (:func:`is_measurement`), which are listed and can be selected by name.
+        ``layers=None`` selects the modules of :func:`is_default_layer` (losses and metrics only by name).
 
     Example:
         >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
@@ -150,16 +117,9 @@ def list_layers(model: nn.Module) -> list[LayerInfo]:
 def import_types(types: Iterable[type[nn.Module] | str] | None, argument: str) -> tuple[type[nn.Module], ...]:
     """Resolve classes given as objects or import strings such as ``"torch.nn.Linear"``.
 
-    Args:
-        types: Classes or dotted import paths.
-        argument: The configuration argument the types came from, named in errors.
-
     Raises:
-        ValueError: If a string cannot be imported or a value is not an ``nn.Module`` subclass.
-
-    Example:
-        >>> import_types(["torch.nn.Linear"], "layer_types")
-        (<class 'torch.nn.modules.linear.Linear'>,)
+        ValueError: If a string cannot be imported or a value is not an ``nn.Module`` subclass; the message names
+            the configuration ``argument``.
     """
     if types is None:
         return ()
@@ -189,17 +149,8 @@ def import_types(types: Iterable[type[nn.Module] | str] | None, argument: str) -
     return tuple(resolved)
 
 
-def _is_pattern(text: str) -> bool:
-    return any(ch in text for ch in "*?[")
-
-
 def unmatched_error(pattern: str, argument: str, names: Sequence[str]) -> ValueError:
-    """The error for a module name or glob that matches none of ``names``, with the closest names.
-
-    Example:
-        >>> print(unmatched_error("enc.1", "layers", ["enc.0", "head"]))
-        layers: 'enc.1' matches no module. Closest names: enc.0. Call lightning_hookdiag.list_layers(model) to see every selectable name.
-    """  # noqa: E501
+    """The error for a module name or glob that matches none of ``names``, with the closest names."""
     # A parameter or a too-deep path ("encoder.0.weight") is best answered with the deepest module above it.
     parents = [n for n in names if pattern.startswith(n + ".")][-1:]
     close = list(dict.fromkeys(difflib.get_close_matches(pattern, names, n=5, cutoff=0.6) + parents))[:5]
@@ -213,7 +164,8 @@ def unmatched_error(pattern: str, argument: str, names: Sequence[str]) -> ValueE
 def _match(patterns: Iterable[str], names: Sequence[str], argument: str) -> set[str]:
     matched: set[str] = set()
     for pattern in patterns:
-        hits = fnmatch.filter(names, pattern) if _is_pattern(pattern) else [n for n in names if n == pattern]
+        is_glob = any(ch in pattern for ch in "*?[")
+        hits = fnmatch.filter(names, pattern) if is_glob else [n for n in names if n == pattern]
         if not hits:
             raise unmatched_error(pattern, argument, names)
         matched.update(hits)
@@ -221,14 +173,10 @@ def _match(patterns: Iterable[str], names: Sequence[str], argument: str) -> set[
 
 
 def excluded_names(model: nn.Module, exclude: Sequence[str]) -> set[str]:
-    """Normalised names of the modules of ``model`` that the ``exclude`` globs remove.
+    """The logged names of the modules of ``model`` that the ``exclude`` globs remove.
 
     Raises:
         ValueError: If a pattern matches no module (as :func:`resolve_layers` does).
-
-    Example:
-        >>> sorted(excluded_names(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), ["1"]))
-        ['1']
     """
     return _match(exclude, list(named_modules(model)), "exclude") if exclude else set()
 
@@ -243,27 +191,16 @@ def resolve_layers(
 
     Args:
         model: The root module; names are relative to it.
-        layers: Dotted names or fnmatch globs (``*`` also crosses dots). ``None`` selects every leaf module and
-            every module that computes with parameters it owns (:func:`is_default_layer`, e.g.
-            ``nn.MultiheadAttention``), but no loss or torchmetrics metric nor anything inside one
-            (:func:`is_measurement`), or, when ``layer_types`` is given, every module of those types.
+        layers: Dotted names or fnmatch globs (``*`` also crosses dots). ``None`` selects every module of
+            :func:`is_default_layer` but nothing inside a measurement, or, with ``layer_types``, every module.
         layer_types: Keep only instances of these classes.
         exclude: Globs removed from the selection.
 
     Returns:
-        The selected modules in registration order, keyed by normalised name.
+        The selected modules in registration order, keyed by logged name.
 
     Raises:
         ValueError: If a name, glob or exclude pattern matches nothing, or if the selection ends up empty.
-
-    Example:
-        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-        >>> list(resolve_layers(net, layer_types=(nn.Linear,)))
-        ['0', '2']
-        >>> resolve_layers(net, layers=["2.weight"])
-        Traceback (most recent call last):
-        ...
-        ValueError: layers: '2.weight' matches no module. Closest names: 2. Call lightning_hookdiag.list_layers(...
     """
     modules = named_modules(model)
     names = list(modules)
@@ -285,9 +222,8 @@ def resolve_layers(
                 f"layer_types: no selected module is an instance of {wanted}; the selection holds {', '.join(present)}"
             )
         candidates = typed
-    if exclude:
-        removed = _match(exclude, names, "exclude")
-        candidates = [n for n in candidates if n not in removed]
+    removed = _match(exclude, names, "exclude")
+    candidates = [n for n in candidates if n not in removed]
     if not candidates:
         raise ValueError(
             f"no module left to observe after exclude={list(exclude)!r}; relax `exclude` or widen `layers`"

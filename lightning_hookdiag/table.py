@@ -1,8 +1,4 @@
-"""Plain-text formatting of statistics: values, byte counts, and one step's table per layer.
-
-Shared by the callback's end-of-fit summary and the ``hookdiag report`` summary; pure Python (no torch, no
-Lightning), so the report can use it without importing either.
-"""
+"""Plain-text formatting of statistics, shared by the callback's end-of-fit summary and the report: no torch."""
 
 from __future__ import annotations
 
@@ -12,22 +8,12 @@ __all__ = ["display_name", "format_bytes", "format_step_table", "format_value", 
 
 
 def format_value(value: float) -> str:
-    """A statistic in four significant digits; non-finite values as ``nan``/``inf``/``-inf``.
-
-    Example:
-        >>> format_value(0.000123456), format_value(float("nan")), format_value(1234567.0)
-        ('0.0001235', 'nan', '1.235e+06')
-    """
+    """A statistic in four significant digits; non-finite values as ``nan``/``inf``/``-inf``."""
     return f"{value:.4g}"
 
 
 def format_bytes(value: float) -> str:
-    """A byte count in binary units, as memory tools print it.
-
-    Example:
-        >>> format_bytes(512.0), format_bytes(33792.0), format_bytes(3 * 2**30)
-        ('512 B', '33.0 KiB', '3.0 GiB')
-    """
+    """A byte count in binary units, as memory tools print it."""
     if not math.isfinite(value):
         return format_value(value)
     if abs(value) < 1024:
@@ -40,28 +26,13 @@ def format_bytes(value: float) -> str:
 
 
 def display_name(name: str) -> str:
-    """A layer's name as a table prints it: the root module logs under an empty name, an invisible row otherwise.
-
-    Example:
-        >>> display_name("model.0"), display_name("")
-        ('model.0', '(root)')
-    """
+    """A layer's name as a table prints it: the root module logs under an empty name, an invisible row otherwise."""
     return name or "(root)"
 
 
-def table_lines(header: list[str], rows: list[list[str]], align: list[str] | None = None) -> list[str]:
-    """Rows as indented, column-aligned lines (``align``: a format alignment per column).
-
-    Example:
-        >>> for line in table_lines(["depth", "layer"], [["0", "fc1"], ["10", "out"]], [">", "<"]):
-        ...     print(line)
-          depth  layer
-              0  fc1
-             10  out
-    """
+def table_lines(header: list[str], rows: list[list[str]], align: list[str]) -> list[str]:
+    """Rows as indented, column-aligned lines (``align``: a format alignment per column)."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    # Depth and numbers read best right-aligned, names and notes left-aligned.
-    align = align or [">", "<", ">", ">", ">", "<"]
     return [
         "  " + "  ".join(f"{c:{a}{w}}" for c, a, w in zip(r, align, widths, strict=True)).rstrip()
         for r in [header, *rows]
@@ -75,13 +46,10 @@ _FORMATS = {"act_saved_bytes": format_bytes}
 def format_step_table(
     values: dict[str, dict[str, float]], order: list[str], marks: dict[str, list[str]], title: str
 ) -> str:
-    """A compact table of one step's values per layer, in depth order, with the rules that fired marked.
+    """A compact table of one step's ``{stat: {layer: value}}`` under ``title``, with the rules that fired marked.
 
-    Args:
-        values: Statistic name to ``{layer: value}`` (as logged on one step).
-        order: Layers in depth order; layers of ``values`` missing from it follow in name order.
-        marks: Layer to the names of the rules that fired on it.
-        title: First line.
+    Layers follow ``order`` (depth order), those missing from it in name order; ``marks`` maps a layer to the names
+    of the rules that fired on it.
 
     Example:
         >>> values = {"act_std": {"fc1": 1.0, "relu": 0.5}, "act_dead_frac": {"relu": 0.95}}

@@ -1,13 +1,6 @@
-"""The names of the statistics: one definition for the callback (which needs torch) and the report (which must not).
+"""The names of the statistics, for the callback and for the report (which must not import torch).
 
-What each statistic is: ``docs/statistics.md#every-key`` (``tests/test_docs.py`` checks that every name here has a
-row there).
-
-Example:
-    >>> LAYER_STATS[:2], TOTAL_STATS
-    (('act_mean', 'act_std'), ('grad_norm_total',))
-    >>> counted_by_gradient("act_grad_overflow_frac_float16"), counted_by_gradient("act_mean")
-    (True, False)
+What each statistic is: ``docs/statistics.md#every-key`` (``tests/test_docs.py`` checks that every name has a row).
 """
 
 from __future__ import annotations
@@ -62,14 +55,8 @@ module, and ``log Z`` / the largest ``|logit|`` of the output layer. In the defa
 ALL_STATS: tuple[str, ...] = LAYER_STATS + PARAMETER_STATS + PRECURSOR_STATS
 """Every statistic computed when ``stats=None`` (the default set)."""
 
-MOMENT_STATS: tuple[str, ...] = (
-    "act_mean",
-    "act_std",
-    "act_absmax",
-    "act_zero_frac",
-    "act_nonfinite",
-    "act_absmax_over_std",
-)
+# act_dead_frac is the one output statistic that comes from the unit maxima, not from the moments.
+MOMENT_STATS: tuple[str, ...] = (*(s for s in ACTIVATION_STATS if s != "act_dead_frac"), "act_absmax_over_std")
 """Statistics finalised from an output's moments: outputs are reduced to moments only when one of them is asked for
 (otherwise only their element count is kept)."""
 

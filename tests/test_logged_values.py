@@ -12,13 +12,18 @@ from lightning_hookdiag.logged_values import (
     StepFacts,
     histogram_note,
     histogram_series,
+    late_note,
     layer_notes,
     missing_grad_notes,
+    no_logger_note,
     opt_in_note,
+    overflow_notes,
     step_values,
 )
+from lightning_hookdiag.vocabulary import counted_by_gradient
 
 NAN = float("nan")
+INF = float("inf")
 LAYERS = ["enc", "enc.inner", "head"]
 PARAMS = ["enc.weight", "head.weight"]
 
@@ -139,25 +144,19 @@ def test_every_kind_of_layer_note_in_order():
         ("not_run:skipped", False),
         ("not_run:quiet", True),
     ]
-    assert notes[0].message == (
-        "LayerHealthCallback: the number of units of 'mlp' changed between calls or differs between processes (a"
-        " module shared by inputs of different widths); act_dead_frac is not tracked for it"
-    )
-    assert notes[1].message == (
-        "LayerHealthCallback: the output of 'emb' holds no floating-point tensor; it is not observed"
-    )
-    assert notes[2].message == (
-        "LayerHealthCallback: the output of 'sparse' (or its gradient) is a sparse tensor; sparse tensors are not"
-        " observed"
-    )
-    assert notes[4].message == (
-        "LayerHealthCallback: selected module 'empty' ran during sampled step 5 but its output had no elements; no"
-        " statistics for it"
-    )
-    assert notes[5].message == (
-        "LayerHealthCallback: selected module 'skipped' did not run during sampled step 5 (its forward was called"
-        " directly instead of the module, or a branch was not taken); no statistics for it"
-    )
+    facts_by_note = [
+        ("'mlp'", "changed between calls or differs between processes", "act_dead_frac is not tracked"),
+        ("'emb'", "no floating-point tensor", "not observed"),
+        ("'sparse'", "is a sparse tensor", "not observed"),
+        ("'mlp.drop'", "did not run during sampled step 5"),
+        ("'empty'", "ran during sampled step 5", "no elements"),
+        ("'skipped'", "did not run during sampled step 5", "a branch was not taken"),
+        ("'quiet'", "did not run during sampled step 5"),
+    ]
+    for note, facts in zip(notes, facts_by_note, strict=True):
+        assert note.message.startswith("LayerHealthCallback: ")
+        for fact in facts:
+            assert fact in note.message, (note.key, fact)
 
 
 def test_a_named_selection_warns_for_a_module_inside_one_that_ran():
@@ -174,25 +173,20 @@ def test_a_parameter_window_says_nothing_about_layers_that_did_not_run():
 
 
 def test_missing_gradient_histogram_and_opt_in_notes():
-    assert missing_grad_notes(["pooler"]) == [
-        Note(
-            "no_grad:pooler",
-            "LayerHealthCallback: the output of 'pooler' required grad but received no gradient on a sampled step (a"
-            " detached branch, or an output that does not reach the loss); no act_grad statistics for it",
-            info=True,
-        )
-    ]
+    (note,) = missing_grad_notes(["pooler"])
+    assert (note.key, note.info) == ("no_grad:pooler", True)
+    for fact in ("'pooler'", "required grad but received no gradient", "no act_grad statistics"):
+        assert fact in note.message
     assert histogram_note([]) is None
-    assert histogram_note(["CSVLogger", "RecordingLogger"]) == Note(
-        "histograms:CSVLogger,RecordingLogger",
-        "LayerHealthCallback: CSVLogger, RecordingLogger cannot store histograms; they are logged only to"
-        " TensorBoard and W&B loggers",
-        info=True,
-    )
+    note = histogram_note(["CSVLogger", "RecordingLogger"])
+    assert (note.key, note.info) == ("histograms:CSVLogger,RecordingLogger", True)
+    for fact in ("CSVLogger, RecordingLogger", "cannot store histograms", "TensorBoard and W&B"):
+        assert fact in note.message
     assert opt_in_note("") is None
-    assert opt_in_note("act_overflow_frac: no target") == Note(
-        "opt_in_note", "LayerHealthCallback: act_overflow_frac: no target", info=True
-    )
+    note = opt_in_note("act_overflow_frac: no target")
+    assert (note.key, note.info) == ("opt_in_note", True)
+    assert note.message.startswith("LayerHealthCallback: ")
+    assert note.message.endswith("act_overflow_frac: no target")
 
 
 def test_histograms_are_cut_into_one_series_per_layer_and_kind_with_open_outer_bins():
@@ -221,3 +215,38 @@ def test_the_counts_are_required(missing):
 def test_a_sibling_whose_name_extends_one_that_ran_is_not_covered():
     notes = layer_notes(2, ["fc1", "fc10", "fc1.drop"], [4.0, 0.0, 0.0], StepFacts())
     assert [(n.key, n.info) for n in notes] == [("not_run:fc10", False), ("not_run:fc1.drop", True)]
+
+
+def test_an_overflow_is_a_non_finite_statistic_of_finite_values_of_a_layer_that_ran():
+    host = {
+        "count": [4.0, 4.0, 0.0, 4.0],
+        "act_nonfinite": [0.0, 3.0, 0.0, 0.0],  # fc2 held NaN/Inf: its NaN statistic is no overflow
+        "act_std": [INF, NAN, NAN, 1.0],  # fc3 did not run: NaN means nothing was observed
+        "grad_count": [2.0, 0.0, 0.0, 2.0],
+        "act_grad_nonfinite": [0.0, 0.0, 0.0, 0.0],
+        "act_grad_norm": [1.0, NAN, NAN, INF],
+    }
+    notes = overflow_notes(["fc1", "fc2", "fc3", "fc4"], host)
+    assert [n.key for n in notes] == ["overflow:act_std:fc1", "overflow:act_grad_norm:fc4"]
+    for fact in ("'fc1'", "inf", "output held no NaN/Inf"):
+        assert fact in notes[0].message
+    assert "output gradient held no NaN/Inf" in notes[1].message
+    assert overflow_notes(["fc1"], {"act_std": [INF]}) == []  # without the counts nothing is judged
+
+
+def test_the_late_and_no_logger_notes_name_their_facts():
+    assert late_note(None, 4, 3) is None
+    note = late_note(3, 4, 3)
+    assert (note.key, note.info) == ("late", True)
+    assert "optimizer step 3 (every_n_steps=3)" in note.message
+    assert "first optimizer step, 4" in note.message
+    assert no_logger_note(1) is None
+    note = no_logger_note(0)
+    assert note.info
+    assert "logger=False" in note.message
+    assert "callback.last_metrics" in note.message
+
+
+def test_a_statistic_of_the_output_gradient_is_counted_where_a_gradient_arrived():
+    stats = ["act_mean", "act_grad_norm", "act_grad_nonfinite", "act_grad_underflow_frac_bfloat16", "act_kurtosis"]
+    assert [s for s in stats if counted_by_gradient(s)] == stats[1:4]

@@ -20,6 +20,8 @@ def test_module_segments_are_dropped_only_below_ddp_style_wrappers():
     wrapped = nn.DataParallel(UserModule())
     assert logged_name("module.module.weight", wrapped) == "module.weight"
     assert logged_name("module.weight", UserModule()) == "module.weight"
+    # Without the root no parent is known: ``module`` is kept, the private wrapper segments still go.
+    assert logged_name("module._orig_mod.enc._checkpoint_wrapped_module.0.weight") == "module.enc.0.weight"
     assert list(named_modules(nn.Sequential(wrapped))) == ["0", "0.module"]
 
 

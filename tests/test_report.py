@@ -16,8 +16,9 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 import lightning_hookdiag
 from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.report import ReportError, ReportWarning, read_health_log
-from lightning_hookdiag.report.cli import main
-from lightning_hookdiag.report.plot import heatmap_figure, plot_heatmap
+from lightning_hookdiag.report.cli import build_parser, main
+from lightning_hookdiag.report.health_log import stat_order_key
+from lightning_hookdiag.report.plot import draw_heatmap, heatmap_figure, load_matplotlib
 from lightning_hookdiag.report.reading import read_csv_scalars
 
 REPO = Path(lightning_hookdiag.__file__).resolve().parent.parent
@@ -206,6 +207,12 @@ def test_cli_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--stat" in capsys.readouterr().out
 
 
+def test_cli_defaults_leave_the_statistic_and_the_prefix_to_the_logs() -> None:
+    args = build_parser().parse_args(["report", "logs/version_0"])
+    assert (args.log_dir, args.stat, args.out, args.prefix, args.diff) == ("logs/version_0", None, None, None, None)
+    assert (args.rtol, args.atol) == (1e-4, 0.0)
+
+
 # ----------------------------------------------------------------------------------------------- heatmap
 
 
@@ -231,13 +238,37 @@ def test_heatmap_masks_zero_nan_and_missing_cells(csv_run: Path) -> None:
     assert not signed.get_array().mask.any()
 
 
+def test_heatmap_labels_thin_out_past_12_columns_and_the_root_gets_a_name() -> None:
+    mpl = load_matplotlib()
+    data = mpl.np.ones((3, 25))
+    steps = list(range(0, 50, 2))
+    fig, ax, image = draw_heatmap(mpl, data, data == 0, ["", "fc1", "fc2"], steps, cmap="viridis", norm=None, unit="u")
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["(root)", "fc1", "fc2"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == [str(s) for s in steps[::3]]  # ceil(25 / 12) = 3
+    assert ax.get_ylabel().startswith("u ")
+    assert image.get_array().shape == (3, 25)
+
+
+def test_statistics_are_listed_in_vocabulary_order_then_by_name() -> None:
+    names = ["param_norm", "zz_custom", "act_grad_norm", "act_std", "act_mean", "aa_custom", "grad_norm_total"]
+    assert sorted(names, key=stat_order_key) == [
+        "act_mean",
+        "act_std",
+        "act_grad_norm",
+        "param_norm",
+        "grad_norm_total",
+        "aa_custom",
+        "zz_custom",
+    ]
+
+
 def test_missing_matplotlib_names_the_extra(
     csv_run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     log = read_health_log(csv_run)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r"pip install 'lightning-hookdiag\[plot\]'"):
-        plot_heatmap(log, "act_grad_norm", csv_run / "x.png")
+        heatmap_figure(log, "act_grad_norm")
 
     assert main(["report", str(csv_run)]) == 2
     out, err = capsys.readouterr()
@@ -362,7 +393,7 @@ def test_report_runs_without_importing_torch_or_lightning(csv_run: Path, tb_run:
         parent = types.ModuleType("lightning_hookdiag")
         parent.__path__ = [{str(REPO / "lightning_hookdiag")!r}]
         sys.modules["lightning_hookdiag"] = parent
-        from lightning_hookdiag.report.cli import main
+        from lightning_hookdiag.report.cli import build_parser, main
         codes = [main(["report", {str(csv_run)!r}, "--out", {str(tmp_path / "a.png")!r}]),
                  main(["report", {str(tb_run)!r}, "--out", {str(tmp_path / "b.png")!r}])]
         heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "lightning", "lightning_fabric"))

@@ -1,11 +1,10 @@
-"""``hookdiag report``: read the statistics a LayerHealthCallback logged, print a summary and plot a heatmap.
+"""``hookdiag report``: the statistics a LayerHealthCallback logged, read back, summarised and drawn.
 
-This package imports neither torch nor Lightning, so a run can be inspected wherever its logs are. matplotlib
-(``pip install 'lightning-hookdiag[plot]'``) and tensorboard (``[loggers]``) are imported only when needed. The
-command's use and output: ``docs/report.md``.
+No torch or Lightning import, so a run can be inspected wherever its logs are; matplotlib and tensorboard are
+imported only when needed. The command's use and output: ``docs/report.md``.
 """
 
-from lightning_hookdiag.report.errors import MissingExtraError, ReportError, ReportWarning
+from lightning_hookdiag.errors import MissingExtraError, ReportError, ReportWarning
 from lightning_hookdiag.report.health_log import HealthLog, Scalar, build_health_log, depth_order, detect_prefix
 from lightning_hookdiag.report.reading import read_health_log
 from lightning_hookdiag.report.summary import format_summary

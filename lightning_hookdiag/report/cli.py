@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from lightning_hookdiag.report.errors import MissingExtraError, ReportError, ReportWarning
+from lightning_hookdiag.errors import MissingExtraError, ReportError, ReportWarning
 from lightning_hookdiag.report.health_log import HealthLog
 from lightning_hookdiag.report.reading import read_health_log
 from lightning_hookdiag.report.summary import format_summary
@@ -31,13 +31,7 @@ _DEFAULT_RTOL = 1e-4
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``hookdiag`` and its ``report`` sub-command.
-
-    Example:
-        >>> args = build_parser().parse_args(["report", "logs/version_0", "--stat", "act_std"])
-        >>> args.log_dir, args.stat, args.out, args.prefix
-        ('logs/version_0', 'act_std', None, None)
-    """
+    """The argument parser of ``hookdiag`` and its ``report`` sub-command."""
     parser = argparse.ArgumentParser(prog=_PROG, description="Layer health diagnostics for Lightning runs.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     report = commands.add_parser(
@@ -51,20 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument(
         "--stat",
-        default=None,
         help=f"statistic to report (default: {DEFAULT_STAT}; with --diff, that of the first difference)",
     )
     report.add_argument(
         "--out",
-        default=None,
         help="heatmap file (default: LOG_DIR/layer_health_<stat>.png; with --diff, RUN_B/layer_health_diff_<stat>.png)",
     )
-    report.add_argument("--prefix", default=None, help="the callback's prefix= (default: detected from the logs)")
+    report.add_argument("--prefix", help="the callback's prefix= (default: detected from the logs)")
     report.add_argument(
         "--diff",
         nargs=2,
         metavar=("RUN_A", "RUN_B"),
-        default=None,
         help="compare two runs: print the first (step, layer, statistic) where they differ, in depth order, and"
         " draw the B/A ratio heatmap of --stat; exit status 1 if they differ, 0 if not",
     )
@@ -86,9 +77,20 @@ def _check_stat(log: HealthLog, stat: str, log_dir: str) -> None:
     raise ReportError(f"stat '{stat}' is not in the logs of {log_dir}; stats present: {present}")
 
 
-def _default_out(log_dir: Path, stat: str) -> Path:
-    folder = log_dir if log_dir.is_dir() else log_dir.parent
-    return folder / f"layer_health_{stat}.png"
+def _out_path(out: str | None, run: Path, name: str) -> Path:
+    path = Path(out) if out is not None else (run if run.is_dir() else run.parent) / f"layer_health_{name}.png"
+    if not path.parent.is_dir():
+        raise ReportError(f"{path}: the folder {path.parent} does not exist")
+    return path
+
+
+def _save(figure: Any, out: Path) -> None:
+    from lightning_hookdiag.report.plot import save_figure
+
+    try:
+        save_figure(figure, out)
+    except OSError as exc:
+        raise ReportError(f"{out}: cannot write the heatmap ({exc.strerror or exc})") from exc
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -101,17 +103,12 @@ def _report(args: argparse.Namespace) -> int:
     args.stat = args.stat or DEFAULT_STAT
     log = read_health_log(args.log_dir, prefix=args.prefix)
     _check_stat(log, args.stat, args.log_dir)
-    out = Path(args.out) if args.out is not None else _default_out(Path(args.log_dir), args.stat)
-    if not out.parent.is_dir():
-        raise ReportError(f"{out}: the folder {out.parent} does not exist")
+    out = _out_path(args.out, Path(args.log_dir), args.stat)
     print(format_summary(log, args.stat))
     # The summary is printed first: it is useful even when the plot then fails for want of matplotlib.
-    from lightning_hookdiag.report.plot import plot_heatmap
+    from lightning_hookdiag.report.plot import heatmap_figure
 
-    try:
-        plot_heatmap(log, args.stat, out)
-    except OSError as exc:
-        raise ReportError(f"{out}: cannot write the heatmap ({exc.strerror or exc})") from exc
+    _save(heatmap_figure(log, args.stat), out)
     print(f"heatmap: {out}")
     return 0
 
@@ -123,7 +120,7 @@ def _tolerance(name: str, value: float) -> float:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from lightning_hookdiag.report.diff import align, find_differences, format_diff
+    from lightning_hookdiag.report.diff import align, find_differences, format_diff, ratio_figure
 
     rtol, atol = _tolerance("rtol", args.rtol), _tolerance("atol", args.atol)
     run_a, run_b = args.diff
@@ -136,17 +133,10 @@ def _diff(args: argparse.Namespace) -> int:
             stat = alignment.stats[0]
     elif stat not in alignment.names:
         raise ReportError(f"--stat {stat} is not logged by both runs; common statistics: {', '.join(alignment.stats)}")
-    out = Path(args.out) if args.out is not None else _default_out(Path(run_b), f"diff_{stat}")
-    if not out.parent.is_dir():
-        raise ReportError(f"{out}: the folder {out.parent} does not exist")
+    out = _out_path(args.out, Path(run_b), f"diff_{stat}")
     print(f"RUN_A: {run_a}\nRUN_B: {run_b}")
     print(format_diff(alignment, differences, rtol, atol))
-    from lightning_hookdiag.report.diff import plot_ratio_heatmap
-
-    try:
-        plot_ratio_heatmap(alignment, stat, out)
-    except OSError as exc:
-        raise ReportError(f"{out}: cannot write the heatmap ({exc.strerror or exc})") from exc
+    _save(ratio_figure(alignment, stat), out)
     print(f"ratio heatmap (B/A of {stat}): {out}")
     return _EXIT_DIFFERENT if differences else 0
 
@@ -156,17 +146,11 @@ def _show_warning(message: Warning | str, category: type[Warning], *args: Any, *
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the ``hookdiag`` command line and return its exit status.
-
-    Errors in the input (missing folder, no logs, no health keys, unknown statistic, missing optional
-    dependency) print one ``hookdiag: error: ...`` line to stderr and return 2, never a traceback. Logs read only
-    in part (a CSV row cut short by a run still writing it) print one ``hookdiag: warning: ...`` line each.
-
-    Args:
-        argv: Arguments without the program name; ``None`` reads ``sys.argv``.
+    """Run the ``hookdiag`` command line on ``argv`` (without the program name; ``None``: ``sys.argv``).
 
     Returns:
-        0 on success, 2 on an error; with ``--diff``, 1 when the runs differ.
+        The exit status: 0 on success, 2 on an error (one ``hookdiag: error: ...`` line on stderr, never a
+        traceback); with ``--diff``, 1 when the runs differ.
 
     Example:
         >>> main(["report", "/no/such/run"])

@@ -1,56 +1,32 @@
 """``hookdiag report --diff RUN_A RUN_B``: where two runs' health statistics first part ways.
 
 The runs are aligned by step and by layer (or parameter) name; only what both logged is compared. Differences are
-ordered the way a change propagates, so that the first one points at its origin:
-
-1. by step (the earliest sampled step first);
-2. forward statistics (outputs and weights: ``act_mean``, ``param_norm``, ...) before backward ones (``act_grad_*``,
-   ``param_grad_norm``, ``param_update_ratio``): within a step, the forward pass runs first;
-3. forward statistics in depth order (input end first), backward ones in reversed depth order (output end first),
-   as a difference propagates in each pass; a parameter sits at its module's depth;
-4. statistics in the callback's vocabulary order.
-
-A planted change to one layer's initial weights therefore shows first at that layer's outputs on step 0, not at the
-output gradients of the layers below it, which it also changes. When two values differ, and what the command
-prints: ``docs/report.md#where-do-two-runs-first-differ-hookdiag-report---diff``.
-
-Example:
-    >>> from lightning_hookdiag.report.health_log import Scalar, build_health_log
-    >>> def run(scale):
-    ...     return build_health_log([Scalar("layer_health/depth/fc1", 0, 0.0), Scalar("layer_health/depth/fc2", 0, 1.0),
-    ...         Scalar("layer_health/act_std/fc1", 0, 1.0), Scalar("layer_health/act_std/fc2", 0, 2.0 * scale),
-    ...         Scalar("layer_health/act_grad_norm/fc1", 0, 0.5 * scale)])
-    >>> first = find_differences(align(run(1.0), run(3.0)))[0]
-    >>> first.step, first.layer, first.stat, first.a, first.b
-    (0, 'fc2', 'act_std', 2.0, 6.0)
-"""  # noqa: E501
+ordered the way a change propagates (a parameter at its module's depth, ties in vocabulary order), so that a planted
+change to one layer's initial weights shows first at that layer's outputs on step 0, not at the output gradients of
+the layers below it. The order, and what the command prints:
+``docs/report.md#where-do-two-runs-first-differ-hookdiag-report---diff``.
+"""
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from lightning_hookdiag.report.errors import ReportError
-from lightning_hookdiag.report.health_log import HealthLog, depth_order, owning_layer, stat_order_key
-from lightning_hookdiag.report.plot import label_heatmap_axes, load_matplotlib
-from lightning_hookdiag.report.summary import format_value
+from lightning_hookdiag.errors import ReportError
+from lightning_hookdiag.names import owning_layer
+from lightning_hookdiag.report.health_log import HealthLog, depth_order, stat_order_key
+from lightning_hookdiag.report.plot import draw_heatmap, load_matplotlib
+from lightning_hookdiag.table import display_name, format_value
 
-__all__ = ["Alignment", "Difference", "align", "find_differences", "format_diff", "plot_ratio_heatmap"]
+__all__ = ["Alignment", "Difference", "align", "find_differences", "format_diff", "ratio_figure"]
 
 _BACKWARD_PARAMETER_STATS = ("param_grad_norm", "param_update_ratio")
 _MAX_LISTED = 5
 
 
 def is_backward(stat: str) -> bool:
-    """Whether ``stat`` is measured in the backward pass (or from gradients), not from outputs or weights.
-
-    Example:
-        >>> is_backward("act_grad_norm"), is_backward("param_update_ratio"), is_backward("act_std")
-        (True, True, False)
-    """
+    """Whether ``stat`` is measured in the backward pass (or from gradients), not from outputs or weights."""
     return stat.startswith("act_grad_") or stat in _BACKWARD_PARAMETER_STATS
 
 
@@ -72,11 +48,9 @@ class Difference:
 
 @dataclass(frozen=True)
 class Alignment:
-    """What two runs have in common.
+    """What two runs (``a`` and ``b``) have in common.
 
     Attributes:
-        a: Run A's statistics.
-        b: Run B's statistics.
         steps: Steps both runs logged, ascending.
         stats: Per-layer statistics both runs logged, in vocabulary order.
         names: For each common statistic, the layer (or parameter) names both runs logged.
@@ -142,7 +116,7 @@ def _differ(x: float, y: float, rtol: float, atol: float) -> bool:
 
 
 def find_differences(alignment: Alignment, rtol: float = 1e-4, atol: float = 0.0) -> list[Difference]:
-    """Every aligned (step, layer, statistic) whose values differ, in the order of the module docstring.
+    """Every aligned (step, layer, statistic) whose values differ, in the order a change propagates.
 
     Two values differ when ``|a - b| > atol + rtol * max(|a|, |b|)``; NaN equals NaN (and differs from any number),
     equal infinities are equal.
@@ -163,7 +137,7 @@ def find_differences(alignment: Alignment, rtol: float = 1e-4, atol: float = 0.0
 def _line(d: Difference, with_stat: bool = True) -> str:
     stat = f", {d.stat}" if with_stat else ""
     return (
-        f"step {d.step}, {d.layer or '(root)'}{stat}: A={format_value(d.a)} B={format_value(d.b)}"
+        f"step {d.step}, {display_name(d.layer)}{stat}: A={format_value(d.a)} B={format_value(d.b)}"
         f" (B/A={format_value(d.ratio)})"
     )
 
@@ -223,47 +197,24 @@ def ratio_figure(alignment: Alignment, stat: str) -> Any:
     """
     mpl = load_matplotlib()
     np = mpl.np
-    names = depth_order(alignment.names[stat], alignment.depth, parameters=alignment.a.is_parameter_stat(stat))
+    parameters = alignment.a.is_parameter_stat(stat)
+    names = depth_order(alignment.names[stat], alignment.depth, parameters=parameters)
     steps = list(alignment.steps)
-    series_a, series_b = alignment.a.stats[stat], alignment.b.stats[stat]
-    rows = []
-    for name in names:
-        row = []
-        for step in steps:
-            a, b = series_a[name].get(step, math.nan), series_b[name].get(step, math.nan)
-            ratio = b / a if a != 0 and math.isfinite(a) and math.isfinite(b) else math.nan
-            row.append(math.log10(ratio) if ratio > 0 and math.isfinite(ratio) else math.nan)
-        rows.append(row)
-    data = np.array(rows, dtype=float).reshape(len(names), len(steps))
+
+    def values(log: HealthLog) -> Any:
+        return np.array([[log.stats[stat][n].get(s, math.nan) for s in steps] for n in names], dtype=float)
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # A 0, inf or NaN in either run, or a ratio <= 0, comes out non-finite: masked as not comparable.
+        data = np.log10(values(alignment.b) / values(alignment.a))
     finite = np.isfinite(data)
     top = float(np.abs(data[finite]).max()) if finite.any() else 0.0
     top = top or 1e-3  # identical runs: a visible, non-empty range around 1
-    width = min(16.0, max(6.0, 3.0 + 0.25 * len(steps)))
-    height = min(40.0, max(3.0, 1.5 + 0.22 * len(names)))
-    fig = mpl.Figure(figsize=(width, height), layout="constrained")
-    ax = fig.add_subplot()
-    cmap = mpl.colormaps["RdBu_r"].with_extremes(bad="lightgrey")
-    image = ax.imshow(
-        np.ma.masked_array(data, mask=~finite),
-        cmap=cmap,
-        norm=mpl.Normalize(vmin=-top, vmax=top),
-        aspect="auto",
-        interpolation="nearest",
-        origin="upper",
-    )
-    label_heatmap_axes(ax, names, steps)
-    unit = "parameter" if alignment.a.is_parameter_stat(stat) else "layer"
+    norm = mpl.colors.Normalize(vmin=-top, vmax=top)
+    unit = "parameter" if parameters else "layer"
+    fig, ax, image = draw_heatmap(mpl, data, ~finite, names, steps, cmap="RdBu_r", norm=norm, unit=unit)
     ax.set_xlabel("optimizer step (sampled, common to both runs)")
-    ax.set_ylabel(f"{unit} (forward order, shallow at top)")
     fig.suptitle(f"{alignment.a.prefix}/{stat}: RUN_B / RUN_A")
     ax.set_title("white: equal; red: B larger; blue: B smaller; grey: not comparable", fontsize=8)
     fig.colorbar(image, ax=ax, label="log10(B / A)")
     return fig
-
-
-def plot_ratio_heatmap(alignment: Alignment, stat: str, out: str | os.PathLike[str], dpi: int = 100) -> Path:
-    """Save :func:`ratio_figure` as an image file (the suffix picks the format) and return its path."""
-    fig = ratio_figure(alignment, stat)
-    out = Path(out)
-    fig.savefig(out, dpi=dpi)
-    return out

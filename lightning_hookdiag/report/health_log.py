@@ -1,7 +1,4 @@
-"""The logged health statistics as plain data: parsing ``(key, step, value)`` scalars into a :class:`HealthLog`.
-
-Nothing here touches files, torch or Lightning, so the report works on any machine that has the logs.
-"""
+"""The logged health statistics as plain data: ``(key, step, value)`` scalars parsed into a :class:`HealthLog`."""
 
 from __future__ import annotations
 
@@ -10,28 +7,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from lightning_hookdiag.errors import ReportError
 from lightning_hookdiag.names import owning_layer
-from lightning_hookdiag.report.errors import ReportError
-from lightning_hookdiag.vocabulary import LAYER_STATS, TOTAL_STATS
-from lightning_hookdiag.vocabulary import PER_PARAMETER_STATS as PARAMETER_STATS
+from lightning_hookdiag.vocabulary import LAYER_STATS, PER_PARAMETER_STATS, TOTAL_STATS
 
-__all__ = [
-    "DEFAULT_PREFIX",
-    "LAYER_STATS",
-    "PARAMETER_STATS",
-    "TOTAL_STATS",
-    "HealthLog",
-    "Scalar",
-    "build_health_log",
-    "depth_order",
-    "detect_prefix",
-    "stat_order_key",
-]
+__all__ = ["HealthLog", "Scalar", "build_health_log", "depth_order", "detect_prefix", "stat_order_key"]
 
-DEFAULT_PREFIX = "layer_health"
+_DEFAULT_PREFIX = "layer_health"
 
 _DEPTH = "depth"
-_KNOWN_ORDER = {s: i for i, s in enumerate(LAYER_STATS + PARAMETER_STATS + TOTAL_STATS)}
+_KNOWN_ORDER = {s: i for i, s in enumerate(LAYER_STATS + PER_PARAMETER_STATS + TOTAL_STATS)}
 
 
 class Scalar(NamedTuple):
@@ -56,13 +41,10 @@ def _prefixes_before(keys: Iterable[str], segments: frozenset[str], allow_last: 
 
 
 def detect_prefix(keys: Iterable[str]) -> str:
-    """The key prefix under which the health statistics were logged.
+    """The key prefix under which the health statistics were logged, among every key of the logs.
 
     Keys ``<prefix>/depth/<layer>`` decide first, because every sampled step logs them; failing those, keys whose
-    statistic segment is a known statistic name; failing both, :data:`DEFAULT_PREFIX`.
-
-    Args:
-        keys: Every metric key found in the logs, including unrelated ones such as ``train_loss``.
+    statistic segment is a known statistic name; failing both, the callback's default ``layer_health``.
 
     Raises:
         ReportError: If the logs hold several prefixes (two callbacks with different ``prefix=``), which only the
@@ -77,24 +59,19 @@ def detect_prefix(keys: Iterable[str]) -> str:
     keys = list(keys)
     candidates = _prefixes_before(keys, frozenset({_DEPTH}), allow_last=False)
     if not candidates:
-        candidates = _prefixes_before(keys, frozenset(LAYER_STATS + PARAMETER_STATS), allow_last=False)
+        candidates = _prefixes_before(keys, frozenset(LAYER_STATS + PER_PARAMETER_STATS), allow_last=False)
         candidates |= _prefixes_before(keys, frozenset(TOTAL_STATS), allow_last=True)
     if len(candidates) > 1:
         raise ReportError(
             f"the logs hold several health prefixes ({', '.join(sorted(candidates))}); pick one with --prefix"
         )
-    return candidates.pop() if candidates else DEFAULT_PREFIX
+    return candidates.pop() if candidates else _DEFAULT_PREFIX
 
 
 def depth_order(names: Iterable[str], depth: dict[str, int], parameters: bool = False) -> list[str]:
-    """Sort layer (or parameter) names by forward execution depth, shallow first.
+    """Sort layer names (or, with ``parameters``, parameter names by their owning layer) by ``depth``, shallow first.
 
     Names without a known depth follow, alphabetically, so that nothing logged is dropped from the report.
-
-    Args:
-        names: Layer names, or dotted parameter names when ``parameters`` is true.
-        depth: 0-based forward position of each layer.
-        parameters: Order parameters by the depth of their owning layer, keeping a layer's parameters together.
 
     Example:
         >>> depth_order(["head", "stem", "body"], {"stem": 0, "body": 1, "head": 2})
@@ -112,14 +89,7 @@ def depth_order(names: Iterable[str], depth: dict[str, int], parameters: bool = 
 
 
 def stat_order_key(stat: str) -> tuple[int, str]:
-    """Sort key that lists statistics in the callback's vocabulary order, names it does not know last, by name.
-
-    The summary (through :attr:`HealthLog.stat_names`) and ``--diff`` list statistics in this one order.
-
-    Example:
-        >>> sorted(["param_norm", "zz_custom", "act_std", "act_mean", "aa_custom"], key=stat_order_key)
-        ['act_mean', 'act_std', 'param_norm', 'aa_custom', 'zz_custom']
-    """
+    """Sort key of the one order the summary and ``--diff`` list statistics in: the vocabulary's, unknown names last."""
     return (_KNOWN_ORDER.get(stat, len(_KNOWN_ORDER)), stat)
 
 
@@ -148,17 +118,17 @@ class HealthLog:
 
     @property
     def stat_names(self) -> list[str]:
-        """Per-layer statistics present, in the callback's vocabulary order (unknown names last)."""
+        """The keys of :attr:`stats`, in :func:`stat_order_key` order."""
         return sorted(self.stats, key=stat_order_key)
 
     @property
     def total_names(self) -> list[str]:
-        """Per-step statistics present (no layer part)."""
+        """The keys of :attr:`totals`, in :func:`stat_order_key` order."""
         return sorted(self.totals, key=stat_order_key)
 
     def is_parameter_stat(self, stat: str) -> bool:
         """Whether ``stat`` is keyed by parameter name rather than by layer name."""
-        return stat in PARAMETER_STATS or stat.startswith("param_")
+        return stat.startswith("param_")  # every name of PER_PARAMETER_STATS, and any added later
 
     def layers(self, stat: str) -> list[str]:
         """The names logged for ``stat``, in depth order (shallow first)."""
@@ -190,28 +160,19 @@ class HealthLog:
 
 
 def build_health_log(scalars: Iterable[Scalar], prefix: str | None = None) -> HealthLog:
-    """Collect the health statistics among logged scalars; every other key is ignored.
+    """Collect the health statistics among a run's scalars (in writing order); every other key is ignored.
 
     When a key is logged twice for one step, the later scalar wins, as it does in the loggers' own viewers.
-
-    Args:
-        scalars: Every scalar of the run, from any logger, in the order they were written.
-        prefix: The callback's ``prefix=``; ``None`` detects it with :func:`detect_prefix`.
+    ``prefix=None`` detects the prefix with :func:`detect_prefix`.
 
     Raises:
         ReportError: If ``prefix`` is ``None`` and the logs hold several prefixes.
 
     Example:
-        >>> log = build_health_log([
-        ...     Scalar("train_loss", 0, 0.9),
-        ...     Scalar("layer_health/depth/net.head", 0, 1.0),
-        ...     Scalar("layer_health/depth/net.stem", 0, 0.0),
-        ...     Scalar("layer_health/act_grad_norm/net.head", 0, 0.5),
-        ...     Scalar("layer_health/act_grad_norm/net.stem", 0, 0.25),
-        ...     Scalar("layer_health/grad_norm_total", 0, 2.0),
-        ... ])
-        >>> log.layers("act_grad_norm"), log.stats["act_grad_norm"]["net.stem"], log.totals
-        (['net.stem', 'net.head'], {0: 0.25}, {'grad_norm_total': {0: 2.0}})
+        >>> log = build_health_log([Scalar("train_loss", 0, 0.9), Scalar("layer_health/depth/fc", 0, 0.0),
+        ...     Scalar("layer_health/act_std/fc", 0, 0.5), Scalar("layer_health/grad_norm_total", 0, 2.0)])
+        >>> log.stats, log.totals, log.depth
+        ({'act_std': {'fc': {0: 0.5}}}, {'grad_norm_total': {0: 2.0}}, {'fc': 0})
     """
     scalars = list(scalars)
     if prefix is None:

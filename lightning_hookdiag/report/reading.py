@@ -8,29 +8,21 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any
 
-from lightning_hookdiag.report.errors import MissingExtraError, ReportError, ReportWarning
-from lightning_hookdiag.report.health_log import HealthLog, Scalar, build_health_log, detect_prefix
+from lightning_hookdiag.errors import MissingExtraError, ReportError, ReportWarning
+from lightning_hookdiag.report.health_log import HealthLog, Scalar, build_health_log
 
-__all__ = [
-    "CSV_NAME",
-    "EVENTS_GLOB",
-    "find_log_files",
-    "read_csv_scalars",
-    "read_health_log",
-    "read_tensorboard_scalars",
-]
+__all__ = ["find_log_files", "read_csv_scalars", "read_health_log", "read_tensorboard_scalars"]
 
-CSV_NAME = "metrics.csv"
-EVENTS_GLOB = "events.out.tfevents.*"
+_CSV_NAME = "metrics.csv"
+_EVENTS_GLOB = "events.out.tfevents.*"
 _TENSORBOARD_HINT = "reading TensorBoard event files needs tensorboard: pip install 'lightning-hookdiag[loggers]'"
 # How far below LOG_DIR to look for run folders when LOG_DIR itself holds no logs (save_dir/name/version_N).
 _SEARCH_DEPTH = 3
 
 
 def _is_log_file(path: Path) -> bool:
-    return path.name == CSV_NAME or path.match(EVENTS_GLOB)
+    return path.name == _CSV_NAME or path.match(_EVENTS_GLOB)
 
 
 def _runs_below(root: Path) -> list[Path]:
@@ -45,35 +37,27 @@ def _runs_below(root: Path) -> list[Path]:
 
 
 def find_log_files(path: str | os.PathLike[str]) -> list[Path]:
-    r"""The log files of one run: ``metrics.csv`` first, then TensorBoard event files in name (= time) order.
+    r"""The log files of a run folder (a logger's ``log_dir``) or the one log file ``path`` names.
 
-    Args:
-        path: A run folder (a logger's ``log_dir``, e.g. ``lightning_logs/version_0``) or one log file in it.
+    ``metrics.csv`` comes first, then the TensorBoard event files in name (= time) order.
 
     Raises:
         ReportError: If the path does not exist or holds no log file; run folders further down are named.
-
-    Example:
-        >>> import tempfile
-        >>> with tempfile.TemporaryDirectory() as tmp:
-        ...     _ = (Path(tmp) / "metrics.csv").write_text("step\n")
-        ...     [p.name for p in find_log_files(tmp)]
-        ['metrics.csv']
     """
     path = Path(path)
     if not path.exists():
         raise ReportError(f"{path}: no such file or folder")
     if path.is_file():
         if not _is_log_file(path):
-            raise ReportError(f"{path}: not a {CSV_NAME} or {EVENTS_GLOB} file")
+            raise ReportError(f"{path}: not a {_CSV_NAME} or {_EVENTS_GLOB} file")
         return [path]
     if not path.is_dir():
         raise ReportError(f"{path}: not a folder")
-    found = [path / CSV_NAME] if (path / CSV_NAME).is_file() else []
-    found += sorted(p for p in path.glob(EVENTS_GLOB) if p.is_file())
+    found = [path / _CSV_NAME] if (path / _CSV_NAME).is_file() else []
+    found += sorted(p for p in path.glob(_EVENTS_GLOB) if p.is_file())
     if found:
         return found
-    message = f"{path}: no {CSV_NAME} or {EVENTS_GLOB} files (expected a logger's log_dir)"
+    message = f"{path}: no {_CSV_NAME} or {_EVENTS_GLOB} files (expected a logger's log_dir)"
     runs = _runs_below(path)
     if runs:
         shown = ", ".join(str(r) for r in runs[:5]) + (", ..." if len(runs) > 5 else "")
@@ -98,14 +82,6 @@ def read_csv_scalars(path: str | os.PathLike[str]) -> list[Scalar]:
 
     Raises:
         ReportError: If the file cannot be read or has no ``step`` column.
-
-    Example:
-        >>> import tempfile
-        >>> with tempfile.TemporaryDirectory() as tmp:
-        ...     csv_path = Path(tmp) / "metrics.csv"
-        ...     _ = csv_path.write_text("epoch,layer_health/act_mean/fc,step\n0,,3\n,0.5,3\n")
-        ...     read_csv_scalars(csv_path)
-        [Scalar(key='epoch', step=3, value=0.0), Scalar(key='layer_health/act_mean/fc', step=3, value=0.5)]
     """
     scalars = []
     try:
@@ -124,7 +100,7 @@ def read_csv_scalars(path: str | os.PathLike[str]) -> list[Scalar]:
         if reader.fieldnames is None:  # an empty file: the logger never saved a row
             return []
         if "step" not in reader.fieldnames:
-            raise ReportError(f"{path}: no 'step' column; not a Lightning CSVLogger {CSV_NAME}")
+            raise ReportError(f"{path}: no 'step' column; not a Lightning CSVLogger {_CSV_NAME}")
         for row in reader:
             step = _to_float(row.get("step") or "")
             if step is None or not math.isfinite(step):
@@ -141,17 +117,6 @@ def read_csv_scalars(path: str | os.PathLike[str]) -> list[Scalar]:
     return scalars
 
 
-def _event_accumulator() -> Any:
-    try:
-        # Importing the top-level package first makes a blocked or missing tensorboard fail here even when
-        # the submodule is already cached.
-        import tensorboard  # noqa: F401
-        from tensorboard.backend.event_processing import event_accumulator
-    except ImportError as exc:
-        raise MissingExtraError(_TENSORBOARD_HINT) from exc
-    return event_accumulator
-
-
 def read_tensorboard_scalars(path: str | os.PathLike[str]) -> list[Scalar]:
     """Every scalar of one TensorBoard event file, both old-style ``simple_value`` and scalar-plugin tensors.
 
@@ -159,7 +124,13 @@ def read_tensorboard_scalars(path: str | os.PathLike[str]) -> list[Scalar]:
         MissingExtraError: If tensorboard is not installed.
         ReportError: If the file cannot be parsed.
     """
-    ea = _event_accumulator()
+    try:
+        # Importing the top-level package first makes a blocked or missing tensorboard fail here even when
+        # the submodule is already cached.
+        import tensorboard  # noqa: F401
+        from tensorboard.backend.event_processing import event_accumulator as ea
+    except ImportError as exc:
+        raise MissingExtraError(_TENSORBOARD_HINT) from exc
     # purge_orphaned_data=False: Lightning may log train_loss at a later step before the callback logs the step it
     # describes, which TensorBoard's restart heuristics would otherwise treat as orphaned data and drop.
     acc = ea.EventAccumulator(str(path), size_guidance={ea.SCALARS: 0, ea.TENSORS: 0}, purge_orphaned_data=False)
@@ -188,11 +159,9 @@ def read_tensorboard_scalars(path: str | os.PathLike[str]) -> list[Scalar]:
 
 
 def read_health_log(path: str | os.PathLike[str], prefix: str | None = None) -> HealthLog:
-    r"""Read the health statistics of one run from its CSVLogger and/or TensorBoardLogger files.
+    r"""Read the health statistics of one run (as :func:`find_log_files` finds its files) under the callback's prefix.
 
-    Args:
-        path: A run folder (a logger's ``log_dir``) or one log file.
-        prefix: The callback's ``prefix=``; ``None`` detects it from the keys.
+    ``prefix=None`` detects the prefix from the keys (:func:`~lightning_hookdiag.report.detect_prefix`).
 
     Raises:
         ReportError: If the path holds no logs or no health statistics under the prefix.
@@ -212,16 +181,13 @@ def read_health_log(path: str | os.PathLike[str], prefix: str | None = None) -> 
     files = find_log_files(path)
     scalars: list[Scalar] = []
     for file in files:
-        scalars += read_csv_scalars(file) if file.name == CSV_NAME else read_tensorboard_scalars(file)
-    keys = {s.key for s in scalars}
-    if prefix is None:
-        prefix = detect_prefix(keys)
+        scalars += read_csv_scalars(file) if file.name == _CSV_NAME else read_tensorboard_scalars(file)
     log = build_health_log(scalars, prefix)
     if log.empty:
         shown = ", ".join(str(f) for f in files)
-        hint = "" if keys else " (the logs hold no numeric values)"
+        hint = "" if scalars else " (the logs hold no numeric values)"
         raise ReportError(
-            f"no '{prefix}/...' keys in {shown}{hint}; was LayerHealthCallback attached and did it sample a step"
+            f"no '{log.prefix}/...' keys in {shown}{hint}; was LayerHealthCallback attached and did it sample a step"
             " (if it was given another prefix=, pass --prefix)?"
         )
     return log

@@ -5,13 +5,16 @@ from __future__ import annotations
 import math
 
 from lightning_hookdiag.report.health_log import HealthLog
-from lightning_hookdiag.table import display_name, format_bytes, format_step_table, format_value, table_lines
+from lightning_hookdiag.table import display_name, format_value, table_lines
 
-# format_bytes, format_step_table and format_value are re-exported: the report's formatters, shared with the callback.
-__all__ = ["format_bytes", "format_step_table", "format_summary", "format_value"]
+__all__ = ["format_summary"]
 
-_COUNT_STATS = ("act_nonfinite", "act_grad_nonfinite")
+_NONFINITE_COUNTERS = ("act_nonfinite", "act_grad_nonfinite")
 _MAX_NAMED = 5
+
+
+def _finite(series: dict[int, float]) -> list[float]:
+    return [v for v in series.values() if math.isfinite(v)]
 
 
 def _layer_rows(log: HealthLog, stat: str, last_step: int) -> list[list[str]]:
@@ -22,28 +25,19 @@ def _layer_rows(log: HealthLog, stat: str, last_step: int) -> list[list[str]]:
         latest = format_value(series[latest_step])
         if latest_step != last_step:  # a layer that stopped running: its latest value is stale
             latest += f" @{latest_step}"
-        finite = [v for v in series.values() if math.isfinite(v)]
+        finite = _finite(series)
         bad = len(series) - len(finite)
         depth = log.depth_of(name, stat)
-        rows.append(
-            [
-                "-" if depth is None else str(depth),
-                display_name(name),
-                latest,
-                format_value(min(finite)) if finite else "-",
-                format_value(max(finite)) if finite else "-",
-                f"{bad} non-finite" if bad else "",
-            ]
-        )
+        spread = [format_value(min(finite)), format_value(max(finite))] if finite else ["-", "-"]
+        note = f"{bad} non-finite" if bad else ""
+        rows.append(["-" if depth is None else str(depth), display_name(name), latest, *spread, note])
     return rows
 
 
 def _count_line(log: HealthLog, stat: str) -> str:
     hits = []
     for name in log.layers(stat):
-        bad_steps = [
-            step for step, v in sorted(log.stats[stat][name].items()) if v != 0
-        ]  # a NaN counter is no all-clear
+        bad_steps = [step for step, v in sorted(log.stats[stat][name].items()) if v != 0]  # NaN is no all-clear
         if bad_steps:
             hits.append(f"{display_name(name)} (from step {bad_steps[0]})")
     if not hits:
@@ -55,20 +49,16 @@ def _count_line(log: HealthLog, stat: str) -> str:
 def _total_line(log: HealthLog, stat: str) -> str:
     series = log.totals[stat]
     last = max(series)
-    finite = [v for v in series.values() if math.isfinite(v)]
+    finite = _finite(series)
     spread = f", min {format_value(min(finite))}, max {format_value(max(finite))}" if finite else ""
     return f"{stat}: latest {format_value(series[last])} (step {last}){spread}"
 
 
 def format_summary(log: HealthLog, stat: str) -> str:
-    """A plain-text table of ``stat`` per layer (depth, latest value, min and max over steps), then family lines.
+    """A plain-text table of ``stat``, a per-layer statistic of ``log``: depth, latest value, min and max over steps.
 
-    Family lines give per-step totals such as ``grad_norm_total``, the layers whose non-finite counters ever
+    Family lines follow: per-step totals such as ``grad_norm_total``, the layers whose non-finite counters ever
     fired, and which statistics the logs hold.
-
-    Args:
-        log: The run's statistics.
-        stat: A per-layer statistic present in ``log.stats``.
 
     Raises:
         KeyError: If ``stat`` is not in ``log.stats``.
@@ -91,9 +81,10 @@ def format_summary(log: HealthLog, stat: str) -> str:
     unit = "parameters" if log.is_parameter_stat(stat) else "layers"
     sampled = f"{len(steps)} sampled step{'s' if len(steps) > 1 else ''} ({steps[0]}..{steps[-1]})"
     lines = [f"{log.prefix}/{stat}: {len(log.stats[stat])} {unit}, {sampled}"]
-    lines += table_lines(["depth", unit[:-1], "latest", "min", "max", ""], _layer_rows(log, stat, steps[-1]))
+    header = ["depth", unit[:-1], "latest", "min", "max", ""]
+    lines += table_lines(header, _layer_rows(log, stat, steps[-1]), [">", "<", ">", ">", ">", "<"])
     lines += [_total_line(log, s) for s in log.total_names]
-    lines += [_count_line(log, s) for s in _COUNT_STATS if s in log.stats]
+    lines += [_count_line(log, s) for s in _NONFINITE_COUNTERS if s in log.stats]
     present = ", ".join(f"{s} ({len(log.stats[s])})" for s in log.stat_names)
     lines.append(f"stats present: {present}" + "".join(f", {s}" for s in log.total_names))
     return "\n".join(lines)
