@@ -2,33 +2,15 @@
 
 :class:`Diagnosis` updates what the rules read besides the step's own values in one place, after the rules ran; the
 callback routes what it gets back (keeps the findings, warns, raises or stops). Pure Python, tested by hand.
-
-Example:
-    >>> diagnosis = Diagnosis(RuleConfig())
-    >>> dead = {"act_dead_frac": {"relu": 1.0}}
-    >>> [len(diagnosis.step(dead, ["relu"], [], step=s).new) for s in (0, 2)]  # alerts once while it persists
-    [1, 0]
-    >>> diagnosis.step({"act_dead_frac": {"relu": 0.0}}, ["relu"], [], step=4).findings
-    []
-    >>> [f.rule for f in diagnosis.step(dead, ["relu"], [], step=6).new]  # back after clearing: alerts again
-    ['dead_units']
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from lightning_hookdiag.rules import (
-    AlertState,
-    Baseline,
-    Finding,
-    ParamFacts,
-    RuleConfig,
-    evaluate,
-    values_from_metrics,
-)
+from lightning_hookdiag.rules import AlertState, Baseline, Finding, RuleConfig, evaluate, values_from_metrics
 from lightning_hookdiag.trends import History
 
 if TYPE_CHECKING:  # only a Trip's fields are read; importing the sentinel at run time would import torch
@@ -81,31 +63,17 @@ class Diagnosis:
         layer_types: Mapping[str, str] | None = None,
         *,
         trip: Trip | None = None,
-        missing_grads: Collection[str] = (),
-        eval_mode: Mapping[str, str] | None = None,
-        param_facts: Mapping[str, ParamFacts] | None = None,
-        unregistered: Mapping[str, Sequence[str]] | None = None,
+        **parts: Any,
     ) -> Diagnosed:
         """Evaluate one step (the arguments of :func:`~lightning_hookdiag.rules.evaluate`), then remember it.
 
         Call it once per evaluated step. Its values become the :attr:`baseline` unless the sentinel tripped on it (a
-        spike is not compared with itself next time).
+        spike is not compared with itself next time). ``parts``: the step's own keyword arguments of ``evaluate``
+        (``missing_grads``, ``eval_mode``, ``param_facts``, ``unregistered``); this class supplies the others.
         """
+        memory: dict[str, Any] = {"baseline": self.baseline, "last_finite": self.last_finite, "history": self.history}
         findings = evaluate(
-            values,
-            forward_order,
-            backward_order,
-            step,
-            self.config,
-            layer_types,
-            trip=trip,
-            baseline=self.baseline,
-            last_finite=self.last_finite,
-            missing_grads=missing_grads,
-            eval_mode=eval_mode,
-            param_facts=param_facts,
-            history=self.history,
-            unregistered=unregistered,
+            values, forward_order, backward_order, step, self.config, layer_types, trip=trip, **memory, **parts
         )
         self.history.push(step, values)
         self.last_finite |= {name: step for name, norm in values.get("param_norm", {}).items() if math.isfinite(norm)}

@@ -1,18 +1,11 @@
-"""Where a NaN/Inf was made: a trace of every module's forward, only while the sentinel replays a tripped step.
+"""Where a NaN/Inf was made between two selected layers (``docs/rules.md#nonfinite-and-functional-code``).
 
-The selected layers show where a NaN first *appears* among them; when the first non-finite one already received a
-non-finite input, code between two selected layers made it (what the finding then says:
-``docs/rules.md#nonfinite-and-functional-code``). :class:`NonFiniteTrace` finds that code's module.
-
-For the replay only, one global forward hook (``torch.nn.modules.module.register_module_forward_hook``) records, for
-every module call, on the device and without a host read, whether its positional inputs held a NaN/Inf and whether
-its output did. Forward hooks fire when a forward *returns*, so inner modules report before the modules that call
-them: the first call to return a non-finite output from finite inputs is the innermost module whose ``forward`` made
-it. The flags are read once, at the end of the replay. Sampled steps never pay for it.
-
-Masks are conventionally passed by keyword (``attn_mask=``, ``attention_mask=``) and may hold ``-inf`` on purpose,
-so only positional arguments count as inputs. A NaN is preferred over an Inf: a module that returns ``-inf`` from
-finite inputs (a mask it builds) is named only when no module made a NaN from finite inputs.
+Only while the sentinel replays a tripped step, one global forward hook records, for every module call, on the device,
+whether its positional inputs held a NaN/Inf and whether its output did; the flags are read once, at the end. Forward
+hooks fire when a forward *returns*, so the first call to return a non-finite output from finite inputs is the
+innermost module whose ``forward`` made it. Masks are passed by keyword (``attn_mask=``) and may hold ``-inf`` on
+purpose, so only positional arguments count as inputs; for the same reason a NaN is preferred over an Inf (a module
+that builds a ``-inf`` mask from finite inputs is named only when no module made a NaN).
 """
 
 from __future__ import annotations
@@ -147,12 +140,10 @@ class NonFiniteTrace:
             selected: The selected layers' names.
 
         Returns:
-            ``(entry, origin)``. ``entry``: the first selected layer (in the order forwards returned) whose output
-            was non-finite, *if its input already was*; otherwise ``None`` (nothing non-finite, or the layer made the
-            NaN itself) and ``origin`` is ``None`` too. ``origin``: the innermost module whose forward made it (see
-            the module docstring), :data:`~lightning_hookdiag.rules.ROOT` for the LightningModule's own forward, or
-            ``None`` when no module returned a NaN/Inf from finite inputs (it was made outside every forward, e.g.
-            in ``training_step``).
+            ``(entry, origin)``: the first selected layer (in the order forwards returned) whose output was
+            non-finite *if its input already was*, and the innermost module whose forward made it
+            (:data:`~lightning_hookdiag.rules.ROOT` for the LightningModule's own; ``None``: made outside every
+            forward, e.g. in ``training_step``). ``(None, None)`` when nothing is non-finite or the layer made it.
         """
         calls, self._calls = self._calls, []
         if not calls:

@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["History", "crossing_step", "log_slope", "median", "rising_share"]
+__all__ = ["History", "crossing_step", "log_slope", "rising_share"]
 
 Point = tuple[int, float]
 
@@ -76,38 +76,20 @@ class History:
         Raises:
             ValueError: If the state is malformed.
         """
-        raw = state.get("points", {})
+        raw, where = state.get("points", {}), "History.load_state_dict"
         if not isinstance(raw, Mapping):
-            raise ValueError(
-                f"History.load_state_dict: 'points' expects {{stat: {{name: [[step, value]]}}}}, got {raw!r}"
-            )
+            raise ValueError(f"{where}: 'points' expects {{stat: {{name: [[step, value]]}}}}, got {raw!r}")
         out: dict[str, dict[str, list[Point]]] = {}
         for stat, group in raw.items():
             if not isinstance(group, Mapping):
-                raise ValueError(f"History.load_state_dict: {stat!r} expects {{name: [[step, value]]}}, got {group!r}")
+                raise ValueError(f"{where}: {stat!r} expects {{name: [[step, value]]}}, got {group!r}")
             for name, points in group.items():
                 try:
                     parsed = [(int(s), float(v)) for s, v in points]
                 except (TypeError, ValueError):
-                    raise ValueError(
-                        f"History.load_state_dict: {stat}/{name} expects [[step, value], ...], got {points!r}"
-                    ) from None
+                    raise ValueError(f"{where}: {stat}/{name} expects [[step, value], ...], got {points!r}") from None
                 out.setdefault(stat, {})[name] = parsed[-self.window :]
         self._points = out
-
-
-def median(values: Sequence[float]) -> float:
-    """The median (mean of the middle two for an even count) of at least one value.
-
-    Example:
-        >>> median([3.0, 1.0, 2.0]), median([4.0, 1.0, 2.0, 3.0])
-        (2.0, 2.5)
-    """
-    if not values:
-        raise ValueError("median: expected at least one value, got none")
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def log_slope(points: Sequence[Point]) -> float:

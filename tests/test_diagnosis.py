@@ -43,7 +43,7 @@ def test_a_finding_is_new_once_while_it_persists_and_again_after_it_clears():
     assert [[f.step for f in d.new] for d in seen] == [[0], [], [], [6]]
     assert seen[0].new == seen[0].findings  # the very findings, not copies
     assert diagnosis.alerts.counts["dead_units"] == 3  # every finding counts, alerted or not
-    assert diagnosis.alerts.active == {("dead_units", "relu")}
+    assert diagnosis.alerts.state_dict()["active"] == [["dead_units", "relu"]]
 
 
 def test_every_loss_spike_is_new():

@@ -555,7 +555,7 @@ def test_alert_state_warns_once_until_cleared_then_again():
     assert state.update([a, b]) == [b]  # a still active; b new
     assert state.update([a, b]) == []
     assert state.update([b]) == []  # a clears here
-    assert state.active == frozenset({("saturation", "net.act0")})
+    assert state.state_dict()["active"] == [["saturation", "net.act0"]]
     assert state.update([a, b]) == [a]  # a re-alerts; b still active
     assert state.update([]) == []  # both clear
     assert state.update([b]) == [b]
@@ -603,7 +603,7 @@ def test_alert_state_loads_an_empty_state():
     state = AlertState()
     state.update([finding("dead_units", "x")])
     state.load_state_dict({})
-    assert state.active == frozenset()
+    assert state.state_dict()["active"] == []
     assert state.counts["dead_units"] == 0
 
 
@@ -816,8 +816,8 @@ def test_a_rule_says_nothing_without_the_context_it_reads():
     # not_updated reads the optimizer facts: without them it is silent whatever the values say.
     assert REGISTRY["not_updated"].reads == ("param_facts",)
     assert evaluate(values, FORWARD, BACKWARD, step=3, config=RuleConfig(enabled=["not_updated"])) == []
-    assert [r.family for r in registered() if r.name in ("nonfinite", "loss_spike", "update_jump")] == [
-        "nonfinite",
-        "spike",
-        "precursors",
+    assert [r.check.__module__ for r in registered() if r.name in ("nonfinite", "loss_spike", "update_jump")] == [
+        "lightning_hookdiag.rules.nonfinite",
+        "lightning_hookdiag.rules.spike",
+        "lightning_hookdiag.rules.precursors",
     ]

@@ -9,7 +9,7 @@ import pickle
 import pytest
 
 from lightning_hookdiag.rules import RuleConfig, evaluate
-from lightning_hookdiag.trends import History, crossing_step, log_slope, median, rising_share
+from lightning_hookdiag.trends import History, crossing_step, log_slope, rising_share
 
 
 def _history(points: dict[str, dict[str, list[tuple[int, float]]]], window: int = 32) -> History:
@@ -65,9 +65,6 @@ def test_trend_helpers_against_hand_computed_values():
     assert math.isnan(log_slope([(0, 1.0)]))
     assert math.isnan(log_slope([(0, 0.0), (1, 1.0)]))
     assert rising_share([(0, 1.0), (1, 1.0), (2, 2.0)]) == 0.5
-    assert median([5.0]) == 5.0
-    with pytest.raises(ValueError, match="median: expected at least one value, got none"):
-        median([])
 
 
 @pytest.mark.parametrize(

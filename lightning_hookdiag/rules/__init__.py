@@ -4,10 +4,9 @@ Pure Python on plain floats (no torch, no Lightning), so the rules can be unit-t
 of any logger. Every rule reads only the statistics it needs and does nothing when one is absent (the user chose a
 subset) or not finite where a finite value is required.
 
-This package's ``__init__`` is its public surface: import from ``lightning_hookdiag.rules``. Each rule is one function
-registered where it is written (:func:`~lightning_hookdiag.rules.registry.rule`), in one module per family
-(``nonfinite``, ``activations``, ``gradients``, ``parameters``, ``spike``, ``precursors``); ``context`` is what a
-rule reads, ``evaluation`` runs the enabled rules and sorts their findings, ``alerts`` decides which are new.
+Import from ``lightning_hookdiag.rules``. Each rule is one function registered where it is written
+(:func:`~lightning_hookdiag.rules.registry.rule`), in one module per family; ``context`` is what a rule reads,
+``evaluation`` runs the enabled rules and sorts their findings, ``alerts`` decides which are new.
 
 The rules, their :class:`RuleConfig` fields and defaults, what each finding names, the rationale of every default
 threshold, and the blind spots: ``docs/rules.md`` (the sentinel's fields: ``docs/sentinel.md``).

@@ -39,20 +39,15 @@ class AlertState:
         self._active: set[tuple[str, str]] = set()
         self.counts: dict[str, int] = dict.fromkeys((r.name for r in registered()), 0)
 
-    @property
-    def active(self) -> frozenset[tuple[str, str]]:
-        """The (rule, layer) pairs found on the last evaluated step."""
-        return frozenset(self._active)
-
     def update(self, findings: Iterable[Finding]) -> list[Finding]:
         """Record one evaluated step's findings and return those to alert on, in their given order.
 
         Call it once per evaluated step, also with no findings: that is how pairs clear.
         """
-        findings = list(findings)
         new: list[Finding] = []
         active: set[tuple[str, str]] = set()
         for f in findings:
+            self.counts[f.rule] = self.counts.get(f.rule, 0) + 1
             if f.rule in REGISTRY and REGISTRY[f.rule].event:
                 new.append(f)
                 continue
@@ -62,8 +57,6 @@ class AlertState:
                 new.append(f)
             active.add(pair)
         self._active = active
-        for f in findings:
-            self.counts[f.rule] = self.counts.get(f.rule, 0) + 1
         return new
 
     def state_dict(self) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -15,7 +15,7 @@ from lightning_hookdiag.rules.config import RuleConfig
 if TYPE_CHECKING:  # the rules only read a Trip's fields; importing the sentinel at run time would import torch
     from lightning_hookdiag.step_state import Trip
 
-__all__ = ["Baseline", "Context", "Orders", "ParamFacts", "finite"]
+__all__ = ["Baseline", "Context", "Orders", "ParamFacts", "finite", "first_positions"]
 
 
 class Orders:
@@ -29,12 +29,7 @@ class Orders:
     """
 
     def __init__(self, forward_order: Sequence[str], backward_order: Sequence[str], trip: Trip | None = None) -> None:
-        forward: dict[str, int] = {}
-        for i, name in enumerate(forward_order):
-            forward.setdefault(name, i)
-        backward: dict[str, int] = {}
-        for i, name in enumerate(backward_order):
-            backward.setdefault(name, i)
+        forward, backward = first_positions(forward_order), first_positions(backward_order)
         self.layers = frozenset(forward.keys() | backward.keys())
         if trip is not None and trip.nan_entry in forward:
             forward.setdefault(trip.nan_origin or ROOT, forward[trip.nan_entry])
@@ -43,9 +38,11 @@ class Orders:
 
     def owner(self, param: str) -> str:
         """The observed layer that owns parameter ``param`` (see :func:`~lightning_hookdiag.names.owning_layer`)."""
-        # A selected container owns "<container>.<child>.<name>": the longest known layer prefix is the module that
-        # was observed, not the dotted name minus its last segment.
         return owning_layer(param, self.layers)
+
+    def owners(self, params: Iterable[str]) -> list[str]:
+        """The layers that own ``params``, each once, in forward order."""
+        return sorted({self.owner(p) for p in params}, key=self.forward_key)
 
     def forward_key(self, layer: str) -> tuple[int, int, str]:
         """Sort key of ``layer`` in forward order; the batch first, layers of unknown position last, by name."""
@@ -64,6 +61,14 @@ class Orders:
         if layer in self.forward:
             return (1, -self.forward[layer], "")
         return (2, 0, layer)
+
+
+def first_positions(names: Sequence[str]) -> dict[str, int]:
+    """Each name's index in ``names`` at its first occurrence."""
+    positions: dict[str, int] = {}
+    for i, name in enumerate(names):
+        positions.setdefault(name, i)
+    return positions
 
 
 def finite(x: Any) -> bool:
@@ -114,10 +119,6 @@ class Baseline:
     values: Mapping[str, Mapping[str, float]]
 
 
-def _frozen(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
-    return MappingProxyType(dict(mapping or {}))
-
-
 @dataclass(frozen=True)
 class Context:
     """What every rule reads: the arguments of :func:`~lightning_hookdiag.rules.evaluate`, read-only."""
@@ -139,7 +140,7 @@ class Context:
     def __post_init__(self) -> None:
         # frozen: the read-only views are set through object.__setattr__, once.
         for name in ("values", "layer_types", "last_finite", "eval_mode", "unregistered", "param_facts"):
-            object.__setattr__(self, name, _frozen(getattr(self, name)))
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name) or {})))
         object.__setattr__(self, "missing_grads", frozenset(self.missing_grads))
 
     def stat(self, name: str) -> Mapping[str, float]:

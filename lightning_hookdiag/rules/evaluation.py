@@ -1,8 +1,4 @@
-"""Run the enabled rules on one step and sort their findings.
-
-:func:`values_from_metrics` turns logged keys back into what the rules read; :func:`format_error` writes the
-findings as one message.
-"""
+"""Run the enabled rules on one step and sort their findings; write them as one message; read logged keys back."""
 
 from __future__ import annotations
 
@@ -98,9 +94,8 @@ def evaluate(
     rank = {r.name: i for i, r in enumerate(registered())}
 
     def key(f: Finding) -> tuple[Any, ...]:
-        forward = f.phase == "forward"
-        position = ctx.orders.forward_key(f.layer) if forward else ctx.orders.backward_key(f.layer)
-        return (PHASES.index(f.phase), position, rank[f.rule], f.stat)
+        position = ctx.orders.forward_key if f.phase == "forward" else ctx.orders.backward_key
+        return (PHASES.index(f.phase), position(f.layer), rank[f.rule], f.stat)
 
     return sorted(findings, key=key)
 
@@ -144,11 +139,7 @@ def values_from_metrics(metrics: Mapping[str, float], prefix: str = "layer_healt
     for key, value in metrics.items():
         split = _split_key(key, prefix)
         if split is not None:
-            stat, name = split
-            group = out.get(stat)
-            if group is None:
-                group = out[stat] = {}
-            group[name] = float(value)
+            out.setdefault(split[0], {})[split[1]] = float(value)
     return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["MAX_LISTED", "PHASES", "Finding", "also", "listing", "plural"]
+__all__ = ["MAX_LISTED", "PHASES", "Finding", "also", "listing", "plural", "spread"]
 
 
 PHASES: tuple[str, ...] = ("forward", "backward")
@@ -24,9 +24,9 @@ class Finding:
     Attributes:
         rule: Name from :data:`~lightning_hookdiag.rules.RULES`.
         layer: The layer (module name) the finding is about; for findings about parameters, the parameter's
-            module: the longest observed layer that prefixes its dotted name, else the name minus its last segment.
-            ``LOSS`` for the loss itself, ``BATCH`` for the step's batch, and, for a NaN made by functional code
-            between two layers, the module whose forward made it (not necessarily selected) or ``ROOT``.
+            module (:meth:`~lightning_hookdiag.rules.context.Orders.owner`); ``LOSS`` for the loss itself,
+            ``BATCH`` for the step's batch, and, for a NaN made by functional code between two layers, the module
+            whose forward made it (not necessarily selected) or ``ROOT``.
         step: The optimizer step the statistics describe.
         value: The observed value compared with ``threshold`` (a count, a fraction, a ratio, a bound).
         threshold: The threshold it crossed (``0.0`` where any count above it fires).
@@ -58,6 +58,12 @@ def listing(names: Sequence[str]) -> str:
     """The first :data:`MAX_LISTED` of ``names``, comma-separated, with ``...`` when there are more."""
     shown = ", ".join(names[:MAX_LISTED])
     return shown + (", ..." if len(names) > MAX_LISTED else "")
+
+
+def spread(params: Sequence[str], owners: Sequence[str]) -> str:
+    """``"N parameter(s) in M layer(s), the first in forward order: <owners[0]>"``."""
+    layers = plural(len(owners), "layer")
+    return f"{plural(len(params), 'parameter')} in {layers}, the first in forward order: {owners[0]}"
 
 
 def also(others: Sequence[str], where: str, what: str) -> str:

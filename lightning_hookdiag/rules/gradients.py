@@ -1,8 +1,6 @@
 """The rules on how the gradient travels to the input end.
 
-``no_gradient`` (:func:`cut_off`: where it stops), ``vanishing_gradient`` and ``exploding_gradient`` (the output
-gradients' norms over the output end's, and the layer that amplifies them)
-(``docs/rules.md#why-the-gradient-rules-look-at-the-whole-input-side-of-a-layer``).
+``docs/rules.md#why-the-gradient-rules-look-at-the-whole-input-side-of-a-layer``.
 """
 
 from __future__ import annotations
@@ -12,7 +10,7 @@ import statistics
 from collections.abc import Collection, Iterator, Mapping, Sequence
 
 from lightning_hookdiag.names import owning_layer
-from lightning_hookdiag.rules.context import Context, finite
+from lightning_hookdiag.rules.context import Context, finite, first_positions
 from lightning_hookdiag.rules.findings import also, plural
 from lightning_hookdiag.rules.registry import Found, rule
 
@@ -27,13 +25,14 @@ def cut_off(
 ) -> list[str]:
     """The layers the gradient never reached on its way to the input end, in forward order (``no_gradient``).
 
-    A layer is cut off when its output required grad but received no gradient (``missing_grads``) and it ran
-    before the first layer, in forward order, that did receive one (``backward_order``), and none of the parameters
-    it owns received a non-zero gradient (``param_grad_norm``, when known). A layer that ran *after* some layer that
-    received a gradient is a branch that does not reach the loss by design (BERT's pooler under a token-level head,
-    an auxiliary output): the network before it learns, so it is not reported; nor is anything when no layer
-    received a gradient (no backward ran). The parameter check covers modules that return a tuple: only the first
-    floating-point output is watched, and an ``nn.LSTM`` whose ``h_n`` alone feeds the head still learns.
+    Which layers those are, and why a branch after the first layer that got a gradient is not one:
+    ``docs/rules.md#no_gradient-where-the-gradient-stops``.
+
+    Args:
+        missing_grads: Layers whose output required grad but received no gradient.
+        forward_order: Layers in the order their forward first ran.
+        backward_order: Layers in the order their output gradient arrived.
+        param_grad_norm: Parameter name to its gradient norm, when known: a layer whose parameters got one learns.
 
     Example:
         >>> cut_off({"body.0", "body.1", "pool"}, ["body.0", "body.1", "head", "pool"], ["head"])
@@ -41,9 +40,7 @@ def cut_off(
         >>> cut_off({"lstm"}, ["lstm", "head"], ["head"], {"lstm.weight_hh_l0": 0.3})
         []
     """
-    forward = {}
-    for i, name in enumerate(forward_order):
-        forward.setdefault(name, i)
+    forward = first_positions(forward_order)
     reached = [forward[n] for n in backward_order if n in forward]
     if not reached:
         return []
@@ -95,10 +92,8 @@ def _gradient_ratios(ctx: Context) -> tuple[str, float, list[tuple[str, float]]]
 def _input_side(rest: Sequence[tuple[str, float]], vanishing: bool) -> list[tuple[float, str]]:
     """For each layer of ``rest`` (backward order), the extreme ratio over it and every layer after it.
 
-    Vanishing takes the largest ratio from a layer to the input end: the gradient signal is lost there only if no
-    layer between it and the input still receives it (a residual stream carries it past q/k projections and
-    zero-initialised branches). Exploding takes the smallest positive ratio: it blew up only if every layer from
-    there to the input receives a blown-up gradient (an exact 0 is no signal at all, not a small one).
+    The largest for vanishing (a residual stream carries the signal past q/k projections and zero-initialised
+    branches); the smallest positive one for exploding (an exact 0 is no signal at all, not a small one).
     """
     out: list[tuple[float, str]] = []
     best: tuple[float, str] | None = None
@@ -112,40 +107,24 @@ def _input_side(rest: Sequence[tuple[str, float]], vanishing: bool) -> list[tupl
     return out[::-1]
 
 
-def _largest_gain(ref: tuple[str, float], rest: Sequence[tuple[str, float]]) -> tuple[str, str, float, float] | None:
-    """Where the output-gradient norm grows most between consecutive layers in backward order (zeros skipped).
-
-    Returns ``(layer, next_layer, gain, median of the other gains)``: ``next_layer``'s norm over ``layer``'s, the
-    largest such ratio from the output end to the input end. In a chain, the gradient at ``next_layer``'s output is
-    what ``layer``'s backward (and that of any unobserved module between them) makes of ``layer``'s output gradient,
-    so ``layer`` is where the gradient is amplified. ``None`` with fewer than two positive norms.
-    """
-    chain = [ref, *((layer, norm) for layer, norm in rest if norm > 0)]
-    gains = [(after[1] / before[1], before[0], after[0]) for before, after in zip(chain[:-1], chain[1:], strict=True)]
-    if not gains:
-        return None
-    best = max(range(len(gains)), key=lambda i: gains[i][0])
-    gain, layer, nxt = gains[best]
-    others = [g for i, (g, _, _) in enumerate(gains) if i != best]
-    return layer, nxt, gain, statistics.median(others) if others else math.nan
-
-
 def _amplifier(ref_layer: str, rest: Sequence[tuple[str, float]], fired: str) -> tuple[str, str]:
     """``exploding_gradient``'s layer and the sentence saying where and how much the gradient grows.
 
     ``rest``: every other layer's ratio to the output end (``ref_layer``), in backward order; ``fired``: the layer
-    from which the rule fired. Only the growth up to ``fired`` made it fire, so the gains are measured from the output
-    end to ``fired``. The layer with the largest gain is named when it holds at least half of the orders of magnitude
-    gained there (the growth happens in one place, as in a recurrent module); when the growth is spread over many
-    layers (every block of a badly initialised stack amplifies a little), no layer is *the* amplifier and ``fired``,
-    the first layer past the threshold, is named, with the largest gain in the message.
+    from which the rule fired. Only the growth up to ``fired`` made it fire, so only it is measured.
     """
     names = [layer for layer, _ in rest]
     upto = rest[: names.index(fired) + 1] if fired in names else list(rest)
-    found = _largest_gain((ref_layer, 1.0), upto)  # ratios to the output end: the same gains as the norms
-    if found is None:
+    # Ratios to the output end give the same gains as the norms (zeros skipped). In a chain, the next layer's output
+    # gradient is what a layer's backward (and any unobserved module's between them) makes of its own: it amplifies.
+    chain = [(ref_layer, 1.0), *((layer, ratio) for layer, ratio in upto if ratio > 0)]
+    gains = [(after[1] / before[1], before[0], after[0]) for before, after in zip(chain[:-1], chain[1:], strict=True)]
+    if not gains:
         return fired, ""
-    layer, nxt, gain, median = found
+    best = max(range(len(gains)), key=lambda i: gains[i][0])
+    gain, layer, nxt = gains[best]
+    rest_gains = [g for i, (g, _, _) in enumerate(gains) if i != best]
+    median = statistics.median(rest_gains) if rest_gains else math.nan
     # The growth from the output end to the fired layer, in orders of magnitude: the share the largest step holds.
     total = max(ratio for _, ratio in upto)
     share = min(1.0, math.log(gain) / math.log(total)) if gain > 1 and finite(total) and total > 1 else math.nan

@@ -1,8 +1,6 @@
-"""Rule ``nonfinite``: where a NaN/Inf was born.
+"""Rule ``nonfinite``: where a NaN/Inf was born, each kind searched in the order a NaN propagates through it.
 
-The outputs, the output gradients, the parameter gradients and the weights are each searched in the order a NaN
-propagates through them, and the sentinel's trip says what the statistics cannot
-(``docs/rules.md#nonfinite-and-broken-weights``, ``docs/rules.md#nonfinite-and-functional-code``).
+``docs/rules.md#nonfinite-and-broken-weights``, ``docs/rules.md#nonfinite-and-functional-code``.
 """
 
 from __future__ import annotations
@@ -12,7 +10,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from lightning_hookdiag.names import BATCH, LOSS, ROOT
 from lightning_hookdiag.rules.context import Context, ParamFacts, finite
-from lightning_hookdiag.rules.findings import also, listing, plural
+from lightning_hookdiag.rules.findings import also, listing, plural, spread
 from lightning_hookdiag.rules.registry import Found, rule
 
 __all__: list[str] = []
@@ -106,12 +104,11 @@ def _broken_by_step(ctx: Context) -> list[Found]:
     ]
     if not bad:
         return []
-    owners = sorted({ctx.orders.owner(p) for p in bad}, key=ctx.orders.forward_key)
+    owners = ctx.orders.owners(bad)
     message = (
         f"nonfinite: the optimizer update of step {ctx.step} wrote NaN/Inf into finite weights from finite gradients:"
-        f" {listing(bad)} ({plural(len(bad), 'parameter')} in {plural(len(owners), 'layer')}, the first in forward"
-        f" order: {owners[0]}) were finite with finite gradients before the step and are not after it."
-        f" {_step_cause(ctx.param_facts.get(bad[0]))}"
+        f" {listing(bad)} ({spread(bad, owners)}) were finite with finite gradients before the step and are not after"
+        f" it. {_step_cause(ctx.param_facts.get(bad[0]))}"
     )
     return [Found(owners[0], len(bad), message, phase="backward", stat="param_update_ratio")]
 
@@ -144,7 +141,7 @@ def _nonfinite_weights(ctx: Context) -> Found | None:
     bad = _nonfinite(ctx.stat("param_norm").items())
     if not bad:
         return None
-    owners = sorted({ctx.orders.owner(p) for p in bad}, key=ctx.orders.forward_key)
+    owners = ctx.orders.owners(bad)
     known = [ctx.last_finite[p] for p in bad if p in ctx.last_finite]
     when = f"; they were last observed finite at step {max(known)}" if known else ""
     trip = ctx.trip
@@ -157,9 +154,8 @@ def _nonfinite_weights(ctx: Context) -> Found | None:
         )
     message = (
         f"nonfinite: the weights are already non-finite before step {ctx.step}: {listing(bad)}"
-        f" ({plural(len(bad), 'parameter')} in {plural(len(owners), 'layer')}, the first in forward order:"
-        f" {owners[0]}){when}{_last_finite_loss(ctx)}. The weights broke on an earlier step; every activation and"
-        " gradient computed from them is non-finite as a consequence and is not blamed on its layer"
+        f" ({spread(bad, owners)}){when}{_last_finite_loss(ctx)}. The weights broke on an earlier step; every"
+        " activation and gradient computed from them is non-finite as a consequence and is not blamed on its layer"
     )
     return Found(owners[0], len(bad), message, phase="forward", stat="param_norm")
 
@@ -213,13 +209,7 @@ def _nonfinite_origins(ctx: Context) -> list[Found]:
 
 
 def _made_between(ctx: Context, entry: Found) -> Found:
-    """The forward finding when the first non-finite layer's input was already non-finite.
-
-    The replay's trace (:mod:`lightning_hookdiag.provenance`) named the innermost module whose forward made the
-    NaN/Inf (``trip.nan_origin``), or none: it was made outside every module's forward. The finding names that module
-    (``ROOT`` for the LightningModule's own code), which sorts where ``entry`` does (see
-    :class:`~lightning_hookdiag.rules.context.Orders`).
-    """
+    """The forward finding, moved to ``trip.nan_origin``, when the first non-finite layer's input was non-finite."""
     assert ctx.trip is not None
     first = entry.layer
     position = ctx.orders.forward.get(first, -1)

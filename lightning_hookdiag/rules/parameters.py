@@ -1,9 +1,4 @@
-"""The rules on what the optimizer step did to the weights.
-
-``update_ratio``, ``stale_gradients``, ``not_updated`` (:func:`moved_mass_bound`), ``replica_divergence`` and
-``unregistered_module`` (``docs/rules.md#not_updated-why-a-parameter-did-not-move``,
-``docs/rules.md#replica_divergence``, ``docs/rules.md#unregistered_module``).
-"""
+"""The rules on what the optimizer step did to the weights (``docs/rules.md#the-rules``)."""
 
 from __future__ import annotations
 
@@ -11,7 +6,7 @@ import math
 from collections.abc import Iterator, Mapping
 
 from lightning_hookdiag.rules.context import Context, Orders, ParamFacts, finite
-from lightning_hookdiag.rules.findings import MAX_LISTED, listing, plural
+from lightning_hookdiag.rules.findings import MAX_LISTED, listing, plural, spread
 from lightning_hookdiag.rules.registry import Found, rule
 
 __all__ = ["moved_mass_bound"]
@@ -20,11 +15,9 @@ __all__ = ["moved_mass_bound"]
 def _layer_updates(orders: Orders, values: Mapping[str, Mapping[str, float]]) -> dict[str, tuple[float, float]]:
     """Per layer, ``(||dw|| / ||w||, ||dw|| / ||g||)`` over all of its tracked parameters together.
 
-    ``dw`` is the update across the optimizer step, ``g`` the gradient; the second ratio is the learning rate the
-    step effectively applied (SGD's ``lr``). Pooled from each parameter's ``param_update_ratio``, ``param_norm`` and
-    ``param_grad_norm``. Left out: a layer whose weights are all exactly 0 (a zero-initialised norm), and one whose
-    gradient is exactly 0 (a branch behind a zero-initialised norm), which moves by weight decay alone (``lr *
-    weight_decay``, 1e-5 with AdamW's defaults at lr 1e-3).
+    The second ratio is the learning rate the step effectively applied (SGD's ``lr``). Left out: a layer whose weights
+    are all exactly 0 (a zero-initialised norm), and one whose gradient is exactly 0 (a branch behind a
+    zero-initialised norm), which moves by weight decay alone (``lr * weight_decay``, 1e-5 with AdamW's defaults).
     """
     ratios, norms = values.get("param_update_ratio") or {}, values.get("param_norm") or {}
     grads = values.get("param_grad_norm") or {}
@@ -61,17 +54,6 @@ def _held_low(fact: ParamFacts) -> bool:
     return base is not None and base > 0 and finite(fact.lr) and fact.lr < _SCHEDULED_LOW * base
 
 
-def _scheduled_low(facts: Mapping[str, ParamFacts]) -> bool:
-    """Whether every stepped parameter's lr is held low: the scheduler raises it again (or ``warmup_stuck`` fires)."""
-    stepped = [f for f in facts.values() if f.held and f.applied]
-    return bool(stepped) and all(_held_low(f) for f in stepped)
-
-
-def _never_stepped(facts: Mapping[str, ParamFacts]) -> bool:
-    """Whether a scheduler holds the lr and has not stepped once (``warmup_stuck`` names that)."""
-    return any(f.scheduler_steps == 0 for f in facts.values() if f.held and f.applied)
-
-
 @rule(order=9, phase="forward", stat="param_update_ratio", reads=["baseline"])
 def update_ratio(ctx: Context) -> list[Found]:
     """Every layer's update is too small for its weights and its gradient."""
@@ -85,9 +67,14 @@ def update_ratio(ctx: Context) -> list[Found]:
     # A scheduler holding the lr low while it rises (or stays: a warm-up that has not stepped yet) is a warm-up; one
     # whose lr fell more than 2x since the last sampled step (a decay stepped far too often: 10x a step) is what this
     # rule is for. The effective lr wobbles with Adam's moments, hence the factor.
-    if _scheduled_low(ctx.param_facts) and (
-        _never_stepped(ctx.param_facts)
-        or max(lr for _, lr in now.values()) >= 0.5 * max(lr for _, lr in before.values())
+    stepped = [f for f in ctx.param_facts.values() if f.held and f.applied]
+    if (
+        stepped
+        and all(_held_low(f) for f in stepped)
+        and (
+            any(f.scheduler_steps == 0 for f in stepped)
+            or max(lr for _, lr in now.values()) >= 0.5 * max(lr for _, lr in before.values())
+        )
     ):
         return []
     low, lr_low = ctx.config.update_ratio_low, ctx.config.effective_lr_low
@@ -120,7 +107,7 @@ def stale_gradients(ctx: Context) -> list[Found]:
     }
     if not stale:
         return []
-    owners = sorted({ctx.orders.owner(p) for p in stale}, key=ctx.orders.forward_key)
+    owners = ctx.orders.owners(stale)
     first = [p for p in stale if ctx.orders.owner(p) == owners[0]]
     message = (
         f"stale_gradients: at the first backward of step {ctx.step}, {plural(len(stale), 'parameter')} already held a"
@@ -147,7 +134,7 @@ def warmup_stuck(ctx: Context) -> list[Found]:
     stuck = [p for p, fact in facts.items() if _held_at_start(fact)]
     if not stuck:
         return []
-    owners = sorted({ctx.orders.owner(p) for p in stuck}, key=ctx.orders.forward_key)
+    owners = ctx.orders.owners(stuck)
     fact = facts[stuck[0]]
     assert fact.base_lr is not None
     share = fact.lr / fact.base_lr
@@ -160,8 +147,7 @@ def warmup_stuck(ctx: Context) -> list[Found]:
     message = (
         f"warmup_stuck at step {ctx.step}: the LR scheduler has not stepped once in"
         f" {plural(ctx.step, 'optimizer step')} and holds the learning rate at its starting value {fact.lr:.3g},"
-        f" {share:.3g} of its base lr {fact.base_lr:.3g} ({plural(len(stuck), 'parameter')} in"
-        f" {plural(len(owners), 'layer')}, the first in forward order: {owners[0]}): {how}"
+        f" {share:.3g} of its base lr {fact.base_lr:.3g} ({spread(stuck, owners)}): {how}"
     )
     return [Found(owners[0], share, message, _SCHEDULED_LOW)]
 
@@ -201,9 +187,7 @@ def zeroed_gradients(ctx: Context) -> list[Found]:
 def moved_mass_bound(ratio: float, eps: float) -> float:
     """Upper bound on the share of a weight's squared mass held by the entries that changed across a step.
 
-    An entry that changes moves by at least one unit in the last place, ``>= (eps / 2) |w_i|``, so the changed
-    entries' squared mass is at most ``||dw||**2 / (eps / 2)**2``
-    (``docs/rules.md#not_updated-why-a-parameter-did-not-move``).
+    Why it bounds it: ``docs/rules.md#not_updated-why-a-parameter-did-not-move``.
 
     Args:
         ratio: ``param_update_ratio``, ``||dw|| / ||w||``, ``>= 0``.
@@ -222,8 +206,6 @@ _SCHEDULED_LOW = 1e-2
 
 # Why a parameter did not move, in the order a module's finding names them.
 _UNHELD, _LR_ZERO, _ROUNDED = "unheld", "lr_zero", "rounded"
-
-
 _FLOAT32_EPS = 2.0**-23
 
 

@@ -1,12 +1,12 @@
-"""The trend rules, precursors of a loss spike: ``attention_logits``, ``logit_drift`` and ``update_jump``.
+"""The trend rules: a step against the earlier ones of a :class:`~lightning_hookdiag.trends.History`.
 
-Each reads the current step and the earlier sampled steps of a :class:`~lightning_hookdiag.trends.History`
-(``docs/rules.md#trend-rules``).
+``docs/rules.md#trend-rules``.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterator
 
 from lightning_hookdiag import trends
@@ -17,15 +17,10 @@ from lightning_hookdiag.rules.registry import Found, rule
 __all__: list[str] = []
 
 
-def _points(ctx: Context, stat: str, name: str, value: float, keep: int) -> list[tuple[int, float]]:
-    """The last ``keep`` kept points of ``stat`` at ``name``, the current value last."""
+def _points(ctx: Context, stat: str, name: str, value: float, windows: int = 1) -> list[tuple[int, float]]:
+    """The last ``windows * trend_window`` kept points of ``stat`` at ``name``, the current ``value`` last."""
     earlier = [] if ctx.history is None else [p for p in ctx.history.points(stat, name) if p[0] < ctx.step]
-    return [*earlier, (ctx.step, value)][-keep:]
-
-
-def _window(ctx: Context, stat: str, name: str, value: float) -> list[tuple[int, float]]:
-    """The last ``trend_window`` points of ``stat`` at ``name``, the current value included."""
-    return _points(ctx, stat, name, value, ctx.config.trend_window)
+    return [*earlier, (ctx.step, value)][-windows * ctx.config.trend_window :]
 
 
 @rule(order=16, phase="forward", stat="attn_logit_max")
@@ -52,13 +47,13 @@ def attention_logits(ctx: Context) -> Iterator[Found]:
 def _attention_trend(ctx: Context, layer: str, value: float) -> str:
     """The message of a steady rise projected to cross the threshold soon, or ``""``."""
     config = ctx.config
-    points = _window(ctx, "attn_logit_max", layer, value)
+    points = _points(ctx, "attn_logit_max", layer, value)
     if len(points) < config.trend_window or trends.rising_share(points) < 0.75:
         return ""
     crossing = trends.crossing_step(points, config.attn_logit_threshold)
     if crossing is None:
         return ""
-    spacing = trends.median([b[0] - a[0] for a, b in zip(points, points[1:], strict=False)])
+    spacing = statistics.median([b[0] - a[0] for a, b in zip(points, points[1:], strict=False)])
     if crossing - ctx.step > config.attn_trend_horizon * spacing:
         return ""
     first_step, first = points[0]
@@ -69,11 +64,6 @@ def _attention_trend(ctx: Context, layer: str, value: float) -> str:
     )
 
 
-def _span(ctx: Context, stat: str, name: str, value: float) -> list[tuple[int, float]]:
-    """Every kept point of ``stat`` at ``name`` (up to ``4 * trend_window``), the current value last."""
-    return _points(ctx, stat, name, value, 4 * ctx.config.trend_window)
-
-
 @rule(order=17, phase="forward", stat="logit_lse_mean")
 def logit_drift(ctx: Context) -> Iterator[Found]:
     """The output logits' log Z drifted over the window while the loss stayed flat."""
@@ -81,11 +71,11 @@ def logit_drift(ctx: Context) -> Iterator[Found]:
     loss = ctx.stat("step_loss").get(LOSS)
     if not finite(loss):
         return
-    losses = dict(_span(ctx, "step_loss", LOSS, float(loss)))
+    losses = dict(_points(ctx, "step_loss", LOSS, float(loss), 4))
     for layer, value in ctx.stat("logit_lse_mean").items():
         if not finite(value):
             continue
-        points = _span(ctx, "logit_lse_mean", layer, value)
+        points = _points(ctx, "logit_lse_mean", layer, value, 4)
         if len(points) < config.trend_window:
             continue
         # The earliest kept step from which log Z moved far while the loss stayed flat: a slow drift is caught once
@@ -123,19 +113,19 @@ def unbounded_loss(ctx: Context) -> Iterator[Found]:
     loss = ctx.stat("step_loss").get(LOSS)
     if not finite(loss) or loss >= 0:  # a loss of a bounded family (cross-entropy, MSE) is never negative
         return
-    losses = dict(_span(ctx, "step_loss", LOSS, float(loss)))
+    losses = dict(_points(ctx, "step_loss", LOSS, float(loss), 4))
     growth = config.unbounded_growth
     for layer, value in ctx.stat("logit_absmax").items():
         if not finite(value):
             continue
-        points = [(s, v) for s, v in _span(ctx, "logit_absmax", layer, value) if s in losses]
+        points = [(s, v) for s, v in _points(ctx, "logit_absmax", layer, value, 4) if s in losses]
         if len(points) < config.trend_window:
             continue
         # Medians of thirds of the span: one noisy batch does not make or break a trend.
         third = len(points) // 3
         parts = [points[:third], points[third:-third], points[-third:]]
-        logits = [trends.median([v for _, v in part]) for part in parts]
-        early, middle, late = (trends.median([losses[s] for s, _ in part]) for part in parts)
+        logits = [statistics.median([v for _, v in part]) for part in parts]
+        early, middle, late = (statistics.median([losses[s] for s, _ in part]) for part in parts)
         falls = (early - middle, middle - late)
         grown = logits[2] - logits[0]
         if not (
@@ -167,16 +157,15 @@ def unbounded_loss(ctx: Context) -> Iterator[Found]:
 
 
 def _layer_update_norms(ctx: Context) -> dict[str, list[tuple[int, float]]]:
-    """Per layer, ``||w_after - w_before||`` over all its parameters on each step of the window, oldest first.
-
-    The update norm is ``param_update_ratio * param_norm``; the current step comes last (if it was measured).
-    """
+    """Per layer, the update norm ``param_update_ratio * param_norm`` of its parameters per step, oldest first."""
     by_step: dict[str, dict[int, list[float]]] = {}
-    params = [p for p in ctx.stat("param_update_ratio") if p in ctx.stat("param_norm")]
-    for param in params:
-        ratio, norm = ctx.stat("param_update_ratio")[param], ctx.stat("param_norm")[param]
-        ratios = dict(_window(ctx, "param_update_ratio", param, ratio)) if finite(ratio) else {}
-        norms = dict(_window(ctx, "param_norm", param, norm)) if finite(norm) else {}
+    norms_now = ctx.stat("param_norm")
+    for param, ratio in ctx.stat("param_update_ratio").items():
+        if param not in norms_now:
+            continue
+        norm = norms_now[param]
+        ratios = dict(_points(ctx, "param_update_ratio", param, ratio)) if finite(ratio) else {}
+        norms = dict(_points(ctx, "param_norm", param, norm)) if finite(norm) else {}
         steps = by_step.setdefault(ctx.orders.owner(param), {})
         for step, r in ratios.items():
             if step in norms and r >= 0:
@@ -197,13 +186,13 @@ def update_jump(ctx: Context) -> Iterator[Found]:
         *earlier, (_, now) = points
         if len(earlier) < config.trend_window - 1:
             continue
-        own = trends.median([v for _, v in earlier])
+        own = statistics.median([v for _, v in earlier])
         if own > 0:
             jumps[layer] = (now / own, own)
     if not jumps:
         return
     # A learning-rate schedule (warm-up) moves every layer's update together: compare with the typical jump too.
-    typical = trends.median([j for j, _ in jumps.values()])
+    typical = statistics.median([j for j, _ in jumps.values()])
     for layer, (jump, own) in jumps.items():
         if jump >= config.update_jump_ratio and jump >= config.update_jump_ratio * typical:
             yield Found(

@@ -16,10 +16,7 @@ __all__ = ["REGISTRY", "Found", "Rule", "registered", "rule"]
 
 
 class Found(NamedTuple):
-    """What a rule found on one layer: a :class:`~lightning_hookdiag.rules.Finding` without what the registry knows.
-
-    ``phase`` and ``stat`` default to the rule's own (``None``); the rule's name and the step are filled in.
-    """
+    """A :class:`~lightning_hookdiag.rules.Finding` less the rule's name and the step; ``None``: the rule's own."""
 
     layer: str
     value: float
@@ -44,11 +41,6 @@ class Rule:
     stat: str
     reads: tuple[str, ...]
     event: bool
-
-    @property
-    def family(self) -> str:
-        """The module the rule is written in (``"activations"``)."""
-        return self.check.__module__.rpartition(".")[2]
 
     def run(self, ctx: Any) -> list[Finding]:
         """The rule's findings on ``ctx``; none when a part of the context it reads is absent or empty."""
@@ -100,8 +92,8 @@ def rule(
         >>> @rule(order=99, phase="forward", stat="act_std", name="doc_quiet")
         ... def quiet(ctx):
         ...     return []
-        >>> REGISTRY["doc_quiet"].family, [r.name for r in registered()][-1]
-        ('registry', 'doc_quiet')
+        >>> REGISTRY["doc_quiet"].phase, [r.name for r in registered()][-1]
+        ('forward', 'doc_quiet')
         >>> del REGISTRY["doc_quiet"]
     """
 
