@@ -7,6 +7,7 @@ Its hook methods route the Trainer's events to the fit's :class:`~lightning_hook
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import fields
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -52,9 +53,8 @@ HistogramWriter = Callable[[str, list[float], list[float], list[float], int], No
 def _histogram_writer(logger: Logger) -> HistogramWriter | None:
     """A function writing one histogram to ``logger``, or ``None`` if the logger cannot store histograms.
 
-    The logger's own ``prefix`` applies to histogram keys as it does to scalars: W&B histograms go through
-    ``log_metrics``; TensorBoard's ``log_metrics`` takes scalars only, so its key is prefixed by the same Lightning
-    function that ``log_metrics`` uses.
+    The logger's ``prefix`` applies as to scalars: TensorBoard's ``log_metrics`` takes scalars only, so its key is
+    prefixed with the function ``log_metrics`` uses.
     """
     if isinstance(logger, TensorBoardLogger):
 
@@ -90,10 +90,7 @@ def _histogram_writer(logger: Logger) -> HistogramWriter | None:
 def _schedule(
     trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
 ) -> tuple[str | None, int | None]:
-    """How the Trainer steps ``optimizer``'s LR scheduler and how many times it has stepped; ``(None, None)``: none.
-
-    In manual optimization the Trainer steps no scheduler: the interval is ``None`` there.
-    """
+    """How the Trainer steps ``optimizer``'s LR scheduler (manual optimization: ``None``) and how often it has."""
     for config in trainer.lr_scheduler_configs:
         if getattr(config.scheduler, "optimizer", None) is optimizer:
             steps = getattr(config.scheduler, "last_epoch", None)
@@ -258,25 +255,15 @@ class LayerHealthCallback(Callback):
         self.precision_targets = resolve_targets(precision_targets)
         self.dead_unit_types = import_types(dead_unit_types, "dead_unit_types")
         enabled = self.rule_config.enabled
-        # What every fit of this callback starts from; the configuration is fixed at construction.
-        self._config = FitConfig(
-            every_n_steps=self.every_n_steps,
-            layers=self.layers,
-            layer_types=self.layer_types,
-            exclude=self.exclude,
-            stats=self.stats,
-            prefix=self.prefix,
-            dead_unit_types=self.dead_unit_types,
-            unit_dim=self.unit_dim,
-            histogram_every_n_steps=self.histogram_every_n_steps,
-            histogram_bins=self.histogram_bins,
-            precision_targets=self.precision_targets,
-            output_layer=self.output_layer,
-            sentinel_grads=sentinel == "loss+grads",
-            eval_mode="eval_mode" in enabled,
-            unregistered="unregistered_module" in enabled,
-            batch_rows="repeated_batch" in enabled,
-        )
+        derived = {
+            "sentinel_grads": sentinel == "loss+grads",
+            "eval_mode": "eval_mode" in enabled,
+            "unregistered": "unregistered_module" in enabled,
+            "batch_rows": "repeated_batch" in enabled,
+        }
+        # What every fit starts from, fixed at construction; every other field is the validated attribute of its name.
+        settings = {f.name: getattr(self, f.name) for f in fields(FitConfig) if f.name not in derived}
+        self._config = FitConfig(**derived, **settings)
         r = self.rule_config
         spikes = SpikeDetector(r.spike_window, r.spike_warmup, r.spike_zscore, r.spike_ratio, floor=r.spike_floor)
         # Created here, not when fit starts: a checkpoint's baseline is loaded before on_fit_start runs.
@@ -340,12 +327,11 @@ class LayerHealthCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """Keep a reference to the micro-batch for the sentinel; attach hooks if its optimizer step is sampled."""
-        run = self._run
-        if run is None:
+        if (run := self._run) is None:
             return
         step, state = trainer.global_step, run.state
         if state.window is not None and state.window.step != step:
-            self._finish_window(trainer)  # its optimizer step happened without a batch end in between
+            self._finish_window(trainer, run)  # its optimizer step happened without a batch end in between
         if self._sentinel is not None:
             if state.micro.step != step:
                 self._end_step(run)
@@ -362,8 +348,7 @@ class LayerHealthCallback(Callback):
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         """Add the micro-batch's loss to the sentinel's total (on the device); end an observed step's forward."""
-        run = self._run
-        if run is None:
+        if (run := self._run) is None:
             return
         if self._sentinel is not None:
             self._sentinel.observe_loss(loss)
@@ -376,8 +361,7 @@ class LayerHealthCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         """Run the sentinel's check; replay a tripped step; measure the weights and gradients of an observed step."""
-        run = self._run
-        if run is None:
+        if (run := self._run) is None:
             return
         scale = getattr(getattr(trainer.precision_plugin, "scaler", None), "_scale", None)
         scale = scale if isinstance(scale, Tensor) else None
@@ -390,7 +374,7 @@ class LayerHealthCallback(Callback):
         run.before_optimizer_step(optimizer, trainer.optimizers, scale, watch, _schedule(trainer, pl_module, optimizer))
         if trip is not None and self.on_anomaly == "raise":
             run.end_micro_batch()  # finished before the update: its hooks must not see LBFGS's later closures
-            self._finish_window(trainer, before_update=True)  # raises on any finding, before the update
+            self._finish_window(trainer, run, before_update=True)  # raises on any finding, before the update
         elif trip is not None and self.on_anomaly == "stop":
             trainer.should_stop = True
 
@@ -399,13 +383,12 @@ class LayerHealthCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """Remove hooks; once the sampled step's optimizer has stepped, pool and log it."""
-        run = self._run
-        if run is None:
+        if (run := self._run) is None:
             return
         run.end_micro_batch()
         state = run.state
         if state.window is not None and trainer.global_step != state.window.step:
-            self._finish_window(trainer)
+            self._finish_window(trainer, run)
         if state.micro.step is not None and trainer.global_step != state.micro.step:
             self._end_step(run)
 
@@ -417,9 +400,8 @@ class LayerHealthCallback(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        """Release the fit as ``teardown`` does: Lightning skips ``teardown`` after an exception."""
-        self._stage = None
-        self._release_fit()
+        """Release the fit as :meth:`teardown` does: Lightning skips ``teardown`` after an exception."""
+        self.teardown(trainer, pl_module, "fit")
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -428,15 +410,14 @@ class LayerHealthCallback(Callback):
         Hooks still attached here mean Lightning skipped the rest of the epoch after they were attached; they must
         not see the module's own ``on_train_epoch_end`` (called after the callbacks') or anything later.
         """
-        run = self._run
-        if run is not None and run.hooks.attached:
-            self._drop_step(run)
+        if (run := self._run) is not None and run.hooks.attached:
+            self._end_step(run, drop=True)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A step left unfinished at the end of training is dropped, not logged; then the summary is printed."""
         if self._run is not None:
-            self._drop_step(self._run)
+            self._end_step(self._run, drop=True)
         if self.summary and self.last_step is not None:
             rank_zero_info(self.summary_table())
 
@@ -460,7 +441,7 @@ class LayerHealthCallback(Callback):
         """Drop everything the fit created: the one place every exit goes through, so that no module or tensor stays."""
         run, self._run = self._run, None
         if run is not None:
-            self._drop_step(run)
+            self._end_step(run, drop=True)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle the configuration and results, not the LightningModule.
@@ -526,13 +507,13 @@ class LayerHealthCallback(Callback):
         if self._sentinel is not None:
             self._sentinel.reset()
 
-    def _drop_step(self, run: FitRun) -> None:
-        """Remove the hooks, drop the open window, the step's micro-batches and loss total: none of it is logged."""
-        run.release()
-        self._end_step(run)
+    def _end_step(self, run: FitRun, drop: bool = False) -> None:
+        """Forget the step's micro-batches and the sentinel's loss total; ``drop``: also the hooks and the open window.
 
-    def _end_step(self, run: FitRun) -> None:
-        """The optimizer step is over: forget its micro-batches and the sentinel's loss total."""
+        A dropped window is not logged.
+        """
+        if drop:
+            run.release()
         run.state.micro.release()
         if self._sentinel is not None:
             self._sentinel.discard()
@@ -568,10 +549,8 @@ class LayerHealthCallback(Callback):
         else:
             rank_zero_warn(note.message, category=LayerHealthWarning)
 
-    def _finish_window(self, trainer: pl.Trainer, before_update: bool = False) -> None:
+    def _finish_window(self, trainer: pl.Trainer, run: FitRun, before_update: bool = False) -> None:
         """Pool, log and diagnose the open window; ``before_update``: the optimizer has not stepped (no update)."""
-        run = self._run
-        assert run is not None
         observed = run.collect(before_update)
         if observed.layers:  # a window of parameters only keeps the last observed order for the rules
             self.execution_order = observed.forward_order

@@ -62,13 +62,11 @@ def logging_silenced(pl_module: pl.LightningModule) -> Iterator[None]:
         return None
 
     # Instance attributes shadow the methods; deleting them brings the methods back.
-    pl_module.__dict__["log"] = ignore
-    pl_module.__dict__["log_dict"] = ignore
+    pl_module.__dict__.update(log=ignore, log_dict=ignore)
     try:
         yield
     finally:
-        del pl_module.__dict__["log"]
-        del pl_module.__dict__["log_dict"]
+        del pl_module.__dict__["log"], pl_module.__dict__["log_dict"]
 
 
 def training_step_loss(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Callable[[MicroBatch], Tensor | None]:

@@ -1,11 +1,6 @@
-"""The always-on sentinel: a cheap per-step trip test, and the replay of a tripped step without side effects.
+"""The always-on sentinel (``docs/sentinel.md``): a cheap per-step trip test, and the replay of a tripped step.
 
-:class:`LossSentinel` checks every optimizer step with one host read (and, under multi-process training, one MAX
-all-reduce, so that every process trips on the same step); :class:`SpikeDetector` is its loss-spike test.
-:func:`replay_step` re-runs a tripped step's micro-batches through a :class:`~lightning_hookdiag.hooks.HookSet` and
-restores everything the replay could change. Nothing here knows Lightning (the callback hands over a function that
-runs one micro-batch), the rules or logging. What the sentinel does and what a replay cannot restore:
-``docs/sentinel.md``.
+Nothing here knows Lightning (the callback hands over a function that runs one micro-batch), the rules or logging.
 """
 
 from __future__ import annotations
@@ -14,7 +9,8 @@ import itertools
 import math
 import random
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,14 +25,7 @@ from lightning_hookdiag.stats import accumulation_dtype
 from lightning_hookdiag.step_state import Trip, TripKind
 from lightning_hookdiag.validation import choice
 
-__all__ = [
-    "SENTINEL_MODES",
-    "LossSentinel",
-    "MicroBatch",
-    "SpikeDetector",
-    "Trip",
-    "replay_step",
-]
+__all__ = ["SENTINEL_MODES", "LossSentinel", "MicroBatch", "SpikeDetector", "Trip", "replay_step"]
 
 SENTINEL_MODES: tuple[str, ...] = ("loss", "loss+grads")
 """Values of the callback's ``sentinel`` argument besides ``None``."""
@@ -47,13 +36,13 @@ class SpikeDetector:
 
     A loss trips when it rises above the *centre* (the lower median of the latest ``recent`` healthy losses) by more
     than a factor ``ratio`` *and* by more than ``zscore`` robust standard deviations of the noise, measured free of
-    any trend from consecutive differences (``1.4826 * MAD / sqrt(2)``); the spread alone would trip on an almost
-    constant loss, the ratio alone on a noisy one. Non-negative windows are compared on a log scale without their
-    exact zeros (fewer than 3 positive losses: nothing trips), where a spike must also reach ``floor`` times
-    :attr:`start`, the run's early loss level; a negative loss switches to a linear scale, with a minimum rise of
+    any trend from consecutive differences (``1.4826 * MAD / sqrt(2)``): the spread alone would trip on an almost
+    constant loss, the ratio alone on a noisy one. Non-negative windows are compared on a log
+    scale without their exact zeros (fewer than 3 positive losses: nothing trips), where a spike must also reach
+    ``floor`` times :attr:`start`; a negative loss switches to a linear scale, with a minimum rise of
     ``(ratio - 1) * max(|centre|, scale)``, ``scale`` the median non-zero ``|loss|``. Only healthy steps enter the
-    window; nothing trips during the first ``warmup``. The reasons: ``docs/sentinel.md``. Cost on the host: 1.5 us
-    when the loss is below ``ratio`` times the smallest recent loss (most steps), else 12 us.
+    window. The reasons: ``docs/sentinel.md``. Cost on the host: 1.5 us when the loss is below ``ratio`` times the
+    smallest recent loss (most steps), else 12 us.
 
     Args:
         window: Number of recent healthy losses kept.
@@ -104,10 +93,7 @@ class SpikeDetector:
         self._log_ratio = math.log(ratio)
 
     def median(self) -> float | None:
-        """The centre the next loss is compared with: the lower median of the latest ``recent`` healthy losses.
-
-        On the log scale only positive losses count. ``None`` when there is none.
-        """
+        """The centre the next loss is compared with (on the log scale, of positive losses only); ``None``: none."""
         linear = self._negative > 0
         latest = [v for v in reversed(self.losses) if linear or v > 0][: self.recent]
         return _lower_median(latest) if latest else None
@@ -275,9 +261,8 @@ class LossSentinel:
             loss = loss / scale.to(loss.device, torch.float32)
         grads = [stored_values(g) for g in grads] if self.mode == "loss+grads" else []
         value, bad_grad = self._read(loss, grads)
-        bad_loss = not math.isfinite(value)
         kind: TripKind | None = None
-        if bad_loss:
+        if not math.isfinite(value):
             kind, value = "nonfinite_loss", math.nan
         elif bad_grad:
             kind = "nonfinite_grad"
@@ -286,11 +271,10 @@ class LossSentinel:
         if kind is None:
             self.last_finite_step = step
             return None
+        self.previous_trip = step
         # A trip never enters the window, so its median is still the one the step was compared with.
         baseline = self.detector.median()
-        trip = Trip(step=step, kind=kind, loss=value, baseline=baseline, last_finite_step=self.last_finite_step)
-        self.previous_trip = step
-        return trip
+        return Trip(step=step, kind=kind, loss=value, baseline=baseline, last_finite_step=self.last_finite_step)
 
     def _read(self, loss: Tensor, grads: Sequence[Tensor]) -> tuple[float, bool]:
         """``(loss, whether a gradient holds a NaN/Inf)``, with one host read, in at most four tensor ops.
@@ -354,27 +338,30 @@ class MicroBatch:
     rng: RngState
 
 
-class _StateSnapshot:
-    """Buffers (BatchNorm's running statistics) and torchmetrics states, as a replayed forward would change them."""
+@contextmanager
+def _restored(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """What :func:`replay_step` promises to leave as it was, restored on exit."""
+    from torchmetrics import Metric
 
-    def __init__(self, module: nn.Module) -> None:
-        from torchmetrics import Metric
-
-        self.buffers = [(b, b.detach().clone()) for b in module.buffers()]
-        self.metrics: list[tuple[Metric, dict[str, Any]]] = []
-        for m in module.modules():
-            if isinstance(m, Metric):
-                state = {name: _clone(value) for name, value in m.metric_state.items()}
-                state.update(_update_count=m._update_count, _computed=m._computed)
-                self.metrics.append((m, state))
-
-    def restore(self) -> None:
+    rng, python_state, numpy_state = capture_rng(device), random.getstate(), numpy.random.get_state()
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    metrics: list[tuple[Metric, dict[str, Any]]] = []
+    for m in module.modules():
+        if isinstance(m, Metric):
+            state = {name: _clone(value) for name, value in m.metric_state.items()}
+            metrics.append((m, {**state, "_update_count": m._update_count, "_computed": m._computed}))
+    try:
+        yield
+    finally:
         with torch.no_grad():
-            for buffer, saved in self.buffers:
+            for buffer, saved in buffers:
                 buffer.copy_(saved)
-        for metric, state in self.metrics:
-            for name, value in state.items():
+        for metric, saved_state in metrics:
+            for name, value in saved_state.items():
                 setattr(metric, name, value)
+        restore_rng(rng, device)
+        random.setstate(python_state)
+        numpy.random.set_state(numpy_state)
 
 
 def _clone(value: Any) -> Any:
@@ -423,12 +410,9 @@ def replay_step(
         (1, True, False)
     """
     params = [p for p in module.parameters() if p.requires_grad]
-    outer = capture_rng(device)
-    python_state, numpy_state = random.getstate(), numpy.random.get_state()
-    snapshot = _StateSnapshot(module)
     produced = 0
-    try:
-        with torch.enable_grad():
+    with _restored(module, device), torch.enable_grad():
+        try:
             hooks.attach()
             if trace is not None:
                 trace.attach()
@@ -441,12 +425,8 @@ def replay_step(
                         torch.autograd.grad(loss, params, allow_unused=True)
                 del loss
                 hooks.end_micro_batch()  # its backward is over: the companions keep its measurement
-    finally:
-        if trace is not None:
-            trace.remove()
-        hooks.remove()
-        snapshot.restore()
-        restore_rng(outer, device)
-        random.setstate(python_state)
-        numpy.random.set_state(numpy_state)
+        finally:
+            if trace is not None:
+                trace.remove()
+            hooks.remove()
     return produced
