@@ -175,8 +175,6 @@ class LayerHealthCallback(Callback):
         last_findings: All findings of the most recent sampled step, earliest origin first.
         trips: Every optimizer step the sentinel tripped on, with whether it was replayed and, if not, why.
 
-    Besides these, two read-only properties: :attr:`fitting` and :attr:`alert_counts`.
-
     Raises:
         ValueError: At construction, for any invalid argument (the message names it and the valid values); when
             fit starts, for a name, glob or type that matches no module (with the closest names).
@@ -268,17 +266,10 @@ class LayerHealthCallback(Callback):
         spikes = SpikeDetector(r.spike_window, r.spike_warmup, r.spike_zscore, r.spike_ratio, floor=r.spike_floor)
         # Created here, not when fit starts: a checkpoint's baseline is loaded before on_fit_start runs.
         self._sentinel = LossSentinel(sentinel, spikes) if sentinel is not None else None
-        self.last_metrics: dict[str, float] = {}
-        self.last_step: int | None = None
         self.layer_names: list[str] = []
-        self.execution_order: list[str] = []
-        self.findings: list[Finding] = []
-        self.last_findings: list[Finding] = []
-        self.trips: list[Trip] = []
-        self._warned: set[str] = set()  # the keys of the one-time notes already given
-        self._diagnosis = Diagnosis(self.rule_config)  # the rules' memory between sampled steps; checkpointed
         self._run: FitRun | None = None  # everything one fit creates, from on_fit_start to _release_fit
         self._stage: str | None = None  # the Trainer's stage: a checkpoint restores this state only in a fit
+        self._start_fresh()
 
     @property
     def fitting(self) -> bool:
@@ -301,10 +292,9 @@ class LayerHealthCallback(Callback):
     # ----------------------------------------------------------------------------------------------- lifecycle
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """A fresh fit starts with no results and an empty memory; a checkpoint restores its own afterwards.
+        """Start fresh when the Trainer starts from step 0 (Lightning restores a ``ckpt_path`` after ``setup``).
 
-        A fit is fresh when its Trainer starts from step 0 (Lightning restores a ``ckpt_path`` after ``setup``); a
-        second ``fit`` of the same Trainer goes on from its step and keeps what the first one found.
+        A second ``fit`` of the same Trainer goes on from its step and keeps what the first one found.
         """
         self._stage = stage
         if stage == "fit" and trainer.global_step == 0:
@@ -330,11 +320,8 @@ class LayerHealthCallback(Callback):
         if (run := self._run) is None:
             return
         step, state = trainer.global_step, run.state
-        if state.window is not None and state.window.step != step:
-            self._finish_window(trainer, run)  # its optimizer step happened without a batch end in between
+        self._close_past(trainer, run)  # its optimizer step happened without a batch end in between
         if self._sentinel is not None:
-            if state.micro.step != step:
-                self._end_step(run)
             # A reference, not a copy; the RNG state is a 5 KB host copy (measured 1.5 us on the CPU).
             state.micro.keep(step, MicroBatch(batch, batch_idx, capture_rng(pl_module.device)))
         if not state.sampled(step):
@@ -386,11 +373,7 @@ class LayerHealthCallback(Callback):
         if (run := self._run) is None:
             return
         run.end_micro_batch()
-        state = run.state
-        if state.window is not None and trainer.global_step != state.window.step:
-            self._finish_window(trainer, run)
-        if state.micro.step is not None and trainer.global_step != state.micro.step:
-            self._end_step(run)
+        self._close_past(trainer, run)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -496,16 +479,24 @@ class LayerHealthCallback(Callback):
 
         New containers, not cleared ones: a reference kept to the previous fit's ``findings`` still holds them.
         """
-        self.last_metrics = {}
-        self.last_step = None
-        self.execution_order = []
-        self.findings = []
-        self.last_findings = []
-        self.trips = []
-        self._warned = set()
-        self._diagnosis = Diagnosis(self.rule_config)
+        self.last_metrics: dict[str, float] = {}
+        self.last_step: int | None = None
+        self.execution_order: list[str] = []
+        self.findings: list[Finding] = []
+        self.last_findings: list[Finding] = []
+        self.trips: list[Trip] = []
+        self._warned: set[str] = set()  # the keys of the one-time notes already given
+        self._diagnosis = Diagnosis(self.rule_config)  # the rules' memory between sampled steps; checkpointed
         if self._sentinel is not None:
             self._sentinel.reset()
+
+    def _close_past(self, trainer: pl.Trainer, run: FitRun) -> None:
+        """Finish the window of an optimizer step that is over, and forget its micro-batches."""
+        state, step = run.state, trainer.global_step
+        if state.window is not None and state.window.step != step:
+            self._finish_window(trainer, run)
+        if state.micro.step is not None and state.micro.step != step:
+            self._end_step(run)
 
     def _end_step(self, run: FitRun, drop: bool = False) -> None:
         """Forget the step's micro-batches and the sentinel's loss total; ``drop``: also the hooks and the open window.

@@ -37,12 +37,12 @@ class SpikeDetector:
     A loss trips when it rises above the *centre* (the lower median of the latest ``recent`` healthy losses) by more
     than a factor ``ratio`` *and* by more than ``zscore`` robust standard deviations of the noise, measured free of
     any trend from consecutive differences (``1.4826 * MAD / sqrt(2)``): the spread alone would trip on an almost
-    constant loss, the ratio alone on a noisy one. Non-negative windows are compared on a log
-    scale without their exact zeros (fewer than 3 positive losses: nothing trips), where a spike must also reach
-    ``floor`` times :attr:`start`; a negative loss switches to a linear scale, with a minimum rise of
-    ``(ratio - 1) * max(|centre|, scale)``, ``scale`` the median non-zero ``|loss|``. Only healthy steps enter the
-    window. The reasons: ``docs/sentinel.md``. Cost on the host: 1.5 us when the loss is below ``ratio`` times the
-    smallest recent loss (most steps), else 12 us.
+    constant loss, the ratio alone on a noisy one. Non-negative windows are compared on a log scale without their
+    exact zeros (fewer than 3 positive losses: nothing trips), where a spike must also reach ``floor`` times
+    :attr:`start`; a negative loss switches to a linear scale, with a minimum rise of ``(ratio - 1) * max(|centre|,
+    scale)``, ``scale`` the median non-zero ``|loss|``. Only healthy steps enter the window. The reasons:
+    ``docs/sentinel.md``. Host cost: 1.5 us when the loss is below ``ratio`` times the smallest recent loss (most
+    steps), else 12 us.
 
     Args:
         window: Number of recent healthy losses kept.
@@ -102,31 +102,23 @@ class SpikeDetector:
         """Whether ``loss`` (finite) is a spike against the window, without recording it."""
         if len(self.losses) < max(self.warmup, 1):
             return False
-        if self._negative or loss < 0:
-            return self._linear_spike(loss)
-        logs = self._logs
-        if loss <= 0 or len(logs) < _MIN_POSITIVE:
+        linear = self._negative > 0 or loss < 0
+        if not linear and (loss <= 0 or len(self._logs) < _MIN_POSITIVE):
             return False
-        latest = list(itertools.islice(reversed(logs), self.recent))
-        rise = math.log(loss)
-        # The centre is at least the smallest of the latest logs: below log(ratio) above it, no spike. The common
-        # case, decided without a sort.
-        if rise - min(latest) <= self._log_ratio:
-            return False
-        if self.start is not None and loss < self.floor * self.start:
-            return False
-        rise -= _lower_median(latest)
-        return rise > self._log_ratio and rise > self.zscore * _step_spread(list(logs))
-
-    def _linear_spike(self, loss: float) -> bool:
-        values = list(self.losses)
-        centre = _lower_median(values[-self.recent :])
-        rise = loss - centre
-        if rise <= 0:
-            return False
-        nonzero = [abs(v) for v in values if v != 0]
-        scale = _median(nonzero) if nonzero else 0.0
-        return rise > (self.ratio - 1) * max(abs(centre), scale) and rise > self.zscore * _step_spread(values)
+        values = self.losses if linear else self._logs
+        latest = list(itertools.islice(reversed(values), self.recent))
+        if linear:
+            nonzero = [abs(v) for v in values if v != 0]
+            scale = _median(nonzero) if nonzero else 0.0
+            value, least = loss, (self.ratio - 1) * max(abs(_lower_median(latest)), scale)
+        else:
+            value, least = math.log(loss), self._log_ratio
+            # The centre is at least the smallest of the latest logs: below log(ratio) above it, no spike. The common
+            # case, decided without a sort.
+            if value - min(latest) <= least or (self.start is not None and loss < self.floor * self.start):
+                return False
+        rise = value - _lower_median(latest)
+        return rise > least and rise > self.zscore * _step_spread(list(values))
 
     def clear(self) -> None:
         """Empty the window and forget the run's early level."""
