@@ -6,7 +6,7 @@ Its hook methods route the Trainer's events to the fit's :class:`~lightning_hook
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from typing import Any, Literal
 
@@ -541,7 +541,7 @@ class LayerHealthCallback(Callback):
             rank_zero_warn(note.message, category=LayerHealthWarning)
 
     def _finish_window(self, trainer: pl.Trainer, run: FitRun, before_update: bool = False) -> None:
-        """Pool, log and diagnose the open window; ``before_update``: the optimizer has not stepped (no update)."""
+        """Pool, log and diagnose the open window, then act as ``on_anomaly`` says; ``before_update``: no update yet."""
         observed = run.collect(before_update)
         if observed.layers:  # a window of parameters only keeps the last observed order for the rules
             self.execution_order = observed.forward_order
@@ -552,8 +552,26 @@ class LayerHealthCallback(Callback):
         if observed.histogram_edges is not None:
             error = self._log_histograms(trainer, observed, run) or error
         try:
-            self._diagnose(observed, values, run.layer_types)
-            if self.on_anomaly == "stop" and self.last_findings:
+            findings, new = self._diagnosis.step(
+                values,
+                self.execution_order,
+                observed.backward_order,
+                observed.step,
+                run.layer_types,
+                trip=observed.trip,
+                missing_grads=observed.missing_grads,
+                eval_mode=observed.eval_mode,
+                param_facts=observed.param_facts,
+                unregistered=observed.unregistered,
+            )
+            self.last_findings = findings
+            self.findings.extend(new)
+            if self.on_anomaly == "raise" and findings:
+                raise LayerHealthError(format_error(findings))
+            if self.on_anomaly in ("warn", "stop"):
+                for finding in new:
+                    rank_zero_warn(f"LayerHealthCallback: {finding.message}", category=LayerHealthWarning)
+            if self.on_anomaly == "stop" and findings:
                 trainer.should_stop = True
         finally:
             if error is not None:  # the other loggers and the rules got the step first
@@ -588,27 +606,3 @@ class LayerHealthCallback(Callback):
                     first = first or error
         self._note(histogram_note(skipped))
         return first
-
-    def _diagnose(
-        self, observed: ObservedStep, values: dict[str, dict[str, float]], layer_types: Mapping[str, str]
-    ) -> None:
-        """Run the rules on the step, keep their findings; warn or raise as ``on_anomaly`` says."""
-        findings, new = self._diagnosis.step(
-            values,
-            self.execution_order,
-            observed.backward_order,
-            observed.step,
-            layer_types,
-            trip=observed.trip,
-            missing_grads=observed.missing_grads,
-            eval_mode=observed.eval_mode,
-            param_facts=observed.param_facts,
-            unregistered=observed.unregistered,
-        )
-        self.last_findings = findings
-        self.findings.extend(new)
-        if self.on_anomaly == "raise" and findings:
-            raise LayerHealthError(format_error(findings))
-        if self.on_anomaly in ("warn", "stop"):
-            for finding in new:
-                rank_zero_warn(f"LayerHealthCallback: {finding.message}", category=LayerHealthWarning)

@@ -24,16 +24,15 @@ def distributed_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def pack(tensors: Sequence[Tensor], dtype: torch.dtype | None = None) -> Tensor:
-    """Concatenate ``tensors`` into one flat buffer of ``dtype`` (default: the promoted dtype of all of them).
+def pack(tensors: Sequence[Tensor]) -> Tensor:
+    """Concatenate ``tensors`` into one flat buffer of their promoted dtype.
 
     Promotion is exact for the reductions used here: float32 values, counts and maxima survive a round trip through
     float64 unchanged.
     """
     if not tensors:
         raise ValueError("pack: expected at least one tensor, got none")
-    if dtype is None:
-        dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
+    dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
     return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
 
 
