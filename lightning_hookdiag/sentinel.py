@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import statistics
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -96,7 +97,7 @@ class SpikeDetector:
         """The centre the next loss is compared with (on the log scale, of positive losses only); ``None``: none."""
         linear = self._negative > 0
         latest = [v for v in reversed(self.losses) if linear or v > 0][: self.recent]
-        return _lower_median(latest) if latest else None
+        return statistics.median_low(latest) if latest else None
 
     def is_spike(self, loss: float) -> bool:
         """Whether ``loss`` (finite) is a spike against the window, without recording it."""
@@ -109,15 +110,17 @@ class SpikeDetector:
         latest = list(itertools.islice(reversed(values), self.recent))
         if linear:
             nonzero = [abs(v) for v in values if v != 0]
-            scale = _median(nonzero) if nonzero else 0.0
-            value, least = loss, (self.ratio - 1) * max(abs(_lower_median(latest)), scale)
+            scale = statistics.median(nonzero) if nonzero else 0.0
+            value, least = loss, (self.ratio - 1) * max(abs(statistics.median_low(latest)), scale)
         else:
             value, least = math.log(loss), self._log_ratio
             # The centre is at least the smallest of the latest logs: below log(ratio) above it, no spike. The common
             # case, decided without a sort.
             if value - min(latest) <= least or (self.start is not None and loss < self.floor * self.start):
                 return False
-        rise = value - _lower_median(latest)
+        # The lower median is one of the values (the mean of the middle two is not): the centre of the logs is the log
+        # of the centre.
+        rise = value - statistics.median_low(latest)
         return rise > least and rise > self.zscore * _step_spread(list(values))
 
     def clear(self) -> None:
@@ -141,7 +144,7 @@ class SpikeDetector:
             if self.start is None:
                 self._early.append(loss)
                 if len(self._early) >= max(self.warmup, 1):
-                    self.start, self._early = _lower_median(self._early), []
+                    self.start, self._early = statistics.median_low(self._early), []
         self._negative += loss < 0
 
     def observe(self, loss: float) -> bool:
@@ -159,24 +162,13 @@ _MAD_TO_SIGMA = 1.4826
 """The MAD of a normal distribution times this is its standard deviation."""
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
-def _lower_median(values: list[float]) -> float:
-    # One of the values (unlike the mean of the middle two), so the centre of the logs is the log of the centre.
-    return sorted(values)[(len(values) - 1) // 2]
-
-
 def _step_spread(values: list[float]) -> float:
     """Robust standard deviation of the noise of ``values`` from their consecutive differences, free of any trend."""
     if len(values) < 2:
         return 0.0
     steps = [b - a for a, b in zip(values, values[1:], strict=False)]
-    trend = _median(steps)
-    return _MAD_TO_SIGMA * _median([abs(s - trend) for s in steps]) / math.sqrt(2)
+    trend = statistics.median(steps)
+    return _MAD_TO_SIGMA * statistics.median([abs(s - trend) for s in steps]) / math.sqrt(2)
 
 
 class LossSentinel:
