@@ -432,10 +432,7 @@ class LayerHealthCallback(Callback):
         Lightning binds the LightningModule's ``log``/``log_dict`` onto every callback at each fit (and again at the
         next): pickling them would drag in the whole model, and fail on one that does not pickle.
         """
-        state = self.__dict__.copy()
-        state.pop("log", None)
-        state.pop("log_dict", None)
-        return state
+        return {name: value for name, value in self.__dict__.items() if name not in ("log", "log_dict")}
 
     @override
     def state_dict(self) -> dict[str, Any]:

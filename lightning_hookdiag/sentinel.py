@@ -222,9 +222,8 @@ class LossSentinel:
 
     def reset(self) -> None:
         """Start a new run: no baseline, no trip, nothing observed (a checkpoint may then restore its state)."""
-        self.detector.clear()
-        self.last_finite_step = self.previous_trip = None
-        self._loss = None
+        self.load_state_dict({})
+        self.discard()
 
     def check(self, step: int, grads: Sequence[Tensor] = (), scale: Tensor | None = None) -> Trip | None:
         """Decide whether optimizer step ``step`` trips, with one host read (and one MAX all-reduce).
@@ -237,8 +236,7 @@ class LossSentinel:
         Returns:
             The trip, or ``None``. Steps without any observed loss (``training_step`` returned ``None``) do not trip.
         """
-        loss = self._loss
-        self._loss = None
+        loss, self._loss = self._loss, None
         if loss is None:
             return None
         if scale is not None:
