@@ -20,8 +20,7 @@ Op = Literal["sum", "max", "min"]
 
 def distributed_ready() -> bool:
     """Whether ``torch.distributed`` is available and a default process group exists."""
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized()
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def pack(tensors: Sequence[Tensor]) -> Tensor:

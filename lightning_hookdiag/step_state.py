@@ -218,8 +218,7 @@ class StepState:
 
     def open_for(self, step: int) -> Window | None:
         """The open window if it is that of ``step``."""
-        window = self.window
-        return window if window is not None and window.step == step else None
+        return self.window if self.window is not None and self.window.step == step else None
 
     def first_check(self, step: int) -> bool:
         """Whether the sentinel has yet to check ``step`` (and mark it checked)."""
