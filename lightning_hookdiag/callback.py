@@ -6,7 +6,8 @@ Its hook methods route the Trainer's events to the fit's :class:`~lightning_hook
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import fields
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -52,9 +53,8 @@ HistogramWriter = Callable[[str, list[float], list[float], list[float], int], No
 def _histogram_writer(logger: Logger) -> HistogramWriter | None:
     """A function writing one histogram to ``logger``, or ``None`` if the logger cannot store histograms.
 
-    The logger's own ``prefix`` applies to histogram keys as it does to scalars: W&B histograms go through
-    ``log_metrics``; TensorBoard's ``log_metrics`` takes scalars only, so its key is prefixed by the same Lightning
-    function that ``log_metrics`` uses.
+    The logger's ``prefix`` applies as to scalars: TensorBoard's ``log_metrics`` takes scalars only, so its key is
+    prefixed with the function ``log_metrics`` uses.
     """
     if isinstance(logger, TensorBoardLogger):
 
@@ -90,10 +90,7 @@ def _histogram_writer(logger: Logger) -> HistogramWriter | None:
 def _schedule(
     trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
 ) -> tuple[str | None, int | None]:
-    """How the Trainer steps ``optimizer``'s LR scheduler and how many times it has stepped; ``(None, None)``: none.
-
-    In manual optimization the Trainer steps no scheduler: the interval is ``None`` there.
-    """
+    """How the Trainer steps ``optimizer``'s LR scheduler (manual optimization: ``None``) and how often it has."""
     for config in trainer.lr_scheduler_configs:
         if getattr(config.scheduler, "optimizer", None) is optimizer:
             steps = getattr(config.scheduler, "last_epoch", None)
@@ -178,8 +175,6 @@ class LayerHealthCallback(Callback):
         last_findings: All findings of the most recent sampled step, earliest origin first.
         trips: Every optimizer step the sentinel tripped on, with whether it was replayed and, if not, why.
 
-    Besides these, two read-only properties: :attr:`fitting` and :attr:`alert_counts`.
-
     Raises:
         ValueError: At construction, for any invalid argument (the message names it and the valid values); when
             fit starts, for a name, glob or type that matches no module (with the closest names).
@@ -258,40 +253,23 @@ class LayerHealthCallback(Callback):
         self.precision_targets = resolve_targets(precision_targets)
         self.dead_unit_types = import_types(dead_unit_types, "dead_unit_types")
         enabled = self.rule_config.enabled
-        # What every fit of this callback starts from; the configuration is fixed at construction.
-        self._config = FitConfig(
-            every_n_steps=self.every_n_steps,
-            layers=self.layers,
-            layer_types=self.layer_types,
-            exclude=self.exclude,
-            stats=self.stats,
-            prefix=self.prefix,
-            dead_unit_types=self.dead_unit_types,
-            unit_dim=self.unit_dim,
-            histogram_every_n_steps=self.histogram_every_n_steps,
-            histogram_bins=self.histogram_bins,
-            precision_targets=self.precision_targets,
-            output_layer=self.output_layer,
-            sentinel_grads=sentinel == "loss+grads",
-            eval_mode="eval_mode" in enabled,
-            unregistered="unregistered_module" in enabled,
-            batch_rows="repeated_batch" in enabled,
-        )
+        derived = {
+            "sentinel_grads": sentinel == "loss+grads",
+            "eval_mode": "eval_mode" in enabled,
+            "unregistered": "unregistered_module" in enabled,
+            "batch_rows": "repeated_batch" in enabled,
+        }
+        # What every fit starts from, fixed at construction; every other field is the validated attribute of its name.
+        settings = {f.name: getattr(self, f.name) for f in fields(FitConfig) if f.name not in derived}
+        self._config = FitConfig(**derived, **settings)
         r = self.rule_config
         spikes = SpikeDetector(r.spike_window, r.spike_warmup, r.spike_zscore, r.spike_ratio, floor=r.spike_floor)
         # Created here, not when fit starts: a checkpoint's baseline is loaded before on_fit_start runs.
         self._sentinel = LossSentinel(sentinel, spikes) if sentinel is not None else None
-        self.last_metrics: dict[str, float] = {}
-        self.last_step: int | None = None
         self.layer_names: list[str] = []
-        self.execution_order: list[str] = []
-        self.findings: list[Finding] = []
-        self.last_findings: list[Finding] = []
-        self.trips: list[Trip] = []
-        self._warned: set[str] = set()  # the keys of the one-time notes already given
-        self._diagnosis = Diagnosis(self.rule_config)  # the rules' memory between sampled steps; checkpointed
         self._run: FitRun | None = None  # everything one fit creates, from on_fit_start to _release_fit
         self._stage: str | None = None  # the Trainer's stage: a checkpoint restores this state only in a fit
+        self._start_fresh()
 
     @property
     def fitting(self) -> bool:
@@ -314,10 +292,9 @@ class LayerHealthCallback(Callback):
     # ----------------------------------------------------------------------------------------------- lifecycle
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """A fresh fit starts with no results and an empty memory; a checkpoint restores its own afterwards.
+        """Start fresh when the Trainer starts from step 0 (Lightning restores a ``ckpt_path`` after ``setup``).
 
-        A fit is fresh when its Trainer starts from step 0 (Lightning restores a ``ckpt_path`` after ``setup``); a
-        second ``fit`` of the same Trainer goes on from its step and keeps what the first one found.
+        A second ``fit`` of the same Trainer goes on from its step and keeps what the first one found.
         """
         self._stage = stage
         if stage == "fit" and trainer.global_step == 0:
@@ -340,15 +317,11 @@ class LayerHealthCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """Keep a reference to the micro-batch for the sentinel; attach hooks if its optimizer step is sampled."""
-        run = self._run
-        if run is None:
+        if (run := self._run) is None:
             return
         step, state = trainer.global_step, run.state
-        if state.window is not None and state.window.step != step:
-            self._finish_window(trainer)  # its optimizer step happened without a batch end in between
+        self._close_past(trainer, run)  # its optimizer step happened without a batch end in between
         if self._sentinel is not None:
-            if state.micro.step != step:
-                self._end_step(run)
             # A reference, not a copy; the RNG state is a 5 KB host copy (measured 1.5 us on the CPU).
             state.micro.keep(step, MicroBatch(batch, batch_idx, capture_rng(pl_module.device)))
         if not state.sampled(step):
@@ -362,8 +335,7 @@ class LayerHealthCallback(Callback):
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         """Add the micro-batch's loss to the sentinel's total (on the device); end an observed step's forward."""
-        run = self._run
-        if run is None:
+        if (run := self._run) is None:
             return
         if self._sentinel is not None:
             self._sentinel.observe_loss(loss)
@@ -376,8 +348,7 @@ class LayerHealthCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         """Run the sentinel's check; replay a tripped step; measure the weights and gradients of an observed step."""
-        run = self._run
-        if run is None:
+        if (run := self._run) is None:
             return
         scale = getattr(getattr(trainer.precision_plugin, "scaler", None), "_scale", None)
         scale = scale if isinstance(scale, Tensor) else None
@@ -390,7 +361,7 @@ class LayerHealthCallback(Callback):
         run.before_optimizer_step(optimizer, trainer.optimizers, scale, watch, _schedule(trainer, pl_module, optimizer))
         if trip is not None and self.on_anomaly == "raise":
             run.end_micro_batch()  # finished before the update: its hooks must not see LBFGS's later closures
-            self._finish_window(trainer, before_update=True)  # raises on any finding, before the update
+            self._finish_window(trainer, run, before_update=True)  # raises on any finding, before the update
         elif trip is not None and self.on_anomaly == "stop":
             trainer.should_stop = True
 
@@ -399,15 +370,10 @@ class LayerHealthCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """Remove hooks; once the sampled step's optimizer has stepped, pool and log it."""
-        run = self._run
-        if run is None:
+        if (run := self._run) is None:
             return
         run.end_micro_batch()
-        state = run.state
-        if state.window is not None and trainer.global_step != state.window.step:
-            self._finish_window(trainer)
-        if state.micro.step is not None and trainer.global_step != state.micro.step:
-            self._end_step(run)
+        self._close_past(trainer, run)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -417,9 +383,8 @@ class LayerHealthCallback(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        """Release the fit as ``teardown`` does: Lightning skips ``teardown`` after an exception."""
-        self._stage = None
-        self._release_fit()
+        """Release the fit as :meth:`teardown` does: Lightning skips ``teardown`` after an exception."""
+        self.teardown(trainer, pl_module, "fit")
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -428,15 +393,14 @@ class LayerHealthCallback(Callback):
         Hooks still attached here mean Lightning skipped the rest of the epoch after they were attached; they must
         not see the module's own ``on_train_epoch_end`` (called after the callbacks') or anything later.
         """
-        run = self._run
-        if run is not None and run.hooks.attached:
-            self._drop_step(run)
+        if (run := self._run) is not None and run.hooks.attached:
+            self._end_step(run, drop=True)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A step left unfinished at the end of training is dropped, not logged; then the summary is printed."""
         if self._run is not None:
-            self._drop_step(self._run)
+            self._end_step(self._run, drop=True)
         if self.summary and self.last_step is not None:
             rank_zero_info(self.summary_table())
 
@@ -460,7 +424,7 @@ class LayerHealthCallback(Callback):
         """Drop everything the fit created: the one place every exit goes through, so that no module or tensor stays."""
         run, self._run = self._run, None
         if run is not None:
-            self._drop_step(run)
+            self._end_step(run, drop=True)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle the configuration and results, not the LightningModule.
@@ -468,10 +432,7 @@ class LayerHealthCallback(Callback):
         Lightning binds the LightningModule's ``log``/``log_dict`` onto every callback at each fit (and again at the
         next): pickling them would drag in the whole model, and fail on one that does not pickle.
         """
-        state = self.__dict__.copy()
-        state.pop("log", None)
-        state.pop("log_dict", None)
-        return state
+        return {name: value for name, value in self.__dict__.items() if name not in ("log", "log_dict")}
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -515,24 +476,32 @@ class LayerHealthCallback(Callback):
 
         New containers, not cleared ones: a reference kept to the previous fit's ``findings`` still holds them.
         """
-        self.last_metrics = {}
-        self.last_step = None
-        self.execution_order = []
-        self.findings = []
-        self.last_findings = []
-        self.trips = []
-        self._warned = set()
-        self._diagnosis = Diagnosis(self.rule_config)
+        self.last_metrics: dict[str, float] = {}
+        self.last_step: int | None = None
+        self.execution_order: list[str] = []
+        self.findings: list[Finding] = []
+        self.last_findings: list[Finding] = []
+        self.trips: list[Trip] = []
+        self._warned: set[str] = set()  # the keys of the one-time notes already given
+        self._diagnosis = Diagnosis(self.rule_config)  # the rules' memory between sampled steps; checkpointed
         if self._sentinel is not None:
             self._sentinel.reset()
 
-    def _drop_step(self, run: FitRun) -> None:
-        """Remove the hooks, drop the open window, the step's micro-batches and loss total: none of it is logged."""
-        run.release()
-        self._end_step(run)
+    def _close_past(self, trainer: pl.Trainer, run: FitRun) -> None:
+        """Finish the window of an optimizer step that is over, and forget its micro-batches."""
+        state, step = run.state, trainer.global_step
+        if state.window is not None and state.window.step != step:
+            self._finish_window(trainer, run)
+        if state.micro.step is not None and state.micro.step != step:
+            self._end_step(run)
 
-    def _end_step(self, run: FitRun) -> None:
-        """The optimizer step is over: forget its micro-batches and the sentinel's loss total."""
+    def _end_step(self, run: FitRun, drop: bool = False) -> None:
+        """Forget the step's micro-batches and the sentinel's loss total; ``drop``: also the hooks and the open window.
+
+        A dropped window is not logged.
+        """
+        if drop:
+            run.release()
         run.state.micro.release()
         if self._sentinel is not None:
             self._sentinel.discard()
@@ -568,10 +537,8 @@ class LayerHealthCallback(Callback):
         else:
             rank_zero_warn(note.message, category=LayerHealthWarning)
 
-    def _finish_window(self, trainer: pl.Trainer, before_update: bool = False) -> None:
-        """Pool, log and diagnose the open window; ``before_update``: the optimizer has not stepped (no update)."""
-        run = self._run
-        assert run is not None
+    def _finish_window(self, trainer: pl.Trainer, run: FitRun, before_update: bool = False) -> None:
+        """Pool, log and diagnose the open window, then act as ``on_anomaly`` says; ``before_update``: no update yet."""
         observed = run.collect(before_update)
         if observed.layers:  # a window of parameters only keeps the last observed order for the rules
             self.execution_order = observed.forward_order
@@ -582,8 +549,26 @@ class LayerHealthCallback(Callback):
         if observed.histogram_edges is not None:
             error = self._log_histograms(trainer, observed, run) or error
         try:
-            self._diagnose(observed, values, run.layer_types)
-            if self.on_anomaly == "stop" and self.last_findings:
+            findings, new = self._diagnosis.step(
+                values,
+                self.execution_order,
+                observed.backward_order,
+                observed.step,
+                run.layer_types,
+                trip=observed.trip,
+                missing_grads=observed.missing_grads,
+                eval_mode=observed.eval_mode,
+                param_facts=observed.param_facts,
+                unregistered=observed.unregistered,
+            )
+            self.last_findings = findings
+            self.findings.extend(new)
+            if self.on_anomaly == "raise" and findings:
+                raise LayerHealthError(format_error(findings))
+            if self.on_anomaly in ("warn", "stop"):
+                for finding in new:
+                    rank_zero_warn(f"LayerHealthCallback: {finding.message}", category=LayerHealthWarning)
+            if self.on_anomaly == "stop" and findings:
                 trainer.should_stop = True
         finally:
             if error is not None:  # the other loggers and the rules got the step first
@@ -618,27 +603,3 @@ class LayerHealthCallback(Callback):
                     first = first or error
         self._note(histogram_note(skipped))
         return first
-
-    def _diagnose(
-        self, observed: ObservedStep, values: dict[str, dict[str, float]], layer_types: Mapping[str, str]
-    ) -> None:
-        """Run the rules on the step, keep their findings; warn or raise as ``on_anomaly`` says."""
-        findings, new = self._diagnosis.step(
-            values,
-            self.execution_order,
-            observed.backward_order,
-            observed.step,
-            layer_types,
-            trip=observed.trip,
-            missing_grads=observed.missing_grads,
-            eval_mode=observed.eval_mode,
-            param_facts=observed.param_facts,
-            unregistered=observed.unregistered,
-        )
-        self.last_findings = findings
-        self.findings.extend(new)
-        if self.on_anomaly == "raise" and findings:
-            raise LayerHealthError(format_error(findings))
-        if self.on_anomaly in ("warn", "stop"):
-            for finding in new:
-                rank_zero_warn(f"LayerHealthCallback: {finding.message}", category=LayerHealthWarning)

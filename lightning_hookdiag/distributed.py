@@ -1,14 +1,12 @@
-"""Packed all-reduces: many small tensors reduced across processes with one collective.
+"""Packed all-reduces: many small tensors reduced across processes with one collective, nothing read to the host.
 
-Every process passes tensors of the same shapes in the same order; they are flattened into one buffer of their
-common dtype, reduced with a single ``torch.distributed.all_reduce`` and split back, so the number of collectives does
-not grow with the number of tensors, and (a ring all-reduce) the bytes per process do not grow with the number of
-processes. Nothing is read back to the host. Used to sync the aggregator's states and for per-step agreement between
-processes (a flag that one process tripped); the cost at scale: ``docs/integrations.md#what-is-synced-and-how``.
+The number of collectives does not grow with the number of tensors, nor (a ring all-reduce) the bytes per process
+with the number of processes; the cost at scale: ``docs/integrations.md#what-is-synced-and-how``.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -22,22 +20,18 @@ Op = Literal["sum", "max", "min"]
 
 def distributed_ready() -> bool:
     """Whether ``torch.distributed`` is available and a default process group exists."""
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized()
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def pack(tensors: Sequence[Tensor], dtype: torch.dtype | None = None) -> Tensor:
-    """Concatenate ``tensors`` into one flat buffer of ``dtype`` (default: the promoted dtype of all of them).
+def pack(tensors: Sequence[Tensor]) -> Tensor:
+    """Concatenate ``tensors`` into one flat buffer of their promoted dtype.
 
     Promotion is exact for the reductions used here: float32 values, counts and maxima survive a round trip through
     float64 unchanged.
     """
     if not tensors:
         raise ValueError("pack: expected at least one tensor, got none")
-    if dtype is None:
-        dtype = tensors[0].dtype
-        for t in tensors[1:]:
-            dtype = torch.promote_types(dtype, t.dtype)
+    dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
     return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
 
 
@@ -64,13 +58,12 @@ def all_reduce_packed(tensors: Sequence[Tensor], op: Op = "sum", group: Any = No
     Returns:
         New tensors with the reduced values, in the shapes and dtypes of ``tensors``.
     """
-    ops = {"sum": "SUM", "max": "MAX", "min": "MIN"}
-    if op not in ops:
-        raise ValueError(f"all_reduce_packed: expected op in {sorted(ops)}, got {op!r}")
+    if op not in ("sum", "max", "min"):
+        raise ValueError(f"all_reduce_packed: expected op in ['max', 'min', 'sum'], got {op!r}")
     if not tensors or not distributed_ready():
         return list(tensors)
     buffer = pack(tensors)
-    torch.distributed.all_reduce(buffer, op=getattr(torch.distributed.ReduceOp, ops[op]), group=group)
+    torch.distributed.all_reduce(buffer, op=getattr(torch.distributed.ReduceOp, op.upper()), group=group)
     return unpack(buffer, tensors)
 
 

@@ -62,13 +62,11 @@ def logging_silenced(pl_module: pl.LightningModule) -> Iterator[None]:
         return None
 
     # Instance attributes shadow the methods; deleting them brings the methods back.
-    pl_module.__dict__["log"] = ignore
-    pl_module.__dict__["log_dict"] = ignore
+    pl_module.__dict__.update(log=ignore, log_dict=ignore)
     try:
         yield
     finally:
-        del pl_module.__dict__["log"]
-        del pl_module.__dict__["log_dict"]
+        del pl_module.__dict__["log"], pl_module.__dict__["log_dict"]
 
 
 def training_step_loss(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Callable[[MicroBatch], Tensor | None]:
@@ -109,28 +107,22 @@ def respond(
     step, micro = trip.step, run.state.micro
     sampled, blocker = run.state.open_for(step) is not None, replay_blocker(trainer, pl_module)
     plan = plan_trip(trip, sampled=sampled, traces=traces, blocker=blocker, previous=previous, held=micro.holds(step))
-    recorded = plan.trip
+    trace = NonFiniteTrace(pl_module) if plan.trace or plan.action == "trace" else None
     if plan.action == "replay":
-        trace = NonFiniteTrace(pl_module) if plan.trace else None
         failure = _replay(trainer, pl_module, run, step, last_metrics, trace)
-        if failure is None:
-            recorded = replace(recorded, **_origin(trace, run))
-        else:
+        if failure is not None:
+            trace = None
             plan = plan_trip(trip, sampled=False, traces=traces, blocker=failure, previous=previous, held=True)
-            recorded = plan.trip
-    elif plan.action == "trace":
-        recorded = replace(recorded, **_trace_sampled(trainer, pl_module, run))
+    elif plan.action == "trace" and not _trace_sampled(trainer, pl_module, run, trace):
+        trace = None  # the finding keeps what the hooks saw
     if plan.action == "parameters":
         run.open_window(step, last_metrics, layers=False)  # the parameters can still be measured
         run.state.sample_next = step + 1
+    entry, origin = trace.origin(run.layer_names) if trace is not None else (None, None)
+    recorded = replace(plan.trip, nan_entry=entry, nan_origin=origin)
     if plan.read_batch:  # data that arrives non-finite (a division by a zero std) is named as such; one read
         recorded = replace(recorded, bad_batch=tuple(nonfinite_in_batch([m.batch for m in micro.batches])))
     return recorded
-
-
-def _origin(trace: NonFiniteTrace | None, run: FitRun) -> dict[str, str | None]:
-    entry, origin = trace.origin(run.layer_names) if trace is not None else (None, None)
-    return {"nan_entry": entry, "nan_origin": origin}
 
 
 def _replay(
@@ -158,18 +150,16 @@ def _replay(
     return None
 
 
-def _trace_sampled(trainer: pl.Trainer, pl_module: pl.LightningModule, run: FitRun) -> dict[str, str | None]:
-    """Where the NaN/Inf of a sampled step was made: its micro-batches run again through the trace alone.
+def _trace_sampled(trainer: pl.Trainer, pl_module: pl.LightningModule, run: FitRun, trace: NonFiniteTrace) -> bool:
+    """Run a sampled step's micro-batches again through ``trace`` alone; whether the re-run went through.
 
     The hooks saw the step as it happened but cannot see functional code between two layers. They are still attached
-    (batch end removes them) and must not count the re-run, so they are removed first. A re-run that fails names
-    nothing.
+    (batch end removes them) and must not count the re-run, so they are removed first.
     """
     run.end_micro_batch()
-    trace = NonFiniteTrace(pl_module)
     try:
         loss, hooks = training_step_loss(trainer, pl_module), HookSet({}, None)
         replay_step(run.state.micro.batches, loss, pl_module, hooks, pl_module.device, trace)
-    except Exception:  # the finding keeps what the hooks saw; training goes on untouched
-        return _origin(None, run)
-    return _origin(trace, run)
+    except Exception:  # training goes on untouched
+        return False
+    return True

@@ -1,11 +1,6 @@
-"""The always-on sentinel: a cheap per-step trip test, and the replay of a tripped step without side effects.
+"""The always-on sentinel (``docs/sentinel.md``): a cheap per-step trip test, and the replay of a tripped step.
 
-:class:`LossSentinel` checks every optimizer step with one host read (and, under multi-process training, one MAX
-all-reduce, so that every process trips on the same step); :class:`SpikeDetector` is its loss-spike test.
-:func:`replay_step` re-runs a tripped step's micro-batches through a :class:`~lightning_hookdiag.hooks.HookSet` and
-restores everything the replay could change. Nothing here knows Lightning (the callback hands over a function that
-runs one micro-batch), the rules or logging. What the sentinel does and what a replay cannot restore:
-``docs/sentinel.md``.
+Nothing here knows Lightning (the callback hands over a function that runs one micro-batch), the rules or logging.
 """
 
 from __future__ import annotations
@@ -13,8 +8,10 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import statistics
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,14 +26,7 @@ from lightning_hookdiag.stats import accumulation_dtype
 from lightning_hookdiag.step_state import Trip, TripKind
 from lightning_hookdiag.validation import choice
 
-__all__ = [
-    "SENTINEL_MODES",
-    "LossSentinel",
-    "MicroBatch",
-    "SpikeDetector",
-    "Trip",
-    "replay_step",
-]
+__all__ = ["SENTINEL_MODES", "LossSentinel", "MicroBatch", "SpikeDetector", "Trip", "replay_step"]
 
 SENTINEL_MODES: tuple[str, ...] = ("loss", "loss+grads")
 """Values of the callback's ``sentinel`` argument besides ``None``."""
@@ -47,13 +37,13 @@ class SpikeDetector:
 
     A loss trips when it rises above the *centre* (the lower median of the latest ``recent`` healthy losses) by more
     than a factor ``ratio`` *and* by more than ``zscore`` robust standard deviations of the noise, measured free of
-    any trend from consecutive differences (``1.4826 * MAD / sqrt(2)``); the spread alone would trip on an almost
+    any trend from consecutive differences (``1.4826 * MAD / sqrt(2)``): the spread alone would trip on an almost
     constant loss, the ratio alone on a noisy one. Non-negative windows are compared on a log scale without their
     exact zeros (fewer than 3 positive losses: nothing trips), where a spike must also reach ``floor`` times
-    :attr:`start`, the run's early loss level; a negative loss switches to a linear scale, with a minimum rise of
-    ``(ratio - 1) * max(|centre|, scale)``, ``scale`` the median non-zero ``|loss|``. Only healthy steps enter the
-    window; nothing trips during the first ``warmup``. The reasons: ``docs/sentinel.md``. Cost on the host: 1.5 us
-    when the loss is below ``ratio`` times the smallest recent loss (most steps), else 12 us.
+    :attr:`start`; a negative loss switches to a linear scale, with a minimum rise of ``(ratio - 1) * max(|centre|,
+    scale)``, ``scale`` the median non-zero ``|loss|``. Only healthy steps enter the window. The reasons:
+    ``docs/sentinel.md``. Host cost: 1.5 us when the loss is below ``ratio`` times the smallest recent loss (most
+    steps), else 12 us.
 
     Args:
         window: Number of recent healthy losses kept.
@@ -104,43 +94,34 @@ class SpikeDetector:
         self._log_ratio = math.log(ratio)
 
     def median(self) -> float | None:
-        """The centre the next loss is compared with: the lower median of the latest ``recent`` healthy losses.
-
-        On the log scale only positive losses count. ``None`` when there is none.
-        """
+        """The centre the next loss is compared with (on the log scale, of positive losses only); ``None``: none."""
         linear = self._negative > 0
         latest = [v for v in reversed(self.losses) if linear or v > 0][: self.recent]
-        return _lower_median(latest) if latest else None
+        return statistics.median_low(latest) if latest else None
 
     def is_spike(self, loss: float) -> bool:
         """Whether ``loss`` (finite) is a spike against the window, without recording it."""
         if len(self.losses) < max(self.warmup, 1):
             return False
-        if self._negative or loss < 0:
-            return self._linear_spike(loss)
-        logs = self._logs
-        if loss <= 0 or len(logs) < _MIN_POSITIVE:
+        linear = self._negative > 0 or loss < 0
+        if not linear and (loss <= 0 or len(self._logs) < _MIN_POSITIVE):
             return False
-        latest = list(itertools.islice(reversed(logs), self.recent))
-        rise = math.log(loss)
-        # The centre is at least the smallest of the latest logs: below log(ratio) above it, no spike. The common
-        # case, decided without a sort.
-        if rise - min(latest) <= self._log_ratio:
-            return False
-        if self.start is not None and loss < self.floor * self.start:
-            return False
-        rise -= _lower_median(latest)
-        return rise > self._log_ratio and rise > self.zscore * _step_spread(list(logs))
-
-    def _linear_spike(self, loss: float) -> bool:
-        values = list(self.losses)
-        centre = _lower_median(values[-self.recent :])
-        rise = loss - centre
-        if rise <= 0:
-            return False
-        nonzero = [abs(v) for v in values if v != 0]
-        scale = _median(nonzero) if nonzero else 0.0
-        return rise > (self.ratio - 1) * max(abs(centre), scale) and rise > self.zscore * _step_spread(values)
+        values = self.losses if linear else self._logs
+        latest = list(itertools.islice(reversed(values), self.recent))
+        if linear:
+            nonzero = [abs(v) for v in values if v != 0]
+            scale = statistics.median(nonzero) if nonzero else 0.0
+            value, least = loss, (self.ratio - 1) * max(abs(statistics.median_low(latest)), scale)
+        else:
+            value, least = math.log(loss), self._log_ratio
+            # The centre is at least the smallest of the latest logs: below log(ratio) above it, no spike. The common
+            # case, decided without a sort.
+            if value - min(latest) <= least or (self.start is not None and loss < self.floor * self.start):
+                return False
+        # The lower median is one of the values (the mean of the middle two is not): the centre of the logs is the log
+        # of the centre.
+        rise = value - statistics.median_low(latest)
+        return rise > least and rise > self.zscore * _step_spread(list(values))
 
     def clear(self) -> None:
         """Empty the window and forget the run's early level."""
@@ -163,7 +144,7 @@ class SpikeDetector:
             if self.start is None:
                 self._early.append(loss)
                 if len(self._early) >= max(self.warmup, 1):
-                    self.start, self._early = _lower_median(self._early), []
+                    self.start, self._early = statistics.median_low(self._early), []
         self._negative += loss < 0
 
     def observe(self, loss: float) -> bool:
@@ -181,24 +162,13 @@ _MAD_TO_SIGMA = 1.4826
 """The MAD of a normal distribution times this is its standard deviation."""
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
-def _lower_median(values: list[float]) -> float:
-    # One of the values (unlike the mean of the middle two), so the centre of the logs is the log of the centre.
-    return sorted(values)[(len(values) - 1) // 2]
-
-
 def _step_spread(values: list[float]) -> float:
     """Robust standard deviation of the noise of ``values`` from their consecutive differences, free of any trend."""
     if len(values) < 2:
         return 0.0
     steps = [b - a for a, b in zip(values, values[1:], strict=False)]
-    trend = _median(steps)
-    return _MAD_TO_SIGMA * _median([abs(s - trend) for s in steps]) / math.sqrt(2)
+    trend = statistics.median(steps)
+    return _MAD_TO_SIGMA * statistics.median([abs(s - trend) for s in steps]) / math.sqrt(2)
 
 
 class LossSentinel:
@@ -252,9 +222,8 @@ class LossSentinel:
 
     def reset(self) -> None:
         """Start a new run: no baseline, no trip, nothing observed (a checkpoint may then restore its state)."""
-        self.detector.clear()
-        self.last_finite_step = self.previous_trip = None
-        self._loss = None
+        self.load_state_dict({})
+        self.discard()
 
     def check(self, step: int, grads: Sequence[Tensor] = (), scale: Tensor | None = None) -> Trip | None:
         """Decide whether optimizer step ``step`` trips, with one host read (and one MAX all-reduce).
@@ -267,17 +236,15 @@ class LossSentinel:
         Returns:
             The trip, or ``None``. Steps without any observed loss (``training_step`` returned ``None``) do not trip.
         """
-        loss = self._loss
-        self._loss = None
+        loss, self._loss = self._loss, None
         if loss is None:
             return None
         if scale is not None:
             loss = loss / scale.to(loss.device, torch.float32)
         grads = [stored_values(g) for g in grads] if self.mode == "loss+grads" else []
         value, bad_grad = self._read(loss, grads)
-        bad_loss = not math.isfinite(value)
         kind: TripKind | None = None
-        if bad_loss:
+        if not math.isfinite(value):
             kind, value = "nonfinite_loss", math.nan
         elif bad_grad:
             kind = "nonfinite_grad"
@@ -286,11 +253,10 @@ class LossSentinel:
         if kind is None:
             self.last_finite_step = step
             return None
+        self.previous_trip = step
         # A trip never enters the window, so its median is still the one the step was compared with.
         baseline = self.detector.median()
-        trip = Trip(step=step, kind=kind, loss=value, baseline=baseline, last_finite_step=self.last_finite_step)
-        self.previous_trip = step
-        return trip
+        return Trip(step=step, kind=kind, loss=value, baseline=baseline, last_finite_step=self.last_finite_step)
 
     def _read(self, loss: Tensor, grads: Sequence[Tensor]) -> tuple[float, bool]:
         """``(loss, whether a gradient holds a NaN/Inf)``, with one host read, in at most four tensor ops.
@@ -354,27 +320,30 @@ class MicroBatch:
     rng: RngState
 
 
-class _StateSnapshot:
-    """Buffers (BatchNorm's running statistics) and torchmetrics states, as a replayed forward would change them."""
+@contextmanager
+def _restored(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """What :func:`replay_step` promises to leave as it was, restored on exit."""
+    from torchmetrics import Metric
 
-    def __init__(self, module: nn.Module) -> None:
-        from torchmetrics import Metric
-
-        self.buffers = [(b, b.detach().clone()) for b in module.buffers()]
-        self.metrics: list[tuple[Metric, dict[str, Any]]] = []
-        for m in module.modules():
-            if isinstance(m, Metric):
-                state = {name: _clone(value) for name, value in m.metric_state.items()}
-                state.update(_update_count=m._update_count, _computed=m._computed)
-                self.metrics.append((m, state))
-
-    def restore(self) -> None:
+    rng, python_state, numpy_state = capture_rng(device), random.getstate(), numpy.random.get_state()
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    metrics: list[tuple[Metric, dict[str, Any]]] = []
+    for m in module.modules():
+        if isinstance(m, Metric):
+            state = {name: _clone(value) for name, value in m.metric_state.items()}
+            metrics.append((m, {**state, "_update_count": m._update_count, "_computed": m._computed}))
+    try:
+        yield
+    finally:
         with torch.no_grad():
-            for buffer, saved in self.buffers:
+            for buffer, saved in buffers:
                 buffer.copy_(saved)
-        for metric, state in self.metrics:
-            for name, value in state.items():
+        for metric, saved_state in metrics:
+            for name, value in saved_state.items():
                 setattr(metric, name, value)
+        restore_rng(rng, device)
+        random.setstate(python_state)
+        numpy.random.set_state(numpy_state)
 
 
 def _clone(value: Any) -> Any:
@@ -423,12 +392,9 @@ def replay_step(
         (1, True, False)
     """
     params = [p for p in module.parameters() if p.requires_grad]
-    outer = capture_rng(device)
-    python_state, numpy_state = random.getstate(), numpy.random.get_state()
-    snapshot = _StateSnapshot(module)
     produced = 0
-    try:
-        with torch.enable_grad():
+    with _restored(module, device), torch.enable_grad():
+        try:
             hooks.attach()
             if trace is not None:
                 trace.attach()
@@ -441,12 +407,8 @@ def replay_step(
                         torch.autograd.grad(loss, params, allow_unused=True)
                 del loss
                 hooks.end_micro_batch()  # its backward is over: the companions keep its measurement
-    finally:
-        if trace is not None:
-            trace.remove()
-        hooks.remove()
-        snapshot.restore()
-        restore_rng(outer, device)
-        random.setstate(python_state)
-        numpy.random.set_state(numpy_state)
+        finally:
+            if trace is not None:
+                trace.remove()
+            hooks.remove()
     return produced

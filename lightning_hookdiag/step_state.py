@@ -1,11 +1,9 @@
-"""Which optimizer step is being observed, and what a trip of the sentinel calls for: pure Python, tested by hand.
+"""Which optimizer step is observed, and what a trip of the sentinel calls for: pure Python, tested by hand.
 
-An optimizer step ``k`` is *observed* when it is sampled (``k % every_n_steps == 0``), when the sentinel trips on
-it and it is replayed, or, parameters only, when it trips and cannot be replayed. Its observation is a
-:class:`Window`: :meth:`StepState.open` opens it (at the first hooked micro-batch of a sampled step, or at a trip);
-accumulation, LBFGS closures and a validation run in between leave it open; :meth:`StepState.close` ends it,
-*finished* once the optimizer has stepped (pooled, logged, diagnosed) or *discarded* (a skipped batch, the end of
-training, an exception, a failed replay: nothing of it is logged). :func:`plan_trip` decides what a trip calls for.
+A step is observed when it is sampled, or when the sentinel trips on it (replayed, or parameters only when it cannot
+be). Its :class:`Window` stays open through accumulation, LBFGS closures and validation until it is *finished* once
+the optimizer has stepped (pooled, logged, diagnosed) or *discarded* (a skipped batch, the end of training, an
+exception, a failed replay: nothing of it is logged).
 """
 
 from __future__ import annotations
@@ -61,7 +59,7 @@ UNSEEN = "its micro-batches were not seen by the callback (training resumed insi
 
 @dataclass(frozen=True)
 class TripPlan:
-    """What to do about a trip (:func:`plan_trip`).
+    """What to do about a trip.
 
     Attributes:
         action: ``"record"``: only record the trip (no window, no finding); ``"observed"``: the step is sampled, its
@@ -171,7 +169,6 @@ class StepState:
     def __init__(self, every_n_steps: int) -> None:
         self.every_n_steps = every_n_steps
         self.window: Window | None = None
-        """The open window, or ``None``."""
         self.micro = StepMicroBatches()
         self.checked_step: int | None = None
         """The optimizer step the sentinel last checked (LBFGS: only its first closure evaluation is checked)."""
@@ -215,14 +212,13 @@ class StepState:
         return step // every * every
 
     def open(self, step: int, layers: bool = True) -> Window:
-        """Open the window of ``step`` (replacing none: the callback closes a window before opening another)."""
+        """Open the window of ``step`` (the callback closes a window before opening another)."""
         self.window = Window(step=step, layers=layers)
         return self.window
 
     def open_for(self, step: int) -> Window | None:
         """The open window if it is that of ``step``."""
-        window = self.window
-        return window if window is not None and window.step == step else None
+        return self.window if self.window is not None and self.window.step == step else None
 
     def first_check(self, step: int) -> bool:
         """Whether the sentinel has yet to check ``step`` (and mark it checked)."""
@@ -232,6 +228,6 @@ class StepState:
         return True
 
     def close(self) -> Window | None:
-        """Close the open window (to finish or discard it); returns it, ``None`` if none was open."""
+        """Close the open window (to finish or discard it) and return it."""
         window, self.window = self.window, None
         return window
