@@ -8,15 +8,14 @@ no observation itself, and the aggregator does not call back into it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_hookdiag import stats
 from lightning_hookdiag.aggregation import LayerStatsAggregator
-from lightning_hookdiag.hooks import first_floating_tensor
+from lightning_hookdiag.components import Component
 from lightning_hookdiag.stats import (
     Workspace,
     activation_row,
@@ -112,6 +111,8 @@ class StepRecorder:
         stack_small: Stack outputs and gradients of at most :data:`SMALL_ELEMENTS` elements and reduce them a stack
             at a time (one copy per tensor instead of 9 or 6 ops); their rows reach the aggregator at
             :meth:`flush`, which the owner calls before the aggregator folds the step.
+        components: Their tensor sinks (:attr:`~lightning_hookdiag.components.Component.on_output`, ``on_grad``)
+            receive every observed output and gradient after the default statistics.
 
     Example:
         >>> agg = LayerStatsAggregator(n_layers=1)
@@ -130,8 +131,11 @@ class StepRecorder:
         unit_dim: int | None = None,
         names: list[str] | None = None,
         stack_small: bool = False,
+        components: Sequence[Component] = (),
     ) -> None:
         self.aggregator = aggregator
+        self._output_sinks = [c.on_output for c in components if c.on_output is not None]
+        self._grad_sinks = [c.on_grad for c in components if c.on_grad is not None]
         self._act_stacks = _Stacks(activation_rows, aggregator.activation_rows) if stack_small else None
         self._grad_stacks = _Stacks(gradient_rows, aggregator.gradient_rows) if stack_small else None
         self.moments = moments
@@ -149,6 +153,12 @@ class StepRecorder:
         """Whether outputs and gradients are also binned into histograms (set per step by the callback)."""
         self.workspace = Workspace()
         """Scratch memory of the reductions; the callback releases it at the end of each sampled step."""
+
+    @property
+    def stacked(self) -> list[int]:
+        """The element capacity of each stack held (bounded by :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS`)."""
+        stacks = [s for s in (self._act_stacks, self._grad_stacks) if s is not None]
+        return [b.numel() for s in stacks for b in s._buffers.values()]
 
     def observe(self, layer: int, tensor: Tensor | None) -> bool:
         """Whether ``tensor`` (a layer's first floating-point output) can be observed; records why not."""
@@ -184,10 +194,8 @@ class StepRecorder:
             agg.add(layer, units=unit_maxima(tensor, self.unit_dim))
         if self.histograms:
             agg.add(layer, act_hist=histogram_counts(tensor, agg.histogram_edges))
-
-    def on_output(self, layer: int, output: Any) -> None:
-        """Forward sink for a raw module output: :meth:`on_tensor` of its first floating-point tensor."""
-        self.on_tensor(layer, first_floating_tensor(output))
+        for sink in self._output_sinks:
+            sink(layer, tensor)
 
     def _check_unit_dim(self, layer: int, tensor: Tensor) -> None:
         unit_dim = self.unit_dim
@@ -214,6 +222,8 @@ class StepRecorder:
                 gradient_row(piece, agg.gradient_row(layer, piece.numel()), self.workspace)
         if self.histograms:
             agg.add(layer, grad_hist=histogram_counts(grad, agg.histogram_edges))
+        for sink in self._grad_sinks:
+            sink(layer, grad)
 
     def flush(self) -> None:
         """Reduce the stacked small outputs and gradients into the aggregator's call table (``stack_small``)."""

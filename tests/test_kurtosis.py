@@ -10,7 +10,7 @@ import torch
 from lightning_hookdiag import kurtosis as O
 from lightning_hookdiag import stats as S
 from lightning_hookdiag.aggregation import LayerStatsAggregator
-from lightning_hookdiag.opt_in import OptInRecorder, plan_opt_in
+from lightning_hookdiag.recorder import StepRecorder
 
 
 def reference(chunks: list[torch.Tensor]) -> dict[str, float]:
@@ -27,13 +27,13 @@ def reference(chunks: list[torch.Tensor]) -> dict[str, float]:
 
 def pooled(chunks: list[torch.Tensor]) -> dict[str, float]:
     """Pool ``chunks`` as micro-batch outputs of layer 0 through the recorder the callback uses."""
-    plan = plan_opt_in(["act_kurtosis", "act_absmax_over_std", "act_std"], None, "32-true")
-    agg = LayerStatsAggregator(1, **plan.aggregator_kwargs())
-    recorder = OptInRecorder(agg, plan)
+    agg = LayerStatsAggregator(1)
+    outliers = O.Outliers(agg, kurtosis=True, absmax_over_std=True)
+    recorder = StepRecorder(agg, components=[outliers])
     for chunk in chunks:
-        recorder.on_output(0, chunk)
-    agg.update()
-    out = agg.compute()
+        recorder.on_tensor(0, chunk)
+    out = agg.pooled()
+    out.update(outliers.finalize(out))
     return {k: out[k].reshape(-1)[0].item() for k in ("act_kurtosis", "act_absmax_over_std")}
 
 
@@ -142,7 +142,7 @@ def test_power_sums_pool_additively():
 
 def test_default_recorder_path_registers_no_opt_in_state():
     agg = LayerStatsAggregator(2)
-    assert not {"act_precision", "grad_precision", "act_power", "act_saved"} & set(agg._defaults)
+    assert not {"act_precision", "grad_precision", "act_power", "act_saved"} & set(agg.reduce_of)
     agg.update()
     out = agg.compute()
     assert set(out) >= set(S.ACTIVATION_STATS)

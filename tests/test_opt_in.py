@@ -118,18 +118,19 @@ def test_training_is_bit_identical_with_every_opt_in_statistic():
         assert torch.equal(final[0][key], final[1][key]), key
 
 
-def test_default_stats_use_the_plain_recorder_and_register_no_opt_in_state():
+def test_default_stats_build_no_opt_in_component_and_register_no_opt_in_state():
     seen = []
 
     class Probe(LayerHealthCallback):
         def on_train_batch_end(self, *args):
-            seen.append((type(self._run.recorder).__name__, set(self._run.aggregator._defaults), self._run.saved))
+            run = self._run
+            seen.append(({type(c).__name__ for c in run.components}, set(run.aggregator.reduce_of)))
             super().on_train_batch_end(*args)
 
     make_trainer([Probe(every_n_steps=1)], max_steps=1).fit(TinyModule())
-    ((recorder, states, saved),) = seen
-    assert recorder == "StepRecorder"
-    assert saved is None
+    ((components, states),) = seen
+    assert not {"PrecisionHeadroom", "Outliers", "SavedMemoryTracker"} & components
+    assert "PrecursorProbes" in components  # on by default
     assert not {"act_precision", "grad_precision", "act_power", "act_saved"} & states
 
 
