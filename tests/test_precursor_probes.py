@@ -241,9 +241,9 @@ def test_output_layer_named_by_the_user_and_its_errors():
     )
     make_trainer([callback], max_steps=1).fit(module)
     assert [k for k in callback.last_metrics if "logit_" in k] == ["layer_health/logit_lse_mean/model.transformer.ln_f"]
-    with pytest.raises(ValueError, match=r"output_layer: expected None or a non-empty module name, got 3"):
+    with pytest.raises(ValueError, match=r"output_layer: .*got 3"):
         LayerHealthCallback(output_layer=3)
-    with pytest.raises(ValueError, match=r"output_layer: expected None or a non-empty module name, got ''"):
+    with pytest.raises(ValueError, match=r"output_layer: .*got ''"):
         LayerHealthCallback(output_layer="")
     with pytest.raises(ValueError, match=r"output_layer='model.lm_head' names the layer of logit_lse_mean"):
         LayerHealthCallback(stats=["act_mean", "attn_logit_max"], output_layer="model.lm_head")  # no output logits

@@ -272,7 +272,7 @@ class _LaunchCounter(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-def test_one_output_costs_nine_launches_and_one_gradient_six(dtype):
+def test_one_output_costs_at_most_nine_launches_and_one_gradient_six(dtype):
     # The launch budget of the one path (issue 21): an output's moments in 9 ops, a gradient's in 6, whatever the
     # dtype, the size or the memory layout; a warm workspace allocates nothing.
     ws = S.Workspace()
@@ -281,13 +281,13 @@ def test_one_output_costs_nine_launches_and_one_gradient_six(dtype):
     S.activation_row(x, act_row, ws)  # warm
     with _LaunchCounter() as counter:
         S.activation_row(x, act_row, ws)
-    assert len(counter.ops) == 9, counter.ops
+    assert len(counter.ops) <= 9, counter.ops
     with _LaunchCounter() as counter:
         S.gradient_row(x, grad_row, ws)
-    assert len(counter.ops) == 6, counter.ops
+    assert len(counter.ops) <= 6, counter.ops
     with _LaunchCounter() as counter:
         S.unit_maxima(x)
-    assert len(counter.ops) == 2, counter.ops
+    assert len(counter.ops) <= 2, counter.ops
     d = x.double()
     nonzero = d.count_nonzero().item()
     expected = [nonzero, nonzero, d.sum().item(), d.square().sum().item(), d.min().item(), d.max().item()]
