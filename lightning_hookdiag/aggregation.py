@@ -277,8 +277,6 @@ class LayerStatsAggregator(Metric):
         layer: int | None = None,
         units: Tensor | None = None,
         params: tuple[Tensor, Tensor, int | slice] | None = None,
-        act_hist: Tensor | None = None,
-        grad_hist: Tensor | None = None,
     ) -> None:
         """Add one observation of layer ``layer`` (the hot path: hooks call this, not :meth:`update`).
 
@@ -291,8 +289,6 @@ class LayerStatsAggregator(Metric):
             units: Per-unit maxima from :func:`~lightning_hookdiag.stats.unit_maxima`.
             params: ``(index, values, columns)``: write ``values`` into the parameter rows ``index`` and columns
                 ``columns`` (see :mod:`lightning_hookdiag.params`).
-            act_hist: Histogram counts of the output (:func:`~lightning_hookdiag.stats.histogram_counts`).
-            grad_hist: Histogram counts of the output gradient.
         """
         if params is not None:
             index, values, columns = params
@@ -305,10 +301,6 @@ class LayerStatsAggregator(Metric):
                     f"units: layer {layer} was not declared with track_units (declared: {sorted(self.unit_layers)})"
                 )
             self._add_units(layer, units)
-        if act_hist is not None:
-            self.act_hist[layer].add_(act_hist)
-        if grad_hist is not None:
-            self.grad_hist[layer].add_(grad_hist)
 
     def add_state(self, name: str, default: Tensor, dist_reduce_fx: str, persistent: bool = False) -> None:  # type: ignore[override]
         """Register a state reduced by ``"sum"`` or ``"max"``: the one place its reduction is declared.

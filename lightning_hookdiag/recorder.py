@@ -193,7 +193,7 @@ class StepRecorder:
             self._check_unit_dim(layer, tensor)
             agg.add(layer, units=unit_maxima(tensor, self.unit_dim))
         if self.histograms:
-            agg.add(layer, act_hist=histogram_counts(tensor, agg.histogram_edges))
+            agg.pool("act_hist", histogram_counts(tensor, agg.histogram_edges), layer)
         for sink in self._output_sinks:
             sink(layer, tensor)
 
@@ -221,7 +221,7 @@ class StepRecorder:
             for piece in chunks(grad):
                 gradient_row(piece, agg.gradient_row(layer, piece.numel()), self.workspace)
         if self.histograms:
-            agg.add(layer, grad_hist=histogram_counts(grad, agg.histogram_edges))
+            agg.pool("grad_hist", histogram_counts(grad, agg.histogram_edges), layer)
         for sink in self._grad_sinks:
             sink(layer, grad)
 
