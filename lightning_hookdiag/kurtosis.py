@@ -147,9 +147,5 @@ class Outliers(Component):
 
 @component
 def _outliers(setup: Setup) -> Outliers | None:
-    plan = setup.plan
-    return (
-        Outliers(setup.aggregator, plan.power_sums, plan.absmax_over_std)
-        if plan.power_sums or plan.absmax_over_std
-        else None
-    )
+    kurtosis, ratio = ("act_kurtosis" in setup.config.stats), ("act_absmax_over_std" in setup.config.stats)
+    return Outliers(setup.aggregator, kurtosis, ratio) if kurtosis or ratio else None

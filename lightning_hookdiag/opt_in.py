@@ -23,18 +23,12 @@ class OptInPlan:
     Attributes:
         act_targets: Target dtype names of the activation precision headroom (empty: not computed).
         grad_targets: Target dtype names of the output-gradient precision headroom.
-        power_sums: Pool power sums for ``act_kurtosis``.
-        absmax_over_std: Finalise ``act_absmax_over_std``.
-        saved_bytes: Track ``act_saved_bytes``.
         logged: Logged statistic names, in vocabulary order (precision ones expanded per target).
         note: Why a requested statistic is not computed (precision headroom without a target), or ``""``.
     """
 
     act_targets: tuple[str, ...] = ()
     grad_targets: tuple[str, ...] = ()
-    power_sums: bool = False
-    absmax_over_std: bool = False
-    saved_bytes: bool = False
     logged: tuple[str, ...] = ()
     note: str = ""
 
@@ -74,12 +68,4 @@ def plan_opt_in(
     logged += precision.logged_names(precision_stats, targets)
     if "act_saved_bytes" in wanted:
         logged.append("act_saved_bytes")
-    return OptInPlan(
-        act_targets=act,
-        grad_targets=grad,
-        power_sums="act_kurtosis" in wanted,
-        absmax_over_std="act_absmax_over_std" in wanted,
-        saved_bytes="act_saved_bytes" in wanted,
-        logged=tuple(logged),
-        note=note,
-    )
+    return OptInPlan(act_targets=act, grad_targets=grad, logged=tuple(logged), note=note)

@@ -140,7 +140,8 @@ class SavedMemoryTracker(Component):
 
 @component
 def _saved_bytes(setup: Setup) -> SavedMemoryTracker | None:
-    return SavedMemoryTracker(setup.modules, setup.model, setup.aggregator) if setup.plan.saved_bytes else None
+    wanted = "act_saved_bytes" in setup.config.stats
+    return SavedMemoryTracker(setup.modules, setup.model, setup.aggregator) if wanted else None
 
 
 def _unpack(tensor: Tensor) -> Tensor:
