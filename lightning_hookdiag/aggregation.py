@@ -2,12 +2,12 @@
 
 Per-layer states are stacked into a handful of tensors (``[n_layers, n_slots]`` sums, ``[n_layers]`` maxima, one
 flat vector of per-unit maxima). torchmetrics keeps them (reset, device moves, ``compute``), but its gather-based sync
-is replaced: every additive state goes into one buffer reduced with one SUM ``all_reduce``, every maximum into one
-buffer reduced with one MAX ``all_reduce`` (:mod:`lightning_hookdiag.distributed`). No all-gather, no barrier, no
+is replaced: every state declared ``"sum"`` goes into one buffer reduced with one SUM ``all_reduce``, every ``"max"``
+into one reduced with one MAX ``all_reduce`` (:mod:`lightning_hookdiag.distributed`). No all-gather, no barrier, no
 host read once the per-unit layout is agreed, and the bytes per process do not depend on the number of processes.
 
 Hook calls do not add into the states one by one: each writes its reduction into one row of a call table
-(:meth:`LayerStatsAggregator.activation_row`, :meth:`~LayerStatsAggregator.gradient_row`), and the rows of a step are
+(:meth:`LayerStatsAggregator.rows`), and the rows of a step are
 folded into the states with a constant number of ops (``index_add_``) by ``update``, the sync and ``compute``.
 
 The per-unit layout (``act_dead_frac``) is the same on every process: a layer's unit count is learned from its
@@ -82,7 +82,7 @@ class LayerStatsAggregator(Metric):
         >>> from lightning_hookdiag.stats import activation_row
         >>> agg = LayerStatsAggregator(n_layers=2)
         >>> for x in (torch.tensor([1.0, 3.0]), torch.tensor([5.0, 7.0])):  # two micro-batches of layer 0
-        ...     _ = activation_row(x, agg.activation_row(0, x.numel()))
+        ...     _ = activation_row(x, agg.rows("act", [0], x.numel())[0])
         >>> out = agg.pooled()
         >>> out["act_mean"][0].item(), round(out["act_std"][0].item(), 6), out["count"].tolist()
         (4.0, 2.236068, [4.0, 0.0])
@@ -162,19 +162,17 @@ class LayerStatsAggregator(Metric):
         """AMP loss scale of the step's gradients, divided out of ``act_grad_norm`` at ``compute``."""
         self._synced = False
         self._relaid: Tensor | None = None
-        self._act_calls = _Calls(ACT_ROW, dtype)
-        self._grad_calls = _Calls(GRAD_ROW, dtype)
-        self._count_calls = _Calls(0, dtype)
+        self._calls = {"act": _Calls(ACT_ROW, dtype), "grad": _Calls(GRAD_ROW, dtype), "count": _Calls(0, dtype)}
 
     @property
     def pending_rows(self) -> tuple[int, int]:
         """Output and gradient rows written since the last fold: one per reduced piece (a stack's rows at its flush)."""
-        return len(self._act_calls.layers), len(self._grad_calls.layers)
+        return len(self._calls["act"].layers), len(self._calls["grad"].layers)
 
     @property
     def held(self) -> tuple[int, int]:
         """``(rows of the output call table, call patterns whose device copies are cached)``: both bounded."""
-        return self._act_calls.table.shape[0], len(self._act_calls._patterns)
+        return self._calls["act"].table.shape[0], len(self._calls["act"]._patterns)
 
     def track_units(self, layers: Iterable[int]) -> None:
         """Declare the layers that may report per-unit maxima (default: every layer).
@@ -246,31 +244,14 @@ class LayerStatsAggregator(Metric):
         else:
             torch.fmax(pending, units, out=pending)
 
-    def activation_row(self, layer: int, numel: int) -> Tensor:
-        """A row of this step's call table for one output of ``numel`` elements of layer ``layer``.
+    def rows(self, kind: str, layers: list[int], numel: int) -> Tensor:
+        """``len(layers)`` consecutive rows of this step's call table ``kind``, for calls of ``numel`` elements each.
 
-        The caller writes it with :func:`~lightning_hookdiag.stats.activation_row`; :meth:`update` folds the rows.
+        ``"act"`` rows are written by :func:`~lightning_hookdiag.stats.activation_row` (or ``activation_rows``),
+        ``"grad"`` rows by ``gradient_row`` (``gradient_rows``); a ``"count"`` row has no column (an output counted
+        without its moments: no moment statistic was asked for). :meth:`update` folds the rows.
         """
-        return self._act_calls.row(layer, numel, self.act_moments.device)
-
-    def gradient_row(self, layer: int, numel: int) -> Tensor:
-        """:meth:`activation_row` for an output gradient (:func:`~lightning_hookdiag.stats.gradient_row`)."""
-        return self._grad_calls.row(layer, numel, self.act_moments.device)
-
-    def activation_rows(self, layers: list[int], numel: int) -> Tensor:
-        """``[len(layers), ACT_ROW]`` consecutive rows for outputs of ``numel`` elements of ``layers``, in order.
-
-        The caller writes them with :func:`~lightning_hookdiag.stats.activation_rows` (a stack of small outputs).
-        """
-        return self._act_calls.rows(layers, numel, self.act_moments.device)
-
-    def gradient_rows(self, layers: list[int], numel: int) -> Tensor:
-        """:meth:`activation_rows` for output gradients (:func:`~lightning_hookdiag.stats.gradient_rows`)."""
-        return self._grad_calls.rows(layers, numel, self.act_moments.device)
-
-    def add_count(self, layer: int, numel: int) -> None:
-        """Count one output of ``numel`` elements without its moments (no moment statistic was asked for)."""
-        self._count_calls.row(layer, numel, self.act_moments.device)
+        return self._calls[kind].rows(layers, numel, self.act_moments.device)
 
     def add(
         self,
@@ -338,17 +319,17 @@ class LayerStatsAggregator(Metric):
 
     def _fold(self) -> None:
         """Fold this step's call rows into the states, a constant number of ops per step."""
-        taken = self._act_calls.take()
+        taken = self._calls["act"].take()
         if taken is not None:
             rows, index, counts = taken
             moments, absmax = moments_from_rows(rows, counts)
             self.act_moments.index_add_(0, index, moments)
             self.act_absmax.scatter_reduce_(0, index, absmax.to(self.act_absmax.dtype), "amax")
-        taken = self._grad_calls.take()
+        taken = self._calls["grad"].take()
         if taken is not None:
             rows, index, counts = taken
             self.grad_moments.index_add_(0, index, gradient_moments_from_rows(rows, counts))
-        taken = self._count_calls.take()
+        taken = self._calls["count"].take()
         if taken is not None:
             _, index, counts = taken
             self.act_moments[:, ACT_COUNT].index_add_(0, index, counts)
@@ -364,7 +345,7 @@ class LayerStatsAggregator(Metric):
     def reset(self) -> None:
         """Clear the states and any pending observations, to start the next sampled step (the layout stays)."""
         super().reset()
-        for calls in (self._act_calls, self._grad_calls, self._count_calls):
+        for calls in self._calls.values():
             calls.clear()
         self._pending_units = {}
         self._unit_bad = None
@@ -384,10 +365,9 @@ class LayerStatsAggregator(Metric):
     def _sync_dist(self, dist_sync_fn: Any = None, process_group: Any = None) -> None:
         """Reduce the states over processes with one SUM and one MAX ``all_reduce`` of packed buffers.
 
-        Replaces torchmetrics' gather-based sync (a barrier and two all-gathers per state); torchmetrics still calls
-        it from ``compute`` after keeping the local states, and restores them afterwards. Each state goes into the
-        buffer of its declared reduction (:attr:`reduce_of`). ``dist_sync_fn`` is not used: a sum and a maximum
-        need no gathered copies. Every process must call it (``compute``), also one whose layers did not run.
+        torchmetrics calls it from ``sync`` after keeping the local states, and restores them afterwards. Each state
+        goes into the buffer of its declared reduction (:attr:`reduce_of`). ``dist_sync_fn`` is not used: a sum and
+        a maximum need no gathered copies. Every process must call it, also one whose layers did not run.
 
         Args:
             dist_sync_fn: Ignored; part of torchmetrics' signature.
@@ -526,9 +506,6 @@ class _Calls:
         self.layers: list[int] = []
         self.counts: list[int] = []
         self._patterns: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[Tensor, Tensor]] = {}
-
-    def row(self, layer: int, count: int, device: torch.device) -> Tensor:
-        return self.rows([layer], count, device)[0]
 
     def rows(self, layers: list[int], count: int, device: torch.device) -> Tensor:
         """``len(layers)`` consecutive rows, for calls of ``count`` elements each."""

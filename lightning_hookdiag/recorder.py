@@ -8,6 +8,7 @@ no observation itself, and the aggregator does not call back into it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -96,11 +97,8 @@ class StepRecorder:
     """The sinks a :class:`~lightning_hookdiag.hooks.HookSet` writes into.
 
     Each output or gradient is reduced to the sufficient statistics that the requested statistics need and added to
-    a :class:`LayerStatsAggregator`, on any device by the same ops: 12 kernel-launching tensor ops per output with
-    every default statistic (9 for the moments, 3 for per-unit activity), 6 per gradient, and
-    no host read (see :mod:`lightning_hookdiag.stats`). Tensors of more than
-    :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS` elements are reduced piece by piece (9 and 6 ops per piece), so
-    the scratch memory is bounded.
+    a :class:`LayerStatsAggregator`, by the ops of :mod:`lightning_hookdiag.stats` (plus 3 for per-unit activity),
+    piece by piece beyond :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS` elements, with no host read.
 
     Args:
         aggregator: Where observations are pooled.
@@ -136,8 +134,8 @@ class StepRecorder:
         self.aggregator = aggregator
         self._output_sinks = [c.on_output for c in components if c.on_output is not None]
         self._grad_sinks = [c.on_grad for c in components if c.on_grad is not None]
-        self._act_stacks = _Stacks(activation_rows, aggregator.activation_rows) if stack_small else None
-        self._grad_stacks = _Stacks(gradient_rows, aggregator.gradient_rows) if stack_small else None
+        self._act_stacks = _Stacks(activation_rows, functools.partial(aggregator.rows, "act")) if stack_small else None
+        self._grad_stacks = _Stacks(gradient_rows, functools.partial(aggregator.rows, "grad")) if stack_small else None
         self.moments = moments
         self.unit_layers = unit_layers
         aggregator.track_units(unit_layers)
@@ -186,9 +184,9 @@ class StepRecorder:
             # Piece by piece: the scratch memory stays bounded whatever the tensor's size (one piece, and so one row,
             # for tensors up to CHUNK_ELEMENTS); the pieces' rows pool like calls.
             for piece in chunks(tensor):
-                activation_row(piece, agg.activation_row(layer, piece.numel()), self.workspace)
+                activation_row(piece, agg.rows("act", [layer], piece.numel())[0], self.workspace)
         else:
-            agg.add_count(layer, numel)
+            agg.rows("count", [layer], numel)
         if layer in self.unit_layers:
             self._check_unit_dim(layer, tensor)
             agg.add(layer, units=unit_maxima(tensor, self.unit_dim))
@@ -219,7 +217,7 @@ class StepRecorder:
             self._grad_stacks.add(layer, grad, self.workspace)
         else:
             for piece in chunks(grad):
-                gradient_row(piece, agg.gradient_row(layer, piece.numel()), self.workspace)
+                gradient_row(piece, agg.rows("grad", [layer], piece.numel())[0], self.workspace)
         if self.histograms:
             agg.pool("grad_hist", histogram_counts(grad, agg.histogram_edges), layer)
         for sink in self._grad_sinks:
