@@ -194,10 +194,8 @@ class Workspace:
     faults on every call, which reuse avoids (measured on a 2-core CPU: an 8 MB activation took 8.3 ms with
     temporaries, 3.1 ms with reused buffers); on an accelerator the caching allocator would hand the same memory
     back anyway. The views of a size are kept too, so that many tensors of one shape (a deep stack of equal
-    layers) do not pay a few microseconds of view creation each. Reductions read at most :data:`CHUNK_ELEMENTS`
-    elements at once, so it never holds more than that many elements in one dtype and twice as many float64
-    values, whatever the size of the tensors (5 MiB for float32 inputs); the callback releases it at the end of
-    every sampled step, so it holds nothing between them.
+    layers) do not pay a few microseconds of view creation each. Its bound is :data:`CHUNK_ELEMENTS`'s; the
+    callback releases it at the end of every sampled step, so it holds nothing between them.
 
     Example:
         >>> ws = Workspace()
@@ -288,10 +286,6 @@ def activation_row(x: Tensor, out: Tensor, workspace: Workspace | None = None) -
     maximum of the finite elements (NaN/Inf read as 0 there), all in ``out.dtype``. :func:`moments_from_rows`
     turns rows into additive moments; the element count is known on the host and not part of the row.
 
-    The counts, the NaN/Inf removal and the extrema run in ``x``'s own dtype (exact in any precision); only the
-    sums read a float64 copy: the values and their squares side by side in one ``[2, n]`` buffer, summed by one
-    cascaded ``sum`` over its rows.
-
     Args:
         x: Any floating-point tensor with at least one and at most :data:`CHUNK_ELEMENTS` elements (a piece of
             :func:`chunks`), any device, any layout in memory.
@@ -350,13 +344,8 @@ def _gradient(g: Tensor, out: Tensor, workspace: Workspace | None, dim: int | No
 def activation_rows(x: Tensor, out: Tensor, workspace: Workspace | None = None) -> Tensor:
     """:func:`activation_row` of every row of a ``[k, n]`` stack of tensors, into the ``[k, ACT_ROW]`` ``out``.
 
-    The same 9 ops and the same values as ``k`` calls of :func:`activation_row`, reduced along the rows: the
-    recorder stacks the small outputs of a step (many layers, few elements each) and pays the ops once per stack.
-
-    Args:
-        x: ``[k, n]`` floating-point values, at most :data:`CHUNK_ELEMENTS` in all.
-        out: ``[k, ACT_ROW]``, where the rows are written.
-        workspace: Scratch memory reused across calls; ``None`` allocates temporaries.
+    The same 9 ops and the same values as ``k`` calls of :func:`activation_row`: the recorder stacks the small
+    outputs of a step (many layers, few elements each) and pays the ops once per stack.
 
     Example:
         >>> x = torch.tensor([[0.0, -3.0, 4.0], [1.0, float("nan"), 2.0]])
