@@ -25,7 +25,12 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = ["calling_modules", "check", "exit_mode", "in_backward"]
 
-_CALL_CODES = frozenset({nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__})
+# Looked up without failing at import, so that check() can name what a torch release moved.
+_CALL_CODES = frozenset(
+    code
+    for name in ("_call_impl", "_wrapped_call_impl")
+    if (code := getattr(getattr(nn.Module, name, None), "__code__", None))
+)
 
 
 def in_backward() -> bool:
