@@ -2,12 +2,12 @@
 
 Per-layer states are stacked into a handful of tensors (``[n_layers, n_slots]`` sums, ``[n_layers]`` maxima, one
 flat vector of per-unit maxima). torchmetrics keeps them (reset, device moves, ``compute``), but its gather-based sync
-is replaced: every additive state goes into one buffer reduced with one SUM ``all_reduce``, every maximum into one
-buffer reduced with one MAX ``all_reduce`` (:mod:`lightning_hookdiag.distributed`). No all-gather, no barrier, no
+is replaced: every state declared ``"sum"`` goes into one buffer reduced with one SUM ``all_reduce``, every ``"max"``
+into one reduced with one MAX ``all_reduce`` (:mod:`lightning_hookdiag.distributed`). No all-gather, no barrier, no
 host read once the per-unit layout is agreed, and the bytes per process do not depend on the number of processes.
 
 Hook calls do not add into the states one by one: each writes its reduction into one row of a call table
-(:meth:`LayerStatsAggregator.activation_row`, :meth:`~LayerStatsAggregator.gradient_row`), and the rows of a step are
+(:meth:`LayerStatsAggregator.rows`), and the rows of a step are
 folded into the states with a constant number of ops (``index_add_``) by ``update``, the sync and ``compute``.
 
 The per-unit layout (``act_dead_frac``) is the same on every process: a layer's unit count is learned from its
@@ -28,9 +28,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_hookdiag.distributed import all_reduce_packed
-from lightning_hookdiag.kurtosis import POWER_SLOTS, finalize_kurtosis
 from lightning_hookdiag.params import P_SEEN, P_SLOTS, P_WEIGHT_SQ, finalize_parameters
-from lightning_hookdiag.precision import finalize_precision
 from lightning_hookdiag.stats import (
     ACT_COUNT,
     ACT_ROW,
@@ -81,11 +79,11 @@ class LayerStatsAggregator(Metric):
         kwargs: Passed to :class:`torchmetrics.Metric` (e.g. ``process_group``).
 
     Example:
-        >>> from lightning_hookdiag.stats import activation_moments
+        >>> from lightning_hookdiag.stats import activation_row
         >>> agg = LayerStatsAggregator(n_layers=2)
         >>> for x in (torch.tensor([1.0, 3.0]), torch.tensor([5.0, 7.0])):  # two micro-batches of layer 0
-        ...     agg.update(0, activation=activation_moments(x))
-        >>> out = agg.compute()
+        ...     _ = activation_row(x, agg.rows("act", [0], x.numel())[0])
+        >>> out = agg.pooled()
         >>> out["act_mean"][0].item(), round(out["act_std"][0].item(), 6), out["count"].tolist()
         (4.0, 2.236068, [4.0, 0.0])
     """
@@ -101,10 +99,6 @@ class LayerStatsAggregator(Metric):
     act_hist: Tensor
     grad_hist: Tensor
     param_stats: Tensor
-    act_precision: Tensor
-    grad_precision: Tensor
-    act_power: Tensor
-    act_saved: Tensor
 
     def __init__(
         self,
@@ -113,14 +107,12 @@ class LayerStatsAggregator(Metric):
         dtype: torch.dtype = torch.float64,
         sharded_params: bool = False,
         histogram_bins: int = 0,
-        act_precision: tuple[str, ...] = (),
-        grad_precision: tuple[str, ...] = (),
-        power_sums: bool = False,
-        absmax_over_std: bool = False,
-        saved_bytes: bool = False,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        # Rows written by hooks bypass update(), so a cached result could be stale: never cache.
+        super().__init__(**{"compute_with_cache": False, **kwargs})
+        self.reduce_of: dict[str, str] = {}
+        """Each state's reduction over calls, micro-batches and processes (``"sum"`` or ``"max"``), as declared."""
         self.n_layers = n_layers
         self.n_params = n_params
         self.acc_dtype = dtype
@@ -133,7 +125,7 @@ class LayerStatsAggregator(Metric):
         )
         self.add_state("act_moments", torch.zeros(n_layers, ACT_SLOTS, dtype=dtype), dist_reduce_fx="sum")
         # float32, like the other maxima, so that the MAX buffer stays float32 in sharded runs: only float64 outputs
-        # beyond float32's range (3.4e38) overflow it, and they are logged as inf with a note (metrics.overflow_notes).
+        # beyond float32's range (3.4e38) overflow it, and they are logged as inf with a note (overflow_notes).
         self.add_state("act_absmax", torch.zeros(n_layers), dist_reduce_fx="max")
         self.add_state("grad_moments", torch.zeros(n_layers, GRAD_SLOTS, dtype=dtype), dist_reduce_fx="sum")
         self.add_state("unit_max", torch.empty(0), dist_reduce_fx="max")
@@ -147,29 +139,7 @@ class LayerStatsAggregator(Metric):
         if histogram_bins:
             self.add_state("act_hist", torch.zeros(n_layers, histogram_bins), dist_reduce_fx="sum")
             self.add_state("grad_hist", torch.zeros(n_layers, histogram_bins), dist_reduce_fx="sum")
-        # Opt-in statistics (stats=[...]): also registered only when asked for, as plain "sum" or "max" states.
-        self.act_precision_targets = act_precision
-        self.grad_precision_targets = grad_precision
-        self.power_sums = power_sums
-        self.absmax_over_std = absmax_over_std
-        self.saved_bytes = saved_bytes
-        if act_precision:
-            slots = 1 + 2 * len(act_precision)
-            self.add_state("act_precision", torch.zeros(n_layers, slots, dtype=dtype), dist_reduce_fx="sum")
-        if grad_precision:
-            slots = 1 + 2 * len(grad_precision)
-            self.add_state("grad_precision", torch.zeros(n_layers, slots, dtype=dtype), dist_reduce_fx="sum")
-        if power_sums:
-            self.add_state("act_power", torch.zeros(n_layers, POWER_SLOTS, dtype=dtype), dist_reduce_fx="sum")
-        # Per-layer point the power sums are taken about (see lightning_hookdiag.kurtosis); the same on every process.
-        self.power_shift = torch.zeros(n_layers, dtype=dtype)
-        if saved_bytes:
-            self.add_state("act_saved", torch.zeros(n_layers, dtype=dtype), dist_reduce_fx="max")
-        self._saved_host: list[int] | None = None
-        """Saved-activation bytes per layer of the step so far (host numbers), until the fold."""
-        # States other modules register (register_extra): reduced in the same two packed all-reduces.
-        self._extra_sums: list[str] = []
-        self._extra_maxima: list[str] = []
+        self._core = frozenset(self.reduce_of)
         # Unit counts are learned from the outputs and agreed over processes (see the module docstring); the flat
         # layout follows layer order, so it is the same on every process whatever order layers happen to run in.
         self.sharded_params = sharded_params
@@ -190,9 +160,19 @@ class LayerStatsAggregator(Metric):
         where none did), from the last sync; ``None`` without one (see :meth:`_replica_low`)."""
         self.grad_scale: Tensor | None = None
         """AMP loss scale of the step's gradients, divided out of ``act_grad_norm`` at ``compute``."""
-        self._act_calls = _Calls(ACT_ROW, dtype)
-        self._grad_calls = _Calls(GRAD_ROW, dtype)
-        self._count_calls = _Calls(0, dtype)
+        self._synced = False
+        self._relaid: Tensor | None = None
+        self._calls = {"act": _Calls(ACT_ROW, dtype), "grad": _Calls(GRAD_ROW, dtype), "count": _Calls(0, dtype)}
+
+    @property
+    def pending_rows(self) -> tuple[int, int]:
+        """Output and gradient rows written since the last fold: one per reduced piece (a stack's rows at its flush)."""
+        return len(self._calls["act"].layers), len(self._calls["grad"].layers)
+
+    @property
+    def held(self) -> tuple[int, int]:
+        """``(rows of the output call table, call patterns whose device copies are cached)``: both bounded."""
+        return self._calls["act"].table.shape[0], len(self._calls["act"]._patterns)
 
     def track_units(self, layers: Iterable[int]) -> None:
         """Declare the layers that may report per-unit maxima (default: every layer).
@@ -264,46 +244,20 @@ class LayerStatsAggregator(Metric):
         else:
             torch.fmax(pending, units, out=pending)
 
-    def activation_row(self, layer: int, numel: int) -> Tensor:
-        """A row of this step's call table for one output of ``numel`` elements of layer ``layer``.
+    def rows(self, kind: str, layers: list[int], numel: int) -> Tensor:
+        """``len(layers)`` consecutive rows of this step's call table ``kind``, for calls of ``numel`` elements each.
 
-        The caller writes it with :func:`~lightning_hookdiag.stats.activation_row`; :meth:`update` folds the rows.
+        ``"act"`` rows are written by :func:`~lightning_hookdiag.stats.activation_row` (or ``activation_rows``),
+        ``"grad"`` rows by ``gradient_row`` (``gradient_rows``); a ``"count"`` row has no column (an output counted
+        without its moments: no moment statistic was asked for). :meth:`update` folds the rows.
         """
-        self._mark_stale()
-        return self._act_calls.row(layer, numel, self.act_moments.device)
-
-    def gradient_row(self, layer: int, numel: int) -> Tensor:
-        """:meth:`activation_row` for an output gradient (:func:`~lightning_hookdiag.stats.gradient_row`)."""
-        self._mark_stale()
-        return self._grad_calls.row(layer, numel, self.act_moments.device)
-
-    def activation_rows(self, layers: list[int], numel: int) -> Tensor:
-        """``[len(layers), ACT_ROW]`` consecutive rows for outputs of ``numel`` elements of ``layers``, in order.
-
-        The caller writes them with :func:`~lightning_hookdiag.stats.activation_rows` (a stack of small outputs).
-        """
-        self._mark_stale()
-        return self._act_calls.rows(layers, numel, self.act_moments.device)
-
-    def gradient_rows(self, layers: list[int], numel: int) -> Tensor:
-        """:meth:`activation_rows` for output gradients (:func:`~lightning_hookdiag.stats.gradient_rows`)."""
-        self._mark_stale()
-        return self._grad_calls.rows(layers, numel, self.act_moments.device)
-
-    def add_count(self, layer: int, numel: int) -> None:
-        """Count one output of ``numel`` elements without its moments (no moment statistic was asked for)."""
-        self._mark_stale()
-        self._count_calls.row(layer, numel, self.act_moments.device)
+        return self._calls[kind].rows(layers, numel, self.act_moments.device)
 
     def add(
         self,
         layer: int | None = None,
-        activation: tuple[Tensor, Tensor] | None = None,
         units: Tensor | None = None,
-        gradient: Tensor | None = None,
         params: tuple[Tensor, Tensor, int | slice] | None = None,
-        act_hist: Tensor | None = None,
-        grad_hist: Tensor | None = None,
     ) -> None:
         """Add one observation of layer ``layer`` (the hot path: hooks call this, not :meth:`update`).
 
@@ -313,116 +267,72 @@ class LayerStatsAggregator(Metric):
         Args:
             layer: Index of the layer; ``None`` records nothing (a process whose layers did not run still takes
                 part in the reduction).
-            activation: ``(moments, absmax)`` from :func:`~lightning_hookdiag.stats.activation_moments`.
             units: Per-unit maxima from :func:`~lightning_hookdiag.stats.unit_maxima`.
-            gradient: Moments from :func:`~lightning_hookdiag.stats.gradient_moments`.
             params: ``(index, values, columns)``: write ``values`` into the parameter rows ``index`` and columns
                 ``columns`` (see :mod:`lightning_hookdiag.params`).
-            act_hist: Histogram counts of the output (:func:`~lightning_hookdiag.stats.histogram_counts`).
-            grad_hist: Histogram counts of the output gradient.
         """
-        self._mark_stale()
         if params is not None:
             index, values, columns = params
             self.param_stats[:, columns].index_copy_(0, index, values.to(self.param_stats.dtype))
         if layer is None:
             return
-        if activation is not None:
-            moments, absmax = activation
-            self.act_moments[layer].add_(moments)
-            torch.maximum(self.act_absmax[layer], absmax, out=self.act_absmax[layer])
         if units is not None and layer not in self.unit_mismatch:
             if layer not in self.unit_layers:
                 raise ValueError(
                     f"units: layer {layer} was not declared with track_units (declared: {sorted(self.unit_layers)})"
                 )
             self._add_units(layer, units)
-        if gradient is not None:
-            self.grad_moments[layer].add_(gradient)
-        if act_hist is not None:
-            self.act_hist[layer].add_(act_hist)
-        if grad_hist is not None:
-            self.grad_hist[layer].add_(grad_hist)
 
-    def add_extra(self, layer: int, state: str, values: Tensor) -> None:
-        """Add an opt-in statistic's additive vector to row ``layer`` of the "sum" state ``state``.
+    def add_state(self, name: str, default: Tensor, dist_reduce_fx: str, persistent: bool = False) -> None:  # type: ignore[override]
+        """Register a state reduced by ``"sum"`` or ``"max"``: the one place its reduction is declared.
 
-        Args:
-            layer: Index of the layer.
-            state: ``"act_precision"``, ``"grad_precision"`` or ``"act_power"`` (registered when asked for).
-            values: From :func:`~lightning_hookdiag.precision.precision_counts` or
-                :func:`~lightning_hookdiag.kurtosis.power_sums`.
-        """
-        self._mark_stale()
-        getattr(self, state)[layer].add_(values)
-
-    def register_extra(self, name: str, default: Tensor, reduce: str) -> None:
-        """Register a pooled state of another module: ``"sum"`` or ``"max"`` over calls and processes.
-
-        It rides in the same packed all-reduces as the other states, is reset with them, and :meth:`compute`
-        returns it unchanged under ``name`` (its owner finalises it). Pool into it with :meth:`pool_extra`.
+        The packed sync reads :attr:`reduce_of`; a component's state rides in the same two all-reduces as the core
+        states, is reset with them, and :meth:`compute` returns it unchanged under ``name`` (its owner finalises it).
 
         Raises:
-            ValueError: For a ``reduce`` other than ``"sum"`` or ``"max"``.
-        """
-        if reduce not in ("sum", "max"):
-            raise ValueError(f"register_extra: expected reduce 'sum' or 'max', got {reduce!r}")
-        self.add_state(name, default, dist_reduce_fx=reduce)
-        (self._extra_sums if reduce == "sum" else self._extra_maxima).append(name)
+            ValueError: For a reduction other than ``"sum"`` or ``"max"``.
 
-    def pool_extra(self, name: str, values: Tensor) -> None:
-        """Add ``values`` to (``"sum"``) or take the maximum with (``"max"``) the registered state ``name``."""
-        self._mark_stale()
+        Example:
+            >>> agg = LayerStatsAggregator(n_layers=1)
+            >>> agg.add_state("calls", torch.zeros(1), "sum")
+            >>> agg.pool("calls", torch.ones(1)); agg.pool("calls", torch.ones(1)); agg.reduce_of["calls"]
+            'sum'
+            >>> agg.add_state("calls", torch.zeros(1), "mean")
+            Traceback (most recent call last):
+            ...
+            ValueError: add_state('calls'): expected dist_reduce_fx 'sum' or 'max', got 'mean'
+        """
+        if dist_reduce_fx not in ("sum", "max"):
+            raise ValueError(f"add_state({name!r}): expected dist_reduce_fx 'sum' or 'max', got {dist_reduce_fx!r}")
+        super().add_state(name, default, dist_reduce_fx=dist_reduce_fx, persistent=persistent)
+        self.reduce_of[name] = dist_reduce_fx
+
+    def pool(self, name: str, values: Tensor, layer: int | None = None) -> None:
+        """Add ``values`` to (``"sum"``) or take the maximum with (``"max"``) state ``name`` (its row ``layer``)."""
         state = getattr(self, name)
-        if name in self._extra_sums:
-            state.add_(values.to(state.dtype))
+        target = state if layer is None else state[layer]
+        values = values.to(state.dtype)
+        if self.reduce_of[name] == "sum":
+            target.add_(values)
         else:
-            torch.maximum(state, values.to(state.dtype), out=state)
+            torch.maximum(target, values, out=target)
 
-    def add_saved_bytes(self, per_layer: list[int]) -> None:
-        """Pool one micro-batch's saved-activation bytes per layer (max over micro-batches and processes).
-
-        The bytes are host numbers: the maximum over micro-batches is taken on the host, and the step's maxima reach
-        the device once, at the fold.
-        """
-        self._mark_stale()
-        held = self._saved_host
-        self._saved_host = (
-            list(per_layer) if held is None else [max(a, b) for a, b in zip(held, per_layer, strict=True)]
-        )
-
-    def _mark_stale(self) -> None:
-        # What torchmetrics' update wrapper does: a cached result is stale now. Only assigned when set, because
-        # every attribute assignment on a Metric goes through nn.Module.__setattr__ (microseconds, per hook call).
-        if self._computed is not None:
-            self._computed = None
-
-    def _fold(self) -> bool:
-        """Fold this step's call rows into the states, a constant number of ops per step; whether there were any."""
-        folded = False
-        taken = self._act_calls.take()
+    def _fold(self) -> None:
+        """Fold this step's call rows into the states, a constant number of ops per step."""
+        taken = self._calls["act"].take()
         if taken is not None:
             rows, index, counts = taken
             moments, absmax = moments_from_rows(rows, counts)
             self.act_moments.index_add_(0, index, moments)
             self.act_absmax.scatter_reduce_(0, index, absmax.to(self.act_absmax.dtype), "amax")
-            folded = True
-        taken = self._grad_calls.take()
+        taken = self._calls["grad"].take()
         if taken is not None:
             rows, index, counts = taken
             self.grad_moments.index_add_(0, index, gradient_moments_from_rows(rows, counts))
-            folded = True
-        taken = self._count_calls.take()
+        taken = self._calls["count"].take()
         if taken is not None:
             _, index, counts = taken
             self.act_moments[:, ACT_COUNT].index_add_(0, index, counts)
-            folded = True
-        if self._saved_host is not None:
-            saved = host_values(self._saved_host, self.act_saved.dtype, self.act_saved.device)
-            torch.maximum(self.act_saved, saved, out=self.act_saved)
-            self._saved_host = None
-            folded = True
-        return folded
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         """Same as :meth:`add`, through torchmetrics' bookkeeping (marks the metric as updated).
@@ -435,42 +345,40 @@ class LayerStatsAggregator(Metric):
     def reset(self) -> None:
         """Clear the states and any pending observations, to start the next sampled step (the layout stays)."""
         super().reset()
-        for calls in (self._act_calls, self._grad_calls, self._count_calls):
+        for calls in self._calls.values():
             calls.clear()
-        self._saved_host = None
         self._pending_units = {}
         self._unit_bad = None
         self.param_norm_low = None
 
+    def sync(self, *args: Any, **kwargs: Any) -> None:
+        """Torchmetrics' ``sync``, on states that hold every call row: the local copy it keeps is folded too."""
+        self._fold()
+        super().sync(*args, **kwargs)
+
+    def unsync(self, should_unsync: bool = True) -> None:
+        """Torchmetrics' ``unsync``; the per-unit maxima keep the layout the sync agreed on."""
+        super().unsync(should_unsync)
+        if self._relaid is not None:
+            self.unit_max, self._relaid = self._relaid, None
+
     def _sync_dist(self, dist_sync_fn: Any = None, process_group: Any = None) -> None:
         """Reduce the states over processes with one SUM and one MAX ``all_reduce`` of packed buffers.
 
-        Replaces torchmetrics' gather-based sync (a barrier and two all-gathers per state); torchmetrics still calls
-        it from ``compute`` after caching the local states, and restores them afterwards. ``dist_sync_fn`` is not
-        used: a sum and a maximum need no gathered copies. Every process must call it (``compute``), also one whose
-        layers did not run.
+        torchmetrics calls it from ``sync`` after keeping the local states, and restores them afterwards. Each state
+        goes into the buffer of its declared reduction (:attr:`reduce_of`). ``dist_sync_fn`` is not used: a sum and
+        a maximum need no gathered copies. Every process must call it, also one whose layers did not run.
 
         Args:
             dist_sync_fn: Ignored; part of torchmetrics' signature.
             process_group: The group to reduce over; ``None`` for the metric's ``process_group`` (default: all).
         """
         group = process_group or self.process_group
-        changed = self._fold()
+        self._synced = True
         # Layers declared for per-unit maxima without an agreed unit count: the same list on every process, because
         # the agreed counts are.
         waiting = [i for i in sorted(self.unit_layers) if not self.unit_sizes[i] and i not in self.unit_mismatch]
-        sum_names = ["act_moments", "grad_moments"]
-        if self.histogram_edges.numel():
-            sum_names += ["act_hist", "grad_hist"]
-        # Opt-in states, where registered (plain sums; saved-activation bytes a maximum).
-        sum_names += [name for name in ("act_precision", "grad_precision", "act_power") if name in self._defaults]
-        sum_names += self._extra_sums
-        max_names = ["act_absmax", *self._extra_maxima]
-        if self.saved_bytes:
-            max_names.append("act_saved")
-        # Sharded parameters hold disjoint parts whose sums of squares add up; replicated ones hold the same value
-        # on every process, counted once by a maximum.
-        (sum_names if self.sharded_params else max_names).append("param_stats")
+        sum_names = [name for name, reduce in self.reduce_of.items() if reduce == "sum"]
         sums = [getattr(self, name) for name in sum_names]
         if waiting:
             # (processes that saw the layer, sum of their unit counts, sum of squares): the counts agree exactly
@@ -489,13 +397,11 @@ class LayerStatsAggregator(Metric):
                     self._pending_units.pop(layer, None)
             if agreed:
                 self._relayout(agreed)
-                changed = True
-        if changed and self._cache is not None:
-            self._cache = self._copy_state_dict()  # what unsync restores: the local states, now folded and laid out
+                self._relaid = self.unit_max  # what unsync restores instead of the local copy's old layout
+        max_names = [name for name, reduce in self.reduce_of.items() if reduce == "max"]
         maxima = [getattr(self, name) for name in max_names]
         if self.unit_layers:
-            max_names.append("unit_max")
-            maxima += [self.unit_max, self._mismatch_flags()]
+            maxima.append(self._mismatch_flags())
         low = self._replica_low()
         if low is not None:
             maxima.append(low)
@@ -532,6 +438,15 @@ class LayerStatsAggregator(Metric):
             self._bad_flags = (key, flags.to(self.unit_max.device))
         return self._bad_flags[1]
 
+    def pooled(self) -> dict[str, Tensor]:
+        """:meth:`compute` without torchmetrics' copy of every result: what a caller that only reads them needs.
+
+        The callback reads the results to the host at once, so the clone torchmetrics' ``compute`` makes of each
+        (against in-place changes by the caller) would be paid for nothing.
+        """
+        with self.sync_context():
+            return self._finalize()
+
     def compute(self) -> dict[str, Tensor]:
         """Finalised statistics, after torchmetrics has reduced the states over processes.
 
@@ -540,10 +455,15 @@ class LayerStatsAggregator(Metric):
             tracked) and ``count`` / ``grad_count`` (elements observed: 0 means the layer never ran), plus the
             parameter statistics of :func:`~lightning_hookdiag.params.finalize_parameters`; after a sync of
             replicated parameters also ``param_norm_min``, the smallest ``param_norm`` over the processes that
-            measured each parameter (``param_norm`` is the largest; ``inf`` where none did).
+            measured each parameter (``param_norm`` is the largest; ``inf`` where none did); every state a
+            component registered, unchanged.
         """
+        return self._finalize()
+
+    def _finalize(self) -> dict[str, Tensor]:
         self._fold()  # normally done by update() or the sync; here it would miss the reduction over processes
-        if self._pending_units and not self._is_synced:
+        synced, self._synced = self._synced, False
+        if self._pending_units and not synced:
             # No sync (one process): this process's unit counts are the agreed ones.
             self._relayout({layer: t.numel() for layer, t in self._pending_units.items()})
         out = finalize_activations(self.act_moments, self.act_absmax)
@@ -564,22 +484,8 @@ class LayerStatsAggregator(Metric):
         if self.histogram_edges.numel():
             out["act_hist"] = self.act_hist
             out["grad_hist"] = self.grad_hist
-        self._compute_opt_in(out)
+        out.update((name, getattr(self, name)) for name in self.reduce_of if name not in self._core)
         return out
-
-    def _compute_opt_in(self, out: dict[str, Tensor]) -> None:
-        if self.act_precision_targets:
-            out.update(finalize_precision(self.act_precision, self.act_precision_targets, "act"))
-        if self.grad_precision_targets:
-            out.update(finalize_precision(self.grad_precision, self.grad_precision_targets, "act_grad"))
-        if self.power_sums:
-            out["act_kurtosis"] = finalize_kurtosis(self.act_power)
-        if self.absmax_over_std:
-            out["act_absmax_over_std"] = out["act_absmax"] / out["act_std"]
-        if self.saved_bytes:
-            out["act_saved_bytes"] = self.act_saved
-        for name in (*self._extra_sums, *self._extra_maxima):
-            out[name] = getattr(self, name)
 
 
 class _Calls:
@@ -591,7 +497,7 @@ class _Calls:
     one's calls (the usual case) copies nothing to the device.
     """
 
-    __slots__ = ("_cache", "counts", "dtype", "layers", "table", "width")
+    __slots__ = ("_patterns", "counts", "dtype", "layers", "table", "width")
 
     def __init__(self, width: int, dtype: torch.dtype) -> None:
         self.width = width
@@ -599,10 +505,7 @@ class _Calls:
         self.table = torch.empty(0, width, dtype=dtype)
         self.layers: list[int] = []
         self.counts: list[int] = []
-        self._cache: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[Tensor, Tensor]] = {}
-
-    def row(self, layer: int, count: int, device: torch.device) -> Tensor:
-        return self.rows([layer], count, device)[0]
+        self._patterns: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[Tensor, Tensor]] = {}
 
     def rows(self, layers: list[int], count: int, device: torch.device) -> Tensor:
         """``len(layers)`` consecutive rows, for calls of ``count`` elements each."""
@@ -620,12 +523,12 @@ class _Calls:
         if not self.layers:
             return None
         key = (tuple(self.layers), tuple(self.counts))
-        cached = self._cache.get(key)
+        cached = self._patterns.get(key)
         if cached is None or cached[0].device != self.table.device:
-            if len(self._cache) >= 8:  # varying calls (sequence lengths, branches): keep a few recent patterns
-                self._cache = {}
+            if len(self._patterns) >= 8:  # varying calls (sequence lengths, branches): keep a few recent patterns
+                self._patterns = {}
             device = self.table.device
-            cached = self._cache[key] = (
+            cached = self._patterns[key] = (
                 host_values(key[0], torch.long, device),
                 host_values(key[1], self.dtype, device),
             )

@@ -12,9 +12,13 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
+from typing_extensions import override
 
-__all__ = ["MIN_ROWS", "ROW_SAMPLE", "repeated_rows"]
+from lightning_hookdiag.components import Component, Setup, component
+
+__all__ = ["MIN_ROWS", "ROW_SAMPLE", "BatchRows", "repeated_rows"]
 
 MIN_ROWS = 8
 """Batches with fewer rows are not judged: small batches of a dataset with few distinct rows repeat by chance."""
@@ -58,3 +62,37 @@ def repeated_rows(batch: Any) -> Tensor | None:
         equal = (sample == sample[:1]).all()
         same = equal if same is None else same & equal
     return same
+
+
+class BatchRows(Component):
+    """Whether a sampled step's batches repeat one row, pooled as ``batch_rows``: ``[judged, differs]``, maxima.
+
+    The step's batches repeat when some process judged one and no micro-batch of any process differed, so every
+    process reaches the same finding.
+    """
+
+    replays = False
+
+    def __init__(self, aggregator: Any) -> None:
+        self._aggregator = aggregator
+        aggregator.add_state(
+            "batch_rows", torch.zeros(2, dtype=torch.float64, device=aggregator.act_moments.device), "max"
+        )
+
+    @override
+    def observe_batch(self, batch: Any) -> None:
+        same = repeated_rows(batch)
+        if same is not None:
+            agg = self._aggregator
+            seen = torch.ones(2, dtype=torch.float64, device=agg.batch_rows.device)
+            seen[1] = ~same.to(seen.device)
+            agg.pool("batch_rows", seen)
+
+    @override
+    def finalize(self, pooled: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        return {"batch_rows": pooled["batch_rows"]}
+
+
+@component
+def _batch_rows(setup: Setup) -> BatchRows | None:
+    return BatchRows(setup.aggregator) if setup.config.batch_rows else None

@@ -16,9 +16,12 @@ hook is registered.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
+from typing_extensions import override
 
+from lightning_hookdiag.components import Component, Setup, WindowStart, component
 from lightning_hookdiag.selection import named_modules
 
 __all__ = ["EvalModeWatch", "eval_mode_modules", "mode_dependent_modules"]
@@ -84,41 +87,55 @@ def eval_mode_modules(candidates: Mapping[str, tuple[nn.Module, nn.Module]]) -> 
     }
 
 
-class EvalModeWatch:
+class EvalModeWatch(Component):
     """Collect the modules that ran a sampled step's training forwards in eval mode (rule ``eval_mode``).
 
-    Call :meth:`batch_start` at the start of every sampled training batch, :meth:`before_backward` when its loss is
-    handed to backward, and :meth:`take` once per sampled step.
+    :meth:`attach` (the start of a sampled training batch) and :meth:`end_forward` (its loss is handed to backward)
+    are the two points; :meth:`facts` gives the window's finds as ``eval_mode``.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
         >>> watch = EvalModeWatch(net)
-        >>> watch.batch_start(); _ = net.eval(); watch.before_backward()  # eval() inside training_step
-        >>> watch.take()
-        {}
-        >>> watch.batch_start(); watch.before_backward()  # the next batch runs its forward in eval mode
-        >>> watch.take()
-        {'1': 'BatchNorm1d'}
+        >>> watch.attach(); _ = net.eval(); watch.end_forward(None)  # eval() inside training_step
+        >>> watch.facts({})
+        {'eval_mode': {}}
+        >>> watch.attach(); watch.end_forward(None)  # the next batch runs its forward in eval mode
+        >>> watch.facts({})
+        {'eval_mode': {'1': 'BatchNorm1d'}}
     """
+
+    replays = False
 
     def __init__(self, root: nn.Module) -> None:
         self._candidates = mode_dependent_modules(root)
         self._at_start: dict[str, str] = {}
         self._found: dict[str, str] = {}
 
-    def batch_start(self) -> None:
+    def attach(self) -> None:
         """Note the modules in eval mode before ``training_step`` runs."""
         self._at_start = eval_mode_modules(self._candidates) if self._candidates else {}
 
-    def before_backward(self) -> None:
+    def end_forward(self, loss: Tensor | None) -> None:
         """Keep those still in eval mode after the forward: the forward between the two points ran in eval mode."""
         if self._at_start:
             now = eval_mode_modules(self._candidates)
             self._found.update((name, kind) for name, kind in self._at_start.items() if name in now)
             self._at_start = {}
 
-    def take(self) -> dict[str, str]:
-        """What was found since the last call, and forget it."""
-        found, self._found = self._found, {}
+    @override
+    def remove(self) -> None:
         self._at_start = {}
-        return found
+
+    @override
+    def reset(self, window: WindowStart) -> None:
+        self._found = {}
+
+    @override
+    def facts(self, host: Mapping[str, list[float]]) -> dict[str, Any]:
+        found, self._found = self._found, {}
+        return {"eval_mode": found}
+
+
+@component
+def _eval_mode(setup: Setup) -> EvalModeWatch | None:
+    return EvalModeWatch(setup.model) if setup.config.eval_mode else None

@@ -1,8 +1,8 @@
 """The per-fit state of the callback: everything one ``fit`` creates, in one object that is dropped in one place.
 
-:meth:`FitRun.start` resolves the selection and builds the run objects (the hook set with its saved-bytes
-companion, the recorder and aggregator, the parameter tracker, the precursor probes, the eval-mode watch, the
-optimizer-step watch, the key cache) and the open-step state machine (:mod:`lightning_hookdiag.step_state`). The
+:meth:`FitRun.start` resolves the selection and builds the core run objects (the hook set, the recorder and
+aggregator, the parameter tracker, the optimizer-step watch, the key cache), the open-step state machine
+(:mod:`lightning_hookdiag.step_state`) and every configured :class:`~lightning_hookdiag.components.Component`. The
 methods do the work of the callback's hook methods on them: open, discard and :meth:`~FitRun.collect` a window
 (pool, reduce over processes, one host transfer), measure the parameters around an optimizer step. Nothing here
 knows Lightning: the callback passes what it reads from the Trainer.
@@ -15,7 +15,6 @@ state, so the callback pickles after a fit, also a failed one.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,9 +22,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_hookdiag.aggregation import LayerStatsAggregator, host_values
-from lightning_hookdiag.batches import repeated_rows
-from lightning_hookdiag.eval_mode import EvalModeWatch
+# The optional parts register their components when imported.
+from lightning_hookdiag import (  # noqa: F401
+    batches,
+    eval_mode,
+    kurtosis,
+    precision,
+    precursor_probes,
+    saved_memory,
+    unregistered,  # noqa: F401
+)
+from lightning_hookdiag.aggregation import LayerStatsAggregator
+from lightning_hookdiag.components import FACTORIES, Component, Setup, WindowStart
 from lightning_hookdiag.hooks import HookSet
 from lightning_hookdiag.logged_values import (
     KeyCache,
@@ -36,7 +44,7 @@ from lightning_hookdiag.logged_values import (
     overflow_notes,
     step_values,
 )
-from lightning_hookdiag.opt_in import OptInPlan, OptInRecorder, plan_opt_in
+from lightning_hookdiag.opt_in import OptInPlan, plan_opt_in
 from lightning_hookdiag.optimizer_watch import Schedule, StepWatch
 from lightning_hookdiag.params import (
     P_UPDATE_SQ,
@@ -45,22 +53,18 @@ from lightning_hookdiag.params import (
     owned_parameters,
     stale_gradient_squares,
 )
-from lightning_hookdiag.precursor_probes import PrecursorProbes, attention_scope
 from lightning_hookdiag.recorder import StepRecorder
 from lightning_hookdiag.rules import ParamFacts
-from lightning_hookdiag.saved_memory import SavedMemoryTracker
-from lightning_hookdiag.selection import excluded_names, named_modules, resolve_layers, unmatched_error
+from lightning_hookdiag.selection import excluded_names, resolve_layers
 from lightning_hookdiag.sentinel import MicroBatch
 from lightning_hookdiag.stats import accumulation_dtype
 from lightning_hookdiag.step_state import StepState, Window
-from lightning_hookdiag.unregistered import UnregisteredWatch
 from lightning_hookdiag.vocabulary import (
     GRADIENT_STATS,
     LAYER_STATS,
     MOMENT_STATS,
     PARAMETER_STATS,
     PER_PARAMETER_STATS,
-    PRECURSOR_STATS,
 )
 
 __all__ = ["FitConfig", "FitRun", "ObservedStep"]
@@ -157,13 +161,14 @@ class FitRun:
     quiet_not_run: frozenset[str]
     """Modules of the default selection whose not running is a note, not a warning (no parameters of their own)."""
     plan: OptInPlan
+    logged: tuple[str, ...]
+    """Per-layer statistics beyond the default ones: the plan's, then those components declare."""
     aggregator: LayerStatsAggregator
     recorder: StepRecorder
     hooks: HookSet
     tracker: ParameterTracker | None
-    saved: SavedMemoryTracker | None
-    probes: PrecursorProbes | None
-    modes: EvalModeWatch | None
+    components: list[Component]
+    """Every configured optional part; those that watch replays are also the hook set's companions."""
     keys: KeyCache
     state: StepState
     tracked: Callable[[], Mapping[str, nn.Parameter]] = dict
@@ -174,7 +179,6 @@ class FitRun:
     """The module and attribute holding each tracked parameter when it was last named, in :attr:`params` order."""
     watch: StepWatch = field(default_factory=StepWatch)
     """Learning rates and applied steps of the open window, for ``not_updated``."""
-    unregistered: UnregisteredWatch | None = None
 
     @classmethod
     def start(
@@ -213,34 +217,26 @@ class FitRun:
             dtype=accumulation_dtype(device),
             sharded_params=sharded(params),
             histogram_bins=config.histogram_bins if config.histogram_every_n_steps else 0,
-            **plan.aggregator_kwargs(),
         ).to(device)
+        setup = Setup(config=config, model=pl_module, modules=modules, plan=plan, aggregator=aggregator)
+        components = [c for factory in FACTORIES if (c := factory(setup)) is not None]
         unit_layers = (
             frozenset(i for i, m in enumerate(modules.values()) if isinstance(m, config.dead_unit_types))
             if "act_dead_frac" in wanted
             else frozenset()
         )
-        recorder_args: dict[str, Any] = {
-            "moments": bool(wanted & set(MOMENT_STATS)),
-            "unit_layers": unit_layers,
-            "unit_dim": config.unit_dim,
-            "names": layer_names,
-            "stack_small": True,
-        }
-        # The default path keeps the plain StepRecorder: opt-in statistics cost nothing unless asked for.
-        recorder = (
-            OptInRecorder(aggregator, plan, **recorder_args) if plan.any else StepRecorder(aggregator, **recorder_args)
+        recorder = StepRecorder(
+            aggregator,
+            moments=bool(wanted & set(MOMENT_STATS)),
+            unit_layers=unit_layers,
+            unit_dim=config.unit_dim,
+            names=layer_names,
+            stack_small=True,
+            components=components,
         )
-        saved = SavedMemoryTracker(modules, pl_module) if plan.saved_bytes else None
-        probes = _precursor_probes(config, pl_module, modules)
-        if probes is not None:
-            probes.register(aggregator)
-        if config.batch_rows:  # [judged, differs]: a maximum over micro-batches and processes
-            aggregator.register_extra("batch_rows", torch.zeros(2, dtype=torch.float64, device=device), "max")
-        on_grad = recorder.on_grad if wanted & set(GRADIENT_STATS) or plan.grad_targets else None
-        hooks = HookSet(
-            modules, None, on_grad, on_tensor=recorder.on_tensor, companions=[saved] if saved is not None else []
-        )
+        grads = wanted & set(GRADIENT_STATS) or any(c.on_grad is not None for c in components)
+        companions = [c for c in components if c.replays]
+        hooks = HookSet(modules, None, recorder.on_grad if grads else None, recorder.on_tensor, companions)
         tracker = (
             ParameterTracker(params, snapshot="param_update_ratio" in wanted, dtype=aggregator.acc_dtype)
             if params
@@ -255,65 +251,45 @@ class FitRun:
             sentinel_params=list(named_parameters_of(modules).values()) if config.sentinel_grads else [],
             quiet_not_run=quiet,
             plan=plan,
+            logged=(*plan.logged, *(s for c in components for s in c.logged if s not in plan.logged)),
             aggregator=aggregator,
             recorder=recorder,
             hooks=hooks,
             tracker=tracker,
-            saved=saved,
-            probes=probes,
-            modes=EvalModeWatch(pl_module) if config.eval_mode else None,
+            components=components,
             keys=KeyCache(config.prefix),
             state=StepState(config.every_n_steps),
             tracked=tracked,
             model=pl_module,
             homes=_homes(pl_module, list(params.values())),
-            unregistered=UnregisteredWatch(pl_module) if config.unregistered else None,
         )
 
     # ------------------------------------------------------------------------------------------------ micro-batches
     def attach(self) -> None:
-        """Attach every hook of one sampled micro-batch (the hook set with its companions, the probes)."""
+        """Attach every hook of one sampled micro-batch (the hook set with its companions, the other components)."""
         self.hooks.attach()
-        if self.modes is not None:
-            self.modes.batch_start()
-        if self.probes is not None:
-            self.probes.attach()
-        if self.unregistered is not None:
-            self.unregistered.attach()
+        for c in self.components:
+            c.attach()
 
     def observe_batch(self, batch: Any) -> None:
-        """A sampled micro-batch starts: whether its rows repeat one sample (rule ``repeated_batch``), on the device.
-
-        Pooled as ``[judged, differs]`` by maximum: the step's batches repeat when some process judged one and no
-        micro-batch of any process differed, so every process reaches the same finding.
-        """
-        if self.state.window is None or not self.config.batch_rows:
-            return
-        same = repeated_rows(batch)
-        if same is None:
-            return
-        seen = torch.zeros(2, dtype=torch.float64, device=self.aggregator.batch_rows.device)
-        seen[0] = 1.0
-        seen[1] = ~same.to(seen.device)
-        self.aggregator.pool_extra("batch_rows", seen)
+        """A sampled micro-batch starts with ``batch``."""
+        if self.state.window is not None:
+            for c in self.components:
+                c.observe_batch(batch)
 
     def end_forward(self, loss: Tensor | None = None) -> None:
-        """The micro-batch's forward is over (``loss``: what is back-propagated): the probes never see backward."""
-        if self.modes is not None and self.hooks.attached:
-            self.modes.before_backward()  # the sampled forward ran between batch start and here
-        if self.probes is not None and self.probes.attached:
-            self.probes.end_forward(loss)
-        if self.unregistered is not None:
-            self.unregistered.remove()
+        """The micro-batch's forward is over (``loss``: what is back-propagated); forward watchers leave."""
+        for c in self.components:
+            c.end_forward(loss)
 
     def end_micro_batch(self) -> None:
-        """Remove the micro-batch's hooks; its companions keep what they measured."""
-        if self.hooks.attached:  # a sampled micro-batch (an unsampled step pays nothing for the check below)
+        """Remove the micro-batch's hooks; the components keep what they measured."""
+        if self.hooks.attached:  # a sampled micro-batch (an unsampled step pays for nothing below)
             self.hooks.remove(finished=True)
-        if self.probes is not None and self.probes.attached:
-            self.probes.end_forward()  # no backward (a training_step that returned no loss): the output still counts
-        if self.unregistered is not None:
-            self.unregistered.remove()
+            for c in self.components:
+                if not c.replays:
+                    c.end_micro_batch()
+                    c.remove()
 
     def end_closure(self) -> None:
         """An optimizer closure's forward and backward are over, the hooks stay attached for the next one.
@@ -326,52 +302,35 @@ class FitRun:
 
     def detach(self) -> None:
         """Remove every hook; an interrupted micro-batch's partial measurements are dropped. Idempotent."""
-        if self.probes is not None:
-            self.probes.remove()
-        if self.unregistered is not None:
-            self.unregistered.remove()
         self.hooks.remove()
+        for c in self.components:
+            c.remove()
 
     def probed(self, run: Callable[[MicroBatch], Tensor | None]) -> Callable[[MicroBatch], Tensor | None]:
-        """``run`` with the forward-watching probes on during each replayed forward (no loss: no ``logit_drift``)."""
-        probes = self.probes
-        if probes is None:
-            return run
-
-        def probed(micro: MicroBatch) -> Tensor | None:
-            probes.attach()
-            try:
-                return run(micro)
-            finally:
-                probes.end_forward()
-
-        return probed
+        """``run`` as a replay runs it: the hook set attaches its companions, the replaying components, itself."""
+        return run
 
     def detach_probes(self) -> None:
-        """Remove the forward-watching probes (after a replay); the hook set stays as it is. Idempotent."""
-        if self.probes is not None:
-            self.probes.remove()
+        """After a replay: the hook set removed its companions with its own hooks, so nothing is left to remove."""
 
     # ------------------------------------------------------------------------------------------------------ windows
     def open_window(self, step: int, last_metrics: Mapping[str, float], layers: bool = True) -> Window:
         """Open the window of ``step`` (``layers=False``: parameters only) and start its state afresh.
 
-        ``last_metrics``: the previous sampled step's logged values (the shift of the kurtosis power sums).
+        ``last_metrics``: the previous sampled step's logged values (what the components may start from).
         """
         window = self.state.open(step, layers)
         self.follow_names()
-        agg = self.aggregator
-        if self.probes is not None:
-            self.probes.reset(agg.act_moments.device)
         every = self.config.histogram_every_n_steps
         # Replays follow the schedule of sampled steps; parameter-only windows have no histograms.
         self.recorder.histograms = layers and every is not None and self.state.due(step, every)
-        if agg.power_sums:
-            # Kurtosis sums about the last pooled mean keep their digits when the mean dwarfs the spread; the logged
-            # mean is the same on every process, so the sums still add up exactly.
-            means = [last_metrics.get(self.keys.key("act_mean", name), 0.0) for name in self.layer_names]
-            shift = [m if math.isfinite(m) else 0.0 for m in means]
-            agg.power_shift = host_values(shift, agg.acc_dtype, agg.act_moments.device)
+
+        def previous(stat: str) -> list[float]:
+            return [last_metrics.get(self.keys.key(stat, name), 0.0) for name in self.layer_names]
+
+        start = WindowStart(self.aggregator.act_moments.device, previous)
+        for c in self.components:
+            c.reset(start)
         return window
 
     def follow_names(self) -> None:
@@ -398,17 +357,11 @@ class FitRun:
         self.state.close()
         if self.tracker is not None:
             self.tracker.release()
-        if self.saved is not None:
-            self.saved.pop_peak()
         self._end_window()
 
     def _end_window(self) -> None:
         """What every window leaves behind, reset for the next (after collect, and on a discard)."""
         self.hooks.clear_order()
-        if self.modes is not None:
-            self.modes.take()  # a discarded window's eval-mode findings are not the next one's
-        if self.unregistered is not None:
-            self.unregistered.take()
         self.recorder.release()
         self.aggregator.reset()
         self.aggregator.grad_scale = None
@@ -481,7 +434,7 @@ class FitRun:
             execution_order=execution_order,
             # NaN: not a ReLU-family layer (act_dead_frac); undefined for this output (an opt-in statistic of an
             # all-zero or constant output).
-            undefined_skipped={"act_dead_frac", *self.plan.logged},
+            undefined_skipped={"act_dead_frac", *self.logged},
             precursors=observed.precursors,
             total="grad_norm_total" in self.config.stats,
         )
@@ -517,34 +470,32 @@ class FitRun:
                 self.tracker.release()
             else:
                 updated = self.tracker.after_step()
-        if self.saved is not None:
-            agg.add_saved_bytes(self.saved.pop_peak())
-        if self.probes is not None:
-            self.probes.fold(agg)
+        for c in self.components:
+            c.fold()
         recorder.flush()  # the stacked small outputs and gradients, before the fold
         agg.update(params=None if updated is None else (updated[0], updated[1], P_UPDATE_SQ))
-        values = agg.compute()  # reduced over processes: one SUM and one MAX all-reduce (aggregation.py)
+        values = agg.pooled()  # reduced over processes: one SUM and one MAX all-reduce (aggregation.py)
         wanted = self._wanted(window.layers, before_update)
         names = [*wanted, "count", "grad_count", "param_seen", "grad_norm_total"]
         if window.stale is not None:
             values = {**values, "stale_grad_sq": window.stale.to(values["count"].device)}
             names.append("stale_grad_sq")
-        if "batch_rows" in values:
-            names.append("batch_rows")
         if "param_norm" in wanted and "param_norm_min" in values:  # replicated parameters of a distributed run
             names.append("param_norm_min")
         histograms = recorder.histograms
         if histograms:
             names += ["act_hist", "grad_hist"]
-        precursors, owners = self.probes.finalize(values) if self.probes is not None else ({}, {})
-        values = {**values, **precursors}
-        names += list(precursors)
+        finalized = {k: v for c in self.components for k, v in c.finalize(values).items()}
+        values = {**values, **finalized}
+        # An opt-in statistic is read back only where it is logged (not in a parameter-only window).
+        names += [name for name in finalized if name not in names and name not in self.logged]
         parts = [values[name].reshape(-1).to(torch.float64) for name in names]
         flat = torch.cat(parts).tolist()  # the one host transfer
         ends = list(itertools.accumulate(p.numel() for p in parts))
         host = {name: flat[end - part.numel() : end] for name, part, end in zip(names, parts, ends, strict=True)}
-        if self.probes is not None:
-            self.probes.agree_owners(owners, host)
+        found: dict[str, Any] = {"precursors": {}, "eval_mode": {}, "unregistered": {}}
+        for c in self.components:
+            found.update(c.facts(host))
         facts = StepFacts(
             unit_mismatch=frozenset(agg.unit_mismatch),
             no_float=frozenset(recorder.no_float_output),
@@ -557,15 +508,13 @@ class FitRun:
             trip=window.trip,
             host=host,
             wanted=wanted,
-            precursors=owners,
             facts=facts,
             forward_order=hooks.fired_names(),
             backward_order=[hooks.names[i] for i in hooks.grad_order],
             missing_grads=hooks.missing_grads(),  # the whole window's, replays included: rule no_gradient
-            eval_mode=self.modes.take() if self.modes is not None else {},
-            unregistered=self.unregistered.take() if self.unregistered is not None else {},
             param_facts=self.watch.facts(self.param_names, self.tracker.params) if self.tracker is not None else {},
             histogram_edges=agg.histogram_edges_host if histograms else None,
+            **found,
         )
         self._end_window()
         return observed
@@ -577,7 +526,7 @@ class FitRun:
             skip.update(LAYER_STATS)
         wanted = [s for s in (*LAYER_STATS, *PER_PARAMETER_STATS) if s in stats and s not in skip]
         if layers:
-            wanted += self.plan.logged
+            wanted += self.logged
         return wanted
 
     def release(self) -> None:
@@ -614,18 +563,3 @@ def _tracked_parameters(
         return lambda: owned_parameters(pl_module, skip=skip)
     selected = dict(modules)
     return lambda: named_parameters_of(selected)
-
-
-def _precursor_probes(
-    config: FitConfig, pl_module: nn.Module, modules: Mapping[str, nn.Module]
-) -> PrecursorProbes | None:
-    """The attention and output-logit probes of the requested precursor statistics, or ``None``."""
-    if not set(PRECURSOR_STATS) & set(config.stats):
-        return None
-    every = named_modules(pl_module)
-    output = modules
-    if config.output_layer is not None:
-        if config.output_layer not in every:
-            raise unmatched_error(config.output_layer, "output_layer", list(every))
-        output = {config.output_layer: every[config.output_layer]}
-    return PrecursorProbes(config.stats, attention_scope(every, list(modules)), output)

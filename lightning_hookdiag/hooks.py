@@ -15,13 +15,16 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Companion", "HookSet", "first_floating_tensor", "in_backward"]
+from lightning_hookdiag.components import Component
+from lightning_hookdiag.torch_internals import in_backward
+
+__all__ = ["HookSet", "first_floating_tensor", "in_backward"]
 
 ForwardSink = Callable[[int, Any], None]
 """Called as ``sink(layer_index, output)`` with the module's raw output, under ``torch.no_grad()``."""
@@ -29,26 +32,6 @@ TensorSink = Callable[[int, Tensor | None], None]
 """Called as ``sink(layer_index, tensor)`` with the first floating-point tensor of the output (``None``: none)."""
 GradSink = Callable[[int, Tensor], None]
 """Called as ``sink(layer_index, grad)`` with the gradient of the loss w.r.t. the module's output."""
-
-
-class Companion(Protocol):
-    """Hooks of their own that live exactly as long as a :class:`HookSet`'s (the saved-bytes tracker).
-
-    A companion measures per micro-batch: :meth:`end_micro_batch` keeps a finished micro-batch's measurement,
-    :meth:`drop_micro_batch` forgets an interrupted one's.
-    """
-
-    def attach(self) -> None:
-        """Install the hooks (no-op if installed)."""
-
-    def remove(self) -> None:
-        """Remove the hooks; idempotent."""
-
-    def end_micro_batch(self) -> None:
-        """The micro-batch ran to its end: keep what it measured."""
-
-    def drop_micro_batch(self) -> None:
-        """The micro-batch was interrupted: forget what it measured so far."""
 
 
 def first_floating_tensor(output: Any) -> Tensor | None:
@@ -90,20 +73,6 @@ def sink_mode() -> Iterator[None]:
             yield
 
 
-def in_backward() -> bool:
-    """Whether autograd is running a backward pass on this thread (the hooks of a recomputed forward run there).
-
-    Activation checkpointing re-runs forwards (and their hooks) inside backward; those calls are recomputations of
-    values already observed, so sinks must not count them twice. Torch has no public API for this: it reads the
-    current graph task id (-1 outside backward).
-
-    Example:
-        >>> in_backward()
-        False
-    """
-    return torch._C._current_graph_task_id() != -1
-
-
 # One process-wide count of the hook sets that want eager execution: the stance is global, so the first to enter
 # saves it and the last to leave restores it, whatever order callbacks and ``capture_activations`` blocks remove
 # their hooks in (each set restoring "its" prior stance leaked ``force_eager`` when two sets overlapped).
@@ -113,6 +82,10 @@ _stance_restore: Any = None
 
 
 def _enter_eager() -> None:
+    # Compiled code runs eagerly while hooks are attached: Dynamo does not guard on module hooks
+    # (``skip_nnmodule_hook_guards``), so a compiled graph silently ignores hooks added later. The ``force_eager``
+    # stance runs every ``torch.compile``-d callable's Python code without touching the compile cache, so unsampled
+    # steps keep using the compiled code and nothing recompiles.
     global _stance_users, _stance_restore
     with _stance_lock:
         if _stance_users == 0:
@@ -131,28 +104,6 @@ def _exit_eager() -> None:
             restore.__exit__(None, None, None)
 
 
-class _EagerStance:
-    """Run compiled code eagerly while hooks are attached, so that hooks registered after compilation fire.
-
-    Dynamo does not guard on module hooks (``skip_nnmodule_hook_guards``), so a compiled graph silently ignores
-    hooks added later. The ``force_eager`` stance makes every ``torch.compile``-d callable run its original Python
-    code without touching the compile cache, so unsampled steps keep using the compiled code and nothing recompiles.
-    """
-
-    def __init__(self) -> None:
-        self._entered = False
-
-    def enter(self) -> None:
-        if not self._entered:
-            _enter_eager()
-            self._entered = True
-
-    def exit(self) -> None:
-        if self._entered:
-            self._entered = False
-            _exit_eager()
-
-
 class HookSet:
     """Forward hooks (and optional output-gradient hooks) on a fixed, ordered set of modules.
 
@@ -166,11 +117,10 @@ class HookSet:
             skipped. ``None``: only ``on_tensor``.
         on_grad: If given, receives the gradient w.r.t. the first floating-point tensor of every output that
             requires grad.
-        eager: Run ``torch.compile``-d code eagerly while attached so that the hooks see every module.
         on_tensor: Like ``on_output``, but receives the output's first floating-point tensor (``None`` when it
             has none), searched once per call for this sink and the gradient hook together.
-        companions: Attached after this set's hooks and removed with them, so that one lifecycle covers every
-            hook of a sampled micro-batch (see :class:`Companion`).
+        companions: Attached after this set's hooks, told the end of each micro-batch and removed with them, so
+            that one lifecycle covers every hook of a sampled micro-batch, replays included.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
@@ -188,17 +138,15 @@ class HookSet:
         modules: Mapping[str, nn.Module],
         on_output: ForwardSink | None,
         on_grad: GradSink | None = None,
-        eager: bool = True,
         on_tensor: TensorSink | None = None,
-        companions: Sequence[Companion] = (),
+        companions: Sequence[Component] = (),
     ) -> None:
         self.names: list[str] = list(modules)
-        self.companions: tuple[Companion, ...] = tuple(companions)
+        self.companions: tuple[Component, ...] = tuple(companions)
         self.modules: list[nn.Module] = list(modules.values())
         self._on_output = on_output
         self._on_tensor = on_tensor
         self._on_grad = on_grad
-        self._stance = _EagerStance() if eager else None
         self._handles: list[RemovableHandle] = []
         self._attached = False
         self._tensor_handles: list[RemovableHandle] = []
@@ -225,8 +173,7 @@ class HookSet:
             return self
         self._attached = True
         self._handles = [m.register_forward_hook(h) for m, h in zip(self.modules, self._forward_hooks, strict=True)]
-        if self._stance is not None:
-            self._stance.enter()
+        _enter_eager()
         for companion in self.companions:
             companion.attach()
         return self
@@ -238,6 +185,8 @@ class HookSet:
             finished: The micro-batch ran to its end, so the companions keep what they measured in it; otherwise
                 (an exception, an interrupted batch) they forget it.
         """
+        if self._attached:
+            _exit_eager()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -245,14 +194,10 @@ class HookSet:
             handle.remove()
         self._tensor_handles = []
         self._attached = False
-        if self._stance is not None:
-            self._stance.exit()
         for companion in self.companions:
-            companion.remove()
             if finished:
                 companion.end_micro_batch()
-            else:
-                companion.drop_micro_batch()
+            companion.remove()
 
     def end_micro_batch(self) -> None:
         """One micro-batch is over while the hooks stay attached (a replay runs a step's micro-batches in one go)."""

@@ -25,12 +25,19 @@ Example:
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import Tensor
+from typing_extensions import override
 
+from lightning_hookdiag.aggregation import host_values
+from lightning_hookdiag.components import Component, Setup, WindowStart, component
 from lightning_hookdiag.stats import chunked_sum
 
-__all__ = ["POWER_SLOTS", "finalize_kurtosis", "power_sums"]
+__all__ = ["POWER_SLOTS", "Outliers", "finalize_kurtosis", "power_sums"]
 
 POWER_SLOTS = 5
 """Length of a :func:`power_sums` vector: ``[count, S1, S2, S3, S4]``."""
@@ -98,3 +105,47 @@ def finalize_kurtosis(sums: Tensor) -> Tensor:
     m4 = e4 - 4 * mean * e3 + 6 * mean**2 * e2 - 3 * mean**4
     kurtosis = m4 / m2**2
     return torch.where(m2 > 0, kurtosis, torch.nan)
+
+
+class Outliers(Component):
+    """``act_kurtosis`` and ``act_absmax_over_std``.
+
+    The power sums of every observed output are pooled in the sum state ``act_power``; the ratio needs no state.
+    """
+
+    def __init__(self, aggregator: Any, kurtosis: bool, absmax_over_std: bool) -> None:
+        self._aggregator = aggregator
+        self._kurtosis = kurtosis
+        self._absmax_over_std = absmax_over_std
+        agg, device = aggregator, aggregator.act_moments.device
+        self._shift = torch.zeros(agg.n_layers, dtype=agg.acc_dtype, device=device)
+        if kurtosis:
+            agg.add_state(
+                "act_power", torch.zeros(agg.n_layers, POWER_SLOTS, dtype=agg.acc_dtype, device=device), "sum"
+            )
+            self.on_output = self._power_sums
+
+    @override
+    def reset(self, window: WindowStart) -> None:
+        if self._kurtosis:
+            # Sums about the last pooled mean keep their digits when the mean dwarfs the spread; the logged mean is
+            # the same on every process, so the sums still add up exactly.
+            shift = [m if math.isfinite(m) else 0.0 for m in window.previous("act_mean")]
+            self._shift = host_values(shift, self._shift.dtype, window.device)
+
+    def _power_sums(self, layer: int, tensor: Tensor) -> None:
+        agg = self._aggregator
+        agg.pool("act_power", power_sums(tensor, agg.acc_dtype, self._shift[layer]), layer)
+
+    @override
+    def finalize(self, pooled: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        out = {"act_kurtosis": finalize_kurtosis(pooled["act_power"])} if self._kurtosis else {}
+        if self._absmax_over_std:
+            out["act_absmax_over_std"] = pooled["act_absmax"] / pooled["act_std"]
+        return out
+
+
+@component
+def _outliers(setup: Setup) -> Outliers | None:
+    kurtosis, ratio = ("act_kurtosis" in setup.config.stats), ("act_absmax_over_std" in setup.config.stats)
+    return Outliers(setup.aggregator, kurtosis, ratio) if kurtosis or ratio else None

@@ -1,24 +1,19 @@
 """The opt-in statistics (``stats=[...]`` names of :data:`~lightning_hookdiag.vocabulary.OPT_IN_STATS`).
 
-They live apart from the default path: :func:`plan_opt_in` decides once, when fit starts, which extra states and
-reductions a run needs, and :class:`OptInRecorder` (a :class:`~lightning_hookdiag.recorder.StepRecorder` that
-adds them after the default sinks) is used only when at least one was asked for. With ``stats=None`` nothing here
-runs, so the default cost is unchanged. What each opt-in statistic is: ``docs/statistics.md#opt-in-statistics``.
+They live apart from the default path: :func:`plan_opt_in` decides once, when fit starts, what a run needs, and
+the components of :mod:`~lightning_hookdiag.precision`, :mod:`~lightning_hookdiag.kurtosis` and
+:mod:`~lightning_hookdiag.saved_memory` are built only when asked for. With ``stats=None`` none is, so the default
+cost is unchanged. What each opt-in statistic is: ``docs/statistics.md#opt-in-statistics``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from torch import Tensor
+from lightning_hookdiag import precision
 
-from lightning_hookdiag import kurtosis, precision
-from lightning_hookdiag.aggregation import LayerStatsAggregator
-from lightning_hookdiag.recorder import StepRecorder
-
-__all__ = ["OptInPlan", "OptInRecorder", "plan_opt_in"]
+__all__ = ["OptInPlan", "plan_opt_in"]
 
 
 @dataclass(frozen=True)
@@ -28,37 +23,14 @@ class OptInPlan:
     Attributes:
         act_targets: Target dtype names of the activation precision headroom (empty: not computed).
         grad_targets: Target dtype names of the output-gradient precision headroom.
-        power_sums: Pool power sums for ``act_kurtosis``.
-        absmax_over_std: Finalise ``act_absmax_over_std``.
-        saved_bytes: Track ``act_saved_bytes``.
         logged: Logged statistic names, in vocabulary order (precision ones expanded per target).
         note: Why a requested statistic is not computed (precision headroom without a target), or ``""``.
     """
 
     act_targets: tuple[str, ...] = ()
     grad_targets: tuple[str, ...] = ()
-    power_sums: bool = False
-    absmax_over_std: bool = False
-    saved_bytes: bool = False
     logged: tuple[str, ...] = ()
     note: str = ""
-
-    @property
-    def any(self) -> bool:
-        """Whether anything beyond the default statistics is computed."""
-        return bool(self.act_targets or self.grad_targets or self.power_sums or self.absmax_over_std) or (
-            self.saved_bytes
-        )
-
-    def aggregator_kwargs(self) -> dict[str, Any]:
-        """The :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator` arguments that register the states."""
-        return {
-            "act_precision": self.act_targets,
-            "grad_precision": self.grad_targets,
-            "power_sums": self.power_sums,
-            "absmax_over_std": self.absmax_over_std,
-            "saved_bytes": self.saved_bytes,
-        }
 
 
 def plan_opt_in(
@@ -96,46 +68,4 @@ def plan_opt_in(
     logged += precision.logged_names(precision_stats, targets)
     if "act_saved_bytes" in wanted:
         logged.append("act_saved_bytes")
-    return OptInPlan(
-        act_targets=act,
-        grad_targets=grad,
-        power_sums="act_kurtosis" in wanted,
-        absmax_over_std="act_absmax_over_std" in wanted,
-        saved_bytes="act_saved_bytes" in wanted,
-        logged=tuple(logged),
-        note=note,
-    )
-
-
-class OptInRecorder(StepRecorder):
-    """The default sinks, then the opt-in reductions of ``plan`` into the states the plan registered.
-
-    Args:
-        aggregator: Where observations are pooled; built with ``plan.aggregator_kwargs()``.
-        plan: What to compute.
-        kwargs: The :class:`~lightning_hookdiag.recorder.StepRecorder` arguments.
-    """
-
-    def __init__(self, aggregator: LayerStatsAggregator, plan: OptInPlan, **kwargs: Any) -> None:
-        super().__init__(aggregator, **kwargs)
-        self.plan = plan
-        self._act_dtypes = [precision.PRECISION_TARGETS[t] for t in plan.act_targets]
-        self._grad_dtypes = [precision.PRECISION_TARGETS[t] for t in plan.grad_targets]
-
-    def on_tensor(self, layer: int, tensor: Tensor | None) -> None:
-        """Forward sink: the default statistics, then precision counts and power sums of the output."""
-        super().on_tensor(layer, tensor)
-        if tensor is None:
-            return
-        agg = self.aggregator
-        if self._act_dtypes:
-            agg.add_extra(layer, "act_precision", precision.precision_counts(tensor, self._act_dtypes, agg.acc_dtype))
-        if self.plan.power_sums:
-            agg.add_extra(layer, "act_power", kurtosis.power_sums(tensor, agg.acc_dtype, agg.power_shift[layer]))
-
-    def on_grad(self, layer: int, grad: Tensor) -> None:
-        """Gradient sink: the default statistics, then precision counts of the gradient as autograd holds it."""
-        super().on_grad(layer, grad)
-        if self._grad_dtypes:
-            agg = self.aggregator
-            agg.add_extra(layer, "grad_precision", precision.precision_counts(grad, self._grad_dtypes, agg.acc_dtype))
+    return OptInPlan(act_targets=act, grad_targets=grad, logged=tuple(logged), note=note)

@@ -361,6 +361,11 @@ class ParameterTracker:
         self._phase = 0
         """Where the strided samples start, advanced every snapshot: over steps they visit every entry."""
 
+    @property
+    def held(self) -> tuple[int, int]:
+        """``(weight elements in snapshots, index patterns cached)``: both bounded, whatever the model."""
+        return sum(b.numel() for snap in self._snapshots for b in snap.before), len(self._index_cache)
+
     def _index(self, positions: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         # The positions and the constant columns (update 0, seen 1) on the device: one host-to-device copy per
         # distinct parameter set, not per step. A few sets are kept (the set changes whenever a parameter gets no

@@ -23,14 +23,18 @@ Example:
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
+from typing_extensions import override
 
+from lightning_hookdiag.components import Component, Setup, TensorSink, component
 from lightning_hookdiag.stats import chunked_sum
 
 __all__ = [
+    "PrecisionHeadroom",
     "PRECISION_TARGETS",
     "PRECISION_BASE_STATS",
     "default_targets",
@@ -205,3 +209,46 @@ def finalize_precision(counts: Tensor, targets: Sequence[str], kind: str) -> dic
         out[f"{kind}_underflow_frac_{target}"] = counts[:, 1 + 2 * i] / nonzero
         out[f"{kind}_overflow_frac_{target}"] = counts[:, 2 + 2 * i] / nonzero
     return out
+
+
+class PrecisionHeadroom(Component):
+    """The precision counts of every observed output (``act_targets``) and output gradient (``grad_targets``).
+
+    Pooled per layer in the sum states ``act_precision`` and ``grad_precision``, registered on ``aggregator``.
+    """
+
+    def __init__(self, aggregator: Any, act_targets: Sequence[str], grad_targets: Sequence[str]) -> None:
+        self._aggregator = aggregator
+        self._kinds = [("act", "act_precision", act_targets), ("act_grad", "grad_precision", grad_targets)]
+        self.on_output = self._sink("act_precision", act_targets)
+        self.on_grad = self._sink("grad_precision", grad_targets)
+
+    def _sink(self, state: str, targets: Sequence[str]) -> TensorSink | None:
+        if not targets:
+            return None
+        agg, dtypes = self._aggregator, [PRECISION_TARGETS[t] for t in targets]
+        slots = torch.zeros(agg.n_layers, 1 + 2 * len(targets), dtype=agg.acc_dtype, device=agg.act_moments.device)
+        agg.add_state(state, slots, "sum")
+
+        def sink(layer: int, tensor: Tensor) -> None:
+            agg.pool(state, precision_counts(tensor, dtypes, agg.acc_dtype), layer)
+
+        return sink
+
+    @override
+    def finalize(self, pooled: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for kind, state, targets in self._kinds:
+            if targets:
+                out.update(finalize_precision(pooled[state], targets, kind))
+        return out
+
+
+@component
+def _headroom(setup: Setup) -> PrecisionHeadroom | None:
+    plan = setup.plan
+    return (
+        PrecisionHeadroom(setup.aggregator, plan.act_targets, plan.grad_targets)
+        if plan.act_targets or plan.grad_targets
+        else None
+    )

@@ -20,7 +20,6 @@ Definitions, the subsample bound and the blind spots: ``docs/statistics.md#insta
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,9 +28,13 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
 
 from lightning_hookdiag import stats
-from lightning_hookdiag.hooks import first_floating_tensor, in_backward
+from lightning_hookdiag.components import Component, Setup, WindowStart, component
+from lightning_hookdiag.hooks import first_floating_tensor
+from lightning_hookdiag.selection import named_modules, unmatched_error
+from lightning_hookdiag.torch_internals import calling_modules, exit_mode, in_backward
 from lightning_hookdiag.vocabulary import PRECURSOR_STATS
 
 __all__ = [
@@ -52,7 +55,6 @@ OUTPUT_STATS: tuple[str, ...] = PRECURSOR_STATS[1:]
 MASKED = -5000.0
 """Eager softmax inputs at or below this are masked entries, not logits."""
 
-_CALL_CODES = frozenset({nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__})
 _SOFTMAX = frozenset({F.softmax, torch.softmax, Tensor.softmax})
 
 
@@ -154,15 +156,6 @@ def eager_logit_absmax(scores: Tensor, max_rows: int = 32, budget: int = 1 << 22
     return torch.where(x > MASKED, x.abs(), torch.zeros((), dtype=x.dtype, device=x.device)).amax()
 
 
-def _innermost_module(depth: int = 2) -> nn.Module | None:
-    frame = sys._getframe(depth)
-    while frame is not None:
-        if frame.f_code in _CALL_CODES:
-            return frame.f_locals.get("self")
-        frame = frame.f_back
-    return None
-
-
 class AttentionProbe(TorchFunctionMode):
     """Per-module maximum attention logits of the attention calls made while the mode is entered.
 
@@ -217,7 +210,7 @@ class AttentionProbe(TorchFunctionMode):
         return out
 
     def _observe(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
-        slot = self._slot.get(id(_innermost_module(3)))
+        slot = self._slot.get(id(next(calling_modules(2), None)))
         if slot is None:
             return
         with torch.no_grad():
@@ -338,13 +331,20 @@ class OutputProbe:
         self.layer = index
 
 
-class PrecursorProbes:
+class PrecursorProbes(Component):
     """The precursor statistics of one fit: what the callback attaches, pools and reads back per sampled step.
+
+    Pooled in two states registered on ``aggregator``: ``precursor_sums``, ``[sum of log Z, rows, loss, processes
+    that saw a loss]``, and ``precursor_maxima``: the largest ``|logit|`` of the output layer, the output layer's
+    index among the candidates (so that every process names the same one: the latest in selection order any of
+    them measured), then the attention maxima (``-1``: no call seen).
 
     Args:
         stats: The resolved ``stats=`` names; only those of :data:`PRECURSOR_STATS` matter.
         attention_scope: ``{name: module}`` calls may be attributed to (selected modules and their ancestors).
         output_candidates: ``{name: module}`` output-layer candidates (the named output layer, or the selection).
+        aggregator: A :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator`; ``None``: nothing is pooled
+            (the probes' own measurements only).
     """
 
     def __init__(
@@ -352,6 +352,7 @@ class PrecursorProbes:
         stats: Sequence[str],
         attention_scope: Mapping[str, nn.Module],
         output_candidates: Mapping[str, nn.Module],
+        aggregator: Any = None,
     ) -> None:
         self.attention = AttentionProbe(attention_scope) if "attn_logit_max" in stats else None
         wanted = set(OUTPUT_STATS) & set(stats)
@@ -363,6 +364,14 @@ class PrecursorProbes:
         self._forwards = 0
         self._loss: Tensor | None = None
         self._entered = False
+        self._owners: dict[str, list[str]] = {}
+        self._aggregator = aggregator
+        if aggregator is None:
+            return
+        device = aggregator.act_moments.device
+        n = len(self.attention.names) if self.attention is not None else 0
+        aggregator.add_state("precursor_sums", torch.zeros(4, dtype=torch.float64, device=device), "sum")
+        aggregator.add_state("precursor_maxima", torch.full((2 + n,), -1.0, dtype=torch.float64, device=device), "max")
 
     @property
     def attached(self) -> bool:
@@ -377,8 +386,8 @@ class PrecursorProbes:
         if self.output is not None:
             self.output.attach()
 
-    def end_forward(self, loss: Tensor | None = None) -> None:
-        """The forward is over (``loss`` is what is back-propagated): measure the output and detach everything."""
+    def end_forward(self, loss: Tensor | None) -> None:
+        """Measure the output and detach everything: the probes never see backward."""
         if self.output is not None and self.output.attached:
             self.output.end_forward()
         if loss is not None and self._entered:
@@ -388,45 +397,32 @@ class PrecursorProbes:
             self._loss = value if self._loss is None else self._loss + value
         self.remove()
 
+    def end_micro_batch(self) -> None:
+        """No backward (a replay, a ``training_step`` that returned no loss): the output still counts."""
+        if self.output is not None and self.output.attached:
+            self.output.end_forward()
+
     def remove(self) -> None:
         """Leave the mode and remove the hooks; safe on any exit path and any number of times."""
         if self.output is not None:
             self.output.remove()
         if self._entered:
             self._entered = False
-            _exit_mode(self.attention)
+            exit_mode(self.attention)
 
-    def reset(self, device: torch.device) -> None:
-        """Start a new sampled step."""
+    @override
+    def reset(self, window: WindowStart) -> None:
         if self.attention is not None:
-            self.attention.reset(device)
+            self.attention.reset(window.device)
         if self.output is not None:
-            self.output.reset(device)
+            self.output.reset(window.device)
         self._loss = None
         self._forwards = 0
 
-    def settle(self) -> None:
-        """After a sampled step: stop entering the mode if forwards that reached their loss made no attention call."""
-        if self.attention_on and self._forwards and not any(self.attention.calls.values()):
-            self.attention_on = False
-
-    def register(self, aggregator: Any) -> None:
-        """Register the two pooled states on a :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator`.
-
-        ``precursor_sums``: ``[sum of log Z, rows, loss, processes that saw a loss]``; ``precursor_maxima``: the
-        largest ``|logit|`` of the output layer, the output layer's index among the candidates (so that every
-        process names the same one: the latest in selection order any of them measured), then the attention maxima
-        (``-1``: no call seen).
-        """
-        device = aggregator.act_moments.device
-        n = len(self.attention.names) if self.attention is not None else 0
-        aggregator.register_extra("precursor_sums", torch.zeros(4, dtype=torch.float64, device=device), "sum")
-        maxima = torch.full((2 + n,), -1.0, dtype=torch.float64, device=device)
-        aggregator.register_extra("precursor_maxima", maxima, "max")
-
-    def fold(self, aggregator: Any) -> None:
-        """Pool this process's step into the registered states (once per sampled step, before ``compute``)."""
-        device = aggregator.precursor_sums.device
+    def fold(self) -> None:
+        """Pool this process's step; stop entering the mode where forwards reaching a loss made no attention call."""
+        agg = self._aggregator
+        device = agg.precursor_sums.device
         sums = torch.zeros(4, dtype=torch.float64, device=device)
         maxima = [torch.full((1,), -1.0, dtype=torch.float64, device=device)] * 2
         if self.output is not None:
@@ -439,66 +435,58 @@ class PrecursorProbes:
             sums[3] = 1.0
         if self.attention is not None:
             maxima.append(self.attention.maxima.to(device, torch.float64))
-        aggregator.pool_extra("precursor_sums", sums)
-        aggregator.pool_extra("precursor_maxima", torch.cat(maxima))
-        self.settle()
+        agg.pool("precursor_sums", sums)
+        agg.pool("precursor_maxima", torch.cat(maxima))
+        if self.attention_on and self._forwards and not any(self.attention.calls.values()):
+            self.attention_on = False
 
-    def finalize(self, pooled: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, list[str]]]:
-        """The step's values (device tensors, NaN where nothing was seen) and the names they belong to.
-
-        Args:
-            pooled: ``compute()`` of the aggregator :meth:`register` was called on (reduced over processes).
-        """
-        # torchmetrics squeezes one-element results to 0-d.
-        sums, maxima = pooled["precursor_sums"].reshape(-1), pooled["precursor_maxima"].reshape(-1)
+    def finalize(self, pooled: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """The step's values (device tensors, NaN where nothing was seen); :meth:`facts` names their owners."""
+        sums, maxima = pooled["precursor_sums"], pooled["precursor_maxima"]
         lse, rows, loss, seen = sums.unbind()
         values: dict[str, Tensor] = {"step_loss": torch.where(seen > 0, loss / seen, math.nan).reshape(1)}
-        names: dict[str, list[str]] = {"step_loss": ["loss"]}
+        self._owners = {"step_loss": ["loss"]}
         if self.output is not None:
-            layer = self.output.layer
-            name = self.output.names[layer] if layer is not None else ""
             found = {
                 "logit_lse_mean": torch.where(rows > 0, lse / rows, math.nan).reshape(1),
                 "logit_absmax": torch.where(maxima[0] >= 0, maxima[0], math.nan).reshape(1),
             }
             for stat in self.output_stats:
-                values[stat], names[stat] = found[stat], [name]
-        values["output_layer"], names["output_layer"] = maxima[1].reshape(1), [""]  # read by agree_owners
+                values[stat], self._owners[stat] = found[stat], []
+        values["output_layer"], self._owners["output_layer"] = maxima[1].reshape(1), [""]
         if self.attention is not None:
             attention = maxima[2:]
             values["attn_logit_max"] = torch.where(attention >= 0, attention, math.nan)
-            names["attn_logit_max"] = self.attention.names
-        return values, names
+            self._owners["attn_logit_max"] = self.attention.names
+        return values
 
-    def agree_owners(self, owners: dict[str, list[str]], host: Mapping[str, Sequence[float]]) -> None:
-        """Name the output-layer statistics after the output layer every process agreed on (from the host values).
+    def facts(self, host: Mapping[str, list[float]]) -> dict[str, Any]:
+        """``precursors``: each statistic's owners; the output layer's is the one every process agreed on.
 
         A process names the last candidate it saw run; in a rank-dependent branch the processes can differ, and
         the pooled values must have the same key everywhere.
         """
-        if self.output is None or "output_layer" not in host:
-            return
-        index = int(host["output_layer"][0])
-        name = self.output.names[index] if 0 <= index < len(self.output.names) else ""
-        for stat in self.output_stats:
-            if stat in owners:
-                owners[stat] = [name]
+        owners, self._owners = self._owners, {}
+        if self.output is not None:
+            index = int(host["output_layer"][0])
+            name = self.output.names[index] if 0 <= index < len(self.output.names) else ""
+            owners.update((stat, [name]) for stat in self.output_stats)
+        return {"precursors": owners}
 
 
-def _exit_mode(mode: TorchFunctionMode | None) -> None:
-    """Pop ``mode`` off the torch-function mode stack, also when modes entered after it are still above it."""
-    if mode is None:
-        return
-    stack = torch.overrides._get_current_function_mode_stack()
-    if mode not in stack:
-        return
-    above: list[Any] = []
-    while stack and stack[-1] is not mode:
-        above.append(torch._C._pop_torch_function_stack())
-        stack = torch.overrides._get_current_function_mode_stack()
-    mode.__exit__(None, None, None)
-    for other in reversed(above):
-        torch._C._push_on_torch_function_stack(other)
+@component
+def _precursor_probes(setup: Setup) -> PrecursorProbes | None:
+    """The attention and output-logit probes of the requested precursor statistics."""
+    config = setup.config
+    if not set(PRECURSOR_STATS) & set(config.stats):
+        return None
+    every = named_modules(setup.model)
+    output = setup.modules
+    if config.output_layer is not None:
+        if config.output_layer not in every:
+            raise unmatched_error(config.output_layer, "output_layer", list(every))
+        output = {config.output_layer: every[config.output_layer]}
+    return PrecursorProbes(config.stats, attention_scope(every, list(setup.modules)), output, setup.aggregator)
 
 
 def attention_scope(modules: Mapping[str, nn.Module], selected: Sequence[str]) -> dict[str, nn.Module]:

@@ -8,15 +8,15 @@ no observation itself, and the aggregator does not call back into it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_hookdiag import stats
 from lightning_hookdiag.aggregation import LayerStatsAggregator
-from lightning_hookdiag.hooks import first_floating_tensor
+from lightning_hookdiag.components import Component
 from lightning_hookdiag.stats import (
     Workspace,
     activation_row,
@@ -97,11 +97,8 @@ class StepRecorder:
     """The sinks a :class:`~lightning_hookdiag.hooks.HookSet` writes into.
 
     Each output or gradient is reduced to the sufficient statistics that the requested statistics need and added to
-    a :class:`LayerStatsAggregator`, on any device by the same ops: 12 kernel-launching tensor ops per output with
-    every default statistic (9 for the moments, 3 for per-unit activity), 6 per gradient, and
-    no host read (see :mod:`lightning_hookdiag.stats`). Tensors of more than
-    :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS` elements are reduced piece by piece (9 and 6 ops per piece), so
-    the scratch memory is bounded.
+    a :class:`LayerStatsAggregator`, by the ops of :mod:`lightning_hookdiag.stats` (plus 3 for per-unit activity),
+    piece by piece beyond :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS` elements, with no host read.
 
     Args:
         aggregator: Where observations are pooled.
@@ -112,6 +109,8 @@ class StepRecorder:
         stack_small: Stack outputs and gradients of at most :data:`SMALL_ELEMENTS` elements and reduce them a stack
             at a time (one copy per tensor instead of 9 or 6 ops); their rows reach the aggregator at
             :meth:`flush`, which the owner calls before the aggregator folds the step.
+        components: Their tensor sinks (:attr:`~lightning_hookdiag.components.Component.on_output`, ``on_grad``)
+            receive every observed output and gradient after the default statistics.
 
     Example:
         >>> agg = LayerStatsAggregator(n_layers=1)
@@ -130,10 +129,13 @@ class StepRecorder:
         unit_dim: int | None = None,
         names: list[str] | None = None,
         stack_small: bool = False,
+        components: Sequence[Component] = (),
     ) -> None:
         self.aggregator = aggregator
-        self._act_stacks = _Stacks(activation_rows, aggregator.activation_rows) if stack_small else None
-        self._grad_stacks = _Stacks(gradient_rows, aggregator.gradient_rows) if stack_small else None
+        self._output_sinks = [c.on_output for c in components if c.on_output is not None]
+        self._grad_sinks = [c.on_grad for c in components if c.on_grad is not None]
+        self._act_stacks = _Stacks(activation_rows, functools.partial(aggregator.rows, "act")) if stack_small else None
+        self._grad_stacks = _Stacks(gradient_rows, functools.partial(aggregator.rows, "grad")) if stack_small else None
         self.moments = moments
         self.unit_layers = unit_layers
         aggregator.track_units(unit_layers)
@@ -149,6 +151,12 @@ class StepRecorder:
         """Whether outputs and gradients are also binned into histograms (set per step by the callback)."""
         self.workspace = Workspace()
         """Scratch memory of the reductions; the callback releases it at the end of each sampled step."""
+
+    @property
+    def stacked(self) -> list[int]:
+        """The element capacity of each stack held (bounded by :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS`)."""
+        stacks = [s for s in (self._act_stacks, self._grad_stacks) if s is not None]
+        return [b.numel() for s in stacks for b in s._buffers.values()]
 
     def observe(self, layer: int, tensor: Tensor | None) -> bool:
         """Whether ``tensor`` (a layer's first floating-point output) can be observed; records why not."""
@@ -176,18 +184,16 @@ class StepRecorder:
             # Piece by piece: the scratch memory stays bounded whatever the tensor's size (one piece, and so one row,
             # for tensors up to CHUNK_ELEMENTS); the pieces' rows pool like calls.
             for piece in chunks(tensor):
-                activation_row(piece, agg.activation_row(layer, piece.numel()), self.workspace)
+                activation_row(piece, agg.rows("act", [layer], piece.numel())[0], self.workspace)
         else:
-            agg.add_count(layer, numel)
+            agg.rows("count", [layer], numel)
         if layer in self.unit_layers:
             self._check_unit_dim(layer, tensor)
             agg.add(layer, units=unit_maxima(tensor, self.unit_dim))
         if self.histograms:
-            agg.add(layer, act_hist=histogram_counts(tensor, agg.histogram_edges))
-
-    def on_output(self, layer: int, output: Any) -> None:
-        """Forward sink for a raw module output: :meth:`on_tensor` of its first floating-point tensor."""
-        self.on_tensor(layer, first_floating_tensor(output))
+            agg.pool("act_hist", histogram_counts(tensor, agg.histogram_edges), layer)
+        for sink in self._output_sinks:
+            sink(layer, tensor)
 
     def _check_unit_dim(self, layer: int, tensor: Tensor) -> None:
         unit_dim = self.unit_dim
@@ -211,9 +217,11 @@ class StepRecorder:
             self._grad_stacks.add(layer, grad, self.workspace)
         else:
             for piece in chunks(grad):
-                gradient_row(piece, agg.gradient_row(layer, piece.numel()), self.workspace)
+                gradient_row(piece, agg.rows("grad", [layer], piece.numel())[0], self.workspace)
         if self.histograms:
-            agg.add(layer, grad_hist=histogram_counts(grad, agg.histogram_edges))
+            agg.pool("grad_hist", histogram_counts(grad, agg.histogram_edges), layer)
+        for sink in self._grad_sinks:
+            sink(layer, grad)
 
     def flush(self) -> None:
         """Reduce the stacked small outputs and gradients into the aggregator's call table (``stack_small``)."""

@@ -16,8 +16,8 @@ Example:
     >>> tracker = SavedMemoryTracker(dict(net.named_children()), net)
     >>> tracker.attach()
     >>> net(torch.zeros(2, 4)).sum().backward()
-    >>> tracker.remove()
-    >>> tracker.take()  # input of 0 (2x4 floats), output of 1 (2x8 floats), nothing new for 2
+    >>> tracker.end_micro_batch(); tracker.remove()
+    >>> tracker.peak  # input of 0 (2x4 floats), output of 1 (2x8 floats), nothing new for 2
     [32, 64, 0]
 """
 
@@ -29,30 +29,35 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
 
+from lightning_hookdiag.aggregation import host_values
+from lightning_hookdiag.components import Component, Setup, WindowStart, component
 from lightning_hookdiag.hooks import in_backward
 
 __all__ = ["SavedMemoryTracker"]
 
 
-class SavedMemoryTracker:
+class SavedMemoryTracker(Component):
     """Bytes saved for backward per selected module, between :meth:`attach` and :meth:`remove`.
 
-    A :class:`~lightning_hookdiag.hooks.Companion` of the callback's hook set, which attaches and removes it with
-    its own hooks, once per sampled micro-batch.
-
     Args:
-        modules: Ordered ``{name: module}``; :meth:`take` lists bytes in this order.
+        modules: Ordered ``{name: module}``; :attr:`peak` lists bytes in this order.
         root: The model whose parameters and buffers are never counted.
+        aggregator: Where the step's peak is pooled (the max state ``act_saved``); ``None``: kept in :attr:`peak`.
     """
 
-    def __init__(self, modules: Mapping[str, nn.Module], root: nn.Module) -> None:
+    def __init__(self, modules: Mapping[str, nn.Module], root: nn.Module, aggregator: Any = None) -> None:
         self.modules: list[nn.Module] = list(modules.values())
         self.root = root
+        self._aggregator = aggregator
+        if aggregator is not None:
+            saved = torch.zeros(len(self.modules), dtype=aggregator.acc_dtype, device=aggregator.act_moments.device)
+            aggregator.add_state("act_saved", saved, "max")
         self.bytes: list[int] = [0] * len(self.modules)
-        """Bytes saved per module since the last :meth:`take`."""
+        """Bytes saved per module in the current micro-batch."""
         self.peak: list[int] = [0] * len(self.modules)
-        """Per module, the most bytes any one micro-batch saved since the last :meth:`pop_peak`."""
+        """Per module, the most bytes any one micro-batch of the window saved."""
         self._stack: list[int] = []
         self._seen: set[tuple[Any, int]] = set()
         self._own: set[tuple[Any, int]] = set()
@@ -77,7 +82,7 @@ class SavedMemoryTracker:
         self._context.__enter__()
 
     def remove(self) -> None:
-        """Remove every hook; safe to call any number of times."""
+        """Remove every hook and forget an unfinished micro-batch's bytes; safe to call any number of times."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -86,25 +91,29 @@ class SavedMemoryTracker:
             context.__exit__(None, None, None)
         self._stack = []
         self._own = set()
+        self._take()  # a partial count is not a measurement
 
-    def take(self) -> list[int]:
-        """The bytes saved per module since the last call (one micro-batch), and start counting afresh."""
+    def _take(self) -> list[int]:
         out, self.bytes = self.bytes, [0] * len(self.modules)
         self._seen = set()
         return out
 
     def end_micro_batch(self) -> None:
         """Fold the current micro-batch into :attr:`peak` (host-side: no device copy per micro-batch)."""
-        self.peak = [max(a, b) for a, b in zip(self.peak, self.take(), strict=True)]
+        self.peak = [max(a, b) for a, b in zip(self.peak, self._take(), strict=True)]
 
-    def drop_micro_batch(self) -> None:
-        """Forget the current micro-batch's bytes (it was interrupted: a partial count is not a measurement)."""
-        self.take()
+    @override
+    def reset(self, window: WindowStart) -> None:
+        self.peak = [0] * len(self.modules)
 
-    def pop_peak(self) -> list[int]:
-        """:attr:`peak` (the step's largest micro-batch per module), and start the next step afresh."""
-        out, self.peak = self.peak, [0] * len(self.modules)
-        return out
+    def fold(self) -> None:
+        """Pool the step's peak: its one copy to the device."""
+        agg = self._aggregator
+        agg.pool("act_saved", host_values(self.peak, agg.acc_dtype, agg.act_moments.device))
+
+    @override
+    def finalize(self, pooled: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        return {"act_saved_bytes": pooled["act_saved"]}
 
     def _make_push(self, index: int) -> Any:
         def push(module: nn.Module, args: Any) -> None:
@@ -127,6 +136,12 @@ class SavedMemoryTracker:
                 self._seen.add(key)
                 self.bytes[self._stack[-1]] += nbytes
         return tensor
+
+
+@component
+def _saved_bytes(setup: Setup) -> SavedMemoryTracker | None:
+    wanted = "act_saved_bytes" in setup.config.stats
+    return SavedMemoryTracker(setup.modules, setup.model, setup.aggregator) if wanted else None
 
 
 def _unpack(tensor: Tensor) -> Tensor:

@@ -45,7 +45,6 @@ __all__ = [
     "accumulation_dtype",
     "chunks",
     "chunked_sum",
-    "activation_moments",
     "activation_row",
     "activation_rows",
     "finalize_dead_fraction",
@@ -53,13 +52,11 @@ __all__ = [
     "histogram_edges",
     "finalize_activations",
     "finalize_gradients",
-    "gradient_moments",
     "gradient_moments_from_rows",
     "gradient_row",
     "gradient_rows",
     "moments_from_rows",
     "resolve_stats",
-    "square_sum",
     "unit_dim_for",
     "unit_maxima",
     "Workspace",
@@ -197,10 +194,8 @@ class Workspace:
     faults on every call, which reuse avoids (measured on a 2-core CPU: an 8 MB activation took 8.3 ms with
     temporaries, 3.1 ms with reused buffers); on an accelerator the caching allocator would hand the same memory
     back anyway. The views of a size are kept too, so that many tensors of one shape (a deep stack of equal
-    layers) do not pay a few microseconds of view creation each. Reductions read at most :data:`CHUNK_ELEMENTS`
-    elements at once, so it never holds more than that many elements in one dtype and twice as many float64
-    values, whatever the size of the tensors (5 MiB for float32 inputs); the callback releases it at the end of
-    every sampled step, so it holds nothing between them.
+    layers) do not pay a few microseconds of view creation each. Its bound is :data:`CHUNK_ELEMENTS`'s; the
+    callback releases it at the end of every sampled step, so it holds nothing between them.
 
     Example:
         >>> ws = Workspace()
@@ -213,6 +208,12 @@ class Workspace:
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.device, torch.dtype], Tensor] = {}
         self._views: dict[tuple[int, torch.dtype, torch.dtype, torch.device], tuple[Tensor, Tensor, Tensor]] = {}
+
+    @property
+    def held(self) -> dict[tuple[str, torch.dtype], int]:
+        """Elements held per role and dtype (nothing once released, also no view of a dropped buffer)."""
+        held = {(role, dtype): b.numel() for (role, _, dtype), b in self._buffers.items()}
+        return held if held or not self._views else {("views", torch.uint8): len(self._views)}
 
     def _buffer(self, role: str, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         key = (role, device, dtype)
@@ -282,12 +283,8 @@ def activation_row(x: Tensor, out: Tensor, workspace: Workspace | None = None) -
 
     The row holds ``[nonzero, nonzero_finite, sum, sum_of_squares, min, max]``: the non-zero count (NaN and Inf
     count as non-zero, ``-0.0`` as zero), the non-zero finite count, and the sum, sum of squares, minimum and
-    maximum of the finite elements (NaN/Inf read as 0 there), all in ``out.dtype``. :func:`activation_moments`
+    maximum of the finite elements (NaN/Inf read as 0 there), all in ``out.dtype``. :func:`moments_from_rows`
     turns rows into additive moments; the element count is known on the host and not part of the row.
-
-    The counts, the NaN/Inf removal and the extrema run in ``x``'s own dtype (exact in any precision); only the
-    sums read a float64 copy: the values and their squares side by side in one ``[2, n]`` buffer, summed by one
-    cascaded ``sum`` over its rows.
 
     Args:
         x: Any floating-point tensor with at least one and at most :data:`CHUNK_ELEMENTS` elements (a piece of
@@ -347,13 +344,8 @@ def _gradient(g: Tensor, out: Tensor, workspace: Workspace | None, dim: int | No
 def activation_rows(x: Tensor, out: Tensor, workspace: Workspace | None = None) -> Tensor:
     """:func:`activation_row` of every row of a ``[k, n]`` stack of tensors, into the ``[k, ACT_ROW]`` ``out``.
 
-    The same 9 ops and the same values as ``k`` calls of :func:`activation_row`, reduced along the rows: the
-    recorder stacks the small outputs of a step (many layers, few elements each) and pays the ops once per stack.
-
-    Args:
-        x: ``[k, n]`` floating-point values, at most :data:`CHUNK_ELEMENTS` in all.
-        out: ``[k, ACT_ROW]``, where the rows are written.
-        workspace: Scratch memory reused across calls; ``None`` allocates temporaries.
+    The same 9 ops and the same values as ``k`` calls of :func:`activation_row`: the recorder stacks the small
+    outputs of a step (many layers, few elements each) and pays the ops once per stack.
 
     Example:
         >>> x = torch.tensor([[0.0, -3.0, 4.0], [1.0, float("nan"), 2.0]])
@@ -402,73 +394,6 @@ def gradient_moments_from_rows(rows: Tensor, counts: Tensor) -> Tensor:
     return torch.stack([counts, rows[:, GROW_SUMSQ], nonfinite], dim=1)
 
 
-def activation_moments(
-    x: Tensor, dtype: torch.dtype = torch.float64, workspace: Workspace | None = None
-) -> tuple[Tensor, Tensor]:
-    """Additive and max-reducible sufficient statistics of one floating-point tensor.
-
-    NaN and Inf are counted, then treated as absent: they never make the mean, std or absmax unreadable. This is
-    :func:`activation_row` and :func:`moments_from_rows` for one tensor (the recorder writes rows and converts a
-    whole step's rows at once).
-
-    Args:
-        x: Any floating-point tensor (any dtype, any device).
-        dtype: Dtype of the returned additive vector and of the accumulation.
-        workspace: Scratch memory reused across calls; ``None`` allocates temporaries.
-
-    Returns:
-        ``(moments, absmax)``: ``moments`` is a ``[5]`` vector ``[count, nonzero, nonzero_finite, sum, sum_sq]``
-        (sum and sum of squares over finite elements), ``absmax`` the 0-d maximum of ``|x|`` over finite elements.
-
-    Example:
-        >>> moments, absmax = activation_moments(torch.tensor([0.0, 1.0, -3.0, 4.0, float("nan")]))
-        >>> [round(m, 5) for m in moments.tolist()], absmax.item()
-        ([5.0, 4.0, 3.0, 2.0, 26.0], 4.0)
-    """
-    moments, absmax = moments_from_rows(*_piece_rows(x, ACT_ROW, activation_row, dtype, workspace))
-    return moments.sum(0), absmax.amax(0)
-
-
-def gradient_moments(g: Tensor, dtype: torch.dtype = torch.float64, workspace: Workspace | None = None) -> Tensor:
-    """Additive sufficient statistics of one gradient tensor: ``[count, sum_sq over finite, nonfinite count]``.
-
-    Example:
-        >>> gradient_moments(torch.tensor([3.0, 4.0, float("inf")])).tolist()
-        [3.0, 25.0, 1.0]
-    """
-    return gradient_moments_from_rows(*_piece_rows(g, GRAD_ROW, gradient_row, dtype, workspace)).sum(0)
-
-
-def _piece_rows(
-    x: Tensor,
-    width: int,
-    reduce: Callable[[Tensor, Tensor, Workspace | None], Tensor],
-    dtype: torch.dtype,
-    workspace: Workspace | None,
-) -> tuple[Tensor, Tensor]:
-    """``(rows, counts)``: one ``[width]`` row per piece of ``x`` (one row of zeros, count 0, for an empty tensor)."""
-    pieces = list(chunks(x)) if x.numel() else []
-    rows = torch.zeros(max(len(pieces), 1), width, dtype=dtype, device=x.device)
-    for piece, row in zip(pieces, rows, strict=False):
-        reduce(piece, row, workspace)
-    return rows, torch.tensor([p.numel() for p in pieces] or [0], dtype=dtype, device=x.device)
-
-
-def square_sum(x: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
-    """Sum of squares of a tensor as a 0-d ``dtype`` tensor, accumulated in ``dtype``; NaN/Inf propagate.
-
-    Example:
-        >>> f"{square_sum(torch.tensor([3e30, 4e30])).item():.6g}"  # float32 squares would overflow
-        '2.5e+61'
-    """
-
-    def piece_square_sum(piece: Tensor) -> Tensor:
-        wide = piece.detach().reshape(-1).to(dtype)
-        return torch.dot(wide, wide)
-
-    return chunked_sum(piece_square_sum, x) if x.numel() else torch.zeros((), dtype=dtype, device=x.device)
-
-
 def unit_dim_for(ndim: int, unit_dim: int | None = None) -> int:
     """The axis that indexes units: channels (dim 1) of 4-D/5-D outputs, the last dim of 1-D/2-D/3-D outputs.
 
@@ -511,8 +436,8 @@ def finalize_activations(moments: Tensor, absmax: Tensor) -> dict[str, Tensor]:
     ``act_std`` is the population standard deviation over the finite elements.
 
     Example:
-        >>> m, a = activation_moments(torch.tensor([0.0, 1.0, -3.0, float("nan")]))
-        >>> {k: round(v.item(), 4) for k, v in finalize_activations(m[None], a[None]).items()}
+        >>> moments = torch.tensor([[4.0, 3.0, 2.0, -2.0, 10.0]])  # of [0.0, 1.0, -3.0, nan]
+        >>> {k: round(v.item(), 4) for k, v in finalize_activations(moments, torch.tensor([3.0])).items()}
         {'act_mean': -0.6667, 'act_std': 1.6997, 'act_absmax': 3.0, 'act_zero_frac': 0.25, 'act_nonfinite': 1.0}
     """
     count = moments[:, ACT_COUNT]
@@ -534,12 +459,12 @@ def finalize_gradients(moments: Tensor, scale: Tensor | None = None) -> dict[str
     """Turn pooled ``[n_layers, 3]`` gradient moments into ``act_grad_norm`` and ``act_grad_nonfinite``.
 
     Args:
-        moments: Sums of :func:`gradient_moments` vectors.
+        moments: Sums of :func:`gradient_moments_from_rows` vectors.
         scale: The AMP loss scale the gradients were multiplied by, divided out of the norm.
 
     Example:
-        >>> g = gradient_moments(torch.tensor([6.0, 8.0]))
-        >>> finalize_gradients(g[None], scale=torch.tensor(2.0))["act_grad_norm"].tolist()
+        >>> moments = torch.tensor([[2.0, 100.0, 0.0]])  # of [6.0, 8.0]
+        >>> finalize_gradients(moments, scale=torch.tensor(2.0))["act_grad_norm"].tolist()
         [5.0]
     """
     norm = moments[:, GRAD_SUMSQ].sqrt()

@@ -10,20 +10,20 @@ which modules count and which stay silent: ``docs/rules.md#unregistered_module``
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
 
-from lightning_hookdiag.hooks import in_backward
+from lightning_hookdiag.components import Component, Setup, WindowStart, component
 from lightning_hookdiag.names import ROOT
 from lightning_hookdiag.selection import named_modules
+from lightning_hookdiag.torch_internals import calling_modules, in_backward
 
 __all__ = ["UnregisteredWatch", "where_held"]
-
-_CALL_CODES = frozenset({nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__})
 
 
 def where_held(parent: nn.Module, module: nn.Module) -> str:
@@ -52,13 +52,13 @@ def where_held(parent: nn.Module, module: nn.Module) -> str:
     return ""
 
 
-class UnregisteredWatch:
+class UnregisteredWatch(Component):
     """Collect the modules with trainable parameters of their own that ran in a sampled training forward unregistered.
 
     A module counts when it is not ``root`` or one of its submodules, owns a parameter that requires grad and is not
     one of ``root``'s parameters (a layer that shares registered weights is not lost), and ran with grad enabled
-    outside backward (a teacher run under ``no_grad`` is not trained on purpose). Call :meth:`attach` before a
-    sampled micro-batch's forward, :meth:`remove` after it, and :meth:`take` once per sampled step.
+    outside backward (a teacher run under ``no_grad`` is not trained on purpose). Attached for a sampled
+    micro-batch's forward only; :meth:`facts` gives the window's finds as ``unregistered``.
 
     Args:
         root: The LightningModule.
@@ -74,9 +74,11 @@ class UnregisteredWatch:
         >>> net = Net()
         >>> watch = UnregisteredWatch(net)
         >>> watch.attach(); _ = net(torch.randn(3, 2)); watch.remove()
-        >>> watch.take()
-        {'<root>': ['blocks[0] (Linear, 6 parameter elements)']}
+        >>> watch.facts({})
+        {'unregistered': {'<root>': ['blocks[0] (Linear, 6 parameter elements)']}}
     """
+
+    replays = False
 
     def __init__(self, root: nn.Module) -> None:
         self._names = {id(m): name for name, m in named_modules(root).items()}
@@ -102,11 +104,19 @@ class UnregisteredWatch:
             self._handle.remove()
             self._handle = None
 
-    def take(self) -> dict[str, list[str]]:
-        """Registered module (the innermost one whose forward called them) to the unregistered modules; forget them."""
+    @override
+    def end_forward(self, loss: Tensor | None) -> None:
+        self.remove()
+
+    @override
+    def reset(self, window: WindowStart) -> None:
+        self._found, self._seen = {}, set()
+
+    def facts(self, host: Mapping[str, list[float]]) -> dict[str, Any]:
+        """``unregistered``: each innermost registered caller to the unregistered modules its forward ran."""
         found, self._found = self._found, {}
         self._seen = set()
-        return found
+        return {"unregistered": found}
 
     def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if id(module) in self._names or id(module) in self._seen:
@@ -129,14 +139,15 @@ class UnregisteredWatch:
         The name is :data:`ROOT` at worst; what it holds is the outermost unregistered module on the way to ``module``.
         """
         outer = module
-        frame = sys._getframe(3)
-        while frame is not None:
-            if frame.f_code in _CALL_CODES:
-                candidate = frame.f_locals.get("self")
-                name = self._names.get(id(candidate))
-                if name is not None:
-                    return candidate, name, outer
-                if isinstance(candidate, nn.Module):
-                    outer = candidate
-            frame = frame.f_back
+        for candidate in calling_modules(3):
+            name = self._names.get(id(candidate))
+            if name is not None:
+                return candidate, name, outer
+            if isinstance(candidate, nn.Module):
+                outer = candidate
         return None, ROOT, outer
+
+
+@component
+def _unregistered(setup: Setup) -> UnregisteredWatch | None:
+    return UnregisteredWatch(setup.model) if setup.config.unregistered else None

@@ -9,9 +9,29 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+
+from lightning_hookdiag.hooks import first_floating_tensor
+from lightning_hookdiag.stats import (
+    ACT_ROW,
+    GRAD_ROW,
+    Workspace,
+    activation_row,
+    chunked_sum,
+    chunks,
+    gradient_moments_from_rows,
+    gradient_row,
+    moments_from_rows,
+)
+
+
+def record(recorder: Any, layer: int, output: Any) -> None:
+    """Hand a raw module output to a recorder as the hook set does: its first floating-point tensor."""
+    recorder.on_tensor(layer, first_floating_tensor(output))
 
 
 def activation_stats(values: list[float]) -> dict[str, float]:
@@ -105,3 +125,70 @@ def weights_after(module, step: int) -> dict[str, torch.Tensor]:
 
 def flat(tensors: list[torch.Tensor]) -> list[float]:
     return [v for t in tensors for v in t.reshape(-1).tolist()]
+
+
+def activation_moments(
+    x: Tensor, dtype: torch.dtype = torch.float64, workspace: Workspace | None = None
+) -> tuple[Tensor, Tensor]:
+    """Additive and max-reducible sufficient statistics of one floating-point tensor.
+
+    NaN and Inf are counted, then treated as absent: they never make the mean, std or absmax unreadable. This is
+    :func:`activation_row` and :func:`moments_from_rows` for one tensor (the recorder writes rows and converts a
+    whole step's rows at once).
+
+    Args:
+        x: Any floating-point tensor (any dtype, any device).
+        dtype: Dtype of the returned additive vector and of the accumulation.
+        workspace: Scratch memory reused across calls; ``None`` allocates temporaries.
+
+    Returns:
+        ``(moments, absmax)``: ``moments`` is a ``[5]`` vector ``[count, nonzero, nonzero_finite, sum, sum_sq]``
+        (sum and sum of squares over finite elements), ``absmax`` the 0-d maximum of ``|x|`` over finite elements.
+
+    Example:
+        >>> moments, absmax = activation_moments(torch.tensor([0.0, 1.0, -3.0, 4.0, float("nan")]))
+        >>> [round(m, 5) for m in moments.tolist()], absmax.item()
+        ([5.0, 4.0, 3.0, 2.0, 26.0], 4.0)
+    """
+    moments, absmax = moments_from_rows(*_piece_rows(x, ACT_ROW, activation_row, dtype, workspace))
+    return moments.sum(0), absmax.amax(0)
+
+
+def gradient_moments(g: Tensor, dtype: torch.dtype = torch.float64, workspace: Workspace | None = None) -> Tensor:
+    """Additive sufficient statistics of one gradient tensor: ``[count, sum_sq over finite, nonfinite count]``.
+
+    Example:
+        >>> gradient_moments(torch.tensor([3.0, 4.0, float("inf")])).tolist()
+        [3.0, 25.0, 1.0]
+    """
+    return gradient_moments_from_rows(*_piece_rows(g, GRAD_ROW, gradient_row, dtype, workspace)).sum(0)
+
+
+def _piece_rows(
+    x: Tensor,
+    width: int,
+    reduce: Callable[[Tensor, Tensor, Workspace | None], Tensor],
+    dtype: torch.dtype,
+    workspace: Workspace | None,
+) -> tuple[Tensor, Tensor]:
+    """``(rows, counts)``: one ``[width]`` row per piece of ``x`` (one row of zeros, count 0, for an empty tensor)."""
+    pieces = list(chunks(x)) if x.numel() else []
+    rows = torch.zeros(max(len(pieces), 1), width, dtype=dtype, device=x.device)
+    for piece, row in zip(pieces, rows, strict=False):
+        reduce(piece, row, workspace)
+    return rows, torch.tensor([p.numel() for p in pieces] or [0], dtype=dtype, device=x.device)
+
+
+def square_sum(x: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+    """Sum of squares of a tensor as a 0-d ``dtype`` tensor, accumulated in ``dtype``; NaN/Inf propagate.
+
+    Example:
+        >>> f"{square_sum(torch.tensor([3e30, 4e30])).item():.6g}"  # float32 squares would overflow
+        '2.5e+61'
+    """
+
+    def piece_square_sum(piece: Tensor) -> Tensor:
+        wide = piece.detach().reshape(-1).to(dtype)
+        return torch.dot(wide, wide)
+
+    return chunked_sum(piece_square_sum, x) if x.numel() else torch.zeros((), dtype=dtype, device=x.device)

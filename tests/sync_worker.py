@@ -144,7 +144,7 @@ def pooled_case(rank: int, world: int, n_layers: int, sharded: bool) -> list[dic
     steps = []
     for step in range(STEPS):
         for layer, x, grad in observations(rank, n_layers, step, world):
-            rec.on_output(layer, x)
+            rec.on_tensor(layer, x)
             rec.on_grad(layer, grad)
         index = torch.arange(n_layers)
         agg.update(params=(index, param_values(rank, n_layers, step, sharded), slice(None)))
@@ -175,9 +175,9 @@ def mismatch_case(rank: int, world: int) -> list[dict[str, Any]]:
     last = rank == world - 1
     steps = []
     for step in range(2):
-        rec.on_output(0, -torch.ones(2, 4 if last else 3))
-        rec.on_output(1, -torch.ones(2, 6 if last and step == 1 else 5))
-        rec.on_output(2, torch.tensor([[1.0 if last else -1.0, -1.0]]))
+        rec.on_tensor(0, -torch.ones(2, 4 if last else 3))
+        rec.on_tensor(1, -torch.ones(2, 6 if last and step == 1 else 5))
+        rec.on_tensor(2, torch.tensor([[1.0 if last else -1.0, -1.0]]))
         agg.update()
         steps.append({"dead": agg.compute()["act_dead_frac"].tolist(), "mismatch": sorted(agg.unit_mismatch)})
         agg.reset()

@@ -50,19 +50,19 @@ def test_the_watch_needs_eval_mode_at_both_ends_of_training_step(start, end, fou
     net = _net()
     watch = EvalModeWatch(net)
     net.train(not start)
-    watch.batch_start()
+    watch.attach()
     net.train(not end)
-    watch.before_backward()
-    assert ("block.1" in watch.take()) is found
-    assert watch.take() == {}  # taken once
+    watch.end_forward(None)
+    assert ("block.1" in watch.facts({})["eval_mode"]) is found
+    assert watch.facts({})["eval_mode"] == {}  # taken once
 
 
 def test_the_watch_collects_every_micro_batch_of_a_step():
     net = _net()
     watch = EvalModeWatch(net)
-    watch.batch_start()
-    watch.before_backward()
+    watch.attach()
+    watch.end_forward(None)
     net.block.eval()
-    watch.batch_start()
-    watch.before_backward()
-    assert watch.take() == {"block.1": "BatchNorm1d", "block.2": "Dropout"}
+    watch.attach()
+    watch.end_forward(None)
+    assert watch.facts({})["eval_mode"] == {"block.1": "BatchNorm1d", "block.2": "Dropout"}

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable, Mapping
+from typing import Any
 
+import pytest
 import torch
+from conftest import TinyModule, count_hooks, make_trainer
 from torch import nn
 
-from lightning_hookdiag import ALL_STATS
+from lightning_hookdiag import ALL_STATS, LayerHealthCallback
+from lightning_hookdiag.components import FACTORIES, Component, Setup, component
 from lightning_hookdiag.fit_run import FitConfig, FitRun, ObservedStep
 
 
@@ -145,3 +150,49 @@ def test_a_parameter_window_on_a_histogram_step_has_no_histograms():
     run.discard_window()
     run.open_window(5, {})
     assert run.recorder.histograms is False
+
+
+class AbsSum(Component):
+    """An opt-in statistic defined outside the package: the sum of |x| of each layer's outputs, pooled by sum."""
+
+    logged = ("act_abs_sum",)
+
+    def __init__(self, aggregator: Any) -> None:
+        self.aggregator = aggregator
+        aggregator.add_state("abs_sum", torch.zeros(aggregator.n_layers, dtype=torch.float64), "sum")
+
+    def on_output(self, layer: int, tensor: torch.Tensor) -> None:
+        self.aggregator.pool("abs_sum", tensor.abs().sum(dtype=torch.float64), layer)
+
+    def finalize(self, pooled: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"act_abs_sum": pooled["abs_sum"]}
+
+
+def test_a_new_statistic_is_one_component_logged_through_a_real_trainer():
+    def factory(setup: Setup) -> AbsSum:
+        return AbsSum(setup.aggregator)
+
+    component(factory)
+    try:
+        module = TinyModule()
+        seen: dict[str, float] = {}
+
+        def hand(name: str) -> Callable[..., None]:
+            def hook(mod: nn.Module, args: Any, out: torch.Tensor) -> None:
+                seen[name] = seen.get(name, 0.0) + sum(abs(v) for v in out.detach().double().reshape(-1).tolist())
+
+            return hook
+
+        handles = [layer.register_forward_hook(hand(f"model.{n}")) for n, layer in module.model.named_children()]
+        callback = LayerHealthCallback(every_n_steps=10)
+        make_trainer([callback], max_steps=1, accumulate_grad_batches=2).fit(module)
+        for handle in handles:
+            handle.remove()
+    finally:
+        FACTORIES.remove(factory)
+    logged = {k.split("/")[-1]: v for k, v in callback.last_metrics.items() if "/act_abs_sum/" in k}
+    assert logged.keys() == seen.keys() == {"model.0", "model.1", "model.2"}
+    for name, value in seen.items():  # two micro-batches pooled
+        assert logged[name] == pytest.approx(value, rel=1e-9), name
+    assert count_hooks(module) == 0
+    assert factory not in FACTORIES

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 from lightning_hookdiag import kurtosis as O
 from lightning_hookdiag import stats as S
 from lightning_hookdiag.aggregation import LayerStatsAggregator
-from lightning_hookdiag.opt_in import OptInRecorder, plan_opt_in
+from lightning_hookdiag.recorder import StepRecorder
 
 
 def reference(chunks: list[torch.Tensor]) -> dict[str, float]:
@@ -27,13 +28,13 @@ def reference(chunks: list[torch.Tensor]) -> dict[str, float]:
 
 def pooled(chunks: list[torch.Tensor]) -> dict[str, float]:
     """Pool ``chunks`` as micro-batch outputs of layer 0 through the recorder the callback uses."""
-    plan = plan_opt_in(["act_kurtosis", "act_absmax_over_std", "act_std"], None, "32-true")
-    agg = LayerStatsAggregator(1, **plan.aggregator_kwargs())
-    recorder = OptInRecorder(agg, plan)
+    agg = LayerStatsAggregator(1)
+    outliers = O.Outliers(agg, kurtosis=True, absmax_over_std=True)
+    recorder = StepRecorder(agg, components=[outliers])
     for chunk in chunks:
-        recorder.on_output(0, chunk)
-    agg.update()
-    out = agg.compute()
+        recorder.on_tensor(0, chunk)
+    out = agg.pooled()
+    out.update(outliers.finalize(out))
     return {k: out[k].reshape(-1)[0].item() for k in ("act_kurtosis", "act_absmax_over_std")}
 
 
@@ -93,7 +94,7 @@ def test_a_shift_near_the_mean_keeps_every_digit_where_sums_about_zero_cancel():
 
 
 def test_the_callback_takes_the_shift_from_the_last_pooled_mean(tmp_path):
-    from conftest import TinyModule, make_trainer
+    from conftest import TinyModule, count_hooks, make_trainer
     from lightning.pytorch import Callback
     from torch import nn
     from torch.utils.data import TensorDataset
@@ -121,7 +122,9 @@ def test_the_callback_takes_the_shift_from_the_last_pooled_mean(tmp_path):
     assert seen[1] == pytest.approx(expected, rel=1e-6)  # about step 0's pooled mean
     assert seen[2] == pytest.approx(expected, rel=1e-6)
     assert seen[0] != pytest.approx(expected, rel=1e-6)  # step 0: about zero (documented)
-    assert callback._run is None  # released at teardown
+    # Released at teardown: no hook is left, and the per-fit state (closures over the model) no longer pickles along.
+    assert count_hooks(module) == 0
+    assert pickle.loads(pickle.dumps(callback)).last_step == 2
 
 
 def test_power_sums_of_half_precision_equal_those_of_its_float32_copy():
@@ -142,7 +145,7 @@ def test_power_sums_pool_additively():
 
 def test_default_recorder_path_registers_no_opt_in_state():
     agg = LayerStatsAggregator(2)
-    assert not {"act_precision", "grad_precision", "act_power", "act_saved"} & set(agg._defaults)
+    assert not {"act_precision", "grad_precision", "act_power", "act_saved"} & set(agg.reduce_of)
     agg.update()
     out = agg.compute()
     assert set(out) >= set(S.ACTIVATION_STATS)

@@ -10,11 +10,12 @@ import torch
 from conftest import RecordingLogger, TinyModule, force_trips, make_data, make_trainer
 from lightning.pytorch.loggers import CSVLogger
 from reference import flat, replay_sequential
+from test_fit_run import start
 from test_kurtosis import reference as outlier_reference
 from test_precision import reference_counts
 from torch import nn
 
-from lightning_hookdiag import OPT_IN_STATS, LayerHealthCallback
+from lightning_hookdiag import ALL_STATS, OPT_IN_STATS, LayerHealthCallback
 from lightning_hookdiag.report import read_health_log
 
 P = "layer_health"
@@ -118,18 +119,11 @@ def test_training_is_bit_identical_with_every_opt_in_statistic():
         assert torch.equal(final[0][key], final[1][key]), key
 
 
-def test_default_stats_use_the_plain_recorder_and_register_no_opt_in_state():
-    seen = []
-
-    class Probe(LayerHealthCallback):
-        def on_train_batch_end(self, *args):
-            seen.append((type(self._run.recorder).__name__, set(self._run.aggregator._defaults), self._run.saved))
-            super().on_train_batch_end(*args)
-
-    make_trainer([Probe(every_n_steps=1)], max_steps=1).fit(TinyModule())
-    ((recorder, states, saved),) = seen
-    assert recorder == "StepRecorder"
-    assert saved is None
+def test_default_stats_build_no_opt_in_component_and_register_no_opt_in_state():
+    run = start(TinyModule(), stats=ALL_STATS)
+    components, states = {type(c).__name__ for c in run.components}, set(run.aggregator.reduce_of)
+    assert not {"PrecisionHeadroom", "Outliers", "SavedMemoryTracker"} & components
+    assert "PrecursorProbes" in components  # on by default
     assert not {"act_precision", "grad_precision", "act_power", "act_saved"} & states
 
 

@@ -138,7 +138,7 @@ def test_default_target_follows_the_trainer_precision(precision, expected):
 
 def test_plan_without_a_target_explains_how_to_get_one():
     plan = plan_opt_in(["act_overflow_frac", "act_grad_underflow_frac"], None, "32-true")
-    assert not plan.any
+    assert plan.act_targets == plan.grad_targets == ()
     assert plan.logged == ()
     assert "32-true" in plan.note
     assert "precision_targets=" in plan.note

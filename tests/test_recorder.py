@@ -6,8 +6,9 @@ import math
 
 import pytest
 import torch
-from reference import activation_stats_float64
+from reference import activation_stats_float64, record
 
+from lightning_hookdiag import stats as S
 from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.recorder import StepRecorder
 
@@ -41,9 +42,9 @@ def recorded(outputs: dict[int, list[torch.Tensor]], unit_layers: frozenset[int]
     recorder = StepRecorder(agg, unit_layers=unit_layers)
     for layer, calls in outputs.items():
         for output in calls:
-            recorder.on_output(layer, output)
+            record(recorder, layer, output)
             recorder.on_grad(layer, output)
-    assert len(agg._act_calls.layers) == sum(len(calls) for calls in outputs.values())  # one row per call
+    assert agg.pending_rows[0] == sum(len(calls) for calls in outputs.values())  # one row per call
     agg.update()
     return agg.compute()
 
@@ -83,7 +84,7 @@ def test_an_output_is_reduced_in_its_hook_so_a_later_in_place_op_does_not_change
     agg = LayerStatsAggregator(n_layers=1)
     recorder = StepRecorder(agg)
     x = torch.tensor([[-1.0, 2.0], [3.0, -4.0]])
-    recorder.on_output(0, x)
+    record(recorder, 0, x)
     x.relu_()  # what nn.ReLU(inplace=True) after the module does
     agg.update()
     assert agg.compute()["act_mean"].item() == pytest.approx(0.0)
@@ -92,12 +93,11 @@ def test_an_output_is_reduced_in_its_hook_so_a_later_in_place_op_does_not_change
 def test_reset_drops_the_rows_of_a_discarded_step():
     agg = LayerStatsAggregator(n_layers=1)
     recorder = StepRecorder(agg)
-    recorder.on_output(0, torch.full((2,), 7.0))
+    record(recorder, 0, torch.full((2,), 7.0))
     recorder.on_grad(0, torch.full((2,), 7.0))
     agg.reset()  # a discarded step
-    assert not agg._act_calls.layers
-    assert not agg._grad_calls.layers
-    recorder.on_output(0, torch.full((3,), 2.0))
+    assert agg.pending_rows == (0, 0)
+    record(recorder, 0, torch.full((3,), 2.0))
     agg.update()
     out = agg.compute()
     assert out["act_mean"].item() == 2.0
@@ -111,15 +111,22 @@ def test_many_calls_over_several_steps_reuse_the_call_table_and_copy_no_index_ag
     g = torch.Generator().manual_seed(4)
     agg = LayerStatsAggregator(n_layers=40)
     recorder = StepRecorder(agg)
-    tables, caches = [], []
+    made = []
+
+    class Made(torch.overrides.TorchFunctionMode):  # tables grown (rows of a call's width), host lists copied
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.tensor or (func is torch.empty and args[1:2] in ((S.ACT_ROW,), (S.GRAD_ROW,))):
+                made[-1].append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
     for step in range(2):
         outputs = [torch.randn(8, 4, generator=g) * (i + 1) + step for i in range(40)]
-        for layer, output in enumerate(outputs):
-            recorder.on_output(layer, output)
-            recorder.on_grad(layer, output * 2)
-        tables.append([agg._act_calls.table.data_ptr(), agg._grad_calls.table.data_ptr()])
-        agg.update()
-        caches.append([id(v[0]) for v in agg._act_calls._cache.values()])
+        made.append([])
+        with Made():
+            for layer, output in enumerate(outputs):
+                record(recorder, layer, output)
+                recorder.on_grad(layer, output * 2)
+            agg.update()
         out = agg.compute()
         agg.reset()
         recorder.release()
@@ -129,10 +136,9 @@ def test_many_calls_over_several_steps_reuse_the_call_table_and_copy_no_index_ag
                 assert out[stat][layer].item() == pytest.approx(value, rel=1e-6, abs=1e-12), (step, layer, stat)
             norm = (output.double() * 2).square().sum().sqrt().item()
             assert out["act_grad_norm"][layer].item() == pytest.approx(norm, rel=1e-6)
-    assert tables[0] == tables[1]
-    assert agg._act_calls.table.shape[0] == 64
-    assert caches[0] == caches[1]
-    assert len(caches[0]) == 1
+    assert sorted(made[0]) == ["empty"] * 6 + ["tensor"] * 4  # 16 -> 32 -> 64 rows, twice; index and counts, twice
+    assert made[1] == []  # the same calls again: nothing grown, nothing copied
+    assert agg.held == (64, 1)
 
 
 def test_varying_calls_keep_only_a_few_cached_patterns():
@@ -141,20 +147,20 @@ def test_varying_calls_keep_only_a_few_cached_patterns():
     recorder = StepRecorder(agg)
     for length in range(1, 30):
         output = torch.randn(2, length, 4)
-        recorder.on_output(0, output)
+        record(recorder, 0, output)
         agg.update()
         assert agg.compute()["count"].item() == output.numel()
         agg.reset()
-        assert len(agg._act_calls._cache) <= 8
+        assert agg.held[1] <= 8
     recorder.release()
-    assert not recorder.workspace._buffers
+    assert not recorder.workspace.held
 
 
 def test_moments_off_still_counts_the_elements():
     agg = LayerStatsAggregator(n_layers=2)
     recorder = StepRecorder(agg, moments=False, unit_layers=frozenset({1}))
-    recorder.on_output(0, torch.ones(3, 2))
-    recorder.on_output(1, torch.tensor([[-1.0, 2.0], [-3.0, 0.0]]))
+    record(recorder, 0, torch.ones(3, 2))
+    record(recorder, 1, torch.tensor([[-1.0, 2.0], [-3.0, 0.0]]))
     agg.update()
     out = agg.compute()
     assert out["count"].tolist() == [6.0, 4.0]
@@ -170,7 +176,7 @@ def _stacked_and_single(outputs: dict[int, list[torch.Tensor]], monkeypatch=None
         recorder = StepRecorder(agg, stack_small=stack_small)
         for layer, calls in outputs.items():
             for output in calls:
-                recorder.on_output(layer, output)
+                record(recorder, layer, output)
                 recorder.on_grad(layer, output * 3)
         recorder.flush()
         agg.update()
@@ -204,11 +210,11 @@ def test_a_full_stack_is_reduced_at_once_and_the_copies_stay_bounded(monkeypatch
     agg = LayerStatsAggregator(n_layers=10)
     recorder = StepRecorder(agg, stack_small=True)
     for layer, calls in outputs.items():
-        recorder.on_output(layer, calls[0])
-    assert len(agg._act_calls.layers) == 8  # two full stacks reduced, the last two outputs still held
-    assert all(b.numel() <= 64 for b in recorder._act_stacks._buffers.values())
+        record(recorder, layer, calls[0])
+    assert agg.pending_rows[0] == 8  # two full stacks reduced, the last two outputs still held
+    assert all(n <= 64 for n in recorder.stacked)
     recorder.flush()
-    assert len(agg._act_calls.layers) == 10
+    assert agg.pending_rows[0] == 10
     agg.update()
     out = agg.compute()
     for layer, calls in outputs.items():
@@ -219,7 +225,7 @@ def test_an_output_changed_in_place_after_its_hook_is_measured_as_it_was():
     agg = LayerStatsAggregator(n_layers=1)
     recorder = StepRecorder(agg, stack_small=True)
     x = torch.tensor([[-1.0, 2.0], [3.0, -4.0]])
-    recorder.on_output(0, x)
+    record(recorder, 0, x)
     torch.relu_(x)  # what ReLU(inplace=True) after the layer does
     recorder.flush()
     agg.update()
@@ -229,8 +235,8 @@ def test_an_output_changed_in_place_after_its_hook_is_measured_as_it_was():
 def test_release_drops_what_the_stacks_hold():
     agg = LayerStatsAggregator(n_layers=1)
     recorder = StepRecorder(agg, stack_small=True)
-    recorder.on_output(0, torch.ones(3))
+    record(recorder, 0, torch.ones(3))
     recorder.release()
     recorder.flush()
-    assert agg._act_calls.layers == []
-    assert recorder._act_stacks._buffers == {}
+    assert agg.pending_rows == (0, 0)
+    assert recorder.stacked == []

@@ -33,12 +33,8 @@ def test_replicas_that_differ_are_named_by_owning_module_in_forward_order():
         "forward",
     )
     assert (stem.value, stem.threshold) == (0.25, 1e-6)  # (4 - 3) / 4; the bias agrees and is not listed
-    assert stem.message == (
-        "replica_divergence: the weights of net.stem differ between processes before step 6: 1 replicated parameter"
-        " has different norms on different processes (net.stem.weight 3 to 4; relative difference up to 0.25 >"
-        " replica_rtol=1e-06). DDP replicas must be identical: a rank-dependent update or a weight changed on one"
-        " process only makes each process train its own model"
-    )
+    for fact in ("net.stem", "step 6", "net.stem.weight 3 to 4", "0.25", "replica_rtol=1e-06"):
+        assert fact in stem.message, fact
     assert (head.layer, head.value) == ("net.head", 0.25)
 
 

@@ -21,9 +21,10 @@ def saved_bytes(model: nn.Module, modules: dict[str, nn.Module], x: torch.Tensor
     tracker.attach()
     try:
         model(x).sum().backward()
+        tracker.end_micro_batch()
     finally:
         tracker.remove()
-    return dict(zip(modules, tracker.take(), strict=True))
+    return dict(zip(modules, tracker.peak, strict=True))
 
 
 def no_saved_tensor_hooks() -> bool:

@@ -327,3 +327,25 @@ def test_the_host_data_watch_sees_the_copies_it_is_for():
         ("host tensor to device", "to", "hook", where[1]),
         ("host tensor to device", "copy_", "hook", where[2]),
     ]
+
+
+def test_the_private_torchmetrics_names_used_are_exactly_the_listed_ones():
+    import pathlib
+    import re
+
+    import tomllib
+    from torchmetrics import Metric
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    listed = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["lightning_hookdiag"]["private-api"]
+
+    class Plain(Metric):
+        def update(self) -> None: ...
+
+        def compute(self) -> None: ...
+
+    module = {*dir(nn.Module), *vars(nn.Module())}
+    private = {n for n in (*dir(Metric), *vars(Plain())) if re.fullmatch(r"_[a-z]\w*", n) and n not in module}
+    source = "\n".join(p.read_text() for p in (root / "lightning_hookdiag").rglob("*.py"))
+    used = {f"Metric.{n}" for n in private if re.search(rf"\.{n}\b|def {n}\(self", source)}  # read or overridden
+    assert used == set(listed["torchmetrics"])

@@ -51,7 +51,7 @@ def _watch(net: nn.Module, x: torch.Tensor) -> dict[str, list[str]]:
         net(x)
     finally:
         watch.remove()
-    return watch.take()
+    return watch.facts({})["unregistered"]
 
 
 def test_only_layers_with_trainable_parameters_of_their_own_run_with_grad_count_each_once():
@@ -77,19 +77,19 @@ def test_the_finding_names_the_innermost_registered_caller():
     assert (where_held(net, hidden), where_held(net, net.head)) == ("hidden", "")  # registered: not "held"
 
 
-def test_nothing_is_counted_inside_backward_or_after_take():
+def test_nothing_is_counted_inside_backward_or_after_a_window_s_facts():
     net = _Net()
     net.calls = ("blocks",)
     watch = UnregisteredWatch(net)
     watch.attach()
     out = net(torch.randn(2, 4))
-    assert len(watch.take()[ROOT]) == 1
+    assert len(watch.facts({})["unregistered"][ROOT]) == 1
     net(torch.randn(2, 4))  # the same layer again in a later step: reported again, once
-    assert watch.take() == {ROOT: ["blocks[0] (Sequential, 40 parameter elements)"]}
+    assert watch.facts({})["unregistered"] == {ROOT: ["blocks[0] (Sequential, 40 parameter elements)"]}
     watch.remove()
     watch.remove()  # idempotent
     out.sum().backward()
-    assert watch.take() == {}
+    assert watch.facts({})["unregistered"] == {}
 
 
 class _ListModule(TinyModule):

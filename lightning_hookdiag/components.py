@@ -1,0 +1,132 @@
+"""The one extension interface of a fit: every optional part is a :class:`Component`.
+
+Opt-in statistics (precision headroom, kurtosis), saved bytes, the precursor probes, the eval-mode and unregistered
+watches and the batch-rows check are components. :class:`~lightning_hookdiag.fit_run.FitRun` builds each from a
+factory registered with :func:`component` (``None``: not configured) and drives every one through the same calls,
+in this order within a window:
+
+``reset`` (a window opens) → per micro-batch ``observe_batch``, ``attach``, ``on_output`` / ``on_grad`` (per hooked
+tensor), ``end_forward``, ``end_micro_batch``, ``remove`` → ``fold`` (pool into the aggregator's states) →
+``finalize`` (pooled device values that join the one host transfer) → ``facts`` (host facts for the
+:class:`~lightning_hookdiag.fit_run.ObservedStep`).
+
+A component that pools declares its states on the aggregator in its factory
+(:meth:`~lightning_hookdiag.aggregation.LayerStatsAggregator.register`) and adds into them with
+:meth:`~lightning_hookdiag.aggregation.LayerStatsAggregator.pool`; they ride in the same two packed all-reduces as
+the core states. Every method has a default that does nothing, so a component overrides only what it needs, and the
+recorder hands tensors only to components that override ``on_output`` / ``on_grad``: the default path pays nothing.
+
+Example:
+    >>> class Calls(Component):  # counts the hooked outputs of each sampled step
+    ...     def __init__(self): self.n = 0
+    ...     def reset(self, window): self.n = 0
+    ...     def on_output(self, layer, tensor): self.n += 1  # a method: the recorder hands it every output
+    >>> Calls().finalize({})
+    {}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["FACTORIES", "Component", "Setup", "WindowStart", "component"]
+
+TensorSink = Callable[[int, Tensor], None]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a factory may read when a fit starts.
+
+    Attributes:
+        config: The callback's :class:`~lightning_hookdiag.fit_run.FitConfig`.
+        model: The LightningModule.
+        modules: The selected ``{name: module}``; layer indices refer to this order.
+        plan: The :class:`~lightning_hookdiag.opt_in.OptInPlan` of the fit.
+        aggregator: The :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator` to register states on.
+    """
+
+    config: Any
+    model: nn.Module
+    modules: Mapping[str, nn.Module]
+    plan: Any
+    aggregator: Any
+
+
+@dataclass(frozen=True)
+class WindowStart:
+    """A window opens.
+
+    Attributes:
+        device: Where the statistics live.
+        previous: Per-layer values of a statistic as the previous sampled step logged them (``0.0`` where none).
+    """
+
+    device: torch.device
+    previous: Callable[[str], list[float]]
+
+
+class Component:
+    """An optional part of a fit; see the module docstring for when each method is called."""
+
+    replays: ClassVar[bool] = True
+    """Whether the component also watches a tripped step's replay (the watches of training forwards do not)."""
+    logged: ClassVar[tuple[str, ...]] = ()
+    """Per-layer statistics :meth:`finalize` returns that are logged like the opt-in ones (``<prefix>/<stat>/<layer>``,
+    in windows that observe layers; NaN: undefined, not logged). Those of ``stats=`` are named by the plan."""
+
+    def reset(self, window: WindowStart) -> None:
+        """A window opens: forget the previous one's measurements."""
+
+    def observe_batch(self, batch: Any) -> None:
+        """A sampled training micro-batch starts with ``batch``."""
+
+    def attach(self) -> None:
+        """Install the hooks of one sampled micro-batch (no-op if installed)."""
+
+    on_output: TensorSink | None = None
+    """Called as ``on_output(layer, tensor)`` with every observed output tensor (non-empty, strided, floating), under
+    ``torch.no_grad()``; ``None``: none needed."""
+    on_grad: TensorSink | None = None
+    """Called as ``on_grad(layer, grad)`` with every observed output gradient; ``None``: none needed (a component
+    that sets it makes the hook set hook gradients)."""
+
+    def end_forward(self, loss: Tensor | None) -> None:
+        """The micro-batch's forward is over; ``loss`` is what is back-propagated (``None`` in a replay)."""
+
+    def end_micro_batch(self) -> None:
+        """The micro-batch (or an optimizer closure) ran to its end: keep what it measured."""
+
+    def remove(self) -> None:
+        """Remove the hooks and forget an unfinished micro-batch's measurement; idempotent."""
+
+    def fold(self) -> None:
+        """Pool this process's window into the registered states, before they are reduced over processes."""
+
+    def finalize(self, pooled: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Device values that join the host transfer, by name, from the pooled (reduced) values."""
+        return {}
+
+    def facts(self, host: Mapping[str, list[float]]) -> dict[str, Any]:
+        """:class:`~lightning_hookdiag.fit_run.ObservedStep` fields this component fills, from the host values."""
+        return {}
+
+
+Factory = Callable[[Setup], Component | None]
+
+FACTORIES: list[Factory] = []
+"""The registered factories, in registration order (the order components are driven in)."""
+
+
+def component(factory: Factory) -> Factory:
+    """Register ``factory`` (a decorator): every fit calls it once and drives what it returns, unless ``None``.
+
+    Remove it again with ``FACTORIES.remove(factory)``.
+    """
+    FACTORIES.append(factory)
+    return factory

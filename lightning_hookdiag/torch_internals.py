@@ -1,0 +1,100 @@
+"""The one place that uses torch internals: every private name the package reads, and why no public API serves.
+
+* :func:`in_backward`: ``torch._C._current_graph_task_id`` tells whether autograd runs a backward on this thread
+  (forwards re-run there by activation checkpointing must not be counted twice).
+* :func:`calling_modules`: which modules' ``__call__`` are on the Python stack (``sys._getframe``, and the code
+  objects of ``nn.Module._call_impl`` / ``_wrapped_call_impl``): a torch-function mode or a global hook sees a call,
+  not the module that made it.
+* :func:`exit_mode`: leave a torch-function mode that is not on top of the mode stack
+  (``torch.overrides._get_current_function_mode_stack``, ``torch._C._pop_torch_function_stack``,
+  ``torch._C._push_on_torch_function_stack``): another mode entered after ours may still be active.
+
+:func:`check` fails with a message that names what changed; the test suite calls it, so a torch release that moves
+one of them fails loudly there instead of silently mis-attributing calls.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["calling_modules", "check", "exit_mode", "in_backward"]
+
+# Looked up without failing at import, so that check() can name what a torch release moved.
+_CALL_CODES = frozenset(
+    code
+    for name in ("_call_impl", "_wrapped_call_impl")
+    if (code := getattr(getattr(nn.Module, name, None), "__code__", None))
+)
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (the hooks of a recomputed forward run there).
+
+    Example:
+        >>> in_backward()
+        False
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
+def calling_modules(depth: int) -> Iterator[Any]:
+    """The ``self`` of every ``Module.__call__`` frame on the stack, innermost first, from ``depth`` frames up.
+
+    Example:
+        >>> class Probe(nn.Module):
+        ...     def forward(self, x):
+        ...         return next(calling_modules(1))
+        >>> probe = Probe()
+        >>> nn.Sequential(probe)(0) is probe
+        True
+    """
+    frame = sys._getframe(depth + 1)
+    while frame is not None:
+        if frame.f_code in _CALL_CODES:
+            yield frame.f_locals.get("self")
+        frame = frame.f_back
+
+
+def exit_mode(mode: TorchFunctionMode) -> None:
+    """Pop ``mode`` off the torch-function mode stack, also when modes entered after it are still above it."""
+    stack = torch.overrides._get_current_function_mode_stack()
+    if mode not in stack:
+        return
+    above: list[Any] = []
+    while stack and stack[-1] is not mode:
+        above.append(torch._C._pop_torch_function_stack())
+        stack = torch.overrides._get_current_function_mode_stack()
+    mode.__exit__(None, None, None)
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)
+
+
+def check() -> None:
+    """Raise ``RuntimeError`` naming every internal this module needs that this torch does not have.
+
+    Example:
+        >>> check()
+    """
+    needed = {
+        "torch._C._current_graph_task_id": getattr(torch._C, "_current_graph_task_id", None),
+        "torch._C._pop_torch_function_stack": getattr(torch._C, "_pop_torch_function_stack", None),
+        "torch._C._push_on_torch_function_stack": getattr(torch._C, "_push_on_torch_function_stack", None),
+        "torch.overrides._get_current_function_mode_stack": getattr(
+            torch.overrides, "_get_current_function_mode_stack", None
+        ),
+        "sys._getframe": getattr(sys, "_getframe", None),
+        "nn.Module._call_impl": getattr(nn.Module, "_call_impl", None),
+        "nn.Module._wrapped_call_impl": getattr(nn.Module, "_wrapped_call_impl", None),
+    }
+    missing = sorted(name for name, found in needed.items() if not callable(found))
+    if missing:
+        raise RuntimeError(
+            f"lightning_hookdiag relies on torch internals that torch {torch.__version__} lacks: {missing}; see"
+            " lightning_hookdiag/torch_internals.py"
+        )
