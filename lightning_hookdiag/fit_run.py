@@ -56,7 +56,6 @@ from lightning_hookdiag.params import (
 from lightning_hookdiag.recorder import StepRecorder
 from lightning_hookdiag.rules import ParamFacts
 from lightning_hookdiag.selection import excluded_names, resolve_layers
-from lightning_hookdiag.sentinel import MicroBatch
 from lightning_hookdiag.stats import accumulation_dtype
 from lightning_hookdiag.step_state import StepState, Window
 from lightning_hookdiag.vocabulary import (
@@ -305,13 +304,6 @@ class FitRun:
         self.hooks.remove()
         for c in self.components:
             c.remove()
-
-    def probed(self, run: Callable[[MicroBatch], Tensor | None]) -> Callable[[MicroBatch], Tensor | None]:
-        """``run`` as a replay runs it: the hook set attaches its companions, the replaying components, itself."""
-        return run
-
-    def detach_probes(self) -> None:
-        """After a replay: the hook set removed its companions with its own hooks, so nothing is left to remove."""
 
     # ------------------------------------------------------------------------------------------------------ windows
     def open_window(self, step: int, last_metrics: Mapping[str, float], layers: bool = True) -> Window:

@@ -136,13 +136,11 @@ def _replay(
     """Replay ``step`` through the hooks (and ``trace``) into a new window; on failure, drop it and say why."""
     run.open_window(step, last_metrics)
     failure = None
-    try:
-        loss = run.probed(training_step_loss(trainer, pl_module))
+    try:  # the hook set attaches and removes the components that watch replays with its own hooks
+        loss = training_step_loss(trainer, pl_module)
         replay_step(run.state.micro.batches, loss, pl_module, run.hooks, pl_module.device, trace)
     except Exception as error:  # a failed replay is reported in the finding; training goes on untouched
         failure = f"the replay raised {type(error).__name__}: {error}"
-    finally:
-        run.detach_probes()
     # Every process must agree, or the pooled statistics' collectives would not match.
     if all_reduce_max(torch.tensor([float(failure is not None)], device=pl_module.device)).item() > 0:
         run.discard_window()
