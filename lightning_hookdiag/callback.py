@@ -32,7 +32,7 @@ from lightning_hookdiag.logged_values import (
     no_logger_note,
     opt_in_note,
 )
-from lightning_hookdiag.precision import resolve_targets
+from lightning_hookdiag.opt_in import resolve_targets
 from lightning_hookdiag.replay import respond, sharded
 from lightning_hookdiag.rules import FACT_RULES, Finding, RuleConfig, format_error, values_from_metrics
 from lightning_hookdiag.selection import import_types

@@ -1,18 +1,12 @@
 """Outlier activations: kurtosis from pooled power sums, and the ratio of the absolute maximum to the spread.
 
-:func:`power_sums` reduces a tensor to the sums ``act_kurtosis`` pools, :func:`finalize_kurtosis` turns pooled sums
-into the kurtosis; ``act_absmax_over_std`` needs no state of its own (it is computed from ``act_absmax`` and
-``act_std``). What the two statistics mean: ``docs/statistics.md#outlier-activations``.
+What the two statistics mean: ``docs/statistics.md#outlier-activations``.
 
-Pooling: each tensor is reduced to power sums about a *shift* ``c``, ``[n, S1, S2, S3, S4]`` with ``S_k = sum((x -
-c)^k)`` over its finite elements, which add up exactly over calls, micro-batches and processes as long as every one
-of them uses the same ``c``. Raw power sums lose every digit to cancellation when the mean is large against the
-spread, so, as for ``act_std``, each tensor's sums are formed from its *centred* sums ``M_k = sum((x - mean)^k)``
-and its offset ``mean - c``, in float64: only the pooled recentring (``S4 / n - 4 mu S3 / n + ...`` with ``mu`` the
-pooled mean about ``c``) cancels, losing about ``(|mean - c| / std)**4`` units of float64 rounding, under 1e-6
-relative while ``|mean - c|`` stays below about ``100 std``. The callback takes ``c`` from the layer's pooled
-``act_mean`` of the previous sampled step (the same value on every process), so only the first sampled step, with
-``c = 0``, depends on ``|mean| / std`` (a tensor whose mean is 1000 times its spread: about 1e-3 there).
+Each tensor is reduced to power sums about a *shift* ``c``, which add up exactly over calls, micro-batches and
+processes that share ``c``. They are formed in float64 from the tensor's centred sums and its offset ``mean - c``,
+so only the pooled recentring cancels, losing about ``(|mean - c| / std)**4`` units of float64 rounding (under 1e-6
+relative below ``100 std``). ``c`` is the layer's pooled ``act_mean`` of the previous sampled step, so only the first
+sampled step, with ``c = 0``, depends on ``|mean| / std`` (a mean 1000 times the spread: about 1e-3 there).
 
 Example:
     >>> x = torch.tensor([1.0, 2.0, 3.0, 4.0, 100.0], dtype=torch.float64)
@@ -35,6 +29,7 @@ from typing_extensions import override
 
 from lightning_hookdiag.aggregation import host_values
 from lightning_hookdiag.components import Component, Setup, WindowStart, component
+from lightning_hookdiag.opt_in import layer_sums
 from lightning_hookdiag.stats import chunked_sum
 
 __all__ = ["POWER_SLOTS", "Outliers", "finalize_kurtosis", "power_sums"]
@@ -46,14 +41,12 @@ POWER_SLOTS = 5
 def power_sums(x: Tensor, dtype: torch.dtype = torch.float64, shift: Tensor | float = 0.0) -> Tensor:
     """Power sums ``[n, sum d, sum d^2, sum d^3, sum d^4]`` of ``d = x - shift`` over the finite elements of ``x``.
 
-    Formed from the centred sums of ``x``. NaN and Inf are left out (``act_nonfinite`` counts them). No host
-    synchronisation.
+    NaN and Inf are left out (``act_nonfinite`` counts them). No host synchronisation.
 
     Args:
         x: Any floating-point tensor.
-        dtype: Dtype of the computation and of the returned additive vector (float64 except on MPS).
-        shift: The point the sums are taken about; sums add up only between tensors with the same shift. Close to
-            the mean, the kurtosis pooled from them keeps every digit.
+        dtype: Dtype of the computation and of the returned vector (float64 except on MPS).
+        shift: The point the sums are taken about: the closer to the mean, the more digits the kurtosis keeps.
 
     Example:
         >>> x = torch.tensor([1e4 + 1.0, 1e4 - 1.0, 1e4 + 2.0, 1e4 - 2.0], dtype=torch.float64)
@@ -66,23 +59,19 @@ def power_sums(x: Tensor, dtype: torch.dtype = torch.float64, shift: Tensor | fl
 
 
 def _power_sums(x: Tensor, dtype: torch.dtype, shift: Tensor | float) -> Tensor:
-    # One piece of at most CHUNK_ELEMENTS. Centred sums in the accumulation dtype: float32 sums of cubes would carry a
-    # rounding error that the recentring below multiplies by |mean| / std. Opt-in, so the extra width is paid only
-    # when asked for; the work happens in place in one widened copy of the piece plus its square.
-    work = x.detach().reshape(-1).to(dtype, copy=True)
+    # Centred sums in the accumulation dtype: float32 sums of cubes would carry a rounding error that the recentring
+    # multiplies by |mean| / std. Opt-in, so the width is paid only when asked for, in place in one widened copy of
+    # the piece plus its square.
+    work = x.reshape(-1).to(dtype, copy=True)
     finite = torch.isfinite(work)
     n = torch.count_nonzero(finite)
     work.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     mean = work.sum() / n.clamp_min(1)
     centred = work.sub_(mean).mul_(finite)  # non-finite positions back to exactly 0: they add to no centred sum
     square = centred * centred
-    m1 = centred.sum()
-    m2 = square.sum()
-    m3 = torch.dot(square, centred)
-    m4 = torch.dot(square, square)
-    # From sums about the tensor's mean to sums about the shift (m1 is the rounding of the mean).
-    mu = mean - shift
-    count = n.to(dtype)
+    m1, m2 = centred.sum(), square.sum()  # m1: the rounding of the mean
+    m3, m4 = torch.dot(square, centred), torch.dot(square, square)
+    mu, count = mean - shift, n.to(dtype)
     s1 = m1 + count * mu
     s2 = m2 + 2 * mu * m1 + count * mu**2
     s3 = m3 + 3 * mu * m2 + 3 * mu**2 * m1 + count * mu**3
@@ -108,34 +97,23 @@ def finalize_kurtosis(sums: Tensor) -> Tensor:
 
 
 class Outliers(Component):
-    """``act_kurtosis`` and ``act_absmax_over_std``.
-
-    The power sums of every observed output are pooled in the sum state ``act_power``; the ratio needs no state.
-    """
+    """``act_kurtosis`` (output power sums, pooled in ``act_power``) and ``act_absmax_over_std`` (needs no state)."""
 
     def __init__(self, aggregator: Any, kurtosis: bool, absmax_over_std: bool) -> None:
-        self._aggregator = aggregator
-        self._kurtosis = kurtosis
-        self._absmax_over_std = absmax_over_std
-        agg, device = aggregator, aggregator.act_moments.device
-        self._shift = torch.zeros(agg.n_layers, dtype=agg.acc_dtype, device=device)
+        self._kurtosis, self._absmax_over_std = kurtosis, absmax_over_std
+        agg = aggregator
+        self._shift = torch.zeros(agg.n_layers, dtype=agg.acc_dtype, device=agg.act_moments.device)
         if kurtosis:
-            agg.add_state(
-                "act_power", torch.zeros(agg.n_layers, POWER_SLOTS, dtype=agg.acc_dtype, device=device), "sum"
+            # About the last pooled mean, the same on every process: the sums keep their digits and still add up.
+            self.on_output = layer_sums(
+                agg, "act_power", POWER_SLOTS, lambda layer, t: power_sums(t, agg.acc_dtype, self._shift[layer])
             )
-            self.on_output = self._power_sums
 
     @override
     def reset(self, window: WindowStart) -> None:
         if self._kurtosis:
-            # Sums about the last pooled mean keep their digits when the mean dwarfs the spread; the logged mean is
-            # the same on every process, so the sums still add up exactly.
             shift = [m if math.isfinite(m) else 0.0 for m in window.previous("act_mean")]
             self._shift = host_values(shift, self._shift.dtype, window.device)
-
-    def _power_sums(self, layer: int, tensor: Tensor) -> None:
-        agg = self._aggregator
-        agg.pool("act_power", power_sums(tensor, agg.acc_dtype, self._shift[layer]), layer)
 
     @override
     def finalize(self, pooled: Mapping[str, Tensor]) -> dict[str, Tensor]:

@@ -1,19 +1,100 @@
 """The opt-in statistics (``stats=[...]`` names of :data:`~lightning_hookdiag.vocabulary.OPT_IN_STATS`).
 
-They live apart from the default path: :func:`plan_opt_in` decides once, when fit starts, what a run needs, and
-the components of :mod:`~lightning_hookdiag.precision`, :mod:`~lightning_hookdiag.kurtosis` and
-:mod:`~lightning_hookdiag.saved_memory` are built only when asked for. With ``stats=None`` none is, so the default
-cost is unchanged. What each opt-in statistic is: ``docs/statistics.md#opt-in-statistics``.
+:func:`plan_opt_in` decides once, when fit starts, what a run needs; the components of
+:mod:`~lightning_hookdiag.precision`, :mod:`~lightning_hookdiag.kurtosis` and :mod:`~lightning_hookdiag.saved_memory`
+are built only when asked for, so with ``stats=None`` the default cost is unchanged. What each statistic is:
+``docs/statistics.md#opt-in-statistics``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from lightning_hookdiag import precision
+import torch
+from torch import Tensor
 
-__all__ = ["OptInPlan", "plan_opt_in"]
+from lightning_hookdiag.components import TensorSink
+from lightning_hookdiag.vocabulary import OPT_IN_STATS
+
+__all__ = [
+    "PRECISION_BASE_STATS",
+    "PRECISION_TARGETS",
+    "OptInPlan",
+    "default_targets",
+    "layer_sums",
+    "plan_opt_in",
+    "resolve_targets",
+]
+
+PRECISION_TARGETS: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+"""The dtypes a precision headroom can be measured against, by name."""
+
+PRECISION_BASE_STATS: tuple[str, ...] = (
+    "act_underflow_frac",
+    "act_overflow_frac",
+    "act_grad_underflow_frac",
+    "act_grad_overflow_frac",
+)
+"""The ``stats=`` names of the headroom statistics; each is logged once per target, as ``<name>_<target>``."""
+
+# Full-precision runs imply no target: a user planning a switch names it with precision_targets=.
+_FROM_TRAINER = {
+    "16-mixed": "float16",
+    "16-true": "float16",
+    "16": "float16",
+    "bf16-mixed": "bfloat16",
+    "bf16-true": "bfloat16",
+    "bf16": "bfloat16",
+    "transformer-engine": "float8_e4m3fn",
+    "transformer-engine-float16": "float8_e4m3fn",
+}
+
+
+def resolve_targets(targets: str | torch.dtype | Sequence[str | torch.dtype] | None) -> tuple[str, ...] | None:
+    """Validate a ``precision_targets=`` argument: dtype names or dtypes, returned as names in a fixed order.
+
+    Raises:
+        ValueError: For an unknown target or an empty list; the message lists the valid names.
+
+    Example:
+        >>> resolve_targets(["float8_e5m2", torch.float16])
+        ('float16', 'float8_e5m2')
+        >>> resolve_targets("fp16")
+        Traceback (most recent call last):
+        ...
+        ValueError: precision_targets: unknown target(s) ['fp16']; expected names from ['float16', 'bfloat16', 'float8_e4m3fn', 'float8_e5m2']
+    """  # noqa: E501
+    if targets is None:
+        return None
+    items = [targets] if isinstance(targets, (str, torch.dtype)) else list(targets)
+    by_dtype = {dtype: name for name, dtype in PRECISION_TARGETS.items()}
+    names = [by_dtype.get(t, str(t)) if isinstance(t, torch.dtype) else t for t in items]
+    unknown = sorted({repr(n) if not isinstance(n, str) else n for n in names if n not in PRECISION_TARGETS})
+    if unknown:
+        raise ValueError(
+            f"precision_targets: unknown target(s) {unknown}; expected names from {list(PRECISION_TARGETS)}"
+        )
+    if not names:
+        raise ValueError(f"precision_targets: expected at least one of {list(PRECISION_TARGETS)}, got an empty list")
+    return tuple(n for n in PRECISION_TARGETS if n in names)
+
+
+def default_targets(trainer_precision: str | int | None) -> tuple[str, ...]:
+    """The target a Trainer's ``precision`` implies; full precision (``32-true``, ``64-true``) implies none.
+
+    Example:
+        >>> default_targets("16-mixed"), default_targets("bf16-true"), default_targets("32-true")
+        (('float16',), ('bfloat16',), ())
+    """
+    name = _FROM_TRAINER.get(str(trainer_precision))
+    return (name,) if name else ()
 
 
 @dataclass(frozen=True)
@@ -51,21 +132,38 @@ def plan_opt_in(
         'act_overflow_frac: the Trainer runs in 32-true precision, wh'
     """
     wanted = set(stats)
-    precision_stats = [s for s in precision.PRECISION_BASE_STATS if s in wanted]
-    targets = (
-        tuple(precision_targets) if precision_targets is not None else precision.default_targets(trainer_precision)
-    )
+    targets = tuple(precision_targets) if precision_targets is not None else default_targets(trainer_precision)
     note = ""
-    if precision_stats and not targets:
+    if not targets and (headroom := [s for s in PRECISION_BASE_STATS if s in wanted]):
         note = (
-            f"{', '.join(precision_stats)}: the Trainer runs in {trainer_precision} precision, which implies no"
+            f"{', '.join(headroom)}: the Trainer runs in {trainer_precision} precision, which implies no"
             " lower-precision target, so no precision headroom is computed; to plan a switch, pass"
-            f" precision_targets= with names from {list(precision.PRECISION_TARGETS)}"
+            f" precision_targets= with names from {list(PRECISION_TARGETS)}"
         )
-    act = targets if {"act_underflow_frac", "act_overflow_frac"} & wanted else ()
-    grad = targets if {"act_grad_underflow_frac", "act_grad_overflow_frac"} & wanted else ()
-    logged = [s for s in ("act_kurtosis", "act_absmax_over_std") if s in wanted]
-    logged += precision.logged_names(precision_stats, targets)
-    if "act_saved_bytes" in wanted:
-        logged.append("act_saved_bytes")
-    return OptInPlan(act_targets=act, grad_targets=grad, logged=tuple(logged), note=note)
+    logged = [
+        name
+        for stat in OPT_IN_STATS
+        if stat in wanted
+        for name in ([f"{stat}_{t}" for t in targets] if stat in PRECISION_BASE_STATS else [stat])
+    ]
+    return OptInPlan(
+        act_targets=targets if {"act_underflow_frac", "act_overflow_frac"} & wanted else (),
+        grad_targets=targets if {"act_grad_underflow_frac", "act_grad_overflow_frac"} & wanted else (),
+        logged=tuple(logged),
+        note=note,
+    )
+
+
+def layer_sums(aggregator: Any, state: str, width: int, measure: Callable[[int, Tensor], Tensor]) -> TensorSink:
+    """Register the ``[n_layers, width]`` sum state ``state`` on ``aggregator``, and a sink that pools into it.
+
+    The sink adds ``measure(layer, tensor)`` to row ``layer``: the one shape of every opt-in statistic that is a
+    vector of additive per-tensor sums, so that it pools exactly over calls, micro-batches and processes.
+    """
+    agg = aggregator
+    agg.add_state(state, torch.zeros(agg.n_layers, width, dtype=agg.acc_dtype, device=agg.act_moments.device), "sum")
+
+    def sink(layer: int, tensor: Tensor) -> None:
+        agg.pool(state, measure(layer, tensor), layer)
+
+    return sink

@@ -1,20 +1,17 @@
 """What the host knows about a sampled optimizer step, for the ``not_updated`` rule: host facts only, no tensor work.
 
-Per tracked parameter (:class:`~lightning_hookdiag.rules.ParamFacts`): whether an optimizer of the Trainer holds
-it, the learning rate it was stepped with and the base lr a scheduler scales, whether the optimizer's step ran at
-all, and the resolution of the weights' dtype. The learning rates are read before the step (Lightning steps LR
-schedulers before ``on_train_batch_end``, where the step is diagnosed); whether the step ran comes from a step
-post-hook registered on the optimizer for the sampled step only (a ``GradScaler`` that finds an overflow does not
-call ``optimizer.step()``; such a step changes nothing and is not a finding). Which tracked parameters no optimizer
-holds is found again only when the param groups change, so a sampled step normally looks at none of them. What the
-rule makes of these facts: ``docs/rules.md#not_updated-why-a-parameter-did-not-move``.
+Per tracked parameter, a :class:`~lightning_hookdiag.rules.ParamFacts`. The learning rates are read before the step
+(Lightning steps LR schedulers before ``on_train_batch_end``, where the step is diagnosed); whether the step ran comes
+from a step post-hook on the optimizer, for the sampled step only (a ``GradScaler`` that finds an overflow does not
+call ``optimizer.step()``: such a step changes nothing and is not a finding). What the rule makes of these facts:
+``docs/rules.md#not_updated-why-a-parameter-did-not-move``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -57,11 +54,23 @@ def _opt_eps(group: Mapping[str, Any]) -> float | None:
 
 
 def _base_lr(group: Mapping[str, Any]) -> float | None:
-    base = group.get("initial_lr")  # set by every torch LR scheduler built on the optimizer
-    if base is None:
-        return None
-    value = _lr({"lr": base})
-    return None if math.isnan(value) else value
+    base = _lr({"lr": group.get("initial_lr")})  # set by every torch LR scheduler built on the optimizer
+    return None if math.isnan(base) else base
+
+
+Schedule = tuple["str | None", "int | None"]
+"""How Lightning steps an optimizer's LR scheduler (``"step"``, ``"epoch"``) and its ``last_epoch``."""
+
+
+class _Holder(NamedTuple):
+    """How a param group holds its parameters: the :class:`~lightning_hookdiag.rules.ParamFacts` fields it fills."""
+
+    lr: float
+    base_lr: float | None
+    opt_eps: float | None
+    interval: str | None
+    scheduler_steps: int | None
+    applied: bool = False
 
 
 class StepWatch:
@@ -84,7 +93,7 @@ class StepWatch:
     """
 
     def __init__(self) -> None:
-        self._rates: dict[int, tuple[Optimizer, list[tuple[float, float | None, float | None]], Schedule]] = {}
+        self._rates: dict[int, tuple[Optimizer, list[_Holder]]] = {}
         self._applied: set[int] = set()
         self._handles: list[RemovableHandle] = []
         self._unheld: set[int] = set()
@@ -94,14 +103,14 @@ class StepWatch:
     def observe(self, optimizer: Optimizer, schedule: Schedule = (None, None)) -> None:
         """Record the learning rates ``optimizer`` is about to step with, and watch whether its step runs.
 
-        ``schedule``: how Lightning steps the optimizer's LR scheduler (``"step"``, ``"epoch"``) and how many times it
-        has stepped; ``(None, None)`` without one.
+        ``schedule``: how Lightning steps the optimizer's LR scheduler and how many times it has stepped;
+        ``(None, None)`` without one.
         """
         key = id(optimizer)
         if key in self._rates:
             return
-        rates = [(_lr(g), _base_lr(g), _opt_eps(g)) for g in optimizer.param_groups]
-        self._rates[key] = (optimizer, rates, schedule)
+        rates = [_Holder(_lr(g), _base_lr(g), _opt_eps(g), *schedule) for g in optimizer.param_groups]
+        self._rates[key] = (optimizer, rates)
         register = getattr(optimizer, "register_step_post_hook", None)
         if callable(register):
             applied = self._applied
@@ -112,10 +121,9 @@ class StepWatch:
     def unheld(self, params: Sequence[Tensor], optimizers: Sequence[Optimizer]) -> list[Tensor]:
         """The parameters of ``params`` with a gradient that none of ``optimizers`` holds, remembered for :meth:`facts`.
 
-        The head left out of ``configure_optimizers``; the caller measures them like the stepped ones.
-        Membership is found again only when the optimizers' param groups change (added, or given another list or
-        length of parameters): per sampled step this costs a look at the parameters outside every group, normally
-        none. Parameters frozen with ``requires_grad=False`` have no gradient and are not returned.
+        The head left out of ``configure_optimizers``, which the caller measures like the stepped ones. Membership
+        is found again only when the param groups change, so a sampled step looks only at the parameters outside
+        every group, normally none; frozen ones have no gradient and are not returned.
         """
         key = (id(params), len(params), _membership(optimizers))
         if self._outside is None or self._outside[0] != key:
@@ -133,16 +141,13 @@ class StepWatch:
         if not (self._rates or self._unheld):
             return {}  # nothing observed (the rule is disabled)
         holders: dict[int, _Holder] = {}
-        for key, (optimizer, rates, schedule) in self._rates.items():
+        for key, (optimizer, rates) in self._rates.items():
             applied = key in self._applied
-            for group, (lr, base, eps) in zip(optimizer.param_groups, rates, strict=False):
+            for group, rate in zip(optimizer.param_groups, rates, strict=False):
                 for p in group["params"]:
                     seen = holders.get(id(p))
-                    if seen is None:
-                        holders[id(p)] = (lr, base, applied, eps, schedule)
-                    else:
-                        top = (lr, base, eps, schedule) if lr > seen[0] else (*seen[:2], *seen[3:])
-                        holders[id(p)] = (top[0], top[1], applied or seen[2], top[2], top[3])
+                    top = rate if seen is None or rate.lr > seen.lr else seen
+                    holders[id(p)] = top._replace(applied=applied or (seen is not None and seen.applied))
         out: dict[str, ParamFacts] = {}
         interned: dict[tuple[Any, ...], ParamFacts] = {}  # a few distinct facts: building one costs microseconds
         for name, p in zip(names, params, strict=True):
@@ -150,10 +155,9 @@ class StepWatch:
             if holder is None and id(p) not in self._unheld:
                 continue  # not stepped in this window by a watched optimizer, e.g. another optimizer's turn
             key = (holder, p.dtype)
-            fact = interned.get(key)
-            if fact is None:
-                fact = interned[key] = _facts(holder, p.dtype)
-            out[name] = fact
+            if key not in interned:
+                interned[key] = _facts(holder, p.dtype)
+            out[name] = interned[key]
         return out
 
     def release(self) -> None:
@@ -166,13 +170,6 @@ class StepWatch:
         self._unheld = set()
 
 
-Schedule = tuple["str | None", "int | None"]
-"""How Lightning steps an optimizer's LR scheduler (``"step"``, ``"epoch"``) and its ``last_epoch``."""
-
-_Holder = tuple[float, "float | None", bool, "float | None", Schedule]
-"""``(lr, base_lr, applied, the group's eps, the schedule)`` of a parameter an optimizer holds."""
-
-
 def _facts(holder: _Holder | None, dtype: torch.dtype) -> ParamFacts:
     """Facts of a parameter of ``dtype`` held as ``holder`` says, or by no optimizer (``None``)."""
     name = str(dtype).removeprefix("torch.")
@@ -183,16 +180,4 @@ def _facts(holder: _Holder | None, dtype: torch.dtype) -> ParamFacts:
         eps = tiny = math.nan
     if holder is None:
         return ParamFacts(held=False, applied=False, dtype=name, eps=eps, tiny=tiny)
-    lr, base, applied, opt_eps, (interval, scheduler_steps) = holder
-    return ParamFacts(
-        held=True,
-        applied=applied,
-        lr=lr,
-        base_lr=base,
-        dtype=name,
-        eps=eps,
-        tiny=tiny,
-        opt_eps=opt_eps,
-        interval=interval,
-        scheduler_steps=scheduler_steps,
-    )
+    return ParamFacts(held=True, dtype=name, eps=eps, tiny=tiny, **holder._asdict())

@@ -1,18 +1,8 @@
 """Parameter statistics around the optimizer step: weight norms, gradient norms and the update-to-weight ratio.
 
-The update ratio needs the weights from before the step. :class:`ParameterTracker` keeps, across the step, a copy
-of a bounded set of entries of each tracked parameter (every entry of the small ones; an evenly strided sample of
-the large ones, see :func:`update_samples`) and subtracts the new values from it in ``after_step``: the memory is at
-most :data:`SNAPSHOT_ELEMENTS` elements whatever the size of the model, and what is measured is the change the
-optimizer made to the stored values, whichever optimizer it is (``docs/statistics.md#memory-bounded-scratch``).
-
-Every norm is a fused ``torch._foreach_norm`` over pieces of at most
-:data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS` elements of the parameters of one dtype and device (one kernel
-launch per group of tensors on an accelerator, not one per parameter), accumulated in float64 so that squares of
-any float32 magnitude neither overflow nor underflow. A CUDA device reads each piece in its own dtype and
-accumulates in float64; the CPU casts one piece at a time, so no whole parameter is ever copied to float64.
-
-What the logged values are: ``docs/statistics.md#every-key``; over shards:
+:class:`ParameterTracker` measures the norms with :func:`squared_norms` and the update as the change the optimizer
+made to entries kept across the step (:func:`update_samples`), whichever optimizer it is. What is logged, and the
+memory bound: ``docs/statistics.md#every-key`` and ``#memory-bounded-scratch``; over shards:
 ``docs/integrations.md#sharded-parameters-fsdp-fsdp2-dtensor``.
 """
 
@@ -54,15 +44,12 @@ def local_tensor(t: Tensor) -> Tensor:
 
 
 def replicas(t: Tensor, group_size: int | None = None) -> int:
-    """Number of processes that hold the same local part of ``t`` as this one: 1 for a plain tensor.
+    """Number of processes that hold the same local part of ``t`` as this one (1 for a plain tensor).
 
     Sharded sums of squares are added over processes; dividing each by this count counts a replicated part once.
-    For a ``DTensor`` it comes from the tensor's own device mesh and placements: the product of the mesh sizes along
-    ``Replicate`` dimensions (``Shard`` dimensions hold distinct parts), times the number of copies of the mesh in
-    the reduction group when the mesh is a sub-mesh of it (every process tracks the same parameters, so a process
-    outside this mesh holds the same parameter on a mesh of its own: a tensor-parallel replica of a data-parallel
-    sub-mesh). For FSDP2 that is 1; for HSDP the replicate size; on a ``dp x tp`` mesh, for a parameter sharded over
-    ``dp`` only, the ``tp`` size.
+    For a ``DTensor``: the mesh sizes along its ``Replicate`` dimensions, times the copies of its mesh in the
+    reduction group (every process tracks the same parameters, so a process outside a sub-mesh holds the parameter
+    on a mesh of its own). FSDP2: 1; HSDP: the replicate size; a ``dp x tp`` mesh, sharded over ``dp``: the ``tp`` size.
 
     Args:
         t: A parameter, plain or ``DTensor``.
@@ -102,12 +89,10 @@ def replicas(t: Tensor, group_size: int | None = None) -> int:
 def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64) -> Tensor:
     """Sums of squares of each tensor, as one ``[len(tensors)]`` vector: finite for finite values of any magnitude.
 
-    Each tensor is cut into pieces of at most :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS` elements (views, no
-    copy); one fused ``_foreach_norm`` per dtype and device measures every piece, accumulated in ``dtype`` (float64:
-    a float32 value's square is exact there and cannot overflow), then one ``stack`` and one ``square``, plus one
-    ``sum`` for each tensor of several pieces. The scratch memory is that of one piece, never a whole tensor. The
-    local part of a ``DTensor`` and the stored values of a sparse tensor are what is measured. NaN and Inf
-    propagate to their tensor's entry.
+    One fused ``_foreach_norm`` per dtype and device over views of at most
+    :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS` elements, accumulated in ``dtype`` (float64: a float32 square is
+    exact there), so the scratch is one piece, never a whole tensor; one launch per group on an accelerator, not one
+    per parameter. Measures a ``DTensor``'s local part and a sparse tensor's stored values; NaN and Inf propagate.
 
     Example:
         >>> [round(v, 4) for v in squared_norms([torch.tensor([3.0, 4.0]), torch.tensor([1.0])]).tolist()]
@@ -118,12 +103,8 @@ def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64)
     if not tensors:
         return torch.zeros(0, dtype=dtype)
     local = [stored_values(local_tensor(t).detach()) for t in tensors]
-    pieces: list[Tensor] = []
-    counts: list[int] = []
-    for t in local:
-        parts = list(chunks(t))  # an empty tensor is one (empty) piece
-        pieces.extend(parts)
-        counts.append(len(parts))
+    parts = [list(chunks(t)) for t in local]  # an empty tensor is one (empty) piece
+    pieces = [piece for part in parts for piece in part]
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, t in enumerate(pieces):
         groups.setdefault((t.dtype, t.device), []).append(i)
@@ -135,13 +116,12 @@ def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64)
     squares = torch.stack([norm.to(device) for norm in norms]).square()
     if len(pieces) == len(local):
         return squares
-    per_tensor = squares.split(counts)
+    per_tensor = squares.split([len(part) for part in parts])
     return torch.stack([part[0] if len(part) == 1 else part.sum() for part in per_tensor])
 
 
 SNAPSHOT_ELEMENTS = 1 << 22
-"""The most parameter entries :class:`ParameterTracker` keeps across an optimizer step, over all parameters (16 MiB of
-float32); see :func:`update_samples`."""
+"""The most parameter entries :class:`ParameterTracker` keeps across an optimizer step (16 MiB of float32)."""
 
 _MIN_SAMPLE = 1024
 
@@ -149,9 +129,8 @@ _MIN_SAMPLE = 1024
 def update_samples(numels: Sequence[int], budget: int = SNAPSHOT_ELEMENTS) -> list[int]:
     """How many entries of each parameter to keep across the step: all of the small ones, a share of the large ones.
 
-    Water-filling: parameters are served from the smallest up, each with every entry while that fits its even share
-    of what is left of ``budget``; the others share the rest evenly, with at least 1024 entries each. A model whose
-    parameters add up to at most ``budget`` entries is measured exactly.
+    Water-filling from the smallest up: each gets every entry while that fits its even share of what is left of
+    ``budget``, the rest share it evenly with at least 1024 entries each; a model within ``budget`` is exact.
 
     Args:
         numels: Element count of each parameter.
@@ -175,9 +154,8 @@ def update_samples(numels: Sequence[int], budget: int = SNAPSHOT_ELEMENTS) -> li
 def _sample_view(t: Tensor, size: int, phase: int) -> Tensor:
     """At most ``size`` entries of ``t`` as a view: every ``k``-th entry of its flat form, from ``phase % k`` on.
 
-    The view holds the same number of entries whatever the phase (``numel // k``), so the scale computed once for a
-    parameter set holds on every step. A tensor that is not contiguous is sampled the same way along its leading
-    dimension, then its next ones, until the view holds at most ``size`` entries (or a single row of it).
+    As many entries whatever the phase, so a scale computed once holds on every step. A tensor that is not
+    contiguous is sampled along its leading dimensions in turn, down to at most ``size`` entries (or one row).
     """
     if t.numel() <= size:
         return t
@@ -198,10 +176,10 @@ def _every(t: Tensor, step: int, phase: int) -> Tensor:
 
 
 def stored_values(t: Tensor) -> Tensor:
-    """The values a sparse tensor stores (duplicates of a COO tensor added up), ``t`` itself if it is dense.
+    """The values a sparse tensor stores (COO duplicates added up), ``t`` itself if it is dense.
 
-    Same sum of squares and the same NaN/Inf as the dense form: ``nn.Embedding(sparse=True)`` hands the optimizer
-    such gradients, on which dense reductions fail.
+    Same sum of squares and NaN/Inf as the dense form, for the gradients of ``nn.Embedding(sparse=True)``, on which
+    dense reductions fail.
 
     Example:
         >>> stored_values(torch.sparse_coo_tensor([[0, 2, 2]], [3.0, 1.0, 3.0], (5,)))
@@ -215,9 +193,8 @@ def stored_values(t: Tensor) -> Tensor:
 def stale_gradient_squares(params: Sequence[nn.Parameter], dtype: torch.dtype = torch.float64) -> Tensor | None:
     """Sums of squares of the ``.grad`` each parameter holds, as ``[len(params)]`` (0 where ``.grad`` is ``None``).
 
-    Called before an optimizer step's first backward, when every gradient should be ``None`` or zero: Lightning's
-    automatic optimization zeroes them (``set_to_none``) just before it, so the usual cost is one ``is None`` test
-    per parameter and no kernel at all. Only parameters that still hold a gradient are measured, in one fused pass.
+    Called before an optimizer step's first backward, where Lightning has set every gradient to ``None``: the usual
+    cost is one ``is None`` test per parameter, no kernel.
 
     Returns:
         The vector, on the gradients' device, or ``None`` if no parameter holds a gradient.
@@ -240,12 +217,11 @@ def stale_gradient_squares(params: Sequence[nn.Parameter], dtype: torch.dtype = 
 
 
 def finalize_parameters(param_stats: Tensor) -> dict[str, Tensor]:
-    """Turn a pooled ``[n_params, P_SLOTS]`` state into per-parameter statistics.
+    """Per-parameter statistics from a pooled ``[n_params, P_SLOTS]`` state.
 
     Returns:
-        ``param_norm``, ``param_grad_norm`` and ``param_update_ratio`` (``[n_params]``), ``param_seen``
-        (``[n_params]``, > 0 where the parameter was stepped) and ``grad_norm_total`` (``[1]``: the L2 norm of all
-        stepped gradients together).
+        ``param_norm``, ``param_grad_norm``, ``param_update_ratio``, ``param_seen`` (> 0 where stepped), all
+        ``[n_params]``, and ``grad_norm_total`` (``[1]``: the L2 norm of all stepped gradients together).
 
     Example:
         >>> state = torch.tensor([[25.0, 4.0, 0.25, 1.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
@@ -286,10 +262,8 @@ def named_parameters_of(modules: dict[str, nn.Module]) -> dict[str, nn.Parameter
 def owned_parameters(root: nn.Module, skip: Iterable[str] = ()) -> dict[str, nn.Parameter]:
     """Every parameter of ``root`` under ``"<owning module's name>.<attribute>"``, each parameter once.
 
-    The owner is the module that holds the parameter directly, leaf or not (``attn.in_proj_weight`` of an
-    ``nn.MultiheadAttention``, ``cls_token`` of a ViT); its name is normalised like every layer name (no
-    ``_orig_mod``, DDP ``module`` or checkpoint-wrapper segments). Parameters of ``root`` itself keep their bare
-    attribute name.
+    The owner holds the parameter directly, leaf or not (``attn.in_proj_weight``, a ViT's ``cls_token``), and is
+    named like every layer (no ``_orig_mod``, DDP or checkpoint-wrapper segments); ``root``'s own keep a bare name.
 
     Args:
         root: The module whose parameters to list (the LightningModule).
@@ -310,14 +284,27 @@ def owned_parameters(root: nn.Module, skip: Iterable[str] = ()) -> dict[str, nn.
 
 
 @dataclass
-class _Snapshot:
+class _Pattern:
+    """The device constants of one set of stepped parameters."""
+
     index: Tensor
+    zeros: Tensor
+    ones: Tensor
+    share: Tensor | None
+    """1 / replicas per parameter, so that a replicated shard counts once over processes; ``None`` (no work): all 1."""
+    sizes: list[int]
+    """Entries kept across the step."""
+    snapshot_share: Tensor | None
+    """``share`` times ``numel / entries kept``."""
+
+
+@dataclass
+class _Snapshot:
+    pattern: _Pattern
     current: list[Tensor]
     """Views of the entries kept of each stepped parameter's local tensor."""
     before: list[Tensor]
     """Their copies from before the step."""
-    share: Tensor | None
-    """Per parameter: 1 / replicas times ``numel / entries kept`` (the sampled share's scale); ``None`` for all 1."""
 
 
 class ParameterTracker:
@@ -325,10 +312,9 @@ class ParameterTracker:
 
     Args:
         params: ``{name: parameter}``; results refer to parameters by their position in this mapping.
-        snapshot: Keep entries of the weights across the step, for the update ratio (at most ``snapshot_elements``
-            of them, see :func:`update_samples`).
+        snapshot: Keep entries of the weights across the step, for the update ratio.
         dtype: Of the sums of squares.
-        snapshot_elements: The budget of entries kept across a step.
+        snapshot_elements: The budget of entries kept across a step (see :func:`update_samples`).
 
     Example:
         >>> lin = nn.Linear(2, 1)
@@ -354,41 +340,38 @@ class ParameterTracker:
         self._snapshot_enabled = snapshot
         self.dtype = dtype
         self._snapshots: list[_Snapshot] = []
-        self._index_cache: dict[tuple[int, ...], tuple[Tensor, Tensor, Tensor]] = {}
-        self._share_cache: dict[tuple[int, ...], Tensor | None] = {}
+        self._patterns: dict[tuple[tuple[int, ...], tuple[int, ...]], _Pattern] = {}
         self._snapshot_elements = snapshot_elements
-        self._sample_cache: dict[tuple[int, ...], tuple[list[int], Tensor | None]] = {}
         self._phase = 0
         """Where the strided samples start, advanced every snapshot: over steps they visit every entry."""
 
     @property
     def held(self) -> tuple[int, int]:
-        """``(weight elements in snapshots, index patterns cached)``: both bounded, whatever the model."""
-        return sum(b.numel() for snap in self._snapshots for b in snap.before), len(self._index_cache)
+        """``(weight elements in snapshots, parameter sets cached)``: both bounded, whatever the model."""
+        return sum(b.numel() for snap in self._snapshots for b in snap.before), len(self._patterns)
 
-    def _index(self, positions: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-        # The positions and the constant columns (update 0, seen 1) on the device: one host-to-device copy per
-        # distinct parameter set, not per step. A few sets are kept (the set changes whenever a parameter gets no
-        # gradient: a skipped block, an expert without tokens).
-        cached = self._index_cache.get(positions)
-        if cached is None or cached[0].device != device:
-            if len(self._index_cache) >= 8:
-                self._index_cache, self._share_cache = {}, {}
-            index = torch.tensor(positions, dtype=torch.long, device=device)
-            zeros = torch.zeros(len(positions), dtype=self.dtype, device=device)
-            cached = self._index_cache[positions] = (index, zeros, torch.ones_like(zeros))
+    def _pattern(self, positions: tuple[int, ...], local: list[Tensor], device: torch.device) -> _Pattern:
+        # One host-to-device copy per distinct parameter set and sizes (a resized embedding), not per step. A few
+        # are kept: the set changes whenever a parameter gets no gradient (a skipped block, an expert without tokens).
+        numels = tuple(t.numel() for t in local)
+        cached = self._patterns.get((positions, numels))
+        if cached is not None and cached.index.device == device:
+            return cached
+        if len(self._patterns) >= 8:
+            self._patterns = {}
+        share = self._vector([1 / replicas(self.params[i]) for i in positions], device)
+        sizes = update_samples(numels, self._snapshot_elements) if self._snapshot_enabled else []
+        kept = [_sample_view(t, size, 0).numel() for t, size in zip(local, sizes, strict=False)]
+        scale = self._vector([n / max(k, 1) for n, k in zip(numels, kept, strict=False)], device)
+        snapshot_share = share if scale is None else scale if share is None else share * scale
+        zeros = torch.zeros(len(positions), dtype=self.dtype, device=device)
+        index = torch.tensor(positions, dtype=torch.long, device=device)
+        cached = _Pattern(index, zeros, torch.ones_like(zeros), share, sizes, snapshot_share)
+        self._patterns[(positions, numels)] = cached
         return cached
 
-    def _share(self, positions: tuple[int, ...], device: torch.device) -> Tensor | None:
-        # 1 / replicas per parameter, so that the sum over processes of a replicated shard counts it once; None where
-        # every parameter's local part is held by this process alone (no work at all, the common case).
-        if positions not in self._share_cache:
-            counts = [replicas(self.params[i]) for i in positions]
-            share = None
-            if any(c != 1 for c in counts):
-                share = torch.tensor([1.0 / c for c in counts], dtype=self.dtype, device=device)
-            self._share_cache[positions] = share
-        return self._share_cache[positions]
+    def _vector(self, values: list[float], device: torch.device) -> Tensor | None:
+        return None if all(v == 1 for v in values) else torch.tensor(values, dtype=self.dtype, device=device)
 
     @torch.no_grad()
     def before_step(self, param_groups: Iterable[dict]) -> tuple[Tensor, Tensor] | None:
@@ -400,8 +383,8 @@ class ParameterTracker:
         Returns:
             ``(index, values)``: positions of the measured parameters and a ``[n, P_SLOTS]`` matrix of weight
             sum of squares, gradient sum of squares, zero update (filled in by :meth:`after_step`) and 1 (seen);
-            sums of squares of a ``DTensor`` are this process's share of the whole (see :func:`replicas`);
-            ``None`` if the optimizer steps none of the tracked parameters with a gradient.
+            those of a ``DTensor`` are this process's share of the whole (see :func:`replicas`); ``None`` if the
+            optimizer steps none of the tracked parameters with a gradient.
         """
         positions: list[int] = []
         for group in param_groups:
@@ -411,45 +394,19 @@ class ParameterTracker:
                     positions.append(pos)
         if not positions:
             return None
-        key = tuple(positions)
-        local = [local_tensor(self.params[i]).detach() for i in key]
-        grads: list[Tensor] = [self.params[i].grad for i in key]  # type: ignore[misc]
+        local = [local_tensor(self.params[i]).detach() for i in positions]
+        grads: list[Tensor] = [self.params[i].grad for i in positions]  # type: ignore[misc]
         squares = squared_norms([*local, *grads], self.dtype)
-        n = len(local)
-        weight_sq, grad_sq = squares[:n], squares[n:]
-        index, zeros, ones = self._index(key, squares.device)
-        share = self._share(key, squares.device)
-        if share is not None:
-            weight_sq, grad_sq = weight_sq * share, grad_sq * share
-        values = torch.stack([weight_sq, grad_sq, zeros, ones], dim=1)
+        weight_sq, grad_sq = squares[: len(local)], squares[len(local) :]
+        pattern = self._pattern(tuple(positions), local, squares.device)
+        if pattern.share is not None:
+            weight_sq, grad_sq = weight_sq * pattern.share, grad_sq * pattern.share
+        values = torch.stack([weight_sq, grad_sq, pattern.zeros, pattern.ones], dim=1)
         if self._snapshot_enabled:
-            sizes, scale = self._samples(key, local, squares.device)
             phase, self._phase = self._phase, self._phase + 1
-            current = [_sample_view(t, size, phase) for t, size in zip(local, sizes, strict=True)]
-            if scale is not None:
-                share = scale if share is None else share * scale
-            self._snapshots.append(_Snapshot(index, current, torch._foreach_mul(current, 1.0), share))
-        return index, values
-
-    def _samples(
-        self, positions: tuple[int, ...], local: list[Tensor], device: torch.device
-    ) -> tuple[list[int], Tensor | None]:
-        # Entries kept of each parameter, and numel / kept where that is not 1 (the sampled share's scale, on the
-        # device once per distinct parameter set).
-        numels = [t.numel() for t in local]
-        key = (*positions, *numels)  # a parameter can change shape between steps (resized embeddings)
-        cached = self._sample_cache.get(key)
-        if cached is None or (cached[1] is not None and cached[1].device != device):
-            if len(self._sample_cache) >= 8:
-                self._sample_cache = {}
-            sizes = update_samples(numels, self._snapshot_elements)
-            kept = [_sample_view(t, size, 0).numel() for t, size in zip(local, sizes, strict=True)]
-            scale = None
-            if kept != numels:
-                scale = torch.tensor([n / max(k, 1) for n, k in zip(numels, kept, strict=True)], dtype=self.dtype)
-                scale = scale.to(device)
-            cached = self._sample_cache[key] = (sizes, scale)
-        return cached
+            current = [_sample_view(t, size, phase) for t, size in zip(local, pattern.sizes, strict=True)]
+            self._snapshots.append(_Snapshot(pattern, current, torch._foreach_mul(current, 1.0)))
+        return pattern.index, values
 
     @torch.no_grad()
     def after_step(self) -> tuple[Tensor, Tensor] | None:
@@ -465,11 +422,12 @@ class ParameterTracker:
             return None
         indices, updates = [], []
         for snapshot in self._snapshots:
-            indices.append(snapshot.index)
+            index, share = snapshot.pattern.index, snapshot.pattern.snapshot_share
+            indices.append(index)
             # In place on the copies, which are not read again: no second weight-sized allocation.
             torch._foreach_sub_(snapshot.before, snapshot.current)
-            update_sq = squared_norms(snapshot.before, self.dtype).to(snapshot.index.device)
-            updates.append(update_sq if snapshot.share is None else update_sq * snapshot.share)
+            update_sq = squared_norms(snapshot.before, self.dtype).to(index.device)
+            updates.append(update_sq if share is None else update_sq * share)
         self._snapshots = []
         if len(indices) == 1:
             return indices[0], updates[0]

@@ -1,16 +1,13 @@
 """Precision headroom: how much of a tensor a lower-precision dtype would flush to zero or overflow.
 
-For each target dtype, :func:`precision_counts` counts a tensor's non-zero, non-NaN elements, those with ``0 < |x| <
-tiny`` (underflow; ``tiny``: the target's smallest normal number) and those with ``|x| >= max / 2`` (overflow risk;
-``max``: its largest finite number); :func:`finalize_precision` turns pooled counts into the logged shares. What they
-mean, and how the targets are chosen: ``docs/statistics.md#precision-headroom-can-this-layer-run-in-fp16--bf16--fp8``.
+What the shares mean, and how the targets are chosen:
+``docs/statistics.md#precision-headroom-can-this-layer-run-in-fp16--bf16--fp8``.
 
 Counting runs on the integer bit pattern without the sign bit: for IEEE floats the order of non-negative values is
 the order of their bit patterns, so each threshold is one integer comparison (taken as a clamp and a
 ``count_nonzero``, measured 2x faster than a boolean ``count_nonzero`` and 3.5x faster than a boolean sum on a
-2-core CPU). ``fp16``/``bf16`` inputs are widened to float32 exactly; ``float64`` inputs are compared on their own
-64-bit patterns, so no rounding decides a count. The counts are additive: pooling over calls, micro-batches and
-processes is a sum.
+2-core CPU). Narrower inputs are widened to float32 exactly and ``float64`` ones compared on their own patterns, so
+no rounding decides a count.
 
 Example:
     >>> x = torch.tensor([0.0, 1e-6, 1.0, 40000.0, -70000.0, float("nan")])
@@ -31,106 +28,16 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_hookdiag.components import Component, Setup, TensorSink, component
+from lightning_hookdiag.opt_in import PRECISION_TARGETS, layer_sums
 from lightning_hookdiag.stats import chunked_sum
 
-__all__ = [
-    "PrecisionHeadroom",
-    "PRECISION_TARGETS",
-    "PRECISION_BASE_STATS",
-    "default_targets",
-    "finalize_precision",
-    "logged_names",
-    "precision_counts",
-    "resolve_targets",
-    "thresholds",
-]
-
-PRECISION_TARGETS: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-}
-"""The dtypes a precision headroom can be measured against, by name."""
-
-PRECISION_BASE_STATS: tuple[str, ...] = (
-    "act_underflow_frac",
-    "act_overflow_frac",
-    "act_grad_underflow_frac",
-    "act_grad_overflow_frac",
-)
-"""The ``stats=`` names of the headroom statistics; each is logged once per target, as ``<name>_<target>``."""
-
-# Trainer precision -> the target it implies. Full-precision runs imply nothing: a user planning a switch names the
-# target with precision_targets=.
-_FROM_TRAINER = {
-    "16-mixed": "float16",
-    "16-true": "float16",
-    "16": "float16",
-    "bf16-mixed": "bfloat16",
-    "bf16-true": "bfloat16",
-    "bf16": "bfloat16",
-    "transformer-engine": "float8_e4m3fn",
-    "transformer-engine-float16": "float8_e4m3fn",
-}
+__all__ = ["PrecisionHeadroom", "finalize_precision", "precision_counts", "thresholds"]
 
 # Widened dtype -> (bit-pattern dtype, sign-clearing mask, pattern of +Inf).
 _BITS = {
     torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000),
     torch.float64: (torch.int64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000),
 }
-
-
-def resolve_targets(targets: str | torch.dtype | Sequence[str | torch.dtype] | None) -> tuple[str, ...] | None:
-    """Validate a ``precision_targets=`` argument: dtype names or dtypes, returned as names in a fixed order.
-
-    Raises:
-        ValueError: For an unknown target or an empty list; the message lists the valid names.
-
-    Example:
-        >>> resolve_targets(["float8_e5m2", torch.float16])
-        ('float16', 'float8_e5m2')
-        >>> resolve_targets("fp16")
-        Traceback (most recent call last):
-        ...
-        ValueError: precision_targets: unknown target(s) ['fp16']; expected names from ['float16', 'bfloat16', 'float8_e4m3fn', 'float8_e5m2']
-    """  # noqa: E501
-    if targets is None:
-        return None
-    items = [targets] if isinstance(targets, (str, torch.dtype)) else list(targets)
-    by_dtype = {dtype: name for name, dtype in PRECISION_TARGETS.items()}
-    names = [by_dtype.get(t, str(t)) if isinstance(t, torch.dtype) else t for t in items]
-    unknown = sorted({repr(n) if not isinstance(n, str) else n for n in names if n not in PRECISION_TARGETS})
-    if unknown:
-        raise ValueError(
-            f"precision_targets: unknown target(s) {unknown}; expected names from {list(PRECISION_TARGETS)}"
-        )
-    if not names:
-        raise ValueError(f"precision_targets: expected at least one of {list(PRECISION_TARGETS)}, got an empty list")
-    return tuple(n for n in PRECISION_TARGETS if n in names)
-
-
-def default_targets(trainer_precision: str | int | None) -> tuple[str, ...]:
-    """The target a Trainer's ``precision`` implies: ``16-mixed`` -> float16, ``bf16-mixed`` -> bfloat16, ...
-
-    Full precision (``32-true``, ``64-true``) implies none.
-
-    Example:
-        >>> default_targets("16-mixed"), default_targets("bf16-true"), default_targets("32-true")
-        (('float16',), ('bfloat16',), ())
-    """
-    name = _FROM_TRAINER.get(str(trainer_precision))
-    return (name,) if name else ()
-
-
-def logged_names(base_stats: Sequence[str], targets: Sequence[str]) -> list[str]:
-    """The logged statistic names: every requested base statistic for every target, base statistic first.
-
-    Example:
-        >>> logged_names(["act_overflow_frac"], ["float16", "float8_e4m3fn"])
-        ['act_overflow_frac_float16', 'act_overflow_frac_float8_e4m3fn']
-    """
-    return [f"{stat}_{target}" for stat in PRECISION_BASE_STATS if stat in base_stats for target in targets]
 
 
 @functools.cache
@@ -152,8 +59,8 @@ def thresholds(target: torch.dtype, widened: torch.dtype) -> tuple[int, int]:
 def precision_counts(x: Tensor, targets: Sequence[torch.dtype], dtype: torch.dtype = torch.float64) -> Tensor:
     """``[non-zero, underflow_1, overflow_risk_1, underflow_2, ...]`` of one tensor, for each target in order.
 
-    NaN counts in none of them (it is neither a magnitude nor zero); ``±Inf`` counts as non-zero and as an
-    overflow; ``-0.0`` is zero. No host synchronisation: every count stays on the device.
+    Underflow is ``0 < |x| < tiny`` (the target's smallest normal number), overflow risk ``|x| >= max / 2``. NaN
+    counts in none of them; ``±Inf`` counts as non-zero and as an overflow; ``-0.0`` is zero. No host sync.
 
     Args:
         x: Any floating-point tensor.
@@ -171,10 +78,8 @@ def _precision_counts(x: Tensor, targets: Sequence[torch.dtype], dtype: torch.dt
     # One piece of at most CHUNK_ELEMENTS: its temporaries (the widened copy, the magnitudes) stay bounded.
     flat = x.reshape(-1)
     widened = torch.float64 if flat.dtype == torch.float64 else torch.float32
-    if flat.dtype != widened:
-        flat = flat.to(widened)  # fp16/bf16/fp8 widen exactly
     int_dtype, magnitude_mask, inf_bits = _BITS[widened]
-    magnitude = torch.bitwise_and(flat.view(int_dtype), magnitude_mask)
+    magnitude = torch.bitwise_and(flat.to(widened).view(int_dtype), magnitude_mask)
     scratch = torch.empty_like(magnitude)
 
     def at_least(threshold: int) -> Tensor:
@@ -186,13 +91,13 @@ def _precision_counts(x: Tensor, targets: Sequence[torch.dtype], dtype: torch.dt
     counts = [nonzero]
     for target in targets:
         tiny, half_max = thresholds(target, widened)
-        counts.append(nonzero - (at_least(tiny) - nan))  # 0 < m < tiny
-        counts.append(at_least(half_max) - nan)  # half_max <= m <= Inf
+        counts.append(nonzero - (at_least(tiny) - nan))
+        counts.append(at_least(half_max) - nan)
     return torch.stack(counts).to(dtype)
 
 
 def finalize_precision(counts: Tensor, targets: Sequence[str], kind: str) -> dict[str, Tensor]:
-    """Per-layer fractions of the non-zero elements from pooled ``[n_layers, 1 + 2 * len(targets)]`` counts.
+    """Per-layer shares of the non-zero elements, from pooled ``[n_layers, 1 + 2 * len(targets)]`` counts.
 
     Args:
         counts: Sums of :func:`precision_counts` vectors.
@@ -203,37 +108,30 @@ def finalize_precision(counts: Tensor, targets: Sequence[str], kind: str) -> dic
         ``{f"{kind}_underflow_frac_{target}": ..., f"{kind}_overflow_frac_{target}": ...}``; NaN for a layer with
         no non-zero element.
     """
-    nonzero = counts[:, 0]
     out: dict[str, Tensor] = {}
     for i, target in enumerate(targets):
-        out[f"{kind}_underflow_frac_{target}"] = counts[:, 1 + 2 * i] / nonzero
-        out[f"{kind}_overflow_frac_{target}"] = counts[:, 2 + 2 * i] / nonzero
+        out[f"{kind}_underflow_frac_{target}"] = counts[:, 1 + 2 * i] / counts[:, 0]
+        out[f"{kind}_overflow_frac_{target}"] = counts[:, 2 + 2 * i] / counts[:, 0]
     return out
 
 
 class PrecisionHeadroom(Component):
-    """The precision counts of every observed output (``act_targets``) and output gradient (``grad_targets``).
+    """Pools the precision counts of every observed output and output gradient, per layer.
 
-    Pooled per layer in the sum states ``act_precision`` and ``grad_precision``, registered on ``aggregator``.
+    In the sum states ``act_precision`` (against ``act_targets``) and ``grad_precision`` (``grad_targets``).
     """
 
     def __init__(self, aggregator: Any, act_targets: Sequence[str], grad_targets: Sequence[str]) -> None:
-        self._aggregator = aggregator
         self._kinds = [("act", "act_precision", act_targets), ("act_grad", "grad_precision", grad_targets)]
-        self.on_output = self._sink("act_precision", act_targets)
-        self.on_grad = self._sink("grad_precision", grad_targets)
+        sinks = [self._sink(aggregator, state, targets) for _, state, targets in self._kinds]
+        self.on_output, self.on_grad = sinks
 
-    def _sink(self, state: str, targets: Sequence[str]) -> TensorSink | None:
+    @staticmethod
+    def _sink(agg: Any, state: str, targets: Sequence[str]) -> TensorSink | None:
         if not targets:
             return None
-        agg, dtypes = self._aggregator, [PRECISION_TARGETS[t] for t in targets]
-        slots = torch.zeros(agg.n_layers, 1 + 2 * len(targets), dtype=agg.acc_dtype, device=agg.act_moments.device)
-        agg.add_state(state, slots, "sum")
-
-        def sink(layer: int, tensor: Tensor) -> None:
-            agg.pool(state, precision_counts(tensor, dtypes, agg.acc_dtype), layer)
-
-        return sink
+        dtypes = [PRECISION_TARGETS[t] for t in targets]
+        return layer_sums(agg, state, 1 + 2 * len(dtypes), lambda _, t: precision_counts(t, dtypes, agg.acc_dtype))
 
     @override
     def finalize(self, pooled: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -247,8 +145,6 @@ class PrecisionHeadroom(Component):
 @component
 def _headroom(setup: Setup) -> PrecisionHeadroom | None:
     plan = setup.plan
-    return (
-        PrecisionHeadroom(setup.aggregator, plan.act_targets, plan.grad_targets)
-        if plan.act_targets or plan.grad_targets
-        else None
-    )
+    if plan.act_targets or plan.grad_targets:
+        return PrecisionHeadroom(setup.aggregator, plan.act_targets, plan.grad_targets)
+    return None

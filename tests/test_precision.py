@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from lightning_hookdiag import precision as PR
-from lightning_hookdiag.opt_in import plan_opt_in
+from lightning_hookdiag.opt_in import PRECISION_TARGETS, default_targets, plan_opt_in, resolve_targets
 
-TARGETS = list(PR.PRECISION_TARGETS.items())
+TARGETS = list(PRECISION_TARGETS.items())
 
 
 def reference_counts(values: list[float], target: torch.dtype) -> tuple[int, int, int]:
@@ -110,9 +110,9 @@ def test_counts_pool_exactly_and_fractions_are_of_non_zero_elements():
 
 
 def test_resolve_targets_accepts_names_and_dtypes_in_a_fixed_order():
-    assert PR.resolve_targets(None) is None
-    assert PR.resolve_targets(torch.bfloat16) == ("bfloat16",)
-    assert PR.resolve_targets(["float8_e5m2", "float16", torch.float16]) == ("float16", "float8_e5m2")
+    assert resolve_targets(None) is None
+    assert resolve_targets(torch.bfloat16) == ("bfloat16",)
+    assert resolve_targets(["float8_e5m2", "float16", torch.float16]) == ("float16", "float8_e5m2")
 
 
 @pytest.mark.parametrize(
@@ -125,7 +125,7 @@ def test_resolve_targets_accepts_names_and_dtypes_in_a_fixed_order():
 )
 def test_resolve_targets_rejects_bad_targets(bad, match):
     with pytest.raises(ValueError, match=match):
-        PR.resolve_targets(bad)
+        resolve_targets(bad)
 
 
 @pytest.mark.parametrize(
@@ -133,7 +133,7 @@ def test_resolve_targets_rejects_bad_targets(bad, match):
     [("16-mixed", ("float16",)), ("bf16-mixed", ("bfloat16",)), ("bf16-true", ("bfloat16",)), ("32-true", ())],
 )
 def test_default_target_follows_the_trainer_precision(precision, expected):
-    assert PR.default_targets(precision) == expected
+    assert default_targets(precision) == expected
 
 
 def test_plan_without_a_target_explains_how_to_get_one():
