@@ -87,13 +87,10 @@ def finalize_kurtosis(sums: Tensor) -> Tensor:
         >>> round(finalize_kurtosis(torch.stack(parts).sum(0, keepdim=True)).item(), 4)
         3.2467
     """
-    n = sums[:, 0]
-    mean = sums[:, 1] / n
-    e2, e3, e4 = sums[:, 2] / n, sums[:, 3] / n, sums[:, 4] / n
+    mean, e2, e3, e4 = (sums[:, 1:] / sums[:, :1]).unbind(1)
     m2 = e2 - mean**2
     m4 = e4 - 4 * mean * e3 + 6 * mean**2 * e2 - 3 * mean**4
-    kurtosis = m4 / m2**2
-    return torch.where(m2 > 0, kurtosis, torch.nan)
+    return torch.where(m2 > 0, m4 / m2**2, torch.nan)
 
 
 class Outliers(Component):

@@ -29,32 +29,17 @@ __all__ = [
 ]
 
 PRECISION_TARGETS: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 }
 """The dtypes a precision headroom can be measured against, by name."""
 
-PRECISION_BASE_STATS: tuple[str, ...] = (
-    "act_underflow_frac",
-    "act_overflow_frac",
-    "act_grad_underflow_frac",
-    "act_grad_overflow_frac",
-)
+PRECISION_BASE_STATS: tuple[str, ...] = tuple(s for s in OPT_IN_STATS if s.endswith("flow_frac"))
 """The ``stats=`` names of the headroom statistics; each is logged once per target, as ``<name>_<target>``."""
 
-# Full-precision runs imply no target: a user planning a switch names it with precision_targets=.
-_FROM_TRAINER = {
-    "16-mixed": "float16",
-    "16-true": "float16",
-    "16": "float16",
-    "bf16-mixed": "bfloat16",
-    "bf16-true": "bfloat16",
-    "bf16": "bfloat16",
-    "transformer-engine": "float8_e4m3fn",
-    "transformer-engine-float16": "float8_e4m3fn",
-}
+# Trainer precision without its "-mixed" / "-true" / "-float16" suffix -> the target it implies. Full-precision runs
+# imply none: a user planning a switch names it with precision_targets=.
+_FROM_TRAINER = {"16": "float16", "bf16": "bfloat16", "transformer-engine": "float8_e4m3fn"}
 
 
 def resolve_targets(targets: str | torch.dtype | Sequence[str | torch.dtype] | None) -> tuple[str, ...] | None:
@@ -93,7 +78,8 @@ def default_targets(trainer_precision: str | int | None) -> tuple[str, ...]:
         >>> default_targets("16-mixed"), default_targets("bf16-true"), default_targets("32-true")
         (('float16',), ('bfloat16',), ())
     """
-    name = _FROM_TRAINER.get(str(trainer_precision))
+    base = str(trainer_precision).removesuffix("-mixed").removesuffix("-true").removesuffix("-float16")
+    name = _FROM_TRAINER.get(base)
     return (name,) if name else ()
 
 
@@ -159,6 +145,13 @@ def layer_sums(aggregator: Any, state: str, width: int, measure: Callable[[int, 
 
     The sink adds ``measure(layer, tensor)`` to row ``layer``: the one shape of every opt-in statistic that is a
     vector of additive per-tensor sums, so that it pools exactly over calls, micro-batches and processes.
+
+    Example:
+        >>> from lightning_hookdiag.aggregation import LayerStatsAggregator
+        >>> agg = LayerStatsAggregator(n_layers=2)
+        >>> sink = layer_sums(agg, "calls", 1, lambda layer, tensor: torch.ones(1))
+        >>> sink(1, torch.zeros(3)); agg.calls.tolist()
+        [[0.0], [1.0]]
     """
     agg = aggregator
     agg.add_state(state, torch.zeros(agg.n_layers, width, dtype=agg.acc_dtype, device=agg.act_moments.device), "sum")

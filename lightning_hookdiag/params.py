@@ -1,8 +1,8 @@
 """Parameter statistics around the optimizer step: weight norms, gradient norms and the update-to-weight ratio.
 
 :class:`ParameterTracker` measures the norms with :func:`squared_norms` and the update as the change the optimizer
-made to entries kept across the step (:func:`update_samples`), whichever optimizer it is. What is logged, and the
-memory bound: ``docs/statistics.md#every-key`` and ``#memory-bounded-scratch``; over shards:
+made to entries kept across the step (:func:`update_samples`), whichever optimizer it is. What is logged:
+``docs/statistics.md#every-key``; the memory bound: ``docs/statistics.md#memory-bounded-scratch``; over shards:
 ``docs/integrations.md#sharded-parameters-fsdp-fsdp2-dtensor``.
 """
 
@@ -252,10 +252,9 @@ def named_parameters_of(modules: dict[str, nn.Module]) -> dict[str, nn.Parameter
     seen: set[int] = set()
     for module_name, module in modules.items():
         for param_name, param in module.named_parameters():
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-            found[f"{module_name}.{logged_name(param_name, module)}"] = param
+            if id(param) not in seen:
+                seen.add(id(param))
+                found[f"{module_name}.{logged_name(param_name, module)}"] = param
     return found
 
 
@@ -298,15 +297,6 @@ class _Pattern:
     """``share`` times ``numel / entries kept``."""
 
 
-@dataclass
-class _Snapshot:
-    pattern: _Pattern
-    current: list[Tensor]
-    """Views of the entries kept of each stepped parameter's local tensor."""
-    before: list[Tensor]
-    """Their copies from before the step."""
-
-
 class ParameterTracker:
     """Measures the tracked parameters of one optimizer step, in a constant number of fused ops.
 
@@ -334,12 +324,12 @@ class ParameterTracker:
         dtype: torch.dtype = torch.float64,
         snapshot_elements: int = SNAPSHOT_ELEMENTS,
     ) -> None:
-        self.names = list(params)
         self.params = list(params.values())
         self._position = {id(p): i for i, p in enumerate(self.params)}
         self._snapshot_enabled = snapshot
         self.dtype = dtype
-        self._snapshots: list[_Snapshot] = []
+        self._snapshots: list[tuple[_Pattern, list[Tensor], list[Tensor]]] = []
+        """Per stepped set: views of the entries kept of each local tensor, and their copies from before the step."""
         self._patterns: dict[tuple[tuple[int, ...], tuple[int, ...]], _Pattern] = {}
         self._snapshot_elements = snapshot_elements
         self._phase = 0
@@ -348,7 +338,7 @@ class ParameterTracker:
     @property
     def held(self) -> tuple[int, int]:
         """``(weight elements in snapshots, parameter sets cached)``: both bounded, whatever the model."""
-        return sum(b.numel() for snap in self._snapshots for b in snap.before), len(self._patterns)
+        return sum(b.numel() for _, _, before in self._snapshots for b in before), len(self._patterns)
 
     def _pattern(self, positions: tuple[int, ...], local: list[Tensor], device: torch.device) -> _Pattern:
         # One host-to-device copy per distinct parameter set and sizes (a resized embedding), not per step. A few
@@ -405,7 +395,7 @@ class ParameterTracker:
         if self._snapshot_enabled:
             phase, self._phase = self._phase, self._phase + 1
             current = [_sample_view(t, size, phase) for t, size in zip(local, pattern.sizes, strict=True)]
-            self._snapshots.append(_Snapshot(pattern, current, torch._foreach_mul(current, 1.0)))
+            self._snapshots.append((pattern, current, torch._foreach_mul(current, 1.0)))
         return pattern.index, values
 
     @torch.no_grad()
@@ -421,12 +411,12 @@ class ParameterTracker:
         if not self._snapshots:
             return None
         indices, updates = [], []
-        for snapshot in self._snapshots:
-            index, share = snapshot.pattern.index, snapshot.pattern.snapshot_share
-            indices.append(index)
+        for pattern, current, before in self._snapshots:
+            indices.append(pattern.index)
             # In place on the copies, which are not read again: no second weight-sized allocation.
-            torch._foreach_sub_(snapshot.before, snapshot.current)
-            update_sq = squared_norms(snapshot.before, self.dtype).to(index.device)
+            torch._foreach_sub_(before, current)
+            update_sq = squared_norms(before, self.dtype).to(pattern.index.device)
+            share = pattern.snapshot_share
             updates.append(update_sq if share is None else update_sq * share)
         self._snapshots = []
         if len(indices) == 1:

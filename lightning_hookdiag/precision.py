@@ -8,14 +8,7 @@ the order of their bit patterns, so each threshold is one integer comparison (ta
 ``count_nonzero``, measured 2x faster than a boolean ``count_nonzero`` and 3.5x faster than a boolean sum on a
 2-core CPU). Narrower inputs are widened to float32 exactly and ``float64`` ones compared on their own patterns, so
 no rounding decides a count.
-
-Example:
-    >>> x = torch.tensor([0.0, 1e-6, 1.0, 40000.0, -70000.0, float("nan")])
-    >>> precision_counts(x, [torch.float16]).tolist()  # [non-zero, underflow, overflow risk]
-    [4.0, 1.0, 2.0]
-    >>> finalize_precision(precision_counts(x, [torch.float16])[None], ["float16"], "act")
-    {'act_underflow_frac_float16': tensor([0.2500], dtype=torch.float64), 'act_overflow_frac_float16': tensor([0.5000], dtype=torch.float64)}
-"""  # noqa: E501
+"""
 
 from __future__ import annotations
 
@@ -107,7 +100,12 @@ def finalize_precision(counts: Tensor, targets: Sequence[str], kind: str) -> dic
     Returns:
         ``{f"{kind}_underflow_frac_{target}": ..., f"{kind}_overflow_frac_{target}": ...}``; NaN for a layer with
         no non-zero element.
-    """
+
+    Example:
+        >>> x = torch.tensor([0.0, 1e-6, 1.0, 40000.0, -70000.0, float("nan")])  # 4 non-zero: 1 under, 2 over
+        >>> finalize_precision(precision_counts(x, [torch.float16])[None], ["float16"], "act")
+        {'act_underflow_frac_float16': tensor([0.2500], dtype=torch.float64), 'act_overflow_frac_float16': tensor([0.5000], dtype=torch.float64)}
+    """  # noqa: E501
     out: dict[str, Tensor] = {}
     for i, target in enumerate(targets):
         out[f"{kind}_underflow_frac_{target}"] = counts[:, 1 + 2 * i] / counts[:, 0]
