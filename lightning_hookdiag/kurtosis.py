@@ -7,14 +7,6 @@ processes that share ``c``. They are formed in float64 from the tensor's centred
 so only the pooled recentring cancels, losing about ``(|mean - c| / std)**4`` units of float64 rounding (under 1e-6
 relative below ``100 std``). ``c`` is the layer's pooled ``act_mean`` of the previous sampled step, so only the first
 sampled step, with ``c = 0``, depends on ``|mean| / std`` (a mean 1000 times the spread: about 1e-3 there).
-
-Example:
-    >>> x = torch.tensor([1.0, 2.0, 3.0, 4.0, 100.0], dtype=torch.float64)
-    >>> sums = power_sums(x)
-    >>> sums.tolist()
-    [5.0, 110.0, 10030.0, 1000100.0, 100000354.0]
-    >>> round(finalize_kurtosis(sums[None]).item(), 4)
-    3.2467
 """
 
 from __future__ import annotations

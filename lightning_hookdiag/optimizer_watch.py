@@ -164,10 +164,7 @@ class StepWatch:
         """Remove the step hooks and forget the window."""
         for handle in self._handles:
             handle.remove()
-        self._handles = []
-        self._rates = {}
-        self._applied = set()
-        self._unheld = set()
+        self._handles, self._rates, self._applied, self._unheld = [], {}, set(), set()
 
 
 def _facts(holder: _Holder | None, dtype: torch.dtype) -> ParamFacts:

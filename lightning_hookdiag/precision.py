@@ -24,7 +24,7 @@ from lightning_hookdiag.components import Component, Setup, TensorSink, componen
 from lightning_hookdiag.opt_in import PRECISION_TARGETS, layer_sums
 from lightning_hookdiag.stats import chunked_sum
 
-__all__ = ["PrecisionHeadroom", "finalize_precision", "precision_counts", "thresholds"]
+__all__ = ["PrecisionHeadroom", "finalize_precision", "precision_counts"]
 
 # Widened dtype -> (bit-pattern dtype, sign-clearing mask, pattern of +Inf).
 _BITS = {
@@ -34,18 +34,11 @@ _BITS = {
 
 
 @functools.cache
-def thresholds(target: torch.dtype, widened: torch.dtype) -> tuple[int, int]:
-    """Bit patterns (as integers of ``widened``'s width) of ``tiny`` and ``max / 2`` of ``target``.
-
-    Both are powers of two times a short mantissa, exactly representable in float32 and float64.
-
-    Example:
-        >>> [hex(t) for t in thresholds(torch.float16, torch.float32)]  # 2**-14 and 32752.0
-        ['0x38800000', '0x46ffe000']
-    """
+def _thresholds(target: torch.dtype, widened: torch.dtype) -> tuple[int, int]:
+    # The bit patterns of target's tiny and max / 2 as integers of widened's width: both are a power of two times a
+    # short mantissa, exact in float32 and float64.
     info = torch.finfo(target)
-    int_dtype = _BITS[widened][0]
-    pair = torch.tensor([info.tiny, info.max / 2], dtype=widened).view(int_dtype)
+    pair = torch.tensor([info.tiny, info.max / 2], dtype=widened).view(_BITS[widened][0])
     return int(pair[0]), int(pair[1])
 
 
@@ -83,7 +76,7 @@ def _precision_counts(x: Tensor, targets: Sequence[torch.dtype], dtype: torch.dt
     nonzero = at_least(1) - nan
     counts = [nonzero]
     for target in targets:
-        tiny, half_max = thresholds(target, widened)
+        tiny, half_max = _thresholds(target, widened)
         counts.append(nonzero - (at_least(tiny) - nan))
         counts.append(at_least(half_max) - nan)
     return torch.stack(counts).to(dtype)
