@@ -1,6 +1,6 @@
 """The names of the statistics: one definition for the callback (which needs torch) and the report (which must not).
 
-What each statistic is: ``docs/statistics.md#every-key`` (``tests/test_docs.py`` checks that every name here has a
+What each statistic is: ``docs/statistics.md#every-key`` (``tests/repo/test_docs.py`` checks that every name here has a
 row there).
 
 Example:

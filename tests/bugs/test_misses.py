@@ -28,6 +28,8 @@ from lightning_hookdiag.rules import BATCH, RuleConfig, evaluate
 from lightning_hookdiag.sentinel import LossSentinel, SpikeDetector
 from lightning_hookdiag.vocabulary import ALL_STATS, OUTPUT_LAYER_STATS
 
+pytestmark = pytest.mark.slow
+
 PRECURSORS = {"stats": [*ALL_STATS, *OUTPUT_LAYER_STATS]}
 
 

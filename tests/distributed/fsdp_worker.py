@@ -369,4 +369,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for conftest
     main(sys.argv[1:])

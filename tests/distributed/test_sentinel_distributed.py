@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow
+
 WORKER = Path(__file__).with_name("sentinel_worker.py")
 TIMEOUT_S = 240
 P = "layer_health"

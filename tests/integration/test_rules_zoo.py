@@ -30,6 +30,8 @@ from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.rules import RULES
 from lightning_hookdiag.vocabulary import PRECURSOR_STATS
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("transformers")
 
 STEPS = 105

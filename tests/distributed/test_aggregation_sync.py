@@ -22,6 +22,8 @@ from test_histograms import reference_counts
 
 from lightning_hookdiag import stats as S
 
+pytestmark = pytest.mark.slow
+
 WORKER = Path(__file__).with_name("sync_worker.py")
 WORLDS = (2, 4)
 TIMEOUT_S = 240

@@ -19,6 +19,8 @@ from zoo import zoo_module
 from lightning_hookdiag import ALL_STATS, LayerHealthCallback
 from lightning_hookdiag.vocabulary import PRECURSOR_STATS
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("transformers")
 
 STATS = [*ALL_STATS, *PRECURSOR_STATS]

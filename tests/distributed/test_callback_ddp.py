@@ -11,6 +11,8 @@ from conftest import TinyModule
 from reference import activation_stats, dead_fraction, flat, l2, replay_sequential
 from torch import nn
 
+pytestmark = pytest.mark.slow
+
 P = "layer_health"
 
 

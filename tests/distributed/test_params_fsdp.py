@@ -22,6 +22,8 @@ import torch
 
 from lightning_hookdiag import params as package_params
 
+pytestmark = pytest.mark.slow
+
 P = "layer_health"
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 # Each worker runs in about 25 s on 2 idle CPU cores (mostly process start-up and imports); the limit only guards
