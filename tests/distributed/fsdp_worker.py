@@ -1,4 +1,4 @@
-"""Run by tests/test_fsdp.py in a subprocess: parameter statistics of sharded models against unsharded copies.
+"""Run by test_params_fsdp.py in a subprocess: parameter statistics of sharded models against unsharded copies.
 
 Two modes, each saving one file per rank under ``OUT``:
 
