@@ -1,10 +1,12 @@
-"""``LayerHealthCallback``: when to observe, and where the results go. The only module that knows Lightning."""
+"""``LayerHealthCallback``: when to observe, and where the results go.
+
+Its hook methods route the Trainer's events to the fit's :class:`~lightning_hookdiag.fit_run.FitRun`, and a trip to
+:mod:`lightning_hookdiag.replay`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import replace
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -12,22 +14,15 @@ import torch
 from lightning.fabric.utilities.logger import _add_prefix
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
-from lightning.pytorch.strategies import (
-    DDPStrategy,
-    DeepSpeedStrategy,
-    FSDPStrategy,
-    ModelParallelStrategy,
-    SingleDeviceStrategy,
-)
+from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_hookdiag.diagnosis import Diagnosis
+from lightning_hookdiag.distributed import all_reduce_max
 from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
 from lightning_hookdiag.fit_run import FitConfig, FitRun, ObservedStep
-from lightning_hookdiag.hooks import HookSet
 from lightning_hookdiag.logged_values import (
     Note,
     histogram_note,
@@ -37,19 +32,10 @@ from lightning_hookdiag.logged_values import (
     opt_in_note,
 )
 from lightning_hookdiag.precision import resolve_targets
-from lightning_hookdiag.provenance import NonFiniteTrace, nonfinite_in_batch
-from lightning_hookdiag.rules import Finding, RuleConfig, format_error, values_from_metrics
+from lightning_hookdiag.replay import respond, sharded
+from lightning_hookdiag.rules import FACT_RULES, Finding, RuleConfig, format_error, values_from_metrics
 from lightning_hookdiag.selection import import_types
-from lightning_hookdiag.sentinel import (
-    SENTINEL_MODES,
-    LossSentinel,
-    MicroBatch,
-    SpikeDetector,
-    Trip,
-    all_reduce_max,
-    capture_rng,
-    replay_step,
-)
+from lightning_hookdiag.sentinel import SENTINEL_MODES, LossSentinel, MicroBatch, SpikeDetector, Trip, capture_rng
 from lightning_hookdiag.stats import resolve_stats
 from lightning_hookdiag.table import format_step_table
 from lightning_hookdiag.validation import boolean, check, choice, integer, module_names, names
@@ -101,20 +87,6 @@ def _histogram_writer(logger: Logger) -> HistogramWriter | None:
     return None
 
 
-def _sharded(trainer: pl.Trainer, params: dict[str, nn.Parameter]) -> bool:
-    """Whether each process holds only a shard of the parameters (FSDP, FSDP2 / ModelParallel, DTensor).
-
-    Sharded parameters' local sums of squares add up across processes; replicated ones (DDP) must not be added.
-    """
-    if any(callable(getattr(p, "to_local", None)) for p in params.values()):
-        return True
-    return isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
-
-
-_FACT_RULES = frozenset({"not_updated", "zeroed_gradients", "warmup_stuck"})
-"""The rules that read the optimizer facts of a sampled step (``ParamFacts``)."""
-
-
 def _schedule(
     trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
 ) -> tuple[str | None, int | None]:
@@ -130,27 +102,6 @@ def _schedule(
     return None, None
 
 
-def _ignore_output(layer: int, output: Any) -> None:
-    return None
-
-
-@contextmanager
-def _logging_silenced(pl_module: pl.LightningModule) -> Iterator[None]:
-    """``self.log`` and ``self.log_dict`` record nothing inside the block (a replayed ``training_step``)."""
-
-    def ignore(*args: Any, **kwargs: Any) -> None:
-        return None
-
-    # Instance attributes shadow the methods; deleting them brings the methods back.
-    pl_module.__dict__["log"] = ignore
-    pl_module.__dict__["log_dict"] = ignore
-    try:
-        yield
-    finally:
-        del pl_module.__dict__["log"]
-        del pl_module.__dict__["log_dict"]
-
-
 class LayerHealthCallback(Callback):
     r"""Log per-layer activation and gradient health on a fixed interval of optimizer steps.
 
@@ -160,9 +111,9 @@ class LayerHealthCallback(Callback):
     micro-batches and processes) and, once the optimizer has stepped, logged once to every logger of the Trainer
     with ``step=k``. The same values are kept in :attr:`last_metrics`, also without a logger (said once). A fresh fit
     starts with no results and an empty alert memory; a checkpoint restores them only when a fit resumes from it
-    (``test``/``validate``/``predict`` with ``ckpt_path`` keep the fit's). Hooks never exist
-    outside a sampled training batch: not during validation or sanity checking, not after ``fit``, not after an
-    exception. Training is bit-identical with and without the callback.
+    (``test``/``validate``/``predict`` with ``ckpt_path`` keep the fit's). Hooks never exist outside a sampled
+    training batch (not in validation, not after ``fit`` or an exception). Training is bit-identical with and without
+    the callback.
 
     Every key is ``<prefix>/<stat>/<layer>`` (parameter statistics: ``<prefix>/<stat>/<param>``, with the
     parameter's dotted name; ``grad_norm_total`` has no name part), logged with ``step=k``; the default and opt-in
@@ -206,20 +157,28 @@ class LayerHealthCallback(Callback):
             Must be a multiple of ``every_n_steps``. ``None`` (default): no histograms.
         histogram_bins: Number of fixed, symmetric log-spaced bins (``±1e-6`` to ``±1e4`` and 0), computed on the
             device; fixed edges make histograms pool exactly over micro-batches and processes.
-        sentinel: What is checked on *every* optimizer step, sampled or not (``docs/sentinel.md``): ``"loss"``
-            (default; every micro-batch's loss, for NaN/Inf and for a spike over a robust baseline of recent steps),
-            ``"loss+grads"`` (also NaN/Inf in the selected parameters' gradients, before the optimizer step) or
-            ``None`` (only sampled steps are observed). A step that trips is replayed with hooks before the
-            optimizer applies it, without side effects on training, and logged and diagnosed at ``step=k`` like a
-            sampled step; where it cannot be replayed, the finding says why and the next step is sampled.
-        precision_targets: Target dtypes of the precision headroom statistics (``act_underflow_frac`` and
-            friends in ``stats=``): names from ``"float16"``, ``"bfloat16"``, ``"float8_e4m3fn"``,
-            ``"float8_e5m2"`` or the torch dtypes. ``None`` derives one from the Trainer's ``precision``
-            (``16-mixed``/``16-true``: float16, ``bf16-mixed``/``bf16-true``: bfloat16); with full precision
-            nothing is computed unless targets are named here (to plan a switch to lower precision).
+        sentinel: What is checked on *every* optimizer step (``docs/sentinel.md``): ``"loss"`` (default; NaN/Inf
+            or a spike in the loss), ``"loss+grads"`` (also NaN/Inf in the selected parameters' gradients) or
+            ``None``. A step that trips is replayed with hooks before the optimizer applies it, without side effects,
+            and logged at ``step=k``; where it cannot be, the finding says why and the next step is sampled.
+        precision_targets: Target dtypes of the precision headroom statistics (``act_underflow_frac`` and friends in
+            ``stats=``): ``"float16"``, ``"bfloat16"``, ``"float8_e4m3fn"``, ``"float8_e5m2"`` or torch dtypes.
+            ``None`` derives one from the Trainer's ``precision`` (``16-*``: float16, ``bf16-*``: bfloat16; full
+            precision: none, unless named here to plan a switch to lower precision).
         output_layer: The module whose output is the model's logits, for ``logit_lse_mean`` / ``logit_absmax``
             (a dotted name as :func:`~lightning_hookdiag.list_layers` prints it). ``None``: the last selected module
             to run in each micro-batch's forward. Naming one without either statistic in ``stats=`` is an error.
+
+    Attributes:
+        last_metrics: The values logged on the most recent sampled step (pooled over processes, on every process).
+        last_step: The optimizer step :attr:`last_metrics` describes.
+        layer_names: Names of the observed modules, in selection order (set when fit starts).
+        execution_order: Names of the modules in the order their forward first ran on the last sampled step.
+        findings: Every finding that alerted (first appearance of a rule on a layer, or its return after clearing).
+        last_findings: All findings of the most recent sampled step, earliest origin first.
+        trips: Every optimizer step the sentinel tripped on, with whether it was replayed and, if not, why.
+
+    Besides these, two read-only properties: :attr:`fitting` and :attr:`alert_counts`.
 
     Raises:
         ValueError: At construction, for any invalid argument (the message names it and the valid values); when
@@ -298,44 +257,51 @@ class LayerHealthCallback(Callback):
             )
         self.precision_targets = resolve_targets(precision_targets)
         self.dead_unit_types = import_types(dead_unit_types, "dead_unit_types")
-        config = self.rule_config
-        # Created here, not when fit starts: a checkpoint's baseline is loaded before on_fit_start runs.
-        self._sentinel = (
-            LossSentinel(
-                sentinel,
-                SpikeDetector(
-                    config.spike_window,
-                    config.spike_warmup,
-                    config.spike_zscore,
-                    config.spike_ratio,
-                    floor=config.spike_floor,
-                ),
-            )
-            if sentinel is not None
-            else None
+        enabled = self.rule_config.enabled
+        # What every fit of this callback starts from; the configuration is fixed at construction.
+        self._config = FitConfig(
+            every_n_steps=self.every_n_steps,
+            layers=self.layers,
+            layer_types=self.layer_types,
+            exclude=self.exclude,
+            stats=self.stats,
+            prefix=self.prefix,
+            dead_unit_types=self.dead_unit_types,
+            unit_dim=self.unit_dim,
+            histogram_every_n_steps=self.histogram_every_n_steps,
+            histogram_bins=self.histogram_bins,
+            precision_targets=self.precision_targets,
+            output_layer=self.output_layer,
+            sentinel_grads=sentinel == "loss+grads",
+            eval_mode="eval_mode" in enabled,
+            unregistered="unregistered_module" in enabled,
+            batch_rows="repeated_batch" in enabled,
         )
-
+        r = self.rule_config
+        spikes = SpikeDetector(r.spike_window, r.spike_warmup, r.spike_zscore, r.spike_ratio, floor=r.spike_floor)
+        # Created here, not when fit starts: a checkpoint's baseline is loaded before on_fit_start runs.
+        self._sentinel = LossSentinel(sentinel, spikes) if sentinel is not None else None
         self.last_metrics: dict[str, float] = {}
-        """The values logged on the most recent sampled step (pooled over processes, on every process)."""
         self.last_step: int | None = None
-        """The optimizer step :attr:`last_metrics` describes."""
         self.layer_names: list[str] = []
-        """Names of the observed modules, in selection order (set when fit starts)."""
         self.execution_order: list[str] = []
-        """Names of the modules in the order their forward first ran on the last sampled step."""
         self.findings: list[Finding] = []
-        """Every finding that alerted (first appearance of a rule on a layer, or its return after clearing)."""
         self.last_findings: list[Finding] = []
-        """All findings of the most recent sampled step, earliest origin first."""
         self.trips: list[Trip] = []
-        """Every optimizer step the sentinel tripped on, with whether it was replayed and, if not, why."""
         self._warned: set[str] = set()  # the keys of the one-time notes already given
-        self._diagnosis = Diagnosis(self.rule_config)
-        """The rules' memory between sampled steps (alerts, baseline, trends); checkpointed, reset by a fresh fit."""
-        self._run: FitRun | None = None
-        """Everything one fit creates: set in ``on_fit_start``, dropped in :meth:`_release_fit`."""
-        self._stage: str | None = None
-        """The Trainer's stage between ``setup`` and ``teardown``: a checkpoint restores this state only in a fit."""
+        self._diagnosis = Diagnosis(self.rule_config)  # the rules' memory between sampled steps; checkpointed
+        self._run: FitRun | None = None  # everything one fit creates, from on_fit_start to _release_fit
+        self._stage: str | None = None  # the Trainer's stage: a checkpoint restores this state only in a fit
+
+    @property
+    def fitting(self) -> bool:
+        """Whether a fit is in progress: the hooks and the device state exist only then."""
+        return self._run is not None
+
+    @property
+    def alert_counts(self) -> dict[str, int]:
+        """Rule name to the number of its findings, alerted or not, since the results were last reset (a copy)."""
+        return dict(self._diagnosis.alerts.counts)
 
     @property
     @override
@@ -360,29 +326,10 @@ class LayerHealthCallback(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Resolve the selection (errors for names that match nothing) and allocate the device state."""
-        config = FitConfig(
-            every_n_steps=self.every_n_steps,
-            layers=self.layers,
-            layer_types=self.layer_types,
-            exclude=self.exclude,
-            stats=self.stats,
-            prefix=self.prefix,
-            dead_unit_types=self.dead_unit_types,
-            unit_dim=self.unit_dim,
-            histogram_every_n_steps=self.histogram_every_n_steps,
-            histogram_bins=self.histogram_bins,
-            precision_targets=self.precision_targets,
-            output_layer=self.output_layer,
-            sentinel_grads=self.sentinel == "loss+grads",
-            eval_mode="eval_mode" in self.rule_config.enabled,
-            unregistered="unregistered_module" in self.rule_config.enabled,
-            batch_rows="repeated_batch" in self.rule_config.enabled,
-        )
         self._release_fit()  # a fit that ended without teardown (an interrupted one) leaves nothing behind
-        run = FitRun.start(config, pl_module, trainer.precision, lambda params: _sharded(trainer, params))
-        self._run = run
-        self.layer_names = list(run.layer_names)
-        self._note(opt_in_note(run.plan.note))
+        self._run = FitRun.start(self._config, pl_module, trainer.precision, lambda params: sharded(trainer, params))
+        self.layer_names = list(self._run.layer_names)
+        self._note(opt_in_note(self._run.plan.note))
         self._note(no_logger_note(len(trainer.loggers)))
         if self._sentinel is not None:  # every process must trip on the same steps
             self._sentinel.reduce_max = all_reduce_max if trainer.world_size > 1 else None
@@ -398,11 +345,10 @@ class LayerHealthCallback(Callback):
             return
         step, state = trainer.global_step, run.state
         if state.window is not None and state.window.step != step:
-            # The previous window's optimizer step happened without a batch end in between.
-            self._finish_window(trainer)
+            self._finish_window(trainer)  # its optimizer step happened without a batch end in between
         if self._sentinel is not None:
             if state.micro.step != step:
-                self._release_step()
+                self._end_step(run)
             # A reference, not a copy; the RNG state is a 5 KB host copy (measured 1.5 us on the CPU).
             state.micro.keep(step, MicroBatch(batch, batch_idx, capture_rng(pl_module.device)))
         if not state.sampled(step):
@@ -415,11 +361,7 @@ class LayerHealthCallback(Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        """Add the micro-batch's loss to the sentinel's total for this step (on the device, no host read).
-
-        On a sampled step's first backward, also measure the gradients still held from the previous step (none with
-        ``zero_grad``: then this costs no kernel), for ``stale_gradients``.
-        """
+        """Add the micro-batch's loss to the sentinel's total (on the device); end an observed step's forward."""
         run = self._run
         if run is None:
             return
@@ -444,17 +386,12 @@ class LayerHealthCallback(Callback):
             return
         run.end_closure()
         # DeepSpeed's optimizers hold copies of the parameters: membership says nothing there.
-        watch = bool(_FACT_RULES & set(self.rule_config.enabled)) and not isinstance(
-            trainer.strategy, DeepSpeedStrategy
-        )
+        watch = bool(FACT_RULES & set(self.rule_config.enabled)) and not isinstance(trainer.strategy, DeepSpeedStrategy)
         run.before_optimizer_step(optimizer, trainer.optimizers, scale, watch, _schedule(trainer, pl_module, optimizer))
-        if trip is None:
-            return
-        if self.on_anomaly == "raise":
-            # The step is finished here, before the update: its hooks must not see LBFGS's later closures.
-            run.end_micro_batch()
+        if trip is not None and self.on_anomaly == "raise":
+            run.end_micro_batch()  # finished before the update: its hooks must not see LBFGS's later closures
             self._finish_window(trainer, before_update=True)  # raises on any finding, before the update
-        elif self.on_anomaly == "stop":
+        elif trip is not None and self.on_anomaly == "stop":
             trainer.should_stop = True
 
     @override
@@ -470,7 +407,7 @@ class LayerHealthCallback(Callback):
         if state.window is not None and trainer.global_step != state.window.step:
             self._finish_window(trainer)
         if state.micro.step is not None and trainer.global_step != state.micro.step:
-            self._release_step()
+            self._end_step(run)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -480,10 +417,7 @@ class LayerHealthCallback(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        """Remove every hook, drop the unfinished step and release the state (Lightning skips ``teardown`` then).
-
-        The hook set's closures and the device state go, so the callback pickles and deep-copies after a failed fit.
-        """
+        """Release the fit as ``teardown`` does: Lightning skips ``teardown`` after an exception."""
         self._stage = None
         self._release_fit()
 
@@ -523,11 +457,7 @@ class LayerHealthCallback(Callback):
         self._release_fit()
 
     def _release_fit(self) -> None:
-        """Drop everything the fit created (hooks, device state, references to the module and its parameters).
-
-        The one place every exit goes through (``teardown``, and ``on_exception``, after which Lightning skips
-        ``teardown``), so that the callback holds no module or tensor afterwards and pickles.
-        """
+        """Drop everything the fit created: the one place every exit goes through, so that no module or tensor stays."""
         run, self._run = self._run, None
         if run is not None:
             self._drop_step(run)
@@ -535,9 +465,8 @@ class LayerHealthCallback(Callback):
     def __getstate__(self) -> dict[str, Any]:
         """Pickle the configuration and results, not the LightningModule.
 
-        Lightning binds ``log``/``log_dict`` of the LightningModule onto every callback at each fit; pickling or
-        deep-copying them would drag in the whole model (and fail on a model that does not pickle). The next fit
-        binds them again.
+        Lightning binds the LightningModule's ``log``/``log_dict`` onto every callback at each fit (and again at the
+        next): pickling them would drag in the whole model, and fail on one that does not pickle.
         """
         state = self.__dict__.copy()
         state.pop("log", None)
@@ -546,10 +475,7 @@ class LayerHealthCallback(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """Checkpointed state: last values, alert state, warnings given, trips and the sentinel's loss baseline.
-
-        Plain Python values only: a checkpoint never stores tensors from hooks.
-        """
+        """Checkpointed state, plain Python values only: results, alerts, notes given, the sentinel's baseline."""
         diagnosis = self._diagnosis.state_dict()
         # The keys and their order are those of every checkpoint written so far.
         return {
@@ -585,10 +511,9 @@ class LayerHealthCallback(Callback):
 
     # ------------------------------------------------------------------------------------------------ internals
     def _start_fresh(self) -> None:
-        """Forget the results and the memory of earlier fits (alerts, notes given, loss baseline, trends).
+        """Forget earlier fits' results and memory: a new model with the same bug is warned about again.
 
-        A new model, even with the same bug, is warned about again. New containers, not cleared ones: a reference
-        kept to the previous fit's ``findings`` still holds that fit's findings.
+        New containers, not cleared ones: a reference kept to the previous fit's ``findings`` still holds them.
         """
         self.last_metrics = {}
         self.last_step = None
@@ -604,22 +529,19 @@ class LayerHealthCallback(Callback):
     def _drop_step(self, run: FitRun) -> None:
         """Remove the hooks, drop the open window, the step's micro-batches and loss total: none of it is logged."""
         run.release()
-        if self._sentinel is not None:
-            self._sentinel.discard()
+        self._end_step(run)
 
-    def _release_step(self) -> None:
+    def _end_step(self, run: FitRun) -> None:
         """The optimizer step is over: forget its micro-batches and the sentinel's loss total."""
-        if self._run is not None:
-            self._run.state.micro.release()
+        run.state.micro.release()
         if self._sentinel is not None:
             self._sentinel.discard()
 
     def _check(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, run: FitRun, scale: Tensor | None
     ) -> Trip | None:
-        """The sentinel's check of this optimizer step; on a trip, replay it (or say why not) and open its window."""
-        sentinel = self._sentinel
-        step = trainer.global_step
+        """The sentinel's check of this optimizer step; a trip opens a window of the step, unless only recorded."""
+        sentinel, step = self._sentinel, trainer.global_step
         if sentinel is None or not run.state.first_check(step):
             return None  # LBFGS evaluates its closure several times per step: the first evaluation is checked
         previous = sentinel.previous_trip
@@ -628,123 +550,13 @@ class LayerHealthCallback(Callback):
         trip = sentinel.check(step, grads, scale)
         if trip is None:
             return None
-        window = run.state.open_for(step)
-        if window is not None:
-            trip = replace(trip, replayed=True)  # a sampled step: the hooks saw it as it happened
-            if self._diagnosis.traces(trip) and not self._replay_blocker(trainer, pl_module, run, step, previous):
-                entry, origin = self._trace_sampled(trainer, pl_module, run)
-                trip = replace(trip, nan_entry=entry, nan_origin=origin)
-        else:
-            trace = None
-            reason = self._replay_blocker(trainer, pl_module, run, step, previous)
-            if not reason:
-                # A NaN/Inf trip is traced back to the module whose forward made it: only replays pay for it.
-                trace = NonFiniteTrace(pl_module) if self._diagnosis.traces(trip) else None
-                reason = self._replay(trainer, pl_module, run, step, trace)
-            if reason:
-                trip = replace(trip, reason=reason)
-                if previous == step - 1:
-                    self.trips.append(trip)  # recorded, not reported again; sampled steps go on as scheduled
-                    return None
-                window = run.open_window(step, self.last_metrics, layers=False)  # the parameters can be measured
-                run.state.sample_next = step + 1
-            else:
-                entry, origin = trace.origin(run.layer_names) if trace is not None else (None, None)
-                trip = replace(trip, replayed=True, nan_entry=entry, nan_origin=origin)
-                window = run.state.window
-        assert window is not None
-        if trip.kind != "loss_spike" and run.state.micro.holds(step):
-            # Data that arrives non-finite (a division by a zero std in preprocessing) is named as such; one read.
-            bad = nonfinite_in_batch([micro.batch for micro in run.state.micro.batches])
-            trip = replace(trip, bad_batch=tuple(bad))
-        window.trip = trip
+        trip = respond(trip, previous, self._diagnosis.traces(trip), trainer, pl_module, run, self.last_metrics)
         self.trips.append(trip)
+        window = run.state.open_for(step)
+        if window is None:
+            return None  # recorded only: a failure that persists is reported at its first step
+        window.trip = trip
         return trip
-
-    def _replay_blocker(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, run: FitRun, step: int, previous: int | None
-    ) -> str | None:
-        """Why step ``step`` cannot be replayed, or ``None``."""
-        if previous == step - 1:
-            return "the previous step tripped too (a failure that persists is reported at its first step)"
-        if not pl_module.automatic_optimization:
-            return "of manual optimization: training_step steps the optimizer itself, so it cannot be re-run"
-        strategy = trainer.strategy
-        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or isinstance(strategy, DeepSpeedStrategy):
-            return (
-                f"the {type(strategy).__name__} strategy is not replayed: outside its wrapper a replay could"
-                " communicate or write gradients (FSDP's backward reduce-scatters into .grad)"
-            )
-        if _sharded(trainer, dict(pl_module.named_parameters())):
-            return "the parameters are sharded (DTensor): a replay could communicate or write gradients"
-        if not run.state.micro.holds(step):
-            return "its micro-batches were not seen by the callback (training resumed inside the step?)"
-        return None
-
-    def _trace_sampled(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, run: FitRun
-    ) -> tuple[str | None, str | None]:
-        """Where the NaN/Inf of a sampled step was made: its micro-batches run again through the trace alone.
-
-        The hooks saw the step as it happened but cannot see functional code between two layers; step 0, where a bad
-        initialisation shows, is always sampled. The window's hooks are still attached (batch end removes them) and
-        must not count the re-run, so they are removed first. A re-run that fails names nothing.
-        """
-        run.end_micro_batch()
-        trace = NonFiniteTrace(pl_module)
-        replayed = self._replay_run(trainer, pl_module)
-        try:
-            hooks = HookSet({}, _ignore_output)
-            replay_step(run.state.micro.batches, replayed, pl_module, hooks, pl_module.device, trace)
-        except Exception:  # the finding keeps what the hooks saw; training goes on untouched
-            return None, None
-        return trace.origin(run.layer_names)
-
-    def _replay(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        run: FitRun,
-        step: int,
-        trace: NonFiniteTrace | None = None,
-    ) -> str | None:
-        """Replay step ``step`` through the hooks (and ``trace``) into a new window; on failure, drop it, say why."""
-        run.open_window(step, self.last_metrics)
-        failure = ""
-        replayed = self._replay_run(trainer, pl_module)
-        replayed = run.probed(replayed)
-        try:
-            replay_step(run.state.micro.batches, replayed, pl_module, run.hooks, pl_module.device, trace)
-        except Exception as error:  # a failed replay is reported in the finding; training goes on untouched
-            failure = f"the replay raised {type(error).__name__}: {error}"
-        finally:
-            run.detach_probes()
-        flag = torch.tensor([1.0 if failure else 0.0], device=pl_module.device)
-        # Every process must agree, or the pooled statistics' collectives would not match.
-        if all_reduce_max(flag).item() > 0:
-            run.discard_window()
-            return failure or "the replay failed on another process"
-        return None
-
-    @staticmethod
-    def _replay_run(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Callable[[MicroBatch], Tensor | None]:
-        """One micro-batch's loss as the automatic-optimization loop back-propagates it."""
-        takes_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        accumulate = trainer.accumulate_grad_batches
-
-        def run(micro: MicroBatch) -> Tensor | None:
-            args = (micro.batch, micro.batch_idx) if takes_index else (micro.batch,)
-            # The LightningModule itself, not the DDP wrapper: DDP's reducer must not see this backward.
-            with trainer.precision_plugin.train_step_context(), _logging_silenced(pl_module):
-                output = pl_module.training_step(*args)
-            loss = output.get("loss") if isinstance(output, Mapping) else output
-            if not isinstance(loss, Tensor):
-                return None
-            loss = loss / accumulate
-            return scaler.scale(loss) if scaler is not None else loss
-
-        return run
 
     def _note(self, note: Note | None) -> None:
         """Give a one-time note (a warning, or an info line), once per key over the run and its checkpoints."""
@@ -770,7 +582,9 @@ class LayerHealthCallback(Callback):
         if observed.histogram_edges is not None:
             error = self._log_histograms(trainer, observed, run) or error
         try:
-            self._diagnose(trainer, observed, values, run.layer_types)
+            self._diagnose(observed, values, run.layer_types)
+            if self.on_anomaly == "stop" and self.last_findings:
+                trainer.should_stop = True
         finally:
             if error is not None:  # the other loggers and the rules got the step first
                 raise error
@@ -790,14 +604,8 @@ class LayerHealthCallback(Callback):
     def _log_histograms(self, trainer: pl.Trainer, observed: ObservedStep, run: FitRun) -> BaseException | None:
         """Send the step's histograms to the loggers that store them; returns the first logger error."""
         assert observed.histogram_edges is not None
-        writes: list[HistogramWriter] = []
-        skipped: list[str] = []
-        for logger in trainer.loggers:
-            write = _histogram_writer(logger)
-            if write is None:
-                skipped.append(type(logger).__name__)
-            else:
-                writes.append(write)
+        writes = [write for write in map(_histogram_writer, trainer.loggers) if write is not None]
+        skipped = [type(logger).__name__ for logger in trainer.loggers if _histogram_writer(logger) is None]
         first: BaseException | None = None
         if writes:  # cut into series only for a logger that stores them
             act, grad, edges = observed.host["act_hist"], observed.host["grad_hist"], observed.histogram_edges
@@ -812,13 +620,9 @@ class LayerHealthCallback(Callback):
         return first
 
     def _diagnose(
-        self,
-        trainer: pl.Trainer,
-        observed: ObservedStep,
-        values: dict[str, dict[str, float]],
-        layer_types: Mapping[str, str],
+        self, observed: ObservedStep, values: dict[str, dict[str, float]], layer_types: Mapping[str, str]
     ) -> None:
-        """Run the rules on the step, keep their findings, and act on them as ``on_anomaly`` says."""
+        """Run the rules on the step, keep their findings; warn or raise as ``on_anomaly`` says."""
         findings, new = self._diagnosis.step(
             values,
             self.execution_order,
@@ -838,5 +642,3 @@ class LayerHealthCallback(Callback):
         if self.on_anomaly in ("warn", "stop"):
             for finding in new:
                 rank_zero_warn(f"LayerHealthCallback: {finding.message}", category=LayerHealthWarning)
-        if self.on_anomaly == "stop" and findings:
-            trainer.should_stop = True

@@ -1,11 +1,7 @@
 """The rules' memory between sampled steps: one step's statistics in, its findings and the new ones out.
 
-:class:`Diagnosis` owns what the rules of :mod:`lightning_hookdiag.rules` read besides the step's own values (the
-``loss_spike`` baseline, the last step each parameter's norm was finite, the trend history) and the
-:class:`~lightning_hookdiag.rules.AlertState` that decides which findings are new; it updates them in one place,
-after the rules ran. The callback routes what it gets back: it keeps the findings, warns, raises or stops. Pure
-Python (no torch, no Lightning), so it is tested by hand; its :meth:`Diagnosis.state_dict` holds only JSON types
-and is a part of the callback's checkpoint state. The rules: ``docs/rules.md``.
+:class:`Diagnosis` updates what the rules read besides the step's own values in one place, after the rules ran; the
+callback routes what it gets back (keeps the findings, warns, raises or stops). Pure Python, tested by hand.
 
 Example:
     >>> diagnosis = Diagnosis(RuleConfig())
@@ -42,12 +38,7 @@ __all__ = ["Diagnosed", "Diagnosis"]
 
 
 class Diagnosed(NamedTuple):
-    """What one evaluated step found.
-
-    Attributes:
-        findings: Every finding of the step, earliest origin first (as :func:`~lightning_hookdiag.rules.evaluate`).
-        new: Those to alert on: a (rule, layer) pair absent on the previous evaluated step, and every event.
-    """
+    """What one evaluated step found: every finding, earliest origin first, and the ``new`` ones to alert on."""
 
     findings: list[Finding]
     new: list[Finding]
@@ -60,12 +51,11 @@ class Diagnosis:
         config: The rules and thresholds; its ``trend_window`` sizes the history.
 
     Attributes:
-        config: As given.
         alerts: Which (rule, layer) pairs are active, and every rule's finding count.
         baseline: The values of the last step evaluated without a sentinel trip, which ``loss_spike`` compares with;
-            ``None`` before one. Not checkpointed.
+            ``None`` before one.
         last_finite: Parameter name to the last evaluated step on which its ``param_norm`` was finite.
-        history: The earlier evaluated steps' values, for the trend rules.
+        history: The earlier evaluated steps' values, for the trend rules; ``logit_drift`` looks back 4 trend windows.
 
     Example:
         >>> diagnosis = Diagnosis(RuleConfig())
@@ -80,10 +70,7 @@ class Diagnosis:
         self.alerts = AlertState()
         self.baseline: Baseline | None = None
         self.last_finite: dict[str, int] = {}
-        self.history = self._new_history()
-
-    def _new_history(self) -> History:
-        return History(4 * self.config.trend_window)  # logit_drift looks back this far
+        self.history = History(4 * config.trend_window)
 
     def step(
         self,
@@ -99,12 +86,10 @@ class Diagnosis:
         param_facts: Mapping[str, ParamFacts] | None = None,
         unregistered: Mapping[str, Sequence[str]] | None = None,
     ) -> Diagnosed:
-        """Evaluate one step's values, then remember them for the next: call it once per evaluated step.
+        """Evaluate one step (the arguments of :func:`~lightning_hookdiag.rules.evaluate`), then remember it.
 
-        The arguments are those of :func:`~lightning_hookdiag.rules.evaluate`, without the memory this object
-        keeps. Afterwards the step's values are in :attr:`history`, each finite ``param_norm`` in
-        :attr:`last_finite`, the values are the :attr:`baseline` unless the sentinel tripped on the step (a
-        spike is not compared with itself next time), and :attr:`alerts` has the step's findings.
+        Call it once per evaluated step. Its values become the :attr:`baseline` unless the sentinel tripped on it (a
+        spike is not compared with itself next time).
         """
         findings = evaluate(
             values,
@@ -123,9 +108,7 @@ class Diagnosis:
             unregistered=unregistered,
         )
         self.history.push(step, values)
-        for name, norm in values.get("param_norm", {}).items():
-            if math.isfinite(norm):
-                self.last_finite[name] = step
+        self.last_finite |= {name: step for name, norm in values.get("param_norm", {}).items() if math.isfinite(norm)}
         if trip is None:
             self.baseline = Baseline(step, values)
         return Diagnosed(findings, self.alerts.update(findings))
@@ -146,8 +129,7 @@ class Diagnosis:
     def state_dict(self) -> dict[str, Any]:
         """``{"alerts": ..., "last_finite": ..., "history": ...}``, JSON types only: the keys of the callback's state.
 
-        The baseline is not saved apart: :meth:`load_state_dict` takes it back from the last logged step's metrics,
-        which the callback's state holds anyway.
+        The baseline is not saved apart: it is the last logged step, which the callback's state holds anyway.
         """
         return {
             "alerts": self.alerts.state_dict(),
@@ -156,11 +138,11 @@ class Diagnosis:
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any], prefix: str = "layer_health") -> None:
-        """Restore what :meth:`state_dict` returned; missing keys mean an empty state.
+        """Restore from the callback's whole state; missing keys mean an empty state, other keys are ignored.
 
-        The callback's whole state is passed: the baseline is its last logged step (``last_step``,
-        ``last_metrics`` under ``prefix``) unless the sentinel tripped on that step (listed in ``trips``), so the
-        first spike after a resume is compared with the layers before it. Other keys are ignored.
+        The baseline is its last logged step (``last_step``, ``last_metrics`` under ``prefix``) unless the sentinel
+        tripped on that step (listed in ``trips``), so the first spike after a resume is compared with the layers
+        before it.
 
         Raises:
             ValueError: If the alerts or the history are malformed.
@@ -168,13 +150,7 @@ class Diagnosis:
         self.alerts.load_state_dict(state_dict.get("alerts", {}))
         self.last_finite = dict(state_dict.get("last_finite", {}))
         self.history.load_state_dict(state_dict.get("history", {}))
-        self.baseline = _resumed_baseline(state_dict, prefix)
-
-
-def _resumed_baseline(state_dict: Mapping[str, Any], prefix: str) -> Baseline | None:
-    """The baseline a checkpoint implies: its last logged step, unless that step tripped (then none is known)."""
-    step = state_dict.get("last_step")
-    if step is None or any(trip.get("step") == step for trip in state_dict.get("trips", [])):
-        return None
-    values = values_from_metrics(state_dict.get("last_metrics", {}), prefix)
-    return Baseline(int(step), values) if values else None
+        step, self.baseline = state_dict.get("last_step"), None
+        if step is not None and all(trip.get("step") != step for trip in state_dict.get("trips", [])):
+            values = values_from_metrics(state_dict.get("last_metrics", {}), prefix)
+            self.baseline = Baseline(int(step), values) if values else None

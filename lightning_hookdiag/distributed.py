@@ -1,14 +1,10 @@
 """Packed all-reduces: many small tensors reduced across processes with one collective.
 
 Every process passes tensors of the same shapes in the same order; they are flattened into one buffer of their
-common dtype, reduced with a single ``torch.distributed.all_reduce`` and split back. A ring all-reduce sends and
-receives about ``2 * (world - 1) / world`` times the buffer per process, so the bytes per process do not grow with
-the number of processes (an all-gather's do), and the number of collectives does not grow with the number of
-tensors. Nothing is read back to the host: on an accelerator the reduction is queued like any other kernel.
-
-Used by :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator` to sync its states, and small enough for any
-per-step agreement between processes (a flag that one process tripped, a size that one process learned). Its
-cost at scale: ``docs/integrations.md#what-is-synced-and-how``.
+common dtype, reduced with a single ``torch.distributed.all_reduce`` and split back, so the number of collectives does
+not grow with the number of tensors, and (a ring all-reduce) the bytes per process do not grow with the number of
+processes. Nothing is read back to the host. Used to sync the aggregator's states and for per-step agreement between
+processes (a flag that one process tripped); the cost at scale: ``docs/integrations.md#what-is-synced-and-how``.
 """
 
 from __future__ import annotations
@@ -19,18 +15,13 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-__all__ = ["all_reduce_packed", "distributed_ready", "pack", "unpack"]
+__all__ = ["all_reduce_max", "all_reduce_packed", "distributed_ready", "pack", "unpack"]
 
 Op = Literal["sum", "max", "min"]
 
 
 def distributed_ready() -> bool:
-    """Whether ``torch.distributed`` is available and a default process group exists.
-
-    Example:
-        >>> distributed_ready()
-        False
-    """
+    """Whether ``torch.distributed`` is available and a default process group exists."""
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized()
 
@@ -40,10 +31,6 @@ def pack(tensors: Sequence[Tensor], dtype: torch.dtype | None = None) -> Tensor:
 
     Promotion is exact for the reductions used here: float32 values, counts and maxima survive a round trip through
     float64 unchanged.
-
-    Example:
-        >>> pack([torch.tensor([[1.0, 2.0]]), torch.tensor([3.0], dtype=torch.float64)])
-        tensor([1., 2., 3.], dtype=torch.float64)
     """
     if not tensors:
         raise ValueError("pack: expected at least one tensor, got none")
@@ -55,13 +42,7 @@ def pack(tensors: Sequence[Tensor], dtype: torch.dtype | None = None) -> Tensor:
 
 
 def unpack(buffer: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
-    """Split ``buffer`` back into tensors of the shapes and dtypes of ``like`` (the inverse of :func:`pack`).
-
-    Example:
-        >>> parts = [torch.zeros(1, 2), torch.zeros(1, dtype=torch.float64)]
-        >>> [t.tolist() for t in unpack(pack(parts) + 1, parts)]
-        [[[1.0, 1.0]], [1.0]]
-    """
+    """Split ``buffer`` back into tensors of the shapes and dtypes of ``like`` (the inverse of :func:`pack`)."""
     sizes = [t.numel() for t in like]
     if sum(sizes) != buffer.numel():
         raise ValueError(f"unpack: the buffer holds {buffer.numel()} elements, the tensors {sum(sizes)}")
@@ -82,11 +63,6 @@ def all_reduce_packed(tensors: Sequence[Tensor], op: Op = "sum", group: Any = No
 
     Returns:
         New tensors with the reduced values, in the shapes and dtypes of ``tensors``.
-
-    Example:
-        >>> flag, count = all_reduce_packed([torch.tensor([1.0]), torch.tensor([2.0])], "max")  # one process
-        >>> flag.item(), count.item()
-        (1.0, 2.0)
     """
     ops = {"sum": "SUM", "max": "MAX", "min": "MIN"}
     if op not in ops:
@@ -96,3 +72,8 @@ def all_reduce_packed(tensors: Sequence[Tensor], op: Op = "sum", group: Any = No
     buffer = pack(tensors)
     torch.distributed.all_reduce(buffer, op=getattr(torch.distributed.ReduceOp, ops[op]), group=group)
     return unpack(buffer, tensors)
+
+
+def all_reduce_max(t: Tensor) -> Tensor:
+    """MAX of ``t`` over the processes of the default group (``t`` itself without one)."""
+    return all_reduce_packed([t], "max")[0]

@@ -30,20 +30,7 @@ from lightning_hookdiag.names import ROOT, logged_name
 __all__ = ["NonFiniteTrace", "nonfinite_in_batch"]
 
 
-def _floating(value: Any) -> Iterator[Tensor]:
-    """Every floating-point tensor in ``value``, depth-first through tuples, lists and dicts."""
-    if isinstance(value, Tensor):
-        if value.is_floating_point() or value.is_complex():
-            yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _floating(item)
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _floating(item)
-
-
-def _paths(value: Any, path: str) -> Iterator[tuple[str, Tensor]]:
+def _paths(value: Any, path: str = "") -> Iterator[tuple[str, Tensor]]:
     """Every floating-point tensor in ``value`` with its path (``batch[0]``, ``batch['x']``), depth-first."""
     if isinstance(value, Tensor):
         if value.is_floating_point() or value.is_complex():
@@ -59,8 +46,7 @@ def _paths(value: Any, path: str) -> Iterator[tuple[str, Tensor]]:
 def nonfinite_in_batch(batches: Sequence[Any]) -> list[tuple[str, int, int]]:
     """The floating-point tensors of a step's micro-batches that hold NaN/Inf: ``(path, bad elements, elements)``.
 
-    Counted over every micro-batch (summed per path), with one host read; tensors without a NaN/Inf are left out.
-    Called on a step the sentinel tripped on for a NaN/Inf, so that data that arrives non-finite is named as such.
+    Summed per path over every micro-batch, with one host read, so that data that arrives non-finite is named.
 
     Example:
         >>> nonfinite_in_batch([(torch.tensor([[1.0, float("nan")], [0.0, 2.0]]), torch.tensor([1, 0]))])
@@ -140,14 +126,14 @@ class NonFiniteTrace:
         name = self._names.get(module)
         if name is None or in_backward():  # a recomputation inside backward saw these values already
             return
-        outputs = list(_floating(output))
+        outputs = [t for _, t in _paths(output)]
         if not outputs:
             return
         with sink_mode():
             device = outputs[0].device
             flags = torch.stack(
                 [
-                    _any_nonfinite(list(_floating(args)), device),
+                    _any_nonfinite([t for _, t in _paths(args)], device),
                     torch.stack([torch.isnan(t).any().to(device) for t in outputs]).any(),
                     _any_nonfinite(outputs, device),
                 ]

@@ -1,16 +1,11 @@
 """The always-on sentinel: a cheap per-step trip test, and the replay of a tripped step without side effects.
 
-:class:`LossSentinel` looks at every optimizer step, but reads the host only once per step. It accumulates the
-micro-batch losses on their device; with ``"loss+grads"`` one fused ``_foreach_norm(inf)`` gives the tracked
-gradients' largest ``|g|`` (an infinity norm cannot overflow, so only NaN/Inf trips it); the step's values are packed
-into one small tensor, reduced with one MAX all-reduce under multi-process training (every process trips on the same
-step) and read once. :class:`SpikeDetector` is the loss-spike test. :func:`replay_step` re-runs a tripped step's
-micro-batches through a :class:`~lightning_hookdiag.hooks.HookSet`, with gradients from ``torch.autograd.grad``
-(returned, never accumulated into ``.grad``), and restores everything the replay could have changed (random number
-streams, buffers such as BatchNorm running statistics, torchmetrics states).
-
-This module knows nothing about Lightning (the callback hands it a function that runs one micro-batch) nor about
-rules or logging. What the sentinel does, its settings and what a replay cannot restore: ``docs/sentinel.md``.
+:class:`LossSentinel` checks every optimizer step with one host read (and, under multi-process training, one MAX
+all-reduce, so that every process trips on the same step); :class:`SpikeDetector` is its loss-spike test.
+:func:`replay_step` re-runs a tripped step's micro-batches through a :class:`~lightning_hookdiag.hooks.HookSet` and
+restores everything the replay could change. Nothing here knows Lightning (the callback hands over a function that
+runs one micro-batch), the rules or logging. What the sentinel does and what a replay cannot restore:
+``docs/sentinel.md``.
 """
 
 from __future__ import annotations
@@ -23,10 +18,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy  # a dependency of torchmetrics
 import torch
 from torch import Tensor, nn
 
-from lightning_hookdiag.distributed import all_reduce_packed
 from lightning_hookdiag.hooks import HookSet
 from lightning_hookdiag.params import stored_values
 from lightning_hookdiag.provenance import NonFiniteTrace
@@ -48,39 +43,17 @@ SENTINEL_MODES: tuple[str, ...] = ("loss", "loss+grads")
 
 
 class SpikeDetector:
-    """Robust loss-spike test: a rise far above the recent healthy losses, in units of their step-to-step spread.
+    """Robust loss-spike test: a rise far above the recent healthy losses, in units of their step-to-step noise.
 
-    The test compares a loss with the *centre* of the window, the lower median of its last ``recent`` healthy
-    losses, so a run that is still descending fast is compared with where it is now, not with where it was
-    ``window`` steps ago. A loss trips when it rises above the centre by more than a factor ``ratio`` *and* by more
-    than ``zscore`` robust standard deviations of the window's noise. That noise is measured trend-free, from the
-    differences between consecutive healthy losses: ``1.4826 * MAD(differences) / sqrt(2)`` (the MAD about their
-    median, which is the trend; ``sqrt(2)``: a difference holds the noise of two losses). A descent that spreads the
-    window's losses over decades leaves the differences small, so it does not hide a spike.
-
-    Scales:
-
-    * Non-negative windows (nearly every loss) are compared on a log scale, where mini-batch noise is about the same
-      size at any loss level. Exact zeros (hinge, margin and triplet losses, a float32 cross-entropy that underflows)
-      are left out: the centre and the spread come from the window's positive losses, and a zero never trips. With
-      fewer than 3 positive losses in the window nothing trips, as there is no scale to compare with.
-    * Windows holding a negative loss, or a negative candidate (likelihoods), use a linear scale; the minimum rise
-      is then ``(ratio - 1) * max(|centre|, scale)`` with ``scale`` the median ``|loss|`` over the window's non-zero
-      losses, so a centre near zero or a degenerate spread (many equal losses: a MAD of 0) cannot make every rise a
-      spike.
-
-    Both conditions are needed: the spread alone trips on a loss that was almost constant, the ratio alone on a noisy
-    one. The window fills only with steps that did not trip, and nothing trips during the first ``warmup`` steps it
-    has seen. A trip is an event: the next healthy step is compared with the same window.
-
-    On the log scale a spike must also be large on the run's own scale: at least ``floor`` times the run's early loss
-    level (:attr:`start`, the lower median of the first ``warmup`` positive healthy losses). A classifier that has
-    descended to 2e-5 rises 40x on one harder batch, to 8e-4: far above the recent median and its noise, yet 4e-4 of
-    where the run started, which is no spike to anyone.
-
-    Cost (one call per optimizer step, on the host): on most steps the loss is below ``ratio`` times the smallest of
-    the recent losses and the test stops there (1.5 us measured on a 2-core CPU); the full test sorts the window's
-    differences twice (12 us on the log scale, 7 us on the linear one).
+    A loss trips when it rises above the *centre* (the lower median of the latest ``recent`` healthy losses) by more
+    than a factor ``ratio`` *and* by more than ``zscore`` robust standard deviations of the noise, measured free of
+    any trend from consecutive differences (``1.4826 * MAD / sqrt(2)``); the spread alone would trip on an almost
+    constant loss, the ratio alone on a noisy one. Non-negative windows are compared on a log scale without their
+    exact zeros (fewer than 3 positive losses: nothing trips), where a spike must also reach ``floor`` times
+    :attr:`start`, the run's early loss level; a negative loss switches to a linear scale, with a minimum rise of
+    ``(ratio - 1) * max(|centre|, scale)``, ``scale`` the median non-zero ``|loss|``. Only healthy steps enter the
+    window; nothing trips during the first ``warmup``. The reasons: ``docs/sentinel.md``. Cost on the host: 1.5 us
+    when the loss is below ``ratio`` times the smallest recent loss (most steps), else 12 us.
 
     Args:
         window: Number of recent healthy losses kept.
@@ -98,18 +71,11 @@ class SpikeDetector:
         1.0
         >>> detector.observe(2.0), detector.observe(1e8)  # noise is recorded; the spike is not
         (False, True)
-        >>> hinge = SpikeDetector(warmup=5)
-        >>> [hinge.observe(loss) for loss in (0.0, 0.3, 0.0, 0.0, 0.2, 0.0, 0.4, 0.0, 0.5)]  # zeros are no scale
-        [False, False, False, False, False, False, False, False, False]
-        >>> hinge.observe(1e3)
-        True
         >>> descent = SpikeDetector(warmup=5)
         >>> for loss in (2.0, 1.9, 2.1, 1.8, 2.0, 2e-5, 2.04e-5, 1.96e-5, 2e-5, 2.04e-5, 1.96e-5):
         ...     _ = descent.observe(loss)
         >>> descent.start, descent.is_spike(8e-4), descent.is_spike(27.7)  # 8e-4 is 4e-4 of the start: no spike
         (2.0, False, True)
-        >>> SpikeDetector(warmup=5, floor=0.0).is_spike(8e-4)  # an empty window
-        False
     """
 
     def __init__(
@@ -235,22 +201,8 @@ def _step_spread(values: list[float]) -> float:
     return _MAD_TO_SIGMA * _median([abs(s - trend) for s in steps]) / math.sqrt(2)
 
 
-ReduceMax = Callable[[Tensor], Tensor]
-"""Reduces a tensor with MAX over every process (the identity in a single process)."""
-
-
-def all_reduce_max(t: Tensor) -> Tensor:
-    """MAX of ``t`` over the processes of the default group, in one ``all_reduce`` (``t`` itself without one).
-
-    Example:
-        >>> all_reduce_max(torch.tensor([1.0, 2.0]))  # single process
-        tensor([1., 2.])
-    """
-    return all_reduce_packed([t], "max")[0]
-
-
 class LossSentinel:
-    """The per-step trip test (see the module docstring).
+    """The per-step trip test: a NaN/Inf loss (or, with ``"loss+grads"``, gradient), or a loss spike.
 
     Call :meth:`observe_loss` with every micro-batch's loss and :meth:`check` once per optimizer step.
 
@@ -269,7 +221,10 @@ class LossSentinel:
     """
 
     def __init__(
-        self, mode: str = "loss", detector: SpikeDetector | None = None, reduce_max: ReduceMax | None = None
+        self,
+        mode: str = "loss",
+        detector: SpikeDetector | None = None,
+        reduce_max: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         # None is the callback's "no sentinel" (checked there); a LossSentinel needs a mode.
         self.mode = choice("sentinel", mode, SENTINEL_MODES)
@@ -284,8 +239,7 @@ class LossSentinel:
     def observe_loss(self, loss: Tensor) -> None:
         """Add one micro-batch's loss (as back-propagated, with any AMP scale) to the step's total, on its device.
 
-        The total is kept in float64 where the device has it (``float32`` on MPS): a finite float64 loss such as
-        ``1e300`` (``precision="64-true"``) stays finite, and float32 losses lose nothing.
+        In float64 where the device has it: a finite ``1e300`` (``precision="64-true"``) stays finite.
         """
         value = loss.detach().to(accumulation_dtype(loss.device))
         if value.ndim:
@@ -341,10 +295,8 @@ class LossSentinel:
     def _read(self, loss: Tensor, grads: Sequence[Tensor]) -> tuple[float, bool]:
         """``(loss, whether a gradient holds a NaN/Inf)``, with one host read, in at most four tensor ops.
 
-        The loss and the gradients' infinity norms (one fused ``_foreach_norm``: it never overflows, and NaN
-        propagates through the max) are stacked and read together. Over processes, NaN and -Inf become +Inf before
-        the MAX all-reduce (a maximum with NaN is not defined), so every process sees a non-finite loss or gradient
-        as +Inf, and the largest finite loss otherwise.
+        The gradients' infinity norms (one fused ``_foreach_norm``) never overflow and propagate NaN. Before the MAX
+        all-reduce NaN and -Inf become +Inf (a maximum with NaN is not defined): every process sees the same trip.
         """
         parts = [loss.reshape(())]
         if grads:
@@ -403,11 +355,7 @@ class MicroBatch:
 
 
 class _StateSnapshot:
-    """Everything a forward pass in train mode can change besides the graph: buffers and torchmetrics states.
-
-    BatchNorm updates its running statistics and ``num_batches_tracked``; a torchmetrics metric updated inside
-    ``training_step`` accumulates the micro-batch again. Both are copied before a replay and written back after it.
-    """
+    """Buffers (BatchNorm's running statistics) and torchmetrics states, as a replayed forward would change them."""
 
     def __init__(self, module: nn.Module) -> None:
         from torchmetrics import Metric
@@ -416,7 +364,7 @@ class _StateSnapshot:
         self.metrics: list[tuple[Metric, dict[str, Any]]] = []
         for m in module.modules():
             if isinstance(m, Metric):
-                state = {name: _clone(getattr(m, name)) for name in m._defaults}
+                state = {name: _clone(value) for name, value in m.metric_state.items()}
                 state.update(_update_count=m._update_count, _computed=m._computed)
                 self.metrics.append((m, state))
 
@@ -447,11 +395,10 @@ def replay_step(
 ) -> int:
     """Re-run one optimizer step's micro-batches through ``hooks``, leaving no trace in the training state.
 
-    For each micro-batch the RNG state it started with is restored, ``run`` computes its loss (as back-propagated in
-    training), and ``torch.autograd.grad`` sends the gradient back through the hooked outputs to every trainable
-    parameter of ``module`` without accumulating into ``.grad``. Afterwards the hooks are removed and the RNG streams
-    (torch's CPU and CUDA generators, Python's and NumPy's), the buffers and the torchmetrics states of ``module``
-    are as they were, also when ``run`` raises.
+    Each micro-batch starts from the RNG state it started with; the gradient of its loss goes back through the
+    hooked outputs with ``torch.autograd.grad``, never into ``.grad``. Afterwards, also when ``run`` raises, the hooks
+    are removed and the RNG streams (torch's CPU and CUDA, Python's, NumPy's), the buffers and the torchmetrics states
+    of ``module`` are as they were.
 
     Args:
         micro_batches: The step's micro-batches, in order.
@@ -477,8 +424,7 @@ def replay_step(
     """
     params = [p for p in module.parameters() if p.requires_grad]
     outer = capture_rng(device)
-    python_state = random.getstate()
-    numpy_state = _numpy_state()
+    python_state, numpy_state = random.getstate(), numpy.random.get_state()
     snapshot = _StateSnapshot(module)
     produced = 0
     try:
@@ -502,20 +448,5 @@ def replay_step(
         snapshot.restore()
         restore_rng(outer, device)
         random.setstate(python_state)
-        _set_numpy_state(numpy_state)
+        numpy.random.set_state(numpy_state)
     return produced
-
-
-def _numpy_state() -> Any:
-    try:
-        import numpy
-    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
-        return None
-    return numpy.random.get_state()
-
-
-def _set_numpy_state(state: Any) -> None:
-    if state is not None:
-        import numpy
-
-        numpy.random.set_state(state)

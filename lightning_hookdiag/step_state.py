@@ -1,27 +1,19 @@
-"""Which optimizer step is being observed: the open-step state machine of one fit.
+"""Which optimizer step is being observed, and what a trip of the sentinel calls for: pure Python, tested by hand.
 
 An optimizer step ``k`` is *observed* when it is sampled (``k % every_n_steps == 0``), when the sentinel trips on
-it and it is replayed, or, parameters only, when it trips and cannot be replayed. Its observation is an
-:class:`Window` (a *window*), which goes through these states:
-
-* **none open**: :meth:`StepState.open` opens one, at the first hooked micro-batch of a sampled step or at a trip;
-* **open** (``layers=True``: hooks see the layers; ``layers=False``: only the parameters are measured): gradient
-  accumulation and LBFGS closures add micro-batches and optimizer calls to it; a validation run in between leaves
-  it open;
-* **closed** by :meth:`StepState.close`, either *finished* (once the optimizer has stepped: pooled, logged and
-  diagnosed by the callback) or *discarded* (a batch skipped by ``on_train_batch_start`` returning -1, the end of
-  training, an exception, a failed replay): nothing of it is logged.
-
-:class:`StepMicroBatches` keeps references to the current optimizer step's micro-batches, for a replay. Pure Python:
-what the states hold beyond plain values (the stale-gradient tensor) is opaque here.
+it and it is replayed, or, parameters only, when it trips and cannot be replayed. Its observation is a
+:class:`Window`: :meth:`StepState.open` opens it (at the first hooked micro-batch of a sampled step, or at a trip);
+accumulation, LBFGS closures and a validation run in between leave it open; :meth:`StepState.close` ends it,
+*finished* once the optimizer has stepped (pooled, logged, diagnosed) or *discarded* (a skipped batch, the end of
+training, an exception, a failed replay: nothing of it is logged). :func:`plan_trip` decides what a trip calls for.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-__all__ = ["Window", "StepMicroBatches", "StepState", "Trip", "TripKind"]
+__all__ = ["StepMicroBatches", "StepState", "Trip", "TripAction", "TripKind", "TripPlan", "Window", "plan_trip"]
 
 TripKind = Literal["nonfinite_loss", "nonfinite_grad", "loss_spike"]
 
@@ -61,6 +53,59 @@ class Trip:
     bad_batch: tuple[tuple[str, int, int], ...] = ()
 
 
+TripAction = Literal["record", "observed", "trace", "replay", "parameters"]
+
+PERSISTS = "the previous step tripped too (a failure that persists is reported at its first step)"
+UNSEEN = "its micro-batches were not seen by the callback (training resumed inside the step?)"
+
+
+@dataclass(frozen=True)
+class TripPlan:
+    """What to do about a trip (:func:`plan_trip`).
+
+    Attributes:
+        action: ``"record"``: only record the trip (no window, no finding); ``"observed"``: the step is sampled, its
+            hooks saw it; ``"trace"``: sampled, and its micro-batches run again through the NaN/Inf trace alone;
+            ``"replay"``: replay the step through the hooks into a new window; ``"parameters"``: open a window of
+            the parameters only and sample the next step.
+        trip: The trip as recorded (``replayed``, ``reason`` set); a replay or a trace adds where the NaN/Inf was made.
+        trace: A ``"replay"`` also traces the NaN/Inf to the module that made it.
+        read_batch: Look for NaN/Inf in the step's batch (``bad_batch``).
+    """
+
+    action: TripAction
+    trip: Trip
+    trace: bool = False
+    read_batch: bool = False
+
+
+def plan_trip(
+    trip: Trip, *, sampled: bool, traces: bool, blocker: str | None, previous: int | None, held: bool
+) -> TripPlan:
+    """What ``trip`` calls for.
+
+    Args:
+        trip: The sentinel's trip.
+        sampled: The step's window is open: its hooks saw it.
+        traces: The trip's NaN/Inf is worth tracing to the module that made it.
+        blocker: Why the training loop cannot replay the step (manual optimization, a sharding strategy, a failed
+            replay), or ``None``.
+        previous: The step of the trip before this one, or ``None``.
+        held: The step's micro-batches were kept.
+    """
+    persists = previous == trip.step - 1
+    reason = PERSISTS if persists else blocker or (None if held else UNSEEN)
+    read = trip.kind != "loss_spike" and held
+    if sampled:
+        action: TripAction = "trace" if traces and reason is None else "observed"
+        return TripPlan(action, replace(trip, replayed=True), read_batch=read)
+    if reason is None:
+        return TripPlan("replay", replace(trip, replayed=True), trace=traces, read_batch=read)
+    if persists:
+        return TripPlan("record", replace(trip, reason=reason))
+    return TripPlan("parameters", replace(trip, reason=reason), read_batch=read)
+
+
 @dataclass
 class Window:
     """The observation of one optimizer step, from its opening to its logging.
@@ -78,19 +123,13 @@ class Window:
 
     step: int
     layers: bool = True
-    trip: Any = None
+    trip: Trip | None = None
     stepped: set[int] = field(default_factory=set)
     stale: Any = None
     stale_checked: bool = False
 
     def first_call(self, optimizer: object) -> bool:
-        """Whether ``optimizer`` is stepped here for the first time in this window (and record that it was).
-
-        Example:
-            >>> window, sgd = Window(step=4), object()
-            >>> window.first_call(sgd), window.first_call(sgd)
-            (True, False)
-        """
+        """Whether ``optimizer`` is stepped here for the first time in this window (and record that it was)."""
         if id(optimizer) in self.stepped:
             return False
         self.stepped.add(id(optimizer))
@@ -98,17 +137,7 @@ class Window:
 
 
 class StepMicroBatches:
-    """References to the micro-batches of the current optimizer step (what a replay re-runs), in order.
-
-    Example:
-        >>> micro = StepMicroBatches()
-        >>> micro.keep(3, "a"); micro.keep(3, "b"); micro.holds(3), micro.batches
-        (True, ['a', 'b'])
-        >>> micro.keep(4, "c"); micro.batches  # a new optimizer step starts afresh
-        ['c']
-        >>> micro.release(); micro.holds(4)
-        False
-    """
+    """References to the micro-batches of the current optimizer step (what a replay re-runs), in order."""
 
     def __init__(self) -> None:
         self.step: int | None = None
@@ -137,15 +166,6 @@ class StepState:
 
     Args:
         every_n_steps: Steps ``0, n, 2n, ...`` are sampled.
-
-    Example:
-        >>> state = StepState(every_n_steps=5)
-        >>> state.sampled(10), state.sampled(11)
-        (True, False)
-        >>> window = state.open(11, layers=False)  # a trip on step 11 that could not be replayed
-        >>> state.sample_next = 12                  # ... so step 12 is sampled
-        >>> state.sampled(12), state.close() is window, state.window
-        (True, True, None)
     """
 
     def __init__(self, every_n_steps: int) -> None:
@@ -171,11 +191,6 @@ class StepState:
         case is manual optimization making several optimizer steps in one batch (a GAN): hooks see whole batches,
         so a sampled step inside a batch is observed on the next one (:attr:`late` names it). With one optimizer
         step per batch, consecutive batches start one step apart and only the first case occurs.
-
-        Example:
-            >>> state = StepState(every_n_steps=3)
-            >>> [(s, state.late) for s in range(0, 12, 2) if state.sampled(s)]  # two optimizer steps a batch
-            [(0, None), (4, 3), (6, None), (10, 9)]
         """
         if step != self._batch_step:
             self._previous, self._batch_step = self._batch_step, step
@@ -189,13 +204,7 @@ class StepState:
         return late is not None
 
     def due(self, step: int, every: int) -> bool:
-        """Whether a multiple of ``every`` is ``step`` or lies inside the batch before it (see :meth:`sampled`).
-
-        Example:
-            >>> state = StepState(every_n_steps=2)
-            >>> [s for s in (0, 2, 4, 6) if state.sampled(s) and state.due(s, 3)]
-            [0, 4, 6]
-        """
+        """Whether a multiple of ``every`` is ``step`` or lies inside the batch before it (see :meth:`sampled`)."""
         return step % every == 0 or self._passed(step, every) is not None
 
     def _passed(self, step: int, every: int) -> int | None:

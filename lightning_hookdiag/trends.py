@@ -1,8 +1,7 @@
 """A statistic compared with its own history: the recent sampled steps' values, and what they project.
 
-Pure Python (no torch): the trend rules of :mod:`lightning_hookdiag.rules` read a :class:`History`, the callback
-pushes each sampled step's values into it after the rules ran, and its :meth:`History.state_dict` (plain lists)
-goes into the callback's checkpoint state. The trend rules: ``docs/rules.md#trend-rules``.
+Pure Python: the trend rules (``docs/rules.md#trend-rules``) read a :class:`History`, and its
+:meth:`History.state_dict` (plain lists) goes into the callback's checkpoint state.
 
 Example:
     >>> history = History(window=4)
@@ -19,40 +18,31 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["TRACKED_STATS", "History", "crossing_step", "log_slope", "median", "rising_share"]
-
-TRACKED_STATS: tuple[str, ...] = (
-    "attn_logit_max",
-    "logit_lse_mean",
-    "logit_absmax",
-    "step_loss",
-    "param_update_ratio",
-    "param_norm",
-)
-"""The statistics a :class:`History` keeps (the ones the trend rules read)."""
+__all__ = ["History", "crossing_step", "log_slope", "median", "rising_share"]
 
 Point = tuple[int, float]
 
 
 class History:
-    """The last ``window`` finite values of every tracked statistic and name, with the steps they describe.
+    """The last ``window`` finite values of every statistic in :attr:`stats` and name, with their steps.
 
     Args:
         window: Values kept per statistic and name; an integer ``>= 2``.
-        stats: The statistic names kept.
 
     Raises:
         ValueError: For a ``window`` that is not an integer ``>= 2``.
     """
 
-    def __init__(self, window: int = 16, stats: Iterable[str] = TRACKED_STATS) -> None:
+    stats = ("attn_logit_max", "logit_lse_mean", "logit_absmax", "step_loss", "param_update_ratio", "param_norm")
+    """The statistics kept: the ones the trend rules read."""
+
+    def __init__(self, window: int = 16) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 2:
             raise ValueError(f"History: window expected an integer >= 2, got {window!r}")
         self.window = window
-        self.stats = tuple(stats)
         self._points: dict[str, dict[str, list[Point]]] = {}
 
     def push(self, step: int, values: Mapping[str, Mapping[str, float]]) -> None:
@@ -75,10 +65,6 @@ class History:
         """``(step, value)`` pairs, oldest first (empty without history)."""
         return list(self._points.get(stat, {}).get(name, ()))
 
-    def names(self, stat: str) -> list[str]:
-        """Names with history for ``stat``."""
-        return list(self._points.get(stat, {}))
-
     def state_dict(self) -> dict[str, Any]:
         """The kept values as JSON types: ``{"window": n, "points": {stat: {name: [[step, value], ...]}}}``."""
         points = {s: {n: [list(p) for p in ps] for n, ps in g.items()} for s, g in self._points.items()}
@@ -91,11 +77,11 @@ class History:
             ValueError: If the state is malformed.
         """
         raw = state.get("points", {})
-        out: dict[str, dict[str, list[Point]]] = {}
         if not isinstance(raw, Mapping):
             raise ValueError(
                 f"History.load_state_dict: 'points' expects {{stat: {{name: [[step, value]]}}}}, got {raw!r}"
             )
+        out: dict[str, dict[str, list[Point]]] = {}
         for stat, group in raw.items():
             if not isinstance(group, Mapping):
                 raise ValueError(f"History.load_state_dict: {stat!r} expects {{name: [[step, value]]}}, got {group!r}")
@@ -111,7 +97,7 @@ class History:
 
 
 def median(values: Sequence[float]) -> float:
-    """The median (mean of the middle two for an even count).
+    """The median (mean of the middle two for an even count) of at least one value.
 
     Example:
         >>> median([3.0, 1.0, 2.0]), median([4.0, 1.0, 2.0, 3.0])

@@ -2,18 +2,15 @@
 
 Pure Python on plain floats (no torch, no Lightning), so the rules can be unit-tested by hand and run on the values
 of any logger. Every rule reads only the statistics it needs and does nothing when one is absent (the user chose a
-subset) or not finite where a finite value is required. :func:`evaluate` lists forward-pass findings before
-backward-pass ones, each pass in its own execution order, so that the first finding is the earliest problem's origin;
-:class:`AlertState` decides which findings are new.
+subset) or not finite where a finite value is required.
 
-This package's ``__init__`` is its public surface: import from ``lightning_hookdiag.rules``. Its modules, in the
-order the data flows: ``config`` (which rules run), ``context`` (what a rule reads), one module per family of rules
-(``nonfinite``, ``activations``, ``gradients``, ``parameters``, ``spike``, ``precursors``), ``findings`` (what a
-rule returns), ``evaluation`` (runs the enabled rules and sorts their findings), ``alerts`` (which findings are
-new), and ``logged`` (logged keys back into the values the rules read).
+This package's ``__init__`` is its public surface: import from ``lightning_hookdiag.rules``. Each rule is one function
+registered where it is written (:func:`~lightning_hookdiag.rules.registry.rule`), in one module per family
+(``nonfinite``, ``activations``, ``gradients``, ``parameters``, ``spike``, ``precursors``); ``context`` is what a
+rule reads, ``evaluation`` runs the enabled rules and sorts their findings, ``alerts`` decides which are new.
 
-The rules (:data:`RULES`), their :class:`RuleConfig` fields and defaults, what each finding names, the rationale of
-every default threshold, and the blind spots: ``docs/rules.md`` (the sentinel's fields: ``docs/sentinel.md``).
+The rules, their :class:`RuleConfig` fields and defaults, what each finding names, the rationale of every default
+threshold, and the blind spots: ``docs/rules.md`` (the sentinel's fields: ``docs/sentinel.md``).
 
 Example:
     >>> values = {"act_nonfinite": {"enc": 0.0, "mid": 12.0, "head": 40.0}}
@@ -21,20 +18,31 @@ Example:
     ['nonfinite: 12 NaN/Inf output elements in mid at step 7 (the first non-finite layer in forward order; 1 more layer after it is also non-finite: head)']
 """  # noqa: E501
 
+from lightning_hookdiag.names import BATCH, LOSS, ROOT
+from lightning_hookdiag.rules import activations, gradients, nonfinite, parameters, precursors, spike  # noqa: F401
 from lightning_hookdiag.rules.activations import SATURATING_TYPES
 from lightning_hookdiag.rules.alerts import AlertState
-from lightning_hookdiag.rules.config import EVENT_RULES, RULES, RuleConfig
+from lightning_hookdiag.rules.config import RuleConfig
 from lightning_hookdiag.rules.context import Baseline, ParamFacts
-from lightning_hookdiag.rules.evaluation import evaluate, format_error
-from lightning_hookdiag.rules.findings import BATCH, LOSS, ROOT, Finding
+from lightning_hookdiag.rules.evaluation import evaluate, format_error, values_from_metrics
 from lightning_hookdiag.rules.findings import PHASES as PHASES
+from lightning_hookdiag.rules.findings import Finding
 from lightning_hookdiag.rules.gradients import cut_off
-from lightning_hookdiag.rules.logged import values_from_metrics
 from lightning_hookdiag.rules.parameters import moved_mass_bound
+from lightning_hookdiag.rules.registry import registered
+
+# Importing the families above registered the built-in rules.
+RULES: tuple[str, ...] = tuple(r.name for r in registered())
+"""Names of the built-in rules, in the order findings of the same layer are listed."""
+EVENT_RULES: frozenset[str] = frozenset(r.name for r in registered() if r.event)
+"""Rules whose findings are events of one step (each alerts), not conditions that persist until they clear."""
+FACT_RULES: frozenset[str] = frozenset(r.name for r in registered() if "param_facts" in r.reads)
+"""Rules that read each parameter's optimizer facts (:class:`ParamFacts`): the host gathers them only for these."""
 
 __all__ = [
     "BATCH",
     "EVENT_RULES",
+    "FACT_RULES",
     "LOSS",
     "ROOT",
     "RULES",

@@ -1,30 +1,24 @@
-"""Which findings to alert on: :class:`AlertState` warns once per (rule, layer) until it clears.
-
-It also counts every finding per rule; plain Python, so it pickles and checkpoints
-(``docs/rules.md#what-happens-when-a-rule-fires``).
-"""
+"""Which findings to alert on (``docs/rules.md#what-happens-when-a-rule-fires``)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from lightning_hookdiag.rules.config import EVENT_RULES, RULES
 from lightning_hookdiag.rules.findings import Finding
+from lightning_hookdiag.rules.registry import REGISTRY, registered
 
-__all__ = [
-    "AlertState",
-]
+__all__ = ["AlertState"]
 
 
 class AlertState:
     """Warn once per (rule, layer) until it clears; count every finding per rule.
 
     A finding is *new* when its (rule, layer) pair was not found on the previously evaluated step. A pair that is
-    absent on a later evaluated step clears, and alerts again when it comes back. Findings of the
-    :data:`EVENT_RULES` (``loss_spike``) are events, not conditions that persist: every one is new, and none is kept
-    as active (two spikes a few steps apart, with no sampled step between them, alert twice). The state is plain
-    Python (a set and a dict), so it pickles, and :meth:`state_dict` holds only JSON types for checkpoints.
+    absent on a later evaluated step clears, and alerts again when it comes back. Findings of an event rule
+    (``loss_spike``) are all new, and none is kept as active (two spikes a few steps apart, with no sampled step
+    between them, alert twice). The state is plain Python, so it pickles, and :meth:`state_dict` holds only JSON
+    types for checkpoints.
 
     Attributes:
         counts: Rule name to the number of findings seen (alerted or not) since the state was created.
@@ -43,7 +37,7 @@ class AlertState:
 
     def __init__(self) -> None:
         self._active: set[tuple[str, str]] = set()
-        self.counts: dict[str, int] = dict.fromkeys(RULES, 0)
+        self.counts: dict[str, int] = dict.fromkeys((r.name for r in registered()), 0)
 
     @property
     def active(self) -> frozenset[tuple[str, str]]:
@@ -59,7 +53,7 @@ class AlertState:
         new: list[Finding] = []
         active: set[tuple[str, str]] = set()
         for f in findings:
-            if f.rule in EVENT_RULES:
+            if f.rule in REGISTRY and REGISTRY[f.rule].event:
                 new.append(f)
                 continue
             pair = (f.rule, f.layer)
@@ -94,4 +88,4 @@ class AlertState:
         ):
             raise ValueError(f"AlertState.load_state_dict: 'counts' expects {{rule: count >= 0}}, got {counts!r}")
         self._active = pairs
-        self.counts = dict.fromkeys(RULES, 0) | dict(counts)
+        self.counts = dict.fromkeys((r.name for r in registered()), 0) | dict(counts)

@@ -1,54 +1,45 @@
-"""What a rule reads on one step, gathered in one :class:`Context`.
-
-The step's values, the layers' forward and backward orders (:class:`Orders`), and what the caller knows besides: the
-last regular sampled step (:class:`Baseline`), each parameter's optimizer facts (:class:`ParamFacts`), the sentinel's
-trip and the history of earlier sampled steps.
-"""
+"""What a rule reads on one step, gathered in one immutable :class:`Context`."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from lightning_hookdiag import trends
-from lightning_hookdiag.names import owning_layer
+from lightning_hookdiag.names import BATCH, ROOT, owning_layer
 from lightning_hookdiag.rules.config import RuleConfig
-from lightning_hookdiag.rules.findings import BATCH
 
 if TYPE_CHECKING:  # the rules only read a Trip's fields; importing the sentinel at run time would import torch
     from lightning_hookdiag.step_state import Trip
 
-__all__ = [
-    "Baseline",
-    "Context",
-    "Orders",
-    "ParamFacts",
-    "finite",
-]
+__all__ = ["Baseline", "Context", "Orders", "ParamFacts", "finite"]
 
 
 class Orders:
-    """Positions of layers in forward and backward order, with documented fallbacks for layers missing from one."""
+    """Positions of layers in forward and backward order, with documented fallbacks for layers missing from one.
 
-    def __init__(self, forward_order: Sequence[str], backward_order: Sequence[str]) -> None:
-        self.forward: dict[str, int] = {}
+    Args:
+        forward_order: Layers in the order their forward first ran; a module called twice sorts at its first call.
+        backward_order: Layers in the order their output gradient arrived.
+        trip: A replayed trip that traced a NaN/Inf to code between two layers: the module that made it (or
+            :data:`~lightning_hookdiag.names.ROOT`) sorts where the first non-finite selected layer does.
+    """
+
+    def __init__(self, forward_order: Sequence[str], backward_order: Sequence[str], trip: Trip | None = None) -> None:
+        forward: dict[str, int] = {}
         for i, name in enumerate(forward_order):
-            self.forward.setdefault(name, i)  # a module called twice: its first call is its depth
-        self.backward: dict[str, int] = {}
+            forward.setdefault(name, i)
+        backward: dict[str, int] = {}
         for i, name in enumerate(backward_order):
-            self.backward.setdefault(name, i)
-        self.layers = self.forward.keys() | self.backward.keys()
-
-    def place(self, layer: str, like: str) -> None:
-        """Sort ``layer``, a module outside the observed order (not selected), at the position of observed ``like``."""
-        if like in self.forward:
-            self.forward.setdefault(layer, self.forward[like])
-
-    def first(self, layer: str) -> None:
-        """Sort ``layer`` (the batch) before every observed layer in forward order."""
-        self.forward[layer] = min(self.forward.values(), default=0) - 1
+            backward.setdefault(name, i)
+        self.layers = frozenset(forward.keys() | backward.keys())
+        if trip is not None and trip.nan_entry in forward:
+            forward.setdefault(trip.nan_origin or ROOT, forward[trip.nan_entry])
+        self.forward: Mapping[str, int] = MappingProxyType(forward)
+        self.backward: Mapping[str, int] = MappingProxyType(backward)
 
     def owner(self, param: str) -> str:
         """The observed layer that owns parameter ``param`` (see :func:`~lightning_hookdiag.names.owning_layer`)."""
@@ -62,7 +53,7 @@ class Orders:
             return (-1, 0, "")
         if layer in self.forward:
             return (0, self.forward[layer], "")
-        return (1, 0, layer)  # unknown position: after every known layer, deterministically by name
+        return (1, 0, layer)
 
     def backward_key(self, layer: str) -> tuple[int, int, str]:
         """Sort key of ``layer`` in backward order; unrecorded ones in reversed forward order, then by name."""
@@ -116,38 +107,41 @@ class ParamFacts:
 
 
 @dataclass(frozen=True)
+class Baseline:
+    """The values of an earlier, regular sampled step (``step``), for rules that compare against the recent past."""
+
+    step: int
+    values: Mapping[str, Mapping[str, float]]
+
+
+def _frozen(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    return MappingProxyType(dict(mapping or {}))
+
+
+@dataclass(frozen=True)
 class Context:
-    """What every rule reads: the arguments of :func:`~lightning_hookdiag.rules.evaluate`, and the layers' orders."""
+    """What every rule reads: the arguments of :func:`~lightning_hookdiag.rules.evaluate`, read-only."""
 
     values: Mapping[str, Mapping[str, float]]
     orders: Orders
     step: int
     config: RuleConfig
-    layer_types: Mapping[str, str]
+    layer_types: Mapping[str, str] = field(default_factory=dict)
     trip: Trip | None = None
     baseline: Baseline | None = None
-    last_finite: Mapping[str, int] | None = None
+    last_finite: Mapping[str, int] = field(default_factory=dict)
     missing_grads: Collection[str] = ()
     eval_mode: Mapping[str, str] = field(default_factory=dict)
     unregistered: Mapping[str, Sequence[str]] = field(default_factory=dict)
-    param_facts: Mapping[str, ParamFacts] | None = None
+    param_facts: Mapping[str, ParamFacts] = field(default_factory=dict)
     history: trends.History | None = None
-    shared: dict[str, Any] = field(default_factory=dict, compare=False)
-    """What several rules derive from the same values (both gradient rules sort the same ratios)."""
+
+    def __post_init__(self) -> None:
+        # frozen: the read-only views are set through object.__setattr__, once.
+        for name in ("values", "layer_types", "last_finite", "eval_mode", "unregistered", "param_facts"):
+            object.__setattr__(self, name, _frozen(getattr(self, name)))
+        object.__setattr__(self, "missing_grads", frozenset(self.missing_grads))
 
     def stat(self, name: str) -> Mapping[str, float]:
         """The values of statistic ``name`` per layer or parameter; empty when it is absent."""
         return self.values.get(name) or {}
-
-
-@dataclass(frozen=True)
-class Baseline:
-    """The values of an earlier, regular sampled step, for rules that compare against the recent past.
-
-    Attributes:
-        step: The optimizer step the values describe.
-        values: As the ``values`` argument of :func:`~lightning_hookdiag.rules.evaluate`.
-    """
-
-    step: int
-    values: Mapping[str, Mapping[str, float]]

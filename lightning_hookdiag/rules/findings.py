@@ -1,28 +1,11 @@
-"""What a rule returns: a :class:`Finding`, and the phrases the rules' messages share.
-
-:data:`LOSS` and :data:`ROOT` are the layers of findings about the loss and about the LightningModule's own code;
-:func:`plural`, :func:`listing` and :func:`also` write counts and short listings of more layers the same way in
-every message.
-"""
+"""What the rules find: a :class:`Finding`, and the phrases every message shares (:func:`plural`, :func:`also`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_hookdiag.names import BATCH, LOSS, ROOT  # noqa: F401  (re-exported: the rules' pseudo-layers)
-
-__all__ = [
-    "BATCH",
-    "LOSS",
-    "MAX_LISTED",
-    "PHASES",
-    "ROOT",
-    "Finding",
-    "also",
-    "listing",
-    "plural",
-]
+__all__ = ["MAX_LISTED", "PHASES", "Finding", "also", "listing", "plural"]
 
 
 PHASES: tuple[str, ...] = ("forward", "backward")
@@ -36,30 +19,21 @@ MAX_LISTED = 3
 class Finding:
     """One rule firing for one layer on one step.
 
+    What each rule's layer names: ``docs/rules.md#the-rules``; its value and statistic: the rule's function.
+
     Attributes:
         rule: Name from :data:`~lightning_hookdiag.rules.RULES`.
         layer: The layer (module name) the finding is about; for findings about parameters, the parameter's
-            module: the longest layer of ``forward_order``/``backward_order`` that prefixes its dotted name, else the
-            name minus its last segment. :data:`LOSS` for the loss itself; for a NaN made by functional code between
-            two layers, the module whose forward made it (not necessarily selected), or :data:`ROOT`.
-            ``exploding_gradient``: the layer whose backward amplifies the gradient most; ``no_gradient``: the first
-            cut-off layer in forward order; ``eval_mode``: the first module in eval mode in forward order (a
-            BatchNorm or Dropout, selected or not).
+            module: the longest observed layer that prefixes its dotted name, else the name minus its last segment.
+            ``LOSS`` for the loss itself, ``BATCH`` for the step's batch, and, for a NaN made by functional code
+            between two layers, the module whose forward made it (not necessarily selected) or ``ROOT``.
         step: The optimizer step the statistics describe.
-        value: The observed value compared with ``threshold``: a count of non-finite elements or parameters
-            (``nonfinite``), a dead fraction, a gradient-norm ratio, a lower bound on the saturated share, the
-            number of cut-off layers (``no_gradient``) or of modules in eval mode (``eval_mode``), the largest bound
-            on the moved share of a module's parameters (``not_updated``; for parameters no optimizer holds, their
-            largest gradient norm), the largest relative spread of norms (``replica_divergence``).
-        threshold: The threshold it crossed (``0.0`` for ``nonfinite``: any count above it fires).
+        value: The observed value compared with ``threshold`` (a count, a fraction, a ratio, a bound).
+        threshold: The threshold it crossed (``0.0`` where any count above it fires).
         message: Human-readable sentence naming the rule and the layer.
         phase: ``"forward"`` (about activations) or ``"backward"`` (about gradients).
-        stat: The statistic that triggered it (``act_nonfinite``, ``act_grad_nonfinite``, ``param_grad_norm``,
-            ``param_norm`` (non-finite weights, replicas that differ), ``act_dead_frac``, ``act_grad_norm``,
-            ``act_std``, ``act_absmax``, ``param_update_ratio`` (weights that did not move; ``param_grad_norm``
-            for parameters no optimizer holds), ``training`` (``eval_mode``: the module's mode), or ``loss`` for a
-            finding about the loss itself), e.g. to ignore non-finite gradients on steps that an fp16 ``GradScaler``
-            skips.
+        stat: The statistic that triggered it, ``loss`` for a finding about the loss itself, e.g. to ignore
+            non-finite gradients on steps that an fp16 ``GradScaler`` skips.
     """
 
     rule: str

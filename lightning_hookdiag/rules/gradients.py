@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 
 from lightning_hookdiag.names import owning_layer
 from lightning_hookdiag.rules.context import Context, finite
-from lightning_hookdiag.rules.findings import Finding, also, plural
+from lightning_hookdiag.rules.findings import also, plural
+from lightning_hookdiag.rules.registry import Found, rule
 
-__all__ = [
-    "cut_off",
-    "gradient_scale",
-    "no_gradient",
-]
+__all__ = ["cut_off"]
 
 
 def cut_off(
@@ -60,40 +57,27 @@ def cut_off(
     )
 
 
-def no_gradient(ctx: Context) -> list[Finding]:
-    """Rule ``no_gradient``: the layers before the point the gradient never crossed (:func:`cut_off`)."""
+@rule(order=4, phase="backward", stat="act_grad_norm")
+def no_gradient(ctx: Context) -> Iterator[Found]:
+    """The layers before the point the gradient never crossed (:func:`cut_off`)."""
     forward = sorted(ctx.orders.forward, key=ctx.orders.forward.__getitem__)
     backward = sorted(ctx.orders.backward, key=ctx.orders.backward.__getitem__)
     cut = cut_off(ctx.missing_grads, forward, backward, ctx.stat("param_grad_norm"))
-    if not cut:
-        return []
-    first, last = cut[0], cut[-1]
-    reached = min((n for n in backward if n in ctx.orders.forward), key=ctx.orders.forward.__getitem__)
-    return [
-        Finding(
-            rule="no_gradient",
-            layer=first,
-            step=ctx.step,
-            value=float(len(cut)),
-            threshold=0.0,
-            message=f"no_gradient at step {ctx.step}: the output of {first} required grad but received no gradient,"
-            f" while {reached}, later in forward order, did: the gradient stops between {last} and {reached} (a"
-            f" .detach(), or an output that does not reach the loss), so {first} and what runs before the cut do not"
-            f" learn{also(cut[1:], ' after it', 'cut off')}",
-            phase="backward",
-            stat="act_grad_norm",
+    if cut:
+        first, last = cut[0], cut[-1]
+        reached = min((n for n in backward if n in ctx.orders.forward), key=ctx.orders.forward.__getitem__)
+        yield Found(
+            first,
+            len(cut),
+            f"no_gradient at step {ctx.step}: the output of {first} required grad but received no gradient, while"
+            f" {reached}, later in forward order, did: the gradient stops between {last} and {reached} (a .detach(),"
+            f" or an output that does not reach the loss), so {first} and what runs before the cut do not learn"
+            f"{also(cut[1:], ' after it', 'cut off')}",
         )
-    ]
 
 
 def _gradient_ratios(ctx: Context) -> tuple[str, float, list[tuple[str, float]]] | None:
     """The output-end reference layer and norm, and every other usable layer's ratio to it, in backward order."""
-    if "gradient_ratios" not in ctx.shared:
-        ctx.shared["gradient_ratios"] = _compute_gradient_ratios(ctx)
-    return ctx.shared["gradient_ratios"]
-
-
-def _compute_gradient_ratios(ctx: Context) -> tuple[str, float, list[tuple[str, float]]] | None:
     nonfinite = ctx.stat("act_grad_nonfinite")
     # A norm taken over only the finite part of a NaN-ridden gradient means nothing; `nonfinite` reports those.
     usable = [
@@ -176,39 +160,39 @@ def _amplifier(ref_layer: str, rest: Sequence[tuple[str, float]], fired: str) ->
     return fired, f". The growth is spread over the layers up to {fired}, none holding most of it; the largest: {gains}"
 
 
-def gradient_scale(ctx: Context, rule: str) -> list[Finding]:
-    """Rule ``rule`` (``vanishing_gradient`` or ``exploding_gradient``) on the output-gradient ratios."""
+@rule(order=5, phase="backward", stat="act_grad_norm")
+def vanishing_gradient(ctx: Context) -> list[Found]:
+    """From some layer to the input end, every output gradient is far smaller than the output end's."""
+    return _gradient_scale(ctx, vanishing=True)
+
+
+@rule(order=6, phase="backward", stat="act_grad_norm")
+def exploding_gradient(ctx: Context) -> list[Found]:
+    """From some layer to the input end, every output gradient is far larger than the output end's."""
+    return _gradient_scale(ctx, vanishing=False)
+
+
+def _gradient_scale(ctx: Context, vanishing: bool) -> list[Found]:
     ratios = _gradient_ratios(ctx)
     if ratios is None:
         return []
     ref_layer, ref_norm, rest = ratios
-    vanishing = rule == "vanishing_gradient"
     threshold = ctx.config.vanishing_ratio if vanishing else ctx.config.exploding_ratio
     for i, ((layer, _), (ratio, extreme)) in enumerate(zip(rest, _input_side(rest, vanishing), strict=True)):
         if (ratio < threshold) if vanishing else (ratio > threshold):
             span = f"from {layer} to the input end ({plural(len(rest) - i, 'layer')})"
-            what = (
-                f"no layer {span} receives an output gradient of vanishing_ratio={threshold:g} times that of the output"
-                f" end ({ref_layer}, {ref_norm:.3g}); the largest is {ratio:.3g} times, at {extreme}"
-                if vanishing
-                else f"every layer {span} receives an output gradient more than exploding_ratio={threshold:g} times"
-                f" that of the output end ({ref_layer}, {ref_norm:.3g}); the smallest is {ratio:.3g} times, at"
-                f" {extreme}"
-            )
-            named = layer
-            if not vanishing:  # named where the gradient grows, not where the growth is first seen
-                named, where = _amplifier(ref_layer, rest, layer)
-                what += where
-            return [
-                Finding(
-                    rule=rule,
-                    layer=named,
-                    step=ctx.step,
-                    value=ratio,
-                    threshold=threshold,
-                    message=f"{rule} at step {ctx.step}: {what}",
-                    phase="backward",
-                    stat="act_grad_norm",
+            if vanishing:
+                title, named, where = "vanishing_gradient", layer, ""
+                what = (
+                    f"no layer {span} receives an output gradient of vanishing_ratio={threshold:g} times that of the"
+                    f" output end ({ref_layer}, {ref_norm:.3g}); the largest is {ratio:.3g} times, at {extreme}"
                 )
-            ]
+            else:  # named where the gradient grows, not where the growth is first seen
+                title, (named, where) = "exploding_gradient", _amplifier(ref_layer, rest, layer)
+                what = (
+                    f"every layer {span} receives an output gradient more than exploding_ratio={threshold:g} times"
+                    f" that of the output end ({ref_layer}, {ref_norm:.3g}); the smallest is {ratio:.3g} times, at"
+                    f" {extreme}"
+                )
+            return [Found(named, ratio, f"{title} at step {ctx.step}: {what}{where}", threshold)]
     return []

@@ -8,60 +8,44 @@ propagates through them, and the sentinel's trip says what the statistics cannot
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Mapping
 
+from lightning_hookdiag.names import BATCH, LOSS, ROOT
 from lightning_hookdiag.rules.context import Context, ParamFacts, finite
-from lightning_hookdiag.rules.findings import BATCH, LOSS, ROOT, Finding, also, listing, plural
+from lightning_hookdiag.rules.findings import also, listing, plural
+from lightning_hookdiag.rules.registry import Found, rule
 
-if TYPE_CHECKING:  # the rules only read a Trip's fields; importing the sentinel at run time would import torch
-    from lightning_hookdiag.step_state import Trip
-
-__all__ = [
-    "nonfinite",
-]
+__all__: list[str] = []
 
 
 def _origin(
     ctx: Context, bad: Mapping[str, float], phase: str, stat: str, describe: Callable[[str, list[str]], str]
-) -> Finding | None:
-    """The ``nonfinite`` finding for the earliest of the ``bad`` layers in ``phase`` order, if any.
-
-    ``describe(origin, others)`` writes the message; the value is ``bad[origin]``.
-    """
+) -> Found | None:
+    """The finding for the earliest of the ``bad`` layers in ``phase`` order (``describe(origin, others)``), if any."""
     if not bad:
         return None
     key = ctx.orders.forward_key if phase == "forward" else ctx.orders.backward_key
     origin, *others = sorted(bad, key=key)
-    return Finding(
-        rule="nonfinite",
-        layer=origin,
-        step=ctx.step,
-        value=float(bad[origin]),
-        threshold=0.0,
-        message=describe(origin, others),
-        phase=phase,
-        stat=stat,
-    )
+    return Found(origin, bad[origin], describe(origin, others), phase=phase, stat=stat)
 
 
-def nonfinite(ctx: Context) -> list[Finding]:
-    """Rule ``nonfinite``: the origin of each NaN/Inf (outputs, gradients, weights) and of a non-finite loss."""
+def _nonfinite(values: Iterable[tuple[str, object]]) -> list[str]:
+    return [p for p, v in values if isinstance(v, (int, float)) and not math.isfinite(v)]
+
+
+@rule(order=0, phase="forward", stat="act_nonfinite")
+def nonfinite(ctx: Context) -> list[Found]:
+    """The origin of each NaN/Inf (outputs, gradients, weights) and of a non-finite loss."""
     found = _nonfinite_origins(ctx)
-    batch = _nonfinite_batch(ctx)
-    if batch is not None:
+    trip = ctx.trip
+    if trip is not None and trip.bad_batch:
         # Every layer that received the batch is non-finite as a consequence: the first selected layer, and a NaN
         # traced to code outside every module's forward (or the LightningModule's own), which is where it entered.
         layers = [n for n in ctx.orders.forward if n != ROOT]  # ROOT may have been placed beside the first layer
         first = min(layers, key=ctx.orders.forward.__getitem__, default=None)
-        entered = {first, ROOT} if ctx.trip is None or ctx.trip.nan_origin is None else {first}
-        found = [f for f in found if not (f.phase == "forward" and f.layer in entered)]
-        ctx.orders.first(BATCH)
-        found.insert(0, batch)
-    stepped = _broken_by_step(ctx)
-    if stepped is not None:
-        found.append(stepped)
+        entered = {first, ROOT} if trip.nan_origin is None else {first}
+        found = [_nonfinite_batch(ctx), *(f for f in found if not (f.phase == "forward" and f.layer in entered))]
+    found += _broken_by_step(ctx)
     weights = _nonfinite_weights(ctx)
     if weights is not None:
         # A broken weight makes everything computed from it non-finite: only a forward origin upstream of every
@@ -69,7 +53,6 @@ def nonfinite(ctx: Context) -> list[Finding]:
         first_broken = ctx.orders.forward_key(weights.layer)
         found = [f for f in found if f.phase == "forward" and ctx.orders.forward_key(f.layer) < first_broken]
         found.append(weights)
-    trip = ctx.trip
     # A step that was not replayed always says so; a replayed one only when its statistics explain nothing.
     if trip is not None and trip.kind in ("nonfinite_loss", "nonfinite_grad") and not (found and trip.replayed):
         what = "loss" if trip.kind == "nonfinite_loss" else "parameter gradients"
@@ -80,52 +63,37 @@ def nonfinite(ctx: Context) -> list[Finding]:
             )
         else:
             detail = f"not replayed because {trip.reason}; step {ctx.step + 1} is sampled"
-        found.append(
-            Finding(
-                rule="nonfinite",
-                layer=LOSS,
-                step=ctx.step,
-                value=1.0,
-                threshold=0.0,
-                message=f"nonfinite: non-finite {what} at step {ctx.step}{_last_finite_loss(trip)}; {detail}",
-                phase="forward",
-                stat="loss",
-            )
-        )
+        message = f"nonfinite: non-finite {what} at step {ctx.step}{_last_finite_loss(ctx)}; {detail}"
+        found.append(Found(LOSS, 1.0, message, stat="loss"))
     return found
 
 
-def _last_finite_loss(trip: Trip | None) -> str:
-    if trip is None or trip.last_finite_step is None:
+def _last_finite_loss(ctx: Context) -> str:
+    if ctx.trip is None or ctx.trip.last_finite_step is None:
         return ""
-    return f" (the sentinel last saw a finite step at step {trip.last_finite_step})"
+    return f" (the sentinel last saw a finite step at step {ctx.trip.last_finite_step})"
 
 
-def _nonfinite_batch(ctx: Context) -> Finding | None:
-    """A finding naming the tensors of the step's batch that hold NaN/Inf (the sentinel counted them), if any."""
-    trip = ctx.trip
-    if trip is None or not trip.bad_batch:
-        return None
-    bad = list(trip.bad_batch)
+def _nonfinite_batch(ctx: Context) -> Found:
+    """The tensors of the step's batch that hold NaN/Inf (the sentinel counted them)."""
+    assert ctx.trip is not None
+    bad = list(ctx.trip.bad_batch)
     held = ", ".join(f"{path} holds {n:g} NaN/Inf of its {size:g} elements" for path, n, size in bad[:3])
     more = f" (and {plural(len(bad) - 3, 'more tensor')})" if len(bad) > 3 else ""
-    return Finding(
-        rule="nonfinite",
-        layer=BATCH,
-        step=ctx.step,
-        value=float(sum(n for _, n, _ in bad)),
-        threshold=0.0,
-        message=f"nonfinite: the data is non-finite: the batch of step {ctx.step} already held NaN/Inf before any"
-        f" layer ran: {held}{more}. Every layer computed from it is non-finite as a consequence and is not blamed;"
-        " look at the data pipeline (a standardisation by a per-feature std that is 0 for a constant feature, a log"
-        " of 0, missing values read as NaN)",
+    return Found(
+        BATCH,
+        sum(n for _, n, _ in bad),
+        f"nonfinite: the data is non-finite: the batch of step {ctx.step} already held NaN/Inf before any layer ran:"
+        f" {held}{more}. Every layer computed from it is non-finite as a consequence and is not blamed; look at the"
+        " data pipeline (a standardisation by a per-feature std that is 0 for a constant feature, a log of 0,"
+        " missing values read as NaN)",
         phase="forward",
         stat="batch_nonfinite",
     )
 
 
-def _broken_by_step(ctx: Context) -> Finding | None:
-    """A finding naming the parameters whose finite weights the optimizer step made NaN/Inf from finite gradients.
+def _broken_by_step(ctx: Context) -> list[Found]:
+    """The parameters whose finite weights the optimizer step made NaN/Inf from finite gradients.
 
     The update ratio ``||w_after - w_before|| / ||w_before||`` is non-finite exactly when ``w_after`` is, given a
     finite, non-zero ``w_before`` (a weight norm of 0 has no ratio).
@@ -133,30 +101,19 @@ def _broken_by_step(ctx: Context) -> Finding | None:
     norms, grads = ctx.stat("param_norm"), ctx.stat("param_grad_norm")
     bad = [
         p
-        for p, ratio in ctx.stat("param_update_ratio").items()
-        if isinstance(ratio, (int, float))
-        and not math.isfinite(ratio)
-        and finite(norms.get(p))
-        and norms[p] > 0
-        and finite(grads.get(p))
+        for p in _nonfinite(ctx.stat("param_update_ratio").items())
+        if finite(norms.get(p)) and norms[p] > 0 and finite(grads.get(p))
     ]
     if not bad:
-        return None
+        return []
     owners = sorted({ctx.orders.owner(p) for p in bad}, key=ctx.orders.forward_key)
-    facts = ctx.param_facts or {}
-    return Finding(
-        rule="nonfinite",
-        layer=owners[0],
-        step=ctx.step,
-        value=float(len(bad)),
-        threshold=0.0,
-        message=f"nonfinite: the optimizer update of step {ctx.step} wrote NaN/Inf into finite weights from finite"
-        f" gradients: {listing(bad)} ({plural(len(bad), 'parameter')} in {plural(len(owners), 'layer')}, the first in"
-        f" forward order: {owners[0]}) were finite with finite gradients before the step and are not after it."
-        f" {_step_cause(facts.get(bad[0]))}",
-        phase="backward",
-        stat="param_update_ratio",
+    message = (
+        f"nonfinite: the optimizer update of step {ctx.step} wrote NaN/Inf into finite weights from finite gradients:"
+        f" {listing(bad)} ({plural(len(bad), 'parameter')} in {plural(len(owners), 'layer')}, the first in forward"
+        f" order: {owners[0]}) were finite with finite gradients before the step and are not after it."
+        f" {_step_cause(ctx.param_facts.get(bad[0]))}"
     )
+    return [Found(owners[0], len(bad), message, phase="backward", stat="param_update_ratio")]
 
 
 def _step_cause(fact: ParamFacts | None) -> str:
@@ -182,15 +139,13 @@ def _step_cause(fact: ParamFacts | None) -> str:
     )
 
 
-def _nonfinite_weights(ctx: Context) -> Finding | None:
-    """A finding naming the parameters whose weights are already NaN/Inf before the step, if any."""
-    bad = [
-        p for p, norm in ctx.stat("param_norm").items() if isinstance(norm, (int, float)) and not math.isfinite(norm)
-    ]
+def _nonfinite_weights(ctx: Context) -> Found | None:
+    """The parameters whose weights are already NaN/Inf before the step, if any."""
+    bad = _nonfinite(ctx.stat("param_norm").items())
     if not bad:
         return None
     owners = sorted({ctx.orders.owner(p) for p in bad}, key=ctx.orders.forward_key)
-    known = [ctx.last_finite[p] for p in bad if ctx.last_finite and p in ctx.last_finite]
+    known = [ctx.last_finite[p] for p in bad if p in ctx.last_finite]
     when = f"; they were last observed finite at step {max(known)}" if known else ""
     trip = ctx.trip
     if known and max(known) == ctx.step - 1:
@@ -200,22 +155,16 @@ def _nonfinite_weights(ctx: Context) -> Finding | None:
             f"; the loss of step {ctx.step - 1} was still finite, so step {ctx.step - 1}'s optimizer update most"
             " likely made them non-finite"
         )
-    return Finding(
-        rule="nonfinite",
-        layer=owners[0],
-        step=ctx.step,
-        value=float(len(bad)),
-        threshold=0.0,
-        message=f"nonfinite: the weights are already non-finite before step {ctx.step}: {listing(bad)}"
+    message = (
+        f"nonfinite: the weights are already non-finite before step {ctx.step}: {listing(bad)}"
         f" ({plural(len(bad), 'parameter')} in {plural(len(owners), 'layer')}, the first in forward order:"
-        f" {owners[0]}){when}{_last_finite_loss(ctx.trip)}. The weights broke on an earlier step; every activation and"
-        " gradient computed from them is non-finite as a consequence and is not blamed on its layer",
-        phase="forward",
-        stat="param_norm",
+        f" {owners[0]}){when}{_last_finite_loss(ctx)}. The weights broke on an earlier step; every activation and"
+        " gradient computed from them is non-finite as a consequence and is not blamed on its layer"
     )
+    return Found(owners[0], len(bad), message, phase="forward", stat="param_norm")
 
 
-def _nonfinite_origins(ctx: Context) -> list[Finding]:
+def _nonfinite_origins(ctx: Context) -> list[Found]:
     step = ctx.step
     # Activations: a NaN propagates forward, so the first non-finite layer in forward order is where it was born.
     acts = {k: v for k, v in ctx.stat("act_nonfinite").items() if finite(v) and v > 0}
@@ -246,9 +195,9 @@ def _nonfinite_origins(ctx: Context) -> list[Finding]:
     )
     # Parameter gradients are formed from their module's output gradient, so the same backward-order origin holds.
     by_layer: dict[str, list[tuple[str, float]]] = {}
-    for param, norm in ctx.stat("param_grad_norm").items():
-        if isinstance(norm, (int, float)) and not math.isfinite(norm):
-            by_layer.setdefault(ctx.orders.owner(param), []).append((param, norm))
+    grad_norms = ctx.stat("param_grad_norm")
+    for param in _nonfinite(grad_norms.items()):
+        by_layer.setdefault(ctx.orders.owner(param), []).append((param, grad_norms[param]))
     params = _origin(
         ctx,
         {layer: float(len(p)) for layer, p in by_layer.items()},
@@ -263,12 +212,13 @@ def _nonfinite_origins(ctx: Context) -> list[Finding]:
     return [f for f in (forward, backward, params) if f is not None]
 
 
-def _made_between(ctx: Context, entry: Finding) -> Finding:
-    """The forward ``nonfinite`` finding when the first non-finite layer's input was already non-finite.
+def _made_between(ctx: Context, entry: Found) -> Found:
+    """The forward finding when the first non-finite layer's input was already non-finite.
 
     The replay's trace (:mod:`lightning_hookdiag.provenance`) named the innermost module whose forward made the
     NaN/Inf (``trip.nan_origin``), or none: it was made outside every module's forward. The finding names that module
-    (:data:`ROOT` for the LightningModule's own code) and sorts where ``entry`` does.
+    (``ROOT`` for the LightningModule's own code), which sorts where ``entry`` does (see
+    :class:`~lightning_hookdiag.rules.context.Orders`).
     """
     assert ctx.trip is not None
     first = entry.layer
@@ -283,11 +233,8 @@ def _made_between(ctx: Context, entry: Finding) -> Finding:
     else:
         where = f"inside the forward of {origin}"
     after = f"after the output of {previous} and " if previous is not None else ""
-    layer = origin or ROOT
-    ctx.orders.place(layer, first)
-    return replace(
-        entry,
-        layer=layer,
+    return entry._replace(
+        layer=origin or ROOT,
         message=f"nonfinite: the NaN/Inf was made {where}, {after}before the input of {first}, at step {ctx.step}:"
         f" functional code there (torch.log, sqrt, a division) made it, not a selected layer. {first}, the first"
         f" non-finite selected layer in forward order, received it ({entry.value:.0f} NaN/Inf output elements)",

@@ -8,21 +8,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from lightning_hookdiag.rules.context import Context, Orders, ParamFacts, finite
-from lightning_hookdiag.rules.findings import MAX_LISTED, Finding, listing, plural
+from lightning_hookdiag.rules.findings import MAX_LISTED, listing, plural
+from lightning_hookdiag.rules.registry import Found, rule
 
-__all__ = [
-    "moved_mass_bound",
-    "not_updated",
-    "replica_divergence",
-    "stale_gradients",
-    "unregistered_module",
-    "update_ratio",
-    "warmup_stuck",
-    "zeroed_gradients",
-]
+__all__ = ["moved_mass_bound"]
 
 
 def _layer_updates(orders: Orders, values: Mapping[str, Mapping[str, float]]) -> dict[str, tuple[float, float]]:
@@ -63,26 +55,27 @@ def _slow_layers(ctx: Context, values: Mapping[str, Mapping[str, float]]) -> dic
     return None
 
 
-def _scheduled_low(facts: Mapping[str, ParamFacts] | None) -> bool:
-    """Whether an LR scheduler holds every stepped parameter's lr below ``_SCHEDULED_LOW`` of its base (a warm-up).
-
-    The scheduler raises it again; one that never steps is ``warmup_stuck``'s.
-    """
-    stepped = [f for f in (facts or {}).values() if f.held and f.applied]
-    return bool(stepped) and all(
-        f.base_lr is not None and f.base_lr > 0 and finite(f.lr) and f.lr < _SCHEDULED_LOW * f.base_lr for f in stepped
-    )
+def _held_low(fact: ParamFacts) -> bool:
+    """Whether an LR scheduler holds the parameter's lr below ``_SCHEDULED_LOW`` of its base lr (a warm-up)."""
+    base = fact.base_lr
+    return base is not None and base > 0 and finite(fact.lr) and fact.lr < _SCHEDULED_LOW * base
 
 
-def _never_stepped(facts: Mapping[str, ParamFacts] | None) -> bool:
+def _scheduled_low(facts: Mapping[str, ParamFacts]) -> bool:
+    """Whether every stepped parameter's lr is held low: the scheduler raises it again (or ``warmup_stuck`` fires)."""
+    stepped = [f for f in facts.values() if f.held and f.applied]
+    return bool(stepped) and all(_held_low(f) for f in stepped)
+
+
+def _never_stepped(facts: Mapping[str, ParamFacts]) -> bool:
     """Whether a scheduler holds the lr and has not stepped once (``warmup_stuck`` names that)."""
-    return any(f.scheduler_steps == 0 for f in (facts or {}).values() if f.held and f.applied)
+    return any(f.scheduler_steps == 0 for f in facts.values() if f.held and f.applied)
 
 
-def update_ratio(ctx: Context) -> list[Finding]:
-    """Rule ``update_ratio``: every layer's update is too small for its weights and its gradient."""
-    if ctx.baseline is None:
-        return []
+@rule(order=9, phase="forward", stat="param_update_ratio", reads=["baseline"])
+def update_ratio(ctx: Context) -> list[Found]:
+    """Every layer's update is too small for its weights and its gradient."""
+    assert ctx.baseline is not None
     # The whole network, not one layer: a norm layer's weights of 1 move by at most about lr per step under Adam,
     # so one layer alone is below 1e-5 in healthy fine-tuning. And small against the gradient too: in a converged
     # fit the weights stop moving because the gradient is small, not the learning rate.
@@ -108,25 +101,15 @@ def update_ratio(ctx: Context) -> list[Finding]:
         f" that got a gradient {slow} ({where}), and by less than effective_lr_low={lr_low:g} times their gradient"
         f" ({lr:.3g} in {fastest}): the learning rate is too low for the weights to move"
     )
-    return [
-        Finding(
-            rule="update_ratio",
-            layer=layers[0],
-            step=ctx.step,
-            value=ratio,
-            threshold=low,
-            message=message,
-            phase="forward",
-            stat="param_update_ratio",
-        )
-    ]
+    return [Found(layers[0], ratio, message, low)]
 
 
-def stale_gradients(ctx: Context) -> list[Finding]:
-    """Rule ``stale_gradients``: parameters that held a gradient at the step's first backward."""
+@rule(order=11, phase="backward", stat="param_stale_grad_norm")
+def stale_gradients(ctx: Context) -> list[Found]:
+    """Parameters that held a gradient at the step's first backward."""
     # A parameter that no optimizer holds keeps its gradient because zero_grad() never clears it: not_updated names
     # that cause exactly, so it is left to that rule when it runs.
-    facts = ctx.param_facts if "not_updated" in ctx.config.enabled and ctx.param_facts else {}
+    facts = ctx.param_facts if "not_updated" in ctx.config.enabled else {}
     stale = {
         p: norm
         for p, norm in ctx.stat("param_stale_grad_norm").items()
@@ -139,44 +122,27 @@ def stale_gradients(ctx: Context) -> list[Finding]:
         return []
     owners = sorted({ctx.orders.owner(p) for p in stale}, key=ctx.orders.forward_key)
     first = [p for p in stale if ctx.orders.owner(p) == owners[0]]
-    return [
-        Finding(
-            rule="stale_gradients",
-            layer=owners[0],
-            step=ctx.step,
-            value=float(len(stale)),
-            threshold=0.0,
-            message=f"stale_gradients: at the first backward of step {ctx.step}, {plural(len(stale), 'parameter')}"
-            f" already held a non-zero gradient ({listing(first)} in {owners[0]}, the first of"
-            f" {plural(len(owners), 'layer')} in forward order; norm {stale[first[0]]:.3g}): .grad was not zeroed"
-            " after the last optimizer step, so the gradients of all past steps add up. Either zero_grad() is not"
-            " called (manual optimization), or these parameters are in none of the optimizer's param groups, which"
-            " zero_grad() clears",
-            phase="backward",
-            stat="param_stale_grad_norm",
-        )
-    ]
+    message = (
+        f"stale_gradients: at the first backward of step {ctx.step}, {plural(len(stale), 'parameter')} already held a"
+        f" non-zero gradient ({listing(first)} in {owners[0]}, the first of {plural(len(owners), 'layer')} in forward"
+        f" order; norm {stale[first[0]]:.3g}): .grad was not zeroed after the last optimizer step, so the gradients of"
+        " all past steps add up. Either zero_grad() is not called (manual optimization), or these parameters are in"
+        " none of the optimizer's param groups, which zero_grad() clears"
+    )
+    return [Found(owners[0], len(stale), message)]
 
 
 def _held_at_start(fact: ParamFacts) -> bool:
-    """Whether a scheduler that never stepped holds the parameter's lr below ``_SCHEDULED_LOW`` of its base."""
-    base = fact.base_lr
-    return (
-        fact.held
-        and fact.applied
-        and fact.scheduler_steps == 0
-        and fact.interval != "step"  # stepped every n steps on purpose ("frequency"): not this mistake
-        and base is not None
-        and base > 0
-        and finite(fact.lr)
-        and fact.lr < _SCHEDULED_LOW * base
-    )
+    """Whether a scheduler that never stepped holds the parameter's lr low."""
+    # Stepped every n steps on purpose ("frequency"), interval "step" is not this mistake.
+    return fact.held and fact.applied and fact.scheduler_steps == 0 and fact.interval != "step" and _held_low(fact)
 
 
-def warmup_stuck(ctx: Context) -> list[Finding]:
-    """Rule ``warmup_stuck``: an LR scheduler that has not stepped once holds the lr at its low starting value."""
+@rule(order=10, phase="backward", stat="param_update_ratio", reads=["param_facts"])
+def warmup_stuck(ctx: Context) -> list[Found]:
+    """An LR scheduler that has not stepped once holds the lr at its low starting value."""
     facts = ctx.param_facts
-    if not facts or ctx.step < 1:
+    if ctx.step < 1:
         return []
     stuck = [p for p, fact in facts.items() if _held_at_start(fact)]
     if not stuck:
@@ -191,27 +157,20 @@ def warmup_stuck(ctx: Context) -> list[Finding]:
         if fact.interval == "epoch"
         else "nothing stepped it (in manual optimization, call the scheduler's step() after opt.step())"
     )
-    return [
-        Finding(
-            rule="warmup_stuck",
-            layer=owners[0],
-            step=ctx.step,
-            value=share,
-            threshold=_SCHEDULED_LOW,
-            message=f"warmup_stuck at step {ctx.step}: the LR scheduler has not stepped once in"
-            f" {plural(ctx.step, 'optimizer step')} and holds the learning rate at its starting value {fact.lr:.3g},"
-            f" {share:.3g} of its base lr {fact.base_lr:.3g} ({plural(len(stuck), 'parameter')} in"
-            f" {plural(len(owners), 'layer')}, the first in forward order: {owners[0]}): {how}",
-            phase="backward",
-            stat="param_update_ratio",
-        )
-    ]
+    message = (
+        f"warmup_stuck at step {ctx.step}: the LR scheduler has not stepped once in"
+        f" {plural(ctx.step, 'optimizer step')} and holds the learning rate at its starting value {fact.lr:.3g},"
+        f" {share:.3g} of its base lr {fact.base_lr:.3g} ({plural(len(stuck), 'parameter')} in"
+        f" {plural(len(owners), 'layer')}, the first in forward order: {owners[0]}): {how}"
+    )
+    return [Found(owners[0], share, message, _SCHEDULED_LOW)]
 
 
-def zeroed_gradients(ctx: Context) -> list[Finding]:
-    """Rule ``zeroed_gradients``: gradients reached the layers' outputs, yet no parameter held one at the step."""
+@rule(order=12, phase="backward", stat="param_grad_norm", reads=["param_facts"])
+def zeroed_gradients(ctx: Context) -> list[Found]:
+    """Gradients reached the layers' outputs, yet no parameter held one at the step."""
     facts = ctx.param_facts
-    if not facts or not any(f.held and f.applied for f in facts.values()):
+    if not any(f.held and f.applied for f in facts.values()):
         return []
     # Measured parameters are those an optimizer stepped with a gradient; an exact 0 is zero_grad(set_to_none=False).
     grads = ctx.stat("param_grad_norm")
@@ -229,22 +188,14 @@ def zeroed_gradients(ctx: Context) -> list[Finding]:
     norm = ctx.stat("act_grad_norm")[first]
     held = sorted(p for p, f in facts.items() if f.held and ctx.orders.owner(p) == first)
     what = "was 0" if grads else "was None"
-    return [
-        Finding(
-            rule="zeroed_gradients",
-            layer=first,
-            step=ctx.step,
-            value=float(norm),
-            threshold=0.0,
-            message=f"zeroed_gradients at step {ctx.step}: the backward reached the outputs of"
-            f" {plural(len(reached), 'layer')} with parameters (the first in forward order: {first}, output gradient"
-            f" norm {norm:.3g}), but at the optimizer step every parameter's .grad {what} ({listing(held)} in"
-            f" {first}): the gradients were zeroed between backward and the step, so the step changes nothing. In"
-            " manual optimization call opt.zero_grad() before manual_backward(loss), not between it and opt.step()",
-            phase="backward",
-            stat="param_grad_norm",
-        )
-    ]
+    message = (
+        f"zeroed_gradients at step {ctx.step}: the backward reached the outputs of {plural(len(reached), 'layer')}"
+        f" with parameters (the first in forward order: {first}, output gradient norm {norm:.3g}), but at the"
+        f" optimizer step every parameter's .grad {what} ({listing(held)} in {first}): the gradients were zeroed"
+        " between backward and the step, so the step changes nothing. In manual optimization call opt.zero_grad()"
+        " before manual_backward(loss), not between it and opt.step()"
+    )
+    return [Found(first, norm, message)]
 
 
 def moved_mass_bound(ratio: float, eps: float) -> float:
@@ -302,11 +253,10 @@ def _stuck(facts: ParamFacts, bound: float | None, intended: float, threshold: f
     return _ROUNDED
 
 
-def not_updated(ctx: Context) -> list[Finding]:
-    """Rule ``not_updated``: per module, parameters with a gradient whose weights did not move, and why."""
+@rule(order=14, phase="backward", stat="param_update_ratio", reads=["param_facts"])
+def not_updated(ctx: Context) -> list[Found]:
+    """Per module, parameters with a gradient whose weights did not move, and why."""
     facts = ctx.param_facts
-    if not facts:
-        return []
     threshold = ctx.config.moved_mass_threshold
     ratios, norms = ctx.stat("param_update_ratio"), ctx.stat("param_norm")
     stuck: dict[str, dict[str, list[tuple[str, float]]]] = {}  # owner -> cause -> [(parameter, value)]
@@ -327,20 +277,14 @@ def not_updated(ctx: Context) -> list[Finding]:
 
 def _not_updated_finding(
     ctx: Context, owner: str, causes: dict[str, list[tuple[str, float]]], facts: Mapping[str, ParamFacts]
-) -> Finding:
+) -> Found:
     order = [c for c in (_UNHELD, _LR_ZERO, _ROUNDED) if c in causes]
-    unheld = order[0] == _UNHELD  # the finding's value and statistic come from its first cause
     sentences = "; ".join(_stuck_sentence(ctx, cause, causes[cause], facts) for cause in order)
-    return Finding(
-        rule="not_updated",
-        layer=owner,
-        step=ctx.step,
-        value=max(v for _, v in causes[order[0]]),
-        threshold=0.0 if unheld else ctx.config.moved_mass_threshold,
-        message=f"not_updated: the weights of {owner} did not move across step {ctx.step}: {sentences}",
-        phase="backward",
-        stat="param_grad_norm" if unheld else "param_update_ratio",
-    )
+    message = f"not_updated: the weights of {owner} did not move across step {ctx.step}: {sentences}"
+    value = max(v for _, v in causes[order[0]])  # the finding's value and statistic come from its first cause
+    if order[0] == _UNHELD:
+        return Found(owner, value, message, stat="param_grad_norm")
+    return Found(owner, value, message, ctx.config.moved_mass_threshold)
 
 
 def _stuck_sentence(ctx: Context, cause: str, found: list[tuple[str, float]], facts: Mapping[str, ParamFacts]) -> str:
@@ -373,8 +317,9 @@ def _stuck_sentence(ctx: Context, cause: str, found: list[tuple[str, float]], fa
     )
 
 
-def replica_divergence(ctx: Context) -> list[Finding]:
-    """Rule ``replica_divergence``: per module, parameters whose norms differ between processes."""
+@rule(order=15, phase="forward", stat="param_norm")
+def replica_divergence(ctx: Context) -> Iterator[Found]:
+    """Per module, parameters whose norms differ between processes."""
     rtol = ctx.config.replica_rtol
     highest = ctx.stat("param_norm")
     apart: dict[str, list[tuple[str, float, float]]] = {}  # owner -> [(parameter, smallest, largest)]
@@ -382,48 +327,31 @@ def replica_divergence(ctx: Context) -> list[Finding]:
         high = highest.get(param)
         if finite(high) and finite(low) and high - low > rtol * high:
             apart.setdefault(ctx.orders.owner(param), []).append((param, float(low), float(high)))
-    out = []
     for owner, found in apart.items():
         spread = max((high - low) / high for _, low, high in found)
         norms = ", ".join(f"{p} {low:.9g} to {high:.9g}" for p, low, high in found[:MAX_LISTED])
-        out.append(
-            Finding(
-                rule="replica_divergence",
-                layer=owner,
-                step=ctx.step,
-                value=spread,
-                threshold=rtol,
-                message=f"replica_divergence: the weights of {owner} differ between processes before step {ctx.step}:"
-                f" {plural(len(found), 'replicated parameter')} {'has' if len(found) == 1 else 'have'} different"
-                f" norms on different processes ({norms}{', ...' if len(found) > MAX_LISTED else ''}; relative"
-                f" difference up to {spread:.3g} > replica_rtol={rtol:g}). DDP replicas must be identical: a"
-                " rank-dependent update or a weight changed on one process only makes each process train its own"
-                " model",
-                phase="forward",
-                stat="param_norm",
-            )
+        yield Found(
+            owner,
+            spread,
+            f"replica_divergence: the weights of {owner} differ between processes before step {ctx.step}:"
+            f" {plural(len(found), 'replicated parameter')} {'has' if len(found) == 1 else 'have'} different norms on"
+            f" different processes ({norms}{', ...' if len(found) > MAX_LISTED else ''}; relative difference up to"
+            f" {spread:.3g} > replica_rtol={rtol:g}). DDP replicas must be identical: a rank-dependent update or a"
+            " weight changed on one process only makes each process train its own model",
+            rtol,
         )
-    return out
 
 
-def unregistered_module(ctx: Context) -> list[Finding]:
-    """Rule ``unregistered_module``: layers with trainable parameters ran in the forward without being submodules."""
-    out: list[Finding] = []
+@rule(order=21, phase="forward", stat="registration", reads=["unregistered"])
+def unregistered_module(ctx: Context) -> Iterator[Found]:
+    """Layers with trainable parameters ran in the forward without being submodules."""
     for parent, modules in ctx.unregistered.items():
-        out.append(
-            Finding(
-                rule="unregistered_module",
-                layer=parent,
-                step=ctx.step,
-                value=float(len(modules)),
-                threshold=0.0,
-                message=f"unregistered_module at step {ctx.step}: the forward of {parent} ran"
-                f" {plural(len(modules), 'module')} with trainable parameters outside its registered submodules:"
-                f" {listing(list(modules))}. self.parameters() does not yield their"
-                " parameters, so no optimizer built from it updates them, no checkpoint saves them and .to(device)"
-                " does not move them; hold layers in nn.ModuleList / nn.ModuleDict, not in a Python list or dict",
-                phase="forward",
-                stat="registration",
-            )
+        yield Found(
+            parent,
+            len(modules),
+            f"unregistered_module at step {ctx.step}: the forward of {parent} ran {plural(len(modules), 'module')} with"
+            f" trainable parameters outside its registered submodules: {listing(list(modules))}. self.parameters()"
+            " does not yield their parameters, so no optimizer built from it updates them, no checkpoint saves them"
+            " and .to(device) does not move them; hold layers in nn.ModuleList / nn.ModuleDict, not in a Python list"
+            " or dict",
         )
-    return out

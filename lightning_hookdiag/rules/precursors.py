@@ -7,17 +7,14 @@ Each reads the current step and the earlier sampled steps of a :class:`~lightnin
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 from lightning_hookdiag import trends
+from lightning_hookdiag.names import LOSS
 from lightning_hookdiag.rules.context import Context, finite
-from lightning_hookdiag.rules.findings import LOSS, Finding
+from lightning_hookdiag.rules.registry import Found, rule
 
-__all__ = [
-    "attention_logits",
-    "logit_drift",
-    "unbounded_loss",
-    "update_jump",
-]
+__all__: list[str] = []
 
 
 def _points(ctx: Context, stat: str, name: str, value: float, keep: int) -> list[tuple[int, float]]:
@@ -31,11 +28,11 @@ def _window(ctx: Context, stat: str, name: str, value: float) -> list[tuple[int,
     return _points(ctx, stat, name, value, ctx.config.trend_window)
 
 
-def attention_logits(ctx: Context) -> list[Finding]:
-    """Rule ``attention_logits``: logits at the threshold, or rising steadily towards it."""
+@rule(order=16, phase="forward", stat="attn_logit_max")
+def attention_logits(ctx: Context) -> Iterator[Found]:
+    """Logits at the threshold, or rising steadily towards it."""
     config = ctx.config
     limit = config.attn_logit_threshold
-    out: list[Finding] = []
     for layer, value in ctx.stat("attn_logit_max").items():
         if not finite(value):
             continue
@@ -49,10 +46,7 @@ def attention_logits(ctx: Context) -> list[Finding]:
         elif value >= config.attn_trend_floor:
             message = _attention_trend(ctx, layer, value)
         if message:
-            out.append(
-                Finding("attention_logits", layer, ctx.step, float(value), limit, message, "forward", "attn_logit_max")
-            )
-    return out
+            yield Found(layer, value, message, limit)
 
 
 def _attention_trend(ctx: Context, layer: str, value: float) -> str:
@@ -80,13 +74,13 @@ def _span(ctx: Context, stat: str, name: str, value: float) -> list[tuple[int, f
     return _points(ctx, stat, name, value, 4 * ctx.config.trend_window)
 
 
-def logit_drift(ctx: Context) -> list[Finding]:
-    """Rule ``logit_drift``: the output logits' log Z drifted over the window while the loss stayed flat."""
+@rule(order=17, phase="forward", stat="logit_lse_mean")
+def logit_drift(ctx: Context) -> Iterator[Found]:
+    """The output logits' log Z drifted over the window while the loss stayed flat."""
     config = ctx.config
     loss = ctx.stat("step_loss").get(LOSS)
-    out: list[Finding] = []
     if not finite(loss):
-        return out
+        return
     losses = dict(_span(ctx, "step_loss", LOSS, float(loss)))
     for layer, value in ctx.stat("logit_lse_mean").items():
         if not finite(value):
@@ -102,23 +96,16 @@ def logit_drift(ctx: Context) -> list[Finding]:
                 continue
             drift, change = value - first, abs(loss - old_loss)
             if abs(drift) >= config.logit_drift_nats and change <= config.drift_loss_tolerance * abs(old_loss):
-                out.append(
-                    Finding(
-                        rule="logit_drift",
-                        layer=layer,
-                        step=ctx.step,
-                        value=drift,
-                        threshold=config.logit_drift_nats,
-                        message=f"logit_drift: the output logits of {layer} drifted: log Z (logit_lse_mean) moved by"
-                        f" {drift:+.3g} nats from step {start} to step {ctx.step} (logit_drift_nats="
-                        f"{config.logit_drift_nats:g}) while the loss changed by {change:.3g} (from {old_loss:.4g});"
-                        " the softmax does not pin log Z, a z-loss (1e-4 * log Z**2) does",
-                        phase="forward",
-                        stat="logit_lse_mean",
-                    )
+                yield Found(
+                    layer,
+                    drift,
+                    f"logit_drift: the output logits of {layer} drifted: log Z (logit_lse_mean) moved by {drift:+.3g}"
+                    f" nats from step {start} to step {ctx.step} (logit_drift_nats={config.logit_drift_nats:g}) while"
+                    f" the loss changed by {change:.3g} (from {old_loss:.4g}); the softmax does not pin log Z, a z-loss"
+                    " (1e-4 * log Z**2) does",
+                    config.logit_drift_nats,
                 )
                 break
-    return out
 
 
 _UNBOUNDED_SLOPE = 10.0
@@ -129,15 +116,15 @@ A cross-entropy with probability targets moves by at most twice the largest chan
 of 255 falls by up to 254 per unit of logit."""
 
 
-def unbounded_loss(ctx: Context) -> list[Finding]:
-    """Rule ``unbounded_loss``: a negative loss that keeps falling while the output layer's logits keep growing."""
+@rule(order=18, phase="forward", stat="logit_absmax")
+def unbounded_loss(ctx: Context) -> Iterator[Found]:
+    """A negative loss that keeps falling while the output layer's logits keep growing."""
     config = ctx.config
     loss = ctx.stat("step_loss").get(LOSS)
     if not finite(loss) or loss >= 0:  # a loss of a bounded family (cross-entropy, MSE) is never negative
-        return []
+        return
     losses = dict(_span(ctx, "step_loss", LOSS, float(loss)))
     growth = config.unbounded_growth
-    out: list[Finding] = []
     for layer, value in ctx.stat("logit_absmax").items():
         if not finite(value):
             continue
@@ -165,26 +152,18 @@ def unbounded_loss(ctx: Context) -> list[Finding]:
         ):
             continue
         (start, _), (end, _) = points[0], points[-1]
-        out.append(
-            Finding(
-                rule="unbounded_loss",
-                layer=layer,
-                step=ctx.step,
-                value=logits[2] / logits[0],
-                threshold=growth,
-                message=f"unbounded_loss: the loss fell from {early:.4g} to {late:.4g} (medians of the first and last"
-                f" thirds of steps {start} to {end}) and keeps falling while the largest |logit| of {layer} grew"
-                f" {logits[2] / logits[0]:.3g}x, from {logits[0]:.3g} to {logits[2]:.3g} (unbounded_growth={growth:g});"
-                f" the loss fell {(early - late) / grown:.3g} per unit of logit, more than a loss with probability"
-                " targets can: the loss has no minimum, so the logits grow without bound. A loss of a bounded family"
-                " (cross-entropy, BCE) below 0 means targets outside its domain: BCEWithLogits on 0/255 masks"
-                " (divide by 255), labels"
-                " that are not probabilities",
-                phase="forward",
-                stat="logit_absmax",
-            )
+        yield Found(
+            layer,
+            logits[2] / logits[0],
+            f"unbounded_loss: the loss fell from {early:.4g} to {late:.4g} (medians of the first and last thirds of"
+            f" steps {start} to {end}) and keeps falling while the largest |logit| of {layer} grew"
+            f" {logits[2] / logits[0]:.3g}x, from {logits[0]:.3g} to {logits[2]:.3g} (unbounded_growth={growth:g}); the"
+            f" loss fell {(early - late) / grown:.3g} per unit of logit, more than a loss with probability targets can:"
+            " the loss has no minimum, so the logits grow without bound. A loss of a bounded family (cross-entropy,"
+            " BCE) below 0 means targets outside its domain: BCEWithLogits on 0/255 masks (divide by 255), labels that"
+            " are not probabilities",
+            growth,
         )
-    return out
 
 
 def _layer_update_norms(ctx: Context) -> dict[str, list[tuple[int, float]]]:
@@ -209,8 +188,9 @@ def _layer_update_norms(ctx: Context) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def update_jump(ctx: Context) -> list[Finding]:
-    """Rule ``update_jump``: a layer's update jumped far above its own recent ones and the typical jump."""
+@rule(order=19, phase="backward", stat="param_update_ratio")
+def update_jump(ctx: Context) -> Iterator[Found]:
+    """A layer's update jumped far above its own recent ones and the typical jump."""
     config = ctx.config
     jumps: dict[str, tuple[float, float]] = {}
     for layer, points in _layer_update_norms(ctx).items():
@@ -221,25 +201,17 @@ def update_jump(ctx: Context) -> list[Finding]:
         if own > 0:
             jumps[layer] = (now / own, own)
     if not jumps:
-        return []
+        return
     # A learning-rate schedule (warm-up) moves every layer's update together: compare with the typical jump too.
     typical = trends.median([j for j, _ in jumps.values()])
-    out: list[Finding] = []
     for layer, (jump, own) in jumps.items():
         if jump >= config.update_jump_ratio and jump >= config.update_jump_ratio * typical:
-            out.append(
-                Finding(
-                    rule="update_jump",
-                    layer=layer,
-                    step=ctx.step,
-                    value=jump,
-                    threshold=config.update_jump_ratio,
-                    message=f"update_jump: the optimizer update of {layer} at step {ctx.step} (the norm of its"
-                    f" parameters' change) is {jump:.3g}x the median {own:.3g} of its last {config.trend_window - 1}"
-                    f" sampled updates (update_jump_ratio={config.update_jump_ratio:g}; the median layer's is"
-                    f" {typical:.3g}x), a precursor of a loss spike",
-                    phase="backward",
-                    stat="param_update_ratio",
-                )
+            yield Found(
+                layer,
+                jump,
+                f"update_jump: the optimizer update of {layer} at step {ctx.step} (the norm of its parameters' change)"
+                f" is {jump:.3g}x the median {own:.3g} of its last {config.trend_window - 1} sampled updates"
+                f" (update_jump_ratio={config.update_jump_ratio:g}; the median layer's is {typical:.3g}x), a precursor"
+                " of a loss spike",
+                config.update_jump_ratio,
             )
-    return out

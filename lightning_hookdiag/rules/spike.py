@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import math
 
+from lightning_hookdiag.names import LOSS
 from lightning_hookdiag.rules.activations import activation_scale
 from lightning_hookdiag.rules.context import Context
-from lightning_hookdiag.rules.findings import LOSS, Finding, also
+from lightning_hookdiag.rules.findings import also
+from lightning_hookdiag.rules.registry import Found, rule
 
-__all__ = [
-    "loss_spike",
-]
+__all__: list[str] = []
 
 
-def loss_spike(ctx: Context) -> list[Finding]:
-    """Rule ``loss_spike``: the sentinel's spike, at the first layer whose activation scale grew."""
+@rule(order=1, phase="forward", stat="loss", reads=["trip"], event=True)
+def loss_spike(ctx: Context) -> list[Found]:
+    """The sentinel's spike, at the first layer whose activation scale grew."""
     trip = ctx.trip
     if trip is None or trip.kind != "loss_spike":
         return []
@@ -57,15 +58,6 @@ def loss_spike(ctx: Context) -> list[Finding]:
                 f" {ctx.baseline.step}, so the spike comes from the targets or the loss, not from the network"
                 " (inputs far off their usual scale would have grown the first layer)"
             )
-    return [
-        Finding(
-            rule="loss_spike",
-            layer=layer,
-            step=ctx.step,
-            value=float(growth if layer != LOSS else trip.loss),
-            threshold=growth_limit if layer != LOSS else (trip.baseline or 0.0),
-            message=head + tail,
-            phase="forward",
-            stat=stat,
-        )
-    ]
+    if layer == LOSS:
+        return [Found(LOSS, trip.loss, head + tail, trip.baseline or 0.0, stat=stat)]
+    return [Found(layer, growth, head + tail, growth_limit, stat=stat)]

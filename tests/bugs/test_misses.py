@@ -26,6 +26,7 @@ from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.provenance import nonfinite_in_batch
 from lightning_hookdiag.rules import BATCH, RuleConfig, evaluate
 from lightning_hookdiag.sentinel import LossSentinel, SpikeDetector
+from lightning_hookdiag.trends import History
 from lightning_hookdiag.vocabulary import ALL_STATS, OUTPUT_LAYER_STATS
 
 pytestmark = pytest.mark.slow
@@ -268,7 +269,7 @@ def test_a_harder_batch_40x_the_median_is_silent_and_wrong_labels_in_the_same_re
     twin, sick = run(case, sick=False), run(case, sick=True)
     assert twin.trips == []
     assert twin.findings == []
-    start = twin._sentinel.detector.start
+    start = twin.state_dict()["sentinel"]["start"]
     assert 0.1 < start < 2.1  # the lower median of the first 20 losses, from 2.08 down
     (trip,) = sick.trips
     assert trip.loss > 10
@@ -322,8 +323,8 @@ def test_the_zoo_is_silent_with_the_output_layers_statistics_on(name):
         warnings.simplefilter("ignore")
         make_trainer([callback], max_steps=steps).fit(module)
     assert callback.last_step == steps - 1
-    assert "logit_absmax" in callback._diagnosis.history.stats
-    assert callback._diagnosis.history.points("step_loss", "loss")  # the rule had its inputs
+    assert "logit_absmax" in History.stats
+    assert callback.state_dict()["history"]["points"]["step_loss"]["loss"]  # the rule had its inputs
     assert [f.message for f in callback.findings] == []
     assert callback.trips == []
     assert count_hooks(module) == 0

@@ -280,7 +280,7 @@ def run_lightning(out_dir: str, strategy: str, accelerator: str, devices: int) -
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_hookdiag import LayerHealthCallback
-    from lightning_hookdiag.callback import _sharded
+    from lightning_hookdiag.replay import sharded
 
     count_collectives()
 
@@ -314,7 +314,7 @@ def run_lightning(out_dir: str, strategy: str, accelerator: str, devices: int) -
 
         def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             super().on_fit_start(trainer, pl_module)
-            self.sharded = _sharded(trainer, dict(pl_module.named_parameters()))
+            self.sharded = sharded(trainer, dict(pl_module.named_parameters()))
 
         def _finish_window(self, trainer: pl.Trainer) -> None:
             with counted() as count:

@@ -22,7 +22,7 @@ SICK_STEP = 3
 
 def main(out_dir: str, mode: str) -> None:
     import lightning.pytorch as pl
-    from conftest import make_trainer
+    from conftest import RecordingLogger, make_trainer
     from fsdp_worker import count_collectives, counted
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
@@ -34,7 +34,6 @@ def main(out_dir: str, mode: str) -> None:
     class Recording(LayerHealthCallback):
         def __init__(self, **kwargs: Any) -> None:
             super().__init__(**kwargs)
-            self.logged: dict[int, dict[str, float]] = {}
             self.collectives: dict[int, int] = {}
             self.reads = 0  # the sentinel's packed host reads (one per optimizer step)
             read = self._sentinel._read
@@ -49,10 +48,6 @@ def main(out_dir: str, mode: str) -> None:
             with counted() as count:
                 super().on_before_optimizer_step(trainer, pl_module, optimizer)
             self.collectives[trainer.global_step] = count["calls"]
-
-        def _log(self, trainer, step, metrics):
-            self.logged[step] = dict(metrics)
-            return super()._log(trainer, step, metrics)
 
     class NaNOnRank1(nn.Module):
         def __init__(self) -> None:
@@ -116,13 +111,16 @@ def main(out_dir: str, mode: str) -> None:
         max_steps = 3
 
     callback = Recording(every_n_steps=10, on_anomaly="ignore", summary=False)
-    trainer = make_trainer([callback], max_steps=max_steps, devices=2, strategy=strategy, use_distributed_sampler=False)
+    logger = RecordingLogger()  # its log_metrics is not rank-zero-only: every rank records what it logged
+    trainer = make_trainer(
+        [callback], max_steps=max_steps, devices=2, strategy=strategy, use_distributed_sampler=False, logger=[logger]
+    )
     trainer.fit(Module())
     torch.save(
         {
             "trips": [vars(t) for t in callback.trips],
             "findings": [vars(f) for f in callback.findings],
-            "logged": callback.logged,
+            "logged": dict(logger.ours()),
             "collectives": callback.collectives,
             "reads": callback.reads,
         },

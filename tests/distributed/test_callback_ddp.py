@@ -11,7 +11,7 @@ from conftest import TinyModule
 from reference import activation_stats, dead_fraction, flat, l2, replay_sequential
 from torch import nn
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # multi-process: left out of the fast loop, pytest -m "not slow"
 
 P = "layer_health"
 

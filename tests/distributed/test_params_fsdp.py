@@ -22,7 +22,7 @@ import torch
 
 from lightning_hookdiag import params as package_params
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # multi-process: left out of the fast loop, pytest -m "not slow"
 
 P = "layer_health"
 WORKER = Path(__file__).with_name("fsdp_worker.py")

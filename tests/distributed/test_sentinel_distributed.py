@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # multi-process: left out of the fast loop, pytest -m "not slow"
 
 WORKER = Path(__file__).with_name("sentinel_worker.py")
 TIMEOUT_S = 240
@@ -58,7 +58,6 @@ def same(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]]) -> bool
     )
 
 
-@pytest.mark.slow
 def test_ddp_a_nan_on_one_rank_trips_every_rank_and_is_named_at_its_module_on_its_step(runs):
     ranks = runs["ddp"]
     for rank in ranks:
@@ -73,7 +72,6 @@ def test_ddp_a_nan_on_one_rank_trips_every_rank_and_is_named_at_its_module_on_it
     assert same(ranks[0]["logged"], ranks[1]["logged"])
 
 
-@pytest.mark.slow
 def test_ddp_the_sentinel_costs_one_collective_per_step(runs):
     for rank in runs["ddp"]:
         # Steps 1 and 2: the packed MAX all-reduce alone. Step 3: that, and the replay's agreement on success.
@@ -82,7 +80,6 @@ def test_ddp_the_sentinel_costs_one_collective_per_step(runs):
         assert rank["reads"] == 4
 
 
-@pytest.mark.slow
 def test_fsdp2_is_not_replayed_says_why_and_does_not_hang(runs):
     ranks = runs["model_parallel"]
     for rank in ranks:

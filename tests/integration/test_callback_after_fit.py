@@ -100,12 +100,14 @@ def test_after_an_exception_at_any_stage_the_callback_holds_no_module_and_no_ten
 
 def test_a_second_fit_starts_a_fresh_trend_history():
     callback = LayerHealthCallback(every_n_steps=2, summary=False, on_anomaly="ignore")
+
+    def steps() -> list[int]:  # the trend history as checkpointed
+        return [s for s, _ in callback.state_dict()["history"]["points"]["param_norm"]["model.0.weight"]]
+
     make_trainer([callback], max_steps=20).fit(module())
-    first = [s for s, _ in callback._diagnosis.history.points("param_norm", "model.0.weight")]
-    assert first == list(range(0, 20, 2))
+    assert steps() == list(range(0, 20, 2))
     make_trainer([callback], max_steps=10).fit(module())
-    # Only the second fit's steps: an earlier fit's values are no trend of this one.
-    assert [s for s, _ in callback._diagnosis.history.points("param_norm", "model.0.weight")] == list(range(0, 10, 2))
+    assert steps() == list(range(0, 10, 2))  # only the second fit's: an earlier fit's values are no trend of this one
 
 
 # ------------------------------------------------------------------------------ every exit, every opt-in statistic
@@ -203,7 +205,7 @@ def reachable(callback: LayerHealthCallback) -> list[str]:
 
 
 def assert_released(callback: LayerHealthCallback, m: nn.Module) -> None:
-    assert callback._run is None
+    assert not callback.fitting
     assert reachable(callback) == []
     assert held(callback) == []  # and a pickle writes none either
     pickle.loads(pickle.dumps(callback))
@@ -302,25 +304,24 @@ CONFIG = {
 }
 RESULTS = {"last_metrics", "last_step", "layer_names", "execution_order", "findings", "last_findings", "trips"}
 # What state_dict saves besides the results: the one-time notes given, the sentinel's loss baseline, and the rules'
-# memory between sampled steps (one Diagnosis: the alerts, the loss_spike baseline, the trend history, the last finite
-# steps).
+# memory between sampled steps (the alerts, the trend history, the last finite steps); and the configuration a fit
+# starts from, built once.
 CHECKPOINTED = {"_warned", "_sentinel", "_diagnosis"}
-DIAGNOSIS = {"config", "alerts", "baseline", "last_finite", "history"}
+PRIVATE = CHECKPOINTED | {"_config", "_run", "_stage"}
 
 
 def test_the_callback_holds_its_configuration_its_results_and_one_run_slot():
-    callback = LayerHealthCallback()
-    assert set(vars(callback)) == CONFIG | RESULTS | CHECKPOINTED | {"_run", "_stage"}
+    callback = LayerHealthCallback(rules={"trend_window": 7})
+    assert set(vars(callback)) == CONFIG | RESULTS | PRIVATE
     parameters = set(inspect.signature(LayerHealthCallback.__init__).parameters) - {"self"}
     # One attribute per argument; extra_stats is folded into stats.
     assert (parameters - {"rules", "extra_stats"}) | {"rule_config"} == CONFIG
-    assert callback._run is None
-    # The rules' memory is one object, with the callback's rule settings, empty before the first fit.
-    assert isinstance(callback._diagnosis, Diagnosis)
-    assert set(vars(callback._diagnosis)) == DIAGNOSIS
-    assert callback._diagnosis.config is callback.rule_config
-    assert callback._diagnosis.baseline is None
-    assert callback._diagnosis.last_finite == {}
+    assert not callback.fitting
+    # The rules' memory is empty before the first fit, and sized by the callback's rule settings.
+    state = callback.state_dict()
+    assert {k: state[k] for k in ("alerts", "last_finite", "history")} == Diagnosis(callback.rule_config).state_dict()
+    assert state["history"] == {"window": 28, "points": {}}  # 4 * trend_window: logit_drift looks back this far
+    assert set(callback.alert_counts.values()) == {0}
 
 
 def test_the_run_is_one_object_from_fit_start_to_the_end_of_fit():
@@ -328,11 +329,12 @@ def test_the_run_is_one_object_from_fit_start_to_the_end_of_fit():
 
     class Look(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            assert trainer.callbacks[0].fitting
             runs.append(trainer.callbacks[0]._run)
 
     callback = LayerHealthCallback(every_n_steps=2, summary=False)
     make_trainer([callback, Look()], max_steps=3).fit(module())
     assert isinstance(runs[0], FitRun)
     assert all(run is runs[0] for run in runs)
-    assert set(vars(callback)) - {"log", "log_dict"} == CONFIG | RESULTS | CHECKPOINTED | {"_run", "_stage"}
-    assert callback._run is None
+    assert set(vars(callback)) - {"log", "log_dict"} == CONFIG | RESULTS | PRIVATE
+    assert not callback.fitting

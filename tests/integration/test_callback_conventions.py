@@ -13,7 +13,8 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.callback import _histogram_writer, _sharded
+from lightning_hookdiag.callback import _histogram_writer
+from lightning_hookdiag.replay import sharded
 
 
 def test_every_hook_is_marked_override():
@@ -33,13 +34,13 @@ def test_sharded_strategies_are_recognised_by_class_not_by_name():
     def trainer(strategy: Any) -> Any:
         return SimpleNamespace(strategy=strategy)
 
-    assert _sharded(trainer(ModelParallelStrategy()), {})
-    assert _sharded(trainer(FSDPStrategy2()), {})
-    assert not _sharded(trainer(DDPStrategy()), {})
-    assert not _sharded(trainer(SingleDeviceStrategy("cpu")), {})
+    assert sharded(trainer(ModelParallelStrategy()), {})
+    assert sharded(trainer(FSDPStrategy2()), {})
+    assert not sharded(trainer(DDPStrategy()), {})
+    assert not sharded(trainer(SingleDeviceStrategy("cpu")), {})
     # A class that merely has the name is not one (the name-based check said it was).
     impostor = type("FSDPStrategy", (), {})()
-    assert not _sharded(trainer(impostor), {})
+    assert not sharded(trainer(impostor), {})
 
 
 class _Run:

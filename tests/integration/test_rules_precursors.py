@@ -207,7 +207,7 @@ def test_history_goes_into_the_checkpoint_state_and_comes_back():
     assert points[-1][1] == health.last_metrics["layer_health/attn_logit_max/model.blocks.0.attn"]
     restored = _health()
     restored.load_state_dict(state)
-    assert restored._diagnosis.history.points("attn_logit_max", "model.blocks.0.attn") == [tuple(p) for p in points]
+    assert restored.state_dict()["history"]["points"]["attn_logit_max"]["model.blocks.0.attn"] == points
 
 
 def test_a_replayed_step_is_probed_like_a_sampled_one(monkeypatch):

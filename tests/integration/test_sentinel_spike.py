@@ -154,8 +154,9 @@ def test_two_spikes_four_steps_apart_each_get_a_finding_and_a_warning():
     warned = [str(w.message) for w in caught if issubclass(w.category, LayerHealthWarning)]
     assert sum("loss_spike" in m and "at step 25" in m for m in warned) == 1
     assert sum("loss_spike" in m and "at step 29" in m for m in warned) == 1
-    assert callback._diagnosis.alerts.counts["loss_spike"] == 2
-    assert ("loss_spike", LOSS) not in callback._diagnosis.alerts.active
+    alerts = callback.state_dict()["alerts"]
+    assert alerts["counts"]["loss_spike"] == 2
+    assert ["loss_spike", LOSS] not in alerts["active"]
 
 
 # ------------------------------------------------------------------------------------------------------ float64

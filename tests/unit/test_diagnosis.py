@@ -297,8 +297,9 @@ def test_resume_from_checkpoint_continues_schedule_and_alerts(tmp_path):
     assert len(second.findings) == len(first.findings)  # still active: no repeated alert after resuming
     # The checkpoint restores the rules' memory after setup() reset it: step 0's weights were the last finite ones
     # (NaN gradients broke them at its update), in the first fit.
-    assert second._diagnosis.last_finite == {"model.4.weight": 0, "model.4.bias": 0}
-    assert [s for s, _ in second._diagnosis.history.points("param_norm", "model.4.weight")] == [0]
+    restored = second.state_dict()
+    assert restored["last_finite"] == {"model.4.weight": 0, "model.4.bias": 0}
+    assert [s for s, _ in restored["history"]["points"]["param_norm"]["model.4.weight"]] == [0]
     assert list(state) == [  # the checkpoint format of every earlier version
         "last_metrics",
         "last_step",

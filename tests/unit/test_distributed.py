@@ -1,9 +1,11 @@
 """The packed all-reduce helper without a process group (test_aggregation_sync.py runs it on 2 and 4 processes)."""
 
+import re
+
 import pytest
 import torch
 
-from lightning_hookdiag.distributed import all_reduce_packed, distributed_ready, pack, unpack
+from lightning_hookdiag.distributed import all_reduce_max, all_reduce_packed, distributed_ready, pack, unpack
 
 
 def test_pack_round_trips_shapes_and_dtypes_exactly():
@@ -26,10 +28,21 @@ def test_without_a_process_group_values_come_back_unchanged():
     assert all_reduce_packed([], "max") == []
 
 
-def test_bad_arguments_are_named():
-    with pytest.raises(ValueError, match=r"expected op in \['max', 'min', 'sum'\], got 'avg'"):
-        all_reduce_packed([torch.zeros(1)], "avg")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="pack: expected at least one tensor, got none"):
-        pack([])
-    with pytest.raises(ValueError, match="unpack: the buffer holds 3 elements, the tensors 4"):
-        unpack(torch.zeros(3), [torch.zeros(4)])
+@pytest.mark.parametrize(
+    ("call", "facts"),
+    [
+        (lambda: all_reduce_packed([torch.zeros(1)], "avg"), ["op", "['max', 'min', 'sum']", "'avg'"]),
+        (lambda: pack([]), ["pack", "at least one tensor"]),
+        (lambda: unpack(torch.zeros(3), [torch.zeros(4)]), ["unpack", "3 elements", "tensors 4"]),
+    ],
+    ids=["op", "pack", "unpack"],
+)
+def test_bad_arguments_are_named(call, facts):
+    with pytest.raises(ValueError, match=re.escape(facts[0])) as error:
+        call()
+    assert all(fact in str(error.value) for fact in facts), (facts, str(error.value))
+
+
+def test_all_reduce_max_without_a_process_group_is_the_identity():
+    x = torch.tensor([1.0, -2.0])
+    assert torch.equal(all_reduce_max(x), x)

@@ -39,6 +39,12 @@ def ratio(before: torch.Tensor, after: torch.Tensor) -> float:
     return float((after.double() - before.double()).norm() / before.double().norm())
 
 
+def assert_says(message: str, *facts: str) -> None:
+    """The message states every one of ``facts`` (its key facts, not its whole wording)."""
+    missing = [fact for fact in facts if fact not in message]
+    assert not missing, f"{message!r} lacks {missing}"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("lr", [1e-6, 1e-4, 1e-3, 1e-2])
 def test_the_moved_mass_bound_holds_for_rounded_sgd_steps(dtype, lr):
@@ -98,10 +104,12 @@ def test_a_parameter_no_optimizer_holds_is_named_with_its_gradient_norm():
     (finding,) = run(values(grad=0.25), {"net.head.weight": ParamFacts(held=False)})
     assert (finding.rule, finding.layer, finding.step) == ("not_updated", "net.head", 3)
     assert (finding.stat, finding.value, finding.threshold, finding.phase) == ("param_grad_norm", 0.25, 0.0, "backward")
-    assert finding.message == (
-        "not_updated: the weights of net.head did not move across step 3: net.head.weight got a gradient (norm 0.25)"
-        " but no optimizer of the Trainer holds it, so no change was applied: add it to configure_optimizers, or set"
-        " requires_grad=False to freeze it on purpose"
+    assert_says(
+        finding.message,
+        "the weights of net.head did not move across step 3",
+        "net.head.weight got a gradient (norm 0.25)",
+        "no optimizer of the Trainer holds it",
+        "add it to configure_optimizers",
     )
 
 
@@ -132,12 +140,16 @@ def test_rounded_away_fires_below_the_threshold_and_is_exclusive_at_it():
     facts = {"net.head.weight": BF16}
     (finding,) = run(values(ratio=2.0**-10), facts)
     assert (finding.value, finding.threshold, finding.stat) == (0.0625, 0.1, "param_update_ratio")
-    assert finding.message == (
-        "not_updated: the weights of net.head did not move across step 3: net.head.weight changed in almost none of"
-        " its entries (at most 6.25% of the weights' squared mass can have changed, from param_update_ratio=0.000977,"
-        " eps=0.00781 and moved_mass_threshold=0.1; lr=0.001): the update was rounded away in bfloat16, each change"
-        " being below half a unit in the last place of its weight; to fix, keep float32 master weights"
-        " (precision='bf16-mixed' or '16-mixed') or raise the learning rate"
+    assert_says(
+        finding.message,
+        "the weights of net.head did not move across step 3",
+        "at most 6.25% of the weights' squared mass",
+        "param_update_ratio=0.000977",
+        "eps=0.00781",
+        "moved_mass_threshold=0.1",
+        "lr=0.001",
+        "rounded away in bfloat16",
+        "keep float32 master weights",
     )
     (exact,) = run(values(ratio=0.0), facts)
     assert exact.value == 0.0

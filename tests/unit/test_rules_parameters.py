@@ -152,7 +152,8 @@ def test_input_scale_is_silent_on_a_large_later_layer_and_falls_back_to_absmax()
 def test_config_rejects_bad_values_naming_them(field, value, valid):
     with pytest.raises(ValueError, match=f"^{field}: ") as info:
         RuleConfig(**{field: value})
-    assert str(info.value) == f"{field}: expected {valid}, got {value!r}"
+    assert valid in str(info.value)
+    assert str(info.value).endswith(f"got {value!r}")
 
 
 # ------------------------------------------------------------------------------------- stale gradients in fits

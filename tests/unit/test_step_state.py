@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from lightning_hookdiag.step_state import StepMicroBatches, StepState, Window
+import pytest
+
+from lightning_hookdiag.step_state import StepMicroBatches, StepState, Trip, Window, plan_trip
 
 
 def test_a_sampled_step_opens_one_window_that_closes_once():
@@ -96,3 +98,55 @@ def test_a_sampled_step_inside_a_batch_is_observed_on_the_next_batch():
     assert state.sampled(4)
     assert state.late == 3
     assert not state.sampled(6)  # once
+
+
+# ------------------------------------------------------------------------------------------------ the trip plan
+NAN = Trip(7, "nonfinite_loss", float("nan"), last_finite_step=6)
+SPIKE = Trip(7, "loss_spike", 40.0, baseline=1.0)
+MANUAL = "of manual optimization: training_step steps the optimizer itself"
+
+
+def plan(trip=NAN, sampled=False, traces=True, blocker=None, previous=None, held=True):
+    return plan_trip(trip, sampled=sampled, traces=traces, blocker=blocker, previous=previous, held=held)
+
+
+@pytest.mark.parametrize(
+    ("case", "action", "trace", "read_batch"),
+    [
+        ({}, "replay", True, True),  # an unsampled NaN: replayed, traced, its batch read
+        ({"trip": SPIKE, "traces": False}, "replay", False, False),  # a spike: neither traced nor read
+        ({"sampled": True}, "trace", False, True),  # the hooks saw it: the trace alone runs again
+        ({"sampled": True, "trip": SPIKE, "traces": False}, "observed", False, False),
+        ({"sampled": True, "blocker": MANUAL}, "observed", False, True),  # no re-run under manual optimization
+        ({"sampled": True, "previous": 6}, "observed", False, True),
+        ({"sampled": True, "held": False}, "observed", False, False),  # resumed inside the step: nothing to re-run
+    ],
+)
+def test_a_trip_that_can_be_observed_is_replayed_or_traced(case, action, trace, read_batch):
+    got = plan(**case)
+    assert (got.action, got.trace, got.read_batch) == (action, trace, read_batch)
+    assert got.trip == Trip(**{**vars(case.get("trip", NAN)), "replayed": True})  # no reason: it was observed
+
+
+@pytest.mark.parametrize(
+    ("case", "reason", "read_batch"),
+    [
+        ({"blocker": MANUAL}, MANUAL, True),
+        ({"blocker": "the replay raised RuntimeError: boom"}, "the replay raised RuntimeError: boom", True),
+        ({"blocker": MANUAL, "trip": SPIKE}, MANUAL, False),
+        ({"held": False}, "its micro-batches were not seen by the callback", False),
+    ],
+)
+def test_a_trip_that_cannot_be_replayed_measures_the_parameters_and_says_why(case, reason, read_batch):
+    got = plan(**case)
+    assert (got.action, got.trace, got.read_batch) == ("parameters", False, read_batch)
+    assert got.trip.reason.startswith(reason)
+    assert not got.trip.replayed
+
+
+@pytest.mark.parametrize("blocker", [None, MANUAL])
+def test_a_failure_that_persists_is_only_recorded(blocker):
+    got = plan(previous=6, blocker=blocker)  # the previous step tripped too: it was reported there
+    assert (got.action, got.trace, got.read_batch, got.trip.replayed) == ("record", False, False, False)
+    assert "the previous step tripped too" in got.trip.reason
+    assert plan(previous=5).action == "replay"  # an earlier trip, not the previous step's: reported again

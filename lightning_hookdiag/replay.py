@@ -1,0 +1,175 @@
+"""The Lightning side of a trip: whether the Trainer's step can be replayed, and the replay or trace of it.
+
+:func:`~lightning_hookdiag.step_state.plan_trip` decides what a trip calls for; :func:`respond` does it with the
+Trainer's own ``training_step``, precision context and gradient scaling, through
+:func:`~lightning_hookdiag.sentinel.replay_step`. With the callback, the only module that imports Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch import strategies
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from torch import Tensor, nn
+
+from lightning_hookdiag.distributed import all_reduce_max
+from lightning_hookdiag.fit_run import FitRun
+from lightning_hookdiag.hooks import HookSet
+from lightning_hookdiag.provenance import NonFiniteTrace, nonfinite_in_batch
+from lightning_hookdiag.sentinel import MicroBatch, replay_step
+from lightning_hookdiag.step_state import Trip, plan_trip
+
+__all__ = ["logging_silenced", "replay_blocker", "respond", "sharded", "training_step_loss"]
+
+
+def sharded(trainer: pl.Trainer, params: Mapping[str, nn.Parameter]) -> bool:
+    """Whether each process holds only a shard of the parameters (FSDP, FSDP2 / ModelParallel, DTensor).
+
+    Sharded parameters' local sums of squares add up across processes; replicated ones (DDP) must not be added.
+    """
+    if any(callable(getattr(p, "to_local", None)) for p in params.values()):
+        return True
+    return isinstance(trainer.strategy, (strategies.FSDPStrategy, strategies.ModelParallelStrategy))
+
+
+def replay_blocker(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
+    """Why the Trainer's step cannot be re-run before the optimizer applies it, or ``None``."""
+    if not pl_module.automatic_optimization:
+        return "of manual optimization: training_step steps the optimizer itself, so it cannot be re-run"
+    strategy = trainer.strategy
+    replayable = (strategies.SingleDeviceStrategy, strategies.DDPStrategy)
+    if not isinstance(strategy, replayable) or isinstance(strategy, strategies.DeepSpeedStrategy):
+        return (
+            f"the {type(strategy).__name__} strategy is not replayed: outside its wrapper a replay could"
+            " communicate or write gradients (FSDP's backward reduce-scatters into .grad)"
+        )
+    if sharded(trainer, dict(pl_module.named_parameters())):
+        return "the parameters are sharded (DTensor): a replay could communicate or write gradients"
+    return None
+
+
+@contextmanager
+def logging_silenced(pl_module: pl.LightningModule) -> Iterator[None]:
+    """``self.log`` and ``self.log_dict`` record nothing inside the block (a replayed ``training_step``)."""
+
+    def ignore(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    # Instance attributes shadow the methods; deleting them brings the methods back.
+    pl_module.__dict__["log"] = ignore
+    pl_module.__dict__["log_dict"] = ignore
+    try:
+        yield
+    finally:
+        del pl_module.__dict__["log"]
+        del pl_module.__dict__["log_dict"]
+
+
+def training_step_loss(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Callable[[MicroBatch], Tensor | None]:
+    """One micro-batch's loss as the automatic-optimization loop back-propagates it."""
+    takes_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    accumulate = trainer.accumulate_grad_batches
+
+    def run(micro: MicroBatch) -> Tensor | None:
+        args = (micro.batch, micro.batch_idx) if takes_index else (micro.batch,)
+        # The LightningModule itself, not the DDP wrapper: DDP's reducer must not see this backward.
+        with trainer.precision_plugin.train_step_context(), logging_silenced(pl_module):
+            output = pl_module.training_step(*args)
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if not isinstance(loss, Tensor):
+            return None
+        loss = loss / accumulate
+        return scaler.scale(loss) if scaler is not None else loss
+
+    return run
+
+
+def respond(
+    trip: Trip,
+    previous: int | None,
+    traces: bool,
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    run: FitRun,
+    last_metrics: Mapping[str, float],
+) -> Trip:
+    """Carry out :func:`~lightning_hookdiag.step_state.plan_trip`'s plan for ``trip``; returns the trip to record.
+
+    Every plan but ``"record"`` leaves a window of the step open. ``previous``: the sentinel's trip before this one;
+    ``traces``: the rules read where its NaN/Inf was made; ``last_metrics``: the last logged values (a new window's
+    kurtosis shift).
+    """
+    step, micro = trip.step, run.state.micro
+    sampled, blocker = run.state.open_for(step) is not None, replay_blocker(trainer, pl_module)
+    plan = plan_trip(trip, sampled=sampled, traces=traces, blocker=blocker, previous=previous, held=micro.holds(step))
+    recorded = plan.trip
+    if plan.action == "replay":
+        trace = NonFiniteTrace(pl_module) if plan.trace else None
+        failure = _replay(trainer, pl_module, run, step, last_metrics, trace)
+        if failure is None:
+            recorded = replace(recorded, **_origin(trace, run))
+        else:
+            plan = plan_trip(trip, sampled=False, traces=traces, blocker=failure, previous=previous, held=True)
+            recorded = plan.trip
+    elif plan.action == "trace":
+        recorded = replace(recorded, **_trace_sampled(trainer, pl_module, run))
+    if plan.action == "parameters":
+        run.open_window(step, last_metrics, layers=False)  # the parameters can still be measured
+        run.state.sample_next = step + 1
+    if plan.read_batch:  # data that arrives non-finite (a division by a zero std) is named as such; one read
+        recorded = replace(recorded, bad_batch=tuple(nonfinite_in_batch([m.batch for m in micro.batches])))
+    return recorded
+
+
+def _origin(trace: NonFiniteTrace | None, run: FitRun) -> dict[str, str | None]:
+    entry, origin = trace.origin(run.layer_names) if trace is not None else (None, None)
+    return {"nan_entry": entry, "nan_origin": origin}
+
+
+def _replay(
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    run: FitRun,
+    step: int,
+    last_metrics: Mapping[str, float],
+    trace: NonFiniteTrace | None,
+) -> str | None:
+    """Replay ``step`` through the hooks (and ``trace``) into a new window; on failure, drop it and say why."""
+    run.open_window(step, last_metrics)
+    failure = None
+    try:
+        loss = run.probed(training_step_loss(trainer, pl_module))
+        replay_step(run.state.micro.batches, loss, pl_module, run.hooks, pl_module.device, trace)
+    except Exception as error:  # a failed replay is reported in the finding; training goes on untouched
+        failure = f"the replay raised {type(error).__name__}: {error}"
+    finally:
+        run.detach_probes()
+    # Every process must agree, or the pooled statistics' collectives would not match.
+    if all_reduce_max(torch.tensor([float(failure is not None)], device=pl_module.device)).item() > 0:
+        run.discard_window()
+        return failure or "the replay failed on another process"
+    return None
+
+
+def _trace_sampled(trainer: pl.Trainer, pl_module: pl.LightningModule, run: FitRun) -> dict[str, str | None]:
+    """Where the NaN/Inf of a sampled step was made: its micro-batches run again through the trace alone.
+
+    The hooks saw the step as it happened but cannot see functional code between two layers. They are still attached
+    (batch end removes them) and must not count the re-run, so they are removed first. A re-run that fails names
+    nothing.
+    """
+    run.end_micro_batch()
+    trace = NonFiniteTrace(pl_module)
+    try:
+        loss, hooks = training_step_loss(trainer, pl_module), HookSet({}, None)
+        replay_step(run.state.micro.batches, loss, pl_module, hooks, pl_module.device, trace)
+    except Exception:  # the finding keeps what the hooks saw; training goes on untouched
+        return _origin(None, run)
+    return _origin(trace, run)
