@@ -7,8 +7,8 @@
 #      package lines that raised them);
 #   2. the memory peak of one plain and one sampled step on issue 27's two models (benchmarks/memory.py --device
 #      cuda: torch.cuda.max_memory_allocated over the state before the step, one fresh process per variant);
-#   3. the GPU tests (tests/test_gpu.py: syncs per step, constant in depth; the 16-mixed GradScaler) and the scratch
-#      bound on the device (tests/test_memory_bound.py's CUDA test);
+#   3. the GPU tests (tests/integration/test_callback_gpu.py: syncs per step, constant in depth; the 16-mixed
+#      GradScaler) and the scratch bound on the device (tests/integration/test_callback_scratch_memory.py's CUDA test);
 #   4. the overhead benchmark at 16-mixed and bf16-mixed (mlp, transformer, cnn, mlp48).
 # Each section has its own time limit (seconds: 10 + 100 + 130 + 70 + 2 x 80 = 470), so one that hangs cannot take
 # the others' time; a section cut short says so in its .txt file and in timing.txt.
@@ -53,8 +53,8 @@ section device 10 "$py" -c "import torch; print(torch.__version__, torch.version
     torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')"
 section kernels 100 "$py" benchmarks/gpu_kernels.py "${kernels_args[@]}" --json "$out/kernels.json"
 section memory 130 "$py" benchmarks/memory.py "${memory_args[@]}" --json "$out/memory.json"
-section tests 70 "$py" -m pytest tests/test_gpu.py tests/test_memory_bound.py -k "not cpu" \
-    -s -rs -q -p no:cacheprovider
+section tests 70 "$py" -m pytest tests/integration/test_callback_gpu.py \
+    tests/integration/test_callback_scratch_memory.py -k "not cpu" -s -rs -q -p no:cacheprovider
 for precision in 16-mixed bf16-mixed; do
     section "overhead_$precision" 80 "$py" benchmarks/overhead.py --precision "$precision" \
         "${overhead_args[@]}" --variants plain,every_step,default_interval,tutorial,tutorial_stats --json "$out/overhead_$precision.json"

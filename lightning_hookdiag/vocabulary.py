@@ -1,6 +1,6 @@
 """The names of the statistics, for the callback and for the report (which must not import torch).
 
-What each statistic is: ``docs/statistics.md#every-key`` (``tests/test_docs.py`` checks that every name has a row).
+What each statistic is: ``docs/statistics.md#every-key`` (``tests/repo/test_docs.py`` checks every name has a row).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ from torch.utils.data import TensorDataset
 
 from lightning_hookdiag.rules import RULES
 
+pytestmark = pytest.mark.slow
+
 DETECTABLE = [case for case in CASES if case.rule is not None]
 BLIND = [case for case in CASES if case.rule is None]
 

@@ -29,6 +29,8 @@ from lightning_hookdiag.sentinel import LossSentinel, SpikeDetector
 from lightning_hookdiag.trends import History
 from lightning_hookdiag.vocabulary import ALL_STATS, OUTPUT_LAYER_STATS
 
+pytestmark = pytest.mark.slow
+
 PRECURSORS = {"stats": [*ALL_STATS, *OUTPUT_LAYER_STATS]}
 
 

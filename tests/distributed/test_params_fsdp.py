@@ -1,6 +1,6 @@
 """Sharded parameters (FSDP2 ``fully_shard``/DTensor, FSDP1): parameter statistics equal the unsharded model's.
 
-``tests/fsdp_worker.py`` runs in subprocesses on 2 CPU processes (gloo): once with PyTorch's own ``fully_shard``
+``fsdp_worker.py`` runs in subprocesses on 2 CPU processes (gloo): once with PyTorch's own ``fully_shard``
 (and FSDP1, HSDP, a replicated submesh) and the package's tracker and aggregator used as the callback uses them,
 once as a real ``Trainer.fit`` with Lightning's ``ModelParallelStrategy`` (FSDP2; unlike ``strategy="fsdp"`` it runs
 on CPU). Each rank also replays every rank's batches on an unsharded copy of the model, which gives the expected

@@ -21,7 +21,7 @@ from lightning_hookdiag.rules import LOSS, RuleConfig
 from lightning_hookdiag.sentinel import Trip
 
 # ------------------------------------------------------------------------------------ the Diagnosis, by hand
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEAD = {"act_dead_frac": {"relu": 1.0}}
 ALIVE = {"act_dead_frac": {"relu": 0.0}}
 

@@ -20,7 +20,9 @@ import lightning_hookdiag
 from lightning_hookdiag import vocabulary
 from lightning_hookdiag.rules import RULES, RuleConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 STATISTICS = ROOT / "docs" / "statistics.md"
 DOCS = sorted([README, ROOT / "CONTRIBUTING.md", ROOT / "benchmarks" / "README.md", *(ROOT / "docs").glob("*.md")])

@@ -1,4 +1,4 @@
-"""One logged name per module and parameter (tests/test_sync.py checks the consumers under real wrappers)."""
+"""One logged name per module and parameter (test_aggregation_sync.py checks the consumers under real wrappers)."""
 
 import torch
 from torch import nn

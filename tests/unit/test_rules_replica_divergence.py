@@ -1,7 +1,7 @@
 """Rule ``replica_divergence`` on hand-made values: the largest and smallest norm of each replicated parameter.
 
-Real 2-process DDP runs (one rank perturbing a weight, and the twin that does not) are in ``tests/test_ddp.py``;
-the reduction that yields ``param_norm_min`` is in ``tests/test_sync.py``.
+Real 2-process DDP runs (one rank perturbing a weight, and the twin that does not) are in ``test_callback_ddp.py``;
+the reduction that yields ``param_norm_min`` is in ``test_aggregation_sync.py``.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import math
 import random
 import warnings
 
+import pytest
 import torch
 from conftest import RecordingLogger, TinyModule, make_trainer
 from lightning.pytorch import Callback
@@ -19,6 +20,8 @@ from torch.utils.data import TensorDataset
 from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning
 from lightning_hookdiag.rules import LOSS
 from lightning_hookdiag.sentinel import LossSentinel, SpikeDetector
+
+pytestmark = pytest.mark.slow
 
 
 class LossLog(Callback):

@@ -22,6 +22,8 @@ from torch.utils.data import TensorDataset
 
 from lightning_hookdiag import LayerHealthCallback
 
+pytestmark = pytest.mark.slow
+
 MIB = 2**20
 SCRATCH_BOUND = 64 * MIB
 """Issue 27's goal for the two models of ``benchmarks/memory.py``, and the bound every model's sampled step keeps."""

@@ -17,6 +17,8 @@ from torch import nn
 from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.vocabulary import ALL_STATS, OPT_IN_STATS
 
+pytestmark = pytest.mark.slow
+
 # Tensor methods that force a device-to-host copy (and so a sync on an accelerator).
 SYNCING = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
 

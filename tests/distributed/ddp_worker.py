@@ -1,4 +1,4 @@
-"""Run by tests/test_ddp.py in a subprocess: real Lightning DDP on CPU (gloo), 2 processes.
+"""Run by test_callback_ddp.py in a subprocess: real Lightning DDP on CPU (gloo), 2 processes.
 
 Lightning's ``ddp`` strategy re-executes this script for rank 1, so everything happens under ``__main__``. Each
 rank saves what it recorded (inputs and weights per batch), the callback's pooled values per sampled step, and how
@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for conftest
 
 COLLECTIVES = (
     "all_gather",

@@ -1,7 +1,7 @@
 """Cross-process pooling with two packed all-reduces, on 2 and 4 CPU processes (gloo); DTensor replicas on a 2-D
 mesh; one logged name per module and parameter under every wrapper.
 
-``tests/sync_worker.py`` runs the processes (both worlds at once, in one fixture); this file regenerates every
+``sync_worker.py`` runs the processes (both worlds at once, in one fixture); this file regenerates every
 rank's observations and checks the pooled values against float64 statistics of their union.
 """
 
@@ -21,6 +21,8 @@ from reference import activation_stats, dead_fraction, flat, l2
 from test_histograms import reference_counts
 
 from lightning_hookdiag import stats as S
+
+pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("sync_worker.py")
 WORLDS = (2, 4)

@@ -1,5 +1,5 @@
 """The numeric contract at its edge: an accumulation that overflows is logged as it is, with a note; never a wrong
-finite number. Within float32's range every statistic matches the float64 reference (tests/test_stats.py)."""
+finite number. Within float32's range every statistic matches the float64 reference (test_stats.py)."""
 
 import copy
 import math

@@ -78,7 +78,7 @@ def test_each_rank_alone_would_be_wrong(ranks):
 
 
 def test_each_sampled_step_syncs_with_two_collectives_whatever_the_depth(ranks):
-    # One SUM and one MAX all-reduce (tests/test_sync.py checks which); torchmetrics' gathers took 3 per state.
+    # One SUM and one MAX all-reduce (test_aggregation_sync.py checks which); torchmetrics' gathers took 3 per state.
     for rank in ranks:
         for depth in (1, 6):
             assert set(rank[depth]["collectives"].values()) == {2}, (depth, rank[depth]["collectives"])

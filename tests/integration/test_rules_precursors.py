@@ -1,7 +1,7 @@
 """The instability-precursor rules on real training: injected sick layers named early, twins and the zoo silent.
 
 Every case trains with a real Trainer, every step sampled, and the precursor statistics on (they are in the default
-set); the zoo's silence over 105 steps is in ``test_zoo.py``.
+set); the zoo's silence over 105 steps is in ``test_rules_zoo.py``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from zoo import zoo_module
 
 from lightning_hookdiag import ALL_STATS, LayerHealthCallback
 from lightning_hookdiag.vocabulary import PRECURSOR_STATS
+
+pytestmark = pytest.mark.slow
 
 pytest.importorskip("transformers")
 
@@ -190,7 +192,7 @@ def test_update_jump_twins_are_silent(layers):
     assert [f.message for f in health.findings] == []
 
 
-# The zoo's silence with the precursor rules (and every other) over 105 steps, every step sampled: tests/test_zoo.py.
+# The zoo's silence with the precursor rules (and every other) over 105 steps, every step sampled: test_rules_zoo.py.
 
 
 def test_history_goes_into_the_checkpoint_state_and_comes_back():

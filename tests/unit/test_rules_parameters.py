@@ -1,7 +1,7 @@
 """The rules added with the bug benchmark: update_ratio, stale_gradients, input_scale (see docs/rules.md's table).
 
 Detection and silence by hand on plain values, then stale_gradients end to end in real fits (its value comes from
-the callback, not from a logged statistic). Silence on the healthy zoo is tests/test_zoo.py's (every rule enabled),
+the callback, not from a logged statistic). Silence on the healthy zoo is test_rules_zoo.py's (every rule enabled),
 on the bugs' fixed twins tests/bugs/test_bugs.py's.
 """
 

@@ -1,4 +1,4 @@
-"""Run by tests/test_sentinel_distributed.py: the sentinel under real 2-process Lightning training on CPU (gloo).
+"""Run by test_sentinel_distributed.py: the sentinel under real 2-process Lightning training on CPU (gloo).
 
 ``python sentinel_worker.py OUT ddp``: DDP, rank 1 alone produces a NaN in one module on step 3; both ranks trip,
 replay together, and pool the replayed statistics. ``... OUT model_parallel``: FSDP2 (Lightning's
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for conftest
 
 SICK_STEP = 3
 

@@ -1,4 +1,4 @@
-"""Run by tests/test_fsdp.py in a subprocess: parameter statistics of sharded models against unsharded copies.
+"""Run by test_params_fsdp.py in a subprocess: parameter statistics of sharded models against unsharded copies.
 
 Two modes, each saving one file per rank under ``OUT``:
 
@@ -369,4 +369,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for conftest
     main(sys.argv[1:])

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "overhead.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "overhead.py"
 
 
 @pytest.mark.slow

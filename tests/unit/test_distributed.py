@@ -1,4 +1,4 @@
-"""The packed all-reduce helper without a process group (tests/test_sync.py runs it on 2 and 4 processes)."""
+"""The packed all-reduce helper without a process group (test_aggregation_sync.py runs it on 2 and 4 processes)."""
 
 import re
 

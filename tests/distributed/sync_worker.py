@@ -1,4 +1,4 @@
-"""Run by tests/test_sync.py: ``python sync_worker.py OUT WORLD`` spawns WORLD CPU processes (gloo).
+"""Run by test_aggregation_sync.py: ``python sync_worker.py OUT WORLD`` spawns WORLD CPU processes (gloo).
 
 Every rank saves ``OUT/rank{r}.pt`` with:
 

@@ -19,10 +19,12 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse[signatures] (the 'cli' extra)")
 yaml = pytest.importorskip("yaml")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "cli_train.py"
 CONFIG = ROOT / "examples" / "cli_config.yaml"
 TIMEOUT_S = 180

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import RecordingLogger, TinyModule, make_data, make_trainer
 from lightning.pytorch import Callback
-from test_structure import SyncFreeModule, deep_mlp
+from test_callback_cost import SyncFreeModule, deep_mlp
 
 from lightning_hookdiag import LayerHealthCallback
 
