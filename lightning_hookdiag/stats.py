@@ -70,18 +70,16 @@ GRAD_ROW = 3
 CHUNK_ELEMENTS = 1 << 18
 """The most elements one reduction reads at once: larger tensors are reduced piece by piece (see :func:`chunks`).
 
-It bounds every scratch buffer of the statistics (``docs/statistics.md#memory-bounded-scratch``). The size weighs the
-two costs a piece pays: on an accelerator a few kernel launches each (a 64 M-element logits tensor is 256 pieces,
-~2,300 launches, a few milliseconds per sampled step); on a CPU the passes after the first read the piece from cache
-while it fits there (a 2 M-element output reduced 1.7x faster in pieces of 256 K than of 1 M on 2 cores).
+It bounds every scratch buffer (``docs/statistics.md#memory-bounded-scratch``). A piece costs a few kernel launches
+on an accelerator (a 64 M-element logits tensor: ~2,300, a few milliseconds per sampled step); on a CPU the passes
+after the first read it from cache (a 2 M-element output reduced 1.7x faster in pieces of 256 K than of 1 M).
 """
 
 
 def chunks(x: Tensor, limit: int | None = None) -> Iterator[Tensor]:
     """Views of ``x`` of at most ``limit`` elements each that together hold every element of ``x`` once.
 
-    A contiguous tensor is cut along its flat view, any other along its leading dimensions, so that no piece needs a
-    copy.
+    A contiguous tensor is cut along its flat view, any other along its leading dimensions: no piece is a copy.
 
     Args:
         x: Any tensor.
@@ -169,9 +167,8 @@ _BITS_OF = {
 class Workspace:
     """Scratch memory of the per-tensor reductions, reused within a sampled step, per device and dtype.
 
-    On the CPU fresh temporaries cost page faults on every call, which reuse avoids (an 8 MB activation took 8.3 ms
-    with temporaries, 3.1 ms with reused buffers, on 2 cores); on an accelerator the caching allocator would hand the
-    same memory back anyway. Views are kept per size too, so that a deep stack of equal layers does not pay a few
+    On the CPU fresh temporaries cost page faults on every call (an 8 MB activation took 8.3 ms with them, 3.1 ms
+    with reused buffers); views are kept per size too, so that a deep stack of equal layers does not pay a few
     microseconds of view creation per tensor. The owner releases it at the end of every sampled step.
 
     Example:
@@ -331,13 +328,13 @@ def reduce_tensor(
 
     Args:
         x: A non-empty floating-point tensor of any size.
-        row: Gives the row of the caller's table for a piece of ``n`` elements, into which :func:`activation_row`
-            (:func:`gradient_row` with ``grad``) writes it; ``None`` writes no row.
+        row: The caller's row for a piece of ``n`` elements, written by :func:`activation_row` (:func:`gradient_row`
+            with ``grad``); ``None``: no row.
         workspace: Scratch memory reused across calls.
         grad: ``x`` is a gradient.
-        units: Also take :func:`unit_maxima`.
-        unit_dim: Their unit axis (:func:`unit_dim_for`).
-        edges: Also count the finite elements in these bins (:func:`histogram_counts`).
+        units: Also take :func:`unit_maxima` along ``unit_dim``.
+        unit_dim: See :func:`unit_dim_for`.
+        edges: Also take :func:`histogram_counts` in these bins.
 
     Returns:
         The per-unit maxima and the histogram counts.
@@ -469,7 +466,7 @@ def finalize_dead_fraction(unit_max: Tensor, owner: Tensor, n_layers: int, dtype
 
     Args:
         unit_max: Flat per-unit maxima of every tracked layer.
-        owner: For each entry of ``unit_max``, the index of its layer.
+        owner: The layer of each entry of ``unit_max``.
         n_layers: Length of the result.
         dtype: Dtype of the result.
 
