@@ -212,22 +212,17 @@ class LayerStatsAggregator(Metric):
             units = units.to(self.unit_max.dtype)
         size = self.unit_sizes[layer]
         if size:
-            if units.numel() != size:
-                self.unit_mismatch.add(layer)
+            target = self.unit_max[self._unit_offsets[layer] : self._unit_offsets[layer] + size]
+        else:  # not agreed yet: keep this process's maxima aside until the next sync (or compute) gives it slots
+            target = self._pending_units.get(layer)
+            if target is None:
+                self._pending_units[layer] = units.to(self.unit_max.dtype).clone()
                 return
-            start = self._unit_offsets[layer]
-            view = self.unit_max[start : start + size]
-            torch.fmax(view, units, out=view)
-            return
-        # Not agreed yet: keep this process's maxima aside until the next sync (or compute) gives the layer slots.
-        pending = self._pending_units.get(layer)
-        if pending is None:
-            self._pending_units[layer] = units.to(self.unit_max.dtype).clone()
-        elif pending.numel() != units.numel():
+        if units.numel() != target.numel():
             self.unit_mismatch.add(layer)
-            del self._pending_units[layer]
+            self._pending_units.pop(layer, None)
         else:
-            torch.fmax(pending, units, out=pending)
+            torch.fmax(target, units, out=target)
 
     def rows(self, kind: str, layers: list[int], numel: int) -> Tensor:
         """``len(layers)`` consecutive rows of this step's call table ``kind``, for calls of ``numel`` elements each.

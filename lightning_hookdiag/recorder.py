@@ -165,11 +165,11 @@ class StepRecorder:
         else:
             row = functools.partial(self._row, kind, layer)
         edges = agg.histogram_edges if self.histograms else None
-        out = reduce_tensor(tensor, row, self.workspace, kind == "grad", units, self.unit_dim, edges)
-        if out.units is not None:
-            agg.add(layer, units=out.units)
-        if out.hist is not None:
-            agg.pool(f"{kind}_hist", out.hist, layer)
+        maxima, hist = reduce_tensor(tensor, row, self.workspace, kind == "grad", units, self.unit_dim, edges)
+        if maxima is not None:
+            agg.add(layer, units=maxima)
+        if hist is not None:
+            agg.pool(f"{kind}_hist", hist, layer)
 
     def _row(self, kind: str, layer: int, numel: int) -> Tensor:
         return self.aggregator.rows(kind, [layer], numel)[0]

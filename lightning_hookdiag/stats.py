@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -36,7 +35,6 @@ __all__ = [
     "OPT_IN_STATS",
     "PARAMETER_STATS",
     "CHUNK_ELEMENTS",
-    "Reductions",
     "Workspace",
     "accumulation_dtype",
     "activation_row",
@@ -308,13 +306,6 @@ def gradient_row(g: Tensor, out: Tensor, workspace: Workspace | None = None, dim
     return torch.stack([nonzero, nonzero_finite, square_total], dim=-1, out=out)
 
 
-class Reductions(NamedTuple):
-    """What :func:`reduce_tensor` returns besides the rows it writes: ``None`` for what was not asked for."""
-
-    units: Tensor | None
-    hist: Tensor | None
-
-
 def reduce_tensor(
     x: Tensor,
     row: Callable[[int], Tensor] | None,
@@ -323,7 +314,7 @@ def reduce_tensor(
     units: bool = False,
     unit_dim: int | None = None,
     edges: Tensor | None = None,
-) -> Reductions:
+) -> tuple[Tensor | None, Tensor | None]:
     """Every per-tensor reduction of one output (or gradient), in one pass over its pieces (:func:`chunks`).
 
     Args:
@@ -337,12 +328,12 @@ def reduce_tensor(
         edges: Also take :func:`histogram_counts` in these bins.
 
     Returns:
-        The per-unit maxima and the histogram counts.
+        ``(unit maxima, histogram counts)``, ``None`` for what was not asked for; the rows are written.
 
     Example:
         >>> table = torch.empty(1, ACT_ROW, dtype=torch.float64)
-        >>> out = reduce_tensor(torch.tensor([[1.0, -2.0]]), lambda n: table[0], Workspace(), units=True)
-        >>> table.tolist(), out.units.tolist(), out.hist
+        >>> units, hist = reduce_tensor(torch.tensor([[1.0, -2.0]]), lambda n: table[0], Workspace(), units=True)
+        >>> table.tolist(), units.tolist(), hist
         ([[2.0, 2.0, -1.0, 5.0, -2.0, 1.0]], [1.0, -2.0], None)
     """
     reduce_row = gradient_row if grad else activation_row
@@ -355,7 +346,7 @@ def reduce_tensor(
                 reduce_row(piece, row(piece.numel()), workspace)
             if bins is not None:
                 _bin(piece, *bins)
-    return Reductions(unit_maxima(x, unit_dim) if units else None, None if bins is None else bins[1])
+    return unit_maxima(x, unit_dim) if units else None, None if bins is None else bins[1]
 
 
 def moments_from_rows(rows: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
@@ -507,7 +498,7 @@ def histogram_counts(x: Tensor, edges: Tensor) -> Tensor:
         >>> histogram_counts(x, torch.tensor([-1.0, 0.0, 1.0])).tolist()
         [1.0, 1.0, 1.0, 1.0]
     """
-    hist = reduce_tensor(x, None, Workspace(), edges=edges).hist
+    _, hist = reduce_tensor(x, None, Workspace(), edges=edges)
     assert hist is not None
     return hist
 
