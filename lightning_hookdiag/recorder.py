@@ -140,21 +140,10 @@ class StepRecorder:
         """The element capacity of each stack held (bounded by :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS`)."""
         return [b.numel() for s in self._stacks.values() for b in s._buffers.values()]
 
-    def observe(self, layer: int, tensor: Tensor | None) -> bool:
-        """Whether ``tensor`` (a layer's first floating-point output) can be observed; records why not."""
-        if tensor is None:
-            self.no_float_output.add(layer)
-            return False
-        if tensor.layout != torch.strided:
-            self.sparse_output.add(layer)
-            return False
-        if not tensor.numel():
-            self.empty_output.add(layer)
-            return False
-        return True
-
     def _reduce(self, kind: str, layer: int, tensor: Tensor, units: bool = False) -> None:
         # Rows: stacked small tensors reach the table at the stack's flush, the rest a row per piece here.
+        if units:
+            self._check_unit_dim(layer, tensor)
         agg = self.aggregator
         stacks = self._stacks.get(kind)
         row = None
@@ -176,15 +165,16 @@ class StepRecorder:
 
     def on_tensor(self, layer: int, tensor: Tensor | None) -> None:
         """Forward sink: observe the first floating-point tensor of layer ``layer``'s output (``None``: none)."""
-        if not self.observe(layer, tensor):
-            return
-        assert tensor is not None
-        units = layer in self.unit_layers
-        if units:
-            self._check_unit_dim(layer, tensor)
-        self._reduce("act", layer, tensor, units)
-        for sink in self._output_sinks:
-            sink(layer, tensor)
+        if tensor is None:
+            self.no_float_output.add(layer)
+        elif tensor.layout != torch.strided:
+            self.sparse_output.add(layer)
+        elif not tensor.numel():
+            self.empty_output.add(layer)
+        else:
+            self._reduce("act", layer, tensor, layer in self.unit_layers)
+            for sink in self._output_sinks:
+                sink(layer, tensor)
 
     def _check_unit_dim(self, layer: int, tensor: Tensor) -> None:
         unit_dim = self.unit_dim
