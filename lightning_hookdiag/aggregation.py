@@ -1,20 +1,13 @@
 """Exact pooling of per-layer statistics over calls, micro-batches and processes, in torchmetrics state.
 
-Per-layer states are stacked into a handful of tensors (``[n_layers, n_slots]`` sums, ``[n_layers]`` maxima, one
-flat vector of per-unit maxima). torchmetrics keeps them (reset, device moves, ``compute``), but its gather-based sync
-is replaced: every state declared ``"sum"`` goes into one buffer reduced with one SUM ``all_reduce``, every ``"max"``
-into one reduced with one MAX ``all_reduce`` (:mod:`lightning_hookdiag.distributed`). No all-gather, no barrier, no
-host read once the per-unit layout is agreed, and the bytes per process do not depend on the number of processes.
-
-Hook calls do not add into the states one by one: each writes its reduction into one row of a call table
-(:meth:`LayerStatsAggregator.rows`), and the rows of a step are
-folded into the states with a constant number of ops (``index_add_``) by ``update``, the sync and ``compute``.
+torchmetrics keeps the stacked per-layer states (reset, device moves, ``compute``), but its gather-based sync is
+replaced by one SUM and one MAX ``all_reduce`` of packed buffers (``docs/integrations.md#what-is-synced-and-how``).
+Hook calls write their rows into a call table, folded into the states in a constant number of ops per step.
 
 The per-unit layout (``act_dead_frac``) is the same on every process: a layer's unit count is learned from its
-output shape (host metadata), then agreed through the SUM buffer of the first sync in which any process saw the
-layer, so a layer that first runs on some processes only (a rank-dependent branch, MoE routing) gets the same slots
-everywhere. Until then its maxima wait in a per-layer pending tensor. What this means for a user:
-``docs/integrations.md#what-is-synced-and-how``.
+output shape, then agreed through the SUM buffer of the first sync in which any process saw the layer, so a layer
+that first runs on some processes only (a rank-dependent branch, MoE routing) gets the same slots everywhere. Until
+then its maxima wait in a per-layer pending tensor.
 """
 
 from __future__ import annotations
@@ -50,10 +43,9 @@ __all__ = ["LayerStatsAggregator", "host_values"]
 def host_values(values: Iterable[float], dtype: torch.dtype, device: torch.device) -> Tensor:
     """A 1-D tensor of host ``values`` on ``device``, without a stream synchronisation on CUDA.
 
-    A plain ``torch.tensor(values, device="cuda")`` copies from pageable memory, which makes the host wait for the
-    device's queue; a pinned copy sent with ``non_blocking=True`` is queued like a kernel (torch keeps the pinned
-    block alive until the copy is done). Used only where the values change between sampled steps (patterns of
-    calls that vary with the input's shape); everything else is cached on the device.
+    A copy from pageable memory makes the host wait for the device's queue; a pinned one sent with
+    ``non_blocking=True`` is queued like a kernel (torch keeps the pinned block alive until it is done). For values
+    that change between sampled steps only; everything else is cached on the device.
 
     Example:
         >>> host_values([1, 2], torch.float64, torch.device("cpu"))
@@ -70,12 +62,12 @@ def host_values(values: Iterable[float], dtype: torch.dtype, device: torch.devic
 class LayerStatsAggregator(Metric):
     """Pooled sufficient statistics of ``n_layers`` modules for one sampled optimizer step.
 
-    ``update`` adds one observation of one layer; ``compute`` returns the finalised per-layer statistics (after
-    torchmetrics has reduced the states over processes); ``reset`` starts the next sampled step.
-
     Args:
         n_layers: Number of observed modules; observations refer to them by index.
+        n_params: Number of observed parameters (:mod:`lightning_hookdiag.params`).
         dtype: Dtype of the additive states (float64 keeps variance pooled from sums exact).
+        sharded_params: Each process holds a disjoint part of the parameters (FSDP), not a replica.
+        histogram_bins: Bins of the output and gradient histograms; 0 for none.
         kwargs: Passed to :class:`torchmetrics.Metric` (e.g. ``process_group``).
 
     Example:
@@ -129,10 +121,8 @@ class LayerStatsAggregator(Metric):
         self.add_state("act_absmax", torch.zeros(n_layers), dist_reduce_fx="max")
         self.add_state("grad_moments", torch.zeros(n_layers, GRAD_SLOTS, dtype=dtype), dist_reduce_fx="sum")
         self.add_state("unit_max", torch.empty(0), dist_reduce_fx="max")
-        # Histograms use fixed edges, so their counts add up exactly.
-        # Registered only when asked for: every state costs collectives on each sampled step.
-        # A buffer, so that it moves with the states: binning reads it on the statistics' device, with no copy of
-        # host data per hooked call. The host copy is what the loggers get.
+        # A buffer, so that it moves with the states: binning reads it on their device, with no host copy per call.
+        # The histogram states exist only when asked for: every state is bytes in the collectives.
         edges = histogram_edges(histogram_bins) if histogram_bins else torch.empty(0)
         self.histogram_edges_host: list[float] = edges.tolist()
         self.register_buffer("histogram_edges", edges, persistent=False)
@@ -140,13 +130,11 @@ class LayerStatsAggregator(Metric):
             self.add_state("act_hist", torch.zeros(n_layers, histogram_bins), dist_reduce_fx="sum")
             self.add_state("grad_hist", torch.zeros(n_layers, histogram_bins), dist_reduce_fx="sum")
         self._core = frozenset(self.reduce_of)
-        # Unit counts are learned from the outputs and agreed over processes (see the module docstring); the flat
-        # layout follows layer order, so it is the same on every process whatever order layers happen to run in.
         self.sharded_params = sharded_params
         self.unit_layers: frozenset[int] = frozenset(range(n_layers))
         """Layers that may report per-unit maxima: the layout agreement waits for these (see :meth:`track_units`)."""
         self.unit_sizes: list[int] = [0] * n_layers
-        """Agreed unit count per layer (0: not known yet); identical on every process."""
+        """Agreed unit count per layer (0: not known yet), in layer order: the same flat layout on every process."""
         self._unit_offsets: list[int] = [0] * n_layers
         self._unit_owner = torch.empty(0, dtype=torch.long)
         self._pending_units: dict[int, Tensor] = {}
@@ -166,7 +154,7 @@ class LayerStatsAggregator(Metric):
 
     @property
     def pending_rows(self) -> tuple[int, int]:
-        """Output and gradient rows written since the last fold: one per reduced piece (a stack's rows at its flush)."""
+        """Output and gradient rows written since the last fold."""
         return len(self._calls["act"].layers), len(self._calls["grad"].layers)
 
     @property
@@ -177,8 +165,8 @@ class LayerStatsAggregator(Metric):
     def track_units(self, layers: Iterable[int]) -> None:
         """Declare the layers that may report per-unit maxima (default: every layer).
 
-        In a distributed run, a sync in which the agreed layout lacks one of these layers reads the agreed unit
-        counts back to the host (one small transfer); once every declared layer has run somewhere, no sync does.
+        A sync reads the agreed unit counts back to the host (one small transfer) until each of these has run
+        somewhere.
         """
         layers = frozenset(layers)
         bad = [i for i in layers if not 0 <= i < self.n_layers]
@@ -187,10 +175,7 @@ class LayerStatsAggregator(Metric):
         self.unit_layers = layers
 
     def _relayout(self, sizes: dict[int, int]) -> None:
-        """Give the layers of ``sizes`` their slots in layer order, keeping the maxima already recorded.
-
-        Maxima waiting in ``_pending_units`` move into the new slots; every other new slot starts at ``-inf``.
-        """
+        """Give the layers of ``sizes`` their slots in layer order, keeping the maxima recorded or pending."""
         device = self.unit_max.device
         old_sizes, old_offsets = list(self.unit_sizes), list(self._unit_offsets)
         for layer, size in sizes.items():
@@ -227,29 +212,23 @@ class LayerStatsAggregator(Metric):
             units = units.to(self.unit_max.dtype)
         size = self.unit_sizes[layer]
         if size:
-            if units.numel() != size:
-                self.unit_mismatch.add(layer)
+            target = self.unit_max[self._unit_offsets[layer] : self._unit_offsets[layer] + size]
+        else:  # not agreed yet: keep this process's maxima aside until the next sync (or compute) gives it slots
+            target = self._pending_units.get(layer)
+            if target is None:
+                self._pending_units[layer] = units.to(self.unit_max.dtype).clone()
                 return
-            start = self._unit_offsets[layer]
-            view = self.unit_max[start : start + size]
-            torch.fmax(view, units, out=view)
-            return
-        # Not agreed yet: keep this process's maxima aside until the next sync (or compute) gives the layer slots.
-        pending = self._pending_units.get(layer)
-        if pending is None:
-            self._pending_units[layer] = units.to(self.unit_max.dtype).clone()
-        elif pending.numel() != units.numel():
+        if units.numel() != target.numel():
             self.unit_mismatch.add(layer)
-            del self._pending_units[layer]
+            self._pending_units.pop(layer, None)
         else:
-            torch.fmax(pending, units, out=pending)
+            torch.fmax(target, units, out=target)
 
     def rows(self, kind: str, layers: list[int], numel: int) -> Tensor:
         """``len(layers)`` consecutive rows of this step's call table ``kind``, for calls of ``numel`` elements each.
 
-        ``"act"`` rows are written by :func:`~lightning_hookdiag.stats.activation_row` (or ``activation_rows``),
-        ``"grad"`` rows by ``gradient_row`` (``gradient_rows``); a ``"count"`` row has no column (an output counted
-        without its moments: no moment statistic was asked for). :meth:`update` folds the rows.
+        ``"act"`` rows are :func:`~lightning_hookdiag.stats.activation_row`'s, ``"grad"`` rows ``gradient_row``'s; a
+        ``"count"`` row has no column (an output counted without moments).
         """
         return self._calls[kind].rows(layers, numel, self.act_moments.device)
 
@@ -259,10 +238,7 @@ class LayerStatsAggregator(Metric):
         units: Tensor | None = None,
         params: tuple[Tensor, Tensor, int | slice] | None = None,
     ) -> None:
-        """Add one observation of layer ``layer`` (the hot path: hooks call this, not :meth:`update`).
-
-        torchmetrics wraps ``update`` with bookkeeping that costs tens of microseconds per call; hooks call ``add``
-        once per module call, and the callback calls :meth:`update` once per step so the metric counts as updated.
+        """Add one observation: the hot path, without the tens of microseconds torchmetrics wraps ``update`` in.
 
         Args:
             layer: Index of the layer; ``None`` records nothing (a process whose layers did not run still takes
@@ -286,8 +262,8 @@ class LayerStatsAggregator(Metric):
     def add_state(self, name: str, default: Tensor, dist_reduce_fx: str, persistent: bool = False) -> None:  # type: ignore[override]
         """Register a state reduced by ``"sum"`` or ``"max"``: the one place its reduction is declared.
 
-        The packed sync reads :attr:`reduce_of`; a component's state rides in the same two all-reduces as the core
-        states, is reset with them, and :meth:`compute` returns it unchanged under ``name`` (its owner finalises it).
+        A component's state rides in the same two all-reduces as the core states, is reset with them, and
+        :meth:`compute` returns it unchanged under ``name``.
 
         Raises:
             ValueError: For a reduction other than ``"sum"`` or ``"max"``.
@@ -318,7 +294,6 @@ class LayerStatsAggregator(Metric):
             torch.maximum(target, values, out=target)
 
     def _fold(self) -> None:
-        """Fold this step's call rows into the states, a constant number of ops per step."""
         taken = self._calls["act"].take()
         if taken is not None:
             rows, index, counts = taken
@@ -335,10 +310,7 @@ class LayerStatsAggregator(Metric):
             self.act_moments[:, ACT_COUNT].index_add_(0, index, counts)
 
     def update(self, *args: Any, **kwargs: Any) -> None:
-        """Same as :meth:`add`, through torchmetrics' bookkeeping (marks the metric as updated).
-
-        Also folds the rows written since the last fold into the states (so does ``compute``, and the sync before it).
-        """
+        """:meth:`add` through torchmetrics' bookkeeping, once per step; also folds the rows (as the sync does)."""
         self.add(*args, **kwargs)
         self._fold()
 
@@ -352,7 +324,7 @@ class LayerStatsAggregator(Metric):
         self.param_norm_low = None
 
     def sync(self, *args: Any, **kwargs: Any) -> None:
-        """Torchmetrics' ``sync``, on states that hold every call row: the local copy it keeps is folded too."""
+        """Torchmetrics' ``sync``, after the fold, so that the local copy it keeps holds every row."""
         self._fold()
         super().sync(*args, **kwargs)
 
@@ -363,14 +335,12 @@ class LayerStatsAggregator(Metric):
             self.unit_max, self._relaid = self._relaid, None
 
     def _sync_dist(self, dist_sync_fn: Any = None, process_group: Any = None) -> None:
-        """Reduce the states over processes with one SUM and one MAX ``all_reduce`` of packed buffers.
+        """Reduce the states over processes with one SUM and one MAX ``all_reduce``, by :attr:`reduce_of`.
 
-        torchmetrics calls it from ``sync`` after keeping the local states, and restores them afterwards. Each state
-        goes into the buffer of its declared reduction (:attr:`reduce_of`). ``dist_sync_fn`` is not used: a sum and
-        a maximum need no gathered copies. Every process must call it, also one whose layers did not run.
+        Every process must call it, also one whose layers did not run.
 
         Args:
-            dist_sync_fn: Ignored; part of torchmetrics' signature.
+            dist_sync_fn: Ignored: a sum and a maximum need no gathered copies.
             process_group: The group to reduce over; ``None`` for the metric's ``process_group`` (default: all).
         """
         group = process_group or self.process_group
@@ -415,8 +385,8 @@ class LayerStatsAggregator(Metric):
     def _replica_low(self) -> Tensor | None:
         """Minus each replicated parameter's weight sum of squares (``-inf`` where not measured), for the MAX buffer.
 
-        Its maximum over processes is minus the smallest value: replicas that differ show up in the same collective
-        as the largest (``param_norm``). ``None`` for sharded parameters, whose parts differ by design.
+        Its maximum over processes is minus the smallest: replicas that differ show up in the collective that takes
+        the largest. ``None`` for sharded parameters, whose parts differ by design.
         """
         if self.sharded_params or not self.n_params:
             return None
@@ -439,11 +409,7 @@ class LayerStatsAggregator(Metric):
         return self._bad_flags[1]
 
     def pooled(self) -> dict[str, Tensor]:
-        """:meth:`compute` without torchmetrics' copy of every result: what a caller that only reads them needs.
-
-        The callback reads the results to the host at once, so the clone torchmetrics' ``compute`` makes of each
-        (against in-place changes by the caller) would be paid for nothing.
-        """
+        """:meth:`compute` without torchmetrics' clone of every result, for a caller that only reads them."""
         with self.sync_context():
             return self._finalize()
 
@@ -491,10 +457,8 @@ class LayerStatsAggregator(Metric):
 class _Calls:
     """The rows of one kind of observation written in the open step, one per call, folded once per step.
 
-    A hook call writes its results into a row of this table with one op; the fold turns every row of the step into
-    the states' columns and adds them with ``index_add_``, a constant number of ops per step. The layer index and
-    counts of a step are host lists; their device copies are cached by value, so a step that repeats the previous
-    one's calls (the usual case) copies nothing to the device.
+    The layer index and counts of a step are host lists; their device copies are cached by value, so a step that
+    repeats the previous one's calls (the usual case) copies nothing to the device.
     """
 
     __slots__ = ("_patterns", "counts", "dtype", "layers", "table", "width")

@@ -1,9 +1,8 @@
 """The sinks a :class:`~lightning_hookdiag.hooks.HookSet` writes into: outputs and gradients to statistics.
 
-:class:`StepRecorder` reduces each observed tensor where it lives (:func:`~lightning_hookdiag.stats.activation_row`,
-:func:`~lightning_hookdiag.stats.gradient_row`) into a row of the
-:class:`~lightning_hookdiag.aggregation.LayerStatsAggregator`'s call table, which folds them once per step. It holds
-no observation itself, and the aggregator does not call back into it.
+:class:`StepRecorder` hands each observed tensor once to :func:`~lightning_hookdiag.stats.reduce_tensor`, which
+writes its rows into the :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator`'s call table and returns its
+per-unit maxima and histogram counts; the recorder passes those on. The aggregator never sees a tensor.
 """
 
 from __future__ import annotations
@@ -17,16 +16,7 @@ from torch import Tensor
 from lightning_hookdiag import stats
 from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.components import Component
-from lightning_hookdiag.stats import (
-    Workspace,
-    activation_row,
-    activation_rows,
-    chunks,
-    gradient_row,
-    gradient_rows,
-    histogram_counts,
-    unit_maxima,
-)
+from lightning_hookdiag.stats import Workspace, activation_row, gradient_row, reduce_tensor
 
 __all__ = ["SMALL_ELEMENTS", "StepRecorder"]
 
@@ -46,16 +36,12 @@ class _Stacks:
     """Small tensors of one kind, copied into stacks of equal size and reduced one stack at a time.
 
     On a model of many small layers the fixed cost of each reduction op, a kernel launch on an accelerator, is what a
-    sampled step pays for: 9 ops per output and 6 per gradient. A copy into the next row of a stack is one op; the
-    stack is reduced by :func:`~lightning_hookdiag.stats.activation_rows` (or ``gradient_rows``) in the same 9 (6)
-    ops, once it is full or the step ends. A stack holds at most :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS`
-    elements and at most 8 stacks are kept, so the copies stay bounded; they are copies, not references, because an
-    output can be changed in place after its hook ran (``ReLU(inplace=True)``).
+    sampled step pays for. A copy into the next row of a stack is one op; the full stack (or, at the step's end, the
+    rows filled) is reduced in the ops of one tensor. Copies, not references: an output can be changed in place
+    after its hook ran (``ReLU(inplace=True)``).
     """
 
-    def __init__(
-        self, reduce: Callable[[Tensor, Tensor, Workspace], Tensor], rows: Callable[[list[int], int], Tensor]
-    ) -> None:
+    def __init__(self, reduce: Callable[..., Tensor], rows: Callable[[list[int], int], Tensor]) -> None:
         self._reduce = reduce
         self._rows = rows
         self._buffers: dict[tuple[torch.dtype, int, torch.device], Tensor] = {}
@@ -67,7 +53,7 @@ class _Stacks:
         if buffer is None:
             if len(self._buffers) >= _MAX_STACKS:  # many shapes: reduce what is held and start over
                 self.flush(workspace)
-                self._buffers, self._layers = {}, {}
+                self.release()
             rows = max(1, stats.CHUNK_ELEMENTS // tensor.numel())
             buffer = self._buffers[key] = torch.empty(rows, tensor.numel(), dtype=tensor.dtype, device=tensor.device)
             self._layers[key] = []
@@ -80,25 +66,19 @@ class _Stacks:
     def _flush(self, key: tuple[torch.dtype, int, torch.device], workspace: Workspace) -> None:
         layers = self._layers[key]
         if layers:
-            self._reduce(self._buffers[key][: len(layers)], self._rows(layers, key[1]), workspace)
+            self._reduce(self._buffers[key][: len(layers)], self._rows(layers, key[1]), workspace, dim=1)
             self._layers[key] = []
 
     def flush(self, workspace: Workspace) -> None:
-        """Reduce every stack (the rows reach the aggregator's call table)."""
         for key in list(self._layers):
             self._flush(key, workspace)
 
     def release(self) -> None:
-        """Drop the stacks and what they hold."""
         self._buffers, self._layers = {}, {}
 
 
 class StepRecorder:
-    """The sinks a :class:`~lightning_hookdiag.hooks.HookSet` writes into.
-
-    Each output or gradient is reduced to the sufficient statistics that the requested statistics need and added to
-    a :class:`LayerStatsAggregator`, by the ops of :mod:`lightning_hookdiag.stats` (plus 3 for per-unit activity),
-    piece by piece beyond :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS` elements, with no host read.
+    """The sinks a :class:`~lightning_hookdiag.hooks.HookSet` writes into, with no host read.
 
     Args:
         aggregator: Where observations are pooled.
@@ -134,8 +114,11 @@ class StepRecorder:
         self.aggregator = aggregator
         self._output_sinks = [c.on_output for c in components if c.on_output is not None]
         self._grad_sinks = [c.on_grad for c in components if c.on_grad is not None]
-        self._act_stacks = _Stacks(activation_rows, functools.partial(aggregator.rows, "act")) if stack_small else None
-        self._grad_stacks = _Stacks(gradient_rows, functools.partial(aggregator.rows, "grad")) if stack_small else None
+        self._stacks = {
+            kind: _Stacks(reduce, lambda layers, n, kind=kind: aggregator.rows(kind, layers, n))
+            for kind, reduce in (("act", activation_row), ("grad", gradient_row))
+            if stack_small
+        }
         self.moments = moments
         self.unit_layers = unit_layers
         aggregator.track_units(unit_layers)
@@ -155,45 +138,43 @@ class StepRecorder:
     @property
     def stacked(self) -> list[int]:
         """The element capacity of each stack held (bounded by :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS`)."""
-        stacks = [s for s in (self._act_stacks, self._grad_stacks) if s is not None]
-        return [b.numel() for s in stacks for b in s._buffers.values()]
+        return [b.numel() for s in self._stacks.values() for b in s._buffers.values()]
 
-    def observe(self, layer: int, tensor: Tensor | None) -> bool:
-        """Whether ``tensor`` (a layer's first floating-point output) can be observed; records why not."""
-        if tensor is None:
-            self.no_float_output.add(layer)
-            return False
-        if tensor.layout != torch.strided:
-            self.sparse_output.add(layer)
-            return False
-        if not tensor.numel():
-            self.empty_output.add(layer)
-            return False
-        return True
+    def _reduce(self, kind: str, layer: int, tensor: Tensor, units: bool = False) -> None:
+        # Rows: stacked small tensors reach the table at the stack's flush, the rest a row per piece here.
+        if units:
+            self._check_unit_dim(layer, tensor)
+        agg = self.aggregator
+        stacks = self._stacks.get(kind)
+        row = None
+        if kind == "act" and not self.moments:
+            agg.rows("count", [layer], tensor.numel())
+        elif stacks is not None and _stackable(tensor):
+            stacks.add(layer, tensor, self.workspace)
+        else:
+            row = functools.partial(self._row, kind, layer)
+        edges = agg.histogram_edges if self.histograms else None
+        maxima, hist = reduce_tensor(tensor, row, self.workspace, kind == "grad", units, self.unit_dim, edges)
+        if maxima is not None:
+            agg.add(layer, units=maxima)
+        if hist is not None:
+            agg.pool(f"{kind}_hist", hist, layer)
+
+    def _row(self, kind: str, layer: int, numel: int) -> Tensor:
+        return self.aggregator.rows(kind, [layer], numel)[0]
 
     def on_tensor(self, layer: int, tensor: Tensor | None) -> None:
         """Forward sink: observe the first floating-point tensor of layer ``layer``'s output (``None``: none)."""
-        if not self.observe(layer, tensor):
-            return
-        assert tensor is not None
-        agg = self.aggregator
-        numel = tensor.numel()
-        if self.moments and self._act_stacks is not None and _stackable(tensor):
-            self._act_stacks.add(layer, tensor, self.workspace)
-        elif self.moments:
-            # Piece by piece: the scratch memory stays bounded whatever the tensor's size (one piece, and so one row,
-            # for tensors up to CHUNK_ELEMENTS); the pieces' rows pool like calls.
-            for piece in chunks(tensor):
-                activation_row(piece, agg.rows("act", [layer], piece.numel())[0], self.workspace)
+        if tensor is None:
+            self.no_float_output.add(layer)
+        elif tensor.layout != torch.strided:
+            self.sparse_output.add(layer)
+        elif not tensor.numel():
+            self.empty_output.add(layer)
         else:
-            agg.rows("count", [layer], numel)
-        if layer in self.unit_layers:
-            self._check_unit_dim(layer, tensor)
-            agg.add(layer, units=unit_maxima(tensor, self.unit_dim))
-        if self.histograms:
-            agg.pool("act_hist", histogram_counts(tensor, agg.histogram_edges), layer)
-        for sink in self._output_sinks:
-            sink(layer, tensor)
+            self._reduce("act", layer, tensor, layer in self.unit_layers)
+            for sink in self._output_sinks:
+                sink(layer, tensor)
 
     def _check_unit_dim(self, layer: int, tensor: Tensor) -> None:
         unit_dim = self.unit_dim
@@ -209,31 +190,20 @@ class StepRecorder:
         if grad.layout != torch.strided:
             self.sparse_output.add(layer)
             return
-        numel = grad.numel()
-        if not numel:
-            return
-        agg = self.aggregator
-        if self._grad_stacks is not None and _stackable(grad):
-            self._grad_stacks.add(layer, grad, self.workspace)
-        else:
-            for piece in chunks(grad):
-                gradient_row(piece, agg.rows("grad", [layer], piece.numel())[0], self.workspace)
-        if self.histograms:
-            agg.pool("grad_hist", histogram_counts(grad, agg.histogram_edges), layer)
-        for sink in self._grad_sinks:
-            sink(layer, grad)
+        if grad.numel():
+            self._reduce("grad", layer, grad)
+            for sink in self._grad_sinks:
+                sink(layer, grad)
 
     def flush(self) -> None:
         """Reduce the stacked small outputs and gradients into the aggregator's call table (``stack_small``)."""
-        for stacks in (self._act_stacks, self._grad_stacks):
-            if stacks is not None:
-                stacks.flush(self.workspace)
+        for stacks in self._stacks.values():
+            stacks.flush(self.workspace)
 
     def release(self) -> None:
         """End of a window (logged or discarded): release the scratch memory, forget the outputs not observed."""
-        for stacks in (self._act_stacks, self._grad_stacks):
-            if stacks is not None:
-                stacks.release()
+        for stacks in self._stacks.values():
+            stacks.release()
         self.workspace.release()
         self.no_float_output.clear()
         self.empty_output.clear()

@@ -1,18 +1,12 @@
 """Pure tensor statistics: per-tensor sufficient statistics and their finalisation.
 
-A tensor is reduced to a few *additive* sufficient statistics (counts, sums, sums of squares) or *max-reducible*
-ones (absolute maxima, per-unit maxima), so that pooling over calls, micro-batches and processes is exact: it is a sum
-or a max of these vectors, never an average of averages. Finalisation turns the pooled vectors into the logged values.
+A tensor is reduced to *additive* sufficient statistics (counts, sums, sums of squares) and *max-reducible* ones
+(absolute maxima, per-unit maxima), so that pooling over calls, micro-batches and processes is a sum or a max of
+vectors, never an average of averages. :func:`reduce_tensor` is the one pass a recorder makes over a tensor; the
+finalisers turn the pooled vectors into the logged values (``docs/statistics.md#every-key``).
 
-One path serves every device. It never reads a value back to the host and never branches on data, and it is counted
-in aten ops, each at least one kernel launch on an accelerator (``benchmarks/overhead.py --count-ops``):
-
-* :func:`activation_row` reduces an output in 9 ops: a copy in its own dtype (``+ 0.0``, which turns ``-0.0`` into
-  ``0.0``), the non-zero count of its bit pattern, NaN/Inf set to 0, the count again (the difference is the
-  non-finite count), ``aminmax``, then a float64 copy, its squares (``mul``) and one ``sum`` of both, and writes
-  the results into one row with one ``stack``. Only the sums need float64, so only they read 8-byte copies.
-* :func:`gradient_row` reduces a gradient in 6: count, NaN/Inf to 0 into a copy, count, float64 copy, ``dot``,
-  ``stack``.
+One path serves every device: no host read, no branch on data, a fixed count of aten ops, each at least one kernel
+launch on an accelerator (``benchmarks/overhead.py --count-ops``).
 
 Why this is exact without prescaling or centring: a float32 (or fp16/bf16) value and its square are exact in float64
 (24 significant bits squared fit in 53), float32's largest square (1.2e77) and smallest (2e-90) are normal float64
@@ -20,9 +14,8 @@ numbers, and torch's sums are cascaded, so a sum of a million squares rounds at 
 vector width. ``act_std`` is then ``sqrt(sumsq / n - mean**2)`` in float64: a mean ``10**4`` times the spread
 costs 8 of float64's 16 digits, and leaves ~1e-9 (measured: 7.5e-10 on 1 M values of mean 1e4 and std 1; a float64
 BLAS ``dot`` instead of ``mul`` + ``sum`` was 1.6e-6 off, so it serves only the gradients' sums of squares, which
-do not cancel). Float64 inputs are exact to ~1e-16 per square, up to ``|x| ~ 1e154``.
-
-What the logged values are: ``docs/statistics.md#every-key``.
+do not cancel). Float64 inputs are exact to ~1e-16 per square, up to ``|x| ~ 1e154``. The contract:
+``docs/statistics.md#the-numeric-contract``.
 """
 
 from __future__ import annotations
@@ -42,52 +35,49 @@ __all__ = [
     "OPT_IN_STATS",
     "PARAMETER_STATS",
     "CHUNK_ELEMENTS",
+    "Workspace",
     "accumulation_dtype",
-    "chunks",
-    "chunked_sum",
     "activation_row",
-    "activation_rows",
-    "finalize_dead_fraction",
-    "histogram_counts",
-    "histogram_edges",
+    "chunked_sum",
+    "chunks",
     "finalize_activations",
+    "finalize_dead_fraction",
     "finalize_gradients",
     "gradient_moments_from_rows",
     "gradient_row",
-    "gradient_rows",
+    "histogram_counts",
+    "histogram_edges",
     "moments_from_rows",
+    "reduce_tensor",
     "resolve_stats",
     "unit_dim_for",
     "unit_maxima",
-    "Workspace",
 ]
 
-# Columns of the additive activation vector.
+# Columns of the additive activation and activation-gradient vectors.
 ACT_COUNT, ACT_NONZERO, ACT_NONZERO_FINITE, ACT_SUM, ACT_SUMSQ = range(5)
 ACT_SLOTS = 5
-# Columns of the additive activation-gradient vector.
 GRAD_COUNT, GRAD_SUMSQ, GRAD_NONFINITE = range(3)
 GRAD_SLOTS = 3
-
+# Columns of the rows one output and one gradient are reduced to (:func:`activation_row`, :func:`gradient_row`).
+ROW_NONZERO, ROW_NONZERO_FINITE, ROW_SUM, ROW_SUMSQ, ROW_MIN, ROW_MAX = range(6)
+ACT_ROW = 6
+GROW_NONZERO, GROW_NONZERO_FINITE, GROW_SUMSQ = range(3)
+GRAD_ROW = 3
 
 CHUNK_ELEMENTS = 1 << 18
 """The most elements one reduction reads at once: larger tensors are reduced piece by piece (see :func:`chunks`).
 
-It bounds every scratch buffer the statistics allocate, whatever the size of the tensor: the :class:`Workspace`
-holds at most ``CHUNK_ELEMENTS`` elements in the input's dtype and ``2 * CHUNK_ELEMENTS`` float64 values (5 MiB for a
-float32 input), and the opt-in reductions' temporaries are of the same order. The size is a compromise between the
-two costs a piece pays: on an accelerator each piece is a few kernel launches (a 64 M-element logits tensor is 256
-pieces, ~2,300 launches, a few milliseconds per sampled step), on a CPU the passes after the first read the piece
-from cache while it fits there (a 2 M-element output reduced 1.7x faster in pieces of 256 K than of 1 M on the
-2-core benchmark machine).
+It bounds every scratch buffer (``docs/statistics.md#memory-bounded-scratch``). A piece costs a few kernel launches
+on an accelerator (a 64 M-element logits tensor: ~2,300, a few milliseconds per sampled step); on a CPU the passes
+after the first read it from cache (a 2 M-element output reduced 1.7x faster in pieces of 256 K than of 1 M).
 """
 
 
 def chunks(x: Tensor, limit: int | None = None) -> Iterator[Tensor]:
     """Views of ``x`` of at most ``limit`` elements each that together hold every element of ``x`` once.
 
-    A contiguous tensor is cut along its flat view; any other layout along its leading dimensions, so that no piece
-    needs a copy. Additive statistics of ``x`` are the sums of those of its pieces, and maxima the maxima.
+    A contiguous tensor is cut along its flat view, any other along its leading dimensions: no piece is a copy.
 
     Args:
         x: Any tensor.
@@ -114,9 +104,7 @@ def chunks(x: Tensor, limit: int | None = None) -> Iterator[Tensor]:
 
 
 def chunked_sum(reduce: Callable[[Tensor], Tensor], x: Tensor, limit: int | None = None) -> Tensor:
-    """``reduce(x)`` for an additive ``reduce``, taken piece by piece (:func:`chunks`): bounded scratch memory.
-
-    A tensor of at most ``limit`` elements costs exactly ``reduce(x)``; a larger one one ``add_`` per further piece.
+    """``reduce(x)`` for an additive ``reduce``, taken piece by piece (:func:`chunks`): one ``add_`` per extra piece.
 
     Example:
         >>> chunked_sum(lambda p: p.square().sum(), torch.arange(10.0), limit=3).item()
@@ -165,18 +153,6 @@ def accumulation_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-def _as_float32(x: Tensor) -> Tensor:
-    # fp16/bf16 would overflow a sum of squares; float64 inputs keep their precision until the final cast.
-    return x.detach() if x.dtype in (torch.float32, torch.float64) else x.detach().float()
-
-
-# Columns of the row one output is reduced to (see :func:`activation_row`).
-ROW_NONZERO, ROW_NONZERO_FINITE, ROW_SUM, ROW_SUMSQ, ROW_MIN, ROW_MAX = range(6)
-ACT_ROW = 6
-# Columns of the row one gradient is reduced to (see :func:`gradient_row`).
-GROW_NONZERO, GROW_NONZERO_FINITE, GROW_SUMSQ = range(3)
-GRAD_ROW = 3
-
 # The integer dtype of each float dtype's width: a float's bit pattern is zero exactly when the float is +0.0.
 _BITS_OF = {
     torch.float64: torch.int64,
@@ -189,13 +165,9 @@ _BITS_OF = {
 class Workspace:
     """Scratch memory of the per-tensor reductions, reused within a sampled step, per device and dtype.
 
-    A reduction writes a copy of its input in the input's own dtype (for the passes that are exact in any
-    precision), a float64 copy and, for the sum of squares, the squares. On the CPU fresh temporaries cost page
-    faults on every call, which reuse avoids (measured on a 2-core CPU: an 8 MB activation took 8.3 ms with
-    temporaries, 3.1 ms with reused buffers); on an accelerator the caching allocator would hand the same memory
-    back anyway. The views of a size are kept too, so that many tensors of one shape (a deep stack of equal
-    layers) do not pay a few microseconds of view creation each. Its bound is :data:`CHUNK_ELEMENTS`'s; the
-    callback releases it at the end of every sampled step, so it holds nothing between them.
+    On the CPU fresh temporaries cost page faults on every call (an 8 MB activation took 8.3 ms with them, 3.1 ms
+    with reused buffers); views are kept per size too, so that a deep stack of equal layers does not pay a few
+    microseconds of view creation per tensor. The owner releases it at the end of every sampled step.
 
     Example:
         >>> ws = Workspace()
@@ -224,10 +196,10 @@ class Workspace:
         return buffer[:n]
 
     def get(self, n: int, dtype: torch.dtype, wide: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-        """``(finite, bits, pair)`` on ``device``: views of reused memory for one reduction.
+        """``(finite, bits, pair)``: views of reused memory for one reduction.
 
-        ``finite`` holds ``n`` elements of ``dtype``, ``bits`` is its bit pattern as integers (the same memory), and
-        ``pair`` a contiguous ``[2, n]`` buffer of ``wide`` (values in row 0, their squares in row 1).
+        ``n`` elements of ``dtype``, their bit pattern as integers (the same memory), and a contiguous ``[2, n]``
+        buffer of ``wide`` (values in row 0, their squares in row 1).
         """
         key = (n, dtype, wide, device)
         views = self._views.get(key)
@@ -244,18 +216,15 @@ class Workspace:
 
 
 def _finite_copy(
-    x: Tensor, wide: torch.dtype, workspace: Workspace, signed_zeros: bool, dim: int | None = None
+    x: Tensor, wide: torch.dtype, workspace: Workspace, signed_zeros: bool, dim: int | None
 ) -> tuple[Tensor, ...]:
     """``(finite, pair, nonzero, nonzero_finite)``: ``x`` with NaN/Inf set to 0 in its own dtype, and two counts.
 
-    Three passes over ``x``'s bytes (half of float64's for float32 input), each exact in any precision: a copy,
-    NaN/Inf to 0 in place, and the non-zero counts of the bit pattern before and after it (one integer pass each:
-    ``count_nonzero`` on floats is 20 times slower on the CPU). The copy is ``x + 0.0`` where ``signed_zeros`` is
-    False, which turns ``-0.0`` into ``0.0`` (``-0.0 + 0.0 == 0.0``) so that the counts count it as zero; otherwise
-    ``-0.0`` counts as non-zero in both counts, which keeps their difference, the non-finite count, exact, and the
-    copy is NaN/Inf to 0 itself (one pass fewer) after counting ``x``. ``pair`` is the float64 workspace. With
-    ``dim=1`` ``x`` is a ``[k, n]`` stack of tensors, counted row by row; ``finite`` and ``pair`` then have its shape
-    (``pair``: ``[2, k, n]``).
+    Each pass is exact in any precision, and reads ``x``'s own bytes (half of float64's for float32 input). The counts
+    are of the bit pattern (one integer pass each: ``count_nonzero`` on floats is 20 times slower on the CPU), before
+    and after NaN/Inf removal. Without ``signed_zeros`` the copy is ``x + 0.0``, which turns ``-0.0`` into ``0.0`` so
+    that it counts as zero; with it ``-0.0`` counts as non-zero in both counts, which keeps their difference, the
+    non-finite count, exact, and the copy is the NaN/Inf removal itself (one pass fewer).
     """
     if x.numel() > CHUNK_ELEMENTS:
         raise ValueError(
@@ -278,19 +247,21 @@ def _finite_copy(
     return finite, pair, nonzero, torch.count_nonzero(bits, dim=dim)
 
 
-def activation_row(x: Tensor, out: Tensor, workspace: Workspace | None = None) -> Tensor:
+def activation_row(x: Tensor, out: Tensor, workspace: Workspace | None = None, dim: int | None = None) -> Tensor:
     """Reduce one non-empty floating-point tensor into the ``[ACT_ROW]`` row ``out``, in 9 tensor ops.
 
     The row holds ``[nonzero, nonzero_finite, sum, sum_of_squares, min, max]``: the non-zero count (NaN and Inf
     count as non-zero, ``-0.0`` as zero), the non-zero finite count, and the sum, sum of squares, minimum and
-    maximum of the finite elements (NaN/Inf read as 0 there), all in ``out.dtype``. :func:`moments_from_rows`
-    turns rows into additive moments; the element count is known on the host and not part of the row.
+    maximum of the finite elements (NaN/Inf read as 0 there), all in ``out.dtype``. The element count is known on
+    the host and not part of the row.
 
     Args:
         x: Any floating-point tensor with at least one and at most :data:`CHUNK_ELEMENTS` elements (a piece of
             :func:`chunks`), any device, any layout in memory.
         out: Where the row is written (a row of the caller's table: no allocation).
         workspace: Scratch memory reused across calls; ``None`` allocates temporaries.
+        dim: ``1`` for a ``[k, n]`` stack of tensors, reduced row by row into the ``[k, ACT_ROW]`` ``out`` in the
+            same 9 ops (the recorder stacks small outputs and pays the ops once per stack).
 
     Raises:
         ValueError: For a tensor of more than :data:`CHUNK_ELEMENTS` elements.
@@ -301,68 +272,81 @@ def activation_row(x: Tensor, out: Tensor, workspace: Workspace | None = None) -
     Example:
         >>> activation_row(torch.tensor([0.0, -0.0, -3.0, 4.0, float("nan")]), torch.empty(ACT_ROW)).tolist()
         [3.0, 2.0, 1.0, 25.0, -3.0, 4.0]
+        >>> x = torch.tensor([[0.0, -3.0, 4.0], [1.0, float("nan"), 2.0]])
+        >>> activation_row(x, torch.empty(2, ACT_ROW), dim=1).tolist()
+        [[2.0, 2.0, 1.0, 25.0, -3.0, 4.0], [3.0, 2.0, 3.0, 5.0, 0.0, 2.0]]
     """
-    return _activation(x, out, workspace, None)
-
-
-def _activation(x: Tensor, out: Tensor, workspace: Workspace | None, dim: int | None) -> Tensor:
-    # The one body of activation_row (dim=None: the whole tensor) and activation_rows (dim=1: each row of a stack).
     finite, pair, nonzero, nonzero_finite = _finite_copy(x, out.dtype, workspace or Workspace(), False, dim)
     low, high = torch.aminmax(finite, dim=dim)  # while the copy is still in cache
     values, squares = pair
-    values.copy_(finite)  # exact: float32 (and fp16/bf16) values are float64 values
-    torch.mul(values, values, out=squares)  # exact in float64 (24 significant bits squared fit in 53)
-    total, square_total = pair.sum(dim=-1)  # cascaded: ~1e-16 relative (see the module docstring)
+    values.copy_(finite)
+    torch.mul(values, values, out=squares)
+    total, square_total = pair.sum(dim=-1)  # cascaded, unlike a BLAS dot (see the module docstring)
     return torch.stack([nonzero, nonzero_finite, total, square_total, low, high], dim=-1, out=out)
 
 
-def gradient_row(g: Tensor, out: Tensor, workspace: Workspace | None = None) -> Tensor:
-    """Reduce one gradient into the ``[GRAD_ROW]`` row ``out``, in 6 tensor ops.
+def gradient_row(g: Tensor, out: Tensor, workspace: Workspace | None = None, dim: int | None = None) -> Tensor:
+    """Reduce one gradient into the ``[GRAD_ROW]`` row ``out``, in 6 tensor ops; arguments as :func:`activation_row`.
 
-    The row holds ``[nonzero, nonzero_finite, sum_of_squares]`` (non-finite count = their difference; ``-0.0``
-    counts as non-zero in both, no gradient statistic counts zeros; the sum of squares over finite elements). The
-    counts and NaN/Inf removal run in ``g``'s dtype, the sum of squares is a float64 ``dot``: a sum of squares does
-    not cancel, so its rounding (~1e-13 relative on any BLAS) is far below what is logged.
+    The row holds ``[nonzero, nonzero_finite, sum_of_squares]``: their difference is the non-finite count (``-0.0``
+    counts as non-zero in both: no gradient statistic counts zeros), the sum of squares is over finite elements.
 
     Example:
         >>> gradient_row(torch.tensor([3.0, 0.0, -4.0, float("inf")]), torch.empty(GRAD_ROW)).tolist()
         [3.0, 2.0, 25.0]
+        >>> gradient_row(torch.tensor([[3.0, 4.0], [float("inf"), -0.0]]), torch.empty(2, GRAD_ROW), dim=1).tolist()
+        [[2.0, 2.0, 25.0], [2.0, 1.0, 0.0]]
     """
-    return _gradient(g, out, workspace, None)
-
-
-def _gradient(g: Tensor, out: Tensor, workspace: Workspace | None, dim: int | None) -> Tensor:
-    # The one body of gradient_row (dim=None) and gradient_rows (dim=1). A whole tensor's sum of squares is one BLAS
-    # dot; a stack's is squares summed along its rows (dot has no batched form).
     finite, pair, nonzero, nonzero_finite = _finite_copy(g, out.dtype, workspace or Workspace(), True, dim)
     values, squares = pair
     values.copy_(finite)
+    # A whole tensor's sum of squares is one BLAS dot (no cancellation: its rounding is far below what is logged); a
+    # stack's is squares summed along its rows (dot has no batched form).
     square_total = torch.dot(values, values) if dim is None else torch.mul(values, values, out=squares).sum(dim=-1)
     return torch.stack([nonzero, nonzero_finite, square_total], dim=-1, out=out)
 
 
-def activation_rows(x: Tensor, out: Tensor, workspace: Workspace | None = None) -> Tensor:
-    """:func:`activation_row` of every row of a ``[k, n]`` stack of tensors, into the ``[k, ACT_ROW]`` ``out``.
+def reduce_tensor(
+    x: Tensor,
+    row: Callable[[int], Tensor] | None,
+    workspace: Workspace,
+    grad: bool = False,
+    units: bool = False,
+    unit_dim: int | None = None,
+    edges: Tensor | None = None,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Every per-tensor reduction of one output (or gradient), in one pass over its pieces (:func:`chunks`).
 
-    The same 9 ops and the same values as ``k`` calls of :func:`activation_row`: the recorder stacks the small
-    outputs of a step (many layers, few elements each) and pays the ops once per stack.
+    Args:
+        x: A non-empty floating-point tensor of any size.
+        row: The caller's row for a piece of ``n`` elements, written by :func:`activation_row` (:func:`gradient_row`
+            with ``grad``); ``None``: no row.
+        workspace: Scratch memory reused across calls.
+        grad: ``x`` is a gradient.
+        units: Also take :func:`unit_maxima` along ``unit_dim``.
+        unit_dim: See :func:`unit_dim_for`.
+        edges: Also take :func:`histogram_counts` in these bins.
+
+    Returns:
+        ``(unit maxima, histogram counts)``, ``None`` for what was not asked for; the rows are written.
 
     Example:
-        >>> x = torch.tensor([[0.0, -3.0, 4.0], [1.0, float("nan"), 2.0]])
-        >>> activation_rows(x, torch.empty(2, ACT_ROW)).tolist()
-        [[2.0, 2.0, 1.0, 25.0, -3.0, 4.0], [3.0, 2.0, 3.0, 5.0, 0.0, 2.0]]
+        >>> table = torch.empty(1, ACT_ROW, dtype=torch.float64)
+        >>> units, hist = reduce_tensor(torch.tensor([[1.0, -2.0]]), lambda n: table[0], Workspace(), units=True)
+        >>> table.tolist(), units.tolist(), hist
+        ([[2.0, 2.0, -1.0, 5.0, -2.0, 1.0]], [1.0, -2.0], None)
     """
-    return _activation(x, out, workspace, 1)
-
-
-def gradient_rows(g: Tensor, out: Tensor, workspace: Workspace | None = None) -> Tensor:
-    """:func:`gradient_row` of every row of a ``[k, n]`` stack of gradients, into the ``[k, GRAD_ROW]`` ``out``.
-
-    Example:
-        >>> gradient_rows(torch.tensor([[3.0, 4.0], [float("inf"), -0.0]]), torch.empty(2, GRAD_ROW)).tolist()
-        [[2.0, 2.0, 25.0], [2.0, 1.0, 0.0]]
-    """
-    return _gradient(g, out, workspace, 1)
+    reduce_row = gradient_row if grad else activation_row
+    bins = None
+    if edges is not None:  # .to: a no-op for the aggregator's edges, which live on the statistics' device
+        bins = edges.to(x.device), torch.zeros(edges.numel() + 1, dtype=torch.float32, device=x.device)
+    if row is not None or bins is not None:
+        for piece in chunks(x):
+            if row is not None:
+                reduce_row(piece, row(piece.numel()), workspace)
+            if bins is not None:
+                _bin(piece, *bins)
+    return unit_maxima(x, unit_dim) if units else None, None if bins is None else bins[1]
 
 
 def moments_from_rows(rows: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
@@ -407,14 +391,11 @@ def unit_dim_for(ndim: int, unit_dim: int | None = None) -> int:
 
 
 def unit_maxima(x: Tensor, unit_dim: int | None = None) -> Tensor:
-    """Per-unit maximum over every other axis, in ``x``'s dtype (max-reducible activity of ReLU-family outputs).
+    """Per-unit maximum over every other axis, in ``x``'s dtype, in two tensor ops.
 
-    A unit is dead when its maximum is ``<= 0``: it was non-positive for every sample and position. Pooling these
-    maxima with ``fmax`` over micro-batches and processes reduces over the batch *first*, as it must. Two tensor ops;
-    ``fmax`` into the float32 state promotes fp16/bf16 maxima without a third.
-
-    A NaN is not ``<= 0``, so a unit that produced one is not dead: NaN maxima become ``+inf`` (they would
-    otherwise vanish in ``fmax`` pooling and leave the unit looking dead). ``act_nonfinite`` reports the NaN.
+    A unit is dead when its maximum is ``<= 0``: it was non-positive for every sample and position. Pooled with
+    ``fmax``, these maxima reduce over the batch *first*, as they must. A NaN is not ``<= 0``, so NaN maxima become
+    ``+inf``: they would otherwise vanish in ``fmax`` pooling and leave the unit looking dead.
 
     Example:
         >>> unit_maxima(torch.tensor([[0.0, 2.0, -1.0], [0.0, -1.0, float("nan")]])).tolist()
@@ -432,8 +413,6 @@ def unit_maxima(x: Tensor, unit_dim: int | None = None) -> Tensor:
 
 def finalize_activations(moments: Tensor, absmax: Tensor) -> dict[str, Tensor]:
     """Turn pooled ``[n_layers, 5]`` moments and ``[n_layers]`` absmax into per-layer statistic vectors.
-
-    ``act_std`` is the population standard deviation over the finite elements.
 
     Example:
         >>> moments = torch.tensor([[4.0, 3.0, 2.0, -2.0, 10.0]])  # of [0.0, 1.0, -3.0, nan]
@@ -478,7 +457,7 @@ def finalize_dead_fraction(unit_max: Tensor, owner: Tensor, n_layers: int, dtype
 
     Args:
         unit_max: Flat per-unit maxima of every tracked layer.
-        owner: For each entry of ``unit_max``, the index of its layer.
+        owner: The layer of each entry of ``unit_max``.
         n_layers: Length of the result.
         dtype: Dtype of the result.
 
@@ -511,20 +490,22 @@ def histogram_edges(bins: int, smallest: float = 1e-6, largest: float = 1e4) -> 
 def histogram_counts(x: Tensor, edges: Tensor) -> Tensor:
     """Counts of the finite elements of ``x`` in the bins delimited by ``edges`` (``len(edges) + 1`` bins).
 
-    Bin ``i`` holds ``edges[i-1] < x <= edges[i]``. Uses ``scatter_add`` rather than ``bincount``, whose output size
-    depends on the data and so forces a host synchronisation; reads ``x`` piece by piece (:func:`chunks`), so its
-    temporaries stay bounded.
+    Bin ``i`` holds ``edges[i-1] < x <= edges[i]``. Read piece by piece (:func:`chunks`), with ``scatter_add``: the
+    output size of ``bincount`` depends on the data, which forces a host synchronisation.
 
     Example:
         >>> x = torch.tensor([-5.0, 0.0, 0.05, 3.0, float("nan")])
         >>> histogram_counts(x, torch.tensor([-1.0, 0.0, 1.0])).tolist()
         [1.0, 1.0, 1.0, 1.0]
     """
-    counts = torch.zeros(edges.numel() + 1, dtype=torch.float32, device=x.device)
-    edges = edges.to(x.device)  # a no-op for the aggregator's edges, which live on the statistics' device
-    for piece in chunks(x.detach()):
-        flat = _as_float32(piece).reshape(-1)
-        finite = torch.isfinite(flat)
-        index = torch.bucketize(torch.where(finite, flat, 0.0), edges)
-        counts.scatter_add_(0, index, finite.to(torch.float32))
-    return counts
+    _, hist = reduce_tensor(x, None, Workspace(), edges=edges)
+    assert hist is not None
+    return hist
+
+
+def _bin(piece: Tensor, edges: Tensor, counts: Tensor) -> None:
+    flat = piece.detach()
+    flat = (flat if flat.dtype in (torch.float32, torch.float64) else flat.float()).reshape(-1)
+    finite = torch.isfinite(flat)
+    index = torch.bucketize(torch.where(finite, flat, 0.0), edges)
+    counts.scatter_add_(0, index, finite.to(torch.float32))
