@@ -1,11 +1,8 @@
 """Layers that run in the training forward without being submodules: the facts of rule ``unregistered_module``.
 
-A layer held in a Python list, tuple or dict (``self.layers = [nn.Linear(...), ...]`` instead of ``nn.ModuleList``)
-is called like any module, but ``self.parameters()`` does not yield its parameters: no optimizer built from them
-updates it, no checkpoint saves it, ``.to(device)`` does not move it, and the selection never sees it.
-:class:`UnregisteredWatch` finds such layers with one global forward hook
-(``torch.nn.modules.module.register_module_forward_hook``), registered for a sampled micro-batch's forward only;
-which modules count and which stay silent: ``docs/rules.md#unregistered_module``.
+A layer held in a Python list, tuple or dict (not an ``nn.ModuleList``) is called like any module, but no optimizer
+built from ``self.parameters()`` updates it, no checkpoint saves it, ``.to(device)`` does not move it. Which modules
+count: ``docs/rules.md#unregistered_module``.
 """
 
 from __future__ import annotations
@@ -15,7 +12,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_hookdiag.components import Component, Setup, WindowStart, component
@@ -57,8 +53,8 @@ class UnregisteredWatch(Component):
 
     A module counts when it is not ``root`` or one of its submodules, owns a parameter that requires grad and is not
     one of ``root``'s parameters (a layer that shares registered weights is not lost), and ran with grad enabled
-    outside backward (a teacher run under ``no_grad`` is not trained on purpose). Attached for a sampled
-    micro-batch's forward only; :meth:`facts` gives the window's finds as ``unregistered``.
+    outside backward (a teacher run under ``no_grad`` is not trained on purpose). One global forward hook, for a
+    sampled micro-batch's forward only.
 
     Args:
         root: The LightningModule.
@@ -84,25 +80,13 @@ class UnregisteredWatch(Component):
         self._names = {id(m): name for name, m in named_modules(root).items()}
         self._names[id(root)] = ROOT
         self._params = {id(p) for p in root.parameters()}
-        self._handle: RemovableHandle | None = None
         self._found: dict[str, list[str]] = {}
         self._seen: set[int] = set()
 
-    @property
-    def attached(self) -> bool:
-        """Whether the global hook is registered."""
-        return self._handle is not None
-
+    @override
     def attach(self) -> None:
-        """Register the global forward hook (no-op if registered)."""
-        if self._handle is None:
-            self._handle = nn.modules.module.register_module_forward_hook(self._hook)
-
-    def remove(self) -> None:
-        """Remove the global hook; safe to call any number of times."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        if not self.attached:
+            self.hold().enter_context(nn.modules.module.register_module_forward_hook(self._hook))
 
     @override
     def end_forward(self, loss: Tensor | None) -> None:
