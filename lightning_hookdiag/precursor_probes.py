@@ -163,16 +163,15 @@ class AttentionProbe(TorchFunctionMode):
         self._slot: dict[int, int] = {id(m): i for i, m in enumerate(modules.values())}
         self.max_rows = max_rows
         self.budget = budget
-        self.maxima: Tensor = torch.full((len(self.names),), -1.0)
-        """Per module, the largest logit seen since :meth:`reset` (``-1``: no call seen)."""
-        self.calls = {"sdpa": 0, "softmax": 0}
-        """Attention calls measured since :meth:`reset`, by kind."""
         self._in_mha = 0  # nesting depth of F.multi_head_attention_forward, whose eager softmax is 3-D
+        self.reset()
 
     def reset(self, device: torch.device | None = None) -> None:
         """Forget every measurement (``device``: where the maxima live)."""
-        self.maxima = torch.full((len(self.names),), -1.0, device=device or self.maxima.device)
+        self.maxima = torch.full((len(self.names),), -1.0, device=device)
+        """Per module, the largest logit seen since :meth:`reset` (``-1``: no call seen)."""
         self.calls = {"sdpa": 0, "softmax": 0}
+        """Attention calls measured since :meth:`reset`, by kind."""
 
     def __torch_function__(
         self, func: Any, types: Sequence[type], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
@@ -238,12 +237,7 @@ class OutputProbe(Component):
         self.names: list[str] = list(modules)
         self.modules: list[nn.Module] = list(modules.values())
         self._last: tuple[int, Tensor] | None = None
-        self.layer: int | None = None
-        """Index of the layer measured last (the output layer)."""
-        self.sums: Tensor = torch.zeros(2, dtype=torch.float64)
-        """``[sum of log Z over rows, rows]`` since :meth:`reset`."""
-        self.absmax: Tensor = torch.full((), -1.0)
-        """Largest ``|logit|`` since :meth:`reset` (``-1``: no output seen)."""
+        self._zero(None)
 
     @override
     def attach(self) -> None:
@@ -261,18 +255,19 @@ class OutputProbe(Component):
     def reset(self, window: WindowStart) -> None:
         self._zero(window.device)
 
-    def _zero(self, device: torch.device) -> None:
+    def _zero(self, device: torch.device | None) -> None:
         self.sums = torch.zeros(2, dtype=torch.float64, device=device)
+        """``[sum of log Z over rows, rows]`` since :meth:`reset`."""
         self.absmax = torch.full((), -1.0, device=device)
-        self.layer = None
+        """Largest ``|logit|`` since :meth:`reset` (``-1``: no output seen)."""
+        self.layer: int | None = None
+        """Index of the layer measured last (the output layer)."""
 
     def _make_hook(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if in_backward():
                 return
             tensor = first_floating_tensor(output)
-            # Not logits: a 1-D output (its last dimension is the batch), or one outside the autograd graph (a
-            # teacher or an evaluation run under no_grad inside the training step).
             if tensor is None or tensor.dim() < 2 or tensor.numel() == 0 or not tensor.requires_grad:
                 return
             self._last = (index, tensor)

@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -65,8 +66,8 @@ class SavedMemoryTracker(Component):
         self._stack = []
         exits = self.hold()
         for i, module in enumerate(self.modules):
-            exits.enter_context(module.register_forward_pre_hook(self._make_push(i)))
-            exits.enter_context(module.register_forward_hook(self._make_pop(i), always_call=True))
+            exits.enter_context(module.register_forward_pre_hook(partial(self._push, i)))
+            exits.enter_context(module.register_forward_hook(partial(self._pop, i), always_call=True))
         exits.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
 
     @override
@@ -98,19 +99,13 @@ class SavedMemoryTracker(Component):
     def finalize(self, pooled: Mapping[str, Tensor]) -> dict[str, Tensor]:
         return {"act_saved_bytes": pooled["act_saved"]}
 
-    def _make_push(self, index: int) -> Any:
-        def push(module: nn.Module, args: Any) -> None:
-            if not in_backward():
-                self._stack.append(index)
+    def _push(self, index: int, module: nn.Module, args: Any) -> None:
+        if not in_backward():
+            self._stack.append(index)
 
-        return push
-
-    def _make_pop(self, index: int) -> Any:
-        def pop(module: nn.Module, args: Any, output: Any) -> None:
-            if not in_backward() and self._stack and self._stack[-1] == index:
-                self._stack.pop()
-
-        return pop
+    def _pop(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        if not in_backward() and self._stack and self._stack[-1] == index:
+            self._stack.pop()
 
     def _pack(self, tensor: Tensor) -> Tensor:
         if self._stack and not in_backward():

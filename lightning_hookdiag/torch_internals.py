@@ -34,7 +34,7 @@ _CALL_CODES = frozenset(
 
 
 def in_backward() -> bool:
-    """Whether autograd is running a backward pass on this thread (the hooks of a recomputed forward run there).
+    """Whether autograd is running a backward pass on this thread.
 
     Example:
         >>> in_backward()
@@ -62,7 +62,7 @@ def calling_modules(depth: int) -> Iterator[Any]:
 
 
 def exit_mode(mode: TorchFunctionMode) -> None:
-    """Pop ``mode`` off the torch-function mode stack, also when modes entered after it are still above it."""
+    """Leave ``mode``, also when modes entered after it are still above it on the stack."""
     stack = torch.overrides._get_current_function_mode_stack()
     if mode not in stack:
         return
