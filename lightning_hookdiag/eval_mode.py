@@ -30,19 +30,13 @@ def mode_dependent_modules(root: nn.Module) -> dict[str, tuple[nn.Module, nn.Mod
         Normalised name (as :func:`~lightning_hookdiag.selection.named_modules` gives it) to ``(module, owner)``,
         where ``owner`` is the module itself if it has parameters, else its nearest ancestor with any (``root`` at
         worst).
-
-    Example:
-        >>> net = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5), nn.BatchNorm1d(2))
-        >>> {name: type(owner).__name__ for name, (m, owner) in mode_dependent_modules(net).items()}
-        {'1': 'Sequential', '2': 'BatchNorm1d'}
     """
     modules = named_modules(root)
     found: dict[str, tuple[nn.Module, nn.Module]] = {}
     for name, module in modules.items():
         if not isinstance(module, _MODE_TYPES):
             continue
-        owner = module
-        parent = name
+        owner, parent = module, name
         while not any(True for _ in owner.parameters()) and parent:
             parent = parent.rpartition(".")[0]
             owner = modules.get(parent, root) if parent else root
@@ -64,15 +58,6 @@ def eval_mode_modules(candidates: Mapping[str, tuple[nn.Module, nn.Module]]) -> 
 
     Returns:
         Name to class name (``"BatchNorm2d"``), in the order of ``candidates``.
-
-    Example:
-        >>> net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Dropout(0.0)).eval()
-        >>> candidates = mode_dependent_modules(net)
-        >>> eval_mode_modules(candidates)
-        {'1': 'BatchNorm1d'}
-        >>> _ = net[1].requires_grad_(False)  # frozen-BN fine-tuning
-        >>> eval_mode_modules(candidates)
-        {}
     """
     return {
         name: type(module).__name__
@@ -85,16 +70,6 @@ class EvalModeWatch(Component):
     """Collect the modules that ran a sampled step's training forwards in eval mode.
 
     The two points: :meth:`attach` (the batch starts) and :meth:`end_forward` (its loss is handed to backward).
-
-    Example:
-        >>> net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
-        >>> watch = EvalModeWatch(net)
-        >>> watch.attach(); _ = net.eval(); watch.end_forward(None)  # eval() inside training_step
-        >>> watch.facts({})
-        {'eval_mode': {}}
-        >>> watch.attach(); watch.end_forward(None)  # the next batch runs its forward in eval mode
-        >>> watch.facts({})
-        {'eval_mode': {'1': 'BatchNorm1d'}}
     """
 
     replays = False

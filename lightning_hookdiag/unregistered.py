@@ -23,17 +23,7 @@ __all__ = ["UnregisteredWatch", "where_held"]
 
 
 def where_held(parent: nn.Module, module: nn.Module) -> str:
-    """How ``parent`` holds ``module`` outside its submodules: ``"layers[1]"``, ``"heads['a']"``, or ``""``.
-
-    Example:
-        >>> class Net(nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.layers = [nn.Linear(2, 2), nn.Linear(2, 2)]
-        >>> net = Net()
-        >>> where_held(net, net.layers[1]), where_held(net, nn.ReLU())
-        ('layers[1]', '')
-    """
+    """How ``parent`` holds ``module`` outside its submodules: ``"layers[1]"``, ``"heads['a']"``, or ``""``."""
     for attr, value in vars(parent).items():
         if isinstance(value, (list, tuple)):
             for i, item in enumerate(value):
@@ -58,20 +48,6 @@ class UnregisteredWatch(Component):
 
     Args:
         root: The LightningModule.
-
-    Example:
-        >>> class Net(nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.head = nn.Linear(2, 1)
-        ...         self.blocks = [nn.Linear(2, 2)]  # the bug: a Python list
-        ...     def forward(self, x):
-        ...         return self.head(self.blocks[0](x))
-        >>> net = Net()
-        >>> watch = UnregisteredWatch(net)
-        >>> watch.attach(); _ = net(torch.randn(3, 2)); watch.remove()
-        >>> watch.facts({})
-        {'unregistered': {'<root>': ['blocks[0] (Linear, 6 parameter elements)']}}
     """
 
     replays = False
