@@ -39,14 +39,6 @@ def repeated_rows(batch: Any) -> Tensor | None:
     Only tensors of at least :data:`MIN_ROWS` rows (the first dimension) and 2 dimensions count: an attention mask
     of ones repeats in a healthy batch, but not together with the tokens it masks; 1-D label vectors repeat in
     healthy batches of few classes. ``None`` when no tensor counts.
-
-    Example:
-        >>> import torch
-        >>> x = torch.arange(6.0).repeat(8, 1)
-        >>> repeated_rows((x, torch.zeros(8))).item(), repeated_rows({"x": torch.randn(8, 6)}).item()
-        (True, False)
-        >>> repeated_rows(torch.randn(4, 6)) is None  # too few rows to judge
-        True
     """
     same: Tensor | None = None
     for t in _tensors(batch):

@@ -120,13 +120,7 @@ def sdpa_logit_absmax(
 
 
 def eager_logit_absmax(scores: Tensor, max_rows: int = 32, budget: int = 1 << 22) -> Tensor:
-    """The largest ``|x|`` over unmasked entries (``> -5000``) of a softmax input's bounded row subsample.
-
-    Example:
-        >>> scores = torch.tensor([[[0.5, -7.0], [2.0, torch.finfo(torch.float32).min]]])
-        >>> eager_logit_absmax(scores).item()
-        7.0
-    """
+    """The largest ``|x|`` over unmasked entries (``> -5000``) of a softmax input's bounded row subsample."""
     batch, rows = _bounds(scores.shape, scores.shape[-1], max_rows, budget)
     x = _cut(scores, batch, rows, scores.shape[-2]).float()
     return torch.where(x > MASKED, x.abs(), torch.zeros((), dtype=x.dtype, device=x.device)).amax()
@@ -146,15 +140,6 @@ class AttentionProbe(TorchFunctionMode):
         modules: ``{name: module}`` of the modules a call may be attributed to; :attr:`names` keeps their order.
         max_rows: Query rows per call at most.
         budget: Logits computed per call at most.
-
-    Example:
-        >>> attn = nn.MultiheadAttention(4, 2, batch_first=True)
-        >>> probe = AttentionProbe({"attn": attn})
-        >>> x = torch.randn(1, 3, 4)
-        >>> with probe:
-        ...     _ = attn(x, x, x, need_weights=False)  # sdpa
-        >>> bool(probe.maxima[0] >= 0), probe.calls
-        (True, {'sdpa': 1, 'softmax': 0})
     """
 
     def __init__(self, modules: Mapping[str, nn.Module], max_rows: int = 32, budget: int = 1 << 22) -> None:
@@ -211,9 +196,7 @@ class AttentionProbe(TorchFunctionMode):
                     return
                 # Eager attention's scores are [batch, heads, queries, keys]; nn.MultiheadAttention folds the heads
                 # into the batch. A 3-D softmax elsewhere is as likely a per-token classifier's probabilities.
-                if scores.dim() < 3 or (scores.dim() == 3 and not self._in_mha):
-                    return
-                if not scores.is_floating_point() or scores.is_nested:
+                if scores.dim() < (3 if self._in_mha else 4) or not scores.is_floating_point() or scores.is_nested:
                     return
                 value = eager_logit_absmax(scores, self.max_rows, self.budget)
             if self.maxima.device != value.device:
@@ -459,11 +442,6 @@ def attention_scope(modules: Mapping[str, nn.Module], selected: Sequence[str]) -
     Args:
         modules: Every module of the model by normalised name (:func:`~lightning_hookdiag.selection.named_modules`).
         selected: The selected names.
-
-    Example:
-        >>> net = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.ReLU())
-        >>> list(attention_scope(dict(net.named_modules()), ["0.0"]))
-        ['0', '0.0']
     """
     wanted: set[str] = set()
     for name in selected:

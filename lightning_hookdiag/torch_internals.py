@@ -34,12 +34,7 @@ _CALL_CODES = frozenset(
 
 
 def in_backward() -> bool:
-    """Whether autograd is running a backward pass on this thread.
-
-    Example:
-        >>> in_backward()
-        False
-    """
+    """Whether autograd is running a backward pass on this thread."""
     return torch._C._current_graph_task_id() != -1
 
 
@@ -76,11 +71,7 @@ def exit_mode(mode: TorchFunctionMode) -> None:
 
 
 def check() -> None:
-    """Raise ``RuntimeError`` naming every internal this module needs that this torch does not have.
-
-    Example:
-        >>> check()
-    """
+    """Raise ``RuntimeError`` naming every internal this module needs that this torch does not have."""
     needed = {
         "torch._C._current_graph_task_id": getattr(torch._C, "_current_graph_task_id", None),
         "torch._C._pop_torch_function_stack": getattr(torch._C, "_pop_torch_function_stack", None),
