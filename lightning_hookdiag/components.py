@@ -11,16 +11,21 @@ tensor), ``end_forward``, ``end_micro_batch``, ``remove`` → ``fold`` (pool int
 A component that pools declares its states in its factory
 (:meth:`~lightning_hookdiag.aggregation.LayerStatsAggregator.add_state`) and adds into them with
 :meth:`~lightning_hookdiag.aggregation.LayerStatsAggregator.pool`; they ride in the core states' two packed
-all-reduces. Every method defaults to doing nothing, and the recorder hands tensors only to components that set
+all-reduces. Every method defaults to doing nothing, and the recorder hands tensors only to components that define
 ``on_output`` / ``on_grad``: the default path pays nothing.
 
 Example:
-    >>> class Calls(Component):  # counts the hooked outputs of each sampled step
-    ...     def __init__(self): self.n = 0
-    ...     def reset(self, window): self.n = 0
-    ...     def on_output(self, layer, tensor): self.n += 1  # a method: the recorder hands it every output
-    >>> Calls().finalize({})
-    {}
+    >>> class Calls(Component):  # counts a module's forward calls in sampled micro-batches
+    ...     def __init__(self, module): self.module, self.n = module, 0
+    ...     def attach(self):
+    ...         if not self.attached:
+    ...             self.hold().enter_context(self.module.register_forward_hook(self.count))
+    ...     def count(self, module, args, output): self.n += 1
+    >>> calls = Calls(nn.Linear(2, 2))
+    >>> calls.attach(); calls.attach(); _ = calls.module(torch.ones(2)); calls.remove(); calls.remove()
+    >>> _ = calls.module(torch.ones(2))  # removed: not counted
+    >>> calls.n, calls.attached
+    (1, False)
 """
 
 from __future__ import annotations

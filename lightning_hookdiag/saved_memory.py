@@ -63,7 +63,6 @@ class SavedMemoryTracker(Component):
         if self.attached:
             return
         self._own = {_storage_key(t)[0] for t in (*self.root.parameters(), *self.root.buffers())}
-        self._stack = []
         exits = self.hold()
         for i, module in enumerate(self.modules):
             exits.enter_context(module.register_forward_pre_hook(partial(self._push, i)))
