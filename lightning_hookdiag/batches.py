@@ -1,9 +1,7 @@
-"""What the training batch itself shows: the facts of rule ``repeated_batch``.
+"""What the training batch itself shows: the facts of rule ``repeated_batch`` (``docs/rules.md#repeated_batch``).
 
-A batch made of one sample repeated (a ``Dataset.__getitem__`` that ignores its index, an ``expand`` in a
-collate function, a sampler that yields one index) trains the model on one example while the loss falls as if it
-learned. :func:`repeated_rows` tells it on the device, without a host sync, from a bounded subsample of each row;
-which batches count: ``docs/rules.md#repeated_batch``.
+A batch of one sample repeated trains the model on one example while the loss falls as if it learned.
+:func:`repeated_rows` tells it on the device, without a host sync, from a bounded subsample of each row.
 """
 
 from __future__ import annotations
@@ -31,10 +29,8 @@ def _tensors(batch: Any) -> list[Tensor]:
     if isinstance(batch, Tensor):
         return [batch]
     if isinstance(batch, Mapping):
-        return [t for value in batch.values() for t in _tensors(value)]
-    if isinstance(batch, (list, tuple)):
-        return [t for value in batch for t in _tensors(value)]
-    return []
+        batch = list(batch.values())
+    return [t for value in batch for t in _tensors(value)] if isinstance(batch, (list, tuple)) else []
 
 
 def repeated_rows(batch: Any) -> Tensor | None:
@@ -43,14 +39,6 @@ def repeated_rows(batch: Any) -> Tensor | None:
     Only tensors of at least :data:`MIN_ROWS` rows (the first dimension) and 2 dimensions count: an attention mask
     of ones repeats in a healthy batch, but not together with the tokens it masks; 1-D label vectors repeat in
     healthy batches of few classes. ``None`` when no tensor counts.
-
-    Example:
-        >>> import torch
-        >>> x = torch.arange(6.0).repeat(8, 1)
-        >>> repeated_rows((x, torch.zeros(8))).item(), repeated_rows({"x": torch.randn(8, 6)}).item()
-        (True, False)
-        >>> repeated_rows(torch.randn(4, 6)) is None  # too few rows to judge
-        True
     """
     same: Tensor | None = None
     for t in _tensors(batch):
@@ -67,8 +55,7 @@ def repeated_rows(batch: Any) -> Tensor | None:
 class BatchRows(Component):
     """Whether a sampled step's batches repeat one row, pooled as ``batch_rows``: ``[judged, differs]``, maxima.
 
-    The step's batches repeat when some process judged one and no micro-batch of any process differed, so every
-    process reaches the same finding.
+    Pooled so that every process reaches the same finding: some process judged a batch, and none differed.
     """
 
     replays = False

@@ -1,33 +1,37 @@
 """The one extension interface of a fit: every optional part is a :class:`Component`.
 
-Opt-in statistics (precision headroom, kurtosis), saved bytes, the precursor probes, the eval-mode and unregistered
-watches and the batch-rows check are components. :class:`~lightning_hookdiag.fit_run.FitRun` builds each from a
-factory registered with :func:`component` (``None``: not configured) and drives every one through the same calls,
-in this order within a window:
+:class:`~lightning_hookdiag.fit_run.FitRun` builds each from a factory registered with :func:`component` (``None``:
+not configured) and drives every one through the same calls, in this order within a window:
 
 ``reset`` (a window opens) → per micro-batch ``observe_batch``, ``attach``, ``on_output`` / ``on_grad`` (per hooked
 tensor), ``end_forward``, ``end_micro_batch``, ``remove`` → ``fold`` (pool into the aggregator's states) →
 ``finalize`` (pooled device values that join the one host transfer) → ``facts`` (host facts for the
 :class:`~lightning_hookdiag.fit_run.ObservedStep`).
 
-A component that pools declares its states on the aggregator in its factory
-(:meth:`~lightning_hookdiag.aggregation.LayerStatsAggregator.register`) and adds into them with
-:meth:`~lightning_hookdiag.aggregation.LayerStatsAggregator.pool`; they ride in the same two packed all-reduces as
-the core states. Every method has a default that does nothing, so a component overrides only what it needs, and the
-recorder hands tensors only to components that override ``on_output`` / ``on_grad``: the default path pays nothing.
+A component that pools declares its states in its factory
+(:meth:`~lightning_hookdiag.aggregation.LayerStatsAggregator.add_state`) and adds into them with
+:meth:`~lightning_hookdiag.aggregation.LayerStatsAggregator.pool`; they ride in the core states' two packed
+all-reduces. Every method defaults to doing nothing, and the recorder hands tensors only to components that define
+``on_output`` / ``on_grad``: the default path pays nothing.
 
 Example:
-    >>> class Calls(Component):  # counts the hooked outputs of each sampled step
-    ...     def __init__(self): self.n = 0
-    ...     def reset(self, window): self.n = 0
-    ...     def on_output(self, layer, tensor): self.n += 1  # a method: the recorder hands it every output
-    >>> Calls().finalize({})
-    {}
+    >>> class Calls(Component):  # counts a module's forward calls in sampled micro-batches
+    ...     def __init__(self, module): self.module, self.n = module, 0
+    ...     def attach(self):
+    ...         if not self.attached:
+    ...             self.hold().enter_context(self.module.register_forward_hook(self.count))
+    ...     def count(self, module, args, output): self.n += 1
+    >>> calls = Calls(nn.Linear(2, 2))
+    >>> calls.attach(); calls.attach(); _ = calls.module(torch.ones(2)); calls.remove(); calls.remove()
+    >>> _ = calls.module(torch.ones(2))  # removed: not counted
+    >>> calls.n, calls.attached
+    (1, False)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -79,6 +83,7 @@ class Component:
     logged: ClassVar[tuple[str, ...]] = ()
     """Per-layer statistics :meth:`finalize` returns that are logged like the opt-in ones (``<prefix>/<stat>/<layer>``,
     in windows that observe layers; NaN: undefined, not logged). Those of ``stats=`` are named by the plan."""
+    _exits: ExitStack | None = None
 
     def reset(self, window: WindowStart) -> None:
         """A window opens: forget the previous one's measurements."""
@@ -87,7 +92,7 @@ class Component:
         """A sampled training micro-batch starts with ``batch``."""
 
     def attach(self) -> None:
-        """Install the hooks of one sampled micro-batch (no-op if installed)."""
+        """Install the hooks of one sampled micro-batch (no-op if :attr:`attached`)."""
 
     on_output: TensorSink | None = None
     """Called as ``on_output(layer, tensor)`` with every observed output tensor (non-empty, strided, floating), under
@@ -96,6 +101,17 @@ class Component:
     """Called as ``on_grad(layer, grad)`` with every observed output gradient; ``None``: none needed (a component
     that sets it makes the hook set hook gradients)."""
 
+    @property
+    def attached(self) -> bool:
+        """Whether what :meth:`hold` holds is installed."""
+        return self._exits is not None
+
+    def hold(self) -> ExitStack:
+        """Where :meth:`attach` enters its hook handles and contexts, for :meth:`remove` to undo (last first)."""
+        if self._exits is None:
+            self._exits = ExitStack()
+        return self._exits
+
     def end_forward(self, loss: Tensor | None) -> None:
         """The micro-batch's forward is over; ``loss`` is what is back-propagated (``None`` in a replay)."""
 
@@ -103,7 +119,10 @@ class Component:
         """The micro-batch (or an optimizer closure) ran to its end: keep what it measured."""
 
     def remove(self) -> None:
-        """Remove the hooks and forget an unfinished micro-batch's measurement; idempotent."""
+        """Undo what :meth:`hold` holds and forget an unfinished micro-batch's measurement; idempotent."""
+        exits, self._exits = self._exits, None
+        if exits is not None:
+            exits.close()
 
     def fold(self) -> None:
         """Pool this process's window into the registered states, before they are reduced over processes."""

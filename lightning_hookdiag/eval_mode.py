@@ -1,16 +1,10 @@
-"""Modules left in eval mode during training: the facts of rule ``eval_mode`` (see :mod:`lightning_hookdiag.rules`).
+"""Modules left in eval mode during training: the facts of rule ``eval_mode``.
 
-:func:`mode_dependent_modules` finds the BatchNorm (``_BatchNorm``) and Dropout (``_DropoutNd``) modules with the
-module whose parameters each one trains, and :func:`eval_mode_modules` keeps those in eval mode whose mode changes
-their output and whose owner trains. Which modules count, and which stay silent:
-``docs/rules.md#eval_mode-when-the-mode-is-read``.
-
-When is the mode of the forward known? Only during it, and watching it there would need a hook on every such module.
-:class:`EvalModeWatch` reads ``module.training`` at two points that bracket ``training_step`` instead: the start of
-the sampled training batch and the moment its loss is handed to backward (``on_before_backward``). A module in eval
-mode at both ran the forward between them in eval mode, unless ``training_step`` itself switched it to train and back
-around its forward, which nobody does. Reading one attribute per module on sampled batches costs microseconds, and no
-hook is registered.
+Which modules count, and which stay silent: ``docs/rules.md#eval_mode-when-the-mode-is-read``. The mode of a forward
+is known only during it, and watching it there would need a hook on every such module. :class:`EvalModeWatch` reads
+``module.training`` at two points that bracket ``training_step`` instead (microseconds per sampled batch, no hook): a
+module in eval mode at both ran the forward between them in eval mode, unless ``training_step`` itself switched it
+to train and back around its forward, which nobody does.
 """
 
 from __future__ import annotations
@@ -36,19 +30,13 @@ def mode_dependent_modules(root: nn.Module) -> dict[str, tuple[nn.Module, nn.Mod
         Normalised name (as :func:`~lightning_hookdiag.selection.named_modules` gives it) to ``(module, owner)``,
         where ``owner`` is the module itself if it has parameters, else its nearest ancestor with any (``root`` at
         worst).
-
-    Example:
-        >>> net = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5), nn.BatchNorm1d(2))
-        >>> {name: type(owner).__name__ for name, (m, owner) in mode_dependent_modules(net).items()}
-        {'1': 'Sequential', '2': 'BatchNorm1d'}
     """
     modules = named_modules(root)
     found: dict[str, tuple[nn.Module, nn.Module]] = {}
     for name, module in modules.items():
         if not isinstance(module, _MODE_TYPES):
             continue
-        owner = module
-        parent = name
+        owner, parent = module, name
         while not any(True for _ in owner.parameters()) and parent:
             parent = parent.rpartition(".")[0]
             owner = modules.get(parent, root) if parent else root
@@ -70,15 +58,6 @@ def eval_mode_modules(candidates: Mapping[str, tuple[nn.Module, nn.Module]]) -> 
 
     Returns:
         Name to class name (``"BatchNorm2d"``), in the order of ``candidates``.
-
-    Example:
-        >>> net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Dropout(0.0)).eval()
-        >>> candidates = mode_dependent_modules(net)
-        >>> eval_mode_modules(candidates)
-        {'1': 'BatchNorm1d'}
-        >>> _ = net[1].requires_grad_(False)  # frozen-BN fine-tuning
-        >>> eval_mode_modules(candidates)
-        {}
     """
     return {
         name: type(module).__name__
@@ -88,20 +67,9 @@ def eval_mode_modules(candidates: Mapping[str, tuple[nn.Module, nn.Module]]) -> 
 
 
 class EvalModeWatch(Component):
-    """Collect the modules that ran a sampled step's training forwards in eval mode (rule ``eval_mode``).
+    """Collect the modules that ran a sampled step's training forwards in eval mode.
 
-    :meth:`attach` (the start of a sampled training batch) and :meth:`end_forward` (its loss is handed to backward)
-    are the two points; :meth:`facts` gives the window's finds as ``eval_mode``.
-
-    Example:
-        >>> net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
-        >>> watch = EvalModeWatch(net)
-        >>> watch.attach(); _ = net.eval(); watch.end_forward(None)  # eval() inside training_step
-        >>> watch.facts({})
-        {'eval_mode': {}}
-        >>> watch.attach(); watch.end_forward(None)  # the next batch runs its forward in eval mode
-        >>> watch.facts({})
-        {'eval_mode': {'1': 'BatchNorm1d'}}
+    The two points: :meth:`attach` (the batch starts) and :meth:`end_forward` (its loss is handed to backward).
     """
 
     replays = False
@@ -111,12 +79,12 @@ class EvalModeWatch(Component):
         self._at_start: dict[str, str] = {}
         self._found: dict[str, str] = {}
 
+    @override
     def attach(self) -> None:
-        """Note the modules in eval mode before ``training_step`` runs."""
         self._at_start = eval_mode_modules(self._candidates) if self._candidates else {}
 
+    @override
     def end_forward(self, loss: Tensor | None) -> None:
-        """Keep those still in eval mode after the forward: the forward between the two points ran in eval mode."""
         if self._at_start:
             now = eval_mode_modules(self._candidates)
             self._found.update((name, kind) for name, kind in self._at_start.items() if name in now)

@@ -1,20 +1,13 @@
 """Instability precursors: the attention-logit (``attn_logit_max``) and output-logit statistics, on by default.
 
-:class:`AttentionProbe` is a :class:`torch.overrides.TorchFunctionMode` entered only while a sampled training
-micro-batch's forward runs. It intercepts ``F.scaled_dot_product_attention`` (:func:`sdpa_logit_absmax` recomputes
-the logits of a bounded row subsample in float32) and a last-dimension ``softmax`` of a 4-D tensor, or of a 3-D one
-inside ``nn.MultiheadAttention`` (:func:`eager_logit_absmax`), and attributes each call to the innermost
-``Module.__call__`` frame on the Python call stack; every other torch function costs the handler a dictionary lookup.
-:class:`OutputProbe` takes the output layer's ``logsumexp``; :class:`PrecursorProbes` runs both for the callback, and
-stops entering the mode once a sampled step's forward made no attention call.
+:class:`AttentionProbe`, a torch-function mode entered only during a sampled training micro-batch's forward,
+measures the sdpa and eager-softmax attention calls of the modules in scope; :class:`OutputProbe` measures the output
+layer; :class:`PrecursorProbes` runs both as one component. Definitions, the subsample bound and the blind spots:
+``docs/statistics.md#instability-precursors``.
 
-Why the probe sees every call in training: ``nn.MultiheadAttention``'s fused fast path
-(``torch._native_multi_head_attention``) runs only in eval mode without grad, and it refuses inputs that have a
-torch-function handler, which the mode gives every tensor, so under the probe the Python path (sdpa or softmax) runs;
-``torch.compile``'d models run sampled batches eagerly (the callback's ``force_eager`` stance), so the calls and the
-module frames are there. Everything stays on the device and joins the callback's one host transfer per sampled step.
-
-Definitions, the subsample bound and the blind spots: ``docs/statistics.md#instability-precursors``.
+Why the mode sees every training call: ``nn.MultiheadAttention``'s fused fast path runs only in eval mode without grad
+and refuses inputs with a torch-function handler, which the mode gives every tensor, so the Python path (sdpa or
+softmax) runs; ``torch.compile``'d models run sampled batches eagerly (the callback's ``force_eager`` stance).
 """
 
 from __future__ import annotations
@@ -27,7 +20,6 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_hookdiag import stats
@@ -38,7 +30,6 @@ from lightning_hookdiag.torch_internals import calling_modules, exit_mode, in_ba
 from lightning_hookdiag.vocabulary import PRECURSOR_STATS
 
 __all__ = [
-    "ATTENTION_STATS",
     "OUTPUT_STATS",
     "PRECURSOR_STATS",
     "AttentionProbe",
@@ -49,7 +40,6 @@ __all__ = [
     "sdpa_logit_absmax",
 ]
 
-ATTENTION_STATS: tuple[str, ...] = PRECURSOR_STATS[:1]
 OUTPUT_STATS: tuple[str, ...] = PRECURSOR_STATS[1:]
 
 MASKED = -5000.0
@@ -58,42 +48,23 @@ MASKED = -5000.0
 _SOFTMAX = frozenset({F.softmax, torch.softmax, Tensor.softmax})
 
 
-def _row_slice(length: int, rows: int) -> slice:
-    """Evenly strided rows of ``range(length)``, at most ``rows`` of them, ending with the last one."""
-    stride = max(1, math.ceil(length / rows))
-    return slice((length - 1) % stride, None, stride)
-
-
 def _bounds(shape: Sequence[int], per_row: int, max_rows: int, budget: int) -> tuple[int, slice]:
-    """How many leading batch elements and which rows (dim -2) of a ``shape`` tensor stay within the bounds."""
-    batch = shape[0] if len(shape) > 2 else 1
-    if len(shape) > 2:
-        lead = math.prod(shape[1:-2]) * per_row  # logits per row of one batch element
-        batch = min(batch, max(1, budget // max(lead, 1)))
-    cells = batch * math.prod(shape[1:-2]) * per_row if len(shape) > 2 else per_row
-    rows = max(1, min(max_rows, budget // max(cells, 1)))
-    return batch, _row_slice(shape[-2], rows)
+    """How many leading batch elements and which rows (dim -2) of a ``shape`` tensor stay within the bounds.
+
+    The rows are evenly strided and end with the last one (in a causal model the row that sees every key).
+    """
+    lead = math.prod(shape[1:-2]) * per_row  # logits per row of one batch element
+    batch = min(shape[0] if len(shape) > 2 else 1, max(1, budget // max(lead, 1)))
+    rows = max(1, min(max_rows, budget // max(batch * lead, 1)))
+    stride = max(1, math.ceil(shape[-2] / rows))
+    return batch, slice((shape[-2] - 1) % stride, None, stride)
 
 
-def _cut(t: Tensor, batch: int, rows: slice, length: int) -> Tensor:
-    """``t`` cut like the query: its first ``batch`` elements (if it has that dim) and ``rows`` (if not broadcast)."""
+def _cut(t: Tensor, batch: int, rows: slice | None = None, length: int = 0) -> Tensor:
+    """``t``'s first ``batch`` elements (if it has that dim) and ``rows`` of dim -2 (if given and not broadcast)."""
     if t.dim() > 2 and t.shape[0] > batch:
         t = t[:batch]
-    return t[..., rows, :] if t.shape[-2] == length and length > 1 else t
-
-
-def _keep(attn_mask: Any, is_causal: bool, batch: int, rows: slice, length: int, keys: int, device: Any) -> Any:
-    """Which (row, key) logits enter the softmax: ``None`` for all, else a boolean tensor broadcasting to them."""
-    keep = None
-    if isinstance(attn_mask, Tensor):
-        mask = _cut(attn_mask, batch, rows, length)
-        keep = mask if mask.dtype == torch.bool else mask > MASKED
-    if is_causal:
-        # sdpa's causal mask is aligned top-left: row i sees keys 0..i.
-        row = torch.arange(length, device=device)[rows].unsqueeze(-1)
-        causal = torch.arange(keys, device=device) <= row
-        keep = causal if keep is None else keep & causal
-    return keep
+    return t[..., rows, :] if rows is not None and t.shape[-2] == length and length > 1 else t
 
 
 def sdpa_logit_absmax(
@@ -127,8 +98,7 @@ def sdpa_logit_absmax(
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     length, keys = query.shape[-2], key.shape[-2]
     batch, rows = _bounds(query.shape, keys, max_rows, budget)
-    q = _cut(query, batch, rows, length).float()
-    k = (key[:batch] if key.dim() > 2 and key.shape[0] > batch else key).float()
+    q, k = _cut(query, batch, rows, length).float(), _cut(key, batch).float()
     shape = (*q.shape[:-1], keys)
     if q.dim() >= 3 and k.dim() >= 3 and q.shape[-3] != k.shape[-3]:
         heads, kv = q.shape[-3], k.shape[-3]
@@ -136,7 +106,13 @@ def sdpa_logit_absmax(
         q = q.reshape(*q.shape[:-3], kv, heads // kv, *q.shape[-2:])
         k = k.unsqueeze(-3)
     logits = torch.matmul(q, k.transpose(-1, -2)).reshape(shape).abs()
-    keep = _keep(attn_mask, is_causal, batch, rows, length, keys, logits.device)
+    keep = None
+    if isinstance(attn_mask, Tensor):
+        mask = _cut(attn_mask, batch, rows, length)
+        keep = mask if mask.dtype == torch.bool else mask > MASKED
+    if is_causal:  # sdpa's causal mask is aligned top-left
+        causal = torch.arange(keys, device=logits.device) <= torch.arange(length, device=logits.device)[rows, None]
+        keep = causal if keep is None else keep & causal
     if keep is not None:
         logits = torch.where(keep, logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
     # |x| * s is monotone in |x|, so scaling the maximum is the maximum of the scaled products (also in float).
@@ -144,34 +120,26 @@ def sdpa_logit_absmax(
 
 
 def eager_logit_absmax(scores: Tensor, max_rows: int = 32, budget: int = 1 << 22) -> Tensor:
-    """The largest ``|x|`` over unmasked entries (``> -5000``) of a softmax input's bounded row subsample.
-
-    Example:
-        >>> scores = torch.tensor([[[0.5, -7.0], [2.0, torch.finfo(torch.float32).min]]])
-        >>> eager_logit_absmax(scores).item()
-        7.0
-    """
+    """The largest ``|x|`` over unmasked entries (``> -5000``) of a softmax input's bounded row subsample."""
     batch, rows = _bounds(scores.shape, scores.shape[-1], max_rows, budget)
     x = _cut(scores, batch, rows, scores.shape[-2]).float()
     return torch.where(x > MASKED, x.abs(), torch.zeros((), dtype=x.dtype, device=x.device)).amax()
 
 
+def _arg(args: Sequence[Any], kwargs: Mapping[str, Any], index: int, name: str, default: Any = None) -> Any:
+    return args[index] if len(args) > index else kwargs.get(name, default)
+
+
 class AttentionProbe(TorchFunctionMode):
     """Per-module maximum attention logits of the attention calls made while the mode is entered.
+
+    A call counts for the innermost ``Module.__call__`` on the Python stack; every other torch function costs the
+    handler a dictionary lookup.
 
     Args:
         modules: ``{name: module}`` of the modules a call may be attributed to; :attr:`names` keeps their order.
         max_rows: Query rows per call at most.
         budget: Logits computed per call at most.
-
-    Example:
-        >>> attn = nn.MultiheadAttention(4, 2, batch_first=True)
-        >>> probe = AttentionProbe({"attn": attn})
-        >>> x = torch.randn(1, 3, 4)
-        >>> with probe:
-        ...     _ = attn(x, x, x, need_weights=False)  # sdpa
-        >>> bool(probe.maxima[0] >= 0), probe.calls
-        (True, {'sdpa': 1, 'softmax': 0})
     """
 
     def __init__(self, modules: Mapping[str, nn.Module], max_rows: int = 32, budget: int = 1 << 22) -> None:
@@ -180,16 +148,15 @@ class AttentionProbe(TorchFunctionMode):
         self._slot: dict[int, int] = {id(m): i for i, m in enumerate(modules.values())}
         self.max_rows = max_rows
         self.budget = budget
-        self.maxima: Tensor = torch.full((len(self.names),), -1.0)
-        """Per module, the largest logit seen since :meth:`reset` (``-1``: no call seen)."""
-        self.calls = {"sdpa": 0, "softmax": 0}
-        """Attention calls measured since :meth:`reset`, by kind (host counts, for tests and notes)."""
         self._in_mha = 0  # nesting depth of F.multi_head_attention_forward, whose eager softmax is 3-D
+        self.reset()
 
     def reset(self, device: torch.device | None = None) -> None:
         """Forget every measurement (``device``: where the maxima live)."""
-        self.maxima = torch.full((len(self.names),), -1.0, device=device or self.maxima.device)
+        self.maxima = torch.full((len(self.names),), -1.0, device=device)
+        """Per module, the largest logit seen since :meth:`reset` (``-1``: no call seen)."""
         self.calls = {"sdpa": 0, "softmax": 0}
+        """Attention calls measured since :meth:`reset`, by kind."""
 
     def __torch_function__(
         self, func: Any, types: Sequence[type], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
@@ -216,25 +183,20 @@ class AttentionProbe(TorchFunctionMode):
         with torch.no_grad():
             kind = "sdpa" if func is F.scaled_dot_product_attention else "softmax"
             if kind == "sdpa":
-                query = args[0] if args else kwargs["query"]
-                key = args[1] if len(args) > 1 else kwargs["key"]
+                query, key = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key")
                 if not (isinstance(query, Tensor) and isinstance(key, Tensor)) or query.is_nested:
                     return
-                mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-                causal = bool(args[5] if len(args) > 5 else kwargs.get("is_causal", False))
+                mask, causal = _arg(args, kwargs, 3, "attn_mask"), bool(_arg(args, kwargs, 5, "is_causal", False))
                 value = sdpa_logit_absmax(
                     query, key, kwargs.get("scale"), self.max_rows, self.budget, attn_mask=mask, is_causal=causal
                 )
             else:
-                scores = args[0] if args else kwargs.get("input")
-                dim = args[1] if len(args) > 1 else kwargs.get("dim")
+                scores, dim = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "dim")
                 if not isinstance(scores, Tensor) or dim not in (-1, scores.dim() - 1):
                     return
                 # Eager attention's scores are [batch, heads, queries, keys]; nn.MultiheadAttention folds the heads
                 # into the batch. A 3-D softmax elsewhere is as likely a per-token classifier's probabilities.
-                if scores.dim() < 3 or (scores.dim() == 3 and not self._in_mha):
-                    return
-                if not scores.is_floating_point() or scores.is_nested:
+                if scores.dim() < (3 if self._in_mha else 4) or not scores.is_floating_point() or scores.is_nested:
                     return
                 value = eager_logit_absmax(scores, self.max_rows, self.budget)
             if self.maxima.device != value.device:
@@ -243,14 +205,12 @@ class AttentionProbe(TorchFunctionMode):
         self.calls[kind] += 1
 
 
-class OutputProbe:
-    """``log Z`` and ``|logit|`` statistics of the output layer, from forward hooks on the candidate modules.
+class OutputProbe(Component):
+    """``log Z`` and ``|logit|`` of the output layer, from forward hooks on the candidate modules.
 
     With one candidate (a named output layer) its every call is measured; with several (the selection), the output
-    of the last one to run in a micro-batch is measured when :meth:`end_forward` is called. Only outputs that can be
-    logits count: floating, at least 2-D (a 1-D output's last dimension is the batch) and part of the autograd graph
-    (not a teacher or an evaluation run under ``no_grad`` inside the training step); ``log Z`` also needs a last
-    dimension of at least 2 (over one value it is that value: a regression output).
+    of the last one to run in a micro-batch is measured when :meth:`end_forward` is called. Which outputs count as
+    logits: ``docs/statistics.md#instability-precursors``.
 
     Args:
         modules: ``{name: module}`` candidates, in selection order.
@@ -259,40 +219,32 @@ class OutputProbe:
     def __init__(self, modules: Mapping[str, nn.Module]) -> None:
         self.names: list[str] = list(modules)
         self.modules: list[nn.Module] = list(modules.values())
-        self._handles: list[RemovableHandle] = []
         self._last: tuple[int, Tensor] | None = None
+        self._zero(None)
+
+    @override
+    def attach(self) -> None:
+        if not self.attached:
+            exits = self.hold()
+            for i, module in enumerate(self.modules):
+                exits.enter_context(module.register_forward_hook(self._make_hook(i)))
+
+    @override
+    def remove(self) -> None:
+        super().remove()
+        self._last = None  # no reference to an output outlives the forward
+
+    @override
+    def reset(self, window: WindowStart) -> None:
+        self._zero(window.device)
+
+    def _zero(self, device: torch.device | None) -> None:
+        self.sums = torch.zeros(2, dtype=torch.float64, device=device)
+        """``[sum of log Z over rows, rows]`` since :meth:`reset`."""
+        self.absmax = torch.full((), -1.0, device=device)
+        """Largest ``|logit|`` since :meth:`reset` (``-1``: no output seen)."""
         self.layer: int | None = None
         """Index of the layer measured last (the output layer)."""
-        self.sums: Tensor = torch.zeros(2, dtype=torch.float64)
-        """``[sum of log Z over rows, rows]`` since :meth:`reset`."""
-        self.absmax: Tensor = torch.full((), -1.0)
-        """Largest ``|logit|`` since :meth:`reset` (``-1``: no output seen)."""
-
-    @property
-    def attached(self) -> bool:
-        """Whether the forward hooks are installed."""
-        return bool(self._handles)
-
-    def attach(self) -> None:
-        """Install one forward hook per candidate (no-op if attached)."""
-        if self._handles:
-            return
-        for i, module in enumerate(self.modules):
-            self._handles.append(module.register_forward_hook(self._make_hook(i)))
-
-    def remove(self) -> None:
-        """Remove the hooks and drop the reference to the last output; safe to call any number of times."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self._last = None
-
-    def reset(self, device: torch.device | None = None) -> None:
-        """Forget every measurement."""
-        device = device or self.sums.device
-        self.sums = torch.zeros(2, dtype=torch.float64, device=device)
-        self.absmax = torch.full((), -1.0, device=device)
-        self.layer = None
 
     def _make_hook(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -307,7 +259,8 @@ class OutputProbe:
 
         return hook
 
-    def end_forward(self) -> None:
+    @override
+    def end_forward(self, loss: Tensor | None = None) -> None:
         """Measure the output kept by the last hook that fired, then let it go."""
         last, self._last = self._last, None
         if last is None:
@@ -316,10 +269,10 @@ class OutputProbe:
         with torch.no_grad():
             logits = tensor.detach()
             if self.sums.device != logits.device:
-                self.reset(logits.device)
-            # Rows of logits, a block of rows at a time: the float32 copy and the temporaries of logsumexp hold at most
+                self._zero(logits.device)
+            # A block of rows at a time: the float32 copy and the temporaries of logsumexp hold at most
             # CHUNK_ELEMENTS values, not a copy of the whole (a 128 k vocabulary at 8 k tokens is 4 GiB of float32).
-            rows = logits.reshape(-1, logits.shape[-1])  # the hook keeps outputs of 2 or more dimensions only
+            rows = logits.reshape(-1, logits.shape[-1])
             log_z = rows.shape[1] > 1  # log Z of one logit is the logit itself (a regression output): not logged
             for part in rows.split(max(1, stats.CHUNK_ELEMENTS // rows.shape[1])):
                 x = part.float()
@@ -332,7 +285,7 @@ class OutputProbe:
 
 
 class PrecursorProbes(Component):
-    """The precursor statistics of one fit: what the callback attaches, pools and reads back per sampled step.
+    """The precursor statistics of one fit.
 
     Pooled in two states registered on ``aggregator``: ``precursor_sums``, ``[sum of log Z, rows, loss, processes
     that saw a loss]``, and ``precursor_maxima``: the largest ``|logit|`` of the output layer, the output layer's
@@ -355,15 +308,13 @@ class PrecursorProbes(Component):
         aggregator: Any = None,
     ) -> None:
         self.attention = AttentionProbe(attention_scope) if "attn_logit_max" in stats else None
-        wanted = set(OUTPUT_STATS) & set(stats)
-        self.output = OutputProbe(output_candidates) if wanted else None
-        self.output_stats = tuple(s for s in OUTPUT_STATS if s in wanted)
+        self.output_stats = tuple(s for s in OUTPUT_STATS if s in stats)
+        self.output = OutputProbe(output_candidates) if self.output_stats else None
         self.attention_on = self.attention is not None
         """Whether the mode is entered on sampled forwards: off once a sampled step's forward made no attention call
         in scope (a model without attention pays for no handler on its later sampled steps)."""
         self._forwards = 0
         self._loss: Tensor | None = None
-        self._entered = False
         self._owners: dict[str, list[str]] = {}
         self._aggregator = aggregator
         if aggregator is None:
@@ -373,49 +324,44 @@ class PrecursorProbes(Component):
         aggregator.add_state("precursor_sums", torch.zeros(4, dtype=torch.float64, device=device), "sum")
         aggregator.add_state("precursor_maxima", torch.full((2 + n,), -1.0, dtype=torch.float64, device=device), "max")
 
-    @property
-    def attached(self) -> bool:
-        """Whether the mode is entered or the output hooks are installed."""
-        return self._entered or (self.output is not None and self.output.attached)
-
+    @override
     def attach(self) -> None:
-        """Enter the mode and install the output hooks, for one micro-batch's forward."""
-        if self.attention_on and not self._entered:
+        if self.attention_on and not self.attached:  # attached: the mode is entered
             self.attention.__enter__()
-            self._entered = True
+            self.hold().callback(exit_mode, self.attention)
         if self.output is not None:
             self.output.attach()
 
+    @override
     def end_forward(self, loss: Tensor | None) -> None:
         """Measure the output and detach everything: the probes never see backward."""
-        if self.output is not None and self.output.attached:
-            self.output.end_forward()
-        if loss is not None and self._entered:
+        entered = self.attached
+        measured = entered or (self.output is not None and self.output.attached)
+        self.end_micro_batch()
+        if loss is not None and entered:
             self._forwards += 1  # a forward that reached its loss under the mode
-        if loss is not None and self.attached:
+        if loss is not None and measured:
             value = loss.detach().double().reshape(())
             self._loss = value if self._loss is None else self._loss + value
         self.remove()
 
-    def end_micro_batch(self) -> None:
-        """No backward (a replay, a ``training_step`` that returned no loss): the output still counts."""
-        if self.output is not None and self.output.attached:
+    @override
+    def end_micro_batch(self) -> None:  # also without a backward (a replay, a training_step that returned no loss)
+        if self.output is not None:
             self.output.end_forward()
 
+    @override
     def remove(self) -> None:
-        """Leave the mode and remove the hooks; safe on any exit path and any number of times."""
         if self.output is not None:
             self.output.remove()
-        if self._entered:
-            self._entered = False
-            exit_mode(self.attention)
+        super().remove()
 
     @override
     def reset(self, window: WindowStart) -> None:
         if self.attention is not None:
             self.attention.reset(window.device)
         if self.output is not None:
-            self.output.reset(window.device)
+            self.output.reset(window)
         self._loss = None
         self._forwards = 0
 
@@ -441,7 +387,7 @@ class PrecursorProbes(Component):
             self.attention_on = False
 
     def finalize(self, pooled: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """The step's values (device tensors, NaN where nothing was seen); :meth:`facts` names their owners."""
+        """The step's values (NaN where nothing was seen); :meth:`facts` names their owners."""
         sums, maxima = pooled["precursor_sums"], pooled["precursor_maxima"]
         lse, rows, loss, seen = sums.unbind()
         values: dict[str, Tensor] = {"step_loss": torch.where(seen > 0, loss / seen, math.nan).reshape(1)}
@@ -461,10 +407,9 @@ class PrecursorProbes(Component):
         return values
 
     def facts(self, host: Mapping[str, list[float]]) -> dict[str, Any]:
-        """``precursors``: each statistic's owners; the output layer's is the one every process agreed on.
+        """``precursors``: each statistic's owners; the output layer's is the pooled one every process agreed on.
 
-        A process names the last candidate it saw run; in a rank-dependent branch the processes can differ, and
-        the pooled values must have the same key everywhere.
+        A process names the last candidate it saw run: in a rank-dependent branch the processes can differ.
         """
         owners, self._owners = self._owners, {}
         if self.output is not None:
@@ -476,7 +421,6 @@ class PrecursorProbes(Component):
 
 @component
 def _precursor_probes(setup: Setup) -> PrecursorProbes | None:
-    """The attention and output-logit probes of the requested precursor statistics."""
     config = setup.config
     if not set(PRECURSOR_STATS) & set(config.stats):
         return None
@@ -498,11 +442,6 @@ def attention_scope(modules: Mapping[str, nn.Module], selected: Sequence[str]) -
     Args:
         modules: Every module of the model by normalised name (:func:`~lightning_hookdiag.selection.named_modules`).
         selected: The selected names.
-
-    Example:
-        >>> net = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.ReLU())
-        >>> list(attention_scope(dict(net.named_modules()), ["0.0"]))
-        ['0', '0.0']
     """
     wanted: set[str] = set()
     for name in selected:

@@ -1,14 +1,10 @@
-"""Saved-activation memory per layer: the bytes autograd keeps for backward, by the module that saved them.
+"""Saved-activation memory per layer: the bytes autograd keeps for backward, by the selected module that saved them.
 
-While attached, :class:`SavedMemoryTracker` keeps a stack of the selected modules that are running (a forward
-pre-hook pushes, a forward hook pops, also when the forward raises) and installs
-:class:`torch.autograd.graph.saved_tensors_hooks` whose pack hook adds the size of every tensor autograd saves to the
-innermost selected module on the stack, and nothing while the stack is empty.
-
-The pack hook charges each storage once per micro-batch and never a parameter or buffer, and a step's value is its
-largest micro-batch's total; what is counted, and why: ``docs/statistics.md#saved-activation-memory-per-layer``.
-Non-reentrant checkpointing replaces saved tensors by its own hooks, so nothing reaches ours, and forwards re-run
-inside backward are skipped: recomputations are not counted.
+A forward pre-hook and an always-called forward hook keep a stack of the running selected modules; the pack hook of
+:class:`torch.autograd.graph.saved_tensors_hooks` charges each saved storage to the innermost one, once per
+micro-batch and never a parameter or buffer. Forwards re-run inside backward are skipped, and non-reentrant
+checkpointing saves through its own hooks: recomputations are not counted. What is counted, and why:
+``docs/statistics.md#saved-activation-memory-per-layer``.
 
 Example:
     >>> from torch import nn
@@ -24,11 +20,11 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_hookdiag.aggregation import host_values
@@ -39,7 +35,7 @@ __all__ = ["SavedMemoryTracker"]
 
 
 class SavedMemoryTracker(Component):
-    """Bytes saved for backward per selected module, between :meth:`attach` and :meth:`remove`.
+    """Bytes saved for backward per module while attached.
 
     Args:
         modules: Ordered ``{name: module}``; :attr:`peak` lists bytes in this order.
@@ -61,34 +57,21 @@ class SavedMemoryTracker(Component):
         self._stack: list[int] = []
         self._seen: set[tuple[Any, int]] = set()
         self._own: set[tuple[Any, int]] = set()
-        self._handles: list[RemovableHandle] = []
-        self._context: torch.autograd.graph.saved_tensors_hooks | None = None
 
-    @property
-    def attached(self) -> bool:
-        """Whether the module hooks and the saved-tensor hooks are installed."""
-        return self._context is not None
-
+    @override
     def attach(self) -> None:
-        """Install the hooks (no-op if attached); the saved-tensor hooks stay active until :meth:`remove`."""
-        if self._context is not None:
+        if self.attached:
             return
         self._own = {_storage_key(t)[0] for t in (*self.root.parameters(), *self.root.buffers())}
-        self._stack = []
+        exits = self.hold()
         for i, module in enumerate(self.modules):
-            self._handles.append(module.register_forward_pre_hook(self._make_push(i)))
-            self._handles.append(module.register_forward_hook(self._make_pop(i), always_call=True))
-        self._context = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-        self._context.__enter__()
+            exits.enter_context(module.register_forward_pre_hook(partial(self._push, i)))
+            exits.enter_context(module.register_forward_hook(partial(self._pop, i), always_call=True))
+        exits.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
 
+    @override
     def remove(self) -> None:
-        """Remove every hook and forget an unfinished micro-batch's bytes; safe to call any number of times."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        if self._context is not None:
-            context, self._context = self._context, None
-            context.__exit__(None, None, None)
+        super().remove()
         self._stack = []
         self._own = set()
         self._take()  # a partial count is not a measurement
@@ -98,16 +81,16 @@ class SavedMemoryTracker(Component):
         self._seen = set()
         return out
 
-    def end_micro_batch(self) -> None:
-        """Fold the current micro-batch into :attr:`peak` (host-side: no device copy per micro-batch)."""
+    @override
+    def end_micro_batch(self) -> None:  # host-side: no device copy per micro-batch
         self.peak = [max(a, b) for a, b in zip(self.peak, self._take(), strict=True)]
 
     @override
     def reset(self, window: WindowStart) -> None:
         self.peak = [0] * len(self.modules)
 
-    def fold(self) -> None:
-        """Pool the step's peak: its one copy to the device."""
+    @override
+    def fold(self) -> None:  # the step's one copy to the device
         agg = self._aggregator
         agg.pool("act_saved", host_values(self.peak, agg.acc_dtype, agg.act_moments.device))
 
@@ -115,19 +98,13 @@ class SavedMemoryTracker(Component):
     def finalize(self, pooled: Mapping[str, Tensor]) -> dict[str, Tensor]:
         return {"act_saved_bytes": pooled["act_saved"]}
 
-    def _make_push(self, index: int) -> Any:
-        def push(module: nn.Module, args: Any) -> None:
-            if not in_backward():
-                self._stack.append(index)
+    def _push(self, index: int, module: nn.Module, args: Any) -> None:
+        if not in_backward():
+            self._stack.append(index)
 
-        return push
-
-    def _make_pop(self, index: int) -> Any:
-        def pop(module: nn.Module, args: Any, output: Any) -> None:
-            if not in_backward() and self._stack and self._stack[-1] == index:
-                self._stack.pop()
-
-        return pop
+    def _pop(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        if not in_backward() and self._stack and self._stack[-1] == index:
+            self._stack.pop()
 
     def _pack(self, tensor: Tensor) -> Tensor:
         if self._stack and not in_backward():

@@ -34,12 +34,7 @@ _CALL_CODES = frozenset(
 
 
 def in_backward() -> bool:
-    """Whether autograd is running a backward pass on this thread (the hooks of a recomputed forward run there).
-
-    Example:
-        >>> in_backward()
-        False
-    """
+    """Whether autograd is running a backward pass on this thread."""
     return torch._C._current_graph_task_id() != -1
 
 
@@ -62,7 +57,7 @@ def calling_modules(depth: int) -> Iterator[Any]:
 
 
 def exit_mode(mode: TorchFunctionMode) -> None:
-    """Pop ``mode`` off the torch-function mode stack, also when modes entered after it are still above it."""
+    """Leave ``mode``, also when modes entered after it are still above it on the stack."""
     stack = torch.overrides._get_current_function_mode_stack()
     if mode not in stack:
         return
@@ -76,11 +71,7 @@ def exit_mode(mode: TorchFunctionMode) -> None:
 
 
 def check() -> None:
-    """Raise ``RuntimeError`` naming every internal this module needs that this torch does not have.
-
-    Example:
-        >>> check()
-    """
+    """Raise ``RuntimeError`` naming every internal this module needs that this torch does not have."""
     needed = {
         "torch._C._current_graph_task_id": getattr(torch._C, "_current_graph_task_id", None),
         "torch._C._pop_torch_function_stack": getattr(torch._C, "_pop_torch_function_stack", None),

@@ -1,11 +1,8 @@
 """Layers that run in the training forward without being submodules: the facts of rule ``unregistered_module``.
 
-A layer held in a Python list, tuple or dict (``self.layers = [nn.Linear(...), ...]`` instead of ``nn.ModuleList``)
-is called like any module, but ``self.parameters()`` does not yield its parameters: no optimizer built from them
-updates it, no checkpoint saves it, ``.to(device)`` does not move it, and the selection never sees it.
-:class:`UnregisteredWatch` finds such layers with one global forward hook
-(``torch.nn.modules.module.register_module_forward_hook``), registered for a sampled micro-batch's forward only;
-which modules count and which stay silent: ``docs/rules.md#unregistered_module``.
+A layer held in a Python list, tuple or dict (not an ``nn.ModuleList``) is called like any module, but no optimizer
+built from ``self.parameters()`` updates it, no checkpoint saves it, ``.to(device)`` does not move it. Which modules
+count: ``docs/rules.md#unregistered_module``.
 """
 
 from __future__ import annotations
@@ -15,7 +12,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_hookdiag.components import Component, Setup, WindowStart, component
@@ -27,17 +23,7 @@ __all__ = ["UnregisteredWatch", "where_held"]
 
 
 def where_held(parent: nn.Module, module: nn.Module) -> str:
-    """How ``parent`` holds ``module`` outside its submodules: ``"layers[1]"``, ``"heads['a']"``, or ``""``.
-
-    Example:
-        >>> class Net(nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.layers = [nn.Linear(2, 2), nn.Linear(2, 2)]
-        >>> net = Net()
-        >>> where_held(net, net.layers[1]), where_held(net, nn.ReLU())
-        ('layers[1]', '')
-    """
+    """How ``parent`` holds ``module`` outside its submodules: ``"layers[1]"``, ``"heads['a']"``, or ``""``."""
     for attr, value in vars(parent).items():
         if isinstance(value, (list, tuple)):
             for i, item in enumerate(value):
@@ -57,25 +43,11 @@ class UnregisteredWatch(Component):
 
     A module counts when it is not ``root`` or one of its submodules, owns a parameter that requires grad and is not
     one of ``root``'s parameters (a layer that shares registered weights is not lost), and ran with grad enabled
-    outside backward (a teacher run under ``no_grad`` is not trained on purpose). Attached for a sampled
-    micro-batch's forward only; :meth:`facts` gives the window's finds as ``unregistered``.
+    outside backward (a teacher run under ``no_grad`` is not trained on purpose). One global forward hook, for a
+    sampled micro-batch's forward only.
 
     Args:
         root: The LightningModule.
-
-    Example:
-        >>> class Net(nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.head = nn.Linear(2, 1)
-        ...         self.blocks = [nn.Linear(2, 2)]  # the bug: a Python list
-        ...     def forward(self, x):
-        ...         return self.head(self.blocks[0](x))
-        >>> net = Net()
-        >>> watch = UnregisteredWatch(net)
-        >>> watch.attach(); _ = net(torch.randn(3, 2)); watch.remove()
-        >>> watch.facts({})
-        {'unregistered': {'<root>': ['blocks[0] (Linear, 6 parameter elements)']}}
     """
 
     replays = False
@@ -84,25 +56,13 @@ class UnregisteredWatch(Component):
         self._names = {id(m): name for name, m in named_modules(root).items()}
         self._names[id(root)] = ROOT
         self._params = {id(p) for p in root.parameters()}
-        self._handle: RemovableHandle | None = None
         self._found: dict[str, list[str]] = {}
         self._seen: set[int] = set()
 
-    @property
-    def attached(self) -> bool:
-        """Whether the global hook is registered."""
-        return self._handle is not None
-
+    @override
     def attach(self) -> None:
-        """Register the global forward hook (no-op if registered)."""
-        if self._handle is None:
-            self._handle = nn.modules.module.register_module_forward_hook(self._hook)
-
-    def remove(self) -> None:
-        """Remove the global hook; safe to call any number of times."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        if not self.attached:
+            self.hold().enter_context(nn.modules.module.register_module_forward_hook(self._hook))
 
     @override
     def end_forward(self, loss: Tensor | None) -> None:
