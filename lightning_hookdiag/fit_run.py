@@ -1,10 +1,8 @@
 """The per-fit state of the callback: everything one ``fit`` creates, in one object that is dropped in one place.
 
-:class:`FitRun` resolves the selection and builds the run objects, the open-step state machine
-(:mod:`lightning_hookdiag.step_state`) and every configured :class:`~lightning_hookdiag.components.Component`; its
-methods do the work of the callback's hook methods on them. Nothing here knows Lightning: the callback passes what it
-reads from the Trainer. :meth:`FitRun.release` removes every hook, and dropping the object drops every reference to
-the module and the device state, so the callback pickles after a fit, also a failed one.
+:class:`FitRun`'s methods do the work of the callback's hook methods, on what the callback reads from the Trainer
+(nothing here knows Lightning). Dropping it drops every reference to the module and the device state, so the callback
+pickles after a fit, also a failed one.
 """
 
 from __future__ import annotations
@@ -54,6 +52,8 @@ from lightning_hookdiag.vocabulary import (
 )
 
 __all__ = ["FitConfig", "FitRun", "ObservedStep"]
+
+Sharded = Callable[[Mapping[str, nn.Parameter]], bool]
 
 # Read back every window besides the logged statistics, where present: what the notes and the rules read.
 _ALWAYS_READ = ("count", "grad_count", "param_seen", "grad_norm_total", "stale_grad_sq")
@@ -130,18 +130,14 @@ class FitRun:
         config: The callback's configuration.
         pl_module: The LightningModule.
         trainer_precision: ``trainer.precision``.
-        sharded: Whether the strategy shards these parameters over processes.
+        sharded: Whether the strategy shards the given parameters over processes.
 
     Raises:
         ValueError: A name of the selection matches nothing (:func:`~lightning_hookdiag.selection.resolve_layers`).
     """
 
     def __init__(
-        self,
-        config: FitConfig,
-        pl_module: nn.Module,
-        trainer_precision: str | int | None,
-        sharded: Callable[[Mapping[str, nn.Parameter]], bool],
+        self, config: FitConfig, pl_module: nn.Module, trainer_precision: str | int | None, sharded: Sharded
     ) -> None:
         modules = resolve_layers(pl_module, config.layers, config.layer_types, config.exclude)
         wanted = set(config.stats)
@@ -163,7 +159,8 @@ class FitRun:
         self.quiet_not_run = frozenset(
             name for name, m in modules.items() if config.layers is None and not any(True for _ in m.parameters())
         )
-        device = _device(pl_module)
+        device = getattr(pl_module, "device", None)
+        device = device if isinstance(device, torch.device) else torch.device("cpu")
         self.plan: OptInPlan = plan_opt_in(config.stats, config.precision_targets, trainer_precision)
         self.aggregator = LayerStatsAggregator(
             len(modules),
@@ -194,11 +191,8 @@ class FitRun:
         self.hooks = HookSet(
             modules, None, self.recorder.on_grad if grads else None, self.recorder.on_tensor, companions
         )
-        self.tracker = (
-            ParameterTracker(params, snapshot="param_update_ratio" in wanted, dtype=self.aggregator.acc_dtype)
-            if params
-            else None
-        )
+        snapshot = "param_update_ratio" in wanted
+        self.tracker = ParameterTracker(params, snapshot=snapshot, dtype=self.aggregator.acc_dtype) if params else None
         self.keys = KeyCache(config.prefix)
         self.state = StepState(config.every_n_steps)
         self.watch = StepWatch()
@@ -206,11 +200,7 @@ class FitRun:
 
     @classmethod
     def start(
-        cls,
-        config: FitConfig,
-        pl_module: nn.Module,
-        trainer_precision: str | int | None,
-        sharded: Callable[[Mapping[str, nn.Parameter]], bool],
+        cls, config: FitConfig, pl_module: nn.Module, trainer_precision: str | int | None, sharded: Sharded
     ) -> FitRun:
         """The run of a fit that starts now (the constructor, named for the callback's call)."""
         return cls(config, pl_module, trainer_precision, sharded)
@@ -245,8 +235,7 @@ class FitRun:
     def end_closure(self) -> None:
         """An optimizer closure's forward and backward are over; the hooks stay attached for the next one.
 
-        LBFGS evaluates its closure several times per step, each a forward that saves for its own backward: the
-        saved bytes are one measurement per evaluation (the largest is kept), not their sum.
+        Each LBFGS evaluation saves for its own backward: the saved bytes are measured per evaluation, not summed.
         """
         if self.hooks.attached:
             self.hooks.end_micro_batch()
@@ -278,12 +267,9 @@ class FitRun:
         return window
 
     def follow_names(self) -> None:
-        """Name each tracked parameter as its module names it now: a reparametrisation during the fit renames it.
+        """Name each tracked parameter as its module names it now, after a reparametrisation (docs/statistics.md#names).
 
-        Pruning (``ModelPruning``, ``torch.nn.utils.prune``) moves a layer's ``weight`` to ``weight_orig`` and
-        ``torch.nn.utils.parametrize`` to ``parametrizations.weight.original``; the parameter the optimizer steps is
-        the same object under its new name, and its key follows it. Each parameter is looked up where it was (one
-        dict lookup); only when one moved are the names derived again from a walk over the model.
+        Each parameter is looked up where it was; the names are derived again from the model only when one moved.
         """
         held = zip(self.homes, self.params, strict=True)
         if all(module._parameters.get(attr) is p for (module, attr), p in held):
@@ -296,12 +282,12 @@ class FitRun:
     def discard_window(self) -> None:
         """Drop the open window, if any: nothing of it is logged, and its device state is reset."""
         self.state.close()
-        if self.tracker is not None:
-            self.tracker.release()
         self._end_window()
 
     def _end_window(self) -> None:
         # What every window leaves behind, reset for the next (after collect, and on a discard).
+        if self.tracker is not None:
+            self.tracker.release()  # the snapshot of a window closed before its update
         self.hooks.clear_order()
         self.recorder.release()
         self.aggregator.reset()
@@ -330,8 +316,8 @@ class FitRun:
     ) -> None:
         """Measure the weights and gradients of the open window before ``optimizer`` steps (first call only).
 
-        LBFGS evaluates its closure several times per step, at trial points, and the hook runs after each: the
-        first call sees the weights and gradients from before the step; the update ratio then spans the whole step.
+        LBFGS evaluates its closure at trial points, with the hook after each: the first call sees the weights from
+        before the step, and the update ratio spans the whole step.
 
         Args:
             optimizer: The optimizer about to step.
@@ -405,12 +391,7 @@ class FitRun:
         window = self.state.close()
         assert window is not None, "collect() needs an open window"
         agg, recorder, hooks = self.aggregator, self.recorder, self.hooks
-        updated = None
-        if self.tracker is not None:
-            if before_update:
-                self.tracker.release()
-            else:
-                updated = self.tracker.after_step()
+        updated = None if self.tracker is None or before_update else self.tracker.after_step()
         for c in self.components:
             c.fold()
         recorder.flush()  # the stacked small outputs and gradients, before the fold
@@ -468,11 +449,6 @@ class FitRun:
         self.detach()
         self.discard_window()
         self.state.micro.release()
-
-
-def _device(module: nn.Module) -> torch.device:
-    device = getattr(module, "device", None)
-    return device if isinstance(device, torch.device) else torch.device("cpu")
 
 
 def _homes(root: nn.Module, params: Sequence[nn.Parameter]) -> list[tuple[nn.Module, str]]:

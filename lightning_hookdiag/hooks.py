@@ -1,12 +1,8 @@
 """The hook lifecycle: forward hooks (and output tensor hooks) on resolved modules, and the removal of every one.
 
-:class:`HookSet` knows nothing about statistics: it hands outputs and their gradients to the sinks it was given and
-records which modules fired, in what order.
-
-Activation gradients come from a tensor hook registered on the output inside the forward hook, never from
-``register_full_backward_hook``: that wraps outputs in a ``BackwardHookFunction`` view, which breaks as soon as an
-in-place op such as ``nn.ReLU(inplace=True)`` follows the module, while a tensor hook registered before the in-place op
-receives the gradient with respect to the value the module produced.
+Activation gradients come from a tensor hook registered on the output inside the forward hook: it receives the
+gradient w.r.t. the value the module produced, also when an in-place op (``nn.ReLU(inplace=True)``) follows, where the
+``BackwardHookFunction`` view of ``register_full_backward_hook`` breaks.
 """
 
 from __future__ import annotations
@@ -52,8 +48,8 @@ def sink_mode() -> Iterator[None]:
     """What a sink runs under: no grad, and never inference mode.
 
     A module may run under ``torch.inference_mode()`` in a sampled step (a target computed inside ``training_step``);
-    scratch a sink keeps across calls (the aggregator's call table) would become an inference tensor there and could
-    not be written afterwards. Reading an inference tensor outside inference mode is allowed.
+    scratch a sink keeps across calls (the aggregator's call table) must not become an inference tensor there (reading
+    one outside inference mode is allowed).
     """
     # Entered only when needed: inference_mode(False) also resets the forward-AD and multithreading modes.
     leave = torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
@@ -61,22 +57,20 @@ def sink_mode() -> Iterator[None]:
         yield
 
 
-# The stance is process-wide, so one count serves every hook set: the first to enter saves it, the last to leave
-# restores it, in whatever order callbacks and ``capture_activations`` blocks remove their hooks (each set restoring
-# "its" prior stance leaked ``force_eager`` when two overlapped).
+# Dynamo does not guard on module hooks (``skip_nnmodule_hook_guards``), so a compiled graph ignores hooks added later;
+# the ``force_eager`` stance runs compiled callables' Python code without touching the compile cache. The stance is
+# process-wide, so one count serves every hook set: the first to enter saves it, the last to leave restores it, in
+# whatever order callbacks and ``capture_activations`` blocks remove their hooks.
 _stance_lock = threading.Lock()
 _stance_users = 0
 _stance_restore: Any = None
 
 
 def _enter_eager() -> None:
-    # Dynamo does not guard on module hooks (``skip_nnmodule_hook_guards``), so a compiled graph ignores hooks added
-    # later. ``force_eager`` runs compiled callables' Python code without touching the compile cache: unsampled steps
-    # keep the compiled code and nothing recompiles.
     global _stance_users, _stance_restore
     with _stance_lock:
         if _stance_users == 0:
-            # The returned object's __exit__ restores the previous stance, options included (torch >= 2.6).
+            # Its __exit__ restores the previous stance, options included.
             _stance_restore = torch.compiler.set_stance("force_eager")
         _stance_users += 1
 
