@@ -174,23 +174,19 @@ class FitRun:
         """Every configured optional part; those that watch replays are also the hook set's companions."""
         self.logged = (*self.plan.logged, *(s for c in self.components for s in c.logged if s not in self.plan.logged))
         """Per-layer statistics beyond the default ones: the plan's, then those components declare."""
-        dead_units = "act_dead_frac" in wanted
+        dead_unit_layers = [i for i, m in enumerate(modules.values()) if isinstance(m, config.dead_unit_types)]
         self.recorder = StepRecorder(
             self.aggregator,
             moments=bool(wanted & set(MOMENT_STATS)),
-            unit_layers=frozenset(
-                i for i, m in enumerate(modules.values()) if dead_units and isinstance(m, config.dead_unit_types)
-            ),
+            unit_layers=frozenset(dead_unit_layers if "act_dead_frac" in wanted else ()),
             unit_dim=config.unit_dim,
             names=self.layer_names,
             stack_small=True,
             components=self.components,
         )
         grads = wanted & set(GRADIENT_STATS) or any(c.on_grad is not None for c in self.components)
-        companions = [c for c in self.components if c.replays]
-        self.hooks = HookSet(
-            modules, None, self.recorder.on_grad if grads else None, self.recorder.on_tensor, companions
-        )
+        on_grad = self.recorder.on_grad if grads else None
+        self.hooks = HookSet(modules, None, on_grad, self.recorder.on_tensor, [c for c in self.components if c.replays])
         snapshot = "param_update_ratio" in wanted
         self.tracker = ParameterTracker(params, snapshot=snapshot, dtype=self.aggregator.acc_dtype) if params else None
         self.keys = KeyCache(config.prefix)
@@ -205,7 +201,6 @@ class FitRun:
         """The run of a fit that starts now (the constructor, named for the callback's call)."""
         return cls(config, pl_module, trainer_precision, sharded)
 
-    # ------------------------------------------------------------------------------------------------ micro-batches
     def attach(self) -> None:
         """Attach every hook of one sampled micro-batch (the hook set with its companions, the other components)."""
         self.hooks.attach()
@@ -246,7 +241,6 @@ class FitRun:
         for c in self.components:
             c.remove()
 
-    # ------------------------------------------------------------------------------------------------------ windows
     def open_window(self, step: int, last_metrics: Mapping[str, float], layers: bool = True) -> Window:
         """Open the window of ``step`` (``layers=False``: parameters only) and start its state afresh.
 
@@ -438,10 +432,8 @@ class FitRun:
         return observed
 
     def _wanted(self, layers: bool, before_update: bool) -> list[str]:
-        skip = {"param_update_ratio"} if before_update else set()
-        if not layers:
-            skip.update(LAYER_STATS)
-        wanted = [s for s in (*LAYER_STATS, *PER_PARAMETER_STATS) if s in self.config.stats and s not in skip]
+        default = (*LAYER_STATS, *PER_PARAMETER_STATS) if layers else PER_PARAMETER_STATS
+        wanted = [s for s in default if s in self.config.stats and not (before_update and s == "param_update_ratio")]
         return [*wanted, *self.logged] if layers else wanted
 
     def release(self) -> None:
