@@ -63,8 +63,8 @@ _ALWAYS_READ = ("count", "grad_count", "param_seen", "grad_norm_total", "stale_g
 class FitConfig:
     """What a fit's run objects need of the callback's configuration.
 
-    Each field is the callback's validated argument of its name (:class:`~lightning_hookdiag.LayerHealthCallback`),
-    except the flags derived from ``sentinel=`` and ``rules=``:
+    Each field is the callback's argument of its name, validated and resolved (``stats=`` with ``extra_stats=``; see
+    :class:`~lightning_hookdiag.LayerHealthCallback`), except the flags derived from ``sentinel=`` and ``rules=``:
 
     Attributes:
         sentinel_grads: The sentinel also checks the selected parameters' gradients (``"loss+grads"``).
