@@ -289,10 +289,9 @@ class FitRun:
         self.watch.release()
 
     def check_stale(self, n_optimizers: int) -> None:
-        """At the open window's first backward, measure the gradients still held from the previous step.
+        """At the open window's first backward, measure the gradients held from the previous step (``stale_gradients``).
 
-        None are held with ``zero_grad``: then this costs no kernel. With several optimizers (a GAN), one
-        optimizer's gradients legitimately wait through another's step, so nothing is measured.
+        None are held with ``zero_grad``: then this costs no kernel.
         """
         window = self.state.window
         if window is None or window.stale_checked or n_optimizers != 1:
@@ -308,10 +307,7 @@ class FitRun:
         watch_membership: bool,
         schedule: Schedule = (None, None),
     ) -> None:
-        """Measure the weights and gradients of the open window before ``optimizer`` steps (first call only).
-
-        LBFGS evaluates its closure at trial points, with the hook after each: the first call sees the weights from
-        before the step, and the update ratio spans the whole step.
+        """Measure the weights and gradients before ``optimizer`` steps (a step's first call: docs/integrations.md).
 
         Args:
             optimizer: The optimizer about to step.
