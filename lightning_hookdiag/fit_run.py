@@ -1,15 +1,8 @@
 """The per-fit state of the callback: everything one ``fit`` creates, in one object that is dropped in one place.
 
-:meth:`FitRun.start` resolves the selection and builds the core run objects (the hook set, the recorder and
-aggregator, the parameter tracker, the optimizer-step watch, the key cache), the open-step state machine
-(:mod:`lightning_hookdiag.step_state`) and every configured :class:`~lightning_hookdiag.components.Component`. The
-methods do the work of the callback's hook methods on them: open, discard and :meth:`~FitRun.collect` a window
-(pool, reduce over processes, one host transfer), measure the parameters around an optimizer step. Nothing here
-knows Lightning: the callback passes what it reads from the Trainer.
-
-The callback holds one :class:`FitRun` between ``on_fit_start`` and the end of the fit; :meth:`FitRun.release`
-removes every hook, and dropping the object drops every reference to the module, its parameters and the device
-state, so the callback pickles after a fit, also a failed one.
+:class:`FitRun`'s methods do the work of the callback's hook methods, on what the callback reads from the Trainer
+(nothing here knows Lightning). Dropping it drops every reference to the module and the device state, so the callback
+pickles after a fit, also a failed one.
 """
 
 from __future__ import annotations
@@ -23,15 +16,7 @@ import torch
 from torch import Tensor, nn
 
 # The optional parts register their components when imported.
-from lightning_hookdiag import (  # noqa: F401
-    batches,
-    eval_mode,
-    kurtosis,
-    precision,
-    precursor_probes,
-    saved_memory,
-    unregistered,  # noqa: F401
-)
+from lightning_hookdiag import batches, eval_mode, kurtosis, precision, precursor_probes, saved_memory, unregistered  # noqa: F401
 from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.components import FACTORIES, Component, Setup, WindowStart
 from lightning_hookdiag.hooks import HookSet
@@ -68,22 +53,20 @@ from lightning_hookdiag.vocabulary import (
 
 __all__ = ["FitConfig", "FitRun", "ObservedStep"]
 
+Sharded = Callable[[Mapping[str, nn.Parameter]], bool]
+
+# Read back every window besides the logged statistics, where present: what the notes and the rules read.
+_ALWAYS_READ = ("count", "grad_count", "param_seen", "grad_norm_total", "stale_grad_sq")
+
 
 @dataclass(frozen=True)
 class FitConfig:
-    """What the callback was configured with that a fit's run objects need (validated by the callback).
+    """What a fit's run objects need of the callback's configuration.
+
+    Each field is the callback's argument of its name, validated and resolved (``stats=`` with ``extra_stats=``; see
+    :class:`~lightning_hookdiag.LayerHealthCallback`), except the flags derived from ``sentinel=`` and ``rules=``:
 
     Attributes:
-        every_n_steps: Steps ``0, n, 2n, ...`` are sampled.
-        layers, layer_types, exclude: The selection (see :func:`~lightning_hookdiag.selection.resolve_layers`).
-        stats: The resolved statistic names.
-        prefix: First segment of every key.
-        dead_unit_types: Module classes whose outputs get ``act_dead_frac``.
-        unit_dim: The unit axis of ``act_dead_frac``, or ``None``.
-        histogram_every_n_steps: Histogram interval, or ``None``.
-        histogram_bins: Bins per histogram.
-        precision_targets: Resolved ``precision_targets=``, or ``None``.
-        output_layer: The module of ``logit_lse_mean`` / ``logit_absmax``, or ``None``.
         sentinel_grads: The sentinel also checks the selected parameters' gradients (``"loss+grads"``).
         eval_mode: Rule ``eval_mode`` is enabled (watch the modules' train/eval mode).
         unregistered: Rule ``unregistered_module`` is enabled (watch for modules that run unregistered).
@@ -113,20 +96,15 @@ class ObservedStep:
     """One finished window, read back to the host: what the callback logs and the rules read.
 
     Attributes:
-        step: The optimizer step.
         layers: Whether its layers were observed (``False``: parameters only).
-        trip: The sentinel's trip of the step, if any.
         host: The pooled values by name, one list per statistic (:func:`~lightning_hookdiag.logged_values.step_values`).
         wanted: The statistics to log, in order.
         precursors: Precursor statistic to the names of its values.
         facts: What the step could not observe.
-        forward_order: Module names in the order their forward first ran.
-        backward_order: Module names in the order their output gradient first arrived.
-        missing_grads: Outputs that required grad but received none (rule ``no_gradient``).
-        eval_mode: Mode-dependent modules found in eval mode (rule ``eval_mode``).
-        unregistered: Registered module to the unregistered modules its forward ran (rule ``unregistered_module``).
-        param_facts: Learning rates and applied steps per parameter (rule ``not_updated``).
         histogram_edges: The inner bin edges, when the step logs histograms.
+
+    ``step``, ``trip`` and the orders and facts the rules read are the arguments of
+    :func:`~lightning_hookdiag.rules.evaluate` of the same names.
     """
 
     step: int
@@ -145,125 +123,84 @@ class ObservedStep:
     unregistered: dict[str, list[str]] = field(default_factory=dict)
 
 
-@dataclass(eq=False)
 class FitRun:
-    """The run objects of one fit and its open-step state (build it with :meth:`start`)."""
+    """The run objects of one fit and its open-step state.
 
-    config: FitConfig
-    layer_names: list[str]
-    layer_types: dict[str, str]
-    """Module name to class name, for the rules."""
-    param_names: list[str]
-    params: list[nn.Parameter]
-    """The tracked parameters, in :attr:`param_names` order."""
-    sentinel_params: list[nn.Parameter]
-    quiet_not_run: frozenset[str]
-    """Modules of the default selection whose not running is a note, not a warning (no parameters of their own)."""
-    plan: OptInPlan
-    logged: tuple[str, ...]
-    """Per-layer statistics beyond the default ones: the plan's, then those components declare."""
-    aggregator: LayerStatsAggregator
-    recorder: StepRecorder
-    hooks: HookSet
-    tracker: ParameterTracker | None
-    components: list[Component]
-    """Every configured optional part; those that watch replays are also the hook set's companions."""
-    keys: KeyCache
-    state: StepState
-    tracked: Callable[[], Mapping[str, nn.Parameter]] = dict
-    """The tracked parameters as the module names them now (see :meth:`follow_names`)."""
-    model: nn.Module | None = None
-    """The LightningModule, where the tracked parameters are looked for when one moved."""
-    homes: list[tuple[nn.Module, str]] = field(default_factory=list)
-    """The module and attribute holding each tracked parameter when it was last named, in :attr:`params` order."""
-    watch: StepWatch = field(default_factory=StepWatch)
-    """Learning rates and applied steps of the open window, for ``not_updated``."""
+    Args:
+        config: The callback's configuration.
+        pl_module: The LightningModule.
+        trainer_precision: ``trainer.precision``.
+        sharded: Whether the strategy shards the given parameters over processes.
 
-    @classmethod
-    def start(
-        cls,
-        config: FitConfig,
-        pl_module: nn.Module,
-        trainer_precision: str | int | None,
-        sharded: Callable[[Mapping[str, nn.Parameter]], bool],
-    ) -> FitRun:
-        """Resolve the selection (errors for names that match nothing) and allocate the device state.
+    Raises:
+        ValueError: A name of the selection matches nothing (:func:`~lightning_hookdiag.selection.resolve_layers`).
+    """
 
-        Args:
-            config: The callback's configuration.
-            pl_module: The LightningModule.
-            trainer_precision: ``trainer.precision``.
-            sharded: Whether the strategy shards these parameters over processes.
-        """
+    def __init__(
+        self, config: FitConfig, pl_module: nn.Module, trainer_precision: str | int | None, sharded: Sharded
+    ) -> None:
         modules = resolve_layers(pl_module, config.layers, config.layer_types, config.exclude)
-        layer_names = list(modules)
         wanted = set(config.stats)
-        tracked = _tracked_parameters(config, pl_module, modules)
-        params = tracked() if wanted & set(PARAMETER_STATS) else {}
+        self.config = config
+        self.model = pl_module
+        """Where the tracked parameters are looked for when one moved."""
+        self.layer_names = list(modules)
+        self.layer_types = {name: type(m).__name__ for name, m in modules.items()}
+        """Module name to class name, for the rules."""
+        self.tracked = _tracked_parameters(config, pl_module, modules)
+        """The tracked parameters as the module names them now (see :meth:`follow_names`)."""
+        params = self.tracked() if wanted & set(PARAMETER_STATS) else {}
+        self.param_names, self.params = list(params), list(params.values())
+        self.homes = _homes(pl_module, self.params)
+        """The module and attribute holding each tracked parameter when it was last named, in :attr:`params` order."""
+        self.sentinel_params = list(named_parameters_of(modules).values()) if config.sentinel_grads else []
         # A module of the default selection that does not run is usually unused by design (a dropout that fused
-        # attention skips, MultiheadAttention's out_proj): a note, not a warning, unless it holds parameters that
-        # nothing else observed.
-        quiet = (
-            frozenset(name for name, m in modules.items() if not any(True for _ in m.parameters()))
-            if config.layers is None
-            else frozenset()
+        # attention skips, MultiheadAttention's out_proj): a note, not a warning, unless it holds parameters.
+        self.quiet_not_run = frozenset(
+            name for name, m in modules.items() if config.layers is None and not any(True for _ in m.parameters())
         )
-        device = _device(pl_module)
-        plan = plan_opt_in(config.stats, config.precision_targets, trainer_precision)
-        aggregator = LayerStatsAggregator(
+        device = getattr(pl_module, "device", None)
+        device = device if isinstance(device, torch.device) else torch.device("cpu")
+        self.plan: OptInPlan = plan_opt_in(config.stats, config.precision_targets, trainer_precision)
+        self.aggregator = LayerStatsAggregator(
             len(modules),
             len(params),
             dtype=accumulation_dtype(device),
             sharded_params=sharded(params),
             histogram_bins=config.histogram_bins if config.histogram_every_n_steps else 0,
         ).to(device)
-        setup = Setup(config=config, model=pl_module, modules=modules, plan=plan, aggregator=aggregator)
-        components = [c for factory in FACTORIES if (c := factory(setup)) is not None]
-        unit_layers = (
-            frozenset(i for i, m in enumerate(modules.values()) if isinstance(m, config.dead_unit_types))
-            if "act_dead_frac" in wanted
-            else frozenset()
-        )
-        recorder = StepRecorder(
-            aggregator,
+        setup = Setup(config=config, model=pl_module, modules=modules, plan=self.plan, aggregator=self.aggregator)
+        self.components: list[Component] = [c for factory in FACTORIES if (c := factory(setup)) is not None]
+        """Every configured optional part; those that watch replays are also the hook set's companions."""
+        self.logged = (*self.plan.logged, *(s for c in self.components for s in c.logged if s not in self.plan.logged))
+        """Per-layer statistics beyond the default ones: the plan's, then those components declare."""
+        dead_unit_layers = [i for i, m in enumerate(modules.values()) if isinstance(m, config.dead_unit_types)]
+        self.recorder = StepRecorder(
+            self.aggregator,
             moments=bool(wanted & set(MOMENT_STATS)),
-            unit_layers=unit_layers,
+            unit_layers=frozenset(dead_unit_layers if "act_dead_frac" in wanted else ()),
             unit_dim=config.unit_dim,
-            names=layer_names,
+            names=self.layer_names,
             stack_small=True,
-            components=components,
+            components=self.components,
         )
-        grads = wanted & set(GRADIENT_STATS) or any(c.on_grad is not None for c in components)
-        companions = [c for c in components if c.replays]
-        hooks = HookSet(modules, None, recorder.on_grad if grads else None, recorder.on_tensor, companions)
-        tracker = (
-            ParameterTracker(params, snapshot="param_update_ratio" in wanted, dtype=aggregator.acc_dtype)
-            if params
-            else None
-        )
-        return cls(
-            config=config,
-            layer_names=layer_names,
-            layer_types={name: type(m).__name__ for name, m in modules.items()},
-            param_names=list(params),
-            params=list(params.values()),
-            sentinel_params=list(named_parameters_of(modules).values()) if config.sentinel_grads else [],
-            quiet_not_run=quiet,
-            plan=plan,
-            logged=(*plan.logged, *(s for c in components for s in c.logged if s not in plan.logged)),
-            aggregator=aggregator,
-            recorder=recorder,
-            hooks=hooks,
-            tracker=tracker,
-            components=components,
-            keys=KeyCache(config.prefix),
-            state=StepState(config.every_n_steps),
-            tracked=tracked,
-            model=pl_module,
-            homes=_homes(pl_module, list(params.values())),
-        )
+        grads = wanted & set(GRADIENT_STATS) or any(c.on_grad is not None for c in self.components)
+        on_grad = self.recorder.on_grad if grads else None
+        self.hooks = HookSet(modules, None, on_grad, self.recorder.on_tensor, [c for c in self.components if c.replays])
+        snapshot = "param_update_ratio" in wanted
+        self.tracker = ParameterTracker(params, snapshot=snapshot, dtype=self.aggregator.acc_dtype) if params else None
+        self.keys = KeyCache(config.prefix)
+        self.state = StepState(config.every_n_steps)
+        self.watch = StepWatch()
+        """Learning rates and applied steps of the open window, for ``not_updated``."""
 
-    # ------------------------------------------------------------------------------------------------ micro-batches
+    @classmethod
+    def start(
+        cls, config: FitConfig, pl_module: nn.Module, trainer_precision: str | int | None, sharded: Sharded
+    ) -> FitRun:
+        """The run of a fit that starts now (the constructor, named for the callback's call)."""
+        return cls(config, pl_module, trainer_precision, sharded)
+
     def attach(self) -> None:
         """Attach every hook of one sampled micro-batch (the hook set with its companions, the other components)."""
         self.hooks.attach()
@@ -291,10 +228,9 @@ class FitRun:
                     c.remove()
 
     def end_closure(self) -> None:
-        """An optimizer closure's forward and backward are over, the hooks stay attached for the next one.
+        """An optimizer closure's forward and backward are over; the hooks stay attached for the next one.
 
-        LBFGS evaluates its closure several times per step, each a forward that saves for its own backward: the
-        saved bytes are one measurement per evaluation (the largest is kept), not their sum.
+        Each LBFGS evaluation saves for its own backward: the saved bytes are measured per evaluation, not summed.
         """
         if self.hooks.attached:
             self.hooks.end_micro_batch()
@@ -305,11 +241,10 @@ class FitRun:
         for c in self.components:
             c.remove()
 
-    # ------------------------------------------------------------------------------------------------------ windows
     def open_window(self, step: int, last_metrics: Mapping[str, float], layers: bool = True) -> Window:
         """Open the window of ``step`` (``layers=False``: parameters only) and start its state afresh.
 
-        ``last_metrics``: the previous sampled step's logged values (what the components may start from).
+        ``last_metrics``: the previous sampled step's logged values, which the components may start from.
         """
         window = self.state.open(step, layers)
         self.follow_names()
@@ -318,7 +253,7 @@ class FitRun:
         self.recorder.histograms = layers and every is not None and self.state.due(step, every)
 
         def previous(stat: str) -> list[float]:
-            return [last_metrics.get(self.keys.key(stat, name), 0.0) for name in self.layer_names]
+            return [last_metrics.get(key, 0.0) for key in self.keys.keys(stat, self.layer_names)]
 
         start = WindowStart(self.aggregator.act_moments.device, previous)
         for c in self.components:
@@ -326,14 +261,9 @@ class FitRun:
         return window
 
     def follow_names(self) -> None:
-        """Name each tracked parameter as its module names it now: a reparametrisation during the fit renames it.
+        """Name each tracked parameter as its module names it now, after a reparametrisation (docs/statistics.md#names).
 
-        Pruning (Lightning's ``ModelPruning``, ``torch.nn.utils.prune``) moves a layer's ``weight`` to
-        ``weight_orig`` and computes ``weight`` from it and a mask before each forward; ``torch.nn.utils.parametrize``
-        moves it to ``parametrizations.weight.original``. The parameter the optimizer steps, the one measured, is the
-        same object under its new name; the key follows it rather than keep a name that now holds another tensor.
-        An observed step looks up each parameter where it was (one dict lookup each); only when one moved are the
-        names derived again from a walk over the model.
+        Each parameter is looked up where it was; the names are derived again from the model only when one moved.
         """
         held = zip(self.homes, self.params, strict=True)
         if all(module._parameters.get(attr) is p for (module, attr), p in held):
@@ -341,18 +271,17 @@ class FitRun:
         now = {id(p): name for name, p in self.tracked().items()}
         self.param_names = [now.get(id(p), name) for p, name in zip(self.params, self.param_names, strict=True)]
         self.keys.clear()
-        if self.model is not None:
-            self.homes = _homes(self.model, self.params)
+        self.homes = _homes(self.model, self.params)
 
     def discard_window(self) -> None:
         """Drop the open window, if any: nothing of it is logged, and its device state is reset."""
         self.state.close()
-        if self.tracker is not None:
-            self.tracker.release()
         self._end_window()
 
     def _end_window(self) -> None:
-        """What every window leaves behind, reset for the next (after collect, and on a discard)."""
+        # What every window leaves behind, reset for the next (after collect, and on a discard).
+        if self.tracker is not None:
+            self.tracker.release()  # the snapshot of a window closed before its update
         self.hooks.clear_order()
         self.recorder.release()
         self.aggregator.reset()
@@ -360,10 +289,9 @@ class FitRun:
         self.watch.release()
 
     def check_stale(self, n_optimizers: int) -> None:
-        """At the open window's first backward, measure the gradients still held from the previous step.
+        """At the open window's first backward, measure the gradients held from the previous step (``stale_gradients``).
 
-        None are held with ``zero_grad``: then this costs no kernel. With several optimizers (a GAN), one
-        optimizer's gradients legitimately wait through another's step, so nothing is measured.
+        None are held with ``zero_grad``: then this costs no kernel.
         """
         window = self.state.window
         if window is None or window.stale_checked or n_optimizers != 1:
@@ -379,10 +307,7 @@ class FitRun:
         watch_membership: bool,
         schedule: Schedule = (None, None),
     ) -> None:
-        """Measure the weights and gradients of the open window before ``optimizer`` steps (first call only).
-
-        LBFGS evaluates its closure several times per step, at trial points, and the hook runs after each: the
-        first call sees the weights and gradients from before the step; the update ratio then spans the whole step.
+        """Measure the weights and gradients before ``optimizer`` steps (a step's first call: docs/integrations.md).
 
         Args:
             optimizer: The optimizer about to step.
@@ -456,81 +381,62 @@ class FitRun:
         window = self.state.close()
         assert window is not None, "collect() needs an open window"
         agg, recorder, hooks = self.aggregator, self.recorder, self.hooks
-        updated = None
-        if self.tracker is not None:
-            if before_update:
-                self.tracker.release()
-            else:
-                updated = self.tracker.after_step()
+        updated = None if self.tracker is None or before_update else self.tracker.after_step()
         for c in self.components:
             c.fold()
         recorder.flush()  # the stacked small outputs and gradients, before the fold
         agg.update(params=None if updated is None else (updated[0], updated[1], P_UPDATE_SQ))
         values = agg.pooled()  # reduced over processes: one SUM and one MAX all-reduce (aggregation.py)
-        wanted = self._wanted(window.layers, before_update)
-        names = [*wanted, "count", "grad_count", "param_seen", "grad_norm_total"]
         if window.stale is not None:
-            values = {**values, "stale_grad_sq": window.stale.to(values["count"].device)}
-            names.append("stale_grad_sq")
+            values["stale_grad_sq"] = window.stale.to(values["count"].device)
+        wanted = self._wanted(window.layers, before_update)
+        names = [*wanted, *(name for name in _ALWAYS_READ if name in values)]
         if "param_norm" in wanted and "param_norm_min" in values:  # replicated parameters of a distributed run
             names.append("param_norm_min")
-        histograms = recorder.histograms
-        if histograms:
+        if recorder.histograms:
             names += ["act_hist", "grad_hist"]
         finalized = {k: v for c in self.components for k, v in c.finalize(values).items()}
-        values = {**values, **finalized}
+        values.update(finalized)
         # An opt-in statistic is read back only where it is logged (not in a parameter-only window).
         names += [name for name in finalized if name not in names and name not in self.logged]
         parts = [values[name].reshape(-1).to(torch.float64) for name in names]
-        flat = torch.cat(parts).tolist()  # the one host transfer
-        ends = list(itertools.accumulate(p.numel() for p in parts))
-        host = {name: flat[end - part.numel() : end] for name, part, end in zip(names, parts, ends, strict=True)}
+        flat = iter(torch.cat(parts).tolist())  # the one host transfer
+        host = {name: list(itertools.islice(flat, part.numel())) for name, part in zip(names, parts, strict=True)}
         found: dict[str, Any] = {"precursors": {}, "eval_mode": {}, "unregistered": {}}
         for c in self.components:
             found.update(c.facts(host))
-        facts = StepFacts(
-            unit_mismatch=frozenset(agg.unit_mismatch),
-            no_float=frozenset(recorder.no_float_output),
-            sparse=frozenset(recorder.sparse_output),
-            empty=frozenset(recorder.empty_output),
-        )
         observed = ObservedStep(
             step=window.step,
             layers=window.layers,
             trip=window.trip,
             host=host,
             wanted=wanted,
-            facts=facts,
+            facts=StepFacts(
+                unit_mismatch=frozenset(agg.unit_mismatch),
+                no_float=frozenset(recorder.no_float_output),
+                sparse=frozenset(recorder.sparse_output),
+                empty=frozenset(recorder.empty_output),
+            ),
             forward_order=hooks.fired_names(),
             backward_order=[hooks.names[i] for i in hooks.grad_order],
             missing_grads=hooks.missing_grads(),  # the whole window's, replays included: rule no_gradient
             param_facts=self.watch.facts(self.param_names, self.tracker.params) if self.tracker is not None else {},
-            histogram_edges=agg.histogram_edges_host if histograms else None,
+            histogram_edges=agg.histogram_edges_host if recorder.histograms else None,
             **found,
         )
         self._end_window()
         return observed
 
     def _wanted(self, layers: bool, before_update: bool) -> list[str]:
-        stats = self.config.stats
-        skip = {"param_update_ratio"} if before_update else set()
-        if not layers:
-            skip.update(LAYER_STATS)
-        wanted = [s for s in (*LAYER_STATS, *PER_PARAMETER_STATS) if s in stats and s not in skip]
-        if layers:
-            wanted += self.logged
-        return wanted
+        default = (*LAYER_STATS, *PER_PARAMETER_STATS) if layers else PER_PARAMETER_STATS
+        wanted = [s for s in default if s in self.config.stats and not (before_update and s == "param_update_ratio")]
+        return [*wanted, *self.logged] if layers else wanted
 
     def release(self) -> None:
         """Remove every hook and drop the open window and the kept micro-batches (the fit is over, or the step)."""
         self.detach()
         self.discard_window()
         self.state.micro.release()
-
-
-def _device(module: nn.Module) -> torch.device:
-    device = getattr(module, "device", None)
-    return device if isinstance(device, torch.device) else torch.device("cpu")
 
 
 def _homes(root: nn.Module, params: Sequence[nn.Parameter]) -> list[tuple[nn.Module, str]]:
