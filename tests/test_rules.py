@@ -843,3 +843,19 @@ def test_enabled_defaults_to_every_rule_registered_when_the_configuration_is_bui
 
     assert attributes(RuleConfig) == [f.name for f in dataclasses.fields(RuleConfig)]
     assert attributes(Baseline) == ["step", "values"]
+
+
+def test_a_misspelt_reads_entry_is_named_at_the_first_evaluation():
+    rule(order=99, phase="forward", stat="act_std", name="misread", reads=["trips"])(lambda ctx: [])
+    try:
+        with pytest.raises(ValueError, match="no part of the Context") as info:
+            evaluate({}, [], [], step=0, config=RuleConfig(enabled=["misread"]))
+    finally:
+        del REGISTRY["misread"]
+    for fact in ("'misread'", "'trips'", "'trip'", "'param_facts'"):  # the rule, the bad name, the valid names
+        assert fact in str(info.value)
+
+
+def test_loss_spike_runs_only_with_a_trip():
+    assert REGISTRY["loss_spike"].reads == ("trip",)
+    assert evaluate({}, [], [], step=0, config=RuleConfig(enabled=["loss_spike"])) == []
