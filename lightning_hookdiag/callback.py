@@ -174,6 +174,7 @@ class LayerHealthCallback(Callback):
         findings: Every finding that alerted (first appearance of a rule on a layer, or its return after clearing).
         last_findings: All findings of the most recent sampled step, earliest origin first.
         trips: Every optimizer step the sentinel tripped on, with whether it was replayed and, if not, why.
+        alert_counts: Rule name to its number of findings, alerted or not, since the results were last reset.
 
     Raises:
         ValueError: At construction, for any invalid argument (the message names it and the valid values); when
@@ -252,16 +253,6 @@ class LayerHealthCallback(Callback):
             )
         self.precision_targets = resolve_targets(precision_targets)
         self.dead_unit_types = import_types(dead_unit_types, "dead_unit_types")
-        enabled = self.rule_config.enabled
-        derived = {
-            "sentinel_grads": sentinel == "loss+grads",
-            "eval_mode": "eval_mode" in enabled,
-            "unregistered": "unregistered_module" in enabled,
-            "batch_rows": "repeated_batch" in enabled,
-        }
-        # What every fit starts from, fixed at construction; every other field is the validated attribute of its name.
-        settings = {f.name: getattr(self, f.name) for f in fields(FitConfig) if f.name not in derived}
-        self._config = FitConfig(**derived, **settings)
         r = self.rule_config
         spikes = SpikeDetector(r.spike_window, r.spike_warmup, r.spike_zscore, r.spike_ratio, floor=r.spike_floor)
         # Created here, not when fit starts: a checkpoint's baseline is loaded before on_fit_start runs.
@@ -272,13 +263,8 @@ class LayerHealthCallback(Callback):
         self._start_fresh()
 
     @property
-    def fitting(self) -> bool:
-        """Whether a fit is in progress: the hooks and the device state exist only then."""
-        return self._run is not None
-
-    @property
     def alert_counts(self) -> dict[str, int]:
-        """Rule name to the number of its findings, alerted or not, since the results were last reset (a copy)."""
+        """A copy of the counts (see the class's Attributes)."""
         return dict(self._diagnosis.alerts.counts)
 
     @property
@@ -304,7 +290,9 @@ class LayerHealthCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Resolve the selection (errors for names that match nothing) and allocate the device state."""
         self._release_fit()  # a fit that ended without teardown (an interrupted one) leaves nothing behind
-        self._run = FitRun.start(self._config, pl_module, trainer.precision, lambda params: sharded(trainer, params))
+        self._run = FitRun.start(
+            self._fit_config(), pl_module, trainer.precision, lambda params: sharded(trainer, params)
+        )
         self.layer_names = list(self._run.layer_names)
         self._note(opt_in_note(self._run.plan.note))
         self._note(no_logger_note(len(trainer.loggers)))
@@ -471,6 +459,18 @@ class LayerHealthCallback(Callback):
             self._sentinel.load_state_dict(state_dict["sentinel"])
 
     # ------------------------------------------------------------------------------------------------ internals
+    def _fit_config(self) -> FitConfig:
+        """What this fit starts from: the attributes as they are now, so that a change made after construction holds."""
+        enabled = self.rule_config.enabled
+        derived = {
+            "sentinel_grads": self.sentinel == "loss+grads",
+            "eval_mode": "eval_mode" in enabled,
+            "unregistered": "unregistered_module" in enabled,
+            "batch_rows": "repeated_batch" in enabled,
+        }
+        settings = {f.name: getattr(self, f.name) for f in fields(FitConfig) if f.name not in derived}
+        return FitConfig(**derived, **settings)
+
     def _start_fresh(self) -> None:
         """Forget earlier fits' results and memory: a new model with the same bug is warned about again.
 
@@ -589,8 +589,9 @@ class LayerHealthCallback(Callback):
     def _log_histograms(self, trainer: pl.Trainer, observed: ObservedStep, run: FitRun) -> BaseException | None:
         """Send the step's histograms to the loggers that store them; returns the first logger error."""
         assert observed.histogram_edges is not None
-        writes = [write for write in map(_histogram_writer, trainer.loggers) if write is not None]
-        skipped = [type(logger).__name__ for logger in trainer.loggers if _histogram_writer(logger) is None]
+        writers = [(logger, _histogram_writer(logger)) for logger in trainer.loggers]
+        writes = [write for _, write in writers if write is not None]
+        skipped = [type(logger).__name__ for logger, write in writers if write is None]
         first: BaseException | None = None
         if writes:  # cut into series only for a logger that stores them
             act, grad, edges = observed.host["act_hist"], observed.host["grad_hist"], observed.histogram_edges

@@ -7,10 +7,18 @@ callback routes what it gets back (keeps the findings, warns, raises or stops). 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from lightning_hookdiag.rules import AlertState, Baseline, Finding, RuleConfig, evaluate, values_from_metrics
+from lightning_hookdiag.rules import (
+    AlertState,
+    Baseline,
+    Finding,
+    ParamFacts,
+    RuleConfig,
+    evaluate,
+    values_from_metrics,
+)
 from lightning_hookdiag.trends import History
 
 if TYPE_CHECKING:  # only a Trip's fields are read; importing the sentinel at run time would import torch
@@ -63,17 +71,31 @@ class Diagnosis:
         layer_types: Mapping[str, str] | None = None,
         *,
         trip: Trip | None = None,
-        **parts: Any,
+        missing_grads: Collection[str] = (),
+        eval_mode: Mapping[str, str] | None = None,
+        param_facts: Mapping[str, ParamFacts] | None = None,
+        unregistered: Mapping[str, Sequence[str]] | None = None,
     ) -> Diagnosed:
         """Evaluate one step (the arguments of :func:`~lightning_hookdiag.rules.evaluate`), then remember it.
 
         Call it once per evaluated step. Its values become the :attr:`baseline` unless the sentinel tripped on it (a
-        spike is not compared with itself next time). ``parts``: the step's own keyword arguments of ``evaluate``
-        (``missing_grads``, ``eval_mode``, ``param_facts``, ``unregistered``); this class supplies the others.
+        spike is not compared with itself next time); this class supplies the rest of ``evaluate``'s memory.
         """
-        memory: dict[str, Any] = {"baseline": self.baseline, "last_finite": self.last_finite, "history": self.history}
         findings = evaluate(
-            values, forward_order, backward_order, step, self.config, layer_types, trip=trip, **memory, **parts
+            values,
+            forward_order,
+            backward_order,
+            step,
+            self.config,
+            layer_types,
+            trip=trip,
+            baseline=self.baseline,
+            last_finite=self.last_finite,
+            missing_grads=missing_grads,
+            eval_mode=eval_mode,
+            param_facts=param_facts,
+            history=self.history,
+            unregistered=unregistered,
         )
         self.history.push(step, values)
         self.last_finite |= {name: step for name, norm in values.get("param_norm", {}).items() if math.isfinite(norm)}

@@ -213,6 +213,7 @@ def layer_notes(
         quiet_not_run: Modules whose not running is a note, not a warning (no parameters of their own).
     """
     unobservable = {kind: [layer_names[i] for i in sorted(getattr(facts, kind))] for kind, _ in _FACT_NOTES}
+    unobservable["sparse"].sort()  # by name, as the sparse notes always were; the others in layer order
     notes = [
         Note(f"{kind}:{name}", "LayerHealthCallback: " + text.format(name))
         for kind, text in _FACT_NOTES

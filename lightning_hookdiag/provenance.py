@@ -23,17 +23,24 @@ from lightning_hookdiag.names import ROOT, logged_name
 __all__ = ["NonFiniteTrace", "nonfinite_in_batch"]
 
 
-def _paths(value: Any, path: str = "") -> Iterator[tuple[str, Tensor]]:
-    """Every floating-point tensor in ``value`` with its path (``batch[0]``, ``batch['x']``), depth-first."""
+def _paths(value: Any, path: str | None = "") -> Iterator[tuple[str | None, Tensor]]:
+    """Every floating-point tensor in ``value`` with its path (``batch[0]``, ``batch['x']``), depth-first.
+
+    ``path=None`` builds no path: the replay's forward hook walks every module call's inputs and outputs.
+    """
     if isinstance(value, Tensor):
         if value.is_floating_point() or value.is_complex():
             yield path, value
     elif isinstance(value, (tuple, list)):
         for i, item in enumerate(value):
-            yield from _paths(item, f"{path}[{i}]")
+            yield from _paths(item, None if path is None else f"{path}[{i}]")
     elif isinstance(value, Mapping):
         for key, item in value.items():
-            yield from _paths(item, f"{path}[{key!r}]")
+            yield from _paths(item, None if path is None else f"{path}[{key!r}]")
+
+
+def _floating(value: Any) -> list[Tensor]:
+    return [t for _, t in _paths(value, None)]
 
 
 def nonfinite_in_batch(batches: Sequence[Any]) -> list[tuple[str, int, int]]:
@@ -119,14 +126,14 @@ class NonFiniteTrace:
         name = self._names.get(module)
         if name is None or in_backward():  # a recomputation inside backward saw these values already
             return
-        outputs = [t for _, t in _paths(output)]
+        outputs = _floating(output)
         if not outputs:
             return
         with sink_mode():
             device = outputs[0].device
             flags = torch.stack(
                 [
-                    _any_nonfinite([t for _, t in _paths(args)], device),
+                    _any_nonfinite(_floating(args), device),
                     torch.stack([torch.isnan(t).any().to(device) for t in outputs]).any(),
                     _any_nonfinite(outputs, device),
                 ]

@@ -25,7 +25,7 @@ from lightning_hookdiag.provenance import NonFiniteTrace, nonfinite_in_batch
 from lightning_hookdiag.sentinel import MicroBatch, replay_step
 from lightning_hookdiag.step_state import Trip, plan_trip
 
-__all__ = ["logging_silenced", "replay_blocker", "respond", "sharded", "training_step_loss"]
+__all__ = ["respond", "sharded"]
 
 
 def sharded(trainer: pl.Trainer, params: Mapping[str, nn.Parameter]) -> bool:
@@ -38,7 +38,7 @@ def sharded(trainer: pl.Trainer, params: Mapping[str, nn.Parameter]) -> bool:
     return isinstance(trainer.strategy, (strategies.FSDPStrategy, strategies.ModelParallelStrategy))
 
 
-def replay_blocker(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
+def _replay_blocker(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
     """Why the Trainer's step cannot be re-run before the optimizer applies it, or ``None``."""
     if not pl_module.automatic_optimization:
         return "of manual optimization: training_step steps the optimizer itself, so it cannot be re-run"
@@ -55,7 +55,7 @@ def replay_blocker(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | 
 
 
 @contextmanager
-def logging_silenced(pl_module: pl.LightningModule) -> Iterator[None]:
+def _logging_silenced(pl_module: pl.LightningModule) -> Iterator[None]:
     """``self.log`` and ``self.log_dict`` record nothing inside the block (a replayed ``training_step``)."""
 
     def ignore(*args: Any, **kwargs: Any) -> None:
@@ -69,7 +69,7 @@ def logging_silenced(pl_module: pl.LightningModule) -> Iterator[None]:
         del pl_module.__dict__["log"], pl_module.__dict__["log_dict"]
 
 
-def training_step_loss(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Callable[[MicroBatch], Tensor | None]:
+def _training_step_loss(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Callable[[MicroBatch], Tensor | None]:
     """One micro-batch's loss as the automatic-optimization loop back-propagates it."""
     takes_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
     scaler = getattr(trainer.precision_plugin, "scaler", None)
@@ -78,7 +78,7 @@ def training_step_loss(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Ca
     def run(micro: MicroBatch) -> Tensor | None:
         args = (micro.batch, micro.batch_idx) if takes_index else (micro.batch,)
         # The LightningModule itself, not the DDP wrapper: DDP's reducer must not see this backward.
-        with trainer.precision_plugin.train_step_context(), logging_silenced(pl_module):
+        with trainer.precision_plugin.train_step_context(), _logging_silenced(pl_module):
             output = pl_module.training_step(*args)
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if not isinstance(loss, Tensor):
@@ -105,7 +105,7 @@ def respond(
     kurtosis shift).
     """
     step, micro = trip.step, run.state.micro
-    sampled, blocker = run.state.open_for(step) is not None, replay_blocker(trainer, pl_module)
+    sampled, blocker = run.state.open_for(step) is not None, _replay_blocker(trainer, pl_module)
     plan = plan_trip(trip, sampled=sampled, traces=traces, blocker=blocker, previous=previous, held=micro.holds(step))
     trace = NonFiniteTrace(pl_module) if plan.trace or plan.action == "trace" else None
     if plan.action == "replay":
@@ -137,7 +137,7 @@ def _replay(
     run.open_window(step, last_metrics)
     failure = None
     try:  # the hook set attaches and removes the components that watch replays with its own hooks
-        loss = training_step_loss(trainer, pl_module)
+        loss = _training_step_loss(trainer, pl_module)
         replay_step(run.state.micro.batches, loss, pl_module, run.hooks, pl_module.device, trace)
     except Exception as error:  # a failed replay is reported in the finding; training goes on untouched
         failure = f"the replay raised {type(error).__name__}: {error}"
@@ -156,7 +156,7 @@ def _trace_sampled(trainer: pl.Trainer, pl_module: pl.LightningModule, run: FitR
     """
     run.end_micro_batch()
     try:
-        loss, hooks = training_step_loss(trainer, pl_module), HookSet({}, None)
+        loss, hooks = _training_step_loss(trainer, pl_module), HookSet({}, None)
         replay_step(run.state.micro.batches, loss, pl_module, hooks, pl_module.device, trace)
     except Exception:  # training goes on untouched
         return False

@@ -335,15 +335,16 @@ def _restored(module: nn.Module, device: torch.device) -> Iterator[None]:
     try:
         yield
     finally:
+        # The random streams first: a buffer the step resized cannot be copied back, and raises.
+        restore_rng(rng, device)
+        random.setstate(python_state)
+        numpy.random.set_state(numpy_state)
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
         for metric, saved_state in metrics:
             for name, value in saved_state.items():
                 setattr(metric, name, value)
-        restore_rng(rng, device)
-        random.setstate(python_state)
-        numpy.random.set_state(numpy_state)
 
 
 def _clone(value: Any) -> Any:

@@ -46,6 +46,9 @@ def detect_prefix(keys: Iterable[str]) -> str:
     Keys ``<prefix>/depth/<layer>`` decide first, because every sampled step logs them; failing those, keys whose
     statistic segment is a known statistic name; failing both, the callback's default ``layer_health``.
 
+    Args:
+        keys: Every logged key of the run.
+
     Raises:
         ReportError: If the logs hold several prefixes (two callbacks with different ``prefix=``), which only the
             user can choose between.
@@ -72,6 +75,11 @@ def depth_order(names: Iterable[str], depth: dict[str, int], parameters: bool = 
     """Sort layer names (or, with ``parameters``, parameter names by their owning layer) by ``depth``, shallow first.
 
     Names without a known depth follow, alphabetically, so that nothing logged is dropped from the report.
+
+    Args:
+        names: The layer (or parameter) names to sort.
+        depth: Layer name to its depth (``<prefix>/depth/<layer>``).
+        parameters: ``names`` are parameter names, sorted by the depth of their owning layer.
 
     Example:
         >>> depth_order(["head", "stem", "body"], {"stem": 0, "body": 1, "head": 2})
@@ -163,7 +171,10 @@ def build_health_log(scalars: Iterable[Scalar], prefix: str | None = None) -> He
     """Collect the health statistics among a run's scalars (in writing order); every other key is ignored.
 
     When a key is logged twice for one step, the later scalar wins, as it does in the loggers' own viewers.
-    ``prefix=None`` detects the prefix with :func:`detect_prefix`.
+
+    Args:
+        scalars: Every scalar of the run, in writing order.
+        prefix: The callback's ``prefix=``; ``None`` detects it with :func:`detect_prefix`.
 
     Raises:
         ReportError: If ``prefix`` is ``None`` and the logs hold several prefixes.

@@ -161,7 +161,9 @@ def read_tensorboard_scalars(path: str | os.PathLike[str]) -> list[Scalar]:
 def read_health_log(path: str | os.PathLike[str], prefix: str | None = None) -> HealthLog:
     r"""Read the health statistics of one run (as :func:`find_log_files` finds its files) under the callback's prefix.
 
-    ``prefix=None`` detects the prefix from the keys (:func:`~lightning_hookdiag.report.detect_prefix`).
+    Args:
+        path: A run folder (a logger's ``log_dir``) or one log file.
+        prefix: The callback's ``prefix=``; ``None`` detects it (:func:`~lightning_hookdiag.report.detect_prefix`).
 
     Raises:
         ReportError: If the path holds no logs or no health statistics under the prefix.

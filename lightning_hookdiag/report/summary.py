@@ -60,6 +60,10 @@ def format_summary(log: HealthLog, stat: str) -> str:
     Family lines follow: per-step totals such as ``grad_norm_total``, the layers whose non-finite counters ever
     fired, and which statistics the logs hold.
 
+    Args:
+        log: The run's health statistics (:func:`~lightning_hookdiag.report.read_health_log`).
+        stat: The per-layer statistic to tabulate, e.g. ``"act_std"``.
+
     Raises:
         KeyError: If ``stat`` is not in ``log.stats``.
 

@@ -59,7 +59,7 @@ def dead_units(ctx: Context) -> Iterator[Found]:
             )
 
 
-@rule(order=7, phase="forward", stat="act_std", reads=["layer_types"])
+@rule(order=7, phase="forward", stat="act_std")
 def saturation(ctx: Context) -> Iterator[Found]:
     """Every Tanh/Sigmoid layer whose proven saturated share reaches ``saturation_frac``."""
     level, frac = ctx.config.saturation_level, ctx.config.saturation_frac

@@ -39,6 +39,11 @@ class AlertState:
         self._active: set[tuple[str, str]] = set()
         self.counts: dict[str, int] = dict.fromkeys((r.name for r in registered()), 0)
 
+    @property
+    def active(self) -> frozenset[tuple[str, str]]:
+        """The (rule, layer) pairs found on the last evaluated step."""
+        return frozenset(self._active)
+
     def update(self, findings: Iterable[Finding]) -> list[Finding]:
         """Record one evaluated step's findings and return those to alert on, in their given order.
 

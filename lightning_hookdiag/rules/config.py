@@ -31,16 +31,42 @@ _POSITIVE = ("a finite number > 0", lambda v, _: 0.0 < v < math.inf)
 _ABOVE_1 = ("a finite number > 1", lambda v, _: 1.0 < v < math.inf)
 
 
-def _all_rules() -> tuple[str, ...]:
-    return tuple(r.name for r in registered())
-
-
 @dataclass(frozen=True)
 class RuleConfig:
     """Which rules run, and their thresholds, validated when built.
 
     A threshold named after its rule says when that rule fires: ``docs/rules.md#the-rules``; why each default is what
-    it is: ``docs/rules.md#why-these-defaults``. The fields that docs/rules.md's table does not define say so here.
+    it is: ``docs/rules.md#why-these-defaults``.
+
+    Attributes:
+        enabled: Names of registered rules to evaluate (one name or any iterable, stored as a tuple in rule order).
+            ``None`` (default): every rule registered when the configuration is built, i.e. ``RULES`` and any rule
+            registered since with :func:`~lightning_hookdiag.rules.registry.rule`. Empty: no rule runs.
+        dead_frac_threshold: ``dead_units`` fires at ``act_dead_frac >=`` this; in ``(0, 1]``.
+        vanishing_ratio: ``vanishing_gradient``'s bound on gradient norm over the output end's; in ``(0, 1)``.
+        exploding_ratio: ``exploding_gradient``'s bound on that ratio; finite, ``> 1``.
+        saturation_level: An output mapped to ``[-1, 1]`` is saturated beyond this magnitude; in ``(0, 1)``.
+        saturation_frac: ``saturation`` fires at this guaranteed share of saturated outputs; in ``(0, 1]``.
+        spike_window: The sentinel's loss baseline, in healthy steps (``docs/sentinel.md``); an integer ``>= 3``.
+        spike_warmup: Healthy steps before a spike can trip the sentinel; an integer in ``[3, spike_window]``.
+        spike_zscore: Robust standard deviations of the loss noise a spike rises above the centre; ``> 0``.
+        spike_ratio: ... and the factor it rises above the centre; finite, ``> 1``.
+        spike_floor: A spike must also reach this share of the run's early loss level; in ``[0, 1)``.
+        spike_growth: ``loss_spike`` names the earliest layer whose scale grew by more than this; finite, ``> 1``.
+        overflow_frac_threshold: ``precision_headroom``'s bound on the share of values at risk; in ``[0, 1)``.
+        update_ratio_low: ``update_ratio``'s bound on every layer's update-to-weight ratio; in ``(0, 1)``.
+        effective_lr_low: ... and on every layer's update over its gradient; finite, ``> 0``.
+        input_scale_limit: ``input_scale``'s bound on the first layer's output RMS; finite, ``> 1``.
+        moved_mass_threshold: ``not_updated``'s bound on the share of squared mass that moved; in ``(0, 1]``.
+        replica_rtol: ``replica_divergence``'s relative tolerance between processes' parameter norms; in ``[0, 1)``.
+        attn_logit_threshold: ``attention_logits`` fires at ``attn_logit_max >=`` this; finite, ``> 0``.
+        attn_trend_floor: ... or from this value on, if rising towards the threshold; in ``[0, attn_logit_threshold)``.
+        attn_trend_horizon: ... projected to cross it within this many sampled steps; an integer ``>= 1``.
+        trend_window: Sampled steps a trend rule needs, and looks back over; an integer ``>= 3``.
+        logit_drift_nats: ``logit_drift``'s bound on the move of ``logit_lse_mean`` over the window; finite, ``> 0``.
+        drift_loss_tolerance: ... while the loss changed by at most this share; in ``(0, 1)``.
+        unbounded_growth: ``unbounded_loss``: the factor the output layer's ``logit_absmax`` grew by; finite, ``> 1``.
+        update_jump_ratio: ``update_jump``'s factor above the window's median update ratio; finite, ``> 1``.
 
     Raises:
         ValueError: For an invalid field; the message names the field, the value and what is valid.
@@ -56,16 +82,13 @@ class RuleConfig:
         ValueError: vanishing_ratio: expected a number in (0, 1), got 2
     """
 
-    enabled: tuple[str, ...] = field(default_factory=_all_rules)
-    """Names of registered rules to evaluate (one name or any iterable, stored as a tuple in rule order); by default
-    every rule. Empty: no rule runs."""
+    enabled: tuple[str, ...] | None = None
     dead_frac_threshold: float = _setting(0.9, *_UNIT_UPPER)
     vanishing_ratio: float = _setting(1e-3, *_UNIT_OPEN)
     exploding_ratio: float = _setting(1e3, *_ABOVE_1)
     saturation_level: float = _setting(0.9, *_UNIT_OPEN)
     saturation_frac: float = _setting(0.5, *_UNIT_UPPER)
     spike_window: int = _count(50, "an integer >= 3", lambda v, _: v >= 3)
-    """The sentinel's settings, from here to ``spike_floor``: ``docs/sentinel.md``."""
     spike_warmup: int = _count(
         20, "an integer in [3, spike_window={spike_window}]", lambda v, c: 3 <= v <= c.spike_window
     )
@@ -87,15 +110,14 @@ class RuleConfig:
     )
     attn_trend_horizon: int = _count(10, "an integer >= 1", lambda v, _: v >= 1)
     trend_window: int = _count(8, "an integer >= 3", lambda v, _: v >= 3)
-    """Sampled steps (the current one included) a trend rule needs before it says anything, and looks back over."""
     logit_drift_nats: float = _setting(5.0, *_POSITIVE)
     drift_loss_tolerance: float = _setting(0.1, *_UNIT_OPEN)
     unbounded_growth: float = _setting(2.0, *_ABOVE_1)
     update_jump_ratio: float = _setting(5.0, *_ABOVE_1)
 
     def __post_init__(self) -> None:
-        known = _all_rules()
-        enabled = (self.enabled,) if isinstance(self.enabled, str) else self.enabled
+        known = tuple(r.name for r in registered())
+        enabled = known if self.enabled is None else (self.enabled,) if isinstance(self.enabled, str) else self.enabled
         try:
             items = list(enabled)
         except TypeError:

@@ -113,7 +113,12 @@ class ParamFacts:
 
 @dataclass(frozen=True)
 class Baseline:
-    """The values of an earlier, regular sampled step (``step``), for rules that compare against the recent past."""
+    """The values of an earlier, regular sampled step, for rules that compare against the recent past.
+
+    Attributes:
+        step: The optimizer step the values describe.
+        values: As the ``values`` argument of :func:`~lightning_hookdiag.rules.evaluate`.
+    """
 
     step: int
     values: Mapping[str, Mapping[str, float]]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,8 @@ if TYPE_CHECKING:  # the rules only read a Trip's fields; importing the sentinel
     from lightning_hookdiag.step_state import Trip
 
 __all__ = ["evaluate", "format_error", "values_from_metrics"]
+
+_PARTS = frozenset(f.name for f in dataclasses.fields(Context))
 
 
 def evaluate(
@@ -67,6 +70,9 @@ def evaluate(
         Findings with forward ones (in forward order) before backward ones (in backward order); the first is the
         origin of the earliest problem. Findings of the same layer follow rule order.
 
+    Raises:
+        ValueError: If an enabled rule ``reads`` a part the context does not have (a misspelt name).
+
     Example:
         >>> values = {"act_grad_norm": {"fc3": 1.0, "fc2": 0.5, "fc1": 2e-4}, "act_dead_frac": {"relu1": 0.95}}
         >>> for f in evaluate(values, ["fc1", "relu1", "fc2", "fc3"], ["fc3", "fc2", "fc1"], step=3):
@@ -75,6 +81,9 @@ def evaluate(
         vanishing_gradient fc1 0.0002
     """
     config = RuleConfig() if config is None else config
+    for name in config.enabled:  # here, not at registration: the registry cannot import Context without a cycle
+        if unknown := sorted(set(REGISTRY[name].reads) - _PARTS):
+            raise ValueError(f"rule {name!r}: reads={unknown} names no part of the Context; parts: {sorted(_PARTS)}")
     ctx = Context(
         values,
         Orders(forward_order, backward_order, trip),

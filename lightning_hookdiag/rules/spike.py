@@ -21,7 +21,8 @@ __all__: list[str] = []
 def loss_spike(ctx: Context) -> list[Found]:
     """The sentinel's spike, at the first layer whose activation scale grew."""
     trip = ctx.trip
-    if trip is None or trip.kind != "loss_spike":
+    assert trip is not None  # reads=["trip"]
+    if trip.kind != "loss_spike":
         return []
     growth_limit = ctx.config.spike_growth
     against = "" if trip.baseline is None else f" the median of recent steps ({trip.baseline:.3g})"

@@ -469,3 +469,29 @@ def test_only_the_callback_and_the_replay_import_lightning():
                 importers.add(path.relative_to(package).as_posix())
     # The statistics, the step state, the sentinel and the rules are tested without a Trainer.
     assert importers == {"callback.py", "replay.py"}
+
+
+# ------------------------------------------------------------------------------------------ settings and loggers
+def test_settings_changed_after_construction_hold_for_the_next_fit():
+    callback = LayerHealthCallback(every_n_steps=50, summary=False)
+    callback.every_n_steps, callback.stats = 2, ("act_mean",)
+    logger = RecordingLogger()
+    make_trainer([callback], max_steps=5, logger=logger).fit(TinyModule())
+    logged = by_step(logger)
+    assert sorted(logged) == [0, 2, 4]
+    assert {key.split("/")[1] for metrics in logged.values() for key in metrics} == {"act_mean", "depth"}
+    assert "'every_n_steps': 2" in callback.state_key  # the checkpoint key agrees with the schedule
+
+
+def test_each_logger_is_asked_once_per_histogram_step_whether_it_stores_histograms(monkeypatch, tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    import lightning_hookdiag.callback as callback_module
+
+    asked = []
+    writer = callback_module._histogram_writer
+    monkeypatch.setattr(callback_module, "_histogram_writer", lambda logger: asked.append(logger) or writer(logger))
+    loggers = [RecordingLogger(), TensorBoardLogger(tmp_path)]
+    callback = LayerHealthCallback(every_n_steps=2, histogram_every_n_steps=2, histogram_bins=8, summary=False)
+    make_trainer([callback], max_steps=3, logger=loggers).fit(TinyModule())
+    assert asked == loggers * 2  # steps 0 and 2

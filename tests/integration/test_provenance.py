@@ -313,3 +313,26 @@ def test_a_compiled_model_is_traced_like_eager():
     assert (callback.trips[0].nan_entry, callback.trips[0].nan_origin) == ("model.out", "model.scale")
     assert callback.findings[0].layer == "model.scale"
     assert count_hooks(module) == 0
+
+
+def test_the_trace_formats_no_path_for_a_module_call():
+    class Key(str):
+        formatted = 0
+
+        def __repr__(self) -> str:
+            Key.formatted += 1
+            return super().__repr__()
+
+    class Named(nn.Module):
+        def forward(self, x):
+            return {Key("y"): x * float("nan")}
+
+    model = nn.Sequential(Named())
+    trace = NonFiniteTrace(model)
+    trace.attach()
+    try:
+        model(torch.ones(2))
+    finally:
+        trace.remove()
+    assert trace.origin(["0"]) == (None, None)  # the layer made it itself
+    assert Key.formatted == 0  # the replay's hook runs on every module call: it builds no throw-away strings

@@ -472,3 +472,15 @@ def test_a_csv_whose_header_is_still_being_written_is_read_as_empty(tmp_path: Pa
     csv_path.write_text("epoch,layer_health/act_mean/fc,st")
     with pytest.warns(ReportWarning, match="its header is incomplete"):
         assert read_csv_scalars(csv_path) == []
+
+
+@pytest.mark.parametrize(
+    "name", ["build_health_log", "depth_order", "detect_prefix", "format_summary", "read_health_log"]
+)
+def test_the_public_functions_document_every_argument(name):
+    import inspect
+    import re
+
+    function = getattr(lightning_hookdiag.report, name)
+    section = (function.__doc__ or "").partition("Args:\n")[2].partition("\n\n")[0]
+    assert re.findall(r"^ {8}(\w+):", section, re.MULTILINE) == list(inspect.signature(function).parameters)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import pickle
 import random
 import re
 
+import numpy as np
 import pytest
 import torch
 from conftest import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer
@@ -258,7 +260,7 @@ def test_no_hook_is_left_after_any_replay(monkeypatch):
     assert "the previous step tripped too" in callback.trips[1].reason
     assert checker.checked == 8
     assert count_hooks(module) == 0
-    assert not callback.fitting  # released at teardown
+    pickle.loads(pickle.dumps(callback))  # released at teardown: no module or hook handle is left to pickle
 
 
 # ------------------------------------------------------------------------------------------------ loss spikes
@@ -442,6 +444,24 @@ def test_replay_helper_restores_rng_buffers_and_gradients_even_when_the_step_rai
     assert torch.equal(before_stats, net[1].running_mean)
     assert int(net[1].num_batches_tracked) == 0
     assert all(p.grad is None for p in net.parameters())
+
+
+def test_the_random_streams_are_restored_even_when_a_buffer_cannot_be_put_back():
+    net = nn.Linear(3, 2)
+    net.register_buffer("seen", torch.zeros(2))
+    micro = SN.MicroBatch(torch.randn(5, 3), 0, SN.capture_rng(torch.device("cpu")))
+    before = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+
+    def run(m):
+        torch.rand(3), random.random(), np.random.rand()
+        net.seen.resize_(3)  # the saved copy no longer fits it
+        return net(m.batch).sum()
+
+    with pytest.raises(RuntimeError, match="size"):
+        SN.replay_step([micro], run, net, SN.HookSet({}, None), torch.device("cpu"))
+    assert torch.equal(before[0], torch.get_rng_state())
+    assert before[1] == random.getstate()
+    assert (before[2] == np.random.get_state()[1]).all()
 
 
 def test_a_second_fit_starts_from_a_fresh_baseline():

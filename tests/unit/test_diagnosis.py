@@ -1,6 +1,7 @@
 """The rules' memory between steps (``Diagnosis``, by hand), and the callback acting on its findings: warn / raise /
 stop / ignore, the end-of-fit summary, resume."""
 
+import inspect
 import json
 import logging
 import math
@@ -28,6 +29,16 @@ ALIVE = {"act_dead_frac": {"relu": 0.0}}
 
 def spike(step: int) -> Trip:
     return Trip(step=step, kind="loss_spike", loss=40.0, baseline=1.0, replayed=True)
+
+
+def test_step_takes_the_steps_own_parts_as_typed_keywords():
+    keywords = {"missing_grads", "eval_mode", "param_facts", "unregistered"}
+    parameters = inspect.signature(Diagnosis.step).parameters
+    kinds = {n: p.kind for n, p in parameters.items() if n in keywords}
+    assert kinds == dict.fromkeys(keywords, inspect.Parameter.KEYWORD_ONLY)
+    assert all(parameters[n].annotation != "Any" for n in keywords)
+    with pytest.raises(TypeError, match="history"):  # the memory is the Diagnosis's own, not the caller's
+        Diagnosis(RuleConfig()).step(DEAD, ["relu"], [], step=0, history=None)
 
 
 def test_a_finding_is_new_once_while_it_persists_and_again_after_it_clears():

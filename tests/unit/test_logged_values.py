@@ -159,6 +159,13 @@ def test_every_kind_of_layer_note_in_order():
             assert fact in note.message, (note.key, fact)
 
 
+def test_the_sparse_notes_follow_the_layer_names_and_the_others_the_layer_order():
+    names = ["zeta", "alpha", "mid"]
+    facts = StepFacts(unit_mismatch=frozenset({0, 1}), sparse=frozenset({0, 1}), no_float=frozenset({2}))
+    keys = [n.key for n in layer_notes(0, names, [1.0, 1.0, 0.0], facts)]
+    assert keys == ["unit_mismatch:zeta", "unit_mismatch:alpha", "no_float:mid", "sparse:alpha", "sparse:zeta"]
+
+
 def test_a_named_selection_warns_for_a_module_inside_one_that_ran():
     notes = layer_notes(0, ["mlp", "mlp.drop"], [4.0, 0.0], StepFacts(), default_selection=False)
     assert notes == [Note("not_run:mlp.drop", notes[0].message, info=False)]

@@ -13,6 +13,7 @@ from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.rules import (
     RULES,
     AlertState,
+    Baseline,
     Finding,
     RuleConfig,
     evaluate,
@@ -556,8 +557,10 @@ def test_alert_state_warns_once_until_cleared_then_again():
     assert state.update([a, b]) == []
     assert state.update([b]) == []  # a clears here
     assert state.state_dict()["active"] == [["saturation", "net.act0"]]
+    assert state.active == {("saturation", "net.act0")}
     assert state.update([a, b]) == [a]  # a re-alerts; b still active
     assert state.update([]) == []  # both clear
+    assert state.active == frozenset()
     assert state.update([b]) == [b]
 
 
@@ -821,3 +824,38 @@ def test_a_rule_says_nothing_without_the_context_it_reads():
         "lightning_hookdiag.rules.spike",
         "lightning_hookdiag.rules.precursors",
     ]
+
+
+def test_enabled_defaults_to_every_rule_registered_when_the_configuration_is_built():
+    import dataclasses
+    import inspect
+
+    assert RuleConfig.enabled is None  # a plain default: readable on the class, shown by help()
+    assert inspect.signature(RuleConfig).parameters["enabled"].default is None
+    assert RuleConfig().enabled == RuleConfig(enabled=None).enabled == RULES
+    with wide_output_rule() as name:
+        assert RuleConfig().enabled == (*RULES, name)  # registered later, with the largest order
+        assert name not in RuleConfig(enabled=RULES).enabled  # an explicit list is kept as given
+
+    def attributes(cls: type) -> list[str]:  # help() says what every field is, one Attributes line each
+        section = (cls.__doc__ or "").partition("Attributes:\n")[2].partition("\n\n")[0]
+        return re.findall(r"^ {8}(\w+):", section, re.MULTILINE)
+
+    assert attributes(RuleConfig) == [f.name for f in dataclasses.fields(RuleConfig)]
+    assert attributes(Baseline) == ["step", "values"]
+
+
+def test_a_misspelt_reads_entry_is_named_at_the_first_evaluation():
+    rule(order=99, phase="forward", stat="act_std", name="misread", reads=["trips"])(lambda ctx: [])
+    try:
+        with pytest.raises(ValueError, match="no part of the Context") as info:
+            evaluate({}, [], [], step=0, config=RuleConfig(enabled=["misread"]))
+    finally:
+        del REGISTRY["misread"]
+    for fact in ("'misread'", "'trips'", "'trip'", "'param_facts'"):  # the rule, the bad name, the valid names
+        assert fact in str(info.value)
+
+
+def test_loss_spike_runs_only_with_a_trip():
+    assert REGISTRY["loss_spike"].reads == ("trip",)
+    assert evaluate({}, [], [], step=0, config=RuleConfig(enabled=["loss_spike"])) == []
