@@ -316,9 +316,9 @@ def run_lightning(out_dir: str, strategy: str, accelerator: str, devices: int) -
             super().on_fit_start(trainer, pl_module)
             self.sharded = sharded(trainer, dict(pl_module.named_parameters()))
 
-        def _finish_window(self, trainer: pl.Trainer) -> None:
+        def _finish_window(self, *args: Any, **kwargs: Any) -> None:
             with counted() as count:
-                super()._finish_window(trainer)
+                super()._finish_window(*args, **kwargs)
             assert self.last_step is not None
             self.pooled[self.last_step] = dict(self.last_metrics)
             self.collectives[self.last_step] = count["calls"]

@@ -10,8 +10,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 import lightning_hookdiag
 
 
@@ -139,7 +137,9 @@ def test_the_package_has_no_import_cycle():
     assert import_cycles(Path(lightning_hookdiag.__file__).parent) == []
 
 
-LIBRARY_LINES = 9_000  # issue 30: the package's budget, from 10,092
+# A ratchet at what issue 30's round reached (11,664 -> 10,139 lines): the library may shrink, not grow back. The
+# issue's own target, 9,000, is not met yet; lower this number as the remaining prose and duplication go.
+LIBRARY_LINES = 10_200
 
 
 def largest_modules(package: Path, most: int = 5) -> list[tuple[str, int]]:
@@ -158,7 +158,6 @@ def test_the_size_report_names_the_largest_modules_first(tmp_path):
     assert largest_modules(package, most=2) == [("pkg/sub/big.py", 3), ("pkg/small.py", 1)]
 
 
-@pytest.mark.xfail(reason="issue 30: the budget holds once every engineer's part has landed", strict=False)
 def test_the_library_stays_within_its_line_budget():
     package = Path(lightning_hookdiag.__file__).parent
     total = sum(p.read_bytes().count(b"\n") for p in package.rglob("*.py"))
