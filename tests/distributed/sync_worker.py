@@ -26,25 +26,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from fsdp_worker import COLLECTIVES  # one list of what counts as a collective, for both workers
 from torch import Tensor, nn
 
 STEPS = 2
 BINS = 8
 LATE = 1  # a dead-unit layer that runs on the last rank only on step 0, then everywhere
-COLLECTIVES = (
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "all_reduce",
-    "all_to_all",
-    "barrier",
-    "broadcast",
-    "gather",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "scatter",
-)
 _log: dict[str, Any] = {"active": False}
 
 

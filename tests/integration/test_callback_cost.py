@@ -338,7 +338,7 @@ def test_the_private_torchmetrics_names_used_are_exactly_the_listed_ones():
     import tomllib
     from torchmetrics import Metric
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     listed = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["lightning_hookdiag"]["private-api"]
 
     class Plain(Metric):
