@@ -178,9 +178,7 @@ def test_the_step_path_pays_no_copy_of_its_results():
     with _Ops() as counted:
         pooled = agg.pooled()
     assert counted.ops["clone"] == 0
-    with _Ops() as counted:
-        computed = agg.compute()  # torchmetrics' compute copies every result (17 here)
-    assert counted.ops["clone"] == len(computed)
+    computed = agg.compute()  # newer torchmetrics copy every result here (17 clones); 1.4, the floor, does not
     assert pooled.keys() == computed.keys()
     for name, value in pooled.items():
         assert torch.equal(value.reshape(-1).nan_to_num(-7.0), computed[name].reshape(-1).nan_to_num(-7.0)), name
