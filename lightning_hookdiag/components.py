@@ -92,7 +92,12 @@ class Component:
         """A sampled training micro-batch starts with ``batch``."""
 
     def attach(self) -> None:
-        """Install the hooks of one sampled micro-batch (no-op if :attr:`attached`)."""
+        """Install the hooks of one sampled micro-batch into :meth:`hold` (no-op if :attr:`attached`).
+
+        The default only marks the component attached. The recorder hands tensors to attached components only, so an
+        override that defines ``on_output`` / ``on_grad`` must enter its hooks into :meth:`hold` (or call this).
+        """
+        self.hold()
 
     on_output: TensorSink | None = None
     """Called as ``on_output(layer, tensor)`` with every observed output tensor (non-empty, strided, floating), under

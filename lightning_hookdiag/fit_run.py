@@ -203,9 +203,10 @@ class FitRun:
 
     def attach(self) -> None:
         """Attach every hook of one sampled micro-batch (the hook set with its companions, the other components)."""
-        self.hooks.attach()
+        self.hooks.attach()  # with the components that also watch replays
         for c in self.components:
-            c.attach()
+            if not c.replays:
+                c.attach()
 
     def observe_batch(self, batch: Any) -> None:
         """A sampled micro-batch starts with ``batch``."""

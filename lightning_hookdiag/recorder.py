@@ -112,8 +112,9 @@ class StepRecorder:
         components: Sequence[Component] = (),
     ) -> None:
         self.aggregator = aggregator
-        self._output_sinks = [c.on_output for c in components if c.on_output is not None]
-        self._grad_sinks = [c.on_grad for c in components if c.on_grad is not None]
+        # Only attached components get tensors: those that do not watch replays are not attached during one.
+        self._output_sinks = [c for c in components if c.on_output is not None]
+        self._grad_sinks = [c for c in components if c.on_grad is not None]
         self._stacks = {
             kind: _Stacks(reduce, lambda layers, n, kind=kind: aggregator.rows(kind, layers, n))
             for kind, reduce in (("act", activation_row), ("grad", gradient_row))
@@ -173,8 +174,9 @@ class StepRecorder:
             self.empty_output.add(layer)
         else:
             self._reduce("act", layer, tensor, layer in self.unit_layers)
-            for sink in self._output_sinks:
-                sink(layer, tensor)
+            for c in self._output_sinks:
+                if c.attached:
+                    c.on_output(layer, tensor)
 
     def _check_unit_dim(self, layer: int, tensor: Tensor) -> None:
         unit_dim = self.unit_dim
@@ -192,8 +194,9 @@ class StepRecorder:
             return
         if grad.numel():
             self._reduce("grad", layer, grad)
-            for sink in self._grad_sinks:
-                sink(layer, grad)
+            for c in self._grad_sinks:
+                if c.attached:
+                    c.on_grad(layer, grad)
 
     def flush(self) -> None:
         """Reduce the stacked small outputs and gradients into the aggregator's call table (``stack_small``)."""

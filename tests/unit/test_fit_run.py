@@ -196,3 +196,47 @@ def test_a_new_statistic_is_one_component_logged_through_a_real_trainer():
         assert logged[name] == pytest.approx(value, rel=1e-9), name
     assert count_hooks(module) == 0
     assert factory not in FACTORIES
+
+
+class Watch(Component):
+    """Counts, per optimizer step, its attaches and the outputs it is handed."""
+
+    def __init__(self, replays: bool, step: Callable[[], int]) -> None:
+        self.replays, self.step, self.seen = replays, step, []
+
+    def attach(self) -> None:
+        self.seen.append(("attach", self.step()))
+        super().attach()
+
+    def on_output(self, layer: int, tensor: torch.Tensor) -> None:
+        self.seen.append(("output", self.step()))
+
+
+@pytest.mark.parametrize("replays", [True, False])
+def test_a_component_is_attached_once_per_micro_batch_and_sees_a_replay_only_if_it_watches_replays(
+    monkeypatch, replays
+):
+    from conftest import force_trips
+
+    force_trips(monkeypatch, {3})  # step 3 is not sampled (every 4): the trip replays it
+    trainer = make_trainer([], max_steps=5)
+    watch = Watch(replays, lambda: trainer.global_step)
+
+    def factory(setup: Setup) -> Watch:
+        return watch
+
+    component(factory)
+    try:
+        module = TinyModule()
+        trainer.callbacks.append(callback := LayerHealthCallback(every_n_steps=4, on_anomaly="ignore", summary=False))
+        trainer.fit(module)
+    finally:
+        FACTORIES.remove(factory)
+    assert [t.step for t in callback.trips] == [3]
+    attaches = [step for kind, step in watch.seen if kind == "attach"]
+    outputs = {step: sum(1 for kind, s in watch.seen if kind == "output" and s == step) for step in (0, 3, 4)}
+    assert attaches == ([0, 3, 4] if replays else [0, 4])  # once per micro-batch, not once per caller
+    assert outputs[0] == outputs[4] == 3  # the three layers of TinyModule
+    assert outputs[3] == (3 if replays else 0)  # no replayed tensor reaches a component that does not watch replays
+    assert count_hooks(module) == 0
+    assert not watch.attached

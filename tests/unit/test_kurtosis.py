@@ -31,6 +31,7 @@ def pooled(chunks: list[torch.Tensor]) -> dict[str, float]:
     agg = LayerStatsAggregator(1)
     outliers = O.Outliers(agg, kurtosis=True, absmax_over_std=True)
     recorder = StepRecorder(agg, components=[outliers])
+    outliers.attach()  # as in a sampled micro-batch: the recorder hands tensors to attached components
     for chunk in chunks:
         recorder.on_tensor(0, chunk)
     out = agg.pooled()
