@@ -90,7 +90,7 @@ class StepRecorder:
             at a time (one copy per tensor instead of 9 or 6 ops); their rows reach the aggregator at
             :meth:`flush`, which the owner calls before the aggregator folds the step.
         components: Their tensor sinks (:attr:`~lightning_hookdiag.components.Component.on_output`, ``on_grad``)
-            receive every observed output and gradient after the default statistics.
+            receive every observed output and gradient after the default statistics, while they are attached.
 
     Example:
         >>> agg = LayerStatsAggregator(n_layers=1)
