@@ -238,9 +238,10 @@ class FitRun:
 
     def detach(self) -> None:
         """Remove every hook; an interrupted micro-batch's partial measurements are dropped. Idempotent."""
-        self.hooks.remove()
+        self.hooks.remove()  # with the components that also watch replays, as attach() attached them
         for c in self.components:
-            c.remove()
+            if not c.replays:
+                c.remove()
 
     def open_window(self, step: int, last_metrics: Mapping[str, float], layers: bool = True) -> Window:
         """Open the window of ``step`` (``layers=False``: parameters only) and start its state afresh.
