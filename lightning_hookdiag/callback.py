@@ -20,10 +20,11 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_hookdiag.components import FitConfig
 from lightning_hookdiag.diagnosis import Diagnosis
 from lightning_hookdiag.distributed import all_reduce_max
 from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
-from lightning_hookdiag.fit_run import FitConfig, FitRun, ObservedStep
+from lightning_hookdiag.fit_run import FitRun, ObservedStep
 from lightning_hookdiag.logged_values import (
     Note,
     histogram_note,
@@ -290,9 +291,7 @@ class LayerHealthCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Resolve the selection (errors for names that match nothing) and allocate the device state."""
         self._release_fit()  # a fit that ended without teardown (an interrupted one) leaves nothing behind
-        self._run = FitRun.start(
-            self._fit_config(), pl_module, trainer.precision, lambda params: sharded(trainer, params)
-        )
+        self._run = FitRun(self._fit_config(), pl_module, trainer.precision, lambda params: sharded(trainer, params))
         self.layer_names = list(self._run.layer_names)
         self._note(opt_in_note(self._run.plan.note))
         self._note(no_logger_note(len(trainer.loggers)))

@@ -18,8 +18,8 @@ from conftest import TinyModule, count_hooks, make_trainer
 from torch import nn
 
 from lightning_hookdiag import ALL_STATS, LayerHealthCallback
-from lightning_hookdiag.components import FACTORIES, Component, Setup, component
-from lightning_hookdiag.fit_run import FitConfig, FitRun, ObservedStep
+from lightning_hookdiag.components import FACTORIES, Component, FitConfig, Setup, component
+from lightning_hookdiag.fit_run import FitRun, ObservedStep
 
 
 def config(**changes: object) -> FitConfig:
@@ -49,7 +49,7 @@ def net() -> nn.Sequential:
 
 
 def start(model: nn.Module, **changes: object) -> FitRun:
-    return FitRun.start(config(**changes), model, "32-true", lambda params: False)
+    return FitRun(config(**changes), model, "32-true", lambda params: False)
 
 
 def window_b(run: FitRun, model: nn.Sequential, opt: torch.optim.Optimizer, x: torch.Tensor) -> ObservedStep:
