@@ -316,8 +316,7 @@ class LayerHealthCallback(Callback):
         if state.window is None:
             run.open_window(step, self.last_metrics)
             self._note(late_note(state.late, step, self.every_n_steps))
-        run.observe_batch(batch)
-        run.attach()
+        run.attach(batch)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:

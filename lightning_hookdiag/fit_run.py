@@ -42,7 +42,7 @@ from lightning_hookdiag.recorder import StepRecorder
 from lightning_hookdiag.rules import ParamFacts
 from lightning_hookdiag.selection import excluded_names, resolve_layers
 from lightning_hookdiag.stats import accumulation_dtype
-from lightning_hookdiag.step_state import StepState, Window
+from lightning_hookdiag.step_state import StepState, Trip, Window
 from lightning_hookdiag.vocabulary import (
     GRADIENT_STATS,
     LAYER_STATS,
@@ -77,7 +77,7 @@ class ObservedStep:
 
     step: int
     layers: bool
-    trip: Any
+    trip: Trip | None
     host: dict[str, list[float]]
     wanted: list[str]
     precursors: dict[str, list[str]]
@@ -165,17 +165,13 @@ class FitRun:
         self.watch = StepWatch()
         """Learning rates and applied steps of the open window, for ``not_updated``."""
 
-    def attach(self) -> None:
-        """Attach every hook of one sampled micro-batch (the hook set with its companions, the other components)."""
+    def attach(self, batch: Any) -> None:
+        """A sampled micro-batch starts with ``batch``: attach its hooks (the hook set's and every component's)."""
+        for c in self.components:
+            c.observe_batch(batch)
         self.hooks.attach()
         for c in self.unreplayed:
             c.attach()
-
-    def observe_batch(self, batch: Any) -> None:
-        """A sampled micro-batch starts with ``batch``."""
-        if self.state.window is not None:
-            for c in self.components:
-                c.observe_batch(batch)
 
     def end_forward(self, loss: Tensor | None = None) -> None:
         """The micro-batch's forward is over (``loss``: what is back-propagated); forward watchers leave."""
