@@ -494,13 +494,11 @@ class LayerHealthCallback(Callback):
             self._end_step(run)
 
     def _end_step(self, run: FitRun, drop: bool = False) -> None:
-        """Forget the step's micro-batches and the sentinel's loss total; ``drop``: also the hooks and the open window.
-
-        A dropped window is not logged.
-        """
+        """Forget the step's micro-batches and the sentinel's loss total; ``drop``: also its hooks and open window."""
         if drop:
-            run.release()
-        run.state.micro.release()
+            run.release()  # with the micro-batches; the window is not logged
+        else:
+            run.state.micro.release()
         if self._sentinel is not None:
             self._sentinel.discard()
 

@@ -42,7 +42,7 @@ from lightning_hookdiag.recorder import StepRecorder
 from lightning_hookdiag.rules import ParamFacts
 from lightning_hookdiag.selection import excluded_names, resolve_layers
 from lightning_hookdiag.stats import accumulation_dtype
-from lightning_hookdiag.step_state import StepState, Trip, Window
+from lightning_hookdiag.step_state import StepState, Trip
 from lightning_hookdiag.vocabulary import (
     GRADIENT_STATS,
     LAYER_STATS,
@@ -94,11 +94,7 @@ class ObservedStep:
 class FitRun:
     """The run objects of one fit and its open-step state.
 
-    Args:
-        config: The callback's configuration.
-        pl_module: The LightningModule.
-        trainer_precision: ``trainer.precision``.
-        sharded: Whether the strategy shards the given parameters over processes.
+    ``sharded`` tells whether the strategy shards the given parameters over processes.
 
     Raises:
         ValueError: A name of the selection matches nothing (:func:`~lightning_hookdiag.selection.resolve_layers`).
@@ -200,12 +196,12 @@ class FitRun:
         for c in self.unreplayed:
             c.remove()
 
-    def open_window(self, step: int, last_metrics: Mapping[str, float], layers: bool = True) -> Window:
+    def open_window(self, step: int, last_metrics: Mapping[str, float], layers: bool = True) -> None:
         """Open the window of ``step`` (``layers=False``: parameters only) and start its state afresh.
 
         ``last_metrics``: the previous sampled step's logged values, which the components may start from.
         """
-        window = self.state.open(step, layers)
+        self.state.open(step, layers)
         self.follow_names()
         every = self.config.histogram_every_n_steps
         # Replays follow the schedule of sampled steps; parameter-only windows have no histograms.
@@ -217,7 +213,6 @@ class FitRun:
         start = WindowStart(self.aggregator.act_moments.device, previous)
         for c in self.components:
             c.reset(start)
-        return window
 
     def follow_names(self) -> None:
         """Name each tracked parameter as its module names it now, after a reparametrisation (docs/statistics.md#names).
