@@ -228,12 +228,8 @@ class FitRun:
         self.homes = _homes(self.model, self.params)
 
     def discard_window(self) -> None:
-        """Drop the open window, if any: nothing of it is logged, and its device state is reset."""
+        """Drop the open window, if any: nothing of it is logged, and what it leaves behind is reset for the next."""
         self.state.close()
-        self._end_window()
-
-    def _end_window(self) -> None:
-        # What every window leaves behind, reset for the next (after collect, and on a discard).
         if self.tracker is not None:
             self.tracker.release()  # the snapshot of a window closed before its update
         self.hooks.clear_order()
@@ -380,7 +376,7 @@ class FitRun:
             histogram_edges=agg.histogram_edges_host if recorder.histograms else None,
             **found,
         )
-        self._end_window()
+        self.discard_window()  # the window is closed and read: this resets what it leaves behind
         return observed
 
     def release(self) -> None:
