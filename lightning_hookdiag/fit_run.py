@@ -152,8 +152,7 @@ class FitRun:
         )
         grads = wanted & set(GRADIENT_STATS) or any(c.on_grad is not None for c in self.components)
         on_grad = self.recorder.on_grad if grads else None
-        replayed = [c for c in self.components if c.replays]
-        self.hooks = HookSet(modules, None, on_grad, self.recorder.on_tensor, replayed)
+        self.hooks = HookSet(modules, None, on_grad, self.recorder.on_tensor, [c for c in self.components if c.replays])
         snapshot = "param_update_ratio" in wanted
         self.tracker = ParameterTracker(params, snapshot=snapshot, dtype=self.aggregator.acc_dtype) if params else None
         self.keys = KeyCache(config.prefix)
