@@ -83,7 +83,7 @@ class Setup:
     """What a factory may read when a fit starts.
 
     Attributes:
-        config: The callback's configuration.
+        config: The callback's configuration (:class:`FitConfig`).
         model: The LightningModule.
         modules: The selected ``{name: module}``; layer indices refer to this order.
         plan: The :class:`~lightning_hookdiag.opt_in.OptInPlan` of the fit (``Any``: ``opt_in`` imports this module).
