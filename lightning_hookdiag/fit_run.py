@@ -109,8 +109,7 @@ class FitRun:
         self.model = pl_module
         """Where the tracked parameters are looked for when one moved."""
         self.layer_names = list(modules)
-        self.layer_types = {name: type(m).__name__ for name, m in modules.items()}
-        """Module name to class name, for the rules."""
+        self.layer_types = {name: type(m).__name__ for name, m in modules.items()}  # for the rules
         self.tracked = _tracked_parameters(config, pl_module, modules)
         """The tracked parameters as the module names them now (see :meth:`follow_names`)."""
         params = self.tracked() if wanted & set(PARAMETER_STATS) else {}
