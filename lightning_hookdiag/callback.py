@@ -572,8 +572,7 @@ class LayerHealthCallback(Callback):
 
     def _log(self, trainer: pl.Trainer, step: int, metrics: dict[str, float]) -> BaseException | None:
         """Keep the step's metrics and send them to every logger; returns the first logger error, raised later."""
-        self.last_metrics = metrics
-        self.last_step = step
+        self.last_metrics, self.last_step = metrics, step
         first: BaseException | None = None
         for logger in trainer.loggers:
             try:
