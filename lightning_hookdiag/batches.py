@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.components import Component, Setup, component
 
 __all__ = ["MIN_ROWS", "ROW_SAMPLE", "BatchRows", "repeated_rows"]
@@ -60,7 +61,7 @@ class BatchRows(Component):
 
     replays = False
 
-    def __init__(self, aggregator: Any) -> None:
+    def __init__(self, aggregator: LayerStatsAggregator) -> None:
         self._aggregator = aggregator
         aggregator.add_state(
             "batch_rows", torch.zeros(2, dtype=torch.float64, device=aggregator.act_moments.device), "max"

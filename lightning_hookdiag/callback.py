@@ -20,10 +20,11 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_hookdiag.components import FitConfig
 from lightning_hookdiag.diagnosis import Diagnosis
 from lightning_hookdiag.distributed import all_reduce_max
 from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
-from lightning_hookdiag.fit_run import FitConfig, FitRun, ObservedStep
+from lightning_hookdiag.fit_run import FitRun, ObservedStep
 from lightning_hookdiag.logged_values import (
     Note,
     histogram_note,
@@ -290,9 +291,7 @@ class LayerHealthCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Resolve the selection (errors for names that match nothing) and allocate the device state."""
         self._release_fit()  # a fit that ended without teardown (an interrupted one) leaves nothing behind
-        self._run = FitRun.start(
-            self._fit_config(), pl_module, trainer.precision, lambda params: sharded(trainer, params)
-        )
+        self._run = FitRun(self._fit_config(), pl_module, trainer.precision, lambda params: sharded(trainer, params))
         self.layer_names = list(self._run.layer_names)
         self._note(opt_in_note(self._run.plan.note))
         self._note(no_logger_note(len(trainer.loggers)))
@@ -317,8 +316,7 @@ class LayerHealthCallback(Callback):
         if state.window is None:
             run.open_window(step, self.last_metrics)
             self._note(late_note(state.late, step, self.every_n_steps))
-        run.observe_batch(batch)
-        run.attach()
+        run.attach(batch)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -496,13 +494,11 @@ class LayerHealthCallback(Callback):
             self._end_step(run)
 
     def _end_step(self, run: FitRun, drop: bool = False) -> None:
-        """Forget the step's micro-batches and the sentinel's loss total; ``drop``: also the hooks and the open window.
-
-        A dropped window is not logged.
-        """
+        """Forget the step's micro-batches and the sentinel's loss total; ``drop``: also its hooks and open window."""
         if drop:
-            run.release()
-        run.state.micro.release()
+            run.release()  # with the micro-batches; the window is not logged
+        else:
+            run.state.micro.release()
         if self._sentinel is not None:
             self._sentinel.discard()
 
@@ -576,8 +572,7 @@ class LayerHealthCallback(Callback):
 
     def _log(self, trainer: pl.Trainer, step: int, metrics: dict[str, float]) -> BaseException | None:
         """Keep the step's metrics and send them to every logger; returns the first logger error, raised later."""
-        self.last_metrics = metrics
-        self.last_step = step
+        self.last_metrics, self.last_step = metrics, step
         first: BaseException | None = None
         for logger in trainer.loggers:
             try:

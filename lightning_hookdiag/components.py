@@ -30,17 +30,52 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["FACTORIES", "Component", "Setup", "WindowStart", "component"]
+if TYPE_CHECKING:
+    from lightning_hookdiag.aggregation import LayerStatsAggregator
+
+__all__ = ["FACTORIES", "Component", "FitConfig", "Setup", "WindowStart", "component"]
 
 TensorSink = Callable[[int, Tensor], None]
+
+
+@dataclass(frozen=True)
+class FitConfig:
+    """What a fit's run objects need of the callback's configuration.
+
+    Each field is the callback's argument of its name, validated and resolved (``stats=`` with ``extra_stats=``; see
+    :class:`~lightning_hookdiag.LayerHealthCallback`), except the flags derived from ``sentinel=`` and ``rules=``:
+
+    Attributes:
+        sentinel_grads: The sentinel also checks the selected parameters' gradients (``"loss+grads"``).
+        eval_mode: Rule ``eval_mode`` is enabled (watch the modules' train/eval mode).
+        unregistered: Rule ``unregistered_module`` is enabled (watch for modules that run unregistered).
+        batch_rows: Rule ``repeated_batch`` is enabled (compare the rows of each sampled batch).
+    """
+
+    every_n_steps: int
+    layers: list[str] | None
+    layer_types: tuple[type[nn.Module], ...] | None
+    exclude: list[str]
+    stats: tuple[str, ...]
+    prefix: str
+    dead_unit_types: tuple[type[nn.Module], ...]
+    unit_dim: int | None
+    histogram_every_n_steps: int | None
+    histogram_bins: int
+    precision_targets: Sequence[str] | None
+    output_layer: str | None
+    sentinel_grads: bool
+    eval_mode: bool
+    unregistered: bool = False
+    batch_rows: bool = False
 
 
 @dataclass(frozen=True)
@@ -48,18 +83,18 @@ class Setup:
     """What a factory may read when a fit starts.
 
     Attributes:
-        config: The callback's :class:`~lightning_hookdiag.fit_run.FitConfig`.
+        config: The callback's configuration (:class:`FitConfig`).
         model: The LightningModule.
         modules: The selected ``{name: module}``; layer indices refer to this order.
-        plan: The :class:`~lightning_hookdiag.opt_in.OptInPlan` of the fit.
-        aggregator: The :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator` to register states on.
+        plan: The :class:`~lightning_hookdiag.opt_in.OptInPlan` of the fit (``Any``: ``opt_in`` imports this module).
+        aggregator: The aggregator to register states on.
     """
 
-    config: Any
+    config: FitConfig
     model: nn.Module
     modules: Mapping[str, nn.Module]
     plan: Any
-    aggregator: Any
+    aggregator: LayerStatsAggregator
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 # The optional parts register their components when imported.
 from lightning_hookdiag import batches, eval_mode, kurtosis, precision, precursor_probes, saved_memory, unregistered  # noqa: F401
 from lightning_hookdiag.aggregation import LayerStatsAggregator
-from lightning_hookdiag.components import FACTORIES, Component, Setup, WindowStart
+from lightning_hookdiag.components import FACTORIES, Component, FitConfig, Setup, WindowStart
 from lightning_hookdiag.hooks import HookSet
 from lightning_hookdiag.logged_values import (
     KeyCache,
@@ -42,7 +42,7 @@ from lightning_hookdiag.recorder import StepRecorder
 from lightning_hookdiag.rules import ParamFacts
 from lightning_hookdiag.selection import excluded_names, resolve_layers
 from lightning_hookdiag.stats import accumulation_dtype
-from lightning_hookdiag.step_state import StepState, Window
+from lightning_hookdiag.step_state import StepState, Trip
 from lightning_hookdiag.vocabulary import (
     GRADIENT_STATS,
     LAYER_STATS,
@@ -51,44 +51,12 @@ from lightning_hookdiag.vocabulary import (
     PER_PARAMETER_STATS,
 )
 
-__all__ = ["FitConfig", "FitRun", "ObservedStep"]
+__all__ = ["FitRun", "ObservedStep"]
 
 Sharded = Callable[[Mapping[str, nn.Parameter]], bool]
 
 # Read back every window besides the logged statistics, where present: what the notes and the rules read.
 _ALWAYS_READ = ("count", "grad_count", "param_seen", "grad_norm_total", "stale_grad_sq")
-
-
-@dataclass(frozen=True)
-class FitConfig:
-    """What a fit's run objects need of the callback's configuration.
-
-    Each field is the callback's argument of its name, validated and resolved (``stats=`` with ``extra_stats=``; see
-    :class:`~lightning_hookdiag.LayerHealthCallback`), except the flags derived from ``sentinel=`` and ``rules=``:
-
-    Attributes:
-        sentinel_grads: The sentinel also checks the selected parameters' gradients (``"loss+grads"``).
-        eval_mode: Rule ``eval_mode`` is enabled (watch the modules' train/eval mode).
-        unregistered: Rule ``unregistered_module`` is enabled (watch for modules that run unregistered).
-        batch_rows: Rule ``repeated_batch`` is enabled (compare the rows of each sampled batch).
-    """
-
-    every_n_steps: int
-    layers: list[str] | None
-    layer_types: tuple[type[nn.Module], ...] | None
-    exclude: list[str]
-    stats: tuple[str, ...]
-    prefix: str
-    dead_unit_types: tuple[type[nn.Module], ...]
-    unit_dim: int | None
-    histogram_every_n_steps: int | None
-    histogram_bins: int
-    precision_targets: Sequence[str] | None
-    output_layer: str | None
-    sentinel_grads: bool
-    eval_mode: bool
-    unregistered: bool = False
-    batch_rows: bool = False
 
 
 @dataclass(frozen=True)
@@ -109,7 +77,7 @@ class ObservedStep:
 
     step: int
     layers: bool
-    trip: Any
+    trip: Trip | None
     host: dict[str, list[float]]
     wanted: list[str]
     precursors: dict[str, list[str]]
@@ -126,11 +94,7 @@ class ObservedStep:
 class FitRun:
     """The run objects of one fit and its open-step state.
 
-    Args:
-        config: The callback's configuration.
-        pl_module: The LightningModule.
-        trainer_precision: ``trainer.precision``.
-        sharded: Whether the strategy shards the given parameters over processes.
+    ``sharded`` tells whether the strategy shards the given parameters over processes.
 
     Raises:
         ValueError: A name of the selection matches nothing (:func:`~lightning_hookdiag.selection.resolve_layers`).
@@ -145,8 +109,7 @@ class FitRun:
         self.model = pl_module
         """Where the tracked parameters are looked for when one moved."""
         self.layer_names = list(modules)
-        self.layer_types = {name: type(m).__name__ for name, m in modules.items()}
-        """Module name to class name, for the rules."""
+        self.layer_types = {name: type(m).__name__ for name, m in modules.items()}  # for the rules
         self.tracked = _tracked_parameters(config, pl_module, modules)
         """The tracked parameters as the module names them now (see :meth:`follow_names`)."""
         params = self.tracked() if wanted & set(PARAMETER_STATS) else {}
@@ -171,7 +134,9 @@ class FitRun:
         ).to(device)
         setup = Setup(config=config, model=pl_module, modules=modules, plan=self.plan, aggregator=self.aggregator)
         self.components: list[Component] = [c for factory in FACTORIES if (c := factory(setup)) is not None]
-        """Every configured optional part; those that watch replays are also the hook set's companions."""
+        """Every configured optional part; those that watch replays are the hook set's companions."""
+        self.unreplayed = [c for c in self.components if not c.replays]
+        """The components attached, ended and removed by this run itself (those that watch training forwards only)."""
         self.logged = (*self.plan.logged, *(s for c in self.components for s in c.logged if s not in self.plan.logged))
         """Per-layer statistics beyond the default ones: the plan's, then those components declare."""
         dead_unit_layers = [i for i, m in enumerate(modules.values()) if isinstance(m, config.dead_unit_types)]
@@ -194,25 +159,13 @@ class FitRun:
         self.watch = StepWatch()
         """Learning rates and applied steps of the open window, for ``not_updated``."""
 
-    @classmethod
-    def start(
-        cls, config: FitConfig, pl_module: nn.Module, trainer_precision: str | int | None, sharded: Sharded
-    ) -> FitRun:
-        """The run of a fit that starts now (the constructor, named for the callback's call)."""
-        return cls(config, pl_module, trainer_precision, sharded)
-
-    def attach(self) -> None:
-        """Attach every hook of one sampled micro-batch (the hook set with its companions, the other components)."""
-        self.hooks.attach()  # with the components that also watch replays
+    def attach(self, batch: Any) -> None:
+        """A sampled micro-batch starts with ``batch``: attach its hooks (the hook set's and every component's)."""
         for c in self.components:
-            if not c.replays:
-                c.attach()
-
-    def observe_batch(self, batch: Any) -> None:
-        """A sampled micro-batch starts with ``batch``."""
-        if self.state.window is not None:
-            for c in self.components:
-                c.observe_batch(batch)
+            c.observe_batch(batch)
+        self.hooks.attach()
+        for c in self.unreplayed:
+            c.attach()
 
     def end_forward(self, loss: Tensor | None = None) -> None:
         """The micro-batch's forward is over (``loss``: what is back-propagated); forward watchers leave."""
@@ -223,10 +176,9 @@ class FitRun:
         """Remove the micro-batch's hooks; the components keep what they measured."""
         if self.hooks.attached:  # a sampled micro-batch (an unsampled step pays for nothing below)
             self.hooks.remove(finished=True)
-            for c in self.components:
-                if not c.replays:
-                    c.end_micro_batch()
-                    c.remove()
+            for c in self.unreplayed:
+                c.end_micro_batch()
+                c.remove()
 
     def end_closure(self) -> None:
         """An optimizer closure's forward and backward are over; the hooks stay attached for the next one.
@@ -238,17 +190,16 @@ class FitRun:
 
     def detach(self) -> None:
         """Remove every hook; an interrupted micro-batch's partial measurements are dropped. Idempotent."""
-        self.hooks.remove()  # with the components that also watch replays, as attach() attached them
-        for c in self.components:
-            if not c.replays:
-                c.remove()
+        self.hooks.remove()
+        for c in self.unreplayed:
+            c.remove()
 
-    def open_window(self, step: int, last_metrics: Mapping[str, float], layers: bool = True) -> Window:
+    def open_window(self, step: int, last_metrics: Mapping[str, float], layers: bool = True) -> None:
         """Open the window of ``step`` (``layers=False``: parameters only) and start its state afresh.
 
         ``last_metrics``: the previous sampled step's logged values, which the components may start from.
         """
-        window = self.state.open(step, layers)
+        self.state.open(step, layers)
         self.follow_names()
         every = self.config.histogram_every_n_steps
         # Replays follow the schedule of sampled steps; parameter-only windows have no histograms.
@@ -260,7 +211,6 @@ class FitRun:
         start = WindowStart(self.aggregator.act_moments.device, previous)
         for c in self.components:
             c.reset(start)
-        return window
 
     def follow_names(self) -> None:
         """Name each tracked parameter as its module names it now, after a reparametrisation (docs/statistics.md#names).
@@ -276,12 +226,8 @@ class FitRun:
         self.homes = _homes(self.model, self.params)
 
     def discard_window(self) -> None:
-        """Drop the open window, if any: nothing of it is logged, and its device state is reset."""
+        """Drop the open window, if any: nothing of it is logged, and what it leaves behind is reset for the next."""
         self.state.close()
-        self._end_window()
-
-    def _end_window(self) -> None:
-        # What every window leaves behind, reset for the next (after collect, and on a discard).
         if self.tracker is not None:
             self.tracker.release()  # the snapshot of a window closed before its update
         self.hooks.clear_order()
@@ -391,7 +337,9 @@ class FitRun:
         values = agg.pooled()  # reduced over processes: one SUM and one MAX all-reduce (aggregation.py)
         if window.stale is not None:
             values["stale_grad_sq"] = window.stale.to(values["count"].device)
-        wanted = self._wanted(window.layers, before_update)
+        default = (*LAYER_STATS, *PER_PARAMETER_STATS) if window.layers else PER_PARAMETER_STATS
+        wanted = [s for s in default if s in self.config.stats and not (before_update and s == "param_update_ratio")]
+        wanted += self.logged if window.layers else ()
         names = [*wanted, *(name for name in _ALWAYS_READ if name in values)]
         if "param_norm" in wanted and "param_norm_min" in values:  # replicated parameters of a distributed run
             names.append("param_norm_min")
@@ -426,13 +374,8 @@ class FitRun:
             histogram_edges=agg.histogram_edges_host if recorder.histograms else None,
             **found,
         )
-        self._end_window()
+        self.discard_window()  # the window is closed and read: this resets what it leaves behind
         return observed
-
-    def _wanted(self, layers: bool, before_update: bool) -> list[str]:
-        default = (*LAYER_STATS, *PER_PARAMETER_STATS) if layers else PER_PARAMETER_STATS
-        wanted = [s for s in default if s in self.config.stats and not (before_update and s == "param_update_ratio")]
-        return [*wanted, *self.logged] if layers else wanted
 
     def release(self) -> None:
         """Remove every hook and drop the open window and the kept micro-batches (the fit is over, or the step)."""
@@ -442,7 +385,6 @@ class FitRun:
 
 
 def _homes(root: nn.Module, params: Sequence[nn.Parameter]) -> list[tuple[nn.Module, str]]:
-    """The module and attribute that hold each of ``params`` in ``root`` (the first found), in order."""
     found: dict[int, tuple[nn.Module, str]] = {}
     for module in root.modules():
         for attr, p in module._parameters.items():

@@ -23,10 +23,7 @@ def check(name: str, value: T, valid: str, ok: Callable[[T], bool]) -> T:
 
 
 def number(name: str, value: Any, valid: str, ok: Callable[[float], bool]) -> float:
-    """A real number for which ``ok`` holds, as a ``float``.
-
-    Any ``numbers.Real`` passes (``int``, ``float``, numpy scalars), never a ``bool``.
-    """
+    """A real number for which ``ok`` holds, as a ``float``: any ``numbers.Real`` (numpy scalars too), never a bool."""
     return float(
         check(name, value, valid, lambda v: not isinstance(v, bool) and isinstance(v, numbers.Real) and ok(float(v)))
     )
@@ -35,10 +32,7 @@ def number(name: str, value: Any, valid: str, ok: Callable[[float], bool]) -> fl
 def integer(
     name: str, value: Any, valid: str, ok: Callable[[int], bool] = lambda v: True, *, optional: bool = False
 ) -> Any:
-    """An integral number for which ``ok`` holds, as an ``int``; ``None`` passes too when ``optional``.
-
-    Any ``numbers.Integral`` passes (``int``, numpy integers), never a ``bool`` or a ``float``.
-    """
+    """An integral number for which ``ok`` holds, as an ``int``, never a ``float``; ``None`` too when ``optional``."""
     if optional and value is None:
         return None
     # bool is an int subclass: True would silently become 1. numbers.Integral covers numpy's and other integer

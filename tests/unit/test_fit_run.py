@@ -18,8 +18,8 @@ from conftest import TinyModule, count_hooks, make_trainer
 from torch import nn
 
 from lightning_hookdiag import ALL_STATS, LayerHealthCallback
-from lightning_hookdiag.components import FACTORIES, Component, Setup, component
-from lightning_hookdiag.fit_run import FitConfig, FitRun, ObservedStep
+from lightning_hookdiag.components import FACTORIES, Component, FitConfig, Setup, component
+from lightning_hookdiag.fit_run import FitRun, ObservedStep
 
 
 def config(**changes: object) -> FitConfig:
@@ -49,7 +49,7 @@ def net() -> nn.Sequential:
 
 
 def start(model: nn.Module, **changes: object) -> FitRun:
-    return FitRun.start(config(**changes), model, "32-true", lambda params: False)
+    return FitRun(config(**changes), model, "32-true", lambda params: False)
 
 
 def window_b(run: FitRun, model: nn.Sequential, opt: torch.optim.Optimizer, x: torch.Tensor) -> ObservedStep:
@@ -57,7 +57,7 @@ def window_b(run: FitRun, model: nn.Sequential, opt: torch.optim.Optimizer, x: t
     model.train()
     opt.zero_grad(set_to_none=True)
     run.open_window(0, {})
-    run.attach()
+    run.attach(x)
     torch.manual_seed(1)  # the same dropout mask on both runs
     loss = model[1](model[0](x)).sum()
     run.end_forward(loss)
@@ -84,7 +84,7 @@ def test_a_discarded_window_leaves_nothing_in_the_next_one():
     # empty output, the ReLU running but cut off from the loss, a GradScaler scale, an update snapshot.
     model.eval()
     run.open_window(0, {})
-    run.attach()
+    run.attach(None)
     out = model[0](torch.randn(8, 4))
     model[2](model[1](out))
     model[0](torch.empty(0, 4))
@@ -130,7 +130,7 @@ def test_a_nan_mean_on_the_last_step_shifts_the_kurtosis_sums_by_zero():
     run = start(model, stats=("act_mean", "act_kurtosis"))
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(3))
     run.open_window(1, {"h/act_mean/0": float("nan")})  # the last sampled step's output was NaN
-    run.attach()
+    run.attach(x)
     with torch.no_grad():
         y = model(x).double()
     run.end_micro_batch()
