@@ -17,10 +17,9 @@ from typing_extensions import override
 
 from lightning_hookdiag.components import Component, Setup, WindowStart, component
 from lightning_hookdiag.selection import named_modules
+from lightning_hookdiag.torch_internals import DROPOUT, MODE_DEPENDENT
 
 __all__ = ["EvalModeWatch", "eval_mode_modules", "mode_dependent_modules"]
-
-_MODE_TYPES = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)
 
 
 def mode_dependent_modules(root: nn.Module) -> dict[str, tuple[nn.Module, nn.Module]]:
@@ -34,7 +33,7 @@ def mode_dependent_modules(root: nn.Module) -> dict[str, tuple[nn.Module, nn.Mod
     modules = named_modules(root)
     found: dict[str, tuple[nn.Module, nn.Module]] = {}
     for name, module in modules.items():
-        if not isinstance(module, _MODE_TYPES):
+        if not isinstance(module, MODE_DEPENDENT):
             continue
         owner, parent = module, name
         while not any(True for _ in owner.parameters()) and parent:
@@ -45,7 +44,7 @@ def mode_dependent_modules(root: nn.Module) -> dict[str, tuple[nn.Module, nn.Mod
 
 
 def _mode_matters(module: nn.Module) -> bool:
-    if isinstance(module, nn.modules.dropout._DropoutNd):
+    if isinstance(module, DROPOUT):
         return module.p > 0
     return module.running_mean is not None  # without running statistics, eval mode normalises with the batch's too
 
@@ -81,18 +80,16 @@ class EvalModeWatch(Component):
 
     @override
     def attach(self) -> None:
-        self._at_start = eval_mode_modules(self._candidates) if self._candidates else {}
+        if not self.attached:
+            self._at_start = eval_mode_modules(self._candidates) if self._candidates else {}
+            self.hold().callback(self._at_start.clear)
 
     @override
     def end_forward(self, loss: Tensor | None) -> None:
         if self._at_start:
             now = eval_mode_modules(self._candidates)
             self._found.update((name, kind) for name, kind in self._at_start.items() if name in now)
-            self._at_start = {}
-
-    @override
-    def remove(self) -> None:
-        self._at_start = {}
+        self.remove()
 
     @override
     def reset(self, window: WindowStart) -> None:
