@@ -155,17 +155,25 @@ class HookSet:
         Args:
             finished: The micro-batch ran to its end, so the companions keep what they measured in it; otherwise
                 (an exception, an interrupted batch) they forget it.
+
+        Raises:
+            Exception: The first error a companion raised, once every hook and companion is removed.
         """
-        if self.attached:
-            _exit_eager()
         for handle in (*self._handles, *self._tensor_handles):
             handle.remove()
         self._handles, self._tensor_handles = [], []
-        self.attached = False
+        if self.attached:
+            self.attached = False
+            _exit_eager()
+        errors: list[BaseException] = []
         for companion in self.companions:
-            if finished:
-                companion.end_micro_batch()
-            companion.remove()
+            for call in (companion.end_micro_batch, companion.remove) if finished else (companion.remove,):
+                try:
+                    call()
+                except BaseException as error:  # the other companions are still removed
+                    errors.append(error)
+        if errors:
+            raise errors[0]
 
     def end_micro_batch(self) -> None:
         """One micro-batch is over while the hooks stay attached (a replay runs a step's micro-batches in one go)."""
