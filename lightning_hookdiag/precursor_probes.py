@@ -1,8 +1,8 @@
 """Instability precursors: the attention-logit (``attn_logit_max``) and output-logit statistics, on by default.
 
 :class:`AttentionProbe`, a torch-function mode entered only during a sampled training micro-batch's forward,
-measures the sdpa and eager-softmax attention calls of the modules in scope; :class:`OutputProbe` measures the output
-layer; :class:`PrecursorProbes` runs both as one component. Definitions, the subsample bound and the blind spots:
+measures the sdpa and eager-softmax attention calls of the modules in scope; :class:`PrecursorProbes`, the component,
+runs it and measures the output layer. Definitions, the subsample bound and the blind spots:
 ``docs/statistics.md#instability-precursors``.
 
 Why the mode sees every training call: ``nn.MultiheadAttention``'s fused fast path runs only in eval mode without grad
@@ -27,20 +27,9 @@ from lightning_hookdiag.components import Component, Setup, WindowStart, compone
 from lightning_hookdiag.hooks import first_floating_tensor
 from lightning_hookdiag.selection import named_modules, unmatched_error
 from lightning_hookdiag.torch_internals import calling_modules, exit_mode, in_backward
-from lightning_hookdiag.vocabulary import PRECURSOR_STATS
+from lightning_hookdiag.vocabulary import OUTPUT_LAYER_STATS, PRECURSOR_STATS
 
-__all__ = [
-    "OUTPUT_STATS",
-    "PRECURSOR_STATS",
-    "AttentionProbe",
-    "OutputProbe",
-    "PrecursorProbes",
-    "attention_scope",
-    "eager_logit_absmax",
-    "sdpa_logit_absmax",
-]
-
-OUTPUT_STATS: tuple[str, ...] = PRECURSOR_STATS[1:]
+__all__ = ["AttentionProbe", "PrecursorProbes", "attention_scope", "eager_logit_absmax", "sdpa_logit_absmax"]
 
 MASKED = -5000.0
 """Eager softmax inputs at or below this are masked entries, not logits."""
@@ -205,46 +194,72 @@ class AttentionProbe(TorchFunctionMode):
         self.calls[kind] += 1
 
 
-class OutputProbe(Component):
-    """``log Z`` and ``|logit|`` of the output layer, from forward hooks on the candidate modules.
+class PrecursorProbes(Component):
+    """The precursor statistics of one fit: the attention probe's, and ``log Z`` and ``|logit|`` of the output layer.
 
-    With one candidate (a named output layer) its every call is measured; with several (the selection), the output
-    of the last one to run in a micro-batch is measured when :meth:`end_forward` is called. Which outputs count as
-    logits: ``docs/statistics.md#instability-precursors``.
+    The output layer's come from forward hooks on the candidate modules: with one candidate (a named output layer)
+    its every call is measured; with several (the selection), the output of the last one to run in a micro-batch is
+    measured at the micro-batch's end. Which outputs count as logits: ``docs/statistics.md#instability-precursors``.
+
+    Pooled in two states registered on ``aggregator``: ``precursor_sums``, ``[sum of log Z, rows, loss, processes
+    that saw a loss]``, and ``precursor_maxima``: the largest ``|logit|`` of the output layer, the output layer's
+    index among the candidates (so that every process names the same one: the latest in selection order any of
+    them measured), then the attention maxima (``-1``: no call seen).
 
     Args:
-        modules: ``{name: module}`` candidates, in selection order.
+        stats: The resolved ``stats=`` names; only those of :data:`~lightning_hookdiag.PRECURSOR_STATS` matter.
+        attention_scope: ``{name: module}`` calls may be attributed to (selected modules and their ancestors).
+        output_candidates: ``{name: module}`` output-layer candidates (the named output layer, or the selection).
+        aggregator: A :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator`; ``None``: nothing is pooled
+            (the probes' own measurements only).
     """
 
-    def __init__(self, modules: Mapping[str, nn.Module]) -> None:
-        self.names: list[str] = list(modules)
-        self.modules: list[nn.Module] = list(modules.values())
+    def __init__(
+        self,
+        stats: Sequence[str],
+        attention_scope: Mapping[str, nn.Module],
+        output_candidates: Mapping[str, nn.Module],
+        aggregator: Any = None,
+    ) -> None:
+        self.attention = AttentionProbe(attention_scope) if "attn_logit_max" in stats else None
+        self.output_stats = tuple(s for s in OUTPUT_LAYER_STATS if s in stats)
+        self.output_names: list[str] = list(output_candidates) if self.output_stats else []
+        self._outputs = list(output_candidates.values()) if self.output_stats else []
         self._last: tuple[int, Tensor] | None = None
         self._zero(None)
-
-    @override
-    def attach(self) -> None:
-        if not self.attached:
-            exits = self.hold()
-            for i, module in enumerate(self.modules):
-                exits.enter_context(module.register_forward_hook(self._make_hook(i)))
-
-    @override
-    def remove(self) -> None:
-        super().remove()
-        self._last = None  # no reference to an output outlives the forward
-
-    @override
-    def reset(self, window: WindowStart) -> None:
-        self._zero(window.device)
+        self.attention_on = self.attention is not None
+        """Whether the mode is entered on sampled forwards: off once a sampled step's forward made no attention call
+        in scope (a model without attention pays for no handler on its later sampled steps)."""
+        self._forwards = 0
+        self._loss: Tensor | None = None
+        self._owners: dict[str, list[str]] = {}
+        self._aggregator = aggregator
+        if aggregator is None:
+            return
+        device = aggregator.act_moments.device
+        n = len(self.attention.names) if self.attention is not None else 0
+        aggregator.add_state("precursor_sums", torch.zeros(4, dtype=torch.float64, device=device), "sum")
+        aggregator.add_state("precursor_maxima", torch.full((2 + n,), -1.0, dtype=torch.float64, device=device), "max")
 
     def _zero(self, device: torch.device | None) -> None:
         self.sums = torch.zeros(2, dtype=torch.float64, device=device)
-        """``[sum of log Z over rows, rows]`` since :meth:`reset`."""
+        """The output layer's ``[sum of log Z over rows, rows]`` since :meth:`reset`."""
         self.absmax = torch.full((), -1.0, device=device)
-        """Largest ``|logit|`` since :meth:`reset` (``-1``: no output seen)."""
+        """The output layer's largest ``|logit|`` since :meth:`reset` (``-1``: no output seen)."""
         self.layer: int | None = None
-        """Index of the layer measured last (the output layer)."""
+        """Index among the candidates of the layer measured last (the output layer)."""
+
+    @override
+    def attach(self) -> None:
+        if self.attached:
+            return
+        if self.attention_on:
+            self.attention.__enter__()
+            self.hold().callback(exit_mode, self.attention)
+        if self.output_stats:
+            exits = self.hold()
+            for i, module in enumerate(self._outputs):
+                exits.enter_context(module.register_forward_hook(self._make_hook(i)))
 
     def _make_hook(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -254,13 +269,26 @@ class OutputProbe(Component):
             if tensor is None or tensor.dim() < 2 or tensor.numel() == 0 or not tensor.requires_grad:
                 return
             self._last = (index, tensor)
-            if len(self.modules) == 1:
-                self.end_forward()
+            if len(self._outputs) == 1:
+                self.end_micro_batch()
 
         return hook
 
     @override
-    def end_forward(self, loss: Tensor | None = None) -> None:
+    def end_forward(self, loss: Tensor | None) -> None:
+        """Measure the output and detach everything: the probes never see backward."""
+        entered = self.attached and self.attention_on  # the mode is entered
+        measured = self.attached
+        self.end_micro_batch()
+        if loss is not None and entered:
+            self._forwards += 1  # a forward that reached its loss under the mode
+        if loss is not None and measured:
+            value = loss.detach().double().reshape(())
+            self._loss = value if self._loss is None else self._loss + value
+        self.remove()
+
+    @override
+    def end_micro_batch(self) -> None:  # also without a backward (a replay, a training_step that returned no loss)
         """Measure the output kept by the last hook that fired, then let it go."""
         last, self._last = self._last, None
         if last is None:
@@ -283,85 +311,17 @@ class OutputProbe(Component):
                 self.sums[1] += rows.shape[0]  # a Python scalar is a kernel argument: no host data is copied
         self.layer = index
 
-
-class PrecursorProbes(Component):
-    """The precursor statistics of one fit.
-
-    Pooled in two states registered on ``aggregator``: ``precursor_sums``, ``[sum of log Z, rows, loss, processes
-    that saw a loss]``, and ``precursor_maxima``: the largest ``|logit|`` of the output layer, the output layer's
-    index among the candidates (so that every process names the same one: the latest in selection order any of
-    them measured), then the attention maxima (``-1``: no call seen).
-
-    Args:
-        stats: The resolved ``stats=`` names; only those of :data:`PRECURSOR_STATS` matter.
-        attention_scope: ``{name: module}`` calls may be attributed to (selected modules and their ancestors).
-        output_candidates: ``{name: module}`` output-layer candidates (the named output layer, or the selection).
-        aggregator: A :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator`; ``None``: nothing is pooled
-            (the probes' own measurements only).
-    """
-
-    def __init__(
-        self,
-        stats: Sequence[str],
-        attention_scope: Mapping[str, nn.Module],
-        output_candidates: Mapping[str, nn.Module],
-        aggregator: Any = None,
-    ) -> None:
-        self.attention = AttentionProbe(attention_scope) if "attn_logit_max" in stats else None
-        self.output_stats = tuple(s for s in OUTPUT_STATS if s in stats)
-        self.output = OutputProbe(output_candidates) if self.output_stats else None
-        self.attention_on = self.attention is not None
-        """Whether the mode is entered on sampled forwards: off once a sampled step's forward made no attention call
-        in scope (a model without attention pays for no handler on its later sampled steps)."""
-        self._forwards = 0
-        self._loss: Tensor | None = None
-        self._owners: dict[str, list[str]] = {}
-        self._aggregator = aggregator
-        if aggregator is None:
-            return
-        device = aggregator.act_moments.device
-        n = len(self.attention.names) if self.attention is not None else 0
-        aggregator.add_state("precursor_sums", torch.zeros(4, dtype=torch.float64, device=device), "sum")
-        aggregator.add_state("precursor_maxima", torch.full((2 + n,), -1.0, dtype=torch.float64, device=device), "max")
-
-    @override
-    def attach(self) -> None:
-        if self.attention_on and not self.attached:  # attached: the mode is entered
-            self.attention.__enter__()
-            self.hold().callback(exit_mode, self.attention)
-        if self.output is not None:
-            self.output.attach()
-
-    @override
-    def end_forward(self, loss: Tensor | None) -> None:
-        """Measure the output and detach everything: the probes never see backward."""
-        entered = self.attached
-        measured = entered or (self.output is not None and self.output.attached)
-        self.end_micro_batch()
-        if loss is not None and entered:
-            self._forwards += 1  # a forward that reached its loss under the mode
-        if loss is not None and measured:
-            value = loss.detach().double().reshape(())
-            self._loss = value if self._loss is None else self._loss + value
-        self.remove()
-
-    @override
-    def end_micro_batch(self) -> None:  # also without a backward (a replay, a training_step that returned no loss)
-        if self.output is not None:
-            self.output.end_forward()
-
     @override
     def remove(self) -> None:
-        if self.output is not None:
-            self.output.remove()
         super().remove()
+        self._last = None  # no reference to an output outlives the forward
 
     @override
     def reset(self, window: WindowStart) -> None:
         if self.attention is not None:
             self.attention.reset(window.device)
-        if self.output is not None:
-            self.output.reset(window)
+        if self.output_stats:
+            self._zero(window.device)
         self._loss = None
         self._forwards = 0
 
@@ -371,10 +331,10 @@ class PrecursorProbes(Component):
         device = agg.precursor_sums.device
         sums = torch.zeros(4, dtype=torch.float64, device=device)
         maxima = [torch.full((1,), -1.0, dtype=torch.float64, device=device)] * 2
-        if self.output is not None:
-            sums[:2] = self.output.sums.to(device)
-            maxima[0] = self.output.absmax.to(device, torch.float64).reshape(1)
-            layer = -1 if self.output.layer is None else self.output.layer
+        if self.output_stats:
+            sums[:2] = self.sums.to(device)
+            maxima[0] = self.absmax.to(device, torch.float64).reshape(1)
+            layer = -1 if self.layer is None else self.layer
             maxima[1] = torch.full((1,), float(layer), dtype=torch.float64, device=device)  # a fill, not a copy
         if self._loss is not None:
             sums[2] = self._loss.to(device)
@@ -392,7 +352,7 @@ class PrecursorProbes(Component):
         lse, rows, loss, seen = sums.unbind()
         values: dict[str, Tensor] = {"step_loss": torch.where(seen > 0, loss / seen, math.nan).reshape(1)}
         self._owners = {"step_loss": ["loss"]}
-        if self.output is not None:
+        if self.output_stats:
             found = {
                 "logit_lse_mean": torch.where(rows > 0, lse / rows, math.nan).reshape(1),
                 "logit_absmax": torch.where(maxima[0] >= 0, maxima[0], math.nan).reshape(1),
@@ -412,9 +372,9 @@ class PrecursorProbes(Component):
         A process names the last candidate it saw run: in a rank-dependent branch the processes can differ.
         """
         owners, self._owners = self._owners, {}
-        if self.output is not None:
+        if self.output_stats:
             index = int(host["output_layer"][0])
-            name = self.output.names[index] if 0 <= index < len(self.output.names) else ""
+            name = self.output_names[index] if 0 <= index < len(self.output_names) else ""
             owners.update((stat, [name]) for stat in self.output_stats)
         return {"precursors": owners}
 
