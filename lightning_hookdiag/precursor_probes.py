@@ -127,16 +127,12 @@ class AttentionProbe(TorchFunctionMode):
 
     Args:
         modules: ``{name: module}`` of the modules a call may be attributed to; :attr:`names` keeps their order.
-        max_rows: Query rows per call at most.
-        budget: Logits computed per call at most.
     """
 
-    def __init__(self, modules: Mapping[str, nn.Module], max_rows: int = 32, budget: int = 1 << 22) -> None:
+    def __init__(self, modules: Mapping[str, nn.Module]) -> None:
         super().__init__()
         self.names: list[str] = list(modules)
         self._slot: dict[int, int] = {id(m): i for i, m in enumerate(modules.values())}
-        self.max_rows = max_rows
-        self.budget = budget
         self._in_mha = 0  # nesting depth of F.multi_head_attention_forward, whose eager softmax is 3-D
         self.reset()
 
@@ -176,9 +172,7 @@ class AttentionProbe(TorchFunctionMode):
                 if not (isinstance(query, Tensor) and isinstance(key, Tensor)) or query.is_nested:
                     return
                 mask, causal = _arg(args, kwargs, 3, "attn_mask"), bool(_arg(args, kwargs, 5, "is_causal", False))
-                value = sdpa_logit_absmax(
-                    query, key, kwargs.get("scale"), self.max_rows, self.budget, attn_mask=mask, is_causal=causal
-                )
+                value = sdpa_logit_absmax(query, key, kwargs.get("scale"), attn_mask=mask, is_causal=causal)
             else:
                 scores, dim = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "dim")
                 if not isinstance(scores, Tensor) or dim not in (-1, scores.dim() - 1):
@@ -187,7 +181,7 @@ class AttentionProbe(TorchFunctionMode):
                 # into the batch. A 3-D softmax elsewhere is as likely a per-token classifier's probabilities.
                 if scores.dim() < (3 if self._in_mha else 4) or not scores.is_floating_point() or scores.is_nested:
                     return
-                value = eager_logit_absmax(scores, self.max_rows, self.budget)
+                value = eager_logit_absmax(scores)
             if self.maxima.device != value.device:
                 self.maxima = self.maxima.to(value.device)
             self.maxima[slot] = torch.maximum(self.maxima[slot], value.to(self.maxima.dtype))
@@ -277,12 +271,10 @@ class PrecursorProbes(Component):
     @override
     def end_forward(self, loss: Tensor | None) -> None:
         """Measure the output and detach everything: the probes never see backward."""
-        entered = self.attached and self.attention_on  # the mode is entered
-        measured = self.attached
         self.end_micro_batch()
-        if loss is not None and entered:
-            self._forwards += 1  # a forward that reached its loss under the mode
-        if loss is not None and measured:
+        if loss is not None and self.attached:
+            if self.attention_on:  # the mode is entered
+                self._forwards += 1  # a forward that reached its loss under the mode
             value = loss.detach().double().reshape(())
             self._loss = value if self._loss is None else self._loss + value
         self.remove()

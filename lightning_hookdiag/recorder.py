@@ -136,15 +136,15 @@ class StepRecorder:
         self.workspace = Workspace()
         """Scratch memory of the reductions; the callback releases it at the end of each sampled step."""
 
-    @property
-    def stacked(self) -> list[int]:
-        """The element capacity of each stack held (bounded by :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS`)."""
-        return [b.numel() for s in self._stacks.values() for b in s._buffers.values()]
-
     def _reduce(self, kind: str, layer: int, tensor: Tensor, units: bool = False) -> None:
         # Rows: stacked small tensors reach the table at the stack's flush, the rest a row per piece here.
-        if units:
-            self._check_unit_dim(layer, tensor)
+        unit_dim = self.unit_dim
+        if units and unit_dim is not None and tensor.ndim and not -tensor.ndim <= unit_dim < tensor.ndim:
+            name = self.names[layer] if self.names else f"#{layer}"
+            raise ValueError(
+                f"unit_dim: {unit_dim} is out of range for the {tensor.ndim}-D output of {name!r} (shape"
+                f" {tuple(tensor.shape)}); expected an axis in [{-tensor.ndim}, {tensor.ndim - 1}] or None"
+            )
         agg = self.aggregator
         stacks = self._stacks.get(kind)
         row = None
@@ -177,15 +177,6 @@ class StepRecorder:
             for c in self._output_sinks:
                 if c.attached:
                     c.on_output(layer, tensor)
-
-    def _check_unit_dim(self, layer: int, tensor: Tensor) -> None:
-        unit_dim = self.unit_dim
-        if unit_dim is not None and tensor.ndim and not -tensor.ndim <= unit_dim < tensor.ndim:
-            name = self.names[layer] if self.names else f"#{layer}"
-            raise ValueError(
-                f"unit_dim: {unit_dim} is out of range for the {tensor.ndim}-D output of {name!r} (shape"
-                f" {tuple(tensor.shape)}); expected an axis in [{-tensor.ndim}, {tensor.ndim - 1}] or None"
-            )
 
     def on_grad(self, layer: int, grad: Tensor) -> None:
         """Gradient sink: observe the gradient of the loss w.r.t. the output of layer ``layer``."""

@@ -67,7 +67,7 @@ class SavedMemoryTracker(Component):
         for i, module in enumerate(self.modules):
             exits.enter_context(module.register_forward_pre_hook(partial(self._push, i)))
             exits.enter_context(module.register_forward_hook(partial(self._pop, i), always_call=True))
-        exits.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
+        exits.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor))
 
     @override
     def remove(self) -> None:
@@ -119,10 +119,6 @@ class SavedMemoryTracker(Component):
 def _saved_bytes(setup: Setup) -> SavedMemoryTracker | None:
     wanted = "act_saved_bytes" in setup.config.stats
     return SavedMemoryTracker(setup.modules, setup.model, setup.aggregator) if wanted else None
-
-
-def _unpack(tensor: Tensor) -> Tensor:
-    return tensor
 
 
 def _storage_key(tensor: Tensor) -> tuple[tuple[Any, int], int]:

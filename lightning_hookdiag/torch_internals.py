@@ -8,8 +8,9 @@
 * :func:`exit_mode`: leave a torch-function mode that is not on top of the mode stack
   (``torch.overrides._get_current_function_mode_stack``, ``torch._C._pop_torch_function_stack``,
   ``torch._C._push_on_torch_function_stack``): another mode entered after ours may still be active.
-* :data:`MODE_DEPENDENT`, :data:`DROPOUT`: ``nn.modules.batchnorm._BatchNorm`` and ``nn.modules.dropout._DropoutNd``,
-  the bases of every BatchNorm and Dropout; the public classes miss a subclass of a base (apex's ``SyncBatchNorm``).
+* :data:`LOSS`, :data:`MODE_DEPENDENT`, :data:`DROPOUT`: ``nn.modules.loss._Loss``, ``batchnorm._BatchNorm`` and
+  ``dropout._DropoutNd``, the bases of every loss, BatchNorm and Dropout: the public classes miss a user's or a
+  library's subclass of a base (a custom loss, apex's ``SyncBatchNorm``).
 
 :func:`check` fails with a message that names what changed; the test suite calls it, so a torch release that moves
 one of them fails loudly there instead of silently mis-attributing calls.
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["DROPOUT", "MODE_DEPENDENT", "calling_modules", "check", "exit_mode", "in_backward"]
+__all__ = ["DROPOUT", "LOSS", "MODE_DEPENDENT", "calling_modules", "check", "exit_mode", "in_backward"]
 
 _NEEDED = (
     "torch._C._current_graph_task_id",
@@ -35,6 +36,7 @@ _NEEDED = (
     "sys._getframe",
     "torch.nn.Module._call_impl",
     "torch.nn.Module._wrapped_call_impl",
+    "torch.nn.modules.loss._Loss",
     "torch.nn.modules.batchnorm._BatchNorm",
     "torch.nn.modules.dropout._DropoutNd",
 )
@@ -54,9 +56,11 @@ _CALL_CODES = frozenset(
     for name in ("_call_impl", "_wrapped_call_impl")
     if (code := getattr(_lookup(f"torch.nn.Module.{name}"), "__code__", None))
 )
+# A public class where a torch release moved a base (check() names it).
+LOSS: type = _lookup("torch.nn.modules.loss._Loss") or nn.MSELoss
 DROPOUT: type = _lookup("torch.nn.modules.dropout._DropoutNd") or nn.Dropout
 MODE_DEPENDENT: tuple[type, ...] = (_lookup("torch.nn.modules.batchnorm._BatchNorm") or nn.BatchNorm2d, DROPOUT)
-"""The modules whose output depends on the training mode (a public class if a torch release moved a base)."""
+"""The modules whose output depends on the training mode."""
 
 
 def in_backward() -> bool:
@@ -65,16 +69,7 @@ def in_backward() -> bool:
 
 
 def calling_modules(depth: int) -> Iterator[Any]:
-    """The ``self`` of every ``Module.__call__`` frame on the stack, innermost first, from ``depth`` frames up.
-
-    Example:
-        >>> class Probe(nn.Module):
-        ...     def forward(self, x):
-        ...         return next(calling_modules(1))
-        >>> probe = Probe()
-        >>> nn.Sequential(probe)(0) is probe
-        True
-    """
+    """The ``self`` of every ``Module.__call__`` frame on the stack, innermost first, from ``depth`` frames up."""
     frame = sys._getframe(depth + 1)
     while frame is not None:
         if frame.f_code in _CALL_CODES:
