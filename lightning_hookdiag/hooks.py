@@ -24,23 +24,14 @@ __all__ = ["HookSet", "first_floating_tensor", "in_backward"]
 
 
 def first_floating_tensor(output: Any) -> Tensor | None:
-    """The first floating-point tensor in ``output``, searched depth-first through tuples, lists and dicts.
-
-    Example:
-        >>> first_floating_tensor((torch.tensor([1]), {"h": torch.tensor([1.5])}))
-        tensor([1.5000])
-    """
+    """The first floating-point tensor in ``output``, searched depth-first through tuples, lists and dicts."""
     if isinstance(output, Tensor):
         return output if output.is_floating_point() else None
     if isinstance(output, Mapping):
         output = output.values()
     elif not isinstance(output, (tuple, list)):
         return None
-    for item in output:
-        found = first_floating_tensor(item)
-        if found is not None:
-            return found
-    return None
+    return next((found for found in map(first_floating_tensor, output) if found is not None), None)
 
 
 @contextlib.contextmanager

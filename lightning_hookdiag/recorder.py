@@ -61,17 +61,13 @@ class _Stacks:
         buffer[len(layers)].view(tensor.shape).copy_(tensor.detach())
         layers.append(layer)
         if len(layers) == buffer.shape[0]:
-            self._flush(key, workspace)
+            self.flush(workspace, [key])
 
-    def _flush(self, key: tuple[torch.dtype, int, torch.device], workspace: Workspace) -> None:
-        layers = self._layers[key]
-        if layers:
-            self._reduce(self._buffers[key][: len(layers)], self._rows(layers, key[1]), workspace, dim=1)
-            self._layers[key] = []
-
-    def flush(self, workspace: Workspace) -> None:
-        for key in list(self._layers):
-            self._flush(key, workspace)
+    def flush(self, workspace: Workspace, keys: list[tuple[torch.dtype, int, torch.device]] | None = None) -> None:
+        for key in list(self._layers) if keys is None else keys:
+            if layers := self._layers[key]:
+                self._reduce(self._buffers[key][: len(layers)], self._rows(layers, key[1]), workspace, dim=1)
+                self._layers[key] = []
 
     def release(self) -> None:
         self._buffers, self._layers = {}, {}
