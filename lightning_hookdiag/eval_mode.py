@@ -23,12 +23,10 @@ __all__ = ["EvalModeWatch", "eval_mode_modules", "mode_dependent_modules"]
 
 
 def mode_dependent_modules(root: nn.Module) -> dict[str, tuple[nn.Module, nn.Module]]:
-    """Every BatchNorm and Dropout module of ``root``, with the module whose parameters it trains along.
+    """Every BatchNorm and Dropout module of ``root`` by logged name, to ``(module, owner)``.
 
-    Returns:
-        Normalised name (as :func:`~lightning_hookdiag.selection.named_modules` gives it) to ``(module, owner)``,
-        where ``owner`` is the module itself if it has parameters, else its nearest ancestor with any (``root`` at
-        worst).
+    ``owner``, whose parameters it trains along, is the module itself if it has parameters, else its nearest ancestor
+    with any (``root`` at worst).
     """
     modules = named_modules(root)
     found: dict[str, tuple[nn.Module, nn.Module]] = {}
@@ -50,13 +48,9 @@ def _mode_matters(module: nn.Module) -> bool:
 
 
 def eval_mode_modules(candidates: Mapping[str, tuple[nn.Module, nn.Module]]) -> dict[str, str]:
-    """The candidates in eval mode right now whose mode matters and whose owner has a parameter that requires grad.
+    """The candidates in eval mode now whose mode matters and whose owner has a parameter that requires grad.
 
-    Args:
-        candidates: As returned by :func:`mode_dependent_modules`.
-
-    Returns:
-        Name to class name (``"BatchNorm2d"``), in the order of ``candidates``.
+    Name to class name (``"BatchNorm2d"``), in the order of ``candidates`` (as :func:`mode_dependent_modules` gives).
     """
     return {
         name: type(module).__name__

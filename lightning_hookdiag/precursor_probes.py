@@ -122,11 +122,8 @@ def _arg(args: Sequence[Any], kwargs: Mapping[str, Any], index: int, name: str, 
 class AttentionProbe(TorchFunctionMode):
     """Per-module maximum attention logits of the attention calls made while the mode is entered.
 
-    A call counts for the innermost ``Module.__call__`` on the Python stack; every other torch function costs the
-    handler a dictionary lookup.
-
-    Args:
-        modules: ``{name: module}`` of the modules a call may be attributed to; :attr:`names` keeps their order.
+    A call counts for the innermost ``Module.__call__`` on the Python stack if it is one of ``modules`` (whose order
+    :attr:`names` keeps); every other torch function costs the handler a dictionary lookup.
     """
 
     def __init__(self, modules: Mapping[str, nn.Module]) -> None:
@@ -240,8 +237,8 @@ class PrecursorProbes(Component):
         """The output layer's ``[sum of log Z over rows, rows]`` since :meth:`reset`."""
         self.absmax = torch.full((), -1.0, device=device)
         """The output layer's largest ``|logit|`` since :meth:`reset` (``-1``: no output seen)."""
-        self.layer: int | None = None
-        """Index among the candidates of the layer measured last (the output layer)."""
+        self.layer = -1
+        """Index among the candidates of the layer measured last (the output layer; ``-1``: none)."""
 
     @override
     def attach(self) -> None:
@@ -326,8 +323,7 @@ class PrecursorProbes(Component):
         if self.output_stats:
             sums[:2] = self.sums.to(device)
             maxima[0] = self.absmax.to(device, torch.float64).reshape(1)
-            layer = -1 if self.layer is None else self.layer
-            maxima[1] = torch.full((1,), float(layer), dtype=torch.float64, device=device)  # a fill, not a copy
+            maxima[1] = torch.full((1,), float(self.layer), dtype=torch.float64, device=device)  # a fill, not a copy
         if self._loss is not None:
             sums[2] = self._loss.to(device)
             sums[3] = 1.0
@@ -386,14 +382,11 @@ def _precursor_probes(setup: Setup) -> PrecursorProbes | None:
 
 
 def attention_scope(modules: Mapping[str, nn.Module], selected: Sequence[str]) -> dict[str, nn.Module]:
-    """The modules an attention call may be attributed to: the selected ones and every module containing one.
+    """The modules an attention call may be attributed to: the ``selected`` ones and every module containing one.
 
     HF attention modules hold their projections as children and own no parameter, so the default selection does
-    not select them; they still contain selected modules.
-
-    Args:
-        modules: Every module of the model by normalised name (:func:`~lightning_hookdiag.selection.named_modules`).
-        selected: The selected names.
+    not select them; they still contain selected modules. ``modules``: every module, as
+    :func:`~lightning_hookdiag.selection.named_modules` names them.
     """
     wanted: set[str] = set()
     for name in selected:

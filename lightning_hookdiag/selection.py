@@ -174,11 +174,7 @@ def _match(patterns: Iterable[str], names: Sequence[str], argument: str) -> set[
 
 
 def excluded_names(model: nn.Module, exclude: Sequence[str]) -> set[str]:
-    """The logged names of the modules of ``model`` that the ``exclude`` globs remove.
-
-    Raises:
-        ValueError: If a pattern matches no module (as :func:`resolve_layers` does).
-    """
+    """The logged names of the modules of ``model`` that the ``exclude`` globs remove (raising as in resolve_layers)."""
     return _match(exclude, list(named_modules(model)), "exclude") if exclude else set()
 
 

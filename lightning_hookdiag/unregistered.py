@@ -44,10 +44,7 @@ class UnregisteredWatch(Component):
     A module counts when it is not ``root`` or one of its submodules, owns a parameter that requires grad and is not
     one of ``root``'s parameters (a layer that shares registered weights is not lost), and ran with grad enabled
     outside backward (a teacher run under ``no_grad`` is not trained on purpose). One global forward hook, for a
-    sampled micro-batch's forward only.
-
-    Args:
-        root: The LightningModule.
+    sampled micro-batch's forward only. ``root``: the LightningModule.
     """
 
     replays = False
