@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -193,9 +192,7 @@ class HookSet:
     def __enter__(self) -> HookSet:
         return self.attach()
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.remove()
 
     def _make_forward_hook(self, index: int) -> Callable[[nn.Module, Any, Any], None]:

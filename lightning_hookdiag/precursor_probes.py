@@ -214,8 +214,7 @@ class PrecursorProbes(Component):
     ) -> None:
         self.attention = AttentionProbe(attention_scope) if "attn_logit_max" in stats else None
         self.output_stats = tuple(s for s in OUTPUT_LAYER_STATS if s in stats)
-        self.output_names: list[str] = list(output_candidates) if self.output_stats else []
-        self._outputs = list(output_candidates.values()) if self.output_stats else []
+        self._outputs = dict(output_candidates) if self.output_stats else {}
         self._last: tuple[int, Tensor] | None = None
         self._zero(None)
         self.attention_on = self.attention is not None
@@ -249,7 +248,7 @@ class PrecursorProbes(Component):
             self.hold().callback(exit_mode, self.attention)
         if self.output_stats:
             exits = self.hold()
-            for i, module in enumerate(self._outputs):
+            for i, module in enumerate(self._outputs.values()):
                 exits.enter_context(module.register_forward_hook(self._make_hook(i)))
 
     def _make_hook(self, index: int) -> Any:
@@ -362,7 +361,7 @@ class PrecursorProbes(Component):
         owners, self._owners = self._owners, {}
         if self.output_stats:
             index = int(host["output_layer"][0])
-            name = self.output_names[index] if 0 <= index < len(self.output_names) else ""
+            name = list(self._outputs)[index] if 0 <= index < len(self._outputs) else ""
             owners.update((stat, [name]) for stat in self.output_stats)
         return {"precursors": owners}
 

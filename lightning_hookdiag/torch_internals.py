@@ -18,6 +18,7 @@ one of them fails loudly there instead of silently mis-attributing calls.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -45,10 +46,7 @@ _NEEDED = (
 def _lookup(path: str) -> Any:
     # Without failing at import, so that check() can name what a torch release moved.
     head, *parts = path.split(".")
-    found: Any = sys if head == "sys" else torch
-    for part in parts:
-        found = getattr(found, part, None)
-    return found
+    return functools.reduce(lambda found, part: getattr(found, part, None), parts, sys if head == "sys" else torch)
 
 
 _CALL_CODES = frozenset(
