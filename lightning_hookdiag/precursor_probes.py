@@ -75,14 +75,6 @@ def sdpa_logit_absmax(
         budget: Logits computed per call at most (fewer batch elements are used beyond it).
         attn_mask: sdpa's mask: boolean (``True``: attend) or additive (entries ``<= -5000`` count as masked).
         is_causal: sdpa's causal flag (row ``i`` attends to keys ``0..i``).
-
-    Example:
-        >>> q = torch.tensor([[[1.0, 0.0], [0.0, 3.0]]])  # [heads=1, L=2, E=2]
-        >>> k = torch.tensor([[[2.0, 0.0], [0.0, -4.0]]])
-        >>> round(sdpa_logit_absmax(q, k).item(), 4)  # 12 / sqrt(2)
-        8.4853
-        >>> sdpa_logit_absmax(q, k, scale=0.5).item()
-        6.0
     """
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     length, keys = query.shape[-2], key.shape[-2]

@@ -87,14 +87,6 @@ class StepRecorder:
             :meth:`flush`, which the owner calls before the aggregator folds the step.
         components: Their tensor sinks (:attr:`~lightning_hookdiag.components.Component.on_output`, ``on_grad``)
             receive every observed output and gradient after the default statistics, while they are attached.
-
-    Example:
-        >>> agg = LayerStatsAggregator(n_layers=1)
-        >>> recorder = StepRecorder(agg)
-        >>> recorder.on_tensor(0, torch.tensor([1.0, 3.0]))
-        >>> agg.update()  # folds the step's rows into the states
-        >>> agg.compute()["act_mean"].reshape(-1).tolist()
-        [2.0]
     """
 
     def __init__(

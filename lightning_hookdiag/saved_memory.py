@@ -4,17 +4,7 @@ A forward pre-hook and an always-called forward hook keep a stack of the running
 :class:`torch.autograd.graph.saved_tensors_hooks` charges each saved storage to the innermost one, once per
 micro-batch and never a parameter or buffer. Forwards re-run inside backward are skipped, and non-reentrant
 checkpointing saves through its own hooks: recomputations are not counted. What is counted, and why:
-``docs/statistics.md#saved-activation-memory-per-layer``.
-
-Example:
-    >>> from torch import nn
-    >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-    >>> tracker = SavedMemoryTracker(dict(net.named_children()), net)
-    >>> tracker.attach()
-    >>> net(torch.zeros(2, 4)).sum().backward()
-    >>> tracker.end_micro_batch(); tracker.remove()
-    >>> tracker.peak  # input of 0 (2x4 floats), output of 1 (2x8 floats), nothing new for 2
-    [32, 64, 0]
+``docs/statistics.md#saved-activation-memory-per-layer``; hand-derived examples: ``tests/unit/test_saved_memory.py``.
 """
 
 from __future__ import annotations
