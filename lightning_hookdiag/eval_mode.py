@@ -17,24 +17,21 @@ from typing_extensions import override
 
 from lightning_hookdiag.components import Component, Setup, WindowStart, component
 from lightning_hookdiag.selection import named_modules
+from lightning_hookdiag.torch_internals import DROPOUT, MODE_DEPENDENT
 
 __all__ = ["EvalModeWatch", "eval_mode_modules", "mode_dependent_modules"]
 
-_MODE_TYPES = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)
-
 
 def mode_dependent_modules(root: nn.Module) -> dict[str, tuple[nn.Module, nn.Module]]:
-    """Every BatchNorm and Dropout module of ``root``, with the module whose parameters it trains along.
+    """Every BatchNorm and Dropout module of ``root`` by logged name, to ``(module, owner)``.
 
-    Returns:
-        Normalised name (as :func:`~lightning_hookdiag.selection.named_modules` gives it) to ``(module, owner)``,
-        where ``owner`` is the module itself if it has parameters, else its nearest ancestor with any (``root`` at
-        worst).
+    ``owner``, whose parameters it trains along, is the module itself if it has parameters, else its nearest ancestor
+    with any (``root`` at worst).
     """
     modules = named_modules(root)
     found: dict[str, tuple[nn.Module, nn.Module]] = {}
     for name, module in modules.items():
-        if not isinstance(module, _MODE_TYPES):
+        if not isinstance(module, MODE_DEPENDENT):
             continue
         owner, parent = module, name
         while not any(True for _ in owner.parameters()) and parent:
@@ -45,19 +42,15 @@ def mode_dependent_modules(root: nn.Module) -> dict[str, tuple[nn.Module, nn.Mod
 
 
 def _mode_matters(module: nn.Module) -> bool:
-    if isinstance(module, nn.modules.dropout._DropoutNd):
+    if isinstance(module, DROPOUT):
         return module.p > 0
     return module.running_mean is not None  # without running statistics, eval mode normalises with the batch's too
 
 
 def eval_mode_modules(candidates: Mapping[str, tuple[nn.Module, nn.Module]]) -> dict[str, str]:
-    """The candidates in eval mode right now whose mode matters and whose owner has a parameter that requires grad.
+    """The candidates in eval mode now whose mode matters and whose owner has a parameter that requires grad.
 
-    Args:
-        candidates: As returned by :func:`mode_dependent_modules`.
-
-    Returns:
-        Name to class name (``"BatchNorm2d"``), in the order of ``candidates``.
+    Name to class name (``"BatchNorm2d"``), in the order of ``candidates`` (as :func:`mode_dependent_modules` gives).
     """
     return {
         name: type(module).__name__
@@ -81,18 +74,16 @@ class EvalModeWatch(Component):
 
     @override
     def attach(self) -> None:
-        self._at_start = eval_mode_modules(self._candidates) if self._candidates else {}
+        if not self.attached:
+            self._at_start = eval_mode_modules(self._candidates) if self._candidates else {}
+            self.hold().callback(self._at_start.clear)
 
     @override
     def end_forward(self, loss: Tensor | None) -> None:
         if self._at_start:
             now = eval_mode_modules(self._candidates)
             self._found.update((name, kind) for name, kind in self._at_start.items() if name in now)
-            self._at_start = {}
-
-    @override
-    def remove(self) -> None:
-        self._at_start = {}
+        self.remove()
 
     @override
     def reset(self, window: WindowStart) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -24,23 +23,14 @@ __all__ = ["HookSet", "first_floating_tensor", "in_backward"]
 
 
 def first_floating_tensor(output: Any) -> Tensor | None:
-    """The first floating-point tensor in ``output``, searched depth-first through tuples, lists and dicts.
-
-    Example:
-        >>> first_floating_tensor((torch.tensor([1]), {"h": torch.tensor([1.5])}))
-        tensor([1.5000])
-    """
+    """The first floating-point tensor in ``output``, searched depth-first through tuples, lists and dicts."""
     if isinstance(output, Tensor):
         return output if output.is_floating_point() else None
     if isinstance(output, Mapping):
         output = output.values()
     elif not isinstance(output, (tuple, list)):
         return None
-    for item in output:
-        found = first_floating_tensor(item)
-        if found is not None:
-            return found
-    return None
+    return next((found for found in map(first_floating_tensor, output) if found is not None), None)
 
 
 @contextlib.contextmanager
@@ -155,17 +145,25 @@ class HookSet:
         Args:
             finished: The micro-batch ran to its end, so the companions keep what they measured in it; otherwise
                 (an exception, an interrupted batch) they forget it.
+
+        Raises:
+            Exception: The first error a companion raised, once every hook and companion is removed.
         """
-        if self.attached:
-            _exit_eager()
         for handle in (*self._handles, *self._tensor_handles):
             handle.remove()
         self._handles, self._tensor_handles = [], []
-        self.attached = False
+        if self.attached:
+            self.attached = False
+            _exit_eager()
+        errors: list[BaseException] = []
         for companion in self.companions:
-            if finished:
-                companion.end_micro_batch()
-            companion.remove()
+            for call in (companion.end_micro_batch, companion.remove) if finished else (companion.remove,):
+                try:
+                    call()
+                except BaseException as error:  # the other companions are still removed
+                    errors.append(error)
+        if errors:
+            raise errors[0]
 
     def end_micro_batch(self) -> None:
         """One micro-batch is over while the hooks stay attached (a replay runs a step's micro-batches in one go)."""
@@ -194,9 +192,7 @@ class HookSet:
     def __enter__(self) -> HookSet:
         return self.attach()
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.remove()
 
     def _make_forward_hook(self, index: int) -> Callable[[nn.Module, Any, Any], None]:

@@ -1,8 +1,8 @@
 """Instability precursors: the attention-logit (``attn_logit_max``) and output-logit statistics, on by default.
 
 :class:`AttentionProbe`, a torch-function mode entered only during a sampled training micro-batch's forward,
-measures the sdpa and eager-softmax attention calls of the modules in scope; :class:`OutputProbe` measures the output
-layer; :class:`PrecursorProbes` runs both as one component. Definitions, the subsample bound and the blind spots:
+measures the sdpa and eager-softmax attention calls of the modules in scope; :class:`PrecursorProbes`, the component,
+runs it and measures the output layer. Definitions, the subsample bound and the blind spots:
 ``docs/statistics.md#instability-precursors``.
 
 Why the mode sees every training call: ``nn.MultiheadAttention``'s fused fast path runs only in eval mode without grad
@@ -27,20 +27,9 @@ from lightning_hookdiag.components import Component, Setup, WindowStart, compone
 from lightning_hookdiag.hooks import first_floating_tensor
 from lightning_hookdiag.selection import named_modules, unmatched_error
 from lightning_hookdiag.torch_internals import calling_modules, exit_mode, in_backward
-from lightning_hookdiag.vocabulary import PRECURSOR_STATS
+from lightning_hookdiag.vocabulary import OUTPUT_LAYER_STATS, PRECURSOR_STATS
 
-__all__ = [
-    "OUTPUT_STATS",
-    "PRECURSOR_STATS",
-    "AttentionProbe",
-    "OutputProbe",
-    "PrecursorProbes",
-    "attention_scope",
-    "eager_logit_absmax",
-    "sdpa_logit_absmax",
-]
-
-OUTPUT_STATS: tuple[str, ...] = PRECURSOR_STATS[1:]
+__all__ = ["AttentionProbe", "PrecursorProbes", "attention_scope", "eager_logit_absmax", "sdpa_logit_absmax"]
 
 MASKED = -5000.0
 """Eager softmax inputs at or below this are masked entries, not logits."""
@@ -86,14 +75,6 @@ def sdpa_logit_absmax(
         budget: Logits computed per call at most (fewer batch elements are used beyond it).
         attn_mask: sdpa's mask: boolean (``True``: attend) or additive (entries ``<= -5000`` count as masked).
         is_causal: sdpa's causal flag (row ``i`` attends to keys ``0..i``).
-
-    Example:
-        >>> q = torch.tensor([[[1.0, 0.0], [0.0, 3.0]]])  # [heads=1, L=2, E=2]
-        >>> k = torch.tensor([[[2.0, 0.0], [0.0, -4.0]]])
-        >>> round(sdpa_logit_absmax(q, k).item(), 4)  # 12 / sqrt(2)
-        8.4853
-        >>> sdpa_logit_absmax(q, k, scale=0.5).item()
-        6.0
     """
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     length, keys = query.shape[-2], key.shape[-2]
@@ -133,21 +114,14 @@ def _arg(args: Sequence[Any], kwargs: Mapping[str, Any], index: int, name: str, 
 class AttentionProbe(TorchFunctionMode):
     """Per-module maximum attention logits of the attention calls made while the mode is entered.
 
-    A call counts for the innermost ``Module.__call__`` on the Python stack; every other torch function costs the
-    handler a dictionary lookup.
-
-    Args:
-        modules: ``{name: module}`` of the modules a call may be attributed to; :attr:`names` keeps their order.
-        max_rows: Query rows per call at most.
-        budget: Logits computed per call at most.
+    A call counts for the innermost ``Module.__call__`` on the Python stack if it is one of ``modules`` (whose order
+    :attr:`names` keeps); every other torch function costs the handler a dictionary lookup.
     """
 
-    def __init__(self, modules: Mapping[str, nn.Module], max_rows: int = 32, budget: int = 1 << 22) -> None:
+    def __init__(self, modules: Mapping[str, nn.Module]) -> None:
         super().__init__()
         self.names: list[str] = list(modules)
         self._slot: dict[int, int] = {id(m): i for i, m in enumerate(modules.values())}
-        self.max_rows = max_rows
-        self.budget = budget
         self._in_mha = 0  # nesting depth of F.multi_head_attention_forward, whose eager softmax is 3-D
         self.reset()
 
@@ -187,9 +161,7 @@ class AttentionProbe(TorchFunctionMode):
                 if not (isinstance(query, Tensor) and isinstance(key, Tensor)) or query.is_nested:
                     return
                 mask, causal = _arg(args, kwargs, 3, "attn_mask"), bool(_arg(args, kwargs, 5, "is_causal", False))
-                value = sdpa_logit_absmax(
-                    query, key, kwargs.get("scale"), self.max_rows, self.budget, attn_mask=mask, is_causal=causal
-                )
+                value = sdpa_logit_absmax(query, key, kwargs.get("scale"), attn_mask=mask, is_causal=causal)
             else:
                 scores, dim = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "dim")
                 if not isinstance(scores, Tensor) or dim not in (-1, scores.dim() - 1):
@@ -198,53 +170,78 @@ class AttentionProbe(TorchFunctionMode):
                 # into the batch. A 3-D softmax elsewhere is as likely a per-token classifier's probabilities.
                 if scores.dim() < (3 if self._in_mha else 4) or not scores.is_floating_point() or scores.is_nested:
                     return
-                value = eager_logit_absmax(scores, self.max_rows, self.budget)
+                value = eager_logit_absmax(scores)
             if self.maxima.device != value.device:
                 self.maxima = self.maxima.to(value.device)
             self.maxima[slot] = torch.maximum(self.maxima[slot], value.to(self.maxima.dtype))
         self.calls[kind] += 1
 
 
-class OutputProbe(Component):
-    """``log Z`` and ``|logit|`` of the output layer, from forward hooks on the candidate modules.
+class PrecursorProbes(Component):
+    """The precursor statistics of one fit: the attention probe's, and ``log Z`` and ``|logit|`` of the output layer.
 
-    With one candidate (a named output layer) its every call is measured; with several (the selection), the output
-    of the last one to run in a micro-batch is measured when :meth:`end_forward` is called. Which outputs count as
-    logits: ``docs/statistics.md#instability-precursors``.
+    The output layer's come from forward hooks on the candidate modules: with one candidate (a named output layer)
+    its every call is measured; with several (the selection), the output of the last one to run in a micro-batch is
+    measured at the micro-batch's end. Which outputs count as logits: ``docs/statistics.md#instability-precursors``.
+
+    Pooled in two states registered on ``aggregator``: ``precursor_sums``, ``[sum of log Z, rows, loss, processes
+    that saw a loss]``, and ``precursor_maxima``: the largest ``|logit|`` of the output layer, the output layer's
+    index among the candidates (so that every process names the same one: the latest in selection order any of
+    them measured), then the attention maxima (``-1``: no call seen).
 
     Args:
-        modules: ``{name: module}`` candidates, in selection order.
+        stats: The resolved ``stats=`` names; only those of :data:`~lightning_hookdiag.PRECURSOR_STATS` matter.
+        attention_scope: ``{name: module}`` calls may be attributed to (selected modules and their ancestors).
+        output_candidates: ``{name: module}`` output-layer candidates (the named output layer, or the selection).
+        aggregator: A :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator`; ``None``: nothing is pooled
+            (the probes' own measurements only).
     """
 
-    def __init__(self, modules: Mapping[str, nn.Module]) -> None:
-        self.names: list[str] = list(modules)
-        self.modules: list[nn.Module] = list(modules.values())
+    def __init__(
+        self,
+        stats: Sequence[str],
+        attention_scope: Mapping[str, nn.Module],
+        output_candidates: Mapping[str, nn.Module],
+        aggregator: Any = None,
+    ) -> None:
+        self.attention = AttentionProbe(attention_scope) if "attn_logit_max" in stats else None
+        self.output_stats = tuple(s for s in OUTPUT_LAYER_STATS if s in stats)
+        self._outputs = dict(output_candidates) if self.output_stats else {}
         self._last: tuple[int, Tensor] | None = None
         self._zero(None)
-
-    @override
-    def attach(self) -> None:
-        if not self.attached:
-            exits = self.hold()
-            for i, module in enumerate(self.modules):
-                exits.enter_context(module.register_forward_hook(self._make_hook(i)))
-
-    @override
-    def remove(self) -> None:
-        super().remove()
-        self._last = None  # no reference to an output outlives the forward
-
-    @override
-    def reset(self, window: WindowStart) -> None:
-        self._zero(window.device)
+        self.attention_on = self.attention is not None
+        """Whether the mode is entered on sampled forwards: off once a sampled step's forward made no attention call
+        in scope (a model without attention pays for no handler on its later sampled steps)."""
+        self._forwards = 0
+        self._loss: Tensor | None = None
+        self._owners: dict[str, list[str]] = {}
+        self._aggregator = aggregator
+        if aggregator is None:
+            return
+        device = aggregator.act_moments.device
+        n = len(self.attention.names) if self.attention is not None else 0
+        aggregator.add_state("precursor_sums", torch.zeros(4, dtype=torch.float64, device=device), "sum")
+        aggregator.add_state("precursor_maxima", torch.full((2 + n,), -1.0, dtype=torch.float64, device=device), "max")
 
     def _zero(self, device: torch.device | None) -> None:
         self.sums = torch.zeros(2, dtype=torch.float64, device=device)
-        """``[sum of log Z over rows, rows]`` since :meth:`reset`."""
+        """The output layer's ``[sum of log Z over rows, rows]`` since :meth:`reset`."""
         self.absmax = torch.full((), -1.0, device=device)
-        """Largest ``|logit|`` since :meth:`reset` (``-1``: no output seen)."""
-        self.layer: int | None = None
-        """Index of the layer measured last (the output layer)."""
+        """The output layer's largest ``|logit|`` since :meth:`reset` (``-1``: no output seen)."""
+        self.layer = -1
+        """Index among the candidates of the layer measured last (the output layer; ``-1``: none)."""
+
+    @override
+    def attach(self) -> None:
+        if self.attached:
+            return
+        if self.attention_on:
+            self.attention.__enter__()
+            self.hold().callback(exit_mode, self.attention)
+        if self.output_stats:
+            exits = self.hold()
+            for i, module in enumerate(self._outputs.values()):
+                exits.enter_context(module.register_forward_hook(self._make_hook(i)))
 
     def _make_hook(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -254,13 +251,24 @@ class OutputProbe(Component):
             if tensor is None or tensor.dim() < 2 or tensor.numel() == 0 or not tensor.requires_grad:
                 return
             self._last = (index, tensor)
-            if len(self.modules) == 1:
-                self.end_forward()
+            if len(self._outputs) == 1:
+                self.end_micro_batch()
 
         return hook
 
     @override
-    def end_forward(self, loss: Tensor | None = None) -> None:
+    def end_forward(self, loss: Tensor | None) -> None:
+        """Measure the output and detach everything: the probes never see backward."""
+        self.end_micro_batch()
+        if loss is not None and self.attached:
+            if self.attention_on:  # the mode is entered
+                self._forwards += 1  # a forward that reached its loss under the mode
+            value = loss.detach().double().reshape(())
+            self._loss = value if self._loss is None else self._loss + value
+        self.remove()
+
+    @override
+    def end_micro_batch(self) -> None:  # also without a backward (a replay, a training_step that returned no loss)
         """Measure the output kept by the last hook that fired, then let it go."""
         last, self._last = self._last, None
         if last is None:
@@ -283,85 +291,17 @@ class OutputProbe(Component):
                 self.sums[1] += rows.shape[0]  # a Python scalar is a kernel argument: no host data is copied
         self.layer = index
 
-
-class PrecursorProbes(Component):
-    """The precursor statistics of one fit.
-
-    Pooled in two states registered on ``aggregator``: ``precursor_sums``, ``[sum of log Z, rows, loss, processes
-    that saw a loss]``, and ``precursor_maxima``: the largest ``|logit|`` of the output layer, the output layer's
-    index among the candidates (so that every process names the same one: the latest in selection order any of
-    them measured), then the attention maxima (``-1``: no call seen).
-
-    Args:
-        stats: The resolved ``stats=`` names; only those of :data:`PRECURSOR_STATS` matter.
-        attention_scope: ``{name: module}`` calls may be attributed to (selected modules and their ancestors).
-        output_candidates: ``{name: module}`` output-layer candidates (the named output layer, or the selection).
-        aggregator: A :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator`; ``None``: nothing is pooled
-            (the probes' own measurements only).
-    """
-
-    def __init__(
-        self,
-        stats: Sequence[str],
-        attention_scope: Mapping[str, nn.Module],
-        output_candidates: Mapping[str, nn.Module],
-        aggregator: Any = None,
-    ) -> None:
-        self.attention = AttentionProbe(attention_scope) if "attn_logit_max" in stats else None
-        self.output_stats = tuple(s for s in OUTPUT_STATS if s in stats)
-        self.output = OutputProbe(output_candidates) if self.output_stats else None
-        self.attention_on = self.attention is not None
-        """Whether the mode is entered on sampled forwards: off once a sampled step's forward made no attention call
-        in scope (a model without attention pays for no handler on its later sampled steps)."""
-        self._forwards = 0
-        self._loss: Tensor | None = None
-        self._owners: dict[str, list[str]] = {}
-        self._aggregator = aggregator
-        if aggregator is None:
-            return
-        device = aggregator.act_moments.device
-        n = len(self.attention.names) if self.attention is not None else 0
-        aggregator.add_state("precursor_sums", torch.zeros(4, dtype=torch.float64, device=device), "sum")
-        aggregator.add_state("precursor_maxima", torch.full((2 + n,), -1.0, dtype=torch.float64, device=device), "max")
-
-    @override
-    def attach(self) -> None:
-        if self.attention_on and not self.attached:  # attached: the mode is entered
-            self.attention.__enter__()
-            self.hold().callback(exit_mode, self.attention)
-        if self.output is not None:
-            self.output.attach()
-
-    @override
-    def end_forward(self, loss: Tensor | None) -> None:
-        """Measure the output and detach everything: the probes never see backward."""
-        entered = self.attached
-        measured = entered or (self.output is not None and self.output.attached)
-        self.end_micro_batch()
-        if loss is not None and entered:
-            self._forwards += 1  # a forward that reached its loss under the mode
-        if loss is not None and measured:
-            value = loss.detach().double().reshape(())
-            self._loss = value if self._loss is None else self._loss + value
-        self.remove()
-
-    @override
-    def end_micro_batch(self) -> None:  # also without a backward (a replay, a training_step that returned no loss)
-        if self.output is not None:
-            self.output.end_forward()
-
     @override
     def remove(self) -> None:
-        if self.output is not None:
-            self.output.remove()
         super().remove()
+        self._last = None  # no reference to an output outlives the forward
 
     @override
     def reset(self, window: WindowStart) -> None:
         if self.attention is not None:
             self.attention.reset(window.device)
-        if self.output is not None:
-            self.output.reset(window)
+        if self.output_stats:
+            self._zero(window.device)
         self._loss = None
         self._forwards = 0
 
@@ -371,11 +311,10 @@ class PrecursorProbes(Component):
         device = agg.precursor_sums.device
         sums = torch.zeros(4, dtype=torch.float64, device=device)
         maxima = [torch.full((1,), -1.0, dtype=torch.float64, device=device)] * 2
-        if self.output is not None:
-            sums[:2] = self.output.sums.to(device)
-            maxima[0] = self.output.absmax.to(device, torch.float64).reshape(1)
-            layer = -1 if self.output.layer is None else self.output.layer
-            maxima[1] = torch.full((1,), float(layer), dtype=torch.float64, device=device)  # a fill, not a copy
+        if self.output_stats:
+            sums[:2] = self.sums.to(device)
+            maxima[0] = self.absmax.to(device, torch.float64).reshape(1)
+            maxima[1] = torch.full((1,), float(self.layer), dtype=torch.float64, device=device)  # a fill, not a copy
         if self._loss is not None:
             sums[2] = self._loss.to(device)
             sums[3] = 1.0
@@ -392,7 +331,7 @@ class PrecursorProbes(Component):
         lse, rows, loss, seen = sums.unbind()
         values: dict[str, Tensor] = {"step_loss": torch.where(seen > 0, loss / seen, math.nan).reshape(1)}
         self._owners = {"step_loss": ["loss"]}
-        if self.output is not None:
+        if self.output_stats:
             found = {
                 "logit_lse_mean": torch.where(rows > 0, lse / rows, math.nan).reshape(1),
                 "logit_absmax": torch.where(maxima[0] >= 0, maxima[0], math.nan).reshape(1),
@@ -412,9 +351,9 @@ class PrecursorProbes(Component):
         A process names the last candidate it saw run: in a rank-dependent branch the processes can differ.
         """
         owners, self._owners = self._owners, {}
-        if self.output is not None:
+        if self.output_stats:
             index = int(host["output_layer"][0])
-            name = self.output.names[index] if 0 <= index < len(self.output.names) else ""
+            name = list(self._outputs)[index] if 0 <= index < len(self._outputs) else ""
             owners.update((stat, [name]) for stat in self.output_stats)
         return {"precursors": owners}
 
@@ -434,14 +373,11 @@ def _precursor_probes(setup: Setup) -> PrecursorProbes | None:
 
 
 def attention_scope(modules: Mapping[str, nn.Module], selected: Sequence[str]) -> dict[str, nn.Module]:
-    """The modules an attention call may be attributed to: the selected ones and every module containing one.
+    """The modules an attention call may be attributed to: the ``selected`` ones and every module containing one.
 
     HF attention modules hold their projections as children and own no parameter, so the default selection does
-    not select them; they still contain selected modules.
-
-    Args:
-        modules: Every module of the model by normalised name (:func:`~lightning_hookdiag.selection.named_modules`).
-        selected: The selected names.
+    not select them; they still contain selected modules. ``modules``: every module, as
+    :func:`~lightning_hookdiag.selection.named_modules` names them.
     """
     wanted: set[str] = set()
     for name in selected:

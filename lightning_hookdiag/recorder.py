@@ -61,17 +61,13 @@ class _Stacks:
         buffer[len(layers)].view(tensor.shape).copy_(tensor.detach())
         layers.append(layer)
         if len(layers) == buffer.shape[0]:
-            self._flush(key, workspace)
+            self.flush(workspace, [key])
 
-    def _flush(self, key: tuple[torch.dtype, int, torch.device], workspace: Workspace) -> None:
-        layers = self._layers[key]
-        if layers:
-            self._reduce(self._buffers[key][: len(layers)], self._rows(layers, key[1]), workspace, dim=1)
-            self._layers[key] = []
-
-    def flush(self, workspace: Workspace) -> None:
-        for key in list(self._layers):
-            self._flush(key, workspace)
+    def flush(self, workspace: Workspace, keys: list[tuple[torch.dtype, int, torch.device]] | None = None) -> None:
+        for key in list(self._layers) if keys is None else keys:
+            if layers := self._layers[key]:
+                self._reduce(self._buffers[key][: len(layers)], self._rows(layers, key[1]), workspace, dim=1)
+                self._layers[key] = []
 
     def release(self) -> None:
         self._buffers, self._layers = {}, {}
@@ -91,14 +87,6 @@ class StepRecorder:
             :meth:`flush`, which the owner calls before the aggregator folds the step.
         components: Their tensor sinks (:attr:`~lightning_hookdiag.components.Component.on_output`, ``on_grad``)
             receive every observed output and gradient after the default statistics, while they are attached.
-
-    Example:
-        >>> agg = LayerStatsAggregator(n_layers=1)
-        >>> recorder = StepRecorder(agg)
-        >>> recorder.on_tensor(0, torch.tensor([1.0, 3.0]))
-        >>> agg.update()  # folds the step's rows into the states
-        >>> agg.compute()["act_mean"].reshape(-1).tolist()
-        [2.0]
     """
 
     def __init__(
@@ -136,15 +124,15 @@ class StepRecorder:
         self.workspace = Workspace()
         """Scratch memory of the reductions; the callback releases it at the end of each sampled step."""
 
-    @property
-    def stacked(self) -> list[int]:
-        """The element capacity of each stack held (bounded by :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS`)."""
-        return [b.numel() for s in self._stacks.values() for b in s._buffers.values()]
-
     def _reduce(self, kind: str, layer: int, tensor: Tensor, units: bool = False) -> None:
         # Rows: stacked small tensors reach the table at the stack's flush, the rest a row per piece here.
-        if units:
-            self._check_unit_dim(layer, tensor)
+        unit_dim = self.unit_dim
+        if units and unit_dim is not None and tensor.ndim and not -tensor.ndim <= unit_dim < tensor.ndim:
+            name = self.names[layer] if self.names else f"#{layer}"
+            raise ValueError(
+                f"unit_dim: {unit_dim} is out of range for the {tensor.ndim}-D output of {name!r} (shape"
+                f" {tuple(tensor.shape)}); expected an axis in [{-tensor.ndim}, {tensor.ndim - 1}] or None"
+            )
         agg = self.aggregator
         stacks = self._stacks.get(kind)
         row = None
@@ -177,15 +165,6 @@ class StepRecorder:
             for c in self._output_sinks:
                 if c.attached:
                     c.on_output(layer, tensor)
-
-    def _check_unit_dim(self, layer: int, tensor: Tensor) -> None:
-        unit_dim = self.unit_dim
-        if unit_dim is not None and tensor.ndim and not -tensor.ndim <= unit_dim < tensor.ndim:
-            name = self.names[layer] if self.names else f"#{layer}"
-            raise ValueError(
-                f"unit_dim: {unit_dim} is out of range for the {tensor.ndim}-D output of {name!r} (shape"
-                f" {tuple(tensor.shape)}); expected an axis in [{-tensor.ndim}, {tensor.ndim - 1}] or None"
-            )
 
     def on_grad(self, layer: int, grad: Tensor) -> None:
         """Gradient sink: observe the gradient of the loss w.r.t. the output of layer ``layer``."""

@@ -4,17 +4,7 @@ A forward pre-hook and an always-called forward hook keep a stack of the running
 :class:`torch.autograd.graph.saved_tensors_hooks` charges each saved storage to the innermost one, once per
 micro-batch and never a parameter or buffer. Forwards re-run inside backward are skipped, and non-reentrant
 checkpointing saves through its own hooks: recomputations are not counted. What is counted, and why:
-``docs/statistics.md#saved-activation-memory-per-layer``.
-
-Example:
-    >>> from torch import nn
-    >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-    >>> tracker = SavedMemoryTracker(dict(net.named_children()), net)
-    >>> tracker.attach()
-    >>> net(torch.zeros(2, 4)).sum().backward()
-    >>> tracker.end_micro_batch(); tracker.remove()
-    >>> tracker.peak  # input of 0 (2x4 floats), output of 1 (2x8 floats), nothing new for 2
-    [32, 64, 0]
+``docs/statistics.md#saved-activation-memory-per-layer``; hand-derived examples: ``tests/unit/test_saved_memory.py``.
 """
 
 from __future__ import annotations
@@ -67,7 +57,7 @@ class SavedMemoryTracker(Component):
         for i, module in enumerate(self.modules):
             exits.enter_context(module.register_forward_pre_hook(partial(self._push, i)))
             exits.enter_context(module.register_forward_hook(partial(self._pop, i), always_call=True))
-        exits.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
+        exits.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor))
 
     @override
     def remove(self) -> None:
@@ -119,10 +109,6 @@ class SavedMemoryTracker(Component):
 def _saved_bytes(setup: Setup) -> SavedMemoryTracker | None:
     wanted = "act_saved_bytes" in setup.config.stats
     return SavedMemoryTracker(setup.modules, setup.model, setup.aggregator) if wanted else None
-
-
-def _unpack(tensor: Tensor) -> Tensor:
-    return tensor
 
 
 def _storage_key(tensor: Tensor) -> tuple[tuple[Any, int], int]:

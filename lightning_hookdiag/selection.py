@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from lightning_hookdiag.names import logged_name
+from lightning_hookdiag.torch_internals import LOSS
 
 __all__ = [
     "LayerInfo",
@@ -68,7 +69,7 @@ def is_measurement(module: nn.Module) -> bool:
     Both are leaf modules called in ``training_step`` whose outputs are a number computed without gradient:
     observing them logs statistics of a number and warns about a gradient that is absent by design.
     """
-    if isinstance(module, nn.modules.loss._Loss):
+    if isinstance(module, LOSS):
         return True
     # If torchmetrics is not imported yet, no module can be one of its metrics; importing it would cost seconds.
     torchmetrics = sys.modules.get("torchmetrics")
@@ -173,11 +174,7 @@ def _match(patterns: Iterable[str], names: Sequence[str], argument: str) -> set[
 
 
 def excluded_names(model: nn.Module, exclude: Sequence[str]) -> set[str]:
-    """The logged names of the modules of ``model`` that the ``exclude`` globs remove.
-
-    Raises:
-        ValueError: If a pattern matches no module (as :func:`resolve_layers` does).
-    """
+    """The logged names of the modules of ``model`` that the ``exclude`` globs remove (raising as in resolve_layers)."""
     return _match(exclude, list(named_modules(model)), "exclude") if exclude else set()
 
 

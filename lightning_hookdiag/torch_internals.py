@@ -8,6 +8,9 @@
 * :func:`exit_mode`: leave a torch-function mode that is not on top of the mode stack
   (``torch.overrides._get_current_function_mode_stack``, ``torch._C._pop_torch_function_stack``,
   ``torch._C._push_on_torch_function_stack``): another mode entered after ours may still be active.
+* :data:`LOSS`, :data:`MODE_DEPENDENT`, :data:`DROPOUT`: ``nn.modules.loss._Loss``, ``batchnorm._BatchNorm`` and
+  ``dropout._DropoutNd``, the bases of every loss, BatchNorm and Dropout: the public classes miss a user's or a
+  library's subclass of a base (a custom loss, apex's ``SyncBatchNorm``).
 
 :func:`check` fails with a message that names what changed; the test suite calls it, so a torch release that moves
 one of them fails loudly there instead of silently mis-attributing calls.
@@ -15,6 +18,7 @@ one of them fails loudly there instead of silently mis-attributing calls.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -23,14 +27,38 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["calling_modules", "check", "exit_mode", "in_backward"]
+__all__ = ["DROPOUT", "LOSS", "MODE_DEPENDENT", "calling_modules", "check", "exit_mode", "in_backward"]
 
-# Looked up without failing at import, so that check() can name what a torch release moved.
+_NEEDED = (
+    "torch._C._current_graph_task_id",
+    "torch._C._pop_torch_function_stack",
+    "torch._C._push_on_torch_function_stack",
+    "torch.overrides._get_current_function_mode_stack",
+    "sys._getframe",
+    "torch.nn.Module._call_impl",
+    "torch.nn.Module._wrapped_call_impl",
+    "torch.nn.modules.loss._Loss",
+    "torch.nn.modules.batchnorm._BatchNorm",
+    "torch.nn.modules.dropout._DropoutNd",
+)
+
+
+def _lookup(path: str) -> Any:
+    # Without failing at import, so that check() can name what a torch release moved.
+    head, *parts = path.split(".")
+    return functools.reduce(lambda found, part: getattr(found, part, None), parts, sys if head == "sys" else torch)
+
+
 _CALL_CODES = frozenset(
     code
     for name in ("_call_impl", "_wrapped_call_impl")
-    if (code := getattr(getattr(nn.Module, name, None), "__code__", None))
+    if (code := getattr(_lookup(f"torch.nn.Module.{name}"), "__code__", None))
 )
+# A public class where a torch release moved a base (check() names it).
+LOSS: type = _lookup("torch.nn.modules.loss._Loss") or nn.MSELoss
+DROPOUT: type = _lookup("torch.nn.modules.dropout._DropoutNd") or nn.Dropout
+MODE_DEPENDENT: tuple[type, ...] = (_lookup("torch.nn.modules.batchnorm._BatchNorm") or nn.BatchNorm2d, DROPOUT)
+"""The modules whose output depends on the training mode."""
 
 
 def in_backward() -> bool:
@@ -39,16 +67,7 @@ def in_backward() -> bool:
 
 
 def calling_modules(depth: int) -> Iterator[Any]:
-    """The ``self`` of every ``Module.__call__`` frame on the stack, innermost first, from ``depth`` frames up.
-
-    Example:
-        >>> class Probe(nn.Module):
-        ...     def forward(self, x):
-        ...         return next(calling_modules(1))
-        >>> probe = Probe()
-        >>> nn.Sequential(probe)(0) is probe
-        True
-    """
+    """The ``self`` of every ``Module.__call__`` frame on the stack, innermost first, from ``depth`` frames up."""
     frame = sys._getframe(depth + 1)
     while frame is not None:
         if frame.f_code in _CALL_CODES:
@@ -72,18 +91,7 @@ def exit_mode(mode: TorchFunctionMode) -> None:
 
 def check() -> None:
     """Raise ``RuntimeError`` naming every internal this module needs that this torch does not have."""
-    needed = {
-        "torch._C._current_graph_task_id": getattr(torch._C, "_current_graph_task_id", None),
-        "torch._C._pop_torch_function_stack": getattr(torch._C, "_pop_torch_function_stack", None),
-        "torch._C._push_on_torch_function_stack": getattr(torch._C, "_push_on_torch_function_stack", None),
-        "torch.overrides._get_current_function_mode_stack": getattr(
-            torch.overrides, "_get_current_function_mode_stack", None
-        ),
-        "sys._getframe": getattr(sys, "_getframe", None),
-        "nn.Module._call_impl": getattr(nn.Module, "_call_impl", None),
-        "nn.Module._wrapped_call_impl": getattr(nn.Module, "_wrapped_call_impl", None),
-    }
-    missing = sorted(name for name, found in needed.items() if not callable(found))
+    missing = sorted(path for path in _NEEDED if not callable(_lookup(path)))
     if missing:
         raise RuntimeError(
             f"lightning_hookdiag relies on torch internals that torch {torch.__version__} lacks: {missing}; see"

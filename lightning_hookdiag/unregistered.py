@@ -44,10 +44,7 @@ class UnregisteredWatch(Component):
     A module counts when it is not ``root`` or one of its submodules, owns a parameter that requires grad and is not
     one of ``root``'s parameters (a layer that shares registered weights is not lost), and ran with grad enabled
     outside backward (a teacher run under ``no_grad`` is not trained on purpose). One global forward hook, for a
-    sampled micro-batch's forward only.
-
-    Args:
-        root: The LightningModule.
+    sampled micro-batch's forward only. ``root``: the LightningModule.
     """
 
     replays = False
@@ -85,27 +82,21 @@ class UnregisteredWatch(Component):
             return
         if not any(p.requires_grad and id(p) not in self._params for p in module.parameters(recurse=False)):
             return
-        parent, parent_name, outer = self._caller(module)
+        # The innermost registered module on the call stack (ROOT at worst), and the outermost unregistered module on
+        # the way to ``module``: the layer it holds unregistered.
+        parent, parent_name, outer = None, ROOT, module
+        for candidate in calling_modules(2):
+            if (name := self._names.get(id(candidate))) is not None:
+                parent, parent_name = candidate, name
+                break
+            if isinstance(candidate, nn.Module):
+                outer = candidate
         for m in outer.modules():
             self._seen.add(id(m))  # the layer held unregistered is reported once, with everything it holds
         held = where_held(parent, outer) if parent is not None else ""
         elements = sum(p.numel() for p in outer.parameters() if p.requires_grad and id(p) not in self._params)
         what = f"{held or 'a module'} ({type(outer).__name__}, {elements} parameter elements)"
         self._found.setdefault(parent_name, []).append(what)
-
-    def _caller(self, module: nn.Module) -> tuple[nn.Module | None, str, nn.Module]:
-        """The innermost registered module on the call stack, its name, and what it holds unregistered.
-
-        The name is :data:`ROOT` at worst; what it holds is the outermost unregistered module on the way to ``module``.
-        """
-        outer = module
-        for candidate in calling_modules(3):
-            name = self._names.get(id(candidate))
-            if name is not None:
-                return candidate, name, outer
-            if isinstance(candidate, nn.Module):
-                outer = candidate
-        return None, ROOT, outer
 
 
 @component

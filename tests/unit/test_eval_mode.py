@@ -66,3 +66,14 @@ def test_the_watch_collects_every_micro_batch_of_a_step():
     watch.attach()
     watch.end_forward(None)
     assert watch.facts({})["eval_mode"] == {"block.1": "BatchNorm1d", "block.2": "Dropout"}
+
+
+def test_an_interrupted_batch_s_start_is_undone_by_remove():
+    net = _net().eval()
+    watch = EvalModeWatch(net)
+    watch.attach()
+    assert watch.attached
+    watch.remove()  # the batch raised before its loss: what attach read is forgotten
+    assert not watch.attached
+    watch.end_forward(None)
+    assert watch.facts({})["eval_mode"] == {}

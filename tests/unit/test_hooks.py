@@ -209,3 +209,35 @@ def test_first_floating_tensor():
     t = torch.tensor([1.0])
     assert first_floating_tensor([torch.tensor([1]), (None, {"a": t})]) is t
     assert first_floating_tensor("text") is None
+
+
+@pytest.mark.parametrize("finished", [False, True])
+def test_a_companion_that_raises_leaves_no_hook_behind(finished):
+    from torch._dynamo import eval_frame
+
+    from lightning_hookdiag.components import Component
+    from lightning_hookdiag.saved_memory import SavedMemoryTracker
+    from lightning_hookdiag.unregistered import UnregisteredWatch
+
+    class Failing(Component):
+        def end_micro_batch(self):
+            raise RuntimeError("end failed")
+
+        def remove(self):
+            super().remove()
+            raise RuntimeError("remove failed")
+
+    net = mlp()
+    modules = dict(net.named_children())
+    companions = [SavedMemoryTracker(modules, net), Failing(), UnregisteredWatch(net), SavedMemoryTracker(modules, net)]
+    hooks = HookSet(modules, lambda i, o: None, lambda i, g: None, companions=companions)
+    hooks.attach()
+    net(torch.randn(2, 3))  # leaves tensor hooks on the outputs
+    assert count_hooks(net) > 3
+    with pytest.raises(RuntimeError, match="end failed" if finished else "remove failed"):  # the first error
+        hooks.remove(finished=finished)
+    assert count_hooks(net) == 0
+    assert not hooks.attached
+    assert not any(c.attached for c in companions)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # both trackers' pack hooks left
+    assert eval_frame._stance.stance == "default"

@@ -491,7 +491,7 @@ def test_the_probes_copy_no_host_data_to_the_device_in_a_micro_batch():
     plain = fresh(False)  # transformers' own mask code makes a few
     assert fresh(True) == plain
     assert probes.attention.calls["sdpa"] == 4  # the probe did run: 2 layers x 2 micro-batches
-    assert probes.output.sums[1].item() == 2 * 2 * 16  # and measured the head: 2 micro-batches of 2 x 16 rows
+    assert probes.sums[1].item() == 2 * 2 * 16  # and measured the head: 2 micro-batches of 2 x 16 rows
 
 
 def test_the_torch_internals_the_probes_rely_on_still_behave_as_expected():
