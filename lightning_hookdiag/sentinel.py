@@ -32,6 +32,7 @@ SENTINEL_MODES: tuple[str, ...] = ("loss", "loss+grads")
 """Values of the callback's ``sentinel`` argument besides ``None``."""
 
 
+@dataclass(eq=False)
 class SpikeDetector:
     """Robust loss-spike test: a rise far above the recent healthy losses, in units of their step-to-step noise.
 
@@ -68,30 +69,23 @@ class SpikeDetector:
         (2.0, False, True)
     """
 
-    def __init__(
-        self,
-        window: int = 50,
-        warmup: int = 20,
-        zscore: float = 8.0,
-        ratio: float = 10.0,
-        recent: int = 5,
-        floor: float = 1e-2,
-    ) -> None:
-        self.window = window
-        self.warmup = warmup
-        self.zscore = zscore
-        self.ratio = ratio
-        self.recent = recent
-        self.floor = floor
+    window: int = 50
+    warmup: int = 20
+    zscore: float = 8.0
+    ratio: float = 10.0
+    recent: int = 5
+    floor: float = 1e-2
+
+    def __post_init__(self) -> None:
         self.start: float | None = None
         """The run's early loss level: the lower median of its first ``warmup`` positive healthy losses."""
         self._early: list[float] = []
-        self.losses: deque[float] = deque(maxlen=window)
+        self.losses: deque[float] = deque(maxlen=self.window)
         # Logs of the window's positive losses, oldest first, taken once when a loss enters the window (the test
         # runs on every optimizer step).
         self._logs: deque[float] = deque()
         self._negative = 0
-        self._log_ratio = math.log(ratio)
+        self._log_ratio = math.log(self.ratio)
 
     def median(self) -> float | None:
         """The centre the next loss is compared with (on the log scale, of positive losses only); ``None``: none."""
@@ -104,7 +98,8 @@ class SpikeDetector:
         if len(self.losses) < max(self.warmup, 1):
             return False
         linear = self._negative > 0 or loss < 0
-        if not linear and (loss <= 0 or len(self._logs) < _MIN_POSITIVE):
+        # Fewer than 3 positive losses: a non-negative window's log scale cannot be trusted yet.
+        if not linear and (loss <= 0 or len(self._logs) < 3):
             return False
         values = self.losses if linear else self._logs
         latest = list(itertools.islice(reversed(values), self.recent))
@@ -155,20 +150,14 @@ class SpikeDetector:
         return spike
 
 
-_MIN_POSITIVE = 3
-"""Positive losses a non-negative window needs before its log scale can be trusted."""
-
-_MAD_TO_SIGMA = 1.4826
-"""The MAD of a normal distribution times this is its standard deviation."""
-
-
 def _step_spread(values: list[float]) -> float:
     """Robust standard deviation of the noise of ``values`` from their consecutive differences, free of any trend."""
     if len(values) < 2:
         return 0.0
     steps = [b - a for a, b in zip(values, values[1:], strict=False)]
     trend = statistics.median(steps)
-    return _MAD_TO_SIGMA * statistics.median([abs(s - trend) for s in steps]) / math.sqrt(2)
+    # 1.4826 times the MAD of a normal distribution is its standard deviation.
+    return 1.4826 * statistics.median([abs(s - trend) for s in steps]) / math.sqrt(2)
 
 
 class LossSentinel:
