@@ -39,10 +39,6 @@ def _paths(value: Any, path: str | None = "") -> Iterator[tuple[str | None, Tens
             yield from _paths(item, None if path is None else f"{path}[{key!r}]")
 
 
-def _floating(value: Any) -> list[Tensor]:
-    return [t for _, t in _paths(value, None)]
-
-
 def nonfinite_in_batch(batches: Sequence[Any]) -> list[tuple[str, int, int]]:
     """The floating-point tensors of a step's micro-batches that hold NaN/Inf: ``(path, bad elements, elements)``.
 
@@ -105,11 +101,6 @@ class NonFiniteTrace:
         self._calls: list[tuple[str, Tensor]] = []
         self._handle: RemovableHandle | None = None
 
-    @property
-    def attached(self) -> bool:
-        """Whether the global hook is registered."""
-        return self._handle is not None
-
     def attach(self) -> None:
         """Register the global forward hook and start a new record (no-op if attached)."""
         if self._handle is None:
@@ -126,14 +117,14 @@ class NonFiniteTrace:
         name = self._names.get(module)
         if name is None or in_backward():  # a recomputation inside backward saw these values already
             return
-        outputs = _floating(output)
+        outputs = [t for _, t in _paths(output, None)]
         if not outputs:
             return
         with sink_mode():
             device = outputs[0].device
             flags = torch.stack(
                 [
-                    _any_nonfinite(_floating(args), device),
+                    _any_nonfinite([t for _, t in _paths(args, None)], device),
                     torch.stack([torch.isnan(t).any().to(device) for t in outputs]).any(),
                     _any_nonfinite(outputs, device),
                 ]
