@@ -10,8 +10,7 @@ import math
 import random
 import statistics
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -309,33 +308,6 @@ class MicroBatch:
     rng: RngState
 
 
-@contextmanager
-def _restored(module: nn.Module, device: torch.device) -> Iterator[None]:
-    """What :func:`replay_step` promises to leave as it was, restored on exit."""
-    from torchmetrics import Metric
-
-    rng, python_state, numpy_state = capture_rng(device), random.getstate(), numpy.random.get_state()
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    metrics: list[tuple[Metric, dict[str, Any]]] = []
-    for m in module.modules():
-        if isinstance(m, Metric):
-            state = {name: _clone(value) for name, value in m.metric_state.items()}
-            metrics.append((m, {**state, "_update_count": m._update_count, "_computed": m._computed}))
-    try:
-        yield
-    finally:
-        # The random streams first: a buffer the step resized cannot be copied back, and raises.
-        restore_rng(rng, device)
-        random.setstate(python_state)
-        numpy.random.set_state(numpy_state)
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
-        for metric, saved_state in metrics:
-            for name, value in saved_state.items():
-                setattr(metric, name, value)
-
-
 def _clone(value: Any) -> Any:
     if isinstance(value, Tensor):
         return value.detach().clone()
@@ -381,10 +353,19 @@ def replay_step(
         >>> len(seen), net[0].weight.grad is None, hooks.attached
         (1, True, False)
     """
+    from torchmetrics import Metric
+
     params = [p for p in module.parameters() if p.requires_grad]
+    rng, python_state, numpy_state = capture_rng(device), random.getstate(), numpy.random.get_state()
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    metrics: list[tuple[Metric, dict[str, Any]]] = []
+    for m in module.modules():
+        if isinstance(m, Metric):
+            state = {name: _clone(value) for name, value in m.metric_state.items()}
+            metrics.append((m, {**state, "_update_count": m._update_count, "_computed": m._computed}))
     produced = 0
-    with _restored(module, device), torch.enable_grad():
-        try:
+    try:
+        with torch.enable_grad():
             hooks.attach()
             if trace is not None:
                 trace.attach()
@@ -397,8 +378,18 @@ def replay_step(
                         torch.autograd.grad(loss, params, allow_unused=True)
                 del loss
                 hooks.end_micro_batch()  # its backward is over: the companions keep its measurement
-        finally:
-            if trace is not None:
-                trace.remove()
-            hooks.remove()
+    finally:
+        if trace is not None:
+            trace.remove()
+        hooks.remove()
+        # The random streams first: a buffer the step resized cannot be copied back, and raises.
+        restore_rng(rng, device)
+        random.setstate(python_state)
+        numpy.random.set_state(numpy_state)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        for metric, saved_state in metrics:
+            for name, value in saved_state.items():
+                setattr(metric, name, value)
     return produced
