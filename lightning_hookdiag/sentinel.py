@@ -76,6 +76,10 @@ class SpikeDetector:
     floor: float = 1e-2
 
     def __post_init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Empty the window and forget the run's early level."""
         self.start: float | None = None
         """The run's early loss level: the lower median of its first ``warmup`` positive healthy losses."""
         self._early: list[float] = []
@@ -116,14 +120,6 @@ class SpikeDetector:
         # of the centre.
         rise = value - statistics.median_low(latest)
         return rise > least and rise > self.zscore * _step_spread(list(values))
-
-    def clear(self) -> None:
-        """Empty the window and forget the run's early level."""
-        self.losses.clear()
-        self._logs.clear()
-        self._negative = 0
-        self.start = None
-        self._early = []
 
     def record(self, loss: float) -> None:
         """Add a healthy loss to the window."""
