@@ -121,14 +121,9 @@ class NonFiniteTrace:
         if not outputs:
             return
         with sink_mode():
-            device = outputs[0].device
-            flags = torch.stack(
-                [
-                    _any_nonfinite([t for _, t in _paths(args, None)], device),
-                    torch.stack([torch.isnan(t).any().to(device) for t in outputs]).any(),
-                    _any_nonfinite(outputs, device),
-                ]
-            )
+            device, inputs = outputs[0].device, [t for _, t in _paths(args, None)]
+            nan = torch.stack([torch.isnan(t).any().to(device) for t in outputs]).any()
+            flags = torch.stack([_any_nonfinite(inputs, device), nan, _any_nonfinite(outputs, device)])
         self._calls.append((name, flags))
 
     def origin(self, selected: Sequence[str]) -> tuple[str | None, str | None]:
