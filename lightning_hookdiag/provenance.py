@@ -127,16 +127,12 @@ class NonFiniteTrace:
         self._calls.append((name, flags))
 
     def origin(self, selected: Sequence[str]) -> tuple[str | None, str | None]:
-        """Where the first NaN/Inf among the selected layers came from, with one host read.
+        """Where the first NaN/Inf among the ``selected`` layers (names) came from, with one host read.
 
-        Args:
-            selected: The selected layers' names.
-
-        Returns:
-            ``(entry, origin)``: the first selected layer (in the order forwards returned) whose output was
-            non-finite *if its input already was*, and the innermost module whose forward made it
-            (:data:`~lightning_hookdiag.rules.ROOT` for the LightningModule's own; ``None``: made outside every
-            forward, e.g. in ``training_step``). ``(None, None)`` when nothing is non-finite or the layer made it.
+        ``(entry, origin)``: the first selected layer (in the order forwards returned) whose output was non-finite
+        *if its input already was*, and the innermost module whose forward made it
+        (:data:`~lightning_hookdiag.rules.ROOT` for the LightningModule's own; ``None``: made outside every forward,
+        e.g. in ``training_step``). ``(None, None)`` when nothing is non-finite or the layer made it.
         """
         calls, self._calls = self._calls, []
         if not calls:

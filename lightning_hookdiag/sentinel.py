@@ -210,15 +210,11 @@ class LossSentinel:
         self.discard()
 
     def check(self, step: int, grads: Sequence[Tensor] = (), scale: Tensor | None = None) -> Trip | None:
-        """Decide whether optimizer step ``step`` trips, with one host read (and one MAX all-reduce).
+        """Decide whether the optimizer step about to be taken trips, with one host read (and one MAX all-reduce).
 
-        Args:
-            step: The optimizer step about to be taken.
-            grads: Gradients to check for NaN/Inf (``"loss+grads"``); empty to skip.
-            scale: AMP loss scale the observed losses were multiplied by.
-
-        Returns:
-            The trip, or ``None``. Steps without any observed loss (``training_step`` returned ``None``) do not trip.
+        ``grads`` are checked for NaN/Inf (``"loss+grads"``; empty: skipped); ``scale`` is the AMP loss scale the
+        observed losses were multiplied by. A step without any observed loss (``training_step`` returned ``None``)
+        does not trip.
         """
         loss, self._loss = self._loss, None
         if loss is None:
