@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -36,41 +37,27 @@ def held_by_none(params: Sequence[Tensor], optimizers: Iterable[Optimizer]) -> l
     return [p for p in params if id(p) not in held]
 
 
-def _membership(optimizers: Iterable[Optimizer]) -> tuple[tuple[int, int], ...]:
-    # Changes when a param group is added or removed, or one gets another list or length of parameters.
-    return tuple((id(g["params"]), len(g["params"])) for optimizer in optimizers for g in optimizer.param_groups)
-
-
-def _lr(group: Mapping[str, Any]) -> float:
-    lr = group.get("lr", math.nan)
+def _lr(lr: Any) -> float:
     if isinstance(lr, Tensor):  # a tensor lr (capturable optimizers): read only where that costs no device sync
         return float(lr) if lr.device.type == "cpu" and lr.numel() == 1 else math.nan
     return float(lr) if isinstance(lr, (int, float)) else math.nan
-
-
-def _opt_eps(group: Mapping[str, Any]) -> float | None:
-    eps = group.get("eps")
-    return float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None
-
-
-def _base_lr(group: Mapping[str, Any]) -> float | None:
-    base = _lr({"lr": group.get("initial_lr")})  # set by every torch LR scheduler built on the optimizer
-    return None if math.isnan(base) else base
 
 
 Schedule = tuple["str | None", "int | None"]
 """How Lightning steps an optimizer's LR scheduler (``"step"``, ``"epoch"``) and its ``last_epoch``."""
 
 
-class _Holder(NamedTuple):
-    """How a param group holds its parameters: the :class:`~lightning_hookdiag.rules.ParamFacts` fields it fills."""
-
-    lr: float
-    base_lr: float | None
-    opt_eps: float | None
-    interval: str | None
-    scheduler_steps: int | None
-    applied: bool = False
+def _holder(group: Mapping[str, Any], schedule: Schedule) -> ParamFacts:
+    """How ``group`` holds its parameters: the facts but the weights' dtype (:func:`_facts`) and ``applied``."""
+    base, eps = _lr(group.get("initial_lr")), group.get("eps")  # initial_lr: set by every torch LR scheduler
+    return ParamFacts(
+        held=True,
+        lr=_lr(group.get("lr", math.nan)),
+        base_lr=None if math.isnan(base) else base,
+        opt_eps=float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None,
+        interval=schedule[0],
+        scheduler_steps=schedule[1],
+    )
 
 
 class StepWatch:
@@ -93,7 +80,7 @@ class StepWatch:
     """
 
     def __init__(self) -> None:
-        self._rates: dict[int, tuple[Optimizer, list[_Holder]]] = {}
+        self._rates: dict[int, tuple[Optimizer, list[ParamFacts]]] = {}
         self._applied: set[int] = set()
         self._handles: list[RemovableHandle] = []
         self._unheld: set[int] = set()
@@ -101,16 +88,11 @@ class StepWatch:
         self._outside: tuple[tuple[Any, ...], list[Tensor]] | None = None
 
     def observe(self, optimizer: Optimizer, schedule: Schedule = (None, None)) -> None:
-        """Record the learning rates ``optimizer`` is about to step with, and watch whether its step runs.
-
-        ``schedule``: how Lightning steps the optimizer's LR scheduler and how many times it has stepped;
-        ``(None, None)`` without one.
-        """
+        """Record the learning rates (and :data:`Schedule`) ``optimizer`` is about to step with; watch if it steps."""
         key = id(optimizer)
         if key in self._rates:
             return
-        rates = [_Holder(_lr(g), _base_lr(g), _opt_eps(g), *schedule) for g in optimizer.param_groups]
-        self._rates[key] = (optimizer, rates)
+        self._rates[key] = (optimizer, [_holder(g, schedule) for g in optimizer.param_groups])
         register = getattr(optimizer, "register_step_post_hook", None)
         if callable(register):
             applied = self._applied
@@ -125,7 +107,9 @@ class StepWatch:
         is found again only when the param groups change, so a sampled step looks only at the parameters outside
         every group, normally none; frozen ones have no gradient and are not returned.
         """
-        key = (id(params), len(params), _membership(optimizers))
+        # Changes when a param group is added or removed, or one gets another list or length of parameters.
+        groups = tuple((id(g["params"]), len(g["params"])) for optimizer in optimizers for g in optimizer.param_groups)
+        key = (id(params), len(params), groups)
         if self._outside is None or self._outside[0] != key:
             self._outside = (key, held_by_none(params, optimizers))
         found = [p for p in self._outside[1] if p.requires_grad and p.grad is not None]
@@ -140,14 +124,13 @@ class StepWatch:
         """
         if not (self._rates or self._unheld):
             return {}  # nothing observed (the rule is disabled)
-        holders: dict[int, _Holder] = {}
+        holders: dict[int, tuple[ParamFacts, bool]] = {}  # (the holder of the largest lr, applied)
         for key, (optimizer, rates) in self._rates.items():
             applied = key in self._applied
             for group, rate in zip(optimizer.param_groups, rates, strict=False):
                 for p in group["params"]:
-                    seen = holders.get(id(p))
-                    top = rate if seen is None or rate.lr > seen.lr else seen
-                    holders[id(p)] = top._replace(applied=applied or (seen is not None and seen.applied))
+                    top, was = holders.get(id(p), (rate, False))
+                    holders[id(p)] = (rate if rate.lr > top.lr else top, applied or was)
         out: dict[str, ParamFacts] = {}
         interned: dict[tuple[Any, ...], ParamFacts] = {}  # a few distinct facts: building one costs microseconds
         for name, p in zip(names, params, strict=True):
@@ -167,8 +150,8 @@ class StepWatch:
         self._handles, self._rates, self._applied, self._unheld = [], {}, set(), set()
 
 
-def _facts(holder: _Holder | None, dtype: torch.dtype) -> ParamFacts:
-    """Facts of a parameter of ``dtype`` held as ``holder`` says, or by no optimizer (``None``)."""
+def _facts(holder: tuple[ParamFacts, bool] | None, dtype: torch.dtype) -> ParamFacts:
+    """Facts of a parameter of ``dtype`` held as ``holder`` says (and applied or not), or by no optimizer (``None``)."""
     name = str(dtype).removeprefix("torch.")
     if dtype.is_floating_point:
         info = torch.finfo(dtype)
@@ -177,4 +160,4 @@ def _facts(holder: _Holder | None, dtype: torch.dtype) -> ParamFacts:
         eps = tiny = math.nan
     if holder is None:
         return ParamFacts(held=False, applied=False, dtype=name, eps=eps, tiny=tiny)
-    return ParamFacts(held=True, dtype=name, eps=eps, tiny=tiny, **holder._asdict())
+    return replace(holder[0], applied=holder[1], dtype=name, eps=eps, tiny=tiny)

@@ -39,10 +39,6 @@ def _paths(value: Any, path: str | None = "") -> Iterator[tuple[str | None, Tens
             yield from _paths(item, None if path is None else f"{path}[{key!r}]")
 
 
-def _floating(value: Any) -> list[Tensor]:
-    return [t for _, t in _paths(value, None)]
-
-
 def nonfinite_in_batch(batches: Sequence[Any]) -> list[tuple[str, int, int]]:
     """The floating-point tensors of a step's micro-batches that hold NaN/Inf: ``(path, bad elements, elements)``.
 
@@ -105,11 +101,6 @@ class NonFiniteTrace:
         self._calls: list[tuple[str, Tensor]] = []
         self._handle: RemovableHandle | None = None
 
-    @property
-    def attached(self) -> bool:
-        """Whether the global hook is registered."""
-        return self._handle is not None
-
     def attach(self) -> None:
         """Register the global forward hook and start a new record (no-op if attached)."""
         if self._handle is None:
@@ -126,31 +117,22 @@ class NonFiniteTrace:
         name = self._names.get(module)
         if name is None or in_backward():  # a recomputation inside backward saw these values already
             return
-        outputs = _floating(output)
+        outputs = [t for _, t in _paths(output, None)]
         if not outputs:
             return
         with sink_mode():
-            device = outputs[0].device
-            flags = torch.stack(
-                [
-                    _any_nonfinite(_floating(args), device),
-                    torch.stack([torch.isnan(t).any().to(device) for t in outputs]).any(),
-                    _any_nonfinite(outputs, device),
-                ]
-            )
+            device, inputs = outputs[0].device, [t for _, t in _paths(args, None)]
+            nan = torch.stack([torch.isnan(t).any().to(device) for t in outputs]).any()
+            flags = torch.stack([_any_nonfinite(inputs, device), nan, _any_nonfinite(outputs, device)])
         self._calls.append((name, flags))
 
     def origin(self, selected: Sequence[str]) -> tuple[str | None, str | None]:
-        """Where the first NaN/Inf among the selected layers came from, with one host read.
+        """Where the first NaN/Inf among the ``selected`` layers (names) came from, with one host read.
 
-        Args:
-            selected: The selected layers' names.
-
-        Returns:
-            ``(entry, origin)``: the first selected layer (in the order forwards returned) whose output was
-            non-finite *if its input already was*, and the innermost module whose forward made it
-            (:data:`~lightning_hookdiag.rules.ROOT` for the LightningModule's own; ``None``: made outside every
-            forward, e.g. in ``training_step``). ``(None, None)`` when nothing is non-finite or the layer made it.
+        ``(entry, origin)``: the first selected layer (in the order forwards returned) whose output was non-finite
+        *if its input already was*, and the innermost module whose forward made it
+        (:data:`~lightning_hookdiag.rules.ROOT` for the LightningModule's own; ``None``: made outside every forward,
+        e.g. in ``training_step``). ``(None, None)`` when nothing is non-finite or the layer made it.
         """
         calls, self._calls = self._calls, []
         if not calls:

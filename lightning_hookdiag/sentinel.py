@@ -10,8 +10,7 @@ import math
 import random
 import statistics
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +31,7 @@ SENTINEL_MODES: tuple[str, ...] = ("loss", "loss+grads")
 """Values of the callback's ``sentinel`` argument besides ``None``."""
 
 
+@dataclass(eq=False)
 class SpikeDetector:
     """Robust loss-spike test: a rise far above the recent healthy losses, in units of their step-to-step noise.
 
@@ -68,30 +68,27 @@ class SpikeDetector:
         (2.0, False, True)
     """
 
-    def __init__(
-        self,
-        window: int = 50,
-        warmup: int = 20,
-        zscore: float = 8.0,
-        ratio: float = 10.0,
-        recent: int = 5,
-        floor: float = 1e-2,
-    ) -> None:
-        self.window = window
-        self.warmup = warmup
-        self.zscore = zscore
-        self.ratio = ratio
-        self.recent = recent
-        self.floor = floor
+    window: int = 50
+    warmup: int = 20
+    zscore: float = 8.0
+    ratio: float = 10.0
+    recent: int = 5
+    floor: float = 1e-2
+
+    def __post_init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Empty the window and forget the run's early level."""
         self.start: float | None = None
         """The run's early loss level: the lower median of its first ``warmup`` positive healthy losses."""
         self._early: list[float] = []
-        self.losses: deque[float] = deque(maxlen=window)
+        self.losses: deque[float] = deque(maxlen=self.window)
         # Logs of the window's positive losses, oldest first, taken once when a loss enters the window (the test
         # runs on every optimizer step).
         self._logs: deque[float] = deque()
         self._negative = 0
-        self._log_ratio = math.log(ratio)
+        self._log_ratio = math.log(self.ratio)
 
     def median(self) -> float | None:
         """The centre the next loss is compared with (on the log scale, of positive losses only); ``None``: none."""
@@ -104,7 +101,8 @@ class SpikeDetector:
         if len(self.losses) < max(self.warmup, 1):
             return False
         linear = self._negative > 0 or loss < 0
-        if not linear and (loss <= 0 or len(self._logs) < _MIN_POSITIVE):
+        # Fewer than 3 positive losses: a non-negative window's log scale cannot be trusted yet.
+        if not linear and (loss <= 0 or len(self._logs) < 3):
             return False
         values = self.losses if linear else self._logs
         latest = list(itertools.islice(reversed(values), self.recent))
@@ -122,14 +120,6 @@ class SpikeDetector:
         # of the centre.
         rise = value - statistics.median_low(latest)
         return rise > least and rise > self.zscore * _step_spread(list(values))
-
-    def clear(self) -> None:
-        """Empty the window and forget the run's early level."""
-        self.losses.clear()
-        self._logs.clear()
-        self._negative = 0
-        self.start = None
-        self._early = []
 
     def record(self, loss: float) -> None:
         """Add a healthy loss to the window."""
@@ -155,20 +145,14 @@ class SpikeDetector:
         return spike
 
 
-_MIN_POSITIVE = 3
-"""Positive losses a non-negative window needs before its log scale can be trusted."""
-
-_MAD_TO_SIGMA = 1.4826
-"""The MAD of a normal distribution times this is its standard deviation."""
-
-
 def _step_spread(values: list[float]) -> float:
     """Robust standard deviation of the noise of ``values`` from their consecutive differences, free of any trend."""
     if len(values) < 2:
         return 0.0
     steps = [b - a for a, b in zip(values, values[1:], strict=False)]
     trend = statistics.median(steps)
-    return _MAD_TO_SIGMA * statistics.median([abs(s - trend) for s in steps]) / math.sqrt(2)
+    # 1.4826 times the MAD of a normal distribution is its standard deviation.
+    return 1.4826 * statistics.median([abs(s - trend) for s in steps]) / math.sqrt(2)
 
 
 class LossSentinel:
@@ -226,15 +210,11 @@ class LossSentinel:
         self.discard()
 
     def check(self, step: int, grads: Sequence[Tensor] = (), scale: Tensor | None = None) -> Trip | None:
-        """Decide whether optimizer step ``step`` trips, with one host read (and one MAX all-reduce).
+        """Decide whether the optimizer step about to be taken trips, with one host read (and one MAX all-reduce).
 
-        Args:
-            step: The optimizer step about to be taken.
-            grads: Gradients to check for NaN/Inf (``"loss+grads"``); empty to skip.
-            scale: AMP loss scale the observed losses were multiplied by.
-
-        Returns:
-            The trip, or ``None``. Steps without any observed loss (``training_step`` returned ``None``) do not trip.
+        ``grads`` are checked for NaN/Inf (``"loss+grads"``; empty: skipped); ``scale`` is the AMP loss scale the
+        observed losses were multiplied by. A step without any observed loss (``training_step`` returned ``None``)
+        does not trip.
         """
         loss, self._loss = self._loss, None
         if loss is None:
@@ -320,33 +300,6 @@ class MicroBatch:
     rng: RngState
 
 
-@contextmanager
-def _restored(module: nn.Module, device: torch.device) -> Iterator[None]:
-    """What :func:`replay_step` promises to leave as it was, restored on exit."""
-    from torchmetrics import Metric
-
-    rng, python_state, numpy_state = capture_rng(device), random.getstate(), numpy.random.get_state()
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    metrics: list[tuple[Metric, dict[str, Any]]] = []
-    for m in module.modules():
-        if isinstance(m, Metric):
-            state = {name: _clone(value) for name, value in m.metric_state.items()}
-            metrics.append((m, {**state, "_update_count": m._update_count, "_computed": m._computed}))
-    try:
-        yield
-    finally:
-        # The random streams first: a buffer the step resized cannot be copied back, and raises.
-        restore_rng(rng, device)
-        random.setstate(python_state)
-        numpy.random.set_state(numpy_state)
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
-        for metric, saved_state in metrics:
-            for name, value in saved_state.items():
-                setattr(metric, name, value)
-
-
 def _clone(value: Any) -> Any:
     if isinstance(value, Tensor):
         return value.detach().clone()
@@ -392,10 +345,19 @@ def replay_step(
         >>> len(seen), net[0].weight.grad is None, hooks.attached
         (1, True, False)
     """
+    from torchmetrics import Metric
+
     params = [p for p in module.parameters() if p.requires_grad]
+    rng, python_state, numpy_state = capture_rng(device), random.getstate(), numpy.random.get_state()
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    metrics: list[tuple[Metric, dict[str, Any]]] = []
+    for m in module.modules():
+        if isinstance(m, Metric):
+            state = {name: _clone(value) for name, value in m.metric_state.items()}
+            metrics.append((m, {**state, "_update_count": m._update_count, "_computed": m._computed}))
     produced = 0
-    with _restored(module, device), torch.enable_grad():
-        try:
+    try:
+        with torch.enable_grad():
             hooks.attach()
             if trace is not None:
                 trace.attach()
@@ -408,8 +370,18 @@ def replay_step(
                         torch.autograd.grad(loss, params, allow_unused=True)
                 del loss
                 hooks.end_micro_batch()  # its backward is over: the companions keep its measurement
-        finally:
-            if trace is not None:
-                trace.remove()
-            hooks.remove()
+    finally:
+        if trace is not None:
+            trace.remove()
+        hooks.remove()
+        # The random streams first: a buffer the step resized cannot be copied back, and raises.
+        restore_rng(rng, device)
+        random.setstate(python_state)
+        numpy.random.set_state(numpy_state)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        for metric, saved_state in metrics:
+            for name, value in saved_state.items():
+                setattr(metric, name, value)
     return produced

@@ -24,7 +24,6 @@ from lightning_hookdiag.rules.alerts import AlertState
 from lightning_hookdiag.rules.config import RuleConfig
 from lightning_hookdiag.rules.context import Baseline, ParamFacts
 from lightning_hookdiag.rules.evaluation import evaluate, format_error, values_from_metrics
-from lightning_hookdiag.rules.findings import PHASES as PHASES
 from lightning_hookdiag.rules.findings import Finding
 from lightning_hookdiag.rules.gradients import cut_off
 from lightning_hookdiag.rules.parameters import moved_mass_bound

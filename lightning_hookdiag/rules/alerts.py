@@ -74,16 +74,13 @@ class AlertState:
         Raises:
             ValueError: If the state is malformed.
         """
-        active = state_dict.get("active", [])
-        counts = state_dict.get("counts", {})
-        pairs: set[tuple[str, str]] = set()
+        active, counts = state_dict.get("active", []), state_dict.get("counts", {})
         for pair in active:
             if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
                 raise ValueError(f"AlertState.load_state_dict: 'active' expects [rule, layer] pairs, got {pair!r}")
-            pairs.add((pair[0], pair[1]))
         if not isinstance(counts, Mapping) or not all(
             isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in counts.items()
         ):
             raise ValueError(f"AlertState.load_state_dict: 'counts' expects {{rule: count >= 0}}, got {counts!r}")
-        self._active = pairs
+        self._active = {(rule, layer) for rule, layer in active}
         self.counts = dict.fromkeys((r.name for r in registered()), 0) | dict(counts)

@@ -15,13 +15,11 @@ __all__ = ["RuleConfig"]
 Valid = Callable[[Any, "RuleConfig"], bool]
 
 
-def _setting(default: float, valid: str, ok: Valid, check: Callable[..., Any] = number) -> Any:
-    """A field that ``check`` validates: ``ok(value, config)``, ``valid`` formatted with the fields before it."""
-    return field(default=default, metadata={"valid": valid, "ok": ok, "check": check})
-
-
-def _count(default: int, valid: str, ok: Valid) -> Any:
-    return _setting(default, valid, ok, integer)
+def _setting(default: float, valid: str, ok: Valid) -> Any:
+    """A field valid if ``ok(value, config)`` (an integer if the default is); ``valid`` is formatted with the fields."""
+    return field(
+        default=default, metadata={"valid": valid, "ok": ok, "check": integer if type(default) is int else number}
+    )
 
 
 _UNIT_OPEN = ("a number in (0, 1)", lambda v, _: 0.0 < v < 1.0)
@@ -88,8 +86,8 @@ class RuleConfig:
     exploding_ratio: float = _setting(1e3, *_ABOVE_1)
     saturation_level: float = _setting(0.9, *_UNIT_OPEN)
     saturation_frac: float = _setting(0.5, *_UNIT_UPPER)
-    spike_window: int = _count(50, "an integer >= 3", lambda v, _: v >= 3)
-    spike_warmup: int = _count(
+    spike_window: int = _setting(50, "an integer >= 3", lambda v, _: v >= 3)
+    spike_warmup: int = _setting(
         20, "an integer in [3, spike_window={spike_window}]", lambda v, c: 3 <= v <= c.spike_window
     )
     spike_zscore: float = _setting(8.0, *_POSITIVE)
@@ -108,8 +106,8 @@ class RuleConfig:
         "a number in [0, attn_logit_threshold={attn_logit_threshold:g})",
         lambda v, c: 0.0 <= v < c.attn_logit_threshold,
     )
-    attn_trend_horizon: int = _count(10, "an integer >= 1", lambda v, _: v >= 1)
-    trend_window: int = _count(8, "an integer >= 3", lambda v, _: v >= 3)
+    attn_trend_horizon: int = _setting(10, "an integer >= 1", lambda v, _: v >= 1)
+    trend_window: int = _setting(8, "an integer >= 3", lambda v, _: v >= 3)
     logit_drift_nats: float = _setting(5.0, *_POSITIVE)
     drift_loss_tolerance: float = _setting(0.1, *_UNIT_OPEN)
     unbounded_growth: float = _setting(2.0, *_ABOVE_1)

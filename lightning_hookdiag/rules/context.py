@@ -6,14 +6,12 @@ import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning_hookdiag import trends
 from lightning_hookdiag.names import BATCH, ROOT, owning_layer
 from lightning_hookdiag.rules.config import RuleConfig
-
-if TYPE_CHECKING:  # the rules only read a Trip's fields; importing the sentinel at run time would import torch
-    from lightning_hookdiag.step_state import Trip
+from lightning_hookdiag.step_state import Trip
 
 __all__ = ["Baseline", "Context", "Orders", "ParamFacts", "finite", "first_positions"]
 

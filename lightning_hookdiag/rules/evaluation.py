@@ -5,16 +5,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning_hookdiag import trends
 from lightning_hookdiag.rules.config import RuleConfig
 from lightning_hookdiag.rules.context import Baseline, Context, Orders, ParamFacts
 from lightning_hookdiag.rules.findings import PHASES, Finding, plural
 from lightning_hookdiag.rules.registry import REGISTRY, registered
-
-if TYPE_CHECKING:  # the rules only read a Trip's fields; importing the sentinel at run time would import torch
-    from lightning_hookdiag.step_state import Trip
+from lightning_hookdiag.step_state import Trip
 
 __all__ = ["evaluate", "format_error", "values_from_metrics"]
 

@@ -46,17 +46,9 @@ class Rule:
         """The rule's findings on ``ctx``; none when a part of the context it reads is absent or empty."""
         if not all(getattr(ctx, part) for part in self.reads):
             return []
+        step, phase, stat = ctx.step, self.phase, self.stat
         return [
-            Finding(
-                self.name,
-                f.layer,
-                ctx.step,
-                float(f.value),
-                f.threshold,
-                f.message,
-                f.phase or self.phase,
-                f.stat or self.stat,
-            )
+            Finding(self.name, f.layer, step, float(f.value), f.threshold, f.message, f.phase or phase, f.stat or stat)
             for f in self.check(ctx)
         ]
 

@@ -6,8 +6,6 @@ did (``docs/sentinel.md``).
 
 from __future__ import annotations
 
-import math
-
 from lightning_hookdiag.names import LOSS
 from lightning_hookdiag.rules.activations import activation_scale
 from lightning_hookdiag.rules.context import Context
@@ -32,7 +30,6 @@ def loss_spike(ctx: Context) -> list[Found]:
         else f" rose far above{against or ' its recent values'}"
     )
     head = f"loss_spike: the loss {trip.loss:.3g} at step {ctx.step}{factor}"
-    stat, layer, growth = "loss", LOSS, math.nan
     if not trip.replayed:
         tail = f"; not replayed because {trip.reason}; step {ctx.step + 1} is sampled"
     elif ctx.baseline is None:
@@ -52,13 +49,10 @@ def loss_spike(ctx: Context) -> list[Found]:
                 f" in forward order to grow more than spike_growth={growth_limit:g}"
                 f"{also([n for n, _ in grown[1:]], ' after it', 'grown')}"
             )
-        else:
-            stat = "loss"
-            tail = (
-                f"; no observed layer's activation scale grew more than spike_growth={growth_limit:g} since step"
-                f" {ctx.baseline.step}, so the spike comes from the targets or the loss, not from the network"
-                " (inputs far off their usual scale would have grown the first layer)"
-            )
-    if layer == LOSS:
-        return [Found(LOSS, trip.loss, head + tail, trip.baseline or 0.0, stat=stat)]
-    return [Found(layer, growth, head + tail, growth_limit, stat=stat)]
+            return [Found(layer, growth, head + tail, growth_limit, stat=stat)]
+        tail = (
+            f"; no observed layer's activation scale grew more than spike_growth={growth_limit:g} since step"
+            f" {ctx.baseline.step}, so the spike comes from the targets or the loss, not from the network"
+            " (inputs far off their usual scale would have grown the first layer)"
+        )
+    return [Found(LOSS, trip.loss, head + tail, trip.baseline or 0.0)]

@@ -238,12 +238,11 @@ def test_the_global_hook_is_removed_when_the_replay_raises():
 
     def run(m):
         net(m.batch)
-        assert trace.attached
+        assert len(torch.nn.modules.module._global_forward_hooks) == 1
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
         SN.replay_step([micro], run, net, hooks, torch.device("cpu"), trace)
-    assert not trace.attached
     assert count_hooks(net) == 0
     assert len(torch.nn.modules.module._global_forward_hooks) == 0
 
