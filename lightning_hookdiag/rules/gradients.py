@@ -89,32 +89,13 @@ def _gradient_ratios(ctx: Context) -> tuple[str, float, list[tuple[str, float]]]
     return None
 
 
-def _input_side(rest: Sequence[tuple[str, float]], vanishing: bool) -> list[tuple[float, str]]:
-    """For each layer of ``rest`` (backward order), the extreme ratio over it and every layer after it.
-
-    The largest for vanishing (a residual stream carries the signal past q/k projections and zero-initialised
-    branches); the smallest positive one for exploding (an exact 0 is no signal at all, not a small one).
-    """
-    out: list[tuple[float, str]] = []
-    best: tuple[float, str] | None = None
-    for layer, ratio in reversed(rest):
-        if vanishing:
-            if best is None or ratio > best[0]:
-                best = (ratio, layer)
-        elif ratio > 0 and (best is None or ratio < best[0]):
-            best = (ratio, layer)
-        out.append(best if best is not None else (math.nan, layer))
-    return out[::-1]
-
-
-def _amplifier(ref_layer: str, rest: Sequence[tuple[str, float]], fired: str) -> tuple[str, str]:
+def _amplifier(ref_layer: str, upto: Sequence[tuple[str, float]]) -> tuple[str, str]:
     """``exploding_gradient``'s layer and the sentence saying where and how much the gradient grows.
 
-    ``rest``: every other layer's ratio to the output end (``ref_layer``), in backward order; ``fired``: the layer
-    from which the rule fired. Only the growth up to ``fired`` made it fire, so only it is measured.
+    ``upto``: the other layers' ratios to the output end (``ref_layer``), in backward order, up to the layer from which
+    the rule fired (the last): only the growth up to it made the rule fire, so only it is measured.
     """
-    names = [layer for layer, _ in rest]
-    upto = rest[: names.index(fired) + 1] if fired in names else list(rest)
+    fired = upto[-1][0]
     # Ratios to the output end give the same gains as the norms (zeros skipped). In a chain, the next layer's output
     # gradient is what a layer's backward (and any unobserved module's between them) makes of its own: it amplifies.
     chain = [(ref_layer, 1.0), *((layer, ratio) for layer, ratio in upto if ratio > 0)]
@@ -157,21 +138,27 @@ def _gradient_scale(ctx: Context, vanishing: bool) -> list[Found]:
         return []
     ref_layer, ref_norm, rest = ratios
     threshold = ctx.config.vanishing_ratio if vanishing else ctx.config.exploding_ratio
-    for i, ((layer, _), (ratio, extreme)) in enumerate(zip(rest, _input_side(rest, vanishing), strict=True)):
-        if (ratio < threshold) if vanishing else (ratio > threshold):
-            span = f"from {layer} to the input end ({plural(len(rest) - i, 'layer')})"
-            if vanishing:
-                title, named, where = "vanishing_gradient", layer, ""
-                what = (
-                    f"no layer {span} receives an output gradient of vanishing_ratio={threshold:g} times that of the"
-                    f" output end ({ref_layer}, {ref_norm:.3g}); the largest is {ratio:.3g} times, at {extreme}"
-                )
-            else:  # named where the gradient grows, not where the growth is first seen
-                title, (named, where) = "exploding_gradient", _amplifier(ref_layer, rest, layer)
-                what = (
-                    f"every layer {span} receives an output gradient more than exploding_ratio={threshold:g} times"
-                    f" that of the output end ({ref_layer}, {ref_norm:.3g}); the smallest is {ratio:.3g} times, at"
-                    f" {extreme}"
-                )
-            return [Found(named, ratio, f"{title} at step {ctx.step}: {what}{where}", threshold)]
-    return []
+    # The rule fires from the first layer whose input side (it and every layer after it in backward order) is past the
+    # threshold: its largest ratio below it for vanishing (a residual stream carries the signal past q/k projections
+    # and zero-initialised branches), its smallest positive one above it for exploding (an exact 0 is no signal at
+    # all, not a small one). That is the layer after the last one that is not past it.
+    within = [i for i, (_, r) in enumerate(rest) if (r >= threshold if vanishing else 0 < r <= threshold)]
+    i = within[-1] + 1 if within else 0
+    side = [(r, name) for name, r in reversed(rest[i:]) if vanishing or r > 0]  # a tie: the one nearest the input end
+    if not side:
+        return []
+    layer, (ratio, extreme) = rest[i][0], (max if vanishing else min)(side, key=lambda item: item[0])
+    span = f"from {layer} to the input end ({plural(len(rest) - i, 'layer')})"
+    if vanishing:
+        title, named, where = "vanishing_gradient", layer, ""
+        what = (
+            f"no layer {span} receives an output gradient of vanishing_ratio={threshold:g} times that of the output"
+            f" end ({ref_layer}, {ref_norm:.3g}); the largest is {ratio:.3g} times, at {extreme}"
+        )
+    else:  # named where the gradient grows, not where the growth is first seen
+        title, (named, where) = "exploding_gradient", _amplifier(ref_layer, rest[: i + 1])
+        what = (
+            f"every layer {span} receives an output gradient more than exploding_ratio={threshold:g} times that of"
+            f" the output end ({ref_layer}, {ref_norm:.3g}); the smallest is {ratio:.3g} times, at {extreme}"
+        )
+    return [Found(named, ratio, f"{title} at step {ctx.step}: {what}{where}", threshold)]
