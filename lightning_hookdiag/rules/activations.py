@@ -119,7 +119,6 @@ def precision_headroom(ctx: Context) -> Iterator[Found]:
                             phase,
                             stat,
                         )
-                break
 
 
 @rule(order=13, phase="forward", stat="act_std")

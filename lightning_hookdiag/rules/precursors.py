@@ -161,13 +161,12 @@ def _layer_update_norms(ctx: Context) -> dict[str, list[tuple[int, float]]]:
     by_step: dict[str, dict[int, list[float]]] = {}
     norms_now = ctx.stat("param_norm")
     for param, ratio in ctx.stat("param_update_ratio").items():
-        if param not in norms_now:
+        norm = norms_now.get(param)
+        if not (finite(ratio) and finite(norm)):
             continue
-        norm = norms_now[param]
-        ratios = dict(_points(ctx, "param_update_ratio", param, ratio)) if finite(ratio) else {}
-        norms = dict(_points(ctx, "param_norm", param, norm)) if finite(norm) else {}
+        norms = dict(_points(ctx, "param_norm", param, norm))
         steps = by_step.setdefault(ctx.orders.owner(param), {})
-        for step, r in ratios.items():
+        for step, r in dict(_points(ctx, "param_update_ratio", param, ratio)).items():
             if step in norms and r >= 0:
                 steps.setdefault(step, []).append((r * norms[step]) * (r * norms[step]))
     out: dict[str, list[tuple[int, float]]] = {}
