@@ -26,31 +26,25 @@ def _points(ctx: Context, stat: str, name: str, value: float, windows: int = 1) 
 @rule(order=16, phase="forward", stat="attn_logit_max")
 def attention_logits(ctx: Context) -> Iterator[Found]:
     """Logits at the threshold, or rising steadily towards it."""
-    config = ctx.config
-    limit = config.attn_logit_threshold
     for layer, value in ctx.stat("attn_logit_max").items():
-        if not finite(value):
-            continue
-        message = ""
-        if value >= limit:
-            message = (
-                f"attention_logits: the largest attention logit |q.k|*scale of {layer} is {value:.4g} at step"
-                f" {ctx.step}, at or above attn_logit_threshold={limit:g} (the softmax is close to one-hot; qk-norm"
-                " or a lower learning rate keeps it bounded)"
-            )
-        elif value >= config.attn_trend_floor:
-            message = _attention_trend(ctx, layer, value)
+        message = _attention_message(ctx, layer, value) if finite(value) else ""
         if message:
-            yield Found(layer, value, message, limit)
+            yield Found(layer, value, message, ctx.config.attn_logit_threshold)
 
 
-def _attention_trend(ctx: Context, layer: str, value: float) -> str:
-    """The message of a steady rise projected to cross the threshold soon, or ``""``."""
-    config = ctx.config
-    points = _points(ctx, "attn_logit_max", layer, value)
+def _attention_message(ctx: Context, layer: str, value: float) -> str:
+    """The message of a logit at the threshold, or of a steady rise projected to cross it soon; else ``""``."""
+    config, limit = ctx.config, ctx.config.attn_logit_threshold
+    if value >= limit:
+        return (
+            f"attention_logits: the largest attention logit |q.k|*scale of {layer} is {value:.4g} at step"
+            f" {ctx.step}, at or above attn_logit_threshold={limit:g} (the softmax is close to one-hot; qk-norm"
+            " or a lower learning rate keeps it bounded)"
+        )
+    points = _points(ctx, "attn_logit_max", layer, value) if value >= config.attn_trend_floor else []
     if len(points) < config.trend_window or trends.rising_share(points) < 0.75:
         return ""
-    crossing = trends.crossing_step(points, config.attn_logit_threshold)
+    crossing = trends.crossing_step(points, limit)
     if crossing is None:
         return ""
     spacing = statistics.median([b[0] - a[0] for a, b in zip(points, points[1:], strict=False)])
@@ -60,7 +54,7 @@ def _attention_trend(ctx: Context, layer: str, value: float) -> str:
     return (
         f"attention_logits: the largest attention logit of {layer} rose from {first:.4g} at step {first_step} to"
         f" {value:.4g} at step {ctx.step} and, at its rate of {trends.log_slope(points):.3g} (log per step), crosses"
-        f" attn_logit_threshold={config.attn_logit_threshold:g} at about step {crossing}"
+        f" attn_logit_threshold={limit:g} at about step {crossing}"
     )
 
 
@@ -141,12 +135,11 @@ def unbounded_loss(ctx: Context) -> Iterator[Found]:
             and logits[1] < logits[2]
         ):
             continue
-        (start, _), (end, _) = points[0], points[-1]
         yield Found(
             layer,
             logits[2] / logits[0],
             f"unbounded_loss: the loss fell from {early:.4g} to {late:.4g} (medians of the first and last thirds of"
-            f" steps {start} to {end}) and keeps falling while the largest |logit| of {layer} grew"
+            f" steps {points[0][0]} to {points[-1][0]}) and keeps falling while the largest |logit| of {layer} grew"
             f" {logits[2] / logits[0]:.3g}x, from {logits[0]:.3g} to {logits[2]:.3g} (unbounded_growth={growth:g}); the"
             f" loss fell {(early - late) / grown:.3g} per unit of logit, more than a loss with probability targets can:"
             " the loss has no minimum, so the logits grow without bound. A loss of a bounded family (cross-entropy,"
