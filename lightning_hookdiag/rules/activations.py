@@ -23,8 +23,8 @@ SATURATING_TYPES: tuple[str, ...] = ("Tanh", "Sigmoid")
 @rule(order=2, phase="forward", stat="training", reads=["eval_mode"])
 def eval_mode(ctx: Context) -> Iterator[Found]:
     """The first module, in forward order, that ran in eval mode in a training step."""
-    given = {name: i for i, name in enumerate(ctx.eval_mode)}
-    names = sorted(given, key=lambda n: (*ctx.orders.forward_key(n)[:2], given[n]))
+    # A stable sort: modules of unknown position stay in the order they were given.
+    names = sorted(ctx.eval_mode, key=lambda n: ctx.orders.forward_key(n)[:2])
     first, kind = names[0], ctx.eval_mode[names[0]]
     effect = (
         "drops nothing, so the regularisation the model was built with is off"
@@ -130,8 +130,7 @@ def input_scale(ctx: Context) -> Iterator[Found]:
         return
     limit = ctx.config.input_scale_limit
     stat, scale = activation_scale(ctx.values)
-    ran = [layer for layer in scale if layer in ctx.orders.forward]
-    first = min(ran, key=ctx.orders.forward_key, default=None)
+    first = min((layer for layer in scale if layer in ctx.orders.forward), key=ctx.orders.forward_key, default=None)
     if first is not None and scale[first] > limit:
         yield Found(
             first,

@@ -45,10 +45,8 @@ def cut_off(
     if not reached:
         return []
     first = min(reached)
-    learning = set()
-    if param_grad_norm:
-        layers = set(forward)
-        learning = {owning_layer(p, layers) for p, norm in param_grad_norm.items() if finite(norm) and norm > 0}
+    grads = (param_grad_norm or {}).items()
+    learning = {owning_layer(p, forward) for p, norm in grads if finite(norm) and norm > 0}
     return sorted(
         (n for n in missing_grads if forward.get(n, first) < first and n not in learning), key=forward.__getitem__
     )
