@@ -109,13 +109,13 @@ def _amplifier(ref_layer: str, upto: Sequence[tuple[str, float]]) -> tuple[str, 
     share = min(1.0, math.log(gain) / math.log(total)) if gain > 1 and finite(total) and total > 1 else math.nan
     others = "" if not finite(median) else f"; the median of the other gains between consecutive layers is {median:.3g}"
     part = "" if not finite(share) else f", {share:.0%} of the orders of magnitude gained from the output end"
-    gains = (
+    most = (
         f"{nxt}'s output gradient, the next observed one in backward order, is {gain:.3g} times {layer}'s (a layer"
         f" that keeps the gradient's scale has a gain near 1){part}{others}"
     )
     if finite(share) and share >= 0.5:
-        return layer, f". The gradient grows most in the backward of {layer}: {gains}"
-    return fired, f". The growth is spread over the layers up to {fired}, none holding most of it; the largest: {gains}"
+        return layer, f". The gradient grows most in the backward of {layer}: {most}"
+    return fired, f". The growth is spread over the layers up to {fired}, none holding most of it; the largest: {most}"
 
 
 @rule(order=5, phase="backward", stat="act_grad_norm")

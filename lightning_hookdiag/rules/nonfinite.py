@@ -43,13 +43,12 @@ def nonfinite(ctx: Context) -> list[Found]:
     # A step that was not replayed always says so; a replayed one only when its statistics explain nothing.
     if trip is not None and trip.kind in ("nonfinite_loss", "nonfinite_grad") and not (found and trip.replayed):
         what = "loss" if trip.kind == "nonfinite_loss" else "parameter gradients"
-        if trip.replayed:
-            detail = (
-                "the observed layers' outputs and output gradients stayed finite, so the NaN/Inf arose outside them"
-                " (in the loss function, in a module that is not selected, or in a non-deterministic op)"
-            )
-        else:
-            detail = f"not replayed because {trip.reason}; step {ctx.step + 1} is sampled"
+        detail = (
+            "the observed layers' outputs and output gradients stayed finite, so the NaN/Inf arose outside them"
+            " (in the loss function, in a module that is not selected, or in a non-deterministic op)"
+            if trip.replayed
+            else f"not replayed because {trip.reason}; step {ctx.step + 1} is sampled"
+        )
         message = f"nonfinite: non-finite {what} at step {ctx.step}{_last_finite_loss(ctx)}; {detail}"
         found.append(Found(LOSS, 1.0, message, stat="loss"))
     return found
@@ -133,10 +132,9 @@ def _nonfinite_weights(ctx: Context) -> Found | None:
     owners = ctx.orders.owners(bad)
     known = [ctx.last_finite[p] for p in bad if p in ctx.last_finite]
     when = f"; they were last observed finite at step {max(known)}" if known else ""
-    trip = ctx.trip
     if known and max(known) == ctx.step - 1:
         when += f", before its optimizer step: step {ctx.step - 1}'s update made them non-finite"
-    elif trip is not None and trip.last_finite_step == ctx.step - 1 and trip.kind == "nonfinite_loss":
+    elif ctx.trip is not None and ctx.trip.last_finite_step == ctx.step - 1 and ctx.trip.kind == "nonfinite_loss":
         when += (
             f"; the loss of step {ctx.step - 1} was still finite, so step {ctx.step - 1}'s optimizer update most"
             " likely made them non-finite"
