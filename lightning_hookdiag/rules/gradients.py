@@ -61,14 +61,13 @@ def no_gradient(ctx: Context) -> Iterator[Found]:
     if cut:
         first, last = cut[0], cut[-1]
         reached = min((n for n in backward if n in ctx.orders.forward), key=ctx.orders.forward.__getitem__)
-        yield Found(
-            first,
-            len(cut),
+        message = (
             f"no_gradient at step {ctx.step}: the output of {first} required grad but received no gradient, while"
             f" {reached}, later in forward order, did: the gradient stops between {last} and {reached} (a .detach(),"
             f" or an output that does not reach the loss), so {first} and what runs before the cut do not learn"
-            f"{also(cut[1:], ' after it', 'cut off')}",
+            f"{also(cut[1:], ' after it', 'cut off')}"
         )
+        yield Found(first, len(cut), message)
 
 
 def _gradient_ratios(ctx: Context) -> tuple[str, float, list[tuple[str, float]]] | None:

@@ -66,16 +66,13 @@ def _nonfinite_batch(ctx: Context) -> Found:
     bad = list(ctx.trip.bad_batch)
     held = ", ".join(f"{path} holds {n:g} NaN/Inf of its {size:g} elements" for path, n, size in bad[:3])
     more = f" (and {plural(len(bad) - 3, 'more tensor')})" if len(bad) > 3 else ""
-    return Found(
-        BATCH,
-        sum(n for _, n, _ in bad),
+    message = (
         f"nonfinite: the data is non-finite: the batch of step {ctx.step} already held NaN/Inf before any layer ran:"
         f" {held}{more}. Every layer computed from it is non-finite as a consequence and is not blamed; look at the"
         " data pipeline (a standardisation by a per-feature std that is 0 for a constant feature, a log of 0,"
-        " missing values read as NaN)",
-        phase="forward",
-        stat="batch_nonfinite",
+        " missing values read as NaN)"
     )
+    return Found(BATCH, sum(n for _, n, _ in bad), message, phase="forward", stat="batch_nonfinite")
 
 
 def _broken_by_step(ctx: Context) -> list[Found]:

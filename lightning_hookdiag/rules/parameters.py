@@ -291,28 +291,25 @@ def replica_divergence(ctx: Context) -> Iterator[Found]:
     for owner, found in apart.items():
         spread = max((high - low) / high for _, low, high in found)
         norms = ", ".join(f"{p} {low:.9g} to {high:.9g}" for p, low, high in found[:MAX_LISTED])
-        yield Found(
-            owner,
-            spread,
+        message = (
             f"replica_divergence: the weights of {owner} differ between processes before step {ctx.step}:"
             f" {plural(len(found), 'replicated parameter')} {'has' if len(found) == 1 else 'have'} different norms on"
             f" different processes ({norms}{', ...' if len(found) > MAX_LISTED else ''}; relative difference up to"
             f" {spread:.3g} > replica_rtol={rtol:g}). DDP replicas must be identical: a rank-dependent update or a"
-            " weight changed on one process only makes each process train its own model",
-            rtol,
+            " weight changed on one process only makes each process train its own model"
         )
+        yield Found(owner, spread, message, rtol)
 
 
 @rule(order=21, phase="forward", stat="registration", reads=["unregistered"])
 def unregistered_module(ctx: Context) -> Iterator[Found]:
     """Layers with trainable parameters ran in the forward without being submodules."""
     for parent, modules in ctx.unregistered.items():
-        yield Found(
-            parent,
-            len(modules),
+        message = (
             f"unregistered_module at step {ctx.step}: the forward of {parent} ran {plural(len(modules), 'module')} with"
             f" trainable parameters outside its registered submodules: {listing(list(modules))}. self.parameters()"
             " does not yield their parameters, so no optimizer built from it updates them, no checkpoint saves them"
             " and .to(device) does not move them; hold layers in nn.ModuleList / nn.ModuleDict, not in a Python list"
-            " or dict",
+            " or dict"
         )
+        yield Found(parent, len(modules), message)

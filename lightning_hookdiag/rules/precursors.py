@@ -80,15 +80,13 @@ def logit_drift(ctx: Context) -> Iterator[Found]:
                 continue
             drift, change = value - first, abs(loss - old_loss)
             if abs(drift) >= config.logit_drift_nats and change <= config.drift_loss_tolerance * abs(old_loss):
-                yield Found(
-                    layer,
-                    drift,
+                message = (
                     f"logit_drift: the output logits of {layer} drifted: log Z (logit_lse_mean) moved by {drift:+.3g}"
                     f" nats from step {start} to step {ctx.step} (logit_drift_nats={config.logit_drift_nats:g}) while"
                     f" the loss changed by {change:.3g} (from {old_loss:.4g}); the softmax does not pin log Z, a z-loss"
-                    " (1e-4 * log Z**2) does",
-                    config.logit_drift_nats,
+                    " (1e-4 * log Z**2) does"
                 )
+                yield Found(layer, drift, message, config.logit_drift_nats)
                 break
 
 
@@ -135,18 +133,16 @@ def unbounded_loss(ctx: Context) -> Iterator[Found]:
             and logits[1] < logits[2]
         ):
             continue
-        yield Found(
-            layer,
-            logits[2] / logits[0],
+        message = (
             f"unbounded_loss: the loss fell from {early:.4g} to {late:.4g} (medians of the first and last thirds of"
             f" steps {points[0][0]} to {points[-1][0]}) and keeps falling while the largest |logit| of {layer} grew"
             f" {logits[2] / logits[0]:.3g}x, from {logits[0]:.3g} to {logits[2]:.3g} (unbounded_growth={growth:g}); the"
             f" loss fell {(early - late) / grown:.3g} per unit of logit, more than a loss with probability targets can:"
             " the loss has no minimum, so the logits grow without bound. A loss of a bounded family (cross-entropy,"
             " BCE) below 0 means targets outside its domain: BCEWithLogits on 0/255 masks (divide by 255), labels that"
-            " are not probabilities",
-            growth,
+            " are not probabilities"
         )
+        yield Found(layer, logits[2] / logits[0], message, growth)
 
 
 def _layer_update_norms(ctx: Context) -> dict[str, list[tuple[int, float]]]:
@@ -187,12 +183,10 @@ def update_jump(ctx: Context) -> Iterator[Found]:
     typical = statistics.median([j for j, _ in jumps.values()])
     for layer, (jump, own) in jumps.items():
         if jump >= config.update_jump_ratio and jump >= config.update_jump_ratio * typical:
-            yield Found(
-                layer,
-                jump,
+            message = (
                 f"update_jump: the optimizer update of {layer} at step {ctx.step} (the norm of its parameters' change)"
                 f" is {jump:.3g}x the median {own:.3g} of its last {config.trend_window - 1} sampled updates"
                 f" (update_jump_ratio={config.update_jump_ratio:g}; the median layer's is {typical:.3g}x), a precursor"
-                " of a loss spike",
-                config.update_jump_ratio,
+                " of a loss spike"
             )
+            yield Found(layer, jump, message, config.update_jump_ratio)
