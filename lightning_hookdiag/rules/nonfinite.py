@@ -61,7 +61,6 @@ def _last_finite_loss(ctx: Context) -> str:
 
 
 def _nonfinite_batch(ctx: Context) -> Found:
-    """The tensors of the step's batch that hold NaN/Inf (the sentinel counted them)."""
     assert ctx.trip is not None
     bad = list(ctx.trip.bad_batch)
     held = ", ".join(f"{path} holds {n:g} NaN/Inf of its {size:g} elements" for path, n, size in bad[:3])
@@ -99,7 +98,6 @@ def _broken_by_step(ctx: Context) -> list[Found]:
 
 
 def _step_cause(fact: ParamFacts | None) -> str:
-    """The likely cause of an optimizer step that broke finite weights, from the param group's facts."""
     if fact is None or not fact.held:
         return "Likely an eps or a learning rate below what the weights' dtype can hold, or an update beyond its range"
     dtype, tiny = fact.dtype, fact.tiny
@@ -122,7 +120,6 @@ def _step_cause(fact: ParamFacts | None) -> str:
 
 
 def _nonfinite_weights(ctx: Context) -> Found | None:
-    """The parameters whose weights are already NaN/Inf before the step, if any."""
     bad = _nonfinite(ctx.stat("param_norm").items())
     if not bad:
         return None
