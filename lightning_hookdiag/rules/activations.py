@@ -23,8 +23,8 @@ SATURATING_TYPES: tuple[str, ...] = ("Tanh", "Sigmoid")
 @rule(order=2, phase="forward", stat="training", reads=["eval_mode"])
 def eval_mode(ctx: Context) -> Iterator[Found]:
     """The first module, in forward order, that ran in eval mode in a training step."""
-    given = {name: i for i, name in enumerate(ctx.eval_mode)}
-    names = sorted(given, key=lambda n: (*ctx.orders.forward_key(n)[:2], given[n]))
+    # A stable sort: modules of unknown position stay in the order they were given.
+    names = sorted(ctx.eval_mode, key=lambda n: ctx.orders.forward_key(n)[:2])
     first, kind = names[0], ctx.eval_mode[names[0]]
     effect = (
         "drops nothing, so the regularisation the model was built with is off"
@@ -34,13 +34,12 @@ def eval_mode(ctx: Context) -> Iterator[Found]:
     others = [f"{n} ({ctx.eval_mode[n]})" for n in names[1:]]
     verb = "is" if len(others) == 1 else "are"
     also = f"; {plural(len(others), 'more module')} {verb} in eval mode too: {listing(others)}" if others else ""
-    yield Found(
-        first,
-        len(names),
+    message = (
         f"eval_mode at step {ctx.step}: {first} ({kind}) ran with training=False in a training step while the"
         f" parameters it trains require grad: it {effect}. Is a model.eval() of an inner evaluation left on? Call"
-        f" .train() after it{also}",
+        f" .train() after it{also}"
     )
+    yield Found(first, len(names), message)
 
 
 @rule(order=3, phase="forward", stat="act_dead_frac")
@@ -50,13 +49,11 @@ def dead_units(ctx: Context) -> Iterator[Found]:
     for layer, frac in ctx.stat("act_dead_frac").items():
         # NaN (a layer whose units are not tracked) compares False and is skipped with the rest.
         if finite(frac) and frac >= threshold:
-            yield Found(
-                layer,
-                frac,
+            message = (
                 f"dead_units: {frac:.1%} of the units of {layer} were <= 0 for every sample of step {ctx.step}"
-                f" (dead_frac_threshold={threshold:g})",
-                threshold,
+                f" (dead_frac_threshold={threshold:g})"
             )
+            yield Found(layer, frac, message, threshold)
 
 
 @rule(order=7, phase="forward", stat="act_std")
@@ -74,14 +71,12 @@ def saturation(ctx: Context) -> Iterator[Found]:
         bound = min(1.0, max(0.0, (m2 - level * level) / (1 - level * level)))
         if bound >= frac:
             z = "|y|" if kind == "Tanh" else "|2y - 1|"
-            yield Found(
-                layer,
-                bound,
+            message = (
                 f"saturation: at least {bound:.1%} of the outputs of {layer} ({kind}) have {z} > {level:g} at step"
                 f" {ctx.step} (from act_mean={mean:.3g}, act_std={std:.3g}; saturation_frac={frac:g}): their local"
-                f" gradient is below {1 - level * level:.0%} of its maximum",
-                frac,
+                f" gradient is below {1 - level * level:.0%} of its maximum"
             )
+            yield Found(layer, bound, message, frac)
 
 
 def activation_scale(values: Mapping[str, Mapping[str, float]]) -> tuple[str, dict[str, float]]:
@@ -109,17 +104,12 @@ def precision_headroom(ctx: Context) -> Iterator[Found]:
             if stat.startswith(head):
                 for layer, frac in per_layer.items():
                     if finite(frac) and frac > threshold:
-                        yield Found(
-                            layer,
-                            frac,
+                        message = (
                             f"precision_headroom: {frac:.3g} of the non-zero {what} of {layer} at step {ctx.step}"
                             f" would overflow {stat[len(head) :]} or sit within 2x of its maximum"
-                            f" (overflow_frac_threshold={threshold:g})",
-                            threshold,
-                            phase,
-                            stat,
+                            f" (overflow_frac_threshold={threshold:g})"
                         )
-                break
+                        yield Found(layer, frac, message, threshold, phase, stat)
 
 
 @rule(order=13, phase="forward", stat="act_std")
@@ -131,18 +121,14 @@ def input_scale(ctx: Context) -> Iterator[Found]:
         return
     limit = ctx.config.input_scale_limit
     stat, scale = activation_scale(ctx.values)
-    ran = [layer for layer in scale if layer in ctx.orders.forward]
-    first = min(ran, key=ctx.orders.forward_key, default=None)
+    first = min((layer for layer in scale if layer in ctx.orders.forward), key=ctx.orders.forward_key, default=None)
     if first is not None and scale[first] > limit:
-        yield Found(
-            first,
-            scale[first],
+        message = (
             f"input_scale: the outputs of {first}, the first layer in forward order, have an RMS of {scale[first]:.3g}"
             f" at step {ctx.step}, the first sampled step of the fit (input_scale_limit={limit:g}): its inputs are"
-            " likely far from unit scale (raw 0-255 pixels, unnormalised features); scale them to mean 0 and std 1",
-            limit,
-            stat=stat,
+            " likely far from unit scale (raw 0-255 pixels, unnormalised features); scale them to mean 0 and std 1"
         )
+        yield Found(first, scale[first], message, limit, stat=stat)
 
 
 @rule(order=20, phase="forward", stat="batch_repeated")

@@ -45,10 +45,8 @@ def cut_off(
     if not reached:
         return []
     first = min(reached)
-    learning = set()
-    if param_grad_norm:
-        layers = set(forward)
-        learning = {owning_layer(p, layers) for p, norm in param_grad_norm.items() if finite(norm) and norm > 0}
+    grads = (param_grad_norm or {}).items()
+    learning = {owning_layer(p, forward) for p, norm in grads if finite(norm) and norm > 0}
     return sorted(
         (n for n in missing_grads if forward.get(n, first) < first and n not in learning), key=forward.__getitem__
     )
@@ -63,14 +61,13 @@ def no_gradient(ctx: Context) -> Iterator[Found]:
     if cut:
         first, last = cut[0], cut[-1]
         reached = min((n for n in backward if n in ctx.orders.forward), key=ctx.orders.forward.__getitem__)
-        yield Found(
-            first,
-            len(cut),
+        message = (
             f"no_gradient at step {ctx.step}: the output of {first} required grad but received no gradient, while"
             f" {reached}, later in forward order, did: the gradient stops between {last} and {reached} (a .detach(),"
             f" or an output that does not reach the loss), so {first} and what runs before the cut do not learn"
-            f"{also(cut[1:], ' after it', 'cut off')}",
+            f"{also(cut[1:], ' after it', 'cut off')}"
         )
+        yield Found(first, len(cut), message)
 
 
 def _gradient_ratios(ctx: Context) -> tuple[str, float, list[tuple[str, float]]] | None:
@@ -89,32 +86,13 @@ def _gradient_ratios(ctx: Context) -> tuple[str, float, list[tuple[str, float]]]
     return None
 
 
-def _input_side(rest: Sequence[tuple[str, float]], vanishing: bool) -> list[tuple[float, str]]:
-    """For each layer of ``rest`` (backward order), the extreme ratio over it and every layer after it.
-
-    The largest for vanishing (a residual stream carries the signal past q/k projections and zero-initialised
-    branches); the smallest positive one for exploding (an exact 0 is no signal at all, not a small one).
-    """
-    out: list[tuple[float, str]] = []
-    best: tuple[float, str] | None = None
-    for layer, ratio in reversed(rest):
-        if vanishing:
-            if best is None or ratio > best[0]:
-                best = (ratio, layer)
-        elif ratio > 0 and (best is None or ratio < best[0]):
-            best = (ratio, layer)
-        out.append(best if best is not None else (math.nan, layer))
-    return out[::-1]
-
-
-def _amplifier(ref_layer: str, rest: Sequence[tuple[str, float]], fired: str) -> tuple[str, str]:
+def _amplifier(ref_layer: str, upto: Sequence[tuple[str, float]]) -> tuple[str, str]:
     """``exploding_gradient``'s layer and the sentence saying where and how much the gradient grows.
 
-    ``rest``: every other layer's ratio to the output end (``ref_layer``), in backward order; ``fired``: the layer
-    from which the rule fired. Only the growth up to ``fired`` made it fire, so only it is measured.
+    ``upto``: the other layers' ratios to the output end (``ref_layer``), in backward order, up to the layer from which
+    the rule fired (the last): only the growth up to it made the rule fire, so only it is measured.
     """
-    names = [layer for layer, _ in rest]
-    upto = rest[: names.index(fired) + 1] if fired in names else list(rest)
+    fired = upto[-1][0]
     # Ratios to the output end give the same gains as the norms (zeros skipped). In a chain, the next layer's output
     # gradient is what a layer's backward (and any unobserved module's between them) makes of its own: it amplifies.
     chain = [(ref_layer, 1.0), *((layer, ratio) for layer, ratio in upto if ratio > 0)]
@@ -130,13 +108,13 @@ def _amplifier(ref_layer: str, rest: Sequence[tuple[str, float]], fired: str) ->
     share = min(1.0, math.log(gain) / math.log(total)) if gain > 1 and finite(total) and total > 1 else math.nan
     others = "" if not finite(median) else f"; the median of the other gains between consecutive layers is {median:.3g}"
     part = "" if not finite(share) else f", {share:.0%} of the orders of magnitude gained from the output end"
-    gains = (
+    most = (
         f"{nxt}'s output gradient, the next observed one in backward order, is {gain:.3g} times {layer}'s (a layer"
         f" that keeps the gradient's scale has a gain near 1){part}{others}"
     )
     if finite(share) and share >= 0.5:
-        return layer, f". The gradient grows most in the backward of {layer}: {gains}"
-    return fired, f". The growth is spread over the layers up to {fired}, none holding most of it; the largest: {gains}"
+        return layer, f". The gradient grows most in the backward of {layer}: {most}"
+    return fired, f". The growth is spread over the layers up to {fired}, none holding most of it; the largest: {most}"
 
 
 @rule(order=5, phase="backward", stat="act_grad_norm")
@@ -157,21 +135,27 @@ def _gradient_scale(ctx: Context, vanishing: bool) -> list[Found]:
         return []
     ref_layer, ref_norm, rest = ratios
     threshold = ctx.config.vanishing_ratio if vanishing else ctx.config.exploding_ratio
-    for i, ((layer, _), (ratio, extreme)) in enumerate(zip(rest, _input_side(rest, vanishing), strict=True)):
-        if (ratio < threshold) if vanishing else (ratio > threshold):
-            span = f"from {layer} to the input end ({plural(len(rest) - i, 'layer')})"
-            if vanishing:
-                title, named, where = "vanishing_gradient", layer, ""
-                what = (
-                    f"no layer {span} receives an output gradient of vanishing_ratio={threshold:g} times that of the"
-                    f" output end ({ref_layer}, {ref_norm:.3g}); the largest is {ratio:.3g} times, at {extreme}"
-                )
-            else:  # named where the gradient grows, not where the growth is first seen
-                title, (named, where) = "exploding_gradient", _amplifier(ref_layer, rest, layer)
-                what = (
-                    f"every layer {span} receives an output gradient more than exploding_ratio={threshold:g} times"
-                    f" that of the output end ({ref_layer}, {ref_norm:.3g}); the smallest is {ratio:.3g} times, at"
-                    f" {extreme}"
-                )
-            return [Found(named, ratio, f"{title} at step {ctx.step}: {what}{where}", threshold)]
-    return []
+    # The rule fires from the first layer whose input side (it and every layer after it in backward order) is past the
+    # threshold: its largest ratio below it for vanishing (a residual stream carries the signal past q/k projections
+    # and zero-initialised branches), its smallest positive one above it for exploding (an exact 0 is no signal at
+    # all, not a small one). That is the layer after the last one that is not past it.
+    within = [i for i, (_, r) in enumerate(rest) if (r >= threshold if vanishing else 0 < r <= threshold)]
+    i = within[-1] + 1 if within else 0
+    side = [(r, name) for name, r in reversed(rest[i:]) if vanishing or r > 0]  # a tie: the one nearest the input end
+    if not side:
+        return []
+    layer, (ratio, extreme) = rest[i][0], (max if vanishing else min)(side, key=lambda item: item[0])
+    span = f"from {layer} to the input end ({plural(len(rest) - i, 'layer')})"
+    if vanishing:
+        title, named, where = "vanishing_gradient", layer, ""
+        what = (
+            f"no layer {span} receives an output gradient of vanishing_ratio={threshold:g} times that of the output"
+            f" end ({ref_layer}, {ref_norm:.3g}); the largest is {ratio:.3g} times, at {extreme}"
+        )
+    else:  # named where the gradient grows, not where the growth is first seen
+        title, (named, where) = "exploding_gradient", _amplifier(ref_layer, rest[: i + 1])
+        what = (
+            f"every layer {span} receives an output gradient more than exploding_ratio={threshold:g} times that of"
+            f" the output end ({ref_layer}, {ref_norm:.3g}); the smallest is {ratio:.3g} times, at {extreme}"
+        )
+    return [Found(named, ratio, f"{title} at step {ctx.step}: {what}{where}", threshold)]

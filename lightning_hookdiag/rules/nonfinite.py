@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 
 from lightning_hookdiag.names import BATCH, LOSS, ROOT
 from lightning_hookdiag.rules.context import Context, ParamFacts, finite
@@ -14,17 +14,6 @@ from lightning_hookdiag.rules.findings import also, listing, plural, spread
 from lightning_hookdiag.rules.registry import Found, rule
 
 __all__: list[str] = []
-
-
-def _origin(
-    ctx: Context, bad: Mapping[str, float], phase: str, stat: str, describe: Callable[[str, list[str]], str]
-) -> Found | None:
-    """The finding for the earliest of the ``bad`` layers in ``phase`` order (``describe(origin, others)``), if any."""
-    if not bad:
-        return None
-    key = ctx.orders.forward_key if phase == "forward" else ctx.orders.backward_key
-    origin, *others = sorted(bad, key=key)
-    return Found(origin, bad[origin], describe(origin, others), phase=phase, stat=stat)
 
 
 def _nonfinite(values: Iterable[tuple[str, object]]) -> list[str]:
@@ -54,13 +43,12 @@ def nonfinite(ctx: Context) -> list[Found]:
     # A step that was not replayed always says so; a replayed one only when its statistics explain nothing.
     if trip is not None and trip.kind in ("nonfinite_loss", "nonfinite_grad") and not (found and trip.replayed):
         what = "loss" if trip.kind == "nonfinite_loss" else "parameter gradients"
-        if trip.replayed:
-            detail = (
-                "the observed layers' outputs and output gradients stayed finite, so the NaN/Inf arose outside them"
-                " (in the loss function, in a module that is not selected, or in a non-deterministic op)"
-            )
-        else:
-            detail = f"not replayed because {trip.reason}; step {ctx.step + 1} is sampled"
+        detail = (
+            "the observed layers' outputs and output gradients stayed finite, so the NaN/Inf arose outside them"
+            " (in the loss function, in a module that is not selected, or in a non-deterministic op)"
+            if trip.replayed
+            else f"not replayed because {trip.reason}; step {ctx.step + 1} is sampled"
+        )
         message = f"nonfinite: non-finite {what} at step {ctx.step}{_last_finite_loss(ctx)}; {detail}"
         found.append(Found(LOSS, 1.0, message, stat="loss"))
     return found
@@ -73,21 +61,17 @@ def _last_finite_loss(ctx: Context) -> str:
 
 
 def _nonfinite_batch(ctx: Context) -> Found:
-    """The tensors of the step's batch that hold NaN/Inf (the sentinel counted them)."""
     assert ctx.trip is not None
     bad = list(ctx.trip.bad_batch)
     held = ", ".join(f"{path} holds {n:g} NaN/Inf of its {size:g} elements" for path, n, size in bad[:3])
     more = f" (and {plural(len(bad) - 3, 'more tensor')})" if len(bad) > 3 else ""
-    return Found(
-        BATCH,
-        sum(n for _, n, _ in bad),
+    message = (
         f"nonfinite: the data is non-finite: the batch of step {ctx.step} already held NaN/Inf before any layer ran:"
         f" {held}{more}. Every layer computed from it is non-finite as a consequence and is not blamed; look at the"
         " data pipeline (a standardisation by a per-feature std that is 0 for a constant feature, a log of 0,"
-        " missing values read as NaN)",
-        phase="forward",
-        stat="batch_nonfinite",
+        " missing values read as NaN)"
     )
+    return Found(BATCH, sum(n for _, n, _ in bad), message, phase="forward", stat="batch_nonfinite")
 
 
 def _broken_by_step(ctx: Context) -> list[Found]:
@@ -114,7 +98,6 @@ def _broken_by_step(ctx: Context) -> list[Found]:
 
 
 def _step_cause(fact: ParamFacts | None) -> str:
-    """The likely cause of an optimizer step that broke finite weights, from the param group's facts."""
     if fact is None or not fact.held:
         return "Likely an eps or a learning rate below what the weights' dtype can hold, or an update beyond its range"
     dtype, tiny = fact.dtype, fact.tiny
@@ -137,17 +120,15 @@ def _step_cause(fact: ParamFacts | None) -> str:
 
 
 def _nonfinite_weights(ctx: Context) -> Found | None:
-    """The parameters whose weights are already NaN/Inf before the step, if any."""
     bad = _nonfinite(ctx.stat("param_norm").items())
     if not bad:
         return None
     owners = ctx.orders.owners(bad)
     known = [ctx.last_finite[p] for p in bad if p in ctx.last_finite]
     when = f"; they were last observed finite at step {max(known)}" if known else ""
-    trip = ctx.trip
     if known and max(known) == ctx.step - 1:
         when += f", before its optimizer step: step {ctx.step - 1}'s update made them non-finite"
-    elif trip is not None and trip.last_finite_step == ctx.step - 1 and trip.kind == "nonfinite_loss":
+    elif ctx.trip is not None and ctx.trip.last_finite_step == ctx.step - 1 and ctx.trip.kind == "nonfinite_loss":
         when += (
             f"; the loss of step {ctx.step - 1} was still finite, so step {ctx.step - 1}'s optimizer update most"
             " likely made them non-finite"
@@ -161,51 +142,41 @@ def _nonfinite_weights(ctx: Context) -> Found | None:
 
 
 def _nonfinite_origins(ctx: Context) -> list[Found]:
-    step = ctx.step
+    found: list[Found] = []
     # Activations: a NaN propagates forward, so the first non-finite layer in forward order is where it was born.
     acts = {k: v for k, v in ctx.stat("act_nonfinite").items() if finite(v) and v > 0}
-    forward = _origin(
-        ctx,
-        acts,
-        "forward",
-        "act_nonfinite",
-        lambda origin, others: (
-            f"nonfinite: {acts[origin]:.0f} NaN/Inf output elements in {origin} at step {step}"
+    if acts:
+        origin, *others = sorted(acts, key=ctx.orders.forward_key)
+        message = (
+            f"nonfinite: {acts[origin]:.0f} NaN/Inf output elements in {origin} at step {ctx.step}"
             f" (the first non-finite layer in forward order{also(others, ' after it', 'non-finite')})"
-        ),
-    )
-    if forward is not None and ctx.trip is not None and ctx.trip.nan_entry == forward.layer:
-        forward = _made_between(ctx, forward)
+        )
+        entry = Found(origin, acts[origin], message, phase="forward", stat="act_nonfinite")
+        found.append(_made_between(ctx, entry) if ctx.trip is not None and ctx.trip.nan_entry == origin else entry)
     # Output gradients: a NaN propagates backward, so the origin is the first non-finite layer in backward order.
     grads = {k: v for k, v in ctx.stat("act_grad_nonfinite").items() if finite(v) and v > 0}
-    backward = _origin(
-        ctx,
-        grads,
-        "backward",
-        "act_grad_nonfinite",
-        lambda origin, others: (
+    if grads:
+        origin, *others = sorted(grads, key=ctx.orders.backward_key)
+        message = (
             f"nonfinite: {grads[origin]:.0f} NaN/Inf elements in the output gradient of {origin}"
-            f" at step {step} (the first non-finite output gradient in backward order"
+            f" at step {ctx.step} (the first non-finite output gradient in backward order"
             f"{also(others, ' after it in backward order', 'affected')})"
-        ),
-    )
+        )
+        found.append(Found(origin, grads[origin], message, phase="backward", stat="act_grad_nonfinite"))
     # Parameter gradients are formed from their module's output gradient, so the same backward-order origin holds.
     by_layer: dict[str, list[tuple[str, float]]] = {}
     grad_norms = ctx.stat("param_grad_norm")
     for param in _nonfinite(grad_norms.items()):
         by_layer.setdefault(ctx.orders.owner(param), []).append((param, grad_norms[param]))
-    params = _origin(
-        ctx,
-        {layer: float(len(p)) for layer, p in by_layer.items()},
-        "backward",
-        "param_grad_norm",
-        lambda origin, others: (
-            f"nonfinite: non-finite parameter gradient norm in {origin} at step {step}"
+    if by_layer:
+        origin, *others = sorted(by_layer, key=ctx.orders.backward_key)
+        message = (
+            f"nonfinite: non-finite parameter gradient norm in {origin} at step {ctx.step}"
             f" ({', '.join(f'{p}={n}' for p, n in by_layer[origin])}; the first such layer in backward order"
             f"{also(others, '', 'affected')})"
-        ),
-    )
-    return [f for f in (forward, backward, params) if f is not None]
+        )
+        found.append(Found(origin, float(len(by_layer[origin])), message, phase="backward", stat="param_grad_norm"))
+    return found
 
 
 def _made_between(ctx: Context, entry: Found) -> Found:
@@ -213,8 +184,7 @@ def _made_between(ctx: Context, entry: Found) -> Found:
     assert ctx.trip is not None
     first = entry.layer
     position = ctx.orders.forward.get(first, -1)
-    earlier = [name for name, p in ctx.orders.forward.items() if p < position]
-    previous = max(earlier, key=ctx.orders.forward.__getitem__) if earlier else None
+    previous = max(((p, n) for n, p in ctx.orders.forward.items() if p < position), default=(0, None))[1]
     origin = ctx.trip.nan_origin
     if origin is None:
         where = "outside every module's forward (in training_step, or a function it calls)"

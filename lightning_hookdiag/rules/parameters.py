@@ -5,44 +5,35 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 
-from lightning_hookdiag.rules.context import Context, Orders, ParamFacts, finite
+from lightning_hookdiag.rules.context import Context, ParamFacts, finite
 from lightning_hookdiag.rules.findings import MAX_LISTED, listing, plural, spread
 from lightning_hookdiag.rules.registry import Found, rule
 
 __all__ = ["moved_mass_bound"]
 
 
-def _layer_updates(orders: Orders, values: Mapping[str, Mapping[str, float]]) -> dict[str, tuple[float, float]]:
-    """Per layer, ``(||dw|| / ||w||, ||dw|| / ||g||)`` over all of its tracked parameters together.
+def _slow_layers(ctx: Context, values: Mapping[str, Mapping[str, float]]) -> dict[str, tuple[float, float]] | None:
+    """Each moved layer's ``(||dw|| / ||w||, ||dw|| / ||g||)`` if every one is slow (``update_ratio``), else ``None``.
 
-    The second ratio is the learning rate the step effectively applied (SGD's ``lr``). Left out: a layer whose weights
-    are all exactly 0 (a zero-initialised norm), and one whose gradient is exactly 0 (a branch behind a
-    zero-initialised norm), which moves by weight decay alone (``lr * weight_decay``, 1e-5 with AdamW's defaults).
+    Over all of a layer's tracked parameters together; the second ratio is the learning rate the step effectively
+    applied (SGD's ``lr``). Left out: a layer whose weights are all exactly 0 (a zero-initialised norm), and one whose
+    gradient is exactly 0 (a branch behind a zero-initialised norm), which moves by weight decay alone
+    (``lr * weight_decay``, 1e-5 with AdamW's defaults).
     """
     ratios, norms = values.get("param_update_ratio") or {}, values.get("param_norm") or {}
     grads = values.get("param_grad_norm") or {}
-    update_sq: dict[str, float] = {}
-    weight_sq: dict[str, float] = {}
-    grad_sq: dict[str, float] = {}
+    sums: dict[str, list[float]] = {}  # layer -> squared norms of [update, weights, gradient]
     for param, ratio in ratios.items():
         norm, grad = norms.get(param, math.nan), grads.get(param, math.nan)
         if finite(ratio) and finite(norm) and finite(grad) and ratio >= 0:
-            layer = orders.owner(param)
-            update_sq[layer] = update_sq.get(layer, 0.0) + (ratio * norm) * (ratio * norm)  # inf, not OverflowError
-            weight_sq[layer] = weight_sq.get(layer, 0.0) + norm * norm
-            grad_sq[layer] = grad_sq.get(layer, 0.0) + grad * grad
-    return {
-        layer: (math.sqrt(update_sq[layer] / w), math.sqrt(update_sq[layer] / grad_sq[layer]))
-        for layer, w in weight_sq.items()
-        if w > 0 and grad_sq[layer] > 0
-    }
-
-
-def _slow_layers(ctx: Context, values: Mapping[str, Mapping[str, float]]) -> dict[str, tuple[float, float]] | None:
-    """The layers' updates if every layer that moved at all is slow (see ``update_ratio``), else ``None``."""
-    low, lr_low = ctx.config.update_ratio_low, ctx.config.effective_lr_low
+            layer = sums.setdefault(ctx.orders.owner(param), [0.0, 0.0, 0.0])
+            layer[0] += (ratio * norm) * (ratio * norm)  # inf, not OverflowError
+            layer[1] += norm * norm
+            layer[2] += grad * grad
+    updates = {k: (math.sqrt(u / w), math.sqrt(u / g)) for k, (u, w, g) in sums.items() if w > 0 and g > 0}
     # Exactly 0 is no update at all (a parameter outside every optimizer group, lr 0 in a warm-up): not a low one.
-    moved = {k: u for k, u in _layer_updates(ctx.orders, values).items() if u[0] > 0}
+    moved = {k: u for k, u in updates.items() if u[0] > 0}
+    low, lr_low = ctx.config.update_ratio_low, ctx.config.effective_lr_low
     if moved and all(ratio < low and lr < lr_low for ratio, lr in moved.values()):
         return moved
     return None
@@ -119,23 +110,20 @@ def stale_gradients(ctx: Context) -> list[Found]:
     return [Found(owners[0], len(stale), message)]
 
 
-def _held_at_start(fact: ParamFacts) -> bool:
-    """Whether a scheduler that never stepped holds the parameter's lr low."""
-    # Stepped every n steps on purpose ("frequency"), interval "step" is not this mistake.
-    return fact.held and fact.applied and fact.scheduler_steps == 0 and fact.interval != "step" and _held_low(fact)
-
-
 @rule(order=10, phase="backward", stat="param_update_ratio", reads=["param_facts"])
 def warmup_stuck(ctx: Context) -> list[Found]:
     """An LR scheduler that has not stepped once holds the lr at its low starting value."""
-    facts = ctx.param_facts
-    if ctx.step < 1:
-        return []
-    stuck = [p for p, fact in facts.items() if _held_at_start(fact)]
-    if not stuck:
+    # A scheduler that never stepped holds the lr low; stepped every n steps on purpose ("frequency"), interval
+    # "step" is not this mistake.
+    stuck = [
+        p
+        for p, f in ctx.param_facts.items()
+        if f.held and f.applied and f.scheduler_steps == 0 and f.interval != "step" and _held_low(f)
+    ]
+    if ctx.step < 1 or not stuck:
         return []
     owners = ctx.orders.owners(stuck)
-    fact = facts[stuck[0]]
+    fact = ctx.param_facts[stuck[0]]
     assert fact.base_lr is not None
     share = fact.lr / fact.base_lr
     how = (
@@ -212,11 +200,8 @@ _FLOAT32_EPS = 2.0**-23
 def _stuck(facts: ParamFacts, bound: float | None, intended: float, threshold: float) -> str | None:
     """Why a parameter with a finite, non-zero gradient did not move, or ``None``.
 
-    Args:
-        facts: What the host knows about its step.
-        bound: :func:`moved_mass_bound` of its update ratio; ``None`` if not measured.
-        intended: ``lr * param_grad_norm / param_norm``, the update ratio of a plain SGD step (NaN if unknown).
-        threshold: ``moved_mass_threshold``.
+    ``bound``: :func:`moved_mass_bound` of its update ratio, ``None`` if not measured; ``intended``: the update ratio
+    of a plain SGD step, ``lr * param_grad_norm / param_norm`` (NaN if unknown).
     """
     if not facts.held:  # measured anyway: a weight that moved (changed by hand) is not reported
         return _UNHELD if bound is None or bound < threshold else None
@@ -229,14 +214,12 @@ def _stuck(facts: ParamFacts, bound: float | None, intended: float, threshold: f
         return None
     # Rounding loses an update that float32 master weights would keep: weights coarser than float32, and a step meant
     # to move them (plain SGD's lr x gradient at least half a float32 ulp; a converged parameter's residual gradient
-    # asks for no change). `not >=` is also true for NaN: an unknown lr or weight norm.
-    if not (facts.eps > _FLOAT32_EPS and intended >= _FLOAT32_EPS / 2):
-        return None
-    return _ROUNDED
+    # asks for no change). `>=` is False for NaN: an unknown lr or weight norm.
+    return _ROUNDED if facts.eps > _FLOAT32_EPS and intended >= _FLOAT32_EPS / 2 else None
 
 
 @rule(order=14, phase="backward", stat="param_update_ratio", reads=["param_facts"])
-def not_updated(ctx: Context) -> list[Found]:
+def not_updated(ctx: Context) -> Iterator[Found]:
     """Per module, parameters with a gradient whose weights did not move, and why."""
     facts = ctx.param_facts
     threshold = ctx.config.moved_mass_threshold
@@ -254,22 +237,18 @@ def not_updated(ctx: Context) -> list[Found]:
         if cause is not None:
             value = float(grad) if cause == _UNHELD else float(bound)  # type: ignore[arg-type]
             stuck.setdefault(ctx.orders.owner(param), {}).setdefault(cause, []).append((param, value))
-    return [_not_updated_finding(ctx, owner, causes, facts) for owner, causes in stuck.items()]
+    for owner, causes in stuck.items():
+        order = [c for c in (_UNHELD, _LR_ZERO, _ROUNDED) if c in causes]
+        sentences = "; ".join(_stuck_sentence(ctx, cause, causes[cause]) for cause in order)
+        message = f"not_updated: the weights of {owner} did not move across step {ctx.step}: {sentences}"
+        value = max(v for _, v in causes[order[0]])  # the finding's value and statistic come from its first cause
+        if order[0] == _UNHELD:
+            yield Found(owner, value, message, stat="param_grad_norm")
+        else:
+            yield Found(owner, value, message, threshold)
 
 
-def _not_updated_finding(
-    ctx: Context, owner: str, causes: dict[str, list[tuple[str, float]]], facts: Mapping[str, ParamFacts]
-) -> Found:
-    order = [c for c in (_UNHELD, _LR_ZERO, _ROUNDED) if c in causes]
-    sentences = "; ".join(_stuck_sentence(ctx, cause, causes[cause], facts) for cause in order)
-    message = f"not_updated: the weights of {owner} did not move across step {ctx.step}: {sentences}"
-    value = max(v for _, v in causes[order[0]])  # the finding's value and statistic come from its first cause
-    if order[0] == _UNHELD:
-        return Found(owner, value, message, stat="param_grad_norm")
-    return Found(owner, value, message, ctx.config.moved_mass_threshold)
-
-
-def _stuck_sentence(ctx: Context, cause: str, found: list[tuple[str, float]], facts: Mapping[str, ParamFacts]) -> str:
+def _stuck_sentence(ctx: Context, cause: str, found: list[tuple[str, float]]) -> str:
     names = listing([p for p, _ in found])
     them, their = ("it", "its") if len(found) == 1 else ("them", "their")
     if cause == _UNHELD:
@@ -284,7 +263,7 @@ def _stuck_sentence(ctx: Context, cause: str, found: list[tuple[str, float]], fa
             " param group is 0 and no LR scheduler raises it, so no change was applied"
         )
     first, bound = max(found, key=lambda item: item[1])
-    fact = facts[first]
+    fact = ctx.param_facts[first]
     what = (
         f"did not change at all although the learning rate is {fact.lr:.3g}"
         if bound == 0.0
@@ -312,28 +291,25 @@ def replica_divergence(ctx: Context) -> Iterator[Found]:
     for owner, found in apart.items():
         spread = max((high - low) / high for _, low, high in found)
         norms = ", ".join(f"{p} {low:.9g} to {high:.9g}" for p, low, high in found[:MAX_LISTED])
-        yield Found(
-            owner,
-            spread,
+        message = (
             f"replica_divergence: the weights of {owner} differ between processes before step {ctx.step}:"
             f" {plural(len(found), 'replicated parameter')} {'has' if len(found) == 1 else 'have'} different norms on"
             f" different processes ({norms}{', ...' if len(found) > MAX_LISTED else ''}; relative difference up to"
             f" {spread:.3g} > replica_rtol={rtol:g}). DDP replicas must be identical: a rank-dependent update or a"
-            " weight changed on one process only makes each process train its own model",
-            rtol,
+            " weight changed on one process only makes each process train its own model"
         )
+        yield Found(owner, spread, message, rtol)
 
 
 @rule(order=21, phase="forward", stat="registration", reads=["unregistered"])
 def unregistered_module(ctx: Context) -> Iterator[Found]:
     """Layers with trainable parameters ran in the forward without being submodules."""
     for parent, modules in ctx.unregistered.items():
-        yield Found(
-            parent,
-            len(modules),
+        message = (
             f"unregistered_module at step {ctx.step}: the forward of {parent} ran {plural(len(modules), 'module')} with"
             f" trainable parameters outside its registered submodules: {listing(list(modules))}. self.parameters()"
             " does not yield their parameters, so no optimizer built from it updates them, no checkpoint saves them"
             " and .to(device) does not move them; hold layers in nn.ModuleList / nn.ModuleDict, not in a Python list"
-            " or dict",
+            " or dict"
         )
+        yield Found(parent, len(modules), message)

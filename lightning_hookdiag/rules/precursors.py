@@ -26,31 +26,25 @@ def _points(ctx: Context, stat: str, name: str, value: float, windows: int = 1) 
 @rule(order=16, phase="forward", stat="attn_logit_max")
 def attention_logits(ctx: Context) -> Iterator[Found]:
     """Logits at the threshold, or rising steadily towards it."""
-    config = ctx.config
-    limit = config.attn_logit_threshold
     for layer, value in ctx.stat("attn_logit_max").items():
-        if not finite(value):
-            continue
-        message = ""
-        if value >= limit:
-            message = (
-                f"attention_logits: the largest attention logit |q.k|*scale of {layer} is {value:.4g} at step"
-                f" {ctx.step}, at or above attn_logit_threshold={limit:g} (the softmax is close to one-hot; qk-norm"
-                " or a lower learning rate keeps it bounded)"
-            )
-        elif value >= config.attn_trend_floor:
-            message = _attention_trend(ctx, layer, value)
+        message = _attention_message(ctx, layer, value) if finite(value) else ""
         if message:
-            yield Found(layer, value, message, limit)
+            yield Found(layer, value, message, ctx.config.attn_logit_threshold)
 
 
-def _attention_trend(ctx: Context, layer: str, value: float) -> str:
-    """The message of a steady rise projected to cross the threshold soon, or ``""``."""
-    config = ctx.config
-    points = _points(ctx, "attn_logit_max", layer, value)
+def _attention_message(ctx: Context, layer: str, value: float) -> str:
+    """The message of a logit at the threshold, or of a steady rise projected to cross it soon; else ``""``."""
+    config, limit = ctx.config, ctx.config.attn_logit_threshold
+    if value >= limit:
+        return (
+            f"attention_logits: the largest attention logit |q.k|*scale of {layer} is {value:.4g} at step"
+            f" {ctx.step}, at or above attn_logit_threshold={limit:g} (the softmax is close to one-hot; qk-norm"
+            " or a lower learning rate keeps it bounded)"
+        )
+    points = _points(ctx, "attn_logit_max", layer, value) if value >= config.attn_trend_floor else []
     if len(points) < config.trend_window or trends.rising_share(points) < 0.75:
         return ""
-    crossing = trends.crossing_step(points, config.attn_logit_threshold)
+    crossing = trends.crossing_step(points, limit)
     if crossing is None:
         return ""
     spacing = statistics.median([b[0] - a[0] for a, b in zip(points, points[1:], strict=False)])
@@ -60,7 +54,7 @@ def _attention_trend(ctx: Context, layer: str, value: float) -> str:
     return (
         f"attention_logits: the largest attention logit of {layer} rose from {first:.4g} at step {first_step} to"
         f" {value:.4g} at step {ctx.step} and, at its rate of {trends.log_slope(points):.3g} (log per step), crosses"
-        f" attn_logit_threshold={config.attn_logit_threshold:g} at about step {crossing}"
+        f" attn_logit_threshold={limit:g} at about step {crossing}"
     )
 
 
@@ -86,15 +80,13 @@ def logit_drift(ctx: Context) -> Iterator[Found]:
                 continue
             drift, change = value - first, abs(loss - old_loss)
             if abs(drift) >= config.logit_drift_nats and change <= config.drift_loss_tolerance * abs(old_loss):
-                yield Found(
-                    layer,
-                    drift,
+                message = (
                     f"logit_drift: the output logits of {layer} drifted: log Z (logit_lse_mean) moved by {drift:+.3g}"
                     f" nats from step {start} to step {ctx.step} (logit_drift_nats={config.logit_drift_nats:g}) while"
                     f" the loss changed by {change:.3g} (from {old_loss:.4g}); the softmax does not pin log Z, a z-loss"
-                    " (1e-4 * log Z**2) does",
-                    config.logit_drift_nats,
+                    " (1e-4 * log Z**2) does"
                 )
+                yield Found(layer, drift, message, config.logit_drift_nats)
                 break
 
 
@@ -141,19 +133,16 @@ def unbounded_loss(ctx: Context) -> Iterator[Found]:
             and logits[1] < logits[2]
         ):
             continue
-        (start, _), (end, _) = points[0], points[-1]
-        yield Found(
-            layer,
-            logits[2] / logits[0],
+        message = (
             f"unbounded_loss: the loss fell from {early:.4g} to {late:.4g} (medians of the first and last thirds of"
-            f" steps {start} to {end}) and keeps falling while the largest |logit| of {layer} grew"
+            f" steps {points[0][0]} to {points[-1][0]}) and keeps falling while the largest |logit| of {layer} grew"
             f" {logits[2] / logits[0]:.3g}x, from {logits[0]:.3g} to {logits[2]:.3g} (unbounded_growth={growth:g}); the"
             f" loss fell {(early - late) / grown:.3g} per unit of logit, more than a loss with probability targets can:"
             " the loss has no minimum, so the logits grow without bound. A loss of a bounded family (cross-entropy,"
             " BCE) below 0 means targets outside its domain: BCEWithLogits on 0/255 masks (divide by 255), labels that"
-            " are not probabilities",
-            growth,
+            " are not probabilities"
         )
+        yield Found(layer, logits[2] / logits[0], message, growth)
 
 
 def _layer_update_norms(ctx: Context) -> dict[str, list[tuple[int, float]]]:
@@ -161,13 +150,12 @@ def _layer_update_norms(ctx: Context) -> dict[str, list[tuple[int, float]]]:
     by_step: dict[str, dict[int, list[float]]] = {}
     norms_now = ctx.stat("param_norm")
     for param, ratio in ctx.stat("param_update_ratio").items():
-        if param not in norms_now:
+        norm = norms_now.get(param)
+        if not (finite(ratio) and finite(norm)):
             continue
-        norm = norms_now[param]
-        ratios = dict(_points(ctx, "param_update_ratio", param, ratio)) if finite(ratio) else {}
-        norms = dict(_points(ctx, "param_norm", param, norm)) if finite(norm) else {}
+        norms = dict(_points(ctx, "param_norm", param, norm))
         steps = by_step.setdefault(ctx.orders.owner(param), {})
-        for step, r in ratios.items():
+        for step, r in dict(_points(ctx, "param_update_ratio", param, ratio)).items():
             if step in norms and r >= 0:
                 steps.setdefault(step, []).append((r * norms[step]) * (r * norms[step]))
     out: dict[str, list[tuple[int, float]]] = {}
@@ -195,12 +183,10 @@ def update_jump(ctx: Context) -> Iterator[Found]:
     typical = statistics.median([j for j, _ in jumps.values()])
     for layer, (jump, own) in jumps.items():
         if jump >= config.update_jump_ratio and jump >= config.update_jump_ratio * typical:
-            yield Found(
-                layer,
-                jump,
+            message = (
                 f"update_jump: the optimizer update of {layer} at step {ctx.step} (the norm of its parameters' change)"
                 f" is {jump:.3g}x the median {own:.3g} of its last {config.trend_window - 1} sampled updates"
                 f" (update_jump_ratio={config.update_jump_ratio:g}; the median layer's is {typical:.3g}x), a precursor"
-                " of a loss spike",
-                config.update_jump_ratio,
+                " of a loss spike"
             )
+            yield Found(layer, jump, message, config.update_jump_ratio)
