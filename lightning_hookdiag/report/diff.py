@@ -40,22 +40,10 @@ class Difference:
     a: float
     b: float
 
-    @property
-    def ratio(self) -> float:
-        """``b / a`` (``inf`` or NaN where ``a`` is 0)."""
-        return self.b / self.a if self.a != 0 else (math.nan if self.b == 0 else math.copysign(math.inf, self.b))
-
 
 @dataclass(frozen=True)
 class Alignment:
-    """What two runs (``a`` and ``b``) have in common.
-
-    Attributes:
-        steps: Steps both runs logged, ascending.
-        stats: Per-layer statistics both runs logged, in vocabulary order.
-        names: For each common statistic, the layer (or parameter) names both runs logged.
-        depth: Depth of each layer (run A's, completed with run B's).
-    """
+    """What runs ``a`` and ``b`` both logged, in :func:`align`'s order; ``depth`` is run A's, completed with run B's."""
 
     a: HealthLog
     b: HealthLog
@@ -63,14 +51,6 @@ class Alignment:
     stats: tuple[str, ...]
     names: dict[str, tuple[str, ...]]
     depth: dict[str, int]
-
-    def order_key(self, stat: str, name: str) -> tuple[int, int, str]:
-        """Position of ``name`` for ``stat`` in the order differences are reported (see the module docstring)."""
-        layer = owning_layer(name) if self.a.is_parameter_stat(stat) else name
-        d = self.depth.get(layer)
-        if d is None:
-            return (1, 0, name)  # no known depth: after every known layer, by name
-        return (0, -d if is_backward(stat) else d, name)
 
 
 def _describe(log: HealthLog, label: str) -> str:
@@ -93,9 +73,8 @@ def align(a: HealthLog, b: HealthLog) -> Alignment:
     steps = tuple(sorted(set(a.steps) & set(b.steps)))
     if not steps:
         raise ReportError(f"the runs share no step: {_describe(a, 'RUN_A')}, {_describe(b, 'RUN_B')}")
-    stats = tuple(sorted(set(a.stats) & set(b.stats), key=stat_order_key))
-    names = {s: tuple(sorted(set(a.stats[s]) & set(b.stats[s]))) for s in stats}
-    names = {s: n for s, n in names.items() if n}
+    stats = sorted(set(a.stats) & set(b.stats), key=stat_order_key)
+    names = {s: n for s in stats if (n := tuple(sorted(set(a.stats[s]) & set(b.stats[s]))))}
     if not names:
         some_a = ", ".join(sorted({n for s in a.stats.values() for n in s})[:_MAX_LISTED])
         some_b = ", ".join(sorted({n for s in b.stats.values() for n in s})[:_MAX_LISTED])
@@ -123,12 +102,16 @@ def find_differences(alignment: Alignment, rtol: float = 1e-4, atol: float = 0.0
     """
     keyed = []
     for stat in alignment.stats:
-        series_a, series_b = alignment.a.stats[stat], alignment.b.stats[stat]
+        backward, parameters = is_backward(stat), alignment.a.is_parameter_stat(stat)
         for name in alignment.names[stat]:
-            values_a, values_b = series_a[name], series_b[name]
+            # A parameter sits at its module's depth; forward statistics go down the depths, backward ones up them,
+            # and a name of no known depth follows every known one.
+            d = alignment.depth.get(owning_layer(name) if parameters else name)
+            where = (1, 0, name) if d is None else (0, -d if backward else d, name)
+            values_a, values_b = alignment.a.stats[stat][name], alignment.b.stats[stat][name]
             for step in alignment.steps:
                 if step in values_a and step in values_b and _differ(values_a[step], values_b[step], rtol, atol):
-                    key = (step, is_backward(stat), alignment.order_key(stat, name), stat_order_key(stat))
+                    key = (step, backward, where, stat_order_key(stat))
                     keyed.append((key, Difference(step, name, stat, values_a[step], values_b[step])))
     keyed.sort(key=lambda item: item[0])
     return [d for _, d in keyed]
@@ -136,9 +119,10 @@ def find_differences(alignment: Alignment, rtol: float = 1e-4, atol: float = 0.0
 
 def _line(d: Difference, with_stat: bool = True) -> str:
     stat = f", {d.stat}" if with_stat else ""
+    ratio = d.b / d.a if d.a != 0 else (math.nan if d.b == 0 else math.copysign(math.inf, d.b))
     return (
         f"step {d.step}, {display_name(d.layer)}{stat}: A={format_value(d.a)} B={format_value(d.b)}"
-        f" (B/A={format_value(d.ratio)})"
+        f" (B/A={format_value(ratio)})"
     )
 
 
@@ -176,9 +160,7 @@ def format_diff(alignment: Alignment, differences: list[Difference], rtol: float
         lines.append(f"no difference beyond rtol={rtol:g}, atol={atol:g}")
         return "\n".join(lines)
     lines.append(f"first difference: {_line(differences[0])}")
-    firsts: dict[str, Difference] = {}
-    for d in differences:
-        firsts.setdefault(d.stat, d)
+    firsts = {d.stat: d for d in reversed(differences)}  # the last one written wins: the first of each statistic
     lines.append("first difference per statistic (forward statistics in depth order, then backward ones):")
     for stat in sorted(firsts, key=lambda s: (is_backward(s), stat_order_key(s))):
         lines.append(f"  {stat}: {_line(firsts[stat], with_stat=False)}")
@@ -187,9 +169,6 @@ def format_diff(alignment: Alignment, differences: list[Difference], rtol: float
 
 def ratio_figure(alignment: Alignment, stat: str) -> Any:
     """A matplotlib ``Figure``: ``B / A`` of ``stat`` per layer (depth order) and common step, log colour scale.
-
-    The colour scale is symmetric around a ratio of 1 (white); cells where either run has no value, or the ratio
-    is not a positive finite number, are grey.
 
     Raises:
         MissingExtraError: If matplotlib is not installed.
