@@ -112,13 +112,11 @@ def _diff(args: argparse.Namespace) -> int:
     run_a, run_b = args.diff
     alignment = align(read_health_log(run_a, prefix=args.prefix), read_health_log(run_b, prefix=args.prefix))
     differences = find_differences(alignment, rtol=rtol, atol=atol)
-    stat = args.stat
-    if stat is None:
-        stat = differences[0].stat if differences else DEFAULT_STAT
-        if stat not in alignment.names:
-            stat = alignment.stats[0]
-    elif stat not in alignment.names:
-        raise ReportError(f"--stat {stat} is not logged by both runs; common statistics: {', '.join(alignment.stats)}")
+    if args.stat is not None and args.stat not in alignment.names:
+        common = ", ".join(alignment.stats)
+        raise ReportError(f"--stat {args.stat} is not logged by both runs; common statistics: {common}")
+    stat = args.stat or (differences[0].stat if differences else DEFAULT_STAT)
+    stat = stat if stat in alignment.names else alignment.stats[0]  # DEFAULT_STAT may be missing from both
     out = _out_path(args.out, Path(run_b), f"diff_{stat}")
     print(f"RUN_A: {run_a}\nRUN_B: {run_b}")
     print(format_diff(alignment, differences, rtol, atol))
