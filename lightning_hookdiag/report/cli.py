@@ -116,7 +116,7 @@ def _diff(args: argparse.Namespace) -> int:
         common = ", ".join(alignment.stats)
         raise ReportError(f"--stat {args.stat} is not logged by both runs; common statistics: {common}")
     stat = args.stat or (differences[0].stat if differences else DEFAULT_STAT)
-    stat = stat if stat in alignment.names else alignment.stats[0]  # DEFAULT_STAT may be missing from both
+    stat = stat if stat in alignment.names else alignment.stats[0]  # DEFAULT_STAT may not be a common one
     out = _out_path(args.out, Path(run_b), f"diff_{stat}")
     print(f"RUN_A: {run_a}\nRUN_B: {run_b}")
     print(format_diff(alignment, differences, rtol, atol))

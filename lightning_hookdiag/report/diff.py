@@ -168,12 +168,7 @@ def format_diff(alignment: Alignment, differences: list[Difference], rtol: float
 
 
 def ratio_figure(alignment: Alignment, stat: str) -> Any:
-    """A matplotlib ``Figure``: ``B / A`` of ``stat`` per layer (depth order) and common step, log colour scale.
-
-    Raises:
-        MissingExtraError: If matplotlib is not installed.
-        KeyError: If ``stat`` is not a common statistic.
-    """
+    """A matplotlib ``Figure``: ``B / A`` of ``stat`` per layer (depth order) and common step, log colour scale."""
     mpl = load_matplotlib()
     np = mpl.np
     parameters = alignment.a.is_parameter_stat(stat)

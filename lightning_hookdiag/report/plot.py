@@ -92,10 +92,6 @@ def heatmap_figure(log: HealthLog, stat: str) -> Any:
     Zeros, NaN/Inf and steps at which a layer was not logged are masked (drawn grey), because a log scale has no
     place for them. A statistic with negative values uses a symmetric log scale instead.
 
-    Raises:
-        MissingExtraError: If matplotlib is not installed.
-        KeyError: If ``stat`` is not in ``log.stats``.
-
     Example:
         >>> from lightning_hookdiag.report.health_log import Scalar, build_health_log
         >>> log = build_health_log([Scalar("layer_health/act_absmax/fc", s, 2.0**s) for s in range(3)])

@@ -117,11 +117,7 @@ def read_tensorboard_scalars(path: str | os.PathLike[str]) -> list[Scalar]:
     try:
         acc.Reload()
         tags = acc.Tags()
-        scalars = [
-            Scalar(tag, int(event.step), float(event.value))
-            for tag in tags.get(ea.SCALARS, [])
-            for event in acc.Scalars(tag)
-        ]
+        scalars = [Scalar(t, int(e.step), float(e.value)) for t in tags.get(ea.SCALARS, []) for e in acc.Scalars(t)]
         for tag in tags.get(ea.TENSORS, []):
             if acc.SummaryMetadata(tag).plugin_data.plugin_name != "scalars":
                 continue
