@@ -1,10 +1,8 @@
 """``hookdiag report --diff RUN_A RUN_B``: where two runs' health statistics first part ways.
 
-The runs are aligned by step and by layer (or parameter) name; only what both logged is compared. Differences are
-ordered the way a change propagates (a parameter at its module's depth, ties in vocabulary order), so that a planted
-change to one layer's initial weights shows first at that layer's outputs on step 0, not at the output gradients of
-the layers below it. The order, and what the command prints:
-``docs/report.md#where-do-two-runs-first-differ-hookdiag-report---diff``.
+Only what both runs logged (by step and by layer or parameter name) is compared, in the order a change propagates
+(``docs/report.md#where-do-two-runs-first-differ-hookdiag-report---diff``): a planted change to one layer's initial
+weights shows first at that layer's outputs on step 0, not at the output gradients of the layers below it.
 """
 
 from __future__ import annotations
@@ -172,8 +170,7 @@ def ratio_figure(alignment: Alignment, stat: str) -> Any:
     mpl = load_matplotlib()
     np = mpl.np
     parameters = alignment.a.is_parameter_stat(stat)
-    names = depth_order(alignment.names[stat], alignment.depth, parameters=parameters)
-    steps = list(alignment.steps)
+    names, steps = depth_order(alignment.names[stat], alignment.depth, parameters=parameters), alignment.steps
 
     def values(log: HealthLog) -> Any:
         return np.array([[log.stats[stat][n].get(s, math.nan) for s in steps] for n in names], dtype=float)
@@ -185,8 +182,7 @@ def ratio_figure(alignment: Alignment, stat: str) -> Any:
     top = float(np.abs(data[finite]).max()) if finite.any() else 0.0
     top = top or 1e-3  # identical runs: a visible, non-empty range around 1
     norm = mpl.colors.Normalize(vmin=-top, vmax=top)
-    unit = "parameter" if parameters else "layer"
-    fig, ax, image = draw_heatmap(mpl, data, ~finite, names, steps, cmap="RdBu_r", norm=norm, unit=unit)
+    fig, ax, image = draw_heatmap(data, ~finite, names, steps, cmap="RdBu_r", norm=norm, parameters=parameters)
     ax.set_xlabel("optimizer step (sampled, common to both runs)")
     fig.suptitle(f"{alignment.a.prefix}/{stat}: RUN_B / RUN_A")
     ax.set_title("white: equal; red: B larger; blue: B smaller; grey: not comparable", fontsize=8)

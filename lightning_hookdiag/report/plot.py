@@ -55,17 +55,10 @@ def _tick_positions(count: int, most: int) -> list[int]:
 
 
 def draw_heatmap(
-    mpl: SimpleNamespace,
-    data: Any,
-    mask: Any,
-    names: Sequence[str],
-    steps: Sequence[int],
-    *,
-    cmap: str,
-    norm: Any,
-    unit: str,
+    data: Any, mask: Any, names: Sequence[str], steps: Sequence[int], *, cmap: str, norm: Any, parameters: bool
 ) -> tuple[Any, Any, Any]:
     """Draw a names x steps array, ``mask`` grey, on a new ``Figure`` sized to it; return the figure, axes and image."""
+    mpl = load_matplotlib()
     width = min(16.0, max(6.0, 3.0 + 0.25 * len(steps)))
     height = min(40.0, max(3.0, 1.5 + 0.22 * len(names)))
     fig = mpl.Figure(figsize=(width, height), layout="constrained")
@@ -82,7 +75,7 @@ def draw_heatmap(
     ax.set_yticks(rows_at, [display_name(names[i]) for i in rows_at], fontsize=8)
     cols_at = _tick_positions(len(steps), _MAX_COL_LABELS)
     ax.set_xticks(cols_at, [str(steps[i]) for i in cols_at])
-    ax.set_ylabel(f"{unit} (forward order, shallow at top)")
+    ax.set_ylabel(f"{'parameter' if parameters else 'layer'} (forward order, shallow at top)")
     return fig, ax, image
 
 
@@ -103,8 +96,8 @@ def heatmap_figure(log: HealthLog, stat: str) -> Any:
     names, steps, rows = log.matrix(stat)
     data = mpl.np.array(rows, dtype=float).reshape(len(names), len(steps))
     norm, mask, scale, note = _norm_and_mask(mpl, data)
-    unit = "parameter" if log.is_parameter_stat(stat) else "layer"
-    fig, ax, image = draw_heatmap(mpl, data, mask, names, steps, cmap="viridis", norm=norm, unit=unit)
+    parameters = log.is_parameter_stat(stat)
+    fig, ax, image = draw_heatmap(data, mask, names, steps, cmap="viridis", norm=norm, parameters=parameters)
     ax.set_xlabel("optimizer step (sampled)")
     fig.suptitle(f"{log.prefix}/{stat}")
     ax.set_title(note, fontsize=8)

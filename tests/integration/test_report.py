@@ -239,13 +239,14 @@ def test_heatmap_masks_zero_nan_and_missing_cells(csv_run: Path) -> None:
 
 
 def test_heatmap_labels_thin_out_past_12_columns_and_the_root_gets_a_name() -> None:
-    mpl = load_matplotlib()
-    data = mpl.np.ones((3, 25))
+    data = load_matplotlib().np.ones((3, 25))
     steps = list(range(0, 50, 2))
-    fig, ax, image = draw_heatmap(mpl, data, data == 0, ["", "fc1", "fc2"], steps, cmap="viridis", norm=None, unit="u")
+    fig, ax, image = draw_heatmap(
+        data, data == 0, ["", "fc1", "fc2"], steps, cmap="viridis", norm=None, parameters=True
+    )
     assert [t.get_text() for t in ax.get_yticklabels()] == ["(root)", "fc1", "fc2"]
     assert [t.get_text() for t in ax.get_xticklabels()] == [str(s) for s in steps[::3]]  # ceil(25 / 12) = 3
-    assert ax.get_ylabel().startswith("u ")
+    assert ax.get_ylabel().startswith("parameter ")
     assert image.get_array().shape == (3, 25)
 
 
