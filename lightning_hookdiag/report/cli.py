@@ -113,10 +113,10 @@ def _diff(args: argparse.Namespace) -> int:
     alignment = align(read_health_log(run_a, prefix=args.prefix), read_health_log(run_b, prefix=args.prefix))
     differences = find_differences(alignment, rtol=rtol, atol=atol)
     if args.stat is not None and args.stat not in alignment.names:
-        common = ", ".join(alignment.stats)
+        common = ", ".join(alignment.names)
         raise ReportError(f"--stat {args.stat} is not logged by both runs; common statistics: {common}")
     stat = args.stat or (differences[0].stat if differences else DEFAULT_STAT)
-    stat = stat if stat in alignment.names else alignment.stats[0]  # DEFAULT_STAT may not be a common one
+    stat = stat if stat in alignment.names else next(iter(alignment.names))  # DEFAULT_STAT may not be a common one
     out = _out_path(args.out, Path(run_b), f"diff_{stat}")
     print(f"RUN_A: {run_a}\nRUN_B: {run_b}")
     print(format_diff(alignment, differences, rtol, atol))

@@ -41,19 +41,17 @@ class Difference:
 
 @dataclass(frozen=True)
 class Alignment:
-    """What runs ``a`` and ``b`` both logged, in :func:`align`'s order; ``depth`` is run A's, completed with run B's."""
+    """What runs ``a`` and ``b`` both logged, ``names`` by statistic in vocabulary order; ``depth`` A's, then B's."""
 
     a: HealthLog
     b: HealthLog
     steps: tuple[int, ...]
-    stats: tuple[str, ...]
     names: dict[str, tuple[str, ...]]
     depth: dict[str, int]
 
 
 def _describe(log: HealthLog, label: str) -> str:
-    steps = log.steps
-    return f"{label} has steps {steps[0]}..{steps[-1]}" if steps else f"{label} has no steps"
+    return f"{label} has steps {log.steps[0]}..{log.steps[-1]}" if log.steps else f"{label} has no steps"
 
 
 def align(a: HealthLog, b: HealthLog) -> Alignment:
@@ -81,7 +79,7 @@ def align(a: HealthLog, b: HealthLog) -> Alignment:
             f" {some_b or 'none'})"
         )
     depth = {**b.depth, **a.depth}
-    return Alignment(a=a, b=b, steps=steps, stats=tuple(names), names=names, depth=depth)
+    return Alignment(a=a, b=b, steps=steps, names=names, depth=depth)
 
 
 def _differ(x: float, y: float, rtol: float, atol: float) -> bool:
@@ -99,9 +97,9 @@ def find_differences(alignment: Alignment, rtol: float = 1e-4, atol: float = 0.0
     equal infinities are equal.
     """
     keyed = []
-    for stat in alignment.stats:
+    for stat, names in alignment.names.items():
         backward, parameters = is_backward(stat), alignment.a.is_parameter_stat(stat)
-        for name in alignment.names[stat]:
+        for name in names:
             # A parameter sits at its module's depth; forward statistics go down the depths, backward ones up them,
             # and a name of no known depth follows every known one.
             d = alignment.depth.get(owning_layer(name) if parameters else name)
@@ -149,9 +147,9 @@ def format_diff(alignment: Alignment, differences: list[Difference], rtol: float
     parts = [f"{counted(len(steps), 'step')} ({steps[0]}..{steps[-1]})", counted(len(layers), "layer")]
     if params:
         parts.append(counted(len(params), "parameter"))
-    lines = [f"aligned: {', '.join(parts)}, {counted(len(alignment.stats), 'statistic')}"]
-    only_a = sorted(set(alignment.a.stats) - set(alignment.stats), key=stat_order_key)
-    only_b = sorted(set(alignment.b.stats) - set(alignment.stats), key=stat_order_key)
+    lines = [f"aligned: {', '.join(parts)}, {counted(len(names), 'statistic')}"]
+    only_a = sorted(set(alignment.a.stats) - set(names), key=stat_order_key)
+    only_b = sorted(set(alignment.b.stats) - set(names), key=stat_order_key)
     if only_a or only_b:
         lines.append(f"not compared: only in A: {', '.join(only_a) or '-'}; only in B: {', '.join(only_b) or '-'}")
     if not differences:
