@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_hookdiag.errors import MissingExtraError, ReportError, ReportWarning
+from lightning_hookdiag.report.diff import align, find_differences, format_diff, ratio_figure
+from lightning_hookdiag.report.plot import heatmap_figure
 from lightning_hookdiag.report.reading import read_health_log
 from lightning_hookdiag.report.summary import format_summary
 
@@ -93,8 +95,6 @@ def _report(args: argparse.Namespace) -> int:
     out = _out_path(args.out, Path(args.log_dir), args.stat)
     print(format_summary(log, args.stat))
     # The summary is printed first: it is useful even when the plot then fails for want of matplotlib.
-    from lightning_hookdiag.report.plot import heatmap_figure
-
     _save(heatmap_figure(log, args.stat), out, "heatmap")
     return 0
 
@@ -106,8 +106,6 @@ def _tolerance(name: str, value: float) -> float:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from lightning_hookdiag.report.diff import align, find_differences, format_diff, ratio_figure
-
     rtol, atol = _tolerance("rtol", args.rtol), _tolerance("atol", args.atol)
     run_a, run_b = args.diff
     alignment = align(read_health_log(run_a, prefix=args.prefix), read_health_log(run_b, prefix=args.prefix))
