@@ -123,19 +123,7 @@ def _line(d: Difference, with_stat: bool = True) -> str:
 
 
 def format_diff(alignment: Alignment, differences: list[Difference], rtol: float, atol: float) -> str:
-    """The text report: what was aligned, the first difference, then the first difference of each statistic.
-
-    Example:
-        >>> from lightning_hookdiag.report.health_log import Scalar, build_health_log
-        >>> a = build_health_log([Scalar("layer_health/act_std/fc", s, 1.0) for s in (0, 2)])
-        >>> b = build_health_log([Scalar("layer_health/act_std/fc", s, 1.0 + s) for s in (0, 2)])
-        >>> al = align(a, b)
-        >>> print(format_diff(al, find_differences(al), rtol=1e-4, atol=0.0))
-        aligned: 2 common steps (0..2), 1 common layer, 1 common statistic
-        first difference: step 2, fc, act_std: A=1 B=3 (B/A=3)
-        first difference per statistic (forward statistics in depth order, then backward ones):
-          act_std: step 2, fc: A=1 B=3 (B/A=3)
-    """
+    """The text report: what was aligned, the first difference, then the first difference of each statistic."""
 
     def counted(n: int, word: str) -> str:
         return f"{n} common {word}{'s' if n != 1 else ''}"

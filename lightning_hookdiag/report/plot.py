@@ -84,13 +84,6 @@ def heatmap_figure(log: HealthLog, stat: str) -> Any:
 
     Zeros, NaN/Inf and steps at which a layer was not logged are masked (drawn grey), because a log scale has no
     place for them. A statistic with negative values uses a symmetric log scale instead.
-
-    Example:
-        >>> from lightning_hookdiag.report.health_log import Scalar, build_health_log
-        >>> log = build_health_log([Scalar("layer_health/act_absmax/fc", s, 2.0**s) for s in range(3)])
-        >>> fig = heatmap_figure(log, "act_absmax")
-        >>> fig.axes[0].images[0].get_array().shape
-        (1, 3)
     """
     mpl = load_matplotlib()
     names, steps, rows = log.matrix(stat)
