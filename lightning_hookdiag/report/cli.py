@@ -1,7 +1,6 @@
-"""The ``hookdiag`` command line: ``hookdiag report LOG_DIR [--stat NAME] [--out FILE.png] [--prefix P]``.
+"""The ``hookdiag`` command line, ``hookdiag report LOG_DIR`` and ``hookdiag report --diff RUN_A RUN_B``.
 
-``hookdiag report --diff RUN_A RUN_B [--stat NAME] [--rtol R] [--atol A]`` compares two runs instead (see
-:mod:`lightning_hookdiag.report.diff`). What the command prints and its exit status: ``docs/report.md``.
+What the command prints and its exit status: ``docs/report.md``.
 """
 
 from __future__ import annotations
@@ -15,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_hookdiag.errors import MissingExtraError, ReportError, ReportWarning
-from lightning_hookdiag.report.health_log import HealthLog
+from lightning_hookdiag.report.diff import align, find_differences, format_diff, ratio_figure
+from lightning_hookdiag.report.plot import heatmap_figure
 from lightning_hookdiag.report.reading import read_health_log
 from lightning_hookdiag.report.summary import format_summary
 
@@ -25,9 +25,6 @@ DEFAULT_STAT = "act_grad_norm"
 _PROG = "hookdiag"
 # argparse's own convention for usage errors, kept for ours so that every failure looks alike to scripts.
 _EXIT_ERROR = 2
-# diff(1) and cmp(1): 0 when the inputs match, 1 when they differ.
-_EXIT_DIFFERENT = 1
-_DEFAULT_RTOL = 1e-4
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,22 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="compare two runs: print the first (step, layer, statistic) where they differ, in depth order, and"
         " draw the B/A ratio heatmap of --stat; exit status 1 if they differ, 0 if not",
     )
-    report.add_argument(
-        "--rtol", type=float, default=_DEFAULT_RTOL, help=f"--diff: relative tolerance (default: {_DEFAULT_RTOL:g})"
-    )
+    report.add_argument("--rtol", type=float, default=1e-4, help="--diff: relative tolerance (default: 0.0001)")
     report.add_argument("--atol", type=float, default=0.0, help="--diff: absolute tolerance (default: 0)")
     return parser
-
-
-def _check_stat(log: HealthLog, stat: str, log_dir: str) -> None:
-    if stat in log.stats:
-        return
-    present = ", ".join(log.stat_names) or "none"
-    if stat in log.totals:
-        raise ReportError(
-            f"'{stat}' is one number per step, not per layer (see the summary); per-layer stats: {present}"
-        )
-    raise ReportError(f"stat '{stat}' is not in the logs of {log_dir}; stats present: {present}")
 
 
 def _out_path(out: str | None, run: Path, name: str) -> Path:
@@ -84,13 +68,12 @@ def _out_path(out: str | None, run: Path, name: str) -> Path:
     return path
 
 
-def _save(figure: Any, out: Path) -> None:
-    from lightning_hookdiag.report.plot import save_figure
-
+def _save(figure: Any, out: Path, what: str) -> None:
     try:
-        save_figure(figure, out)
+        figure.savefig(out, dpi=100)  # the suffix picks the format
     except OSError as exc:
         raise ReportError(f"{out}: cannot write the heatmap ({exc.strerror or exc})") from exc
+    print(f"{what}: {out}")
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -102,14 +85,17 @@ def _report(args: argparse.Namespace) -> int:
         raise ReportError("expected LOG_DIR, or --diff RUN_A RUN_B")
     args.stat = args.stat or DEFAULT_STAT
     log = read_health_log(args.log_dir, prefix=args.prefix)
-    _check_stat(log, args.stat, args.log_dir)
+    if args.stat not in log.stats:
+        present = ", ".join(log.stat_names) or "none"
+        if args.stat in log.totals:
+            raise ReportError(
+                f"'{args.stat}' is one number per step, not per layer (see the summary); per-layer stats: {present}"
+            )
+        raise ReportError(f"stat '{args.stat}' is not in the logs of {args.log_dir}; stats present: {present}")
     out = _out_path(args.out, Path(args.log_dir), args.stat)
     print(format_summary(log, args.stat))
     # The summary is printed first: it is useful even when the plot then fails for want of matplotlib.
-    from lightning_hookdiag.report.plot import heatmap_figure
-
-    _save(heatmap_figure(log, args.stat), out)
-    print(f"heatmap: {out}")
+    _save(heatmap_figure(log, args.stat), out, "heatmap")
     return 0
 
 
@@ -120,25 +106,20 @@ def _tolerance(name: str, value: float) -> float:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from lightning_hookdiag.report.diff import align, find_differences, format_diff, ratio_figure
-
     rtol, atol = _tolerance("rtol", args.rtol), _tolerance("atol", args.atol)
     run_a, run_b = args.diff
     alignment = align(read_health_log(run_a, prefix=args.prefix), read_health_log(run_b, prefix=args.prefix))
     differences = find_differences(alignment, rtol=rtol, atol=atol)
-    stat = args.stat
-    if stat is None:
-        stat = differences[0].stat if differences else DEFAULT_STAT
-        if stat not in alignment.names:
-            stat = alignment.stats[0]
-    elif stat not in alignment.names:
-        raise ReportError(f"--stat {stat} is not logged by both runs; common statistics: {', '.join(alignment.stats)}")
+    if args.stat is not None and args.stat not in alignment.names:
+        common = ", ".join(alignment.names)
+        raise ReportError(f"--stat {args.stat} is not logged by both runs; common statistics: {common}")
+    stat = args.stat or (differences[0].stat if differences else DEFAULT_STAT)
+    stat = stat if stat in alignment.names else next(iter(alignment.names))  # DEFAULT_STAT may not be a common one
     out = _out_path(args.out, Path(run_b), f"diff_{stat}")
     print(f"RUN_A: {run_a}\nRUN_B: {run_b}")
     print(format_diff(alignment, differences, rtol, atol))
-    _save(ratio_figure(alignment, stat), out)
-    print(f"ratio heatmap (B/A of {stat}): {out}")
-    return _EXIT_DIFFERENT if differences else 0
+    _save(ratio_figure(alignment, stat), out, f"ratio heatmap (B/A of {stat})")
+    return 1 if differences else 0  # as diff(1) and cmp(1): 0 when the inputs match, 1 when they differ
 
 
 def _show_warning(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
@@ -156,17 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         >>> main(["report", "/no/such/run"])
         2
     """
-    parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error argparse has already explained
         return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else _EXIT_ERROR
-    code = 0
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always", ReportWarning)
             warnings.showwarning = _show_warning  # restored when the block ends
-            code = _report(args)
+            return _report(args)
     except (ReportError, MissingExtraError) as exc:
         print(f"{_PROG}: error: {exc}", file=sys.stderr)
         return _EXIT_ERROR
@@ -174,4 +153,4 @@ def main(argv: list[str] | None = None) -> int:
         # The reader (``| head``) went away: not an error of ours. Point stdout at devnull so the interpreter's
         # final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return code
+    return 0

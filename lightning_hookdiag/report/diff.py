@@ -1,10 +1,8 @@
 """``hookdiag report --diff RUN_A RUN_B``: where two runs' health statistics first part ways.
 
-The runs are aligned by step and by layer (or parameter) name; only what both logged is compared. Differences are
-ordered the way a change propagates (a parameter at its module's depth, ties in vocabulary order), so that a planted
-change to one layer's initial weights shows first at that layer's outputs on step 0, not at the output gradients of
-the layers below it. The order, and what the command prints:
-``docs/report.md#where-do-two-runs-first-differ-hookdiag-report---diff``.
+Only what both runs logged (by step and by layer or parameter name) is compared, in the order a change propagates
+(``docs/report.md#where-do-two-runs-first-differ-hookdiag-report---diff``): a planted change to one layer's initial
+weights shows first at that layer's outputs on step 0, not at the output gradients of the layers below it.
 """
 
 from __future__ import annotations
@@ -40,42 +38,20 @@ class Difference:
     a: float
     b: float
 
-    @property
-    def ratio(self) -> float:
-        """``b / a`` (``inf`` or NaN where ``a`` is 0)."""
-        return self.b / self.a if self.a != 0 else (math.nan if self.b == 0 else math.copysign(math.inf, self.b))
-
 
 @dataclass(frozen=True)
 class Alignment:
-    """What two runs (``a`` and ``b``) have in common.
-
-    Attributes:
-        steps: Steps both runs logged, ascending.
-        stats: Per-layer statistics both runs logged, in vocabulary order.
-        names: For each common statistic, the layer (or parameter) names both runs logged.
-        depth: Depth of each layer (run A's, completed with run B's).
-    """
+    """What runs ``a`` and ``b`` both logged, ``names`` by statistic in vocabulary order; ``depth`` A's, then B's."""
 
     a: HealthLog
     b: HealthLog
     steps: tuple[int, ...]
-    stats: tuple[str, ...]
     names: dict[str, tuple[str, ...]]
     depth: dict[str, int]
 
-    def order_key(self, stat: str, name: str) -> tuple[int, int, str]:
-        """Position of ``name`` for ``stat`` in the order differences are reported (see the module docstring)."""
-        layer = owning_layer(name) if self.a.is_parameter_stat(stat) else name
-        d = self.depth.get(layer)
-        if d is None:
-            return (1, 0, name)  # no known depth: after every known layer, by name
-        return (0, -d if is_backward(stat) else d, name)
-
 
 def _describe(log: HealthLog, label: str) -> str:
-    steps = log.steps
-    return f"{label} has steps {steps[0]}..{steps[-1]}" if steps else f"{label} has no steps"
+    return f"{label} has steps {log.steps[0]}..{log.steps[-1]}" if log.steps else f"{label} has no steps"
 
 
 def align(a: HealthLog, b: HealthLog) -> Alignment:
@@ -93,9 +69,8 @@ def align(a: HealthLog, b: HealthLog) -> Alignment:
     steps = tuple(sorted(set(a.steps) & set(b.steps)))
     if not steps:
         raise ReportError(f"the runs share no step: {_describe(a, 'RUN_A')}, {_describe(b, 'RUN_B')}")
-    stats = tuple(sorted(set(a.stats) & set(b.stats), key=stat_order_key))
-    names = {s: tuple(sorted(set(a.stats[s]) & set(b.stats[s]))) for s in stats}
-    names = {s: n for s, n in names.items() if n}
+    stats = sorted(set(a.stats) & set(b.stats), key=stat_order_key)
+    names = {s: n for s in stats if (n := tuple(sorted(set(a.stats[s]) & set(b.stats[s]))))}
     if not names:
         some_a = ", ".join(sorted({n for s in a.stats.values() for n in s})[:_MAX_LISTED])
         some_b = ", ".join(sorted({n for s in b.stats.values() for n in s})[:_MAX_LISTED])
@@ -104,7 +79,7 @@ def align(a: HealthLog, b: HealthLog) -> Alignment:
             f" {some_b or 'none'})"
         )
     depth = {**b.depth, **a.depth}
-    return Alignment(a=a, b=b, steps=steps, stats=tuple(names), names=names, depth=depth)
+    return Alignment(a=a, b=b, steps=steps, names=names, depth=depth)
 
 
 def _differ(x: float, y: float, rtol: float, atol: float) -> bool:
@@ -122,13 +97,17 @@ def find_differences(alignment: Alignment, rtol: float = 1e-4, atol: float = 0.0
     equal infinities are equal.
     """
     keyed = []
-    for stat in alignment.stats:
-        series_a, series_b = alignment.a.stats[stat], alignment.b.stats[stat]
-        for name in alignment.names[stat]:
-            values_a, values_b = series_a[name], series_b[name]
+    for stat, names in alignment.names.items():
+        backward, parameters = is_backward(stat), alignment.a.is_parameter_stat(stat)
+        for name in names:
+            # A parameter sits at its module's depth; forward statistics go down the depths, backward ones up them,
+            # and a name of no known depth follows every known one.
+            d = alignment.depth.get(owning_layer(name) if parameters else name)
+            where = (1, 0, name) if d is None else (0, -d if backward else d, name)
+            values_a, values_b = alignment.a.stats[stat][name], alignment.b.stats[stat][name]
             for step in alignment.steps:
                 if step in values_a and step in values_b and _differ(values_a[step], values_b[step], rtol, atol):
-                    key = (step, is_backward(stat), alignment.order_key(stat, name), stat_order_key(stat))
+                    key = (step, backward, where, stat_order_key(stat))
                     keyed.append((key, Difference(step, name, stat, values_a[step], values_b[step])))
     keyed.sort(key=lambda item: item[0])
     return [d for _, d in keyed]
@@ -136,26 +115,15 @@ def find_differences(alignment: Alignment, rtol: float = 1e-4, atol: float = 0.0
 
 def _line(d: Difference, with_stat: bool = True) -> str:
     stat = f", {d.stat}" if with_stat else ""
+    ratio = d.b / d.a if d.a != 0 else (math.nan if d.b == 0 else math.copysign(math.inf, d.b))
     return (
         f"step {d.step}, {display_name(d.layer)}{stat}: A={format_value(d.a)} B={format_value(d.b)}"
-        f" (B/A={format_value(d.ratio)})"
+        f" (B/A={format_value(ratio)})"
     )
 
 
 def format_diff(alignment: Alignment, differences: list[Difference], rtol: float, atol: float) -> str:
-    """The text report: what was aligned, the first difference, then the first difference of each statistic.
-
-    Example:
-        >>> from lightning_hookdiag.report.health_log import Scalar, build_health_log
-        >>> a = build_health_log([Scalar("layer_health/act_std/fc", s, 1.0) for s in (0, 2)])
-        >>> b = build_health_log([Scalar("layer_health/act_std/fc", s, 1.0 + s) for s in (0, 2)])
-        >>> al = align(a, b)
-        >>> print(format_diff(al, find_differences(al), rtol=1e-4, atol=0.0))
-        aligned: 2 common steps (0..2), 1 common layer, 1 common statistic
-        first difference: step 2, fc, act_std: A=1 B=3 (B/A=3)
-        first difference per statistic (forward statistics in depth order, then backward ones):
-          act_std: step 2, fc: A=1 B=3 (B/A=3)
-    """
+    """The text report: what was aligned, the first difference, then the first difference of each statistic."""
 
     def counted(n: int, word: str) -> str:
         return f"{n} common {word}{'s' if n != 1 else ''}"
@@ -167,18 +135,16 @@ def format_diff(alignment: Alignment, differences: list[Difference], rtol: float
     parts = [f"{counted(len(steps), 'step')} ({steps[0]}..{steps[-1]})", counted(len(layers), "layer")]
     if params:
         parts.append(counted(len(params), "parameter"))
-    lines = [f"aligned: {', '.join(parts)}, {counted(len(alignment.stats), 'statistic')}"]
-    only_a = sorted(set(alignment.a.stats) - set(alignment.stats), key=stat_order_key)
-    only_b = sorted(set(alignment.b.stats) - set(alignment.stats), key=stat_order_key)
+    lines = [f"aligned: {', '.join(parts)}, {counted(len(names), 'statistic')}"]
+    only_a = sorted(set(alignment.a.stats) - set(names), key=stat_order_key)
+    only_b = sorted(set(alignment.b.stats) - set(names), key=stat_order_key)
     if only_a or only_b:
         lines.append(f"not compared: only in A: {', '.join(only_a) or '-'}; only in B: {', '.join(only_b) or '-'}")
     if not differences:
         lines.append(f"no difference beyond rtol={rtol:g}, atol={atol:g}")
         return "\n".join(lines)
     lines.append(f"first difference: {_line(differences[0])}")
-    firsts: dict[str, Difference] = {}
-    for d in differences:
-        firsts.setdefault(d.stat, d)
+    firsts = {d.stat: d for d in reversed(differences)}  # the last one written wins: the first of each statistic
     lines.append("first difference per statistic (forward statistics in depth order, then backward ones):")
     for stat in sorted(firsts, key=lambda s: (is_backward(s), stat_order_key(s))):
         lines.append(f"  {stat}: {_line(firsts[stat], with_stat=False)}")
@@ -186,20 +152,11 @@ def format_diff(alignment: Alignment, differences: list[Difference], rtol: float
 
 
 def ratio_figure(alignment: Alignment, stat: str) -> Any:
-    """A matplotlib ``Figure``: ``B / A`` of ``stat`` per layer (depth order) and common step, log colour scale.
-
-    The colour scale is symmetric around a ratio of 1 (white); cells where either run has no value, or the ratio
-    is not a positive finite number, are grey.
-
-    Raises:
-        MissingExtraError: If matplotlib is not installed.
-        KeyError: If ``stat`` is not a common statistic.
-    """
+    """A matplotlib ``Figure``: ``B / A`` of ``stat`` per layer (depth order) and common step, log colour scale."""
     mpl = load_matplotlib()
     np = mpl.np
     parameters = alignment.a.is_parameter_stat(stat)
-    names = depth_order(alignment.names[stat], alignment.depth, parameters=parameters)
-    steps = list(alignment.steps)
+    names, steps = depth_order(alignment.names[stat], alignment.depth, parameters=parameters), alignment.steps
 
     def values(log: HealthLog) -> Any:
         return np.array([[log.stats[stat][n].get(s, math.nan) for s in steps] for n in names], dtype=float)
@@ -211,8 +168,7 @@ def ratio_figure(alignment: Alignment, stat: str) -> Any:
     top = float(np.abs(data[finite]).max()) if finite.any() else 0.0
     top = top or 1e-3  # identical runs: a visible, non-empty range around 1
     norm = mpl.colors.Normalize(vmin=-top, vmax=top)
-    unit = "parameter" if parameters else "layer"
-    fig, ax, image = draw_heatmap(mpl, data, ~finite, names, steps, cmap="RdBu_r", norm=norm, unit=unit)
+    fig, ax, image = draw_heatmap(data, ~finite, names, steps, cmap="RdBu_r", norm=norm, parameters=parameters)
     ax.set_xlabel("optimizer step (sampled, common to both runs)")
     fig.suptitle(f"{alignment.a.prefix}/{stat}: RUN_B / RUN_A")
     ax.set_title("white: equal; red: B larger; blue: B smaller; grey: not comparable", fontsize=8)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -12,23 +10,15 @@ from lightning_hookdiag.errors import MissingExtraError
 from lightning_hookdiag.report.health_log import HealthLog
 from lightning_hookdiag.table import display_name
 
-__all__ = ["draw_heatmap", "heatmap_figure", "load_matplotlib", "save_figure"]
+__all__ = ["draw_heatmap", "heatmap_figure", "load_matplotlib"]
 
-_MATPLOTLIB_HINT = "plotting needs matplotlib: pip install 'lightning-hookdiag[plot]'"
 # Beyond these many rows/columns every label would overlap; label every k-th instead.
 _MAX_ROW_LABELS = 60
 _MAX_COL_LABELS = 12
 
 
 def load_matplotlib() -> SimpleNamespace:
-    """Import the matplotlib (and numpy) pieces the figures are drawn with, only when a figure is asked for.
-
-    Returns:
-        A namespace with ``np``, ``Figure``, ``colors`` (``matplotlib.colors``) and ``colormaps``.
-
-    Raises:
-        MissingExtraError: If matplotlib (or numpy) cannot be imported; the message names the extra to install.
-    """
+    """``np``, ``Figure``, ``colors`` and ``colormaps``, imported only when a figure is asked for."""
     try:
         # The top-level import comes first so that a blocked or missing matplotlib fails here even when its
         # submodules are already cached.
@@ -37,7 +27,7 @@ def load_matplotlib() -> SimpleNamespace:
         import numpy as np
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise MissingExtraError(_MATPLOTLIB_HINT) from exc
+        raise MissingExtraError("plotting needs matplotlib: pip install 'lightning-hookdiag[plot]'") from exc
     return SimpleNamespace(np=np, Figure=Figure, colors=matplotlib.colors, colormaps=matplotlib.colormaps)
 
 
@@ -65,21 +55,10 @@ def _tick_positions(count: int, most: int) -> list[int]:
 
 
 def draw_heatmap(
-    mpl: SimpleNamespace,
-    data: Any,
-    mask: Any,
-    names: Sequence[str],
-    steps: Sequence[int],
-    *,
-    cmap: str,
-    norm: Any,
-    unit: str,
+    data: Any, mask: Any, names: Sequence[str], steps: Sequence[int], *, cmap: str, norm: Any, parameters: bool
 ) -> tuple[Any, Any, Any]:
-    """Draw a names x steps array, ``mask`` grey, on a new ``Figure`` sized to it; return the figure, axes and image.
-
-    Rows are labelled with the names (the root module's empty one as ``(root)``) and their ``unit``, columns with the
-    steps; with more than 60 rows or 12 columns only every k-th is labelled, so that the labels do not overlap.
-    """
+    """Draw a names x steps array, ``mask`` grey, on a new ``Figure`` sized to it; return the figure, axes and image."""
+    mpl = load_matplotlib()
     width = min(16.0, max(6.0, 3.0 + 0.25 * len(steps)))
     height = min(40.0, max(3.0, 1.5 + 0.22 * len(names)))
     fig = mpl.Figure(figsize=(width, height), layout="constrained")
@@ -96,7 +75,7 @@ def draw_heatmap(
     ax.set_yticks(rows_at, [display_name(names[i]) for i in rows_at], fontsize=8)
     cols_at = _tick_positions(len(steps), _MAX_COL_LABELS)
     ax.set_xticks(cols_at, [str(steps[i]) for i in cols_at])
-    ax.set_ylabel(f"{unit} (forward order, shallow at top)")
+    ax.set_ylabel(f"{'parameter' if parameters else 'layer'} (forward order, shallow at top)")
     return fig, ax, image
 
 
@@ -105,37 +84,15 @@ def heatmap_figure(log: HealthLog, stat: str) -> Any:
 
     Zeros, NaN/Inf and steps at which a layer was not logged are masked (drawn grey), because a log scale has no
     place for them. A statistic with negative values uses a symmetric log scale instead.
-
-    Raises:
-        MissingExtraError: If matplotlib is not installed.
-        KeyError: If ``stat`` is not in ``log.stats``.
-
-    Example:
-        >>> from lightning_hookdiag.report.health_log import Scalar, build_health_log
-        >>> log = build_health_log([Scalar("layer_health/act_absmax/fc", s, 2.0**s) for s in range(3)])
-        >>> fig = heatmap_figure(log, "act_absmax")
-        >>> fig.axes[0].images[0].get_array().shape
-        (1, 3)
     """
     mpl = load_matplotlib()
     names, steps, rows = log.matrix(stat)
     data = mpl.np.array(rows, dtype=float).reshape(len(names), len(steps))
     norm, mask, scale, note = _norm_and_mask(mpl, data)
-    unit = "parameter" if log.is_parameter_stat(stat) else "layer"
-    fig, ax, image = draw_heatmap(mpl, data, mask, names, steps, cmap="viridis", norm=norm, unit=unit)
+    parameters = log.is_parameter_stat(stat)
+    fig, ax, image = draw_heatmap(data, mask, names, steps, cmap="viridis", norm=norm, parameters=parameters)
     ax.set_xlabel("optimizer step (sampled)")
     fig.suptitle(f"{log.prefix}/{stat}")
     ax.set_title(note, fontsize=8)
     fig.colorbar(image, ax=ax, label=f"{stat} ({scale})")
     return fig
-
-
-def save_figure(fig: Any, out: str | os.PathLike[str], dpi: int = 100) -> Path:
-    """Save ``fig`` as an image file (the suffix picks the format) and return its path.
-
-    Raises:
-        OSError: If the file cannot be written.
-    """
-    out = Path(out)
-    fig.savefig(out, dpi=dpi)
-    return out

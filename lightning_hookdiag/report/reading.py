@@ -25,25 +25,8 @@ def _is_log_file(path: Path) -> bool:
     return path.name == _CSV_NAME or path.match(_EVENTS_GLOB)
 
 
-def _runs_below(root: Path) -> list[Path]:
-    runs = []
-    for folder, subdirs, files in os.walk(root):
-        here = Path(folder)
-        if len(here.relative_to(root).parts) >= _SEARCH_DEPTH:
-            subdirs.clear()
-        if any(_is_log_file(Path(f)) for f in files):
-            runs.append(here)
-    return sorted(runs)
-
-
 def find_log_files(path: str | os.PathLike[str]) -> list[Path]:
-    r"""The log files of a run folder (a logger's ``log_dir``) or the one log file ``path`` names.
-
-    ``metrics.csv`` comes first, then the TensorBoard event files in name (= time) order.
-
-    Raises:
-        ReportError: If the path does not exist or holds no log file; run folders further down are named.
-    """
+    """The log files of a run folder (a logger's ``log_dir``), ``metrics.csv`` first, or the one log file it names."""
     path = Path(path)
     if not path.exists():
         raise ReportError(f"{path}: no such file or folder")
@@ -58,9 +41,14 @@ def find_log_files(path: str | os.PathLike[str]) -> list[Path]:
     if found:
         return found
     message = f"{path}: no {_CSV_NAME} or {_EVENTS_GLOB} files (expected a logger's log_dir)"
-    runs = _runs_below(path)
+    runs = []
+    for folder, subdirs, files in os.walk(path):
+        if len(Path(folder).relative_to(path).parts) >= _SEARCH_DEPTH:
+            subdirs.clear()
+        if any(_is_log_file(Path(f)) for f in files):
+            runs.append(Path(folder))
     if runs:
-        shown = ", ".join(str(r) for r in runs[:5]) + (", ..." if len(runs) > 5 else "")
+        shown = ", ".join(str(r) for r in sorted(runs)[:5]) + (", ..." if len(runs) > 5 else "")
         message += f"; run folders below it: {shown}"
     raise ReportError(message)
 
@@ -77,8 +65,7 @@ def read_csv_scalars(path: str | os.PathLike[str]) -> list[Scalar]:
 
     A row holds the keys of one ``log_metrics`` call and leaves the other columns empty; several rows may share a
     step. Non-numeric cells are skipped. A last row without its line end (a run still writing the file) is left
-    out with a :class:`~lightning_hookdiag.report.ReportWarning`: CSVLogger writes ``step`` as the last column,
-    so a row cut inside it would file its values under a wrong step (``11`` cut to ``1``).
+    out with a :class:`~lightning_hookdiag.report.ReportWarning` (why: ``docs/report.md``).
 
     Raises:
         ReportError: If the file cannot be read or has no ``step`` column.
@@ -89,12 +76,9 @@ def read_csv_scalars(path: str | os.PathLike[str]) -> list[Scalar]:
             text = file.read()
         if text and not text.endswith(("\n", "\r")):
             end = max(text.rfind("\n"), text.rfind("\r")) + 1
-            what = "its header is incomplete" if end == 0 else "its last row has no line end"
-            warnings.warn(
-                f"{path}: {what} (is the run still writing it?); that {'file' if end == 0 else 'row'} was skipped",
-                ReportWarning,
-                stacklevel=2,
-            )
+            what, part = ("its header is incomplete", "file") if end == 0 else ("its last row has no line end", "row")
+            message = f"{path}: {what} (is the run still writing it?); that {part} was skipped"
+            warnings.warn(message, ReportWarning, stacklevel=2)
             text = text[:end]
         reader = csv.DictReader(io.StringIO(text, newline=""))
         if reader.fieldnames is None:  # an empty file: the logger never saved a row
@@ -118,17 +102,13 @@ def read_csv_scalars(path: str | os.PathLike[str]) -> list[Scalar]:
 
 
 def read_tensorboard_scalars(path: str | os.PathLike[str]) -> list[Scalar]:
-    """Every scalar of one TensorBoard event file, both old-style ``simple_value`` and scalar-plugin tensors.
-
-    Raises:
-        MissingExtraError: If tensorboard is not installed.
-        ReportError: If the file cannot be parsed.
-    """
+    """Every scalar of one TensorBoard event file, both old-style ``simple_value`` and scalar-plugin tensors."""
     try:
         # Importing the top-level package first makes a blocked or missing tensorboard fail here even when
         # the submodule is already cached.
         import tensorboard  # noqa: F401
         from tensorboard.backend.event_processing import event_accumulator as ea
+        from tensorboard.util import tensor_util  # already loaded by event_accumulator's imports
     except ImportError as exc:
         raise MissingExtraError(_TENSORBOARD_HINT) from exc
     # purge_orphaned_data=False: Lightning may log train_loss at a later step before the callback logs the step it
@@ -137,22 +117,14 @@ def read_tensorboard_scalars(path: str | os.PathLike[str]) -> list[Scalar]:
     try:
         acc.Reload()
         tags = acc.Tags()
-        scalars = [
-            Scalar(tag, int(event.step), float(event.value))
-            for tag in tags.get(ea.SCALARS, [])
-            for event in acc.Scalars(tag)
-        ]
-        tensor_tags = [
-            t for t in tags.get(ea.TENSORS, []) if acc.SummaryMetadata(t).plugin_data.plugin_name == "scalars"
-        ]
-        if tensor_tags:
-            from tensorboard.util import tensor_util
-
-            for tag in tensor_tags:
-                for event in acc.Tensors(tag):
-                    array = tensor_util.make_ndarray(event.tensor_proto)
-                    if array.size == 1 and array.dtype.kind in "fiub":
-                        scalars.append(Scalar(tag, int(event.step), float(array.reshape(-1)[0])))
+        scalars = [Scalar(t, int(e.step), float(e.value)) for t in tags.get(ea.SCALARS, []) for e in acc.Scalars(t)]
+        for tag in tags.get(ea.TENSORS, []):
+            if acc.SummaryMetadata(tag).plugin_data.plugin_name != "scalars":
+                continue
+            for event in acc.Tensors(tag):
+                array = tensor_util.make_ndarray(event.tensor_proto)
+                if array.size == 1 and array.dtype.kind in "fiub":
+                    scalars.append(Scalar(tag, int(event.step), float(array.reshape(-1)[0])))
     except Exception as exc:  # tensorboard raises its own DataLossError and protobuf errors on damaged files
         raise ReportError(f"{path}: cannot read it as a TensorBoard event file ({exc})") from exc
     return scalars

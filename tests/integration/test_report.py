@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 import lightning_hookdiag
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.report import ReportError, ReportWarning, read_health_log
+from lightning_hookdiag.report import ReportError, ReportWarning, Scalar, build_health_log, read_health_log
 from lightning_hookdiag.report.cli import build_parser, main
 from lightning_hookdiag.report.health_log import stat_order_key
 from lightning_hookdiag.report.plot import draw_heatmap, heatmap_figure, load_matplotlib
@@ -238,14 +238,20 @@ def test_heatmap_masks_zero_nan_and_missing_cells(csv_run: Path) -> None:
     assert not signed.get_array().mask.any()
 
 
+def test_heatmap_has_a_row_per_layer_and_a_column_per_step() -> None:
+    log = build_health_log([Scalar("layer_health/act_absmax/fc", s, 2.0**s) for s in range(3)])
+    assert heatmap_figure(log, "act_absmax").axes[0].images[0].get_array().shape == (1, 3)
+
+
 def test_heatmap_labels_thin_out_past_12_columns_and_the_root_gets_a_name() -> None:
-    mpl = load_matplotlib()
-    data = mpl.np.ones((3, 25))
+    data = load_matplotlib().np.ones((3, 25))
     steps = list(range(0, 50, 2))
-    fig, ax, image = draw_heatmap(mpl, data, data == 0, ["", "fc1", "fc2"], steps, cmap="viridis", norm=None, unit="u")
+    fig, ax, image = draw_heatmap(
+        data, data == 0, ["", "fc1", "fc2"], steps, cmap="viridis", norm=None, parameters=True
+    )
     assert [t.get_text() for t in ax.get_yticklabels()] == ["(root)", "fc1", "fc2"]
     assert [t.get_text() for t in ax.get_xticklabels()] == [str(s) for s in steps[::3]]  # ceil(25 / 12) = 3
-    assert ax.get_ylabel().startswith("u ")
+    assert ax.get_ylabel().startswith("parameter ")
     assert image.get_array().shape == (3, 25)
 
 

@@ -12,9 +12,9 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.report import read_health_log
+from lightning_hookdiag.report import Scalar, build_health_log, read_health_log
 from lightning_hookdiag.report.cli import main
-from lightning_hookdiag.report.diff import align, find_differences, is_backward, ratio_figure
+from lightning_hookdiag.report.diff import align, find_differences, format_diff, is_backward, ratio_figure
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -169,6 +169,18 @@ def test_bad_arguments_are_one_error_line_and_exit_2(tmp_path, capsys, argv, fac
     assert err.count("\n") == 1
     for fact in facts:
         assert fact.format(**names) in err
+
+
+def test_the_text_report_names_what_was_aligned_and_each_statistic_s_first_difference():
+    a = build_health_log([Scalar("layer_health/act_std/fc", s, 1.0) for s in (0, 2)])
+    b = build_health_log([Scalar("layer_health/act_std/fc", s, 1.0 + s) for s in (0, 2)])
+    alignment = align(a, b)
+    assert format_diff(alignment, find_differences(alignment), rtol=1e-4, atol=0.0).splitlines() == [
+        "aligned: 2 common steps (0..2), 1 common layer, 1 common statistic",
+        "first difference: step 2, fc, act_std: A=1 B=3 (B/A=3)",
+        "first difference per statistic (forward statistics in depth order, then backward ones):",
+        "  act_std: step 2, fc: A=1 B=3 (B/A=3)",
+    ]
 
 
 def test_gradient_and_update_statistics_are_the_backward_ones():
