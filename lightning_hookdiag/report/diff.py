@@ -87,6 +87,8 @@ def _differ(x: float, y: float, rtol: float, atol: float) -> bool:
         return math.isnan(x) != math.isnan(y)
     if x == y:  # also equal infinities
         return False
+    if math.isinf(x) or math.isinf(y):  # a relative tolerance of an infinity would hide any difference
+        return True
     return not abs(x - y) <= atol + rtol * max(abs(x), abs(y))
 
 
@@ -94,7 +96,7 @@ def find_differences(alignment: Alignment, rtol: float = 1e-4, atol: float = 0.0
     """Every aligned (step, layer, statistic) whose values differ, in the order a change propagates.
 
     Two values differ when ``|a - b| > atol + rtol * max(|a|, |b|)``; NaN equals NaN (and differs from any number),
-    equal infinities are equal.
+    equal infinities are equal, and an infinity differs from everything else.
     """
     keyed = []
     for stat, names in alignment.names.items():
@@ -102,7 +104,7 @@ def find_differences(alignment: Alignment, rtol: float = 1e-4, atol: float = 0.0
         for name in names:
             # A parameter sits at its module's depth; forward statistics go down the depths, backward ones up them,
             # and a name of no known depth follows every known one.
-            d = alignment.depth.get(owning_layer(name) if parameters else name)
+            d = alignment.depth.get(owning_layer(name, alignment.depth) if parameters else name)
             where = (1, 0, name) if d is None else (0, -d if backward else d, name)
             values_a, values_b = alignment.a.stats[stat][name], alignment.b.stats[stat][name]
             for step in alignment.steps:

@@ -191,3 +191,28 @@ def test_gradient_and_update_statistics_are_the_backward_ones():
         "param_grad_norm",
         "param_update_ratio",
     ]
+
+
+@pytest.mark.parametrize(("x", "y"), [(math.inf, 5.0), (math.inf, -math.inf), (-math.inf, 1e300), (2.0, math.inf)])
+def test_an_infinity_differs_from_every_other_value_at_the_default_rtol(x, y):
+    a = build_health_log([Scalar("layer_health/act_std/fc", 0, x)])
+    b = build_health_log([Scalar("layer_health/act_std/fc", 0, y)])
+    assert [(d.step, d.layer, d.stat) for d in find_differences(align(a, b))] == [(0, "fc", "act_std")]
+
+
+def test_equal_infinities_do_not_differ():
+    a = build_health_log([Scalar("layer_health/act_std/fc", 0, math.inf)])
+    assert find_differences(align(a, build_health_log([Scalar("layer_health/act_std/fc", 0, math.inf)]))) == []
+
+
+def test_a_selected_container_s_parameter_is_ordered_at_the_container_s_depth():
+    # `enc` is a selected container (depth 1); `enc.block.weight` belongs to it, not to an unlogged `enc.block`.
+    rows = [Scalar(f"layer_health/act_std/{layer}", 0, 1.0) for layer in ("stem", "enc", "head")]
+    a = build_health_log(
+        rows + [Scalar(f"layer_health/param_norm/{p}", 0, 1.0) for p in ("enc.block.weight", "head.weight")]
+    )
+    b = build_health_log(
+        rows + [Scalar(f"layer_health/param_norm/{p}", 0, 2.0) for p in ("enc.block.weight", "head.weight")]
+    )
+    order = [d.layer for d in find_differences(align(a, b)) if d.stat == "param_norm"]
+    assert order == ["enc.block.weight", "head.weight"]
