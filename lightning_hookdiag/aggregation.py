@@ -152,16 +152,6 @@ class LayerStatsAggregator(Metric):
         self._relaid: Tensor | None = None
         self._calls = {"act": _Calls(ACT_ROW, dtype), "grad": _Calls(GRAD_ROW, dtype), "count": _Calls(0, dtype)}
 
-    @property
-    def pending_rows(self) -> tuple[int, int]:
-        """Output and gradient rows written since the last fold."""
-        return len(self._calls["act"].layers), len(self._calls["grad"].layers)
-
-    @property
-    def held(self) -> tuple[int, int]:
-        """``(rows of the output call table, call patterns whose device copies are cached)``: both bounded."""
-        return self._calls["act"].table.shape[0], len(self._calls["act"]._patterns)
-
     def track_units(self, layers: Iterable[int]) -> None:
         """Declare the layers that may report per-unit maxima (default: every layer).
 
