@@ -183,15 +183,22 @@ class StepFacts:
     empty: frozenset[int] = field(default_factory=frozenset)
 
 
-_FACT_NOTES = (
-    (
-        "unit_mismatch",
-        "the number of units of {!r} changed between calls or differs between processes (a module shared by inputs"
-        " of different widths); act_dead_frac is not tracked for it",
-    ),
-    ("no_float", "the output of {!r} holds no floating-point tensor; it is not observed"),
-    ("sparse", "the output of {!r} (or its gradient) is a sparse tensor; sparse tensors are not observed"),
-)
+_LAYER_NOTES = {
+    "unit_mismatch": "the number of units of {name!r} changed between calls or differs between processes (a module"
+    " shared by inputs of different widths); act_dead_frac is not tracked for it",
+    "no_float": "the output of {name!r} holds no floating-point tensor; it is not observed",
+    "sparse": "the output of {name!r} (or its gradient) is a sparse tensor; sparse tensors are not observed",
+    "empty": "selected module {name!r} ran during sampled step {step} but its output had no elements; no statistics"
+    " for it",
+    "not_run": "selected module {name!r} did not run during sampled step {step} (its forward was called directly"
+    " instead of the module, or a branch was not taken); no statistics for it",
+    "no_grad": "the output of {name!r} required grad but received no gradient on a sampled step (a detached branch,"
+    " or an output that does not reach the loss); no act_grad statistics for it",
+}
+
+
+def _layer_note(kind: str, name: str, step: int = 0, info: bool = False) -> Note:
+    return Note(f"{kind}:{name}", "LayerHealthCallback: " + _LAYER_NOTES[kind].format(name=name, step=step), info)
 
 
 def layer_notes(
@@ -217,36 +224,20 @@ def layer_notes(
             that it did not run is an info note, not a warning.
         quiet_not_run: Modules whose not running is a note, not a warning (no parameters of their own).
     """
-    unobservable = {kind: [layer_names[i] for i in sorted(getattr(facts, kind))] for kind, _ in _FACT_NOTES}
+    kinds = ("unit_mismatch", "no_float", "sparse")
+    unobservable = {kind: [layer_names[i] for i in sorted(getattr(facts, kind))] for kind in kinds}
     unobservable["sparse"].sort()  # by name, as the sparse notes always were; the others in layer order
-    notes = [
-        Note(f"{kind}:{name}", "LayerHealthCallback: " + text.format(name))
-        for kind, text in _FACT_NOTES
-        for name in unobservable[kind]
-    ]
+    notes = [_layer_note(kind, name) for kind in kinds for name in unobservable[kind]]
+    skipped = {*unobservable["no_float"], *unobservable["sparse"]}
     empty = {layer_names[i] for i in facts.empty}
     ran = [name for name, c in zip(layer_names, count, strict=True) if c > 0]
-    for name, c in zip(layer_names, count, strict=True):
-        if c == 0 and name in empty:
-            notes.append(
-                Note(
-                    f"empty:{name}",
-                    f"LayerHealthCallback: selected module {name!r} ran during sampled step {step} but its output"
-                    " had no elements; no statistics for it",
-                )
-            )
-        elif c == 0 and name not in unobservable["no_float"] + unobservable["sparse"] and layers_observed:
+    for name in (name for name, c in zip(layer_names, count, strict=True) if c == 0):
+        if name in empty:
+            notes.append(_layer_note("empty", name, step))
+        elif name not in skipped and layers_observed:
             # Inside a selected module that ran (MultiheadAttention's out_proj): observed through it.
             covered = default_selection and any(name.startswith(r + ".") for r in ran)
-            notes.append(
-                Note(
-                    f"not_run:{name}",
-                    f"LayerHealthCallback: selected module {name!r} did not run during sampled step {step} (its"
-                    " forward was called directly instead of the module, or a branch was not taken); no"
-                    " statistics for it",
-                    info=covered or name in quiet_not_run,
-                )
-            )
+            notes.append(_layer_note("not_run", name, step, info=covered or name in quiet_not_run))
     return notes
 
 
@@ -256,15 +247,7 @@ def missing_grad_notes(missing: Sequence[str]) -> list[Note]:
     A note, not a warning: rule ``no_gradient`` reports the outputs that cut the network off from the gradient;
     the others (a pooler under a token-level head) do not reach the loss by design.
     """
-    return [
-        Note(
-            f"no_grad:{name}",
-            f"LayerHealthCallback: the output of {name!r} required grad but received no gradient on a sampled step"
-            " (a detached branch, or an output that does not reach the loss); no act_grad statistics for it",
-            info=True,
-        )
-        for name in missing
-    ]
+    return [_layer_note("no_grad", name, info=True) for name in missing]
 
 
 _OVERFLOW_CHECKS = (
