@@ -135,7 +135,7 @@ class LayerStatsAggregator(Metric):
         processes; their dead fraction is not tracked."""
         self.param_norm_low: Tensor | None = None
         """Smallest weight sum of squares over the processes that measured each replicated parameter (``+inf``
-        where none did), from the last sync; ``None`` without one (see :meth:`_replica_low`)."""
+        where none did), from the last sync; ``None`` without one, or for sharded parameters."""
         self.grad_scale: Tensor | None = None
         """AMP loss scale of the step's gradients, divided out of ``act_grad_norm`` at ``compute``."""
         self._synced = False
@@ -344,8 +344,11 @@ class LayerStatsAggregator(Metric):
         maxima = [getattr(self, name) for name in max_names]
         if self.unit_layers:
             maxima.append(self._mismatch_flags())
-        low = self._replica_low()
-        if low is not None:
+        low = None
+        if not self.sharded_params and self.n_params:  # sharded parameters' parts differ by design
+            # Minus each replicated parameter's weight sum of squares (-inf where not measured): its maximum over
+            # processes is minus the smallest, so replicas that differ show up in the collective that takes the largest.
+            low = torch.where(self.param_stats[:, P_SEEN] > 0, self.param_stats[:, P_WEIGHT_SQ], math.inf).neg()
             maxima.append(low)
         reduced_max = all_reduce_packed(maxima, "max", group)
         self.param_norm_low = None if low is None else reduced_max.pop().neg()
@@ -353,17 +356,6 @@ class LayerStatsAggregator(Metric):
             self._unit_bad = reduced_max.pop()
         for name, value in zip([*sum_names, *max_names], [*reduced, *reduced_max], strict=True):
             setattr(self, name, value)
-
-    def _replica_low(self) -> Tensor | None:
-        """Minus each replicated parameter's weight sum of squares (``-inf`` where not measured), for the MAX buffer.
-
-        Its maximum over processes is minus the smallest: replicas that differ show up in the collective that takes
-        the largest. ``None`` for sharded parameters, whose parts differ by design.
-        """
-        if self.sharded_params or not self.n_params:
-            return None
-        stats = self.param_stats
-        return torch.where(stats[:, P_SEEN] > 0, stats[:, P_WEIGHT_SQ], math.inf).neg()
 
     def _mismatch_flags(self) -> Tensor:
         # 1 for the layers this process stopped tracking: a maximum over processes makes the decision global. Built

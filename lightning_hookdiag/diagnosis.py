@@ -104,16 +104,7 @@ class Diagnosis:
         return Diagnosed(findings, self.alerts.update(findings))
 
     def traces(self, trip: Trip) -> bool:
-        """Whether a tripped step's NaN/Inf is worth tracing to the module that made it (only ``nonfinite`` reads it).
-
-        Example:
-            >>> from lightning_hookdiag.step_state import Trip
-            >>> nan, spike = Trip(3, "nonfinite_loss", float("nan")), Trip(3, "loss_spike", 40.0, baseline=1.0)
-            >>> Diagnosis(RuleConfig()).traces(nan), Diagnosis(RuleConfig()).traces(spike)
-            (True, False)
-            >>> Diagnosis(RuleConfig(enabled=["dead_units"])).traces(nan)
-            False
-        """
+        """Whether a tripped step's NaN/Inf is worth tracing to the module that made it (only ``nonfinite`` reads it)."""
         return trip.kind != "loss_spike" and "nonfinite" in self.config.enabled
 
     def state_dict(self) -> dict[str, Any]:
