@@ -197,8 +197,12 @@ _LAYER_NOTES = {
 }
 
 
+def _note(key: str, text: str, info: bool = False) -> Note:
+    return Note(key, "LayerHealthCallback: " + text, info)
+
+
 def _layer_note(kind: str, name: str, step: int = 0, info: bool = False) -> Note:
-    return Note(f"{kind}:{name}", "LayerHealthCallback: " + _LAYER_NOTES[kind].format(name=name, step=step), info)
+    return _note(f"{kind}:{name}", _LAYER_NOTES[kind].format(name=name, step=step), info)
 
 
 def layer_notes(
@@ -273,57 +277,40 @@ def overflow_notes(layer_names: Sequence[str], host: dict[str, list[float]]) -> 
                 continue
             for name, count, bad, value in zip(layer_names, counts, nonfinite, values, strict=True):
                 if count > 0 and bad == 0 and not math.isfinite(value):
-                    notes.append(
-                        Note(
-                            f"overflow:{stat}:{name}",
-                            f"LayerHealthCallback: {stat} of {name!r} is {value} although its {what} held no NaN/Inf:"
-                            " it overflowed what it is held in (float64 sums of squares beyond ~1e154, float32 maxima"
-                            " beyond ~3.4e38, float32 sums on a device without float64); it is logged as it is, not"
-                            " as a finite number",
-                        )
+                    text = (
+                        f"{stat} of {name!r} is {value} although its {what} held no NaN/Inf: it overflowed what it is"
+                        " held in (float64 sums of squares beyond ~1e154, float32 maxima beyond ~3.4e38, float32 sums"
+                        " on a device without float64); it is logged as it is, not as a finite number"
                     )
+                    notes.append(_note(f"overflow:{stat}:{name}", text))
     return notes
 
 
 def histogram_note(skipped: Sequence[str]) -> Note | None:
     """The note for the loggers (by class name) that cannot store histograms, or ``None``."""
-    if not skipped:
-        return None
-    return Note(
-        "histograms:" + ",".join(skipped),
-        f"LayerHealthCallback: {', '.join(skipped)} cannot store histograms; they are logged only to TensorBoard"
-        " and W&B loggers",
-        info=True,
-    )
+    text = f"{', '.join(skipped)} cannot store histograms; they are logged only to TensorBoard and W&B loggers"
+    return _note("histograms:" + ",".join(skipped), text, info=True) if skipped else None
 
 
 def late_note(late: int | None, step: int, every_n_steps: int) -> Note | None:
     """The note for a sampled step ``late`` observed on the next training batch (at ``step``), or ``None``."""
-    if late is None:
-        return None
-    return Note(
-        "late",
-        f"LayerHealthCallback: optimizer step {late} (every_n_steps={every_n_steps}) fell inside a training batch"
-        " that made several optimizer steps (manual optimization); hooks observe whole batches, so the next batch"
-        f" is observed instead and logged at its first optimizer step, {step}. Sampled batches are logged at their"
-        " first optimizer step",
-        info=True,
+    text = (
+        f"optimizer step {late} (every_n_steps={every_n_steps}) fell inside a training batch that made several"
+        " optimizer steps (manual optimization); hooks observe whole batches, so the next batch is observed instead"
+        f" and logged at its first optimizer step, {step}. Sampled batches are logged at their first optimizer step"
     )
+    return None if late is None else _note("late", text, info=True)
 
 
 def no_logger_note(n_loggers: int) -> Note | None:
     """The note for a Trainer without loggers (``logger=False``, ``barebones=True``), or ``None``."""
-    if n_loggers:
-        return None
-    return Note(
-        "no_logger",
-        "LayerHealthCallback: the Trainer has no logger (logger=False or barebones=True), so no statistic is"
-        " logged; the last sampled step's values are kept in callback.last_metrics and the findings in"
-        " callback.findings",
-        info=True,
+    text = (
+        "the Trainer has no logger (logger=False or barebones=True), so no statistic is logged; the last sampled"
+        " step's values are kept in callback.last_metrics and the findings in callback.findings"
     )
+    return None if n_loggers else _note("no_logger", text, info=True)
 
 
 def opt_in_note(note: str) -> Note | None:
     """The note :attr:`~lightning_hookdiag.opt_in.OptInPlan.note` gives, or ``None`` when it gives none."""
-    return Note("opt_in_note", f"LayerHealthCallback: {note}", info=True) if note else None
+    return _note("opt_in_note", note, info=True) if note else None
