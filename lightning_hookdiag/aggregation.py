@@ -219,12 +219,10 @@ class LayerStatsAggregator(Metric):
     ) -> None:
         """Add one observation: the hot path, without the tens of microseconds torchmetrics wraps ``update`` in.
 
-        Args:
-            layer: Index of the layer; ``None`` records nothing (a process whose layers did not run still takes
-                part in the reduction).
-            units: Per-unit maxima from :func:`~lightning_hookdiag.stats.unit_maxima`.
-            params: ``(index, values, columns)``: write ``values`` into the parameter rows ``index`` and columns
-                ``columns`` (see :mod:`lightning_hookdiag.params`).
+        ``units`` are ``layer``'s per-unit maxima (:func:`~lightning_hookdiag.stats.unit_maxima`); ``params`` is
+        ``(index, values, columns)``, written into the parameter rows ``index`` and columns ``columns``
+        (:mod:`lightning_hookdiag.params`). Nothing at all is a valid call: a process whose layers did not run still
+        takes part in the reduction.
         """
         if params is not None:
             index, values, columns = params
