@@ -45,9 +45,11 @@ def host_values(values: Iterable[float], dtype: torch.dtype, device: torch.devic
 
     A copy from pageable memory makes the host wait for the device's queue; a pinned one sent with
     ``non_blocking=True`` is queued like a kernel (torch keeps the pinned block alive until it is done). For values
-    that change between sampled steps only; everything else is cached on the device. On the CPU, no copy.
+    that change between sampled steps only; everything else is cached on the device.
     """
     host = torch.tensor(list(values), dtype=dtype)
+    if device.type == "cpu":
+        return host
     if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)

@@ -46,13 +46,6 @@ class Diagnosis:
             ``None`` before one.
         last_finite: Parameter name to the last evaluated step on which its ``param_norm`` was finite.
         history: The earlier evaluated steps' values, for the trend rules; ``logit_drift`` looks back 4 trend windows.
-
-    Example:
-        >>> diagnosis = Diagnosis(RuleConfig())
-        >>> _ = diagnosis.step({"param_norm": {"w": 2.0}}, ["fc"], [], step=3)
-        >>> _ = diagnosis.step({"param_norm": {"w": float("nan")}}, ["fc"], [], step=5)
-        >>> diagnosis.last_finite, diagnosis.baseline.step
-        ({'w': 3}, 5)
     """
 
     def __init__(self, config: RuleConfig) -> None:
