@@ -268,14 +268,9 @@ def overflow_notes(layer_names: Sequence[str], host: dict[str, list[float]]) -> 
     """
     notes = []
     for count_key, nonfinite_key, stats, what in _OVERFLOW_CHECKS:
-        counts, nonfinite = host.get(count_key), host.get(nonfinite_key)
-        if counts is None or nonfinite is None:
-            continue
-        for stat in stats:
-            values = host.get(stat)
-            if values is None:
-                continue
-            for name, count, bad, value in zip(layer_names, counts, nonfinite, values, strict=True):
+        for stat in (stat for stat in stats if {count_key, nonfinite_key, stat} <= host.keys()):
+            held = zip(layer_names, host[count_key], host[nonfinite_key], host[stat], strict=True)
+            for name, count, bad, value in held:
                 if count > 0 and bad == 0 and not math.isfinite(value):
                     text = (
                         f"{stat} of {name!r} is {value} although its {what} held no NaN/Inf: it overflowed what it is"
