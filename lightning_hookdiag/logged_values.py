@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from lightning_hookdiag.names import BATCH
@@ -166,8 +165,7 @@ def histogram_series(
     return Histograms([inner[0] * 10, *inner], [*inner, inner[-1] * 10], series)
 
 
-@dataclass(frozen=True)
-class StepFacts:
+class StepFacts(NamedTuple):
     """What one sampled step could not observe, by layer index (from the recorder and the aggregator).
 
     Attributes:
@@ -177,10 +175,10 @@ class StepFacts:
         empty: Layers with a call whose output had no elements.
     """
 
-    unit_mismatch: frozenset[int] = field(default_factory=frozenset)
-    no_float: frozenset[int] = field(default_factory=frozenset)
-    sparse: frozenset[int] = field(default_factory=frozenset)
-    empty: frozenset[int] = field(default_factory=frozenset)
+    unit_mismatch: frozenset[int] = frozenset()
+    no_float: frozenset[int] = frozenset()
+    sparse: frozenset[int] = frozenset()
+    empty: frozenset[int] = frozenset()
 
 
 _LAYER_NOTES = {
