@@ -97,7 +97,7 @@ class Diagnosis:
         return Diagnosed(findings, self.alerts.update(findings))
 
     def traces(self, trip: Trip) -> bool:
-        """Whether a tripped step's NaN/Inf is worth tracing to the module that made it (only ``nonfinite`` reads it)."""
+        """Whether to trace a tripped step's NaN/Inf to the module that made it (only rule ``nonfinite`` reads it)."""
         return trip.kind != "loss_spike" and "nonfinite" in self.config.enabled
 
     def state_dict(self) -> dict[str, Any]:
