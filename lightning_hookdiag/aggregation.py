@@ -46,10 +46,6 @@ def host_values(values: Iterable[float], dtype: torch.dtype, device: torch.devic
     A copy from pageable memory makes the host wait for the device's queue; a pinned one sent with
     ``non_blocking=True`` is queued like a kernel (torch keeps the pinned block alive until it is done). For values
     that change between sampled steps only; everything else is cached on the device.
-
-    Example:
-        >>> host_values([1, 2], torch.float64, torch.device("cpu"))
-        tensor([1., 2.], dtype=torch.float64)
     """
     host = torch.tensor(list(values), dtype=dtype)
     if device.type == "cpu":
@@ -110,11 +106,7 @@ class LayerStatsAggregator(Metric):
         self.acc_dtype = dtype
         # Replicated parameters (single process, DDP) hold the same value on every process: reduce with max so
         # it is counted once. Sharded ones hold disjoint parts: their sums of squares add up.
-        self.add_state(
-            "param_stats",
-            torch.zeros(n_params, P_SLOTS, dtype=dtype),
-            dist_reduce_fx="sum" if sharded_params else "max",
-        )
+        self.add_state("param_stats", torch.zeros(n_params, P_SLOTS, dtype=dtype), "sum" if sharded_params else "max")
         self.add_state("act_moments", torch.zeros(n_layers, ACT_SLOTS, dtype=dtype), dist_reduce_fx="sum")
         # float32, like the other maxima, so that the MAX buffer stays float32 in sharded runs: only float64 outputs
         # beyond float32's range (3.4e38) overflow it, and they are logged as inf with a note (overflow_notes).
@@ -126,10 +118,10 @@ class LayerStatsAggregator(Metric):
         edges = histogram_edges(histogram_bins) if histogram_bins else torch.empty(0)
         self.histogram_edges_host: list[float] = edges.tolist()
         self.register_buffer("histogram_edges", edges, persistent=False)
+        self._core = frozenset(self.reduce_of)  # compute() finalises these; it returns every later state as it is
         if histogram_bins:
             self.add_state("act_hist", torch.zeros(n_layers, histogram_bins), dist_reduce_fx="sum")
             self.add_state("grad_hist", torch.zeros(n_layers, histogram_bins), dist_reduce_fx="sum")
-        self._core = frozenset(self.reduce_of)
         self.sharded_params = sharded_params
         self.unit_layers: frozenset[int] = frozenset(range(n_layers))
         """Layers that may report per-unit maxima: the layout agreement waits for these (see :meth:`track_units`)."""
@@ -145,28 +137,17 @@ class LayerStatsAggregator(Metric):
         processes; their dead fraction is not tracked."""
         self.param_norm_low: Tensor | None = None
         """Smallest weight sum of squares over the processes that measured each replicated parameter (``+inf``
-        where none did), from the last sync; ``None`` without one (see :meth:`_replica_low`)."""
+        where none did), from the last sync; ``None`` without one, or for sharded parameters."""
         self.grad_scale: Tensor | None = None
         """AMP loss scale of the step's gradients, divided out of ``act_grad_norm`` at ``compute``."""
         self._synced = False
         self._relaid: Tensor | None = None
         self._calls = {"act": _Calls(ACT_ROW, dtype), "grad": _Calls(GRAD_ROW, dtype), "count": _Calls(0, dtype)}
 
-    @property
-    def pending_rows(self) -> tuple[int, int]:
-        """Output and gradient rows written since the last fold."""
-        return len(self._calls["act"].layers), len(self._calls["grad"].layers)
-
-    @property
-    def held(self) -> tuple[int, int]:
-        """``(rows of the output call table, call patterns whose device copies are cached)``: both bounded."""
-        return self._calls["act"].table.shape[0], len(self._calls["act"]._patterns)
-
     def track_units(self, layers: Iterable[int]) -> None:
         """Declare the layers that may report per-unit maxima (default: every layer).
 
-        A sync reads the agreed unit counts back to the host (one small transfer) until each of these has run
-        somewhere.
+        Until each of them has run somewhere, a sync reads the agreed unit counts back to the host (a small transfer).
         """
         layers = frozenset(layers)
         bad = [i for i in layers if not 0 <= i < self.n_layers]
@@ -240,19 +221,15 @@ class LayerStatsAggregator(Metric):
     ) -> None:
         """Add one observation: the hot path, without the tens of microseconds torchmetrics wraps ``update`` in.
 
-        Args:
-            layer: Index of the layer; ``None`` records nothing (a process whose layers did not run still takes
-                part in the reduction).
-            units: Per-unit maxima from :func:`~lightning_hookdiag.stats.unit_maxima`.
-            params: ``(index, values, columns)``: write ``values`` into the parameter rows ``index`` and columns
-                ``columns`` (see :mod:`lightning_hookdiag.params`).
+        ``units`` are ``layer``'s per-unit maxima (:func:`~lightning_hookdiag.stats.unit_maxima`); ``params`` is
+        ``(index, values, columns)``, written into the parameter rows ``index`` and columns ``columns``
+        (:mod:`lightning_hookdiag.params`). Nothing at all is a valid call: a process whose layers did not run still
+        takes part in the reduction.
         """
         if params is not None:
             index, values, columns = params
             self.param_stats[:, columns].index_copy_(0, index, values.to(self.param_stats.dtype))
-        if layer is None:
-            return
-        if units is not None and layer not in self.unit_mismatch:
+        if units is not None and layer is not None and layer not in self.unit_mismatch:
             if layer not in self.unit_layers:
                 raise ValueError(
                     f"units: layer {layer} was not declared with track_units (declared: {sorted(self.unit_layers)})"
@@ -294,18 +271,15 @@ class LayerStatsAggregator(Metric):
             torch.maximum(target, values, out=target)
 
     def _fold(self) -> None:
-        taken = self._calls["act"].take()
-        if taken is not None:
+        if (taken := self._calls["act"].take()) is not None:
             rows, index, counts = taken
             moments, absmax = moments_from_rows(rows, counts)
             self.act_moments.index_add_(0, index, moments)
             self.act_absmax.scatter_reduce_(0, index, absmax.to(self.act_absmax.dtype), "amax")
-        taken = self._calls["grad"].take()
-        if taken is not None:
+        if (taken := self._calls["grad"].take()) is not None:
             rows, index, counts = taken
             self.grad_moments.index_add_(0, index, gradient_moments_from_rows(rows, counts))
-        taken = self._calls["count"].take()
-        if taken is not None:
+        if (taken := self._calls["count"].take()) is not None:
             _, index, counts = taken
             self.act_moments[:, ACT_COUNT].index_add_(0, index, counts)
 
@@ -335,13 +309,10 @@ class LayerStatsAggregator(Metric):
             self.unit_max, self._relaid = self._relaid, None
 
     def _sync_dist(self, dist_sync_fn: Any = None, process_group: Any = None) -> None:
-        """Reduce the states over processes with one SUM and one MAX ``all_reduce``, by :attr:`reduce_of`.
+        """Reduce the states over ``process_group`` (default: the metric's) with one SUM and one MAX ``all_reduce``.
 
-        Every process must call it, also one whose layers did not run.
-
-        Args:
-            dist_sync_fn: Ignored: a sum and a maximum need no gathered copies.
-            process_group: The group to reduce over; ``None`` for the metric's ``process_group`` (default: all).
+        Every process must call it, also one whose layers did not run. ``dist_sync_fn`` is ignored: a sum and a
+        maximum need no gathered copies.
         """
         group = process_group or self.process_group
         self._synced = True
@@ -353,7 +324,8 @@ class LayerStatsAggregator(Metric):
         if waiting:
             # (processes that saw the layer, sum of their unit counts, sum of squares): the counts agree exactly
             # when seen * squares == total ** 2.
-            claims = [self._claim(i) for i in waiting]
+            sizes = [self._pending_units[i].numel() if i in self._pending_units else 0 for i in waiting]
+            claims = [[min(n, 1), n, n * n] for n in sizes]
             sums.append(torch.tensor(claims, dtype=torch.float64, device=self.act_moments.device))
         reduced = all_reduce_packed(sums, "sum", group)
         if waiting:
@@ -372,8 +344,11 @@ class LayerStatsAggregator(Metric):
         maxima = [getattr(self, name) for name in max_names]
         if self.unit_layers:
             maxima.append(self._mismatch_flags())
-        low = self._replica_low()
-        if low is not None:
+        low = None
+        if not self.sharded_params and self.n_params:  # sharded parameters' parts differ by design
+            # Minus each replicated parameter's weight sum of squares (-inf where not measured): its maximum over
+            # processes is minus the smallest, so replicas that differ show up in the collective that takes the largest.
+            low = torch.where(self.param_stats[:, P_SEEN] > 0, self.param_stats[:, P_WEIGHT_SQ], math.inf).neg()
             maxima.append(low)
         reduced_max = all_reduce_packed(maxima, "max", group)
         self.param_norm_low = None if low is None else reduced_max.pop().neg()
@@ -381,22 +356,6 @@ class LayerStatsAggregator(Metric):
             self._unit_bad = reduced_max.pop()
         for name, value in zip([*sum_names, *max_names], [*reduced, *reduced_max], strict=True):
             setattr(self, name, value)
-
-    def _replica_low(self) -> Tensor | None:
-        """Minus each replicated parameter's weight sum of squares (``-inf`` where not measured), for the MAX buffer.
-
-        Its maximum over processes is minus the smallest: replicas that differ show up in the collective that takes
-        the largest. ``None`` for sharded parameters, whose parts differ by design.
-        """
-        if self.sharded_params or not self.n_params:
-            return None
-        stats = self.param_stats
-        return torch.where(stats[:, P_SEEN] > 0, stats[:, P_WEIGHT_SQ], math.inf).neg()
-
-    def _claim(self, layer: int) -> list[float]:
-        pending = self._pending_units.get(layer)
-        n = 0 if pending is None or layer in self.unit_mismatch else float(pending.numel())
-        return [1.0 if n else 0.0, n, n * n]
 
     def _mismatch_flags(self) -> Tensor:
         # 1 for the layers this process stopped tracking: a maximum over processes makes the decision global. Built
@@ -411,7 +370,7 @@ class LayerStatsAggregator(Metric):
     def pooled(self) -> dict[str, Tensor]:
         """:meth:`compute` without torchmetrics' clone of every result, for a caller that only reads them."""
         with self.sync_context():
-            return self._finalize()
+            return LayerStatsAggregator.compute(self)  # the method, not the wrapper torchmetrics sets on the instance
 
     def compute(self) -> dict[str, Tensor]:
         """Finalised statistics, after torchmetrics has reduced the states over processes.
@@ -421,12 +380,9 @@ class LayerStatsAggregator(Metric):
             tracked) and ``count`` / ``grad_count`` (elements observed: 0 means the layer never ran), plus the
             parameter statistics of :func:`~lightning_hookdiag.params.finalize_parameters`; after a sync of
             replicated parameters also ``param_norm_min``, the smallest ``param_norm`` over the processes that
-            measured each parameter (``param_norm`` is the largest; ``inf`` where none did); every state a
-            component registered, unchanged.
+            measured each parameter (``param_norm`` is the largest; ``inf`` where none did); the histograms and every
+            state a component registered, unchanged.
         """
-        return self._finalize()
-
-    def _finalize(self) -> dict[str, Tensor]:
         self._fold()  # normally done by update() or the sync; here it would miss the reduction over processes
         synced, self._synced = self._synced, False
         if self._pending_units and not synced:
@@ -447,9 +403,6 @@ class LayerStatsAggregator(Metric):
         out.update(finalize_parameters(self.param_stats))
         if self.param_norm_low is not None:  # synced over processes: replicas can be compared
             out["param_norm_min"] = self.param_norm_low.to(self.param_stats.device).sqrt()
-        if self.histogram_edges.numel():
-            out["act_hist"] = self.act_hist
-            out["grad_hist"] = self.grad_hist
         out.update((name, getattr(self, name)) for name in self.reduce_of if name not in self._core)
         return out
 

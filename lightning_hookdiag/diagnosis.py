@@ -46,13 +46,6 @@ class Diagnosis:
             ``None`` before one.
         last_finite: Parameter name to the last evaluated step on which its ``param_norm`` was finite.
         history: The earlier evaluated steps' values, for the trend rules; ``logit_drift`` looks back 4 trend windows.
-
-    Example:
-        >>> diagnosis = Diagnosis(RuleConfig())
-        >>> _ = diagnosis.step({"param_norm": {"w": 2.0}}, ["fc"], [], step=3)
-        >>> _ = diagnosis.step({"param_norm": {"w": float("nan")}}, ["fc"], [], step=5)
-        >>> diagnosis.last_finite, diagnosis.baseline.step
-        ({'w': 3}, 5)
     """
 
     def __init__(self, config: RuleConfig) -> None:
@@ -104,16 +97,7 @@ class Diagnosis:
         return Diagnosed(findings, self.alerts.update(findings))
 
     def traces(self, trip: Trip) -> bool:
-        """Whether a tripped step's NaN/Inf is worth tracing to the module that made it (only ``nonfinite`` reads it).
-
-        Example:
-            >>> from lightning_hookdiag.step_state import Trip
-            >>> nan, spike = Trip(3, "nonfinite_loss", float("nan")), Trip(3, "loss_spike", 40.0, baseline=1.0)
-            >>> Diagnosis(RuleConfig()).traces(nan), Diagnosis(RuleConfig()).traces(spike)
-            (True, False)
-            >>> Diagnosis(RuleConfig(enabled=["dead_units"])).traces(nan)
-            False
-        """
+        """Whether to trace a tripped step's NaN/Inf to the module that made it (only rule ``nonfinite`` reads it)."""
         return trip.kind != "loss_spike" and "nonfinite" in self.config.enabled
 
     def state_dict(self) -> dict[str, Any]:

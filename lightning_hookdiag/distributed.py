@@ -13,14 +13,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-__all__ = ["all_reduce_max", "all_reduce_packed", "distributed_ready", "pack", "unpack"]
+__all__ = ["all_reduce_max", "all_reduce_packed", "pack", "unpack"]
 
 Op = Literal["sum", "max", "min"]
-
-
-def distributed_ready() -> bool:
-    """Whether ``torch.distributed`` is available and a default process group exists."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def pack(tensors: Sequence[Tensor]) -> Tensor:
@@ -60,7 +55,7 @@ def all_reduce_packed(tensors: Sequence[Tensor], op: Op = "sum", group: Any = No
     """
     if op not in ("sum", "max", "min"):
         raise ValueError(f"all_reduce_packed: expected op in ['max', 'min', 'sum'], got {op!r}")
-    if not tensors or not distributed_ready():
+    if not tensors or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return list(tensors)
     buffer = pack(tensors)
     torch.distributed.all_reduce(buffer, op=getattr(torch.distributed.ReduceOp, op.upper()), group=group)

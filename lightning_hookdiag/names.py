@@ -33,10 +33,6 @@ MODULE_ATTR_WRAPPERS = frozenset({"DistributedDataParallel", "DataParallel", "_L
 dropped only below these."""
 
 
-def _wraps_as_module(parent: Any) -> bool:
-    return any(cls.__name__ in MODULE_ATTR_WRAPPERS for cls in type(parent).__mro__)
-
-
 def logged_name(path: str, root: Any = None) -> str:
     """The logged name of the module or parameter at dotted ``path`` (as ``named_modules()`` gives it) of ``root``.
 
@@ -45,9 +41,9 @@ def logged_name(path: str, root: Any = None) -> str:
     """
     kept = []
     parent = root
-    for segment in path.split("."):
-        drop = segment in WRAPPER_SEGMENTS or (segment == "module" and parent is not None and _wraps_as_module(parent))
-        if not drop:
+    for segment in path.split("."):  # (without a root, parent is None, and NoneType wraps nothing)
+        wrapped = segment == "module" and any(cls.__name__ in MODULE_ATTR_WRAPPERS for cls in type(parent).__mro__)
+        if segment not in WRAPPER_SEGMENTS and not wrapped:
             kept.append(segment)
         parent = getattr(parent, segment, None) if parent is not None else None
     return ".".join(kept)

@@ -109,12 +109,7 @@ def log_slope(points: Sequence[Point]) -> float:
 
 
 def rising_share(points: Sequence[Point]) -> float:
-    """The share of consecutive pairs that rise (NaN with fewer than two points).
-
-    Example:
-        >>> rising_share([(0, 1.0), (1, 2.0), (2, 1.5), (3, 3.0)])
-        0.6666666666666666
-    """
+    """The share of consecutive pairs that rise (NaN with fewer than two points)."""
     if len(points) < 2:
         return math.nan
     rises = sum(1 for (_, a), (_, b) in zip(points, points[1:], strict=False) if b > a)

@@ -34,6 +34,16 @@ def record(recorder: Any, layer: int, output: Any) -> None:
     recorder.on_tensor(layer, first_floating_tensor(output))
 
 
+def pending_rows(agg: Any) -> tuple[int, int]:
+    """Output and gradient rows an aggregator was handed since its last fold."""
+    return len(agg._calls["act"].layers), len(agg._calls["grad"].layers)
+
+
+def held(agg: Any) -> tuple[int, int]:
+    """``(rows of an aggregator's output call table, call patterns whose device copies it caches)``: both bounded."""
+    return agg._calls["act"].table.shape[0], len(agg._calls["act"]._patterns)
+
+
 def activation_stats(values: list[float]) -> dict[str, float]:
     finite = [v for v in values if math.isfinite(v)]
     mean = sum(finite) / len(finite)

@@ -123,6 +123,12 @@ def test_keys_are_formatted_once_per_statistic_and_again_when_the_names_change()
     first = keys.keys("act_std", ["a", "b"])
     assert keys.keys("act_std", ["a", "b"]) is first
     assert keys.keys("act_std", ["a", "b", "c"]) == ["h/act_std/a", "h/act_std/b", "h/act_std/c"]
+    # A renamed parameter (a reparametrisation) keeps the number of names: the names themselves decide.
+    assert keys.keys("act_std", ["a", "x", "c"]) == ["h/act_std/a", "h/act_std/x", "h/act_std/c"]
+    names = ["a", "b"]
+    assert keys.keys("act_std", names) == ["h/act_std/a", "h/act_std/b"]
+    names[1] = "y"  # changed in place: the cache holds its own copy of the names
+    assert keys.keys("act_std", names) == ["h/act_std/a", "h/act_std/y"]
     assert keys.key("depth", "a") == "h/depth/a"
     assert keys.key("grad_norm_total") == "h/grad_norm_total"
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from reference import activation_stats_float64, record
+from reference import activation_stats_float64, held, pending_rows, record
 
 from lightning_hookdiag import stats as S
 from lightning_hookdiag.aggregation import LayerStatsAggregator
@@ -44,7 +44,7 @@ def recorded(outputs: dict[int, list[torch.Tensor]], unit_layers: frozenset[int]
         for output in calls:
             record(recorder, layer, output)
             recorder.on_grad(layer, output)
-    assert agg.pending_rows[0] == sum(len(calls) for calls in outputs.values())  # one row per call
+    assert pending_rows(agg)[0] == sum(len(calls) for calls in outputs.values())  # one row per call
     agg.update()
     return agg.compute()
 
@@ -96,7 +96,7 @@ def test_reset_drops_the_rows_of_a_discarded_step():
     record(recorder, 0, torch.full((2,), 7.0))
     recorder.on_grad(0, torch.full((2,), 7.0))
     agg.reset()  # a discarded step
-    assert agg.pending_rows == (0, 0)
+    assert pending_rows(agg) == (0, 0)
     record(recorder, 0, torch.full((3,), 2.0))
     agg.update()
     out = agg.compute()
@@ -138,7 +138,7 @@ def test_many_calls_over_several_steps_reuse_the_call_table_and_copy_no_index_ag
             assert out["act_grad_norm"][layer].item() == pytest.approx(norm, rel=1e-6)
     assert sorted(made[0]) == ["empty"] * 6 + ["tensor"] * 4  # 16 -> 32 -> 64 rows, twice; index and counts, twice
     assert made[1] == []  # the same calls again: nothing grown, nothing copied
-    assert agg.held == (64, 1)
+    assert held(agg) == (64, 1)
 
 
 def test_varying_calls_keep_only_a_few_cached_patterns():
@@ -151,7 +151,7 @@ def test_varying_calls_keep_only_a_few_cached_patterns():
         agg.update()
         assert agg.compute()["count"].item() == output.numel()
         agg.reset()
-        assert agg.held[1] <= 8
+        assert held(agg)[1] <= 8
     recorder.release()
     assert not recorder.workspace.held
 
@@ -216,10 +216,10 @@ def test_a_full_stack_is_reduced_at_once_and_the_copies_stay_bounded(monkeypatch
     recorder = StepRecorder(agg, stack_small=True)
     for layer, calls in outputs.items():
         record(recorder, layer, calls[0])
-    assert agg.pending_rows[0] == 8  # two full stacks reduced, the last two outputs still held
+    assert pending_rows(agg)[0] == 8  # two full stacks reduced, the last two outputs still held
     assert all(n <= 64 for n in _stack_sizes(recorder))
     recorder.flush()
-    assert agg.pending_rows[0] == 10
+    assert pending_rows(agg)[0] == 10
     agg.update()
     out = agg.compute()
     for layer, calls in outputs.items():
@@ -243,5 +243,5 @@ def test_release_drops_what_the_stacks_hold():
     record(recorder, 0, torch.ones(3))
     recorder.release()
     recorder.flush()
-    assert agg.pending_rows == (0, 0)
+    assert pending_rows(agg) == (0, 0)
     assert _stack_sizes(recorder) == []

@@ -65,6 +65,8 @@ def test_trend_helpers_against_hand_computed_values():
     assert math.isnan(log_slope([(0, 1.0)]))
     assert math.isnan(log_slope([(0, 0.0), (1, 1.0)]))
     assert rising_share([(0, 1.0), (1, 1.0), (2, 2.0)]) == 0.5
+    assert rising_share([(0, 1.0), (1, 2.0), (2, 1.5), (3, 3.0)]) == pytest.approx(2 / 3)  # a fall between rises
+    assert math.isnan(rising_share([(0, 1.0)]))
 
 
 @pytest.mark.parametrize(
