@@ -16,13 +16,13 @@ import torch
 from torch import Tensor
 
 from lightning_hookdiag.components import TensorSink
+from lightning_hookdiag.stats import resolve_names
 from lightning_hookdiag.vocabulary import OPT_IN_STATS
 
 __all__ = [
     "PRECISION_BASE_STATS",
     "PRECISION_TARGETS",
     "OptInPlan",
-    "default_targets",
     "layer_sums",
     "plan_opt_in",
     "resolve_targets",
@@ -61,26 +61,7 @@ def resolve_targets(targets: str | torch.dtype | Sequence[str | torch.dtype] | N
     items = [targets] if isinstance(targets, (str, torch.dtype)) else list(targets)
     by_dtype = {dtype: name for name, dtype in PRECISION_TARGETS.items()}
     names = [by_dtype.get(t, str(t)) if isinstance(t, torch.dtype) else t for t in items]
-    unknown = sorted({repr(n) if not isinstance(n, str) else n for n in names if n not in PRECISION_TARGETS})
-    if unknown:
-        raise ValueError(
-            f"precision_targets: unknown target(s) {unknown}; expected names from {list(PRECISION_TARGETS)}"
-        )
-    if not names:
-        raise ValueError(f"precision_targets: expected at least one of {list(PRECISION_TARGETS)}, got an empty list")
-    return tuple(n for n in PRECISION_TARGETS if n in names)
-
-
-def default_targets(trainer_precision: str | int | None) -> tuple[str, ...]:
-    """The target a Trainer's ``precision`` implies; full precision (``32-true``, ``64-true``) implies none.
-
-    Example:
-        >>> default_targets("16-mixed"), default_targets("bf16-true"), default_targets("32-true")
-        (('float16',), ('bfloat16',), ())
-    """
-    base = str(trainer_precision).removesuffix("-mixed").removesuffix("-true").removesuffix("-float16")
-    name = _FROM_TRAINER.get(base)
-    return (name,) if name else ()
+    return resolve_names("precision_targets", "target", names, tuple(PRECISION_TARGETS))
 
 
 @dataclass(frozen=True)
@@ -107,7 +88,8 @@ def plan_opt_in(
 
     Args:
         stats: The resolved ``stats=`` names.
-        precision_targets: Resolved ``precision_targets=`` names; ``None`` derives the target from the Trainer.
+        precision_targets: Resolved ``precision_targets=`` names; ``None``: the target the Trainer's precision
+            implies (none for full precision, ``32-true`` or ``64-true``).
         trainer_precision: ``trainer.precision`` (``"16-mixed"``, ``"bf16-mixed"``, ``"32-true"``, ...).
 
     Example:
@@ -118,7 +100,10 @@ def plan_opt_in(
         'act_overflow_frac: the Trainer runs in 32-true precision, wh'
     """
     wanted = set(stats)
-    targets = tuple(precision_targets) if precision_targets is not None else default_targets(trainer_precision)
+    if precision_targets is None:
+        base = str(trainer_precision).removesuffix("-mixed").removesuffix("-true").removesuffix("-float16")
+        precision_targets = [_FROM_TRAINER[base]] if base in _FROM_TRAINER else []
+    targets = tuple(precision_targets)
     note = ""
     if not targets and (headroom := [s for s in PRECISION_BASE_STATS if s in wanted]):
         note = (

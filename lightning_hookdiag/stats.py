@@ -48,6 +48,7 @@ __all__ = [
     "histogram_edges",
     "moments_from_rows",
     "reduce_tensor",
+    "resolve_names",
     "resolve_stats",
     "unit_maxima",
 ]
@@ -127,13 +128,17 @@ def resolve_stats(stats: Sequence[str] | None) -> tuple[str, ...]:
         stats = list(stats)
     if not isinstance(stats, list) or not all(isinstance(s, str) for s in stats):
         raise ValueError(f"stats: expected None, a statistic name or a sequence of names, got {stats!r}")
-    known = ALL_STATS + OPT_IN_STATS
-    unknown = sorted(set(stats) - set(known))
+    return resolve_names("stats", "statistic", stats, ALL_STATS + OPT_IN_STATS)
+
+
+def resolve_names(argument: str, noun: str, names: list, known: Sequence[str]) -> tuple[str, ...]:
+    """``names`` in the order of ``known``; a ``ValueError`` that lists ``known`` for an unknown name or none."""
+    unknown = sorted({n if isinstance(n, str) else repr(n) for n in names if n not in known})
     if unknown:
-        raise ValueError(f"stats: unknown statistic(s) {unknown}; expected names from {list(known)}")
-    if not stats:
-        raise ValueError(f"stats: expected at least one statistic from {list(known)}, got an empty list")
-    return tuple(s for s in known if s in stats)
+        raise ValueError(f"{argument}: unknown {noun}(s) {unknown}; expected names from {list(known)}")
+    if not names:
+        raise ValueError(f"{argument}: expected at least one {noun} from {list(known)}, got an empty list")
+    return tuple(n for n in known if n in names)
 
 
 def accumulation_dtype(device: torch.device) -> torch.dtype:
