@@ -45,9 +45,6 @@ _FROM_TRAINER = {"16": "float16", "bf16": "bfloat16", "transformer-engine": "flo
 def resolve_targets(targets: str | torch.dtype | Sequence[str | torch.dtype] | None) -> tuple[str, ...] | None:
     """Validate a ``precision_targets=`` argument: dtype names or dtypes, returned as names in a fixed order.
 
-    Raises:
-        ValueError: For an unknown target or an empty list; the message lists the valid names.
-
     Example:
         >>> resolve_targets(["float8_e5m2", torch.float16])
         ('float16', 'float8_e5m2')
@@ -84,13 +81,10 @@ class OptInPlan:
 def plan_opt_in(
     stats: Sequence[str], precision_targets: Sequence[str] | None, trainer_precision: str | int | None
 ) -> OptInPlan:
-    """Decide what the requested opt-in statistics need.
+    """Decide what the requested opt-in statistics (of the resolved ``stats=``) need.
 
-    Args:
-        stats: The resolved ``stats=`` names.
-        precision_targets: Resolved ``precision_targets=`` names; ``None``: the target the Trainer's precision
-            implies (none for full precision, ``32-true`` or ``64-true``).
-        trainer_precision: ``trainer.precision`` (``"16-mixed"``, ``"bf16-mixed"``, ``"32-true"``, ...).
+    ``precision_targets=None`` takes the target that ``trainer_precision`` (``trainer.precision``) implies: none for
+    full precision (``32-true``, ``64-true``).
 
     Example:
         >>> plan = plan_opt_in(["act_overflow_frac", "act_kurtosis"], None, "16-mixed")
