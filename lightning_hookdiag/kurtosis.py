@@ -82,9 +82,8 @@ def finalize_kurtosis(sums: Tensor) -> Tensor:
 class Outliers(Component):
     """``act_kurtosis`` (output power sums, pooled in ``act_power``) and ``act_absmax_over_std`` (needs no state)."""
 
-    def __init__(self, aggregator: Any, kurtosis: bool, absmax_over_std: bool) -> None:
+    def __init__(self, agg: Any, kurtosis: bool, absmax_over_std: bool) -> None:
         self._kurtosis, self._absmax_over_std = kurtosis, absmax_over_std
-        agg = aggregator
         self._shift = torch.zeros(agg.n_layers, dtype=agg.acc_dtype, device=agg.act_moments.device)
         if kurtosis:
             # About the last pooled mean, the same on every process: the sums keep their digits and still add up.

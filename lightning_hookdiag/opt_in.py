@@ -119,8 +119,8 @@ def plan_opt_in(
     )
 
 
-def layer_sums(aggregator: Any, state: str, width: int, measure: Callable[[int, Tensor], Tensor]) -> TensorSink:
-    """Register the ``[n_layers, width]`` sum state ``state`` on ``aggregator``, and a sink that pools into it.
+def layer_sums(agg: Any, state: str, width: int, measure: Callable[[int, Tensor], Tensor]) -> TensorSink:
+    """Register the ``[n_layers, width]`` sum state ``state`` on the aggregator ``agg``, and a sink that pools into it.
 
     The sink adds ``measure(layer, tensor)`` to row ``layer``: the one shape of every opt-in statistic that is a
     vector of additive per-tensor sums, so that it pools exactly over calls, micro-batches and processes.
@@ -132,7 +132,6 @@ def layer_sums(aggregator: Any, state: str, width: int, measure: Callable[[int, 
         >>> sink(1, torch.zeros(3)); agg.calls.tolist()
         [[0.0], [1.0]]
     """
-    agg = aggregator
     agg.add_state(state, torch.zeros(agg.n_layers, width, dtype=agg.acc_dtype, device=agg.act_moments.device), "sum")
 
     def sink(layer: int, tensor: Tensor) -> None:

@@ -50,11 +50,9 @@ def replicas(t: Tensor, group_size: int | None = None) -> int:
     For a ``DTensor``: the mesh sizes along its ``Replicate`` dimensions, times the copies of its mesh in the
     reduction group (every process tracks the same parameters, so a process outside a sub-mesh holds the parameter
     on a mesh of its own). FSDP2: 1; HSDP: the replicate size; a ``dp x tp`` mesh, sharded over ``dp``: the ``tp`` size.
-    ``group_size``: the processes the sums are reduced over (``None``: the default group's, else the mesh's).
-
-    Raises:
-        ValueError: For a ``Partial`` placement (partial sums: their squares do not add up to the whole's), or a
-            mesh whose size does not divide ``group_size``.
+    ``group_size``: the processes the sums are reduced over (``None``: the default group's, else the mesh's). A
+    ``Partial`` placement (partial sums: their squares do not add up to the whole's) raises ``ValueError``, as does a
+    mesh whose size does not divide ``group_size``.
 
     Example:
         >>> replicas(torch.zeros(3))
@@ -205,11 +203,9 @@ def stale_gradient_squares(params: Sequence[nn.Parameter], dtype: torch.dtype = 
 
 
 def finalize_parameters(param_stats: Tensor) -> dict[str, Tensor]:
-    """Per-parameter statistics from a pooled ``[n_params, P_SLOTS]`` state.
+    """Per-parameter statistics from a pooled ``[n_params, P_SLOTS]`` state, and ``grad_norm_total``.
 
-    Returns:
-        ``param_norm``, ``param_grad_norm``, ``param_update_ratio``, ``param_seen`` (> 0 where stepped), all
-        ``[n_params]``, and ``grad_norm_total`` (``[1]``: the L2 norm of all stepped gradients together).
+    ``param_seen`` is > 0 where stepped; ``grad_norm_total`` (``[1]``) is the L2 norm of all stepped gradients together.
 
     Example:
         >>> state = torch.tensor([[25.0, 4.0, 0.25, 1.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
@@ -377,10 +373,8 @@ class ParameterTracker:
         """Squared norms of ``w_after - w_before`` for the parameters snapshotted since the last call.
 
         Exact for parameters kept whole; for a sampled one, the sum of squares of the kept entries' updates times
-        ``numel / entries kept`` (an estimate; its error is in ``docs/statistics.md#every-key``).
-
-        Returns:
-            ``(index, update_sq)`` or ``None`` if nothing was snapshotted. The snapshot is released.
+        ``numel / entries kept`` (an estimate; its error is in ``docs/statistics.md#every-key``). Returns ``(index,
+        update_sq)``, ``None`` if nothing was snapshotted, and releases the snapshot.
         """
         if not self._snapshots:
             return None

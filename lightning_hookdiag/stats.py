@@ -1,9 +1,8 @@
 """Pure tensor statistics: per-tensor sufficient statistics and their finalisation.
 
-A tensor is reduced to *additive* sufficient statistics (counts, sums, sums of squares) and *max-reducible* ones
-(absolute maxima, per-unit maxima), so that pooling over calls, micro-batches and processes is a sum or a max of
-vectors, never an average of averages. :func:`reduce_tensor` is the one pass a recorder makes over a tensor; the
-finalisers turn the pooled vectors into the logged values (``docs/statistics.md#every-key``).
+A tensor is reduced to additive (counts, sums, sums of squares) and max-reducible (maxima) vectors, which pool by a
+sum or a max: :func:`reduce_tensor` is the one pass a recorder makes over a tensor; the finalisers turn the pooled
+vectors into the logged values (``docs/statistics.md#every-key``).
 
 One path serves every device: no host read, no branch on data, a fixed count of aten ops, each at least one kernel
 launch on an accelerator (``benchmarks/overhead.py --count-ops``).
@@ -122,10 +121,7 @@ def resolve_stats(stats: Sequence[str] | None) -> tuple[str, ...]:
     """
     if stats is None:
         return ALL_STATS
-    if isinstance(stats, str):
-        stats = [stats]
-    if isinstance(stats, Iterable):
-        stats = list(stats)
+    stats = [stats] if isinstance(stats, str) else list(stats) if isinstance(stats, Iterable) else stats
     if not isinstance(stats, list) or not all(isinstance(s, str) for s in stats):
         raise ValueError(f"stats: expected None, a statistic name or a sequence of names, got {stats!r}")
     return resolve_names("stats", "statistic", stats, ALL_STATS + OPT_IN_STATS)
@@ -352,8 +348,6 @@ def unit_maxima(x: Tensor, unit_dim: int | None = None) -> Tensor:
     Example:
         >>> unit_maxima(torch.tensor([[0.0, 2.0, -1.0], [0.0, -1.0, float("nan")]])).tolist()
         [0.0, 2.0, inf]
-        >>> unit_maxima(torch.zeros(2, 3, 4, 4)).shape, unit_maxima(torch.zeros(2, 3, 4), unit_dim=1).shape
-        (torch.Size([3]), torch.Size([3]))
     """
     x = x.detach()
     if x.ndim == 0:
