@@ -43,16 +43,15 @@ def local_tensor(t: Tensor) -> Tensor:
     return to_local() if callable(to_local) else t
 
 
-def replicas(t: Tensor, group_size: int | None = None) -> int:
+def replicas(t: Tensor) -> int:
     """Number of processes that hold the same local part of ``t`` as this one (1 for a plain tensor).
 
     Sharded sums of squares are added over processes; dividing each by this count counts a replicated part once.
     For a ``DTensor``: the mesh sizes along its ``Replicate`` dimensions, times the copies of its mesh in the
-    reduction group (every process tracks the same parameters, so a process outside a sub-mesh holds the parameter
-    on a mesh of its own). FSDP2: 1; HSDP: the replicate size; a ``dp x tp`` mesh, sharded over ``dp``: the ``tp`` size.
-    ``group_size``: the processes the sums are reduced over (``None``: the default group's, else the mesh's). A
-    ``Partial`` placement (partial sums: their squares do not add up to the whole's) raises ``ValueError``, as does a
-    mesh whose size does not divide ``group_size``.
+    default process group, the one the sums are reduced over (every process tracks the same parameters, so a process
+    outside a sub-mesh holds the parameter on a mesh of its own). FSDP2: 1; HSDP: the replicate size; a ``dp x tp``
+    mesh, sharded over ``dp``: the ``tp`` size. A ``Partial`` placement (partial sums: their squares do not add up to
+    the whole's) raises ``ValueError``, as does a mesh whose size does not divide the group's.
 
     Example:
         >>> replicas(torch.zeros(3))
@@ -70,9 +69,8 @@ def replicas(t: Tensor, group_size: int | None = None) -> int:
             raise ValueError(
                 f"replicas: expected Shard or Replicate placements on a parameter, got {placement!r} in {placements}"
             )
-    if group_size is None:
-        dist = torch.distributed
-        group_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else mesh.size()
+    dist = torch.distributed
+    group_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else mesh.size()
     if group_size % mesh.size():
         raise ValueError(
             f"replicas: the parameter's device mesh has {mesh.size()} processes, which does not divide the"
@@ -340,11 +338,10 @@ class ParameterTracker:
     def before_step(self, param_groups: Iterable[dict]) -> tuple[Tensor, Tensor] | None:
         """Weight and gradient norms of the tracked parameters an optimizer (its ``param_groups``) is about to step.
 
-        Returns:
-            ``(index, values)``: positions of the measured parameters and a ``[n, P_SLOTS]`` matrix of weight
-            sum of squares, gradient sum of squares, zero update (filled in by :meth:`after_step`) and 1 (seen);
-            those of a ``DTensor`` are this process's share of the whole (see :func:`replicas`); ``None`` if the
-            optimizer steps none of the tracked parameters with a gradient.
+        ``(index, values)``: positions of the measured parameters and a ``[n, P_SLOTS]`` matrix of weight sum of
+        squares, gradient sum of squares, zero update (filled in by :meth:`after_step`) and 1 (seen); those of a
+        ``DTensor`` are this process's share of the whole (see :func:`replicas`); ``None`` if the optimizer steps none
+        of the tracked parameters with a gradient.
         """
         positions: list[int] = []
         for group in param_groups:

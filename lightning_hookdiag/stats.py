@@ -313,26 +313,13 @@ def reduce_tensor(
 
 
 def moments_from_rows(rows: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
-    """Additive ``[k, ACT_SLOTS]`` moments and ``[k]`` absolute maxima of :func:`activation_row` rows and counts.
-
-    Example:
-        >>> row = activation_row(torch.tensor([0.0, 1.0, -3.0, 4.0, float("nan")]), torch.empty(ACT_ROW))
-        >>> moments, absmax = moments_from_rows(row[None], torch.tensor([5.0]))
-        >>> moments.tolist(), absmax.tolist()
-        ([[5.0, 4.0, 3.0, 2.0, 26.0]], [4.0])
-    """
+    """Additive ``[k, ACT_SLOTS]`` moments and ``[k]`` absolute maxima of :func:`activation_row` rows and counts."""
     moments = torch.cat([counts[:, None], rows[:, :ROW_MIN]], dim=1)
     return moments, torch.maximum(rows[:, ROW_MAX], rows[:, ROW_MIN].neg())
 
 
 def gradient_moments_from_rows(rows: Tensor, counts: Tensor) -> Tensor:
-    """Additive ``[k, GRAD_SLOTS]`` moments ``[count, sum_sq, nonfinite]`` of ``[k, GRAD_ROW]`` rows.
-
-    Example:
-        >>> row = gradient_row(torch.tensor([3.0, 4.0, float("inf")]), torch.empty(GRAD_ROW))
-        >>> gradient_moments_from_rows(row[None], torch.tensor([3.0])).tolist()
-        [[3.0, 25.0, 1.0]]
-    """
+    """Additive ``[k, GRAD_SLOTS]`` moments ``[count, sum_sq, nonfinite]`` of ``[k, GRAD_ROW]`` rows and counts."""
     nonfinite = rows[:, GROW_NONZERO] - rows[:, GROW_NONZERO_FINITE]
     return torch.stack([counts, rows[:, GROW_SUMSQ], nonfinite], dim=1)
 
