@@ -300,16 +300,22 @@ def reduce_tensor(
         ([[2.0, 2.0, -1.0, 5.0, -2.0, 1.0]], [1.0, -2.0], None)
     """
     reduce_row = gradient_row if grad else activation_row
-    bins = None
+    counts = None
     if edges is not None:  # .to: a no-op for the aggregator's edges, which live on the statistics' device
-        bins = edges.to(x.device), torch.zeros(edges.numel() + 1, dtype=torch.float32, device=x.device)
-    if row is not None or bins is not None:
+        edges, counts = edges.to(x.device), torch.zeros(edges.numel() + 1, dtype=torch.float32, device=x.device)
+    if row is not None or counts is not None:
         for piece in chunks(x):
             if row is not None:
                 reduce_row(piece, row(piece.numel()), workspace)
-            if bins is not None:
-                _bin(piece, *bins)
-    return unit_maxima(x, unit_dim) if units else None, None if bins is None else bins[1]
+            if counts is not None:
+                # Bin i counts the finite edges[i-1] < x <= edges[i]; with scatter_add, as bincount's output size
+                # depends on the data, which forces a host synchronisation.
+                flat = piece.detach()
+                flat = (flat if flat.dtype in (torch.float32, torch.float64) else flat.float()).reshape(-1)
+                finite = torch.isfinite(flat)
+                index = torch.bucketize(torch.where(finite, flat, 0.0), edges)
+                counts.scatter_add_(0, index, finite.to(torch.float32))
+    return unit_maxima(x, unit_dim) if units else None, counts
 
 
 def moments_from_rows(rows: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
@@ -412,13 +418,3 @@ def histogram_edges(bins: int, smallest: float = 1e-6, largest: float = 1e4) -> 
         raise ValueError(f"histogram bins: expected an even number >= 4, got {bins}")
     magnitudes = torch.logspace(math.log10(smallest), math.log10(largest), bins // 2 - 1)
     return torch.cat([-magnitudes.flip(0), torch.zeros(1), magnitudes])
-
-
-def _bin(piece: Tensor, edges: Tensor, counts: Tensor) -> None:
-    # Bin i counts the finite edges[i-1] < x <= edges[i]; scatter_add, as bincount's output size depends on the data,
-    # which forces a host synchronisation.
-    flat = piece.detach()
-    flat = (flat if flat.dtype in (torch.float32, torch.float64) else flat.float()).reshape(-1)
-    finite = torch.isfinite(flat)
-    index = torch.bucketize(torch.where(finite, flat, 0.0), edges)
-    counts.scatter_add_(0, index, finite.to(torch.float32))
