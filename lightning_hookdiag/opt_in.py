@@ -19,14 +19,7 @@ from lightning_hookdiag.components import TensorSink
 from lightning_hookdiag.stats import resolve_names
 from lightning_hookdiag.vocabulary import OPT_IN_STATS
 
-__all__ = [
-    "PRECISION_BASE_STATS",
-    "PRECISION_TARGETS",
-    "OptInPlan",
-    "layer_sums",
-    "plan_opt_in",
-    "resolve_targets",
-]
+__all__ = ["PRECISION_BASE_STATS", "PRECISION_TARGETS", "OptInPlan", "layer_sums", "plan_opt_in", "resolve_targets"]
 
 PRECISION_TARGETS: dict[str, torch.dtype] = {
     str(dtype).removeprefix("torch."): dtype

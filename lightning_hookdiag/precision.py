@@ -104,8 +104,7 @@ class PrecisionHeadroom(Component):
 
     def __init__(self, aggregator: Any, act_targets: Sequence[str], grad_targets: Sequence[str]) -> None:
         self._kinds = [("act", "act_precision", act_targets), ("act_grad", "grad_precision", grad_targets)]
-        sinks = [self._sink(aggregator, state, targets) for _, state, targets in self._kinds]
-        self.on_output, self.on_grad = sinks
+        self.on_output, self.on_grad = [self._sink(aggregator, state, targets) for _, state, targets in self._kinds]
 
     @staticmethod
     def _sink(agg: Any, state: str, targets: Sequence[str]) -> TensorSink | None:
