@@ -33,20 +33,14 @@ POWER_SLOTS = 5
 def power_sums(x: Tensor, dtype: torch.dtype = torch.float64, shift: Tensor | float = 0.0) -> Tensor:
     """Power sums ``[n, sum d, sum d^2, sum d^3, sum d^4]`` of ``d = x - shift`` over the finite elements of ``x``.
 
-    NaN and Inf are left out (``act_nonfinite`` counts them). No host synchronisation.
-
-    Args:
-        x: Any floating-point tensor.
-        dtype: Dtype of the computation and of the returned vector (float64 except on MPS).
-        shift: The point the sums are taken about: the closer to the mean, the more digits the kurtosis keeps.
+    NaN and Inf are left out (``act_nonfinite`` counts them). No host synchronisation. Computed and returned in
+    ``dtype`` (float64 except on MPS). The closer ``shift`` is to the mean, the more digits the kurtosis keeps.
 
     Example:
         >>> x = torch.tensor([1e4 + 1.0, 1e4 - 1.0, 1e4 + 2.0, 1e4 - 2.0], dtype=torch.float64)
         >>> power_sums(x, shift=1e4).tolist()
         [4.0, 0.0, 10.0, 0.0, 34.0]
     """
-    if not x.numel():
-        return torch.zeros(POWER_SLOTS, dtype=dtype, device=x.device)
     return chunked_sum(lambda piece: _power_sums(piece, dtype, shift), x.detach())
 
 
@@ -88,9 +82,8 @@ def finalize_kurtosis(sums: Tensor) -> Tensor:
 class Outliers(Component):
     """``act_kurtosis`` (output power sums, pooled in ``act_power``) and ``act_absmax_over_std`` (needs no state)."""
 
-    def __init__(self, aggregator: Any, kurtosis: bool, absmax_over_std: bool) -> None:
+    def __init__(self, agg: Any, kurtosis: bool, absmax_over_std: bool) -> None:
         self._kurtosis, self._absmax_over_std = kurtosis, absmax_over_std
-        agg = aggregator
         self._shift = torch.zeros(agg.n_layers, dtype=agg.acc_dtype, device=agg.act_moments.device)
         if kurtosis:
             # About the last pooled mean, the same on every process: the sums keep their digits and still add up.

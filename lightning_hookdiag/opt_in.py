@@ -16,17 +16,10 @@ import torch
 from torch import Tensor
 
 from lightning_hookdiag.components import TensorSink
+from lightning_hookdiag.stats import resolve_names
 from lightning_hookdiag.vocabulary import OPT_IN_STATS
 
-__all__ = [
-    "PRECISION_BASE_STATS",
-    "PRECISION_TARGETS",
-    "OptInPlan",
-    "default_targets",
-    "layer_sums",
-    "plan_opt_in",
-    "resolve_targets",
-]
+__all__ = ["PRECISION_BASE_STATS", "PRECISION_TARGETS", "OptInPlan", "layer_sums", "plan_opt_in", "resolve_targets"]
 
 PRECISION_TARGETS: dict[str, torch.dtype] = {
     str(dtype).removeprefix("torch."): dtype
@@ -45,9 +38,6 @@ _FROM_TRAINER = {"16": "float16", "bf16": "bfloat16", "transformer-engine": "flo
 def resolve_targets(targets: str | torch.dtype | Sequence[str | torch.dtype] | None) -> tuple[str, ...] | None:
     """Validate a ``precision_targets=`` argument: dtype names or dtypes, returned as names in a fixed order.
 
-    Raises:
-        ValueError: For an unknown target or an empty list; the message lists the valid names.
-
     Example:
         >>> resolve_targets(["float8_e5m2", torch.float16])
         ('float16', 'float8_e5m2')
@@ -61,26 +51,7 @@ def resolve_targets(targets: str | torch.dtype | Sequence[str | torch.dtype] | N
     items = [targets] if isinstance(targets, (str, torch.dtype)) else list(targets)
     by_dtype = {dtype: name for name, dtype in PRECISION_TARGETS.items()}
     names = [by_dtype.get(t, str(t)) if isinstance(t, torch.dtype) else t for t in items]
-    unknown = sorted({repr(n) if not isinstance(n, str) else n for n in names if n not in PRECISION_TARGETS})
-    if unknown:
-        raise ValueError(
-            f"precision_targets: unknown target(s) {unknown}; expected names from {list(PRECISION_TARGETS)}"
-        )
-    if not names:
-        raise ValueError(f"precision_targets: expected at least one of {list(PRECISION_TARGETS)}, got an empty list")
-    return tuple(n for n in PRECISION_TARGETS if n in names)
-
-
-def default_targets(trainer_precision: str | int | None) -> tuple[str, ...]:
-    """The target a Trainer's ``precision`` implies; full precision (``32-true``, ``64-true``) implies none.
-
-    Example:
-        >>> default_targets("16-mixed"), default_targets("bf16-true"), default_targets("32-true")
-        (('float16',), ('bfloat16',), ())
-    """
-    base = str(trainer_precision).removesuffix("-mixed").removesuffix("-true").removesuffix("-float16")
-    name = _FROM_TRAINER.get(base)
-    return (name,) if name else ()
+    return resolve_names("precision_targets", "target", names, tuple(PRECISION_TARGETS))
 
 
 @dataclass(frozen=True)
@@ -103,12 +74,10 @@ class OptInPlan:
 def plan_opt_in(
     stats: Sequence[str], precision_targets: Sequence[str] | None, trainer_precision: str | int | None
 ) -> OptInPlan:
-    """Decide what the requested opt-in statistics need.
+    """Decide what the requested opt-in statistics (of the resolved ``stats=``) need.
 
-    Args:
-        stats: The resolved ``stats=`` names.
-        precision_targets: Resolved ``precision_targets=`` names; ``None`` derives the target from the Trainer.
-        trainer_precision: ``trainer.precision`` (``"16-mixed"``, ``"bf16-mixed"``, ``"32-true"``, ...).
+    ``precision_targets=None`` takes the target that ``trainer_precision`` (``trainer.precision``) implies: none for
+    full precision (``32-true``, ``64-true``).
 
     Example:
         >>> plan = plan_opt_in(["act_overflow_frac", "act_kurtosis"], None, "16-mixed")
@@ -118,7 +87,10 @@ def plan_opt_in(
         'act_overflow_frac: the Trainer runs in 32-true precision, wh'
     """
     wanted = set(stats)
-    targets = tuple(precision_targets) if precision_targets is not None else default_targets(trainer_precision)
+    if precision_targets is None:
+        base = str(trainer_precision).removesuffix("-mixed").removesuffix("-true").removesuffix("-float16")
+        precision_targets = [_FROM_TRAINER[base]] if base in _FROM_TRAINER else []
+    targets = tuple(precision_targets)
     note = ""
     if not targets and (headroom := [s for s in PRECISION_BASE_STATS if s in wanted]):
         note = (
@@ -140,8 +112,8 @@ def plan_opt_in(
     )
 
 
-def layer_sums(aggregator: Any, state: str, width: int, measure: Callable[[int, Tensor], Tensor]) -> TensorSink:
-    """Register the ``[n_layers, width]`` sum state ``state`` on ``aggregator``, and a sink that pools into it.
+def layer_sums(agg: Any, state: str, width: int, measure: Callable[[int, Tensor], Tensor]) -> TensorSink:
+    """Register the ``[n_layers, width]`` sum state ``state`` on the aggregator ``agg``, and a sink that pools into it.
 
     The sink adds ``measure(layer, tensor)`` to row ``layer``: the one shape of every opt-in statistic that is a
     vector of additive per-tensor sums, so that it pools exactly over calls, micro-batches and processes.
@@ -153,7 +125,6 @@ def layer_sums(aggregator: Any, state: str, width: int, measure: Callable[[int, 
         >>> sink(1, torch.zeros(3)); agg.calls.tolist()
         [[0.0], [1.0]]
     """
-    agg = aggregator
     agg.add_state(state, torch.zeros(agg.n_layers, width, dtype=agg.acc_dtype, device=agg.act_moments.device), "sum")
 
     def sink(layer: int, tensor: Tensor) -> None:

@@ -43,21 +43,15 @@ def local_tensor(t: Tensor) -> Tensor:
     return to_local() if callable(to_local) else t
 
 
-def replicas(t: Tensor, group_size: int | None = None) -> int:
+def replicas(t: Tensor) -> int:
     """Number of processes that hold the same local part of ``t`` as this one (1 for a plain tensor).
 
     Sharded sums of squares are added over processes; dividing each by this count counts a replicated part once.
     For a ``DTensor``: the mesh sizes along its ``Replicate`` dimensions, times the copies of its mesh in the
-    reduction group (every process tracks the same parameters, so a process outside a sub-mesh holds the parameter
-    on a mesh of its own). FSDP2: 1; HSDP: the replicate size; a ``dp x tp`` mesh, sharded over ``dp``: the ``tp`` size.
-
-    Args:
-        t: A parameter, plain or ``DTensor``.
-        group_size: Processes the sums are reduced over; ``None`` for the default group's (1 without one).
-
-    Raises:
-        ValueError: For a ``Partial`` placement (partial sums: their squares do not add up to the whole's), or a
-            mesh whose size does not divide ``group_size``.
+    default process group, the one the sums are reduced over (every process tracks the same parameters, so a process
+    outside a sub-mesh holds the parameter on a mesh of its own). FSDP2: 1; HSDP: the replicate size; a ``dp x tp``
+    mesh, sharded over ``dp``: the ``tp`` size. A ``Partial`` placement (partial sums: their squares do not add up to
+    the whole's) raises ``ValueError``, as does a mesh whose size does not divide the group's.
 
     Example:
         >>> replicas(torch.zeros(3))
@@ -75,9 +69,8 @@ def replicas(t: Tensor, group_size: int | None = None) -> int:
             raise ValueError(
                 f"replicas: expected Shard or Replicate placements on a parameter, got {placement!r} in {placements}"
             )
-    if group_size is None:
-        dist = torch.distributed
-        group_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else mesh.size()
+    dist = torch.distributed
+    group_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else mesh.size()
     if group_size % mesh.size():
         raise ValueError(
             f"replicas: the parameter's device mesh has {mesh.size()} processes, which does not divide the"
@@ -100,8 +93,6 @@ def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64)
         >>> f"{squared_norms([torch.tensor([3e20, 4e20])]).item():.6g}"
         '2.5e+41'
     """
-    if not tensors:
-        return torch.zeros(0, dtype=dtype)
     local = [stored_values(local_tensor(t).detach()) for t in tensors]
     parts = [list(chunks(t)) for t in local]  # an empty tensor is one (empty) piece
     pieces = [piece for part in parts for piece in part]
@@ -131,10 +122,6 @@ def update_samples(numels: Sequence[int], budget: int = SNAPSHOT_ELEMENTS) -> li
 
     Water-filling from the smallest up: each gets every entry while that fits its even share of what is left of
     ``budget``, the rest share it evenly with at least 1024 entries each; a model within ``budget`` is exact.
-
-    Args:
-        numels: Element count of each parameter.
-        budget: The entries to share out.
 
     Example:
         >>> update_samples([10, 5000, 100, 8000], budget=4000)
@@ -194,10 +181,7 @@ def stale_gradient_squares(params: Sequence[nn.Parameter], dtype: torch.dtype = 
     """Sums of squares of the ``.grad`` each parameter holds, as ``[len(params)]`` (0 where ``.grad`` is ``None``).
 
     Called before an optimizer step's first backward, where Lightning has set every gradient to ``None``: the usual
-    cost is one ``is None`` test per parameter, no kernel.
-
-    Returns:
-        The vector, on the gradients' device, or ``None`` if no parameter holds a gradient.
+    cost is one ``is None`` test per parameter, no kernel. On the gradients' device; ``None`` if no ``.grad`` is held.
 
     Example:
         >>> a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))
@@ -217,11 +201,9 @@ def stale_gradient_squares(params: Sequence[nn.Parameter], dtype: torch.dtype = 
 
 
 def finalize_parameters(param_stats: Tensor) -> dict[str, Tensor]:
-    """Per-parameter statistics from a pooled ``[n_params, P_SLOTS]`` state.
+    """Per-parameter statistics from a pooled ``[n_params, P_SLOTS]`` state, and ``grad_norm_total``.
 
-    Returns:
-        ``param_norm``, ``param_grad_norm``, ``param_update_ratio``, ``param_seen`` (> 0 where stepped), all
-        ``[n_params]``, and ``grad_norm_total`` (``[1]``: the L2 norm of all stepped gradients together).
+    ``param_seen`` is > 0 where stepped; ``grad_norm_total`` (``[1]``) is the L2 norm of all stepped gradients together.
 
     Example:
         >>> state = torch.tensor([[25.0, 4.0, 0.25, 1.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
@@ -263,10 +245,7 @@ def owned_parameters(root: nn.Module, skip: Iterable[str] = ()) -> dict[str, nn.
 
     The owner holds the parameter directly, leaf or not (``attn.in_proj_weight``, a ViT's ``cls_token``), and is
     named like every layer (no ``_orig_mod``, DDP or checkpoint-wrapper segments); ``root``'s own keep a bare name.
-
-    Args:
-        root: The module whose parameters to list (the LightningModule).
-        skip: Normalised names of modules whose own parameters are left out (``exclude``).
+    Parameters owned by the modules named (normalised) in ``skip`` (``exclude``) are left out.
 
     Example:
         >>> net = nn.Sequential(nn.MultiheadAttention(4, 2), nn.Linear(4, 1))
@@ -300,11 +279,8 @@ class _Pattern:
 class ParameterTracker:
     """Measures the tracked parameters of one optimizer step, in a constant number of fused ops.
 
-    Args:
-        params: ``{name: parameter}``; results refer to parameters by their position in this mapping.
-        snapshot: Keep entries of the weights across the step, for the update ratio.
-        dtype: Of the sums of squares.
-        snapshot_elements: The budget of entries kept across a step (see :func:`update_samples`).
+    Results refer to parameters by their position in ``params``. With ``snapshot``, up to ``snapshot_elements``
+    weight entries (see :func:`update_samples`) are kept across the step, for the update ratio.
 
     Example:
         >>> lin = nn.Linear(2, 1)
@@ -335,11 +311,6 @@ class ParameterTracker:
         self._phase = 0
         """Where the strided samples start, advanced every snapshot: over steps they visit every entry."""
 
-    @property
-    def held(self) -> tuple[int, int]:
-        """``(weight elements in snapshots, parameter sets cached)``: both bounded, whatever the model."""
-        return sum(b.numel() for _, _, before in self._snapshots for b in before), len(self._patterns)
-
     def _pattern(self, positions: tuple[int, ...], local: list[Tensor], device: torch.device) -> _Pattern:
         # One host-to-device copy per distinct parameter set and sizes (a resized embedding), not per step. A few
         # are kept: the set changes whenever a parameter gets no gradient (a skipped block, an expert without tokens).
@@ -365,16 +336,12 @@ class ParameterTracker:
 
     @torch.no_grad()
     def before_step(self, param_groups: Iterable[dict]) -> tuple[Tensor, Tensor] | None:
-        """Weight and gradient norms of the tracked parameters an optimizer is about to step.
+        """Weight and gradient norms of the tracked parameters an optimizer (its ``param_groups``) is about to step.
 
-        Args:
-            param_groups: The optimizer's ``param_groups``.
-
-        Returns:
-            ``(index, values)``: positions of the measured parameters and a ``[n, P_SLOTS]`` matrix of weight
-            sum of squares, gradient sum of squares, zero update (filled in by :meth:`after_step`) and 1 (seen);
-            those of a ``DTensor`` are this process's share of the whole (see :func:`replicas`); ``None`` if the
-            optimizer steps none of the tracked parameters with a gradient.
+        ``(index, values)``: positions of the measured parameters and a ``[n, P_SLOTS]`` matrix of weight sum of
+        squares, gradient sum of squares, zero update (filled in by :meth:`after_step`) and 1 (seen); those of a
+        ``DTensor`` are this process's share of the whole (see :func:`replicas`); ``None`` if the optimizer steps none
+        of the tracked parameters with a gradient.
         """
         positions: list[int] = []
         for group in param_groups:
@@ -403,10 +370,8 @@ class ParameterTracker:
         """Squared norms of ``w_after - w_before`` for the parameters snapshotted since the last call.
 
         Exact for parameters kept whole; for a sampled one, the sum of squares of the kept entries' updates times
-        ``numel / entries kept`` (an estimate; its error is in ``docs/statistics.md#every-key``).
-
-        Returns:
-            ``(index, update_sq)`` or ``None`` if nothing was snapshotted. The snapshot is released.
+        ``numel / entries kept`` (an estimate; its error is in ``docs/statistics.md#every-key``). Returns ``(index,
+        update_sq)``, ``None`` if nothing was snapshotted, and releases the snapshot.
         """
         if not self._snapshots:
             return None

@@ -46,12 +46,8 @@ def precision_counts(x: Tensor, targets: Sequence[torch.dtype], dtype: torch.dty
     """``[non-zero, underflow_1, overflow_risk_1, underflow_2, ...]`` of one tensor, for each target in order.
 
     Underflow is ``0 < |x| < tiny`` (the target's smallest normal number), overflow risk ``|x| >= max / 2``. NaN
-    counts in none of them; ``±Inf`` counts as non-zero and as an overflow; ``-0.0`` is zero. No host sync.
-
-    Args:
-        x: Any floating-point tensor.
-        targets: Target dtypes.
-        dtype: Dtype of the returned vector (float64 counts are exact up to 2**53 elements).
+    counts in none of them; ``±Inf`` counts as non-zero and as an overflow; ``-0.0`` is zero. No host sync. Returned
+    in ``dtype`` (float64 counts are exact up to 2**53 elements).
 
     Example:
         >>> precision_counts(torch.tensor([-0.0, 2.0**-7, 2.0**-6, 224.0, 500.0]), [torch.float8_e4m3fn]).tolist()
@@ -85,14 +81,8 @@ def _precision_counts(x: Tensor, targets: Sequence[torch.dtype], dtype: torch.dt
 def finalize_precision(counts: Tensor, targets: Sequence[str], kind: str) -> dict[str, Tensor]:
     """Per-layer shares of the non-zero elements, from pooled ``[n_layers, 1 + 2 * len(targets)]`` counts.
 
-    Args:
-        counts: Sums of :func:`precision_counts` vectors.
-        targets: Target names, in the order the counts were taken.
-        kind: ``"act"`` (outputs) or ``"act_grad"`` (output gradients): the first part of the names.
-
-    Returns:
-        ``{f"{kind}_underflow_frac_{target}": ..., f"{kind}_overflow_frac_{target}": ...}``; NaN for a layer with
-        no non-zero element.
+    ``counts`` are sums of :func:`precision_counts` vectors of ``targets``, in that order; ``kind`` (``"act"`` or
+    ``"act_grad"``) starts the names. NaN for a layer with no non-zero element.
 
     Example:
         >>> x = torch.tensor([0.0, 1e-6, 1.0, 40000.0, -70000.0, float("nan")])  # 4 non-zero: 1 under, 2 over
@@ -114,8 +104,7 @@ class PrecisionHeadroom(Component):
 
     def __init__(self, aggregator: Any, act_targets: Sequence[str], grad_targets: Sequence[str]) -> None:
         self._kinds = [("act", "act_precision", act_targets), ("act_grad", "grad_precision", grad_targets)]
-        sinks = [self._sink(aggregator, state, targets) for _, state, targets in self._kinds]
-        self.on_output, self.on_grad = sinks
+        self.on_output, self.on_grad = [self._sink(aggregator, state, targets) for _, state, targets in self._kinds]
 
     @staticmethod
     def _sink(agg: Any, state: str, targets: Sequence[str]) -> TensorSink | None:

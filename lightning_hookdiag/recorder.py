@@ -80,7 +80,7 @@ class StepRecorder:
         aggregator: Where observations are pooled.
         moments: Reduce outputs to activation moments (for ``act_mean``, ``act_std``, ...).
         unit_layers: Indices of layers whose per-unit activity is tracked (``act_dead_frac``).
-        unit_dim: Override of the unit axis, see :func:`~lightning_hookdiag.stats.unit_dim_for`.
+        unit_dim: Override of the unit axis, see :func:`~lightning_hookdiag.stats.unit_maxima`.
         names: Layer names, for error messages (``unit_dim`` out of range for a layer's output).
         stack_small: Stack outputs and gradients of at most :data:`SMALL_ELEMENTS` elements and reduce them a stack
             at a time (one copy per tensor instead of 9 or 6 ops); their rows reach the aggregator at

@@ -1,9 +1,8 @@
 """Pure tensor statistics: per-tensor sufficient statistics and their finalisation.
 
-A tensor is reduced to *additive* sufficient statistics (counts, sums, sums of squares) and *max-reducible* ones
-(absolute maxima, per-unit maxima), so that pooling over calls, micro-batches and processes is a sum or a max of
-vectors, never an average of averages. :func:`reduce_tensor` is the one pass a recorder makes over a tensor; the
-finalisers turn the pooled vectors into the logged values (``docs/statistics.md#every-key``).
+A tensor is reduced to additive (counts, sums, sums of squares) and max-reducible (maxima) vectors, which pool by a
+sum or a max: :func:`reduce_tensor` is the one pass a recorder makes over a tensor; the finalisers turn the pooled
+vectors into the logged values (``docs/statistics.md#every-key``).
 
 One path serves every device: no host read, no branch on data, a fixed count of aten ops, each at least one kernel
 launch on an accelerator (``benchmarks/overhead.py --count-ops``).
@@ -45,12 +44,11 @@ __all__ = [
     "finalize_gradients",
     "gradient_moments_from_rows",
     "gradient_row",
-    "histogram_counts",
     "histogram_edges",
     "moments_from_rows",
     "reduce_tensor",
+    "resolve_names",
     "resolve_stats",
-    "unit_dim_for",
     "unit_maxima",
 ]
 
@@ -78,10 +76,7 @@ def chunks(x: Tensor, limit: int | None = None) -> Iterator[Tensor]:
     """Views of ``x`` of at most ``limit`` elements each that together hold every element of ``x`` once.
 
     A contiguous tensor is cut along its flat view, any other along its leading dimensions: no piece is a copy.
-
-    Args:
-        x: Any tensor.
-        limit: The largest piece, in elements (at least 1); ``None`` for :data:`CHUNK_ELEMENTS`.
+    ``limit=None`` is :data:`CHUNK_ELEMENTS`.
 
     Example:
         >>> [tuple(p.shape) for p in chunks(torch.zeros(10), limit=4)]
@@ -118,14 +113,7 @@ def chunked_sum(reduce: Callable[[Tensor], Tensor], x: Tensor, limit: int | None
 
 
 def resolve_stats(stats: Sequence[str] | None) -> tuple[str, ...]:
-    """Validate a ``stats=`` argument and return it in vocabulary order.
-
-    Args:
-        stats: Statistic names from :data:`ALL_STATS` and :data:`OPT_IN_STATS`, or ``None`` for the default set,
-            :data:`ALL_STATS`.
-
-    Raises:
-        ValueError: If a name is unknown or the list is empty; the message lists the valid names.
+    """Validate a ``stats=`` argument (``None``: :data:`ALL_STATS`) and return it in vocabulary order.
 
     Example:
         >>> resolve_stats(["act_kurtosis", "act_std", "act_mean"])
@@ -133,19 +121,20 @@ def resolve_stats(stats: Sequence[str] | None) -> tuple[str, ...]:
     """
     if stats is None:
         return ALL_STATS
-    if isinstance(stats, str):
-        stats = [stats]
-    if isinstance(stats, Iterable):
-        stats = list(stats)
+    stats = [stats] if isinstance(stats, str) else list(stats) if isinstance(stats, Iterable) else stats
     if not isinstance(stats, list) or not all(isinstance(s, str) for s in stats):
         raise ValueError(f"stats: expected None, a statistic name or a sequence of names, got {stats!r}")
-    known = ALL_STATS + OPT_IN_STATS
-    unknown = sorted(set(stats) - set(known))
+    return resolve_names("stats", "statistic", stats, ALL_STATS + OPT_IN_STATS)
+
+
+def resolve_names(argument: str, noun: str, names: list, known: Sequence[str]) -> tuple[str, ...]:
+    """``names`` in the order of ``known``; a ``ValueError`` that lists ``known`` for an unknown name or none."""
+    unknown = sorted({n if isinstance(n, str) else repr(n) for n in names if n not in known})
     if unknown:
-        raise ValueError(f"stats: unknown statistic(s) {unknown}; expected names from {list(known)}")
-    if not stats:
-        raise ValueError(f"stats: expected at least one statistic from {list(known)}, got an empty list")
-    return tuple(s for s in known if s in stats)
+        raise ValueError(f"{argument}: unknown {noun}(s) {unknown}; expected names from {list(known)}")
+    if not names:
+        raise ValueError(f"{argument}: expected at least one {noun} from {list(known)}, got an empty list")
+    return tuple(n for n in known if n in names)
 
 
 def accumulation_dtype(device: torch.device) -> torch.dtype:
@@ -180,12 +169,6 @@ class Workspace:
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.device, torch.dtype], Tensor] = {}
         self._views: dict[tuple[int, torch.dtype, torch.dtype, torch.device], tuple[Tensor, Tensor, Tensor]] = {}
-
-    @property
-    def held(self) -> dict[tuple[str, torch.dtype], int]:
-        """Elements held per role and dtype (nothing once released, also no view of a dropped buffer)."""
-        held = {(role, dtype): b.numel() for (role, _, dtype), b in self._buffers.items()}
-        return held if held or not self._views else {("views", torch.uint8): len(self._views)}
 
     def _buffer(self, role: str, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         key = (role, device, dtype)
@@ -253,21 +236,10 @@ def activation_row(x: Tensor, out: Tensor, workspace: Workspace | None = None, d
     The row holds ``[nonzero, nonzero_finite, sum, sum_of_squares, min, max]``: the non-zero count (NaN and Inf
     count as non-zero, ``-0.0`` as zero), the non-zero finite count, and the sum, sum of squares, minimum and
     maximum of the finite elements (NaN/Inf read as 0 there), all in ``out.dtype``. The element count is known on
-    the host and not part of the row.
-
-    Args:
-        x: Any floating-point tensor with at least one and at most :data:`CHUNK_ELEMENTS` elements (a piece of
-            :func:`chunks`), any device, any layout in memory.
-        out: Where the row is written (a row of the caller's table: no allocation).
-        workspace: Scratch memory reused across calls; ``None`` allocates temporaries.
-        dim: ``1`` for a ``[k, n]`` stack of tensors, reduced row by row into the ``[k, ACT_ROW]`` ``out`` in the
-            same 9 ops (the recorder stacks small outputs and pays the ops once per stack).
-
-    Raises:
-        ValueError: For a tensor of more than :data:`CHUNK_ELEMENTS` elements.
-
-    Returns:
-        ``out``.
+    the host and not part of the row. ``x`` is a piece of :func:`chunks` (more than :data:`CHUNK_ELEMENTS` elements
+    raise ``ValueError``); ``out`` is a row of the caller's table (no allocation), and is returned; ``workspace=None``
+    allocates temporaries. ``dim=1`` reduces a ``[k, n]`` stack row by row into a ``[k, ACT_ROW]`` ``out`` in the
+    same 9 ops (the recorder stacks small outputs and pays the ops once per stack).
 
     Example:
         >>> activation_row(torch.tensor([0.0, -0.0, -3.0, 4.0, float("nan")]), torch.empty(ACT_ROW)).tolist()
@@ -317,18 +289,9 @@ def reduce_tensor(
 ) -> tuple[Tensor | None, Tensor | None]:
     """Every per-tensor reduction of one output (or gradient), in one pass over its pieces (:func:`chunks`).
 
-    Args:
-        x: A non-empty floating-point tensor of any size.
-        row: The caller's row for a piece of ``n`` elements, written by :func:`activation_row` (:func:`gradient_row`
-            with ``grad``); ``None``: no row.
-        workspace: Scratch memory reused across calls.
-        grad: ``x`` is a gradient.
-        units: Also take :func:`unit_maxima` along ``unit_dim``.
-        unit_dim: See :func:`unit_dim_for`.
-        edges: Also take :func:`histogram_counts` in these bins.
-
-    Returns:
-        ``(unit maxima, histogram counts)``, ``None`` for what was not asked for; the rows are written.
+    ``row(n)`` is the caller's row for a piece of ``n`` elements, written by :func:`activation_row` (by
+    :func:`gradient_row` with ``grad``). Returns ``(unit maxima, histogram counts)``, ``None`` where not asked for:
+    :func:`unit_maxima` with ``units``; with ``edges``, counts of the finite elements in the ``len(edges) + 1`` bins.
 
     Example:
         >>> table = torch.empty(1, ACT_ROW, dtype=torch.float64)
@@ -337,62 +300,40 @@ def reduce_tensor(
         ([[2.0, 2.0, -1.0, 5.0, -2.0, 1.0]], [1.0, -2.0], None)
     """
     reduce_row = gradient_row if grad else activation_row
-    bins = None
+    counts = None
     if edges is not None:  # .to: a no-op for the aggregator's edges, which live on the statistics' device
-        bins = edges.to(x.device), torch.zeros(edges.numel() + 1, dtype=torch.float32, device=x.device)
-    if row is not None or bins is not None:
+        edges, counts = edges.to(x.device), torch.zeros(edges.numel() + 1, dtype=torch.float32, device=x.device)
+    if row is not None or counts is not None:
         for piece in chunks(x):
             if row is not None:
                 reduce_row(piece, row(piece.numel()), workspace)
-            if bins is not None:
-                _bin(piece, *bins)
-    return unit_maxima(x, unit_dim) if units else None, None if bins is None else bins[1]
+            if counts is not None:
+                # Bin i counts the finite edges[i-1] < x <= edges[i]; with scatter_add, as bincount's output size
+                # depends on the data, which forces a host synchronisation.
+                flat = piece.detach()
+                flat = (flat if flat.dtype in (torch.float32, torch.float64) else flat.float()).reshape(-1)
+                finite = torch.isfinite(flat)
+                index = torch.bucketize(torch.where(finite, flat, 0.0), edges)
+                counts.scatter_add_(0, index, finite.to(torch.float32))
+    return unit_maxima(x, unit_dim) if units else None, counts
 
 
 def moments_from_rows(rows: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
-    """Additive ``[k, ACT_SLOTS]`` moments and ``[k]`` absolute maxima of ``[k, ACT_ROW]`` rows.
-
-    Args:
-        rows: From :func:`activation_row`.
-        counts: ``[k]`` element counts of the reduced tensors, in the rows' dtype.
-
-    Example:
-        >>> row = activation_row(torch.tensor([0.0, 1.0, -3.0, 4.0, float("nan")]), torch.empty(ACT_ROW))
-        >>> moments, absmax = moments_from_rows(row[None], torch.tensor([5.0]))
-        >>> moments.tolist(), absmax.tolist()
-        ([[5.0, 4.0, 3.0, 2.0, 26.0]], [4.0])
-    """
+    """Additive ``[k, ACT_SLOTS]`` moments and ``[k]`` absolute maxima of :func:`activation_row` rows and counts."""
     moments = torch.cat([counts[:, None], rows[:, :ROW_MIN]], dim=1)
     return moments, torch.maximum(rows[:, ROW_MAX], rows[:, ROW_MIN].neg())
 
 
 def gradient_moments_from_rows(rows: Tensor, counts: Tensor) -> Tensor:
-    """Additive ``[k, GRAD_SLOTS]`` moments ``[count, sum_sq, nonfinite]`` of ``[k, GRAD_ROW]`` rows.
-
-    Example:
-        >>> row = gradient_row(torch.tensor([3.0, 4.0, float("inf")]), torch.empty(GRAD_ROW))
-        >>> gradient_moments_from_rows(row[None], torch.tensor([3.0])).tolist()
-        [[3.0, 25.0, 1.0]]
-    """
+    """Additive ``[k, GRAD_SLOTS]`` moments ``[count, sum_sq, nonfinite]`` of ``[k, GRAD_ROW]`` rows and counts."""
     nonfinite = rows[:, GROW_NONZERO] - rows[:, GROW_NONZERO_FINITE]
     return torch.stack([counts, rows[:, GROW_SUMSQ], nonfinite], dim=1)
-
-
-def unit_dim_for(ndim: int, unit_dim: int | None = None) -> int:
-    """The axis that indexes units: channels (dim 1) of 4-D/5-D outputs, the last dim of 1-D/2-D/3-D outputs.
-
-    Example:
-        >>> unit_dim_for(4), unit_dim_for(3), unit_dim_for(3, unit_dim=1)
-        (1, 2, 1)
-    """
-    if unit_dim is not None:
-        return unit_dim % ndim
-    return 1 if ndim >= 4 else ndim - 1
 
 
 def unit_maxima(x: Tensor, unit_dim: int | None = None) -> Tensor:
     """Per-unit maximum over every other axis, in ``x``'s dtype, in two tensor ops.
 
+    Units lie along ``unit_dim``, by default channels (dim 1) of 4-D/5-D outputs, the last dim of 1-D/2-D/3-D ones.
     A unit is dead when its maximum is ``<= 0``: it was non-positive for every sample and position. Pooled with
     ``fmax``, these maxima reduce over the batch *first*, as they must. A NaN is not ``<= 0``, so NaN maxima become
     ``+inf``: they would otherwise vanish in ``fmax`` pooling and leave the unit looking dead.
@@ -405,7 +346,7 @@ def unit_maxima(x: Tensor, unit_dim: int | None = None) -> Tensor:
     if x.ndim == 0:
         maxima = x.reshape(1)
     else:
-        dim = unit_dim_for(x.ndim, unit_dim)
+        dim = unit_dim % x.ndim if unit_dim is not None else 1 if x.ndim >= 4 else x.ndim - 1
         others = [d for d in range(x.ndim) if d != dim]
         maxima = x.amax(dim=others) if others else x
     return torch.nan_to_num(maxima, nan=math.inf, posinf=math.inf, neginf=-math.inf)
@@ -435,11 +376,7 @@ def finalize_activations(moments: Tensor, absmax: Tensor) -> dict[str, Tensor]:
 
 
 def finalize_gradients(moments: Tensor, scale: Tensor | None = None) -> dict[str, Tensor]:
-    """Turn pooled ``[n_layers, 3]`` gradient moments into ``act_grad_norm`` and ``act_grad_nonfinite``.
-
-    Args:
-        moments: Sums of :func:`gradient_moments_from_rows` vectors.
-        scale: The AMP loss scale the gradients were multiplied by, divided out of the norm.
+    """Pooled ``[n_layers, 3]`` moments to ``act_grad_norm`` (AMP loss ``scale`` divided out), ``act_grad_nonfinite``.
 
     Example:
         >>> moments = torch.tensor([[2.0, 100.0, 0.0]])  # of [6.0, 8.0]
@@ -455,11 +392,7 @@ def finalize_gradients(moments: Tensor, scale: Tensor | None = None) -> dict[str
 def finalize_dead_fraction(unit_max: Tensor, owner: Tensor, n_layers: int, dtype: torch.dtype) -> Tensor:
     """Per-layer fraction of units whose pooled maximum is ``<= 0``; NaN for layers with no tracked units.
 
-    Args:
-        unit_max: Flat per-unit maxima of every tracked layer.
-        owner: The layer of each entry of ``unit_max``.
-        n_layers: Length of the result.
-        dtype: Dtype of the result.
+    ``unit_max`` holds the flat per-unit maxima of every tracked layer, ``owner`` the layer of each entry.
 
     Example:
         >>> finalize_dead_fraction(torch.tensor([0.0, 2.0, -1.0, 3.0]), torch.tensor([0, 0, 2, 2]), 3, torch.float32)
@@ -485,27 +418,3 @@ def histogram_edges(bins: int, smallest: float = 1e-6, largest: float = 1e4) -> 
         raise ValueError(f"histogram bins: expected an even number >= 4, got {bins}")
     magnitudes = torch.logspace(math.log10(smallest), math.log10(largest), bins // 2 - 1)
     return torch.cat([-magnitudes.flip(0), torch.zeros(1), magnitudes])
-
-
-def histogram_counts(x: Tensor, edges: Tensor) -> Tensor:
-    """Counts of the finite elements of ``x`` in the bins delimited by ``edges`` (``len(edges) + 1`` bins).
-
-    Bin ``i`` holds ``edges[i-1] < x <= edges[i]``. Read piece by piece (:func:`chunks`), with ``scatter_add``: the
-    output size of ``bincount`` depends on the data, which forces a host synchronisation.
-
-    Example:
-        >>> x = torch.tensor([-5.0, 0.0, 0.05, 3.0, float("nan")])
-        >>> histogram_counts(x, torch.tensor([-1.0, 0.0, 1.0])).tolist()
-        [1.0, 1.0, 1.0, 1.0]
-    """
-    _, hist = reduce_tensor(x, None, Workspace(), edges=edges)
-    assert hist is not None
-    return hist
-
-
-def _bin(piece: Tensor, edges: Tensor, counts: Tensor) -> None:
-    flat = piece.detach()
-    flat = (flat if flat.dtype in (torch.float32, torch.float64) else flat.float()).reshape(-1)
-    finite = torch.isfinite(flat)
-    index = torch.bucketize(torch.where(finite, flat, 0.0), edges)
-    counts.scatter_add_(0, index, finite.to(torch.float32))

@@ -26,6 +26,7 @@ from lightning_hookdiag.stats import (
     gradient_moments_from_rows,
     gradient_row,
     moments_from_rows,
+    reduce_tensor,
 )
 
 
@@ -39,7 +40,7 @@ def pending_rows(agg: Any) -> tuple[int, int]:
     return len(agg._calls["act"].layers), len(agg._calls["grad"].layers)
 
 
-def held(agg: Any) -> tuple[int, int]:
+def aggregator_held(agg: Any) -> tuple[int, int]:
     """``(rows of an aggregator's output call table, call patterns whose device copies it caches)``: both bounded."""
     return agg._calls["act"].table.shape[0], len(agg._calls["act"]._patterns)
 
@@ -202,3 +203,29 @@ def square_sum(x: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
         return torch.dot(wide, wide)
 
     return chunked_sum(piece_square_sum, x) if x.numel() else torch.zeros((), dtype=dtype, device=x.device)
+
+
+def histogram_counts(x: Tensor, edges: Tensor) -> Tensor:
+    """Counts of the finite elements of ``x`` in the ``len(edges) + 1`` bins ``edges`` delimit, as the recorder bins.
+
+    Bin ``i`` holds ``edges[i-1] < x <= edges[i]``.
+
+    Example:
+        >>> x = torch.tensor([-5.0, 0.0, 0.05, 3.0, float("nan")])
+        >>> histogram_counts(x, torch.tensor([-1.0, 0.0, 1.0])).tolist()
+        [1.0, 1.0, 1.0, 1.0]
+    """
+    _, hist = reduce_tensor(x, None, Workspace(), edges=edges)
+    assert hist is not None
+    return hist
+
+
+def workspace_held(workspace: Workspace) -> dict[tuple[str, torch.dtype], int]:
+    """Elements a :class:`Workspace` holds per role and dtype (none once released, nor a view of a dropped buffer)."""
+    held = {(role, dtype): b.numel() for (role, _, dtype), b in workspace._buffers.items()}
+    return held if held or not workspace._views else {("views", torch.uint8): len(workspace._views)}
+
+
+def tracker_held(tracker: Any) -> tuple[int, int]:
+    """``(weight elements in snapshots, parameter sets cached)`` of a ``ParameterTracker``: both must stay bounded."""
+    return sum(b.numel() for _, _, before in tracker._snapshots for b in before), len(tracker._patterns)

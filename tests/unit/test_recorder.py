@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from reference import activation_stats_float64, held, pending_rows, record
+from reference import activation_stats_float64, aggregator_held, pending_rows, record, workspace_held
 
 from lightning_hookdiag import stats as S
 from lightning_hookdiag.aggregation import LayerStatsAggregator
@@ -138,7 +138,7 @@ def test_many_calls_over_several_steps_reuse_the_call_table_and_copy_no_index_ag
             assert out["act_grad_norm"][layer].item() == pytest.approx(norm, rel=1e-6)
     assert sorted(made[0]) == ["empty"] * 6 + ["tensor"] * 4  # 16 -> 32 -> 64 rows, twice; index and counts, twice
     assert made[1] == []  # the same calls again: nothing grown, nothing copied
-    assert held(agg) == (64, 1)
+    assert aggregator_held(agg) == (64, 1)
 
 
 def test_varying_calls_keep_only_a_few_cached_patterns():
@@ -151,9 +151,9 @@ def test_varying_calls_keep_only_a_few_cached_patterns():
         agg.update()
         assert agg.compute()["count"].item() == output.numel()
         agg.reset()
-        assert held(agg)[1] <= 8
+        assert aggregator_held(agg)[1] <= 8
     recorder.release()
-    assert not recorder.workspace.held
+    assert not workspace_held(recorder.workspace)
 
 
 def test_moments_off_still_counts_the_elements():
