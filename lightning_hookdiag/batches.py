@@ -16,6 +16,7 @@ from typing_extensions import override
 
 from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.components import Component, Setup, component
+from lightning_hookdiag.hooks import tensors
 
 __all__ = ["MIN_ROWS", "ROW_SAMPLE", "BatchRows", "repeated_rows"]
 
@@ -26,14 +27,6 @@ ROW_SAMPLE = 4096
 """Elements compared per row at most, evenly strided over the whole row."""
 
 
-def _tensors(batch: Any) -> list[Tensor]:
-    if isinstance(batch, Tensor):
-        return [batch]
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    return [t for value in batch for t in _tensors(value)] if isinstance(batch, (list, tuple)) else []
-
-
 def repeated_rows(batch: Any) -> Tensor | None:
     """Whether every tensor of ``batch`` with 2 or more dims holds one row repeated (0-d bool, on its device).
 
@@ -42,7 +35,7 @@ def repeated_rows(batch: Any) -> Tensor | None:
     healthy batches of few classes. ``None`` when no tensor counts.
     """
     same: Tensor | None = None
-    for t in _tensors(batch):
+    for _, t in tensors(batch):
         if t.dim() < 2 or t.shape[0] < MIN_ROWS or t.is_sparse or t.is_nested:
             continue
         rows = t.detach().reshape(t.shape[0], -1)

@@ -19,18 +19,29 @@ from torch.utils.hooks import RemovableHandle
 from lightning_hookdiag.components import Component
 from lightning_hookdiag.torch_internals import in_backward
 
-__all__ = ["HookSet", "first_floating_tensor", "in_backward"]
+__all__ = ["HookSet", "first_floating_tensor", "tensors"]
+
+
+def tensors(value: Any, path: str | None = None) -> Iterator[tuple[str | None, Tensor]]:
+    """Every tensor in ``value``, depth-first through tuples, lists and dicts, with its path from ``path``.
+
+    The path of ``batch[0]['x']`` from ``"batch"``; ``path=None`` builds none (a forward hook walks every output).
+    """
+    if isinstance(value, Tensor):
+        yield path, value
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            yield from tensors(item, None if path is None else f"{path}[{i}]")
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from tensors(item, None if path is None else f"{path}[{key!r}]")
 
 
 def first_floating_tensor(output: Any) -> Tensor | None:
-    """The first floating-point tensor in ``output``, searched depth-first through tuples, lists and dicts."""
-    if isinstance(output, Tensor):
+    """The first floating-point tensor in ``output`` (see :func:`tensors`)."""
+    if isinstance(output, Tensor):  # the common case, without a generator
         return output if output.is_floating_point() else None
-    if isinstance(output, Mapping):
-        output = output.values()
-    elif not isinstance(output, (tuple, list)):
-        return None
-    return next((found for found in map(first_floating_tensor, output) if found is not None), None)
+    return next((t for _, t in tensors(output) if t.is_floating_point()), None)
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from lightning_hookdiag.stats import accumulation_dtype
 from lightning_hookdiag.step_state import Trip, TripKind
 from lightning_hookdiag.validation import choice
 
-__all__ = ["SENTINEL_MODES", "LossSentinel", "MicroBatch", "SpikeDetector", "Trip", "replay_step"]
+__all__ = ["SENTINEL_MODES", "LossSentinel", "MicroBatch", "SpikeDetector", "replay_step"]
 
 SENTINEL_MODES: tuple[str, ...] = ("loss", "loss+grads")
 """Values of the callback's ``sentinel`` argument besides ``None``."""
