@@ -23,9 +23,9 @@ __all__ = ["HookSet", "first_floating_tensor", "tensors"]
 
 
 def tensors(value: Any, path: str | None = None) -> Iterator[tuple[str | None, Tensor]]:
-    """Every tensor in ``value``, depth-first through tuples, lists and dicts, with its path from ``path``.
+    """Every tensor in ``value``, depth-first through tuples, lists and dicts, with its path (``None``: builds none).
 
-    The path of ``batch[0]['x']`` from ``"batch"``; ``path=None`` builds none (a forward hook walks every output).
+    ``tensors(batch, "batch")`` yields ``("batch[0]['x']", t)`` for ``batch = [{"x": t}]``.
     """
     if isinstance(value, Tensor):
         yield path, value
@@ -153,12 +153,9 @@ class HookSet:
     def remove(self, finished: bool = False) -> None:
         """Remove every hook this set registered, and its companions'; safe to call any number of times.
 
-        Args:
-            finished: The micro-batch ran to its end, so the companions keep what they measured in it; otherwise
-                (an exception, an interrupted batch) they forget it.
-
-        Raises:
-            Exception: The first error a companion raised, once every hook and companion is removed.
+        ``finished``: the micro-batch ran to its end, so the companions keep what they measured in it (after an
+        exception or an interrupted batch they forget it). Raises the first error a companion raised, once every hook
+        and companion is removed.
         """
         for handle in (*self._handles, *self._tensor_handles):
             handle.remove()

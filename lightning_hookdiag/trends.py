@@ -27,14 +27,7 @@ Point = tuple[int, float]
 
 
 class History:
-    """The last ``window`` finite values of every statistic in :attr:`stats` and name, with their steps.
-
-    Args:
-        window: Values kept per statistic and name; an integer ``>= 2``.
-
-    Raises:
-        ValueError: For a ``window`` that is not an integer ``>= 2``.
-    """
+    """The last ``window`` (an integer ``>= 2``) finite values of every statistic in :attr:`stats` and name, by step."""
 
     stats = ("attn_logit_max", "logit_lse_mean", "logit_absmax", "step_loss", "param_update_ratio", "param_norm")
     """The statistics kept: the ones the trend rules read."""
