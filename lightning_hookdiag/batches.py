@@ -1,7 +1,6 @@
 """What the training batch itself shows: the facts of rule ``repeated_batch`` (``docs/rules.md#repeated_batch``).
 
 A batch of one sample repeated trains the model on one example while the loss falls as if it learned.
-:func:`repeated_rows` tells it on the device, without a host sync, from a bounded subsample of each row.
 """
 
 from __future__ import annotations
@@ -30,9 +29,7 @@ ROW_SAMPLE = 4096
 def repeated_rows(batch: Any) -> Tensor | None:
     """Whether every tensor of ``batch`` with 2 or more dims holds one row repeated (0-d bool, on its device).
 
-    Only tensors of at least :data:`MIN_ROWS` rows (the first dimension) and 2 dimensions count: an attention mask
-    of ones repeats in a healthy batch, but not together with the tokens it masks; 1-D label vectors repeat in
-    healthy batches of few classes. ``None`` when no tensor counts.
+    Only tensors of at least :data:`MIN_ROWS` rows count (why: ``docs/rules.md#repeated_batch``); ``None``: none does.
     """
     same: Tensor | None = None
     for _, t in tensors(batch):

@@ -154,12 +154,8 @@ def _step_spread(values: list[float]) -> float:
 class LossSentinel:
     """The per-step trip test: a NaN/Inf loss (or, with ``"loss+grads"``, gradient), or a loss spike.
 
-    Call :meth:`observe_loss` with every micro-batch's loss and :meth:`check` once per optimizer step.
-
-    Args:
-        mode: ``"loss"`` or ``"loss+grads"``.
-        detector: The loss-spike test.
-        reduce_max: How the packed per-step values are reduced over processes; ``None`` in a single process.
+    Call :meth:`observe_loss` with every micro-batch's loss and :meth:`check` once per optimizer step. ``reduce_max``
+    reduces the packed per-step values over processes (``None``: a single process).
 
     Example:
         >>> sentinel = LossSentinel("loss", SpikeDetector(warmup=2))

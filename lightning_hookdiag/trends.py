@@ -64,11 +64,7 @@ class History:
         return {"window": self.window, "points": points}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (missing keys: empty); only the last ``window`` values stay.
-
-        Raises:
-            ValueError: If the state is malformed.
-        """
+        """Restore the last ``window`` values of a :meth:`state_dict` (missing keys: empty; malformed: ValueError)."""
         raw, where = state.get("points", {}), "History.load_state_dict"
         if not isinstance(raw, Mapping):
             raise ValueError(f"{where}: 'points' expects {{stat: {{name: [[step, value]]}}}}, got {raw!r}")
