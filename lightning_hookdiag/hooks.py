@@ -23,10 +23,7 @@ __all__ = ["HookSet", "first_floating_tensor", "tensors"]
 
 
 def tensors(value: Any, path: str | None = None) -> Iterator[tuple[str | None, Tensor]]:
-    """Every tensor in ``value``, depth-first through tuples, lists and dicts, with its path (``None``: builds none).
-
-    ``tensors(batch, "batch")`` yields ``("batch[0]['x']", t)`` for ``batch = [{"x": t}]``.
-    """
+    """Every tensor in ``value`` (through tuples, lists, dicts), with its path from ``path`` (``x[0]['k']``) or None."""
     if isinstance(value, Tensor):
         yield path, value
     elif isinstance(value, (tuple, list)):

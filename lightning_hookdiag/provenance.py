@@ -52,10 +52,10 @@ def nonfinite_in_batch(batches: Sequence[Any]) -> list[tuple[str, int, int]]:
     return [(path, n, size) for path, (n, size) in bad.items() if n > 0]
 
 
-def _any_nonfinite(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
-    if not tensors:
+def _any_nonfinite(found: Sequence[Tensor], device: torch.device) -> Tensor:
+    if not found:
         return torch.zeros((), dtype=torch.bool, device=device)
-    return torch.stack([~torch.isfinite(t).all().to(device) for t in tensors]).any()
+    return torch.stack([~torch.isfinite(t).all().to(device) for t in found]).any()
 
 
 class NonFiniteTrace:
@@ -84,9 +84,7 @@ class NonFiniteTrace:
     """
 
     def __init__(self, root: nn.Module) -> None:
-        self._names: dict[nn.Module, str] = {}
-        for path, module in root.named_modules():
-            self._names.setdefault(module, logged_name(path, root) if path else ROOT)
+        self._names = {module: logged_name(path, root) if path else ROOT for path, module in root.named_modules()}
         self._calls: list[tuple[str, Tensor]] = []
         self._handle: RemovableHandle | None = None
 

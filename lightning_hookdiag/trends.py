@@ -82,10 +82,7 @@ class History:
 
 
 def log_slope(points: Sequence[Point]) -> float:
-    """Least-squares slope of ``ln(value)`` against step: the growth rate per optimizer step (positive values only).
-
-    Returns NaN with fewer than two points, a non-positive value or a single step.
-    """
+    """Least-squares slope of ``ln(value)`` against step: the growth rate per optimizer step (NaN where undefined)."""
     if len(points) < 2 or any(v <= 0 for _, v in points):
         return math.nan
     xs = [float(s) for s, _ in points]
