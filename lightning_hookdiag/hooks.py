@@ -91,8 +91,7 @@ class HookSet:
 
     Args:
         modules: Ordered ``{name: module}``; a sink receives the index of the module in this mapping.
-        on_output: Receives every raw output (``None``: only ``on_tensor``); recomputations inside backward are
-            skipped.
+        on_output: Receives every raw output but those recomputed inside backward (``None``: only ``on_tensor``).
         on_grad: If given, receives the gradient w.r.t. the first floating-point tensor of every output that
             requires grad.
         on_tensor: Like ``on_output``, with the output's first floating-point tensor (``None``: it has none).

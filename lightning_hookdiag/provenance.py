@@ -61,9 +61,8 @@ def _any_nonfinite(found: Sequence[Tensor], device: torch.device) -> Tensor:
 class NonFiniteTrace:
     """Record, for every module call while attached, whether NaN/Inf went in and came out (see the module docstring).
 
-    Args:
-        root: The LightningModule; module names are relative to it, as the callback logs them, and the root itself
-            is :data:`~lightning_hookdiag.rules.ROOT`. Modules outside it are not recorded.
+    ``root`` is the LightningModule: module names are relative to it, as the callback logs them, the root itself is
+    :data:`~lightning_hookdiag.rules.ROOT`, and modules outside it are not recorded.
 
     Example:
         >>> class Log(nn.Module):

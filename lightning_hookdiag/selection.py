@@ -51,12 +51,8 @@ def named_modules(root: nn.Module) -> dict[str, nn.Module]:
     A wrapper and the module it wraps share a name; the wrapped module wins, because it is the one whose
     ``forward`` does the work.
     """
-    found: dict[str, nn.Module] = {}
-    for path, module in root.named_modules():  # each module once, parents before children
-        name = logged_name(path, root)
-        if name:
-            found[name] = module  # a wrapped module comes after its wrapper, so it wins
-    return found
+    # Each module once, parents before children: a wrapped module comes after its wrapper, so it wins.
+    return {name: module for path, module in root.named_modules() if (name := logged_name(path, root))}
 
 
 def _is_leaf(module: nn.Module) -> bool:

@@ -277,10 +277,9 @@ def capture_rng(device: torch.device) -> RngState:
 
 def restore_rng(state: RngState, device: torch.device) -> None:
     """Set the generators to a state from :func:`capture_rng`."""
-    cpu, accelerator = state
-    torch.set_rng_state(cpu)
-    if accelerator is not None:
-        torch.cuda.set_rng_state(accelerator, device)
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 @dataclass(frozen=True)

@@ -98,8 +98,7 @@ def rising_share(points: Sequence[Point]) -> float:
     """The share of consecutive pairs that rise (NaN with fewer than two points)."""
     if len(points) < 2:
         return math.nan
-    rises = sum(1 for (_, a), (_, b) in zip(points, points[1:], strict=False) if b > a)
-    return rises / (len(points) - 1)
+    return sum(1 for (_, a), (_, b) in zip(points, points[1:], strict=False) if b > a) / (len(points) - 1)
 
 
 def crossing_step(points: Sequence[Point], threshold: float) -> int | None:
