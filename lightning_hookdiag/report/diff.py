@@ -16,16 +16,16 @@ from lightning_hookdiag.names import owning_layer
 from lightning_hookdiag.report.health_log import HealthLog, depth_order, stat_order_key
 from lightning_hookdiag.report.plot import draw_heatmap, load_matplotlib
 from lightning_hookdiag.table import display_name, format_value
+from lightning_hookdiag.vocabulary import counted_by_gradient
 
 __all__ = ["Alignment", "Difference", "align", "find_differences", "format_diff", "ratio_figure"]
 
-_BACKWARD_PARAMETER_STATS = ("param_grad_norm", "param_update_ratio")
 _MAX_LISTED = 5
 
 
 def is_backward(stat: str) -> bool:
     """Whether ``stat`` is measured in the backward pass (or from gradients), not from outputs or weights."""
-    return stat.startswith("act_grad_") or stat in _BACKWARD_PARAMETER_STATS
+    return counted_by_gradient(stat) or stat in ("param_grad_norm", "param_update_ratio")
 
 
 @dataclass(frozen=True)

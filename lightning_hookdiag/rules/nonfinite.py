@@ -32,8 +32,7 @@ def nonfinite(ctx: Context) -> list[Found]:
         entered = {first, ROOT} if trip.nan_origin is None else {first}
         found = [_nonfinite_batch(ctx), *(f for f in found if not (f.phase == "forward" and f.layer in entered))]
     found += _broken_by_step(ctx)
-    weights = _nonfinite_weights(ctx)
-    if weights is not None:
+    if (weights := _nonfinite_weights(ctx)) is not None:
         # A broken weight makes everything computed from it non-finite: only a forward origin upstream of every
         # broken weight is still an origin of its own (its inputs come from healthy layers).
         first_broken = ctx.orders.forward_key(weights.layer)

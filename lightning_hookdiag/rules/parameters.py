@@ -238,10 +238,8 @@ def not_updated(ctx: Context) -> Iterator[Found]:
         sentences = "; ".join(_stuck_sentence(ctx, cause, causes[cause]) for cause in order)
         message = f"not_updated: the weights of {owner} did not move across step {ctx.step}: {sentences}"
         value = max(v for _, v in causes[order[0]])  # the finding's value and statistic come from its first cause
-        if order[0] == _UNHELD:
-            yield Found(owner, value, message, stat="param_grad_norm")
-        else:
-            yield Found(owner, value, message, threshold)
+        unheld = order[0] == _UNHELD
+        yield Found(owner, value, message, 0.0 if unheld else threshold, stat="param_grad_norm" if unheld else None)
 
 
 def _stuck_sentence(ctx: Context, cause: str, found: list[tuple[str, float]]) -> str:
