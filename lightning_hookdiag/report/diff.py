@@ -1,8 +1,6 @@
 """``hookdiag report --diff RUN_A RUN_B``: where two runs' health statistics first part ways.
 
-Only what both runs logged (by step and by layer or parameter name) is compared, in the order a change propagates
-(``docs/report.md#where-do-two-runs-first-differ-hookdiag-report---diff``): a planted change to one layer's initial
-weights shows first at that layer's outputs on step 0, not at the output gradients of the layers below it.
+What is compared, in which order: ``docs/report.md#where-do-two-runs-first-differ-hookdiag-report---diff``.
 """
 
 from __future__ import annotations

@@ -135,11 +135,10 @@ def input_scale(ctx: Context) -> Iterator[Found]:
 def repeated_batch(ctx: Context) -> Iterator[Found]:
     """Every row of the step's training batch was one sample repeated."""
     if ctx.stat("batch_repeated").get(BATCH) == 1.0:
-        yield Found(
-            BATCH,
-            1.0,
+        message = (
             f"repeated_batch at step {ctx.step}: every row of the training batch is the same sample (each tensor of 2"
             " or more dims, at least 8 rows): the model trains on one example while its loss falls; does the"
             " Dataset's __getitem__ use its index, and do the sampler and the collate function keep the samples"
-            " apart?",
+            " apart?"
         )
+        yield Found(BATCH, 1.0, message)
