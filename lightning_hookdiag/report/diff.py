@@ -76,8 +76,7 @@ def align(a: HealthLog, b: HealthLog) -> Alignment:
             f"the runs share no layer for any statistic (RUN_A logs e.g. {some_a or 'none'}; RUN_B logs e.g."
             f" {some_b or 'none'})"
         )
-    depth = {**b.depth, **a.depth}
-    return Alignment(a=a, b=b, steps=steps, names=names, depth=depth)
+    return Alignment(a=a, b=b, steps=steps, names=names, depth={**b.depth, **a.depth})
 
 
 def _differ(x: float, y: float, rtol: float, atol: float) -> bool:
