@@ -71,13 +71,9 @@ def no_gradient(ctx: Context) -> Iterator[Found]:
 
 def _gradient_ratios(ctx: Context) -> tuple[str, float, list[tuple[str, float]]] | None:
     """The output-end reference layer and norm, and every other usable layer's ratio to it, in backward order."""
-    nonfinite = ctx.positive("act_grad_nonfinite")
+    norms, nonfinite = ctx.stat("act_grad_norm"), ctx.positive("act_grad_nonfinite")
     # A norm taken over only the finite part of a NaN-ridden gradient means nothing; `nonfinite` reports those.
-    usable = [
-        (layer, float(norm))
-        for layer, norm in ctx.stat("act_grad_norm").items()
-        if finite(norm) and norm >= 0 and layer not in nonfinite
-    ]
+    usable = [(k, float(v)) for k, v in norms.items() if finite(v) and v >= 0 and k not in nonfinite]
     usable.sort(key=lambda item: ctx.orders.backward_key(item[0]))
     for i, (layer, norm) in enumerate(usable):
         if norm > 0:

@@ -78,12 +78,8 @@ def _broken_by_step(ctx: Context) -> list[Found]:
     The update ratio ``||w_after - w_before|| / ||w_before||`` is non-finite exactly when ``w_after`` is, given a
     finite, non-zero ``w_before`` (a weight norm of 0 has no ratio).
     """
-    norms, grads = ctx.stat("param_norm"), ctx.stat("param_grad_norm")
-    bad = [
-        p
-        for p in _nonfinite(ctx.stat("param_update_ratio").items())
-        if finite(norms.get(p)) and norms[p] > 0 and finite(grads.get(p))
-    ]
+    norms, grads = ctx.positive("param_norm"), ctx.stat("param_grad_norm")
+    bad = [p for p in _nonfinite(ctx.stat("param_update_ratio").items()) if p in norms and finite(grads.get(p))]
     if not bad:
         return []
     owners = ctx.orders.owners(bad)

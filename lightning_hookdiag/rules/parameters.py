@@ -219,16 +219,14 @@ def not_updated(ctx: Context) -> Iterator[Found]:
     """Per module, parameters with a gradient whose weights did not move, and why."""
     facts = ctx.param_facts
     threshold = ctx.config.moved_mass_threshold
-    ratios, norms = ctx.stat("param_update_ratio"), ctx.stat("param_norm")
+    ratios, norms = ctx.stat("param_update_ratio"), ctx.positive("param_norm")
     stuck: dict[str, dict[str, list[tuple[str, float]]]] = {}  # owner -> cause -> [(parameter, value)]
     for param, grad in ctx.positive("param_grad_norm").items():
-        fact = facts.get(param)
-        if fact is None:
+        if (fact := facts.get(param)) is None:
             continue
         ratio = ratios.get(param)
         bound = moved_mass_bound(ratio, fact.eps) if finite(ratio) and ratio >= 0 else None
-        norm = norms.get(param, math.nan)
-        intended = fact.lr * grad / norm if finite(norm) and norm > 0 else math.nan
+        intended = fact.lr * grad / norms[param] if param in norms else math.nan
         cause = _stuck(fact, bound, intended, threshold)
         if cause is not None:
             value = float(grad) if cause == _UNHELD else float(bound)  # type: ignore[arg-type]
