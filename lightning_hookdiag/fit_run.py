@@ -222,7 +222,6 @@ class FitRun:
             return
         now = {id(p): name for name, p in self.tracked().items()}
         self.param_names = [now.get(id(p), name) for p, name in zip(self.params, self.param_names, strict=True)]
-        self.keys.clear()
         self.homes = _homes(self.model, self.params)
 
     def discard_window(self) -> None:

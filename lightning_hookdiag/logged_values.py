@@ -57,10 +57,6 @@ class KeyCache:
             cached = self._keys[stat] = (names, [f"{self.prefix}/{stat}/{name}" for name in names])
         return cached[1]
 
-    def clear(self) -> None:
-        """Forget every formatted key (:meth:`keys` notices changed names by itself)."""
-        self._keys.clear()
-
     def key(self, stat: str, name: str | None = None) -> str:
         """One key; without ``name``, the key of a statistic with one value per step."""
         return f"{self.prefix}/{stat}" if name is None else f"{self.prefix}/{stat}/{name}"
