@@ -30,7 +30,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -41,7 +41,7 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from lightning_hookdiag.aggregation import LayerStatsAggregator
 
-__all__ = ["FACTORIES", "Component", "FitConfig", "Setup", "WindowStart", "component"]
+__all__ = ["FACTORIES", "Component", "FitConfig", "Setup", "WindowStart", "call_all", "component"]
 
 TensorSink = Callable[[int, Tensor], None]
 
@@ -189,3 +189,15 @@ def component(factory: Factory) -> Factory:
     """
     FACTORIES.append(factory)
     return factory
+
+
+def call_all(calls: Iterable[Callable[[], object]]) -> None:
+    """Make every call, also after one raised, then raise the first error: what removes hooks must remove them all."""
+    errors: list[BaseException] = []
+    for call in calls:
+        try:
+            call()
+        except BaseException as error:
+            errors.append(error)
+    if errors:
+        raise errors[0]

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 # The optional parts register their components when imported.
 from lightning_hookdiag import batches, eval_mode, kurtosis, precision, precursor_probes, saved_memory, unregistered  # noqa: F401
 from lightning_hookdiag.aggregation import LayerStatsAggregator
-from lightning_hookdiag.components import FACTORIES, Component, FitConfig, Setup, WindowStart
+from lightning_hookdiag.components import FACTORIES, Component, FitConfig, Setup, WindowStart, call_all
 from lightning_hookdiag.hooks import HookSet
 from lightning_hookdiag.logged_values import (
     KeyCache,
@@ -173,12 +173,10 @@ class FitRun:
             c.end_forward(loss)
 
     def end_micro_batch(self) -> None:
-        """Remove the micro-batch's hooks; the components keep what they measured."""
+        """Remove the micro-batch's hooks, all of them also after an error; the components keep what they measured."""
         if self.hooks.attached:  # a sampled micro-batch (an unsampled step pays for nothing below)
-            self.hooks.remove(finished=True)
-            for c in self.unreplayed:
-                c.end_micro_batch()
-                c.remove()
+            ends = [call for c in self.unreplayed for call in (c.end_micro_batch, c.remove)]
+            call_all([lambda: self.hooks.remove(finished=True), *ends])
 
     def end_closure(self) -> None:
         """An optimizer closure's forward and backward are over; the hooks stay attached for the next one.
@@ -189,10 +187,8 @@ class FitRun:
             self.hooks.end_micro_batch()
 
     def detach(self) -> None:
-        """Remove every hook; an interrupted micro-batch's partial measurements are dropped. Idempotent."""
-        self.hooks.remove()
-        for c in self.unreplayed:
-            c.remove()
+        """Remove every hook, also after an error; an interrupted micro-batch's measurements are dropped. Idempotent."""
+        call_all([self.hooks.remove, *(c.remove for c in self.unreplayed)])
 
     def open_window(self, step: int, last_metrics: Mapping[str, float], layers: bool = True) -> None:
         """Open the window of ``step`` (``layers=False``: parameters only) and start its state afresh.
