@@ -7,7 +7,7 @@ Its hook methods route the Trainer's events to the fit's :class:`~lightning_hook
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -24,9 +24,10 @@ from lightning_hookdiag.components import FitConfig
 from lightning_hookdiag.diagnosis import Diagnosis
 from lightning_hookdiag.distributed import all_reduce_max
 from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
-from lightning_hookdiag.fit_run import FitRun, ObservedStep
+from lightning_hookdiag.fit_run import FitRun
 from lightning_hookdiag.logged_values import (
     Note,
+    ObservedStep,
     histogram_note,
     histogram_series,
     late_note,
@@ -536,27 +537,18 @@ class LayerHealthCallback(Callback):
     def _finish_window(self, trainer: pl.Trainer, run: FitRun, before_update: bool = False) -> None:
         """Pool, log and diagnose the open window, then act as ``on_anomaly`` says; ``before_update``: no update yet."""
         observed = run.collect(before_update)
-        if observed.layers:  # a window of parameters only keeps the last observed order for the rules
+        if observed.layers:
             self.execution_order = observed.forward_order
-        metrics, values = run.values(observed, self.execution_order)
+        else:  # a window of parameters only keeps the last observed order for the rules
+            observed = replace(observed, forward_order=self.execution_order)
+        metrics, values = run.values(observed)
         for note in run.notes(observed):
             self._note(note)
         error = self._log(trainer, observed.step, metrics)
         if observed.histogram_edges is not None:
             error = self._log_histograms(trainer, observed, run) or error
         try:
-            findings, new = self._diagnosis.step(
-                values,
-                self.execution_order,
-                observed.backward_order,
-                observed.step,
-                run.layer_types,
-                trip=observed.trip,
-                missing_grads=observed.missing_grads,
-                eval_mode=observed.eval_mode,
-                param_facts=observed.param_facts,
-                unregistered=observed.unregistered,
-            )
+            findings, new = self._diagnosis.step(values, observed, run.layer_types)
             self.last_findings = findings
             self.findings.extend(new)
             if self.on_anomaly == "raise" and findings:

@@ -6,7 +6,7 @@ not configured) and drives every one through the same calls, in this order withi
 ``reset`` (a window opens) → per micro-batch ``observe_batch``, ``attach``, ``on_output`` / ``on_grad`` (per hooked
 tensor), ``end_forward``, ``end_micro_batch``, ``remove`` → ``fold`` (pool into the aggregator's states) →
 ``finalize`` (pooled device values that join the one host transfer) → ``facts`` (host facts for the
-:class:`~lightning_hookdiag.fit_run.ObservedStep`).
+:class:`~lightning_hookdiag.logged_values.ObservedStep`).
 
 A component that pools declares its states in its factory
 (:meth:`~lightning_hookdiag.aggregation.LayerStatsAggregator.add_state`) and adds into them with
@@ -172,7 +172,7 @@ class Component:
         return {}
 
     def facts(self, host: Mapping[str, list[float]]) -> dict[str, Any]:
-        """:class:`~lightning_hookdiag.fit_run.ObservedStep` fields this component fills, from the host values."""
+        """:class:`~lightning_hookdiag.logged_values.ObservedStep` fields this component fills, from the host values."""
         return {}
 
 

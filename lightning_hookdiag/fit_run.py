@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,6 +22,7 @@ from lightning_hookdiag.hooks import HookSet
 from lightning_hookdiag.logged_values import (
     KeyCache,
     Note,
+    ObservedStep,
     StepFacts,
     layer_notes,
     missing_grad_notes,
@@ -39,10 +39,9 @@ from lightning_hookdiag.params import (
     stale_gradient_squares,
 )
 from lightning_hookdiag.recorder import StepRecorder
-from lightning_hookdiag.rules import ParamFacts
 from lightning_hookdiag.selection import excluded_names, resolve_layers
 from lightning_hookdiag.stats import accumulation_dtype
-from lightning_hookdiag.step_state import StepState, Trip
+from lightning_hookdiag.step_state import StepState
 from lightning_hookdiag.vocabulary import (
     GRADIENT_STATS,
     LAYER_STATS,
@@ -57,38 +56,6 @@ Sharded = Callable[[Mapping[str, nn.Parameter]], bool]
 
 # Read back every window besides the logged statistics, where present: what the notes and the rules read.
 _ALWAYS_READ = ("count", "grad_count", "param_seen", "grad_norm_total", "stale_grad_sq")
-
-
-@dataclass(frozen=True)
-class ObservedStep:
-    """One finished window, read back to the host: what the callback logs and the rules read.
-
-    Attributes:
-        layers: Whether its layers were observed (``False``: parameters only).
-        host: The pooled values by name, one list per statistic (:func:`~lightning_hookdiag.logged_values.step_values`).
-        wanted: The statistics to log, in order.
-        precursors: Precursor statistic to the names of its values.
-        facts: What the step could not observe.
-        histogram_edges: The inner bin edges, when the step logs histograms.
-
-    ``step``, ``trip`` and the orders and facts the rules read are the arguments of
-    :func:`~lightning_hookdiag.rules.evaluate` of the same names.
-    """
-
-    step: int
-    layers: bool
-    trip: Trip | None
-    host: dict[str, list[float]]
-    wanted: list[str]
-    precursors: dict[str, list[str]]
-    facts: StepFacts
-    forward_order: list[str]
-    backward_order: list[str]
-    missing_grads: list[str]
-    eval_mode: dict[str, str]
-    param_facts: dict[str, ParamFacts]
-    histogram_edges: list[float] | None = None
-    unregistered: dict[str, list[str]] = field(default_factory=dict)
 
 
 class FitRun:
@@ -281,9 +248,7 @@ class FitRun:
         if measured is not None:
             self.aggregator.update(params=(measured[0], measured[1], slice(None)))
 
-    def values(
-        self, observed: ObservedStep, execution_order: Sequence[str]
-    ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    def values(self, observed: ObservedStep) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
         """The step's logged metrics and the rules' values (:func:`~lightning_hookdiag.logged_values.step_values`)."""
         return step_values(
             observed.host,
@@ -291,7 +256,7 @@ class FitRun:
             keys=self.keys,
             layer_names=self.layer_names,
             param_names=self.param_names,
-            execution_order=execution_order,
+            execution_order=observed.forward_order,
             # NaN: not a ReLU-family layer (act_dead_frac); undefined for this output (an opt-in statistic of an
             # all-zero or constant output).
             undefined_skipped={"act_dead_frac", *self.logged},
@@ -347,9 +312,7 @@ class FitRun:
         parts = [values[name].reshape(-1).to(torch.float64) for name in names]
         flat = iter(torch.cat(parts).tolist())  # the one host transfer
         host = {name: list(itertools.islice(flat, part.numel())) for name, part in zip(names, parts, strict=True)}
-        found: dict[str, Any] = {"precursors": {}, "eval_mode": {}, "unregistered": {}}
-        for c in self.components:
-            found.update(c.facts(host))
+        found = {k: v for c in self.components for k, v in c.facts(host).items()}
         observed = ObservedStep(
             step=window.step,
             layers=window.layers,

@@ -8,15 +8,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 from lightning_hookdiag.names import BATCH
 from lightning_hookdiag.vocabulary import PER_PARAMETER_STATS, PRECURSOR_STATS, counted_by_gradient
+
+if TYPE_CHECKING:
+    from lightning_hookdiag.rules import ParamFacts
+    from lightning_hookdiag.step_state import Trip
 
 __all__ = [
     "Histograms",
     "KeyCache",
     "Note",
+    "ObservedStep",
     "StepFacts",
     "histogram_note",
     "overflow_notes",
@@ -175,6 +181,38 @@ class StepFacts(NamedTuple):
     no_float: frozenset[int] = frozenset()
     sparse: frozenset[int] = frozenset()
     empty: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class ObservedStep:
+    """One finished window, read back to the host: what the callback logs and the rules read.
+
+    Attributes:
+        layers: Whether its layers were observed (``False``: parameters only).
+        host: The pooled values by name, one list per statistic (:func:`step_values`).
+        wanted: The statistics to log, in order.
+        precursors: Precursor statistic to the names of its values.
+        facts: What the step could not observe.
+        histogram_edges: The inner bin edges, when the step logs histograms.
+
+    ``step``, ``trip`` and the orders and facts the rules read are the arguments of
+    :func:`~lightning_hookdiag.rules.evaluate` of the same names.
+    """
+
+    step: int
+    layers: bool
+    trip: Trip | None
+    host: dict[str, list[float]]
+    wanted: list[str]
+    facts: StepFacts
+    forward_order: list[str]
+    backward_order: list[str]
+    missing_grads: list[str]
+    param_facts: dict[str, ParamFacts]
+    histogram_edges: list[float] | None = None
+    precursors: dict[str, list[str]] = field(default_factory=dict)
+    eval_mode: dict[str, str] = field(default_factory=dict)
+    unregistered: dict[str, list[str]] = field(default_factory=dict)
 
 
 _LAYER_NOTES = {
