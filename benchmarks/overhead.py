@@ -916,7 +916,7 @@ class _Timers:
 
 def profile_model(spec: ModelSpec, batches: list[tuple[Tensor, Tensor]], steps: int, seed: int) -> dict[str, Any]:
     """Break down the extra time of ``every_step`` sampled steps by component and by aten op."""
-    from lightning_hookdiag import aggregation, callback, hooks, params, recorder, stats
+    from lightning_hookdiag import aggregation, callback, diagnosis, hooks, params, recorder, stats
 
     timers = _Timers()
     targets = [
@@ -935,7 +935,7 @@ def profile_model(spec: ModelSpec, batches: list[tuple[Tensor, Tensor]], steps: 
         (callback.LayerHealthCallback, "_finish_window", "callback._finish_window (compute+transfer+log)"),
         (aggregation.LayerStatsAggregator, "compute", "  LayerStatsAggregator.compute body (no torchmetrics wrapper)"),
         (callback.LayerHealthCallback, "_log", "  callback._log"),
-        (callback.LayerHealthCallback, "_diagnose", "  callback._diagnose (rules)"),
+        (diagnosis.Diagnosis, "step", "  Diagnosis.step (rules)"),
     ]
     restore = [timers.wrap(owner, attr, label) for owner, attr, label in targets]
     warmup = 3
