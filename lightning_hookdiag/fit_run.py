@@ -251,16 +251,13 @@ class FitRun:
     def values(self, observed: ObservedStep) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
         """The step's logged metrics and the rules' values (:func:`~lightning_hookdiag.logged_values.step_values`)."""
         return step_values(
-            observed.host,
-            observed.wanted,
+            observed,
             keys=self.keys,
             layer_names=self.layer_names,
             param_names=self.param_names,
-            execution_order=observed.forward_order,
             # NaN: not a ReLU-family layer (act_dead_frac); undefined for this output (an opt-in statistic of an
             # all-zero or constant output).
             undefined_skipped={"act_dead_frac", *self.logged},
-            precursors=observed.precursors,
             total="grad_norm_total" in self.config.stats,
         )
 

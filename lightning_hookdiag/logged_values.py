@@ -7,7 +7,7 @@ layer or parameter. Keys are ``f"{prefix}/{stat}/{name}"`` (``docs/statistics.md
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -68,105 +68,6 @@ class KeyCache:
         return f"{self.prefix}/{stat}" if name is None else f"{self.prefix}/{stat}/{name}"
 
 
-def step_values(
-    host: Mapping[str, Sequence[float]],
-    wanted: Sequence[str],
-    *,
-    keys: KeyCache,
-    layer_names: Sequence[str],
-    param_names: Sequence[str],
-    execution_order: Sequence[str],
-    undefined_skipped: Collection[str] = (),
-    precursors: Mapping[str, Sequence[str]] | None = None,
-    total: bool = True,
-) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
-    """The step's logged metrics, and the same values by statistic and name with what only the rules read.
-
-    A layer's statistic exists where the layer ran (``count``; a gradient statistic where a gradient arrived,
-    ``grad_count``), a parameter's where it was measured (``param_seen``).
-
-    Args:
-        host: Every name of ``wanted``, ``count``, ``grad_count``, ``param_seen`` and ``grad_norm_total``;
-            optionally what only the rules read (``stale_grad_sq``, ``batch_rows``, ``param_norm_min``) and the
-            precursors.
-        wanted: The statistics to log, per layer (rows in ``layer_names`` order) or per parameter (``param_names``).
-        keys: Formats the keys.
-        layer_names: The observed modules.
-        param_names: The tracked parameters.
-        execution_order: Module names in the order their forward first ran: ``depth`` of each layer that ran.
-        undefined_skipped: Statistics whose NaN means "undefined here" and is not logged (``act_dead_frac`` of a
-            layer that is not ReLU-like; an opt-in statistic of an all-zero or constant output).
-        precursors: Precursor statistic to the names its values belong to (``""``: no module); NaN: not seen.
-        total: Log ``grad_norm_total`` (when a parameter was measured).
-    """
-    count, grad_count, seen = host["count"], host["grad_count"], host["param_seen"]
-    metrics: dict[str, float] = {}
-    values: dict[str, dict[str, float]] = {}
-    for stat in wanted:
-        if stat in PER_PARAMETER_STATS:
-            names, present = param_names, [s > 0 for s in seen]
-        else:
-            ran = grad_count if counted_by_gradient(stat) else count
-            names, present = layer_names, [c > 0 for c in ran]
-        skip_nan = stat in undefined_skipped
-        group: dict[str, float] = {}
-        for key, name, value, ok in zip(keys.keys(stat, names), names, host[stat], present, strict=True):
-            if ok and not (skip_nan and value != value):
-                metrics[key] = group[name] = value
-        if group:
-            values[stat] = group
-    for stat, owners in (precursors or {}).items():
-        group = {n: v for n, v in zip(owners, host[stat], strict=True) if n and v == v}  # NaN: not observed
-        if group:
-            values[stat] = group
-            if stat in PRECURSOR_STATS:
-                metrics.update({keys.key(stat, n): v for n, v in group.items()})
-    if total and any(s > 0 for s in seen):
-        metrics[keys.key("grad_norm_total")] = host["grad_norm_total"][0]
-    # Depth travels as data so that a report can order layers from the logs of any logger.
-    observed = {name for name, c in zip(layer_names, count, strict=True) if c > 0}
-    for depth, name in enumerate(n for n in execution_order if n in observed):
-        metrics[keys.key("depth", name)] = float(depth)
-    if "stale_grad_sq" in host:  # passed to the rules, not logged: it is 0 on every healthy step
-        held = zip(param_names, host["stale_grad_sq"], strict=True)
-        values["param_stale_grad_norm"] = {name: math.sqrt(sq) for name, sq in held if sq != 0}
-    if "batch_rows" in host and host["batch_rows"][0] > 0:  # for the rules, not logged: a fact of the batch
-        values["batch_repeated"] = {BATCH: 1.0 if host["batch_rows"][1] == 0 else 0.0}
-    if "param_norm_min" in host:  # not logged: what replica_divergence compares param_norm with
-        present_min = zip(param_names, host["param_norm_min"], seen, strict=True)
-        values["param_norm_min"] = {name: low for name, low, s in present_min if s > 0}
-    return metrics, values
-
-
-class Histograms(NamedTuple):
-    """One step's histograms as loggers take them: the ``left`` and ``right`` edges of every bin, and the counts.
-
-    Attributes:
-        series: ``(key, counts)`` per layer and kind (output, then output gradient), only where a value was counted.
-    """
-
-    left: list[float]
-    right: list[float]
-    series: list[tuple[str, list[float]]]
-
-
-def histogram_series(
-    act: Sequence[float], grad: Sequence[float], inner: Sequence[float], *, keys: KeyCache, layer_names: Sequence[str]
-) -> Histograms:
-    """The step's ``act_hist`` and ``act_grad_hist``: ``act`` and ``grad`` hold ``len(inner) + 1`` counts per layer.
-
-    The outer bins are open-ended; they get a finite edge a decade out for loggers that need one.
-    """
-    bins = len(inner) + 1
-    series = []
-    for kind, counts in (("act_hist", act), ("act_grad_hist", grad)):
-        for i, name in enumerate(layer_names):
-            row = list(counts[i * bins : (i + 1) * bins])
-            if sum(row) > 0:
-                series.append((keys.key(kind, name), row))
-    return Histograms([inner[0] * 10, *inner], [*inner, inner[-1] * 10], series)
-
-
 class StepFacts(NamedTuple):
     """What one sampled step could not observe, by layer index (from the recorder and the aggregator).
 
@@ -213,6 +114,101 @@ class ObservedStep:
     precursors: dict[str, list[str]] = field(default_factory=dict)
     eval_mode: dict[str, str] = field(default_factory=dict)
     unregistered: dict[str, list[str]] = field(default_factory=dict)
+
+
+def step_values(
+    observed: ObservedStep,
+    *,
+    keys: KeyCache,
+    layer_names: Sequence[str],
+    param_names: Sequence[str],
+    undefined_skipped: Collection[str] = (),
+    total: bool = True,
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """The step's logged metrics, and the same values by statistic and name with what only the rules read.
+
+    A layer's statistic exists where the layer ran (``count``; a gradient statistic where a gradient arrived,
+    ``grad_count``), a parameter's where it was measured (``param_seen``); ``depth`` is the place of each layer that
+    ran in ``observed.forward_order``.
+
+    Args:
+        observed: Its ``host`` holds every name of ``wanted``, ``count``, ``grad_count``, ``param_seen`` and
+            ``grad_norm_total``; optionally what only the rules read (``stale_grad_sq``, ``batch_rows``,
+            ``param_norm_min``) and the precursors (a NaN value: not seen; an owner ``""``: no module).
+        keys: Formats the keys.
+        layer_names: The observed modules, in the order of the per-layer rows.
+        param_names: The tracked parameters, in the order of the per-parameter rows.
+        undefined_skipped: Statistics whose NaN means "undefined here" and is not logged (``act_dead_frac`` of a
+            layer that is not ReLU-like; an opt-in statistic of an all-zero or constant output).
+        total: Log ``grad_norm_total`` (when a parameter was measured).
+    """
+    host = observed.host
+    count, grad_count, seen = host["count"], host["grad_count"], host["param_seen"]
+    metrics: dict[str, float] = {}
+    values: dict[str, dict[str, float]] = {}
+    for stat in observed.wanted:
+        if stat in PER_PARAMETER_STATS:
+            names, present = param_names, [s > 0 for s in seen]
+        else:
+            ran = grad_count if counted_by_gradient(stat) else count
+            names, present = layer_names, [c > 0 for c in ran]
+        skip_nan = stat in undefined_skipped
+        group: dict[str, float] = {}
+        for key, name, value, ok in zip(keys.keys(stat, names), names, host[stat], present, strict=True):
+            if ok and not (skip_nan and value != value):
+                metrics[key] = group[name] = value
+        if group:
+            values[stat] = group
+    for stat, owners in observed.precursors.items():
+        group = {n: v for n, v in zip(owners, host[stat], strict=True) if n and v == v}  # NaN: not observed
+        if group:
+            values[stat] = group
+            if stat in PRECURSOR_STATS:
+                metrics.update({keys.key(stat, n): v for n, v in group.items()})
+    if total and any(s > 0 for s in seen):
+        metrics[keys.key("grad_norm_total")] = host["grad_norm_total"][0]
+    # Depth travels as data so that a report can order layers from the logs of any logger.
+    ran = {name for name, c in zip(layer_names, count, strict=True) if c > 0}
+    for depth, name in enumerate(n for n in observed.forward_order if n in ran):
+        metrics[keys.key("depth", name)] = float(depth)
+    if "stale_grad_sq" in host:  # passed to the rules, not logged: it is 0 on every healthy step
+        held = zip(param_names, host["stale_grad_sq"], strict=True)
+        values["param_stale_grad_norm"] = {name: math.sqrt(sq) for name, sq in held if sq != 0}
+    if "batch_rows" in host and host["batch_rows"][0] > 0:  # for the rules, not logged: a fact of the batch
+        values["batch_repeated"] = {BATCH: 1.0 if host["batch_rows"][1] == 0 else 0.0}
+    if "param_norm_min" in host:  # not logged: what replica_divergence compares param_norm with
+        present_min = zip(param_names, host["param_norm_min"], seen, strict=True)
+        values["param_norm_min"] = {name: low for name, low, s in present_min if s > 0}
+    return metrics, values
+
+
+class Histograms(NamedTuple):
+    """One step's histograms as loggers take them: the ``left`` and ``right`` edges of every bin, and the counts.
+
+    Attributes:
+        series: ``(key, counts)`` per layer and kind (output, then output gradient), only where a value was counted.
+    """
+
+    left: list[float]
+    right: list[float]
+    series: list[tuple[str, list[float]]]
+
+
+def histogram_series(
+    act: Sequence[float], grad: Sequence[float], inner: Sequence[float], *, keys: KeyCache, layer_names: Sequence[str]
+) -> Histograms:
+    """The step's ``act_hist`` and ``act_grad_hist``: ``act`` and ``grad`` hold ``len(inner) + 1`` counts per layer.
+
+    The outer bins are open-ended; they get a finite edge a decade out for loggers that need one.
+    """
+    bins = len(inner) + 1
+    series = []
+    for kind, counts in (("act_hist", act), ("act_grad_hist", grad)):
+        for i, name in enumerate(layer_names):
+            row = list(counts[i * bins : (i + 1) * bins])
+            if sum(row) > 0:
+                series.append((keys.key(kind, name), row))
+    return Histograms([inner[0] * 10, *inner], [*inner, inner[-1] * 10], series)
 
 
 _LAYER_NOTES = {

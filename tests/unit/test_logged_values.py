@@ -9,6 +9,7 @@ import pytest
 from lightning_hookdiag.logged_values import (
     KeyCache,
     Note,
+    ObservedStep,
     StepFacts,
     histogram_note,
     histogram_series,
@@ -38,14 +39,21 @@ def host(**extra):
     return {**base, **extra}
 
 
-def build(values, wanted, **kwargs):
-    args = {
-        "keys": KeyCache("p"),
-        "layer_names": LAYERS,
-        "param_names": PARAMS,
-        "execution_order": ["head", "enc", "enc.inner"],
-    }
-    return step_values(values, wanted, **{**args, **kwargs})
+def build(values, wanted, precursors=None, **kwargs):
+    observed = ObservedStep(
+        step=0,
+        layers=True,
+        trip=None,
+        host=values,
+        wanted=wanted,
+        facts=StepFacts(),
+        forward_order=["head", "enc", "enc.inner"],
+        backward_order=[],
+        missing_grads=[],
+        param_facts={},
+        precursors=precursors or {},
+    )
+    return step_values(observed, **{"keys": KeyCache("p"), "layer_names": LAYERS, "param_names": PARAMS, **kwargs})
 
 
 def test_layer_statistics_exist_where_the_layer_ran_and_gradient_ones_where_a_gradient_arrived():
