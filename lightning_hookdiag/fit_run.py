@@ -24,9 +24,7 @@ from lightning_hookdiag.logged_values import (
     Note,
     ObservedStep,
     StepFacts,
-    layer_notes,
-    missing_grad_notes,
-    overflow_notes,
+    step_notes,
     step_values,
 )
 from lightning_hookdiag.opt_in import OptInPlan, plan_opt_in
@@ -262,20 +260,9 @@ class FitRun:
         )
 
     def notes(self, observed: ObservedStep) -> list[Note]:
-        """The one-time notes of the observed step: layers it could not observe, outputs that got no gradient."""
-        return [
-            *layer_notes(
-                observed.step,
-                self.layer_names,
-                observed.host["count"],
-                observed.facts,
-                layers_observed=observed.layers,
-                default_selection=self.config.layers is None,
-                quiet_not_run=self.quiet_not_run,
-            ),
-            *missing_grad_notes(observed.missing_grads),
-            *overflow_notes(self.layer_names, observed.host),
-        ]
+        """The one-time notes of the observed step (:func:`~lightning_hookdiag.logged_values.step_notes`)."""
+        default = self.config.layers is None
+        return step_notes(observed, self.layer_names, default_selection=default, quiet_not_run=self.quiet_not_run)
 
     def collect(self, before_update: bool = False) -> ObservedStep:
         """Close the open window: pool it, reduce it over processes and read it back in one host transfer.

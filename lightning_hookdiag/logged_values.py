@@ -25,13 +25,13 @@ __all__ = [
     "ObservedStep",
     "StepFacts",
     "histogram_note",
-    "overflow_notes",
     "histogram_series",
+    "overflow_notes",
     "late_note",
-    "layer_notes",
     "missing_grad_notes",
     "no_logger_note",
     "opt_in_note",
+    "step_notes",
     "step_values",
 ]
 
@@ -233,29 +233,23 @@ def _layer_note(kind: str, name: str, step: int = 0, info: bool = False) -> Note
     return _note(f"{kind}:{name}", _LAYER_NOTES[kind].format(name=name, step=step), info)
 
 
-def layer_notes(
-    step: int,
+def step_notes(
+    observed: ObservedStep,
     layer_names: Sequence[str],
-    count: Sequence[float],
-    facts: StepFacts,
     *,
-    layers_observed: bool = True,
     default_selection: bool = True,
     quiet_not_run: Collection[str] = (),
 ) -> list[Note]:
-    """The notes about selected layers that the step could not observe, in a fixed order.
+    """The notes about what the step could not observe, in a fixed order: layers, missing gradients, overflows.
 
     Args:
-        step: The optimizer step.
-        layer_names: The observed modules, in the order of ``count``.
-        count: Per layer, the elements observed (0: the layer produced no observation).
-        facts: Why some layers were not observed.
-        layers_observed: The step's layers were hooked (``False``: a tripped step only its parameters were
-            measured for; then a layer that did not run is no news).
+        observed: The step; in a window of parameters only, a layer that did not run is no news.
+        layer_names: The observed modules, in the order of the per-layer rows.
         default_selection: ``layers=None``: a module inside a selected module that ran is observed through it, so
             that it did not run is an info note, not a warning.
         quiet_not_run: Modules whose not running is a note, not a warning (no parameters of their own).
     """
+    step, count, facts = observed.step, observed.host["count"], observed.facts
     kinds = ("unit_mismatch", "no_float", "sparse")
     unobservable = {kind: [layer_names[i] for i in sorted(getattr(facts, kind))] for kind in kinds}
     unobservable["sparse"].sort()  # by name, as the sparse notes always were; the others in layer order
@@ -266,11 +260,11 @@ def layer_notes(
     for name in (name for name, c in zip(layer_names, count, strict=True) if c == 0):
         if name in empty:
             notes.append(_layer_note("empty", name, step))
-        elif name not in skipped and layers_observed:
+        elif name not in skipped and observed.layers:
             # Inside a selected module that ran (MultiheadAttention's out_proj): observed through it.
             covered = default_selection and any(name.startswith(r + ".") for r in ran)
             notes.append(_layer_note("not_run", name, step, info=covered or name in quiet_not_run))
-    return notes
+    return [*notes, *missing_grad_notes(observed.missing_grads), *overflow_notes(layer_names, observed.host)]
 
 
 def missing_grad_notes(missing: Sequence[str]) -> list[Note]:
