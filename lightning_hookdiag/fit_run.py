@@ -19,14 +19,7 @@ from lightning_hookdiag import batches, eval_mode, kurtosis, precision, precurso
 from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.components import FACTORIES, Component, FitConfig, Setup, WindowStart, call_all
 from lightning_hookdiag.hooks import HookSet
-from lightning_hookdiag.logged_values import (
-    KeyCache,
-    Note,
-    ObservedStep,
-    StepFacts,
-    step_notes,
-    step_values,
-)
+from lightning_hookdiag.logged_values import KeyCache, Note, ObservedStep, StepFacts, step_notes, step_values
 from lightning_hookdiag.opt_in import OptInPlan, plan_opt_in
 from lightning_hookdiag.optimizer_watch import Schedule, StepWatch
 from lightning_hookdiag.params import (
@@ -71,16 +64,13 @@ class FitRun:
         modules = resolve_layers(pl_module, config.layers, config.layer_types, config.exclude)
         wanted = set(config.stats)
         self.config = config
-        self.model = pl_module
-        """Where the tracked parameters are looked for when one moved."""
+        self.model = pl_module  # where the tracked parameters are looked for when one moved
         self.layer_names = list(modules)
         self.layer_types = {name: type(m).__name__ for name, m in modules.items()}  # for the rules
-        self.tracked = _tracked_parameters(config, pl_module, modules)
-        """The tracked parameters as the module names them now (see :meth:`follow_names`)."""
+        self.tracked = _tracked_parameters(config, pl_module, modules)  # by their names now (follow_names)
         params = self.tracked() if wanted & set(PARAMETER_STATS) else {}
         self.param_names, self.params = list(params), list(params.values())
-        self.homes = _homes(pl_module, self.params)
-        """The module and attribute holding each tracked parameter when it was last named, in :attr:`params` order."""
+        self.homes = _homes(pl_module, self.params)  # (module, attribute) of each parameter when last named
         self.sentinel_params = list(named_parameters_of(modules).values()) if config.sentinel_grads else []
         # A module of the default selection that does not run is usually unused by design (a dropout that fused
         # attention skips, MultiheadAttention's out_proj): a note, not a warning, unless it holds parameters.
@@ -100,8 +90,7 @@ class FitRun:
         setup = Setup(config=config, model=pl_module, modules=modules, plan=self.plan, aggregator=self.aggregator)
         self.components: list[Component] = [c for factory in FACTORIES if (c := factory(setup)) is not None]
         """Every configured optional part; those that watch replays are the hook set's companions."""
-        self.unreplayed = [c for c in self.components if not c.replays]
-        """The components attached, ended and removed by this run itself (those that watch training forwards only)."""
+        self.unreplayed = [c for c in self.components if not c.replays]  # attached and removed by the run itself
         self.logged = (*self.plan.logged, *(s for c in self.components for s in c.logged if s not in self.plan.logged))
         """Per-layer statistics beyond the default ones: the plan's, then those components declare."""
         dead_unit_layers = [i for i, m in enumerate(modules.values()) if isinstance(m, config.dead_unit_types)]
@@ -121,8 +110,7 @@ class FitRun:
         self.tracker = ParameterTracker(params, snapshot=snapshot, dtype=self.aggregator.acc_dtype) if params else None
         self.keys = KeyCache(config.prefix)
         self.state = StepState(config.every_n_steps)
-        self.watch = StepWatch()
-        """Learning rates and applied steps of the open window, for ``not_updated``."""
+        self.watch = StepWatch()  # learning rates and applied steps of the open window, for not_updated
 
     def attach(self, batch: Any) -> None:
         """A sampled micro-batch starts with ``batch``: attach its hooks (the hook set's and every component's)."""
@@ -217,14 +205,9 @@ class FitRun:
     ) -> None:
         """Measure the weights and gradients before ``optimizer`` steps (a step's first call: docs/integrations.md).
 
-        Args:
-            optimizer: The optimizer about to step.
-            optimizers: Every optimizer of the Trainer.
-            scale: The AMP ``GradScaler``'s scale: the tensor hooks saw gradients scaled by it.
-            watch_membership: Watch learning rates and membership for ``not_updated`` (not where the optimizers
-                hold copies of the parameters, as DeepSpeed's do).
-            schedule: How Lightning steps ``optimizer``'s LR scheduler (``"step"``, ``"epoch"``) and how many times
-                it has stepped; ``(None, None)``: none.
+        ``scale``: the ``GradScaler``'s, which the tensor hooks saw gradients scaled by. ``watch_membership``: watch
+        learning rates and membership for ``not_updated`` (not where the optimizers hold copies of the parameters, as
+        DeepSpeed's do). ``schedule``: how Lightning steps ``optimizer``'s LR scheduler and how often it has.
         """
         window = self.state.window
         if window is None:
