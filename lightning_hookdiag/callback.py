@@ -7,7 +7,7 @@ Its hook methods route the Trainer's events to the fit's :class:`~lightning_hook
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import fields, replace
+from dataclasses import fields
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -536,11 +536,8 @@ class LayerHealthCallback(Callback):
 
     def _finish_window(self, trainer: pl.Trainer, run: FitRun, before_update: bool = False) -> None:
         """Pool, log and diagnose the open window, then act as ``on_anomaly`` says; ``before_update``: no update yet."""
-        observed = run.collect(before_update)
-        if observed.layers:
-            self.execution_order = observed.forward_order
-        else:  # a window of parameters only keeps the last observed order for the rules
-            observed = replace(observed, forward_order=self.execution_order)
+        observed = run.collect(self.execution_order, before_update)
+        self.execution_order = observed.forward_order
         metrics, values = run.values(observed)
         for note in run.notes(observed):
             self._note(note)

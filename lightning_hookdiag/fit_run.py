@@ -247,11 +247,12 @@ class FitRun:
         default = self.config.layers is None
         return step_notes(observed, self.layer_names, default_selection=default, quiet_not_run=self.quiet_not_run)
 
-    def collect(self, before_update: bool = False) -> ObservedStep:
+    def collect(self, last_order: Sequence[str] = (), before_update: bool = False) -> ObservedStep:
         """Close the open window: pool it, reduce it over processes and read it back in one host transfer.
 
-        Every process takes part in the reduction, also one whose layers did not run. ``before_update``: the
-        optimizer has not stepped (``on_anomaly="raise"`` on a trip): there is no update to measure.
+        Every process takes part in the reduction, also one whose layers did not run. ``last_order``: the forward order
+        a window of parameters only keeps for the rules (the last observed one). ``before_update``: the optimizer has
+        not stepped (``on_anomaly="raise"`` on a trip): there is no update to measure.
         """
         window = self.state.close()
         assert window is not None, "collect() needs an open window"
@@ -292,7 +293,7 @@ class FitRun:
                 sparse=frozenset(recorder.sparse_output),
                 empty=frozenset(recorder.empty_output),
             ),
-            forward_order=hooks.fired_names(),
+            forward_order=hooks.fired_names() if window.layers else list(last_order),
             backward_order=[hooks.names[i] for i in hooks.grad_order],
             missing_grads=hooks.missing_grads(),  # the whole window's, replays included: rule no_gradient
             param_facts=self.watch.facts(self.param_names, self.tracker.params) if self.tracker is not None else {},
