@@ -28,25 +28,14 @@ class Diagnosed(NamedTuple):
 
 
 class Diagnosis:
-    """Evaluate the rules on each sampled (or tripped) step, with what earlier steps left behind.
-
-    Args:
-        config: The rules and thresholds; its ``trend_window`` sizes the history.
-
-    Attributes:
-        alerts: Which (rule, layer) pairs are active, and every rule's finding count.
-        baseline: The values of the last step evaluated without a sentinel trip, which ``loss_spike`` compares with;
-            ``None`` before one.
-        last_finite: Parameter name to the last evaluated step on which its ``param_norm`` was finite.
-        history: The earlier evaluated steps' values, for the trend rules; ``logit_drift`` looks back 4 trend windows.
-    """
+    """Evaluate the rules (``config``) on each sampled (or tripped) step, with what earlier steps left behind."""
 
     def __init__(self, config: RuleConfig) -> None:
         self.config = config
-        self.alerts = AlertState()
-        self.baseline: Baseline | None = None
-        self.last_finite: dict[str, int] = {}
-        self.history = History(4 * config.trend_window)
+        self.alerts = AlertState()  # the active (rule, layer) pairs, and every rule's finding count
+        self.baseline: Baseline | None = None  # the last step evaluated without a trip: what loss_spike compares with
+        self.last_finite: dict[str, int] = {}  # parameter name to the last evaluated step its param_norm was finite
+        self.history = History(4 * config.trend_window)  # for the trend rules: logit_drift looks back 4 windows
 
     def step(
         self,
