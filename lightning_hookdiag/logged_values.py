@@ -69,49 +69,34 @@ class KeyCache:
 
 
 class StepFacts(NamedTuple):
-    """What one sampled step could not observe, by layer index (from the recorder and the aggregator).
+    """What one sampled step could not observe, by layer index (from the recorder and the aggregator)."""
 
-    Attributes:
-        unit_mismatch: Layers whose number of units changed between calls or processes (no ``act_dead_frac``).
-        no_float: Layers whose output held no floating-point tensor.
-        sparse: Layers whose output (or its gradient) was a sparse tensor.
-        empty: Layers with a call whose output had no elements.
-    """
-
-    unit_mismatch: frozenset[int] = frozenset()
-    no_float: frozenset[int] = frozenset()
-    sparse: frozenset[int] = frozenset()
-    empty: frozenset[int] = frozenset()
+    unit_mismatch: frozenset[int] = frozenset()  # units changed between calls or processes: no act_dead_frac
+    no_float: frozenset[int] = frozenset()  # the output held no floating-point tensor
+    sparse: frozenset[int] = frozenset()  # the output (or its gradient) was a sparse tensor
+    empty: frozenset[int] = frozenset()  # a call's output had no elements
 
 
 @dataclass(frozen=True)
 class ObservedStep:
     """One finished window, read back to the host: what the callback logs and the rules read.
 
-    Attributes:
-        layers: Whether its layers were observed (``False``: parameters only).
-        host: The pooled values by name, one list per statistic (:func:`step_values`).
-        wanted: The statistics to log, in order.
-        precursors: Precursor statistic to the names of its values.
-        facts: What the step could not observe.
-        histogram_edges: The inner bin edges, when the step logs histograms.
-
     ``step``, ``trip`` and the orders and facts the rules read are the arguments of
     :func:`~lightning_hookdiag.rules.evaluate` of the same names.
     """
 
     step: int
-    layers: bool
+    layers: bool  # False: a window of parameters only
     trip: Trip | None
-    host: dict[str, list[float]]
-    wanted: list[str]
-    facts: StepFacts
+    host: dict[str, list[float]]  # the pooled values by name, one list per statistic (step_values)
+    wanted: list[str]  # the statistics to log, in order
+    facts: StepFacts  # what the step could not observe
     forward_order: list[str]
     backward_order: list[str]
     missing_grads: list[str]
     param_facts: dict[str, ParamFacts]
-    histogram_edges: list[float] | None = None
-    precursors: dict[str, list[str]] = field(default_factory=dict)
+    histogram_edges: list[float] | None = None  # the inner bin edges, when the step logs histograms
+    precursors: dict[str, list[str]] = field(default_factory=dict)  # statistic to the names of its values
     eval_mode: dict[str, str] = field(default_factory=dict)
     unregistered: dict[str, list[str]] = field(default_factory=dict)
 
