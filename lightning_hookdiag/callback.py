@@ -55,8 +55,7 @@ HistogramWriter = Callable[[str, list[float], list[float], list[float], int], No
 def _histogram_writer(logger: Logger) -> HistogramWriter | None:
     """A function writing one histogram to ``logger``, or ``None`` if the logger cannot store histograms.
 
-    The logger's ``prefix`` applies as to scalars: TensorBoard's ``log_metrics`` takes scalars only, so its key is
-    prefixed with the function ``log_metrics`` uses.
+    The logger's ``prefix`` applies as to scalars (TensorBoard: with the function its scalar-only ``log_metrics`` uses).
     """
     if isinstance(logger, TensorBoardLogger):
 
