@@ -43,7 +43,7 @@ from lightning_hookdiag.vocabulary import (
 
 __all__ = ["FitRun", "ObservedStep"]
 
-Sharded = Callable[[Mapping[str, nn.Parameter]], bool]
+Sharded = Callable[[Mapping[str, nn.Parameter]], bool]  # whether the strategy shards them over processes
 
 # Read back every window besides the logged statistics, where present: what the notes and the rules read.
 _ALWAYS_READ = ("count", "grad_count", "param_seen", "grad_norm_total", "stale_grad_sq")
@@ -51,8 +51,6 @@ _ALWAYS_READ = ("count", "grad_count", "param_seen", "grad_norm_total", "stale_g
 
 class FitRun:
     """The run objects of one fit and its open-step state.
-
-    ``sharded`` tells whether the strategy shards the given parameters over processes.
 
     Raises:
         ValueError: A name of the selection matches nothing (:func:`~lightning_hookdiag.selection.resolve_layers`).

@@ -168,15 +168,11 @@ def step_values(
 
 
 class Histograms(NamedTuple):
-    """One step's histograms as loggers take them: the ``left`` and ``right`` edges of every bin, and the counts.
-
-    Attributes:
-        series: ``(key, counts)`` per layer and kind (output, then output gradient), only where a value was counted.
-    """
+    """One step's histograms as loggers take them: the ``left`` and ``right`` edges of every bin, and the counts."""
 
     left: list[float]
     right: list[float]
-    series: list[tuple[str, list[float]]]
+    series: list[tuple[str, list[float]]]  # (key, counts) per layer and kind (output, then gradient) where counted
 
 
 def histogram_series(

@@ -61,20 +61,16 @@ UNSEEN = "its micro-batches were not seen by the callback (training resumed insi
 class TripPlan:
     """What to do about a trip.
 
-    Attributes:
-        action: ``"record"``: only record the trip (no window, no finding); ``"observed"``: the step is sampled, its
-            hooks saw it; ``"trace"``: sampled, and its micro-batches run again through the NaN/Inf trace alone;
-            ``"replay"``: replay the step through the hooks into a new window; ``"parameters"``: open a window of
-            the parameters only and sample the next step.
-        trip: The trip as recorded (``replayed``, ``reason`` set); a replay or a trace adds where the NaN/Inf was made.
-        trace: A ``"replay"`` also traces the NaN/Inf to the module that made it.
-        read_batch: Look for NaN/Inf in the step's batch (``bad_batch``).
+    ``action``: ``"record"``: only record the trip (no window, no finding); ``"observed"``: the step is sampled, its
+    hooks saw it; ``"trace"``: sampled, and its micro-batches run again through the NaN/Inf trace alone; ``"replay"``:
+    replay the step through the hooks into a new window; ``"parameters"``: open a window of the parameters only and
+    sample the next step.
     """
 
     action: TripAction
-    trip: Trip
-    trace: bool = False
-    read_batch: bool = False
+    trip: Trip  # as recorded (replayed, reason set); a replay or a trace adds where the NaN/Inf was made
+    trace: bool = False  # a replay also traces the NaN/Inf to the module that made it
+    read_batch: bool = False  # look for NaN/Inf in the step's batch (bad_batch)
 
 
 def plan_trip(
@@ -161,9 +157,9 @@ class StepState:
         self.micro = StepMicroBatches()
         self.checked_step: int | None = None  # the sentinel's last (LBFGS: a step's first closure only)
         self.sample_next: int | None = None  # sampled out of schedule: the step after a trip that was not replayed
+        # The sampled step the last batch found by sampled() was hooked for, when it fell inside the batch before it
+        # (None: on time, or not sampled).
         self.late: int | None = None
-        """The sampled step that the last batch found by :meth:`sampled` was hooked for, when it fell inside the
-        batch before it (``None``: on time, or not sampled)."""
         self._batch_step: int | None = None
         self._previous: int | None = None
 
