@@ -142,10 +142,7 @@ class FitRun:
         call_all([self.hooks.remove, *(c.remove for c in self.unreplayed)])
 
     def open_window(self, step: int, last_metrics: Mapping[str, float], layers: bool = True) -> None:
-        """Open the window of ``step`` (``layers=False``: parameters only) and start its state afresh.
-
-        ``last_metrics``: the previous sampled step's logged values, which the components may start from.
-        """
+        """Open the window of ``step`` (``layers=False``: parameters only) after ``last_metrics``, the last logged."""
         self.state.open(step, layers)
         self.follow_names()
         every = self.config.histogram_every_n_steps
