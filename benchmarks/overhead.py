@@ -923,8 +923,10 @@ def profile_model(spec: ModelSpec, batches: list[tuple[Tensor, Tensor]], steps: 
         (recorder.StepRecorder, "on_tensor", "recorder.on_tensor (forward sink, total)"),
         (recorder.StepRecorder, "on_grad", "recorder.on_grad (gradient sink, total)"),
         (stats, "activation_row", "  stats.activation_row"),
+        (recorder, "activation_row", "  stats.activation_row"),  # the stacked small outputs: bound by the recorder
         (stats, "unit_maxima", "  stats.unit_maxima"),
         (stats, "gradient_row", "  stats.gradient_row"),
+        (recorder, "gradient_row", "  stats.gradient_row"),
         (aggregation.LayerStatsAggregator, "update", "  LayerStatsAggregator.update body (no torchmetrics wrapper)"),
         (aggregation.LayerStatsAggregator, "_fold", "    LayerStatsAggregator._fold (the step's call rows)"),
         (hooks, "first_floating_tensor", "hooks.first_floating_tensor (in the forward hook)"),
