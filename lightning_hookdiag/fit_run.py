@@ -41,7 +41,7 @@ from lightning_hookdiag.vocabulary import (
     PER_PARAMETER_STATS,
 )
 
-__all__ = ["FitRun", "ObservedStep"]
+__all__ = ["FitRun"]
 
 Sharded = Callable[[Mapping[str, nn.Parameter]], bool]  # whether the strategy shards them over processes
 

@@ -20,7 +20,8 @@ from torch import nn
 
 from lightning_hookdiag import ALL_STATS, LayerHealthCallback
 from lightning_hookdiag.components import FACTORIES, Component, FitConfig, Setup, component
-from lightning_hookdiag.fit_run import FitRun, ObservedStep
+from lightning_hookdiag.fit_run import FitRun
+from lightning_hookdiag.logged_values import ObservedStep
 
 
 def config(**changes: object) -> FitConfig:
