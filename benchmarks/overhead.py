@@ -916,15 +916,17 @@ class _Timers:
 
 def profile_model(spec: ModelSpec, batches: list[tuple[Tensor, Tensor]], steps: int, seed: int) -> dict[str, Any]:
     """Break down the extra time of ``every_step`` sampled steps by component and by aten op."""
-    from lightning_hookdiag import aggregation, callback, hooks, params, recorder, stats
+    from lightning_hookdiag import aggregation, callback, diagnosis, hooks, params, recorder, stats
 
     timers = _Timers()
     targets = [
         (recorder.StepRecorder, "on_tensor", "recorder.on_tensor (forward sink, total)"),
         (recorder.StepRecorder, "on_grad", "recorder.on_grad (gradient sink, total)"),
         (stats, "activation_row", "  stats.activation_row"),
+        (recorder, "activation_row", "  stats.activation_row"),  # the stacked small outputs: bound by the recorder
         (stats, "unit_maxima", "  stats.unit_maxima"),
         (stats, "gradient_row", "  stats.gradient_row"),
+        (recorder, "gradient_row", "  stats.gradient_row"),
         (aggregation.LayerStatsAggregator, "update", "  LayerStatsAggregator.update body (no torchmetrics wrapper)"),
         (aggregation.LayerStatsAggregator, "_fold", "    LayerStatsAggregator._fold (the step's call rows)"),
         (hooks, "first_floating_tensor", "hooks.first_floating_tensor (in the forward hook)"),
@@ -935,7 +937,7 @@ def profile_model(spec: ModelSpec, batches: list[tuple[Tensor, Tensor]], steps: 
         (callback.LayerHealthCallback, "_finish_window", "callback._finish_window (compute+transfer+log)"),
         (aggregation.LayerStatsAggregator, "compute", "  LayerStatsAggregator.compute body (no torchmetrics wrapper)"),
         (callback.LayerHealthCallback, "_log", "  callback._log"),
-        (callback.LayerHealthCallback, "_diagnose", "  callback._diagnose (rules)"),
+        (diagnosis.Diagnosis, "step", "  Diagnosis.step (rules)"),
     ]
     restore = [timers.wrap(owner, attr, label) for owner, attr, label in targets]
     warmup = 3

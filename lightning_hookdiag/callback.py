@@ -24,9 +24,10 @@ from lightning_hookdiag.components import FitConfig
 from lightning_hookdiag.diagnosis import Diagnosis
 from lightning_hookdiag.distributed import all_reduce_max
 from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
-from lightning_hookdiag.fit_run import FitRun, ObservedStep
+from lightning_hookdiag.fit_run import FitRun
 from lightning_hookdiag.logged_values import (
     Note,
+    ObservedStep,
     histogram_note,
     histogram_series,
     late_note,
@@ -55,8 +56,7 @@ HistogramWriter = Callable[[str, list[float], list[float], list[float], int], No
 def _histogram_writer(logger: Logger) -> HistogramWriter | None:
     """A function writing one histogram to ``logger``, or ``None`` if the logger cannot store histograms.
 
-    The logger's ``prefix`` applies as to scalars: TensorBoard's ``log_metrics`` takes scalars only, so its key is
-    prefixed with the function ``log_metrics`` uses.
+    The logger's ``prefix`` applies as to scalars (TensorBoard: with the function its scalar-only ``log_metrics`` uses).
     """
     if isinstance(logger, TensorBoardLogger):
 
@@ -536,28 +536,16 @@ class LayerHealthCallback(Callback):
 
     def _finish_window(self, trainer: pl.Trainer, run: FitRun, before_update: bool = False) -> None:
         """Pool, log and diagnose the open window, then act as ``on_anomaly`` says; ``before_update``: no update yet."""
-        observed = run.collect(before_update)
-        if observed.layers:  # a window of parameters only keeps the last observed order for the rules
-            self.execution_order = observed.forward_order
-        metrics, values = run.values(observed, self.execution_order)
+        observed = run.collect(self.execution_order, before_update)
+        self.execution_order = observed.forward_order
+        metrics, values = run.values(observed)
         for note in run.notes(observed):
             self._note(note)
         error = self._log(trainer, observed.step, metrics)
         if observed.histogram_edges is not None:
             error = self._log_histograms(trainer, observed, run) or error
         try:
-            findings, new = self._diagnosis.step(
-                values,
-                self.execution_order,
-                observed.backward_order,
-                observed.step,
-                run.layer_types,
-                trip=observed.trip,
-                missing_grads=observed.missing_grads,
-                eval_mode=observed.eval_mode,
-                param_facts=observed.param_facts,
-                unregistered=observed.unregistered,
-            )
+            findings, new = self._diagnosis.step(values, observed, run.layer_types)
             self.last_findings = findings
             self.findings.extend(new)
             if self.on_anomaly == "raise" and findings:

@@ -6,7 +6,7 @@ not configured) and drives every one through the same calls, in this order withi
 ``reset`` (a window opens) → per micro-batch ``observe_batch``, ``attach``, ``on_output`` / ``on_grad`` (per hooked
 tensor), ``end_forward``, ``end_micro_batch``, ``remove`` → ``fold`` (pool into the aggregator's states) →
 ``finalize`` (pooled device values that join the one host transfer) → ``facts`` (host facts for the
-:class:`~lightning_hookdiag.fit_run.ObservedStep`).
+:class:`~lightning_hookdiag.logged_values.ObservedStep`).
 
 A component that pools declares its states in its factory
 (:meth:`~lightning_hookdiag.aggregation.LayerStatsAggregator.add_state`) and adds into them with
@@ -30,7 +30,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -41,7 +41,7 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from lightning_hookdiag.aggregation import LayerStatsAggregator
 
-__all__ = ["FACTORIES", "Component", "FitConfig", "Setup", "WindowStart", "component"]
+__all__ = ["FACTORIES", "Component", "FitConfig", "Setup", "WindowStart", "call_all", "component"]
 
 TensorSink = Callable[[int, Tensor], None]
 
@@ -172,7 +172,7 @@ class Component:
         return {}
 
     def facts(self, host: Mapping[str, list[float]]) -> dict[str, Any]:
-        """:class:`~lightning_hookdiag.fit_run.ObservedStep` fields this component fills, from the host values."""
+        """:class:`~lightning_hookdiag.logged_values.ObservedStep` fields this component fills, from the host values."""
         return {}
 
 
@@ -189,3 +189,15 @@ def component(factory: Factory) -> Factory:
     """
     FACTORIES.append(factory)
     return factory
+
+
+def call_all(calls: Iterable[Callable[[], object]]) -> None:
+    """Make every call, also after one raised, then raise the first error: what removes hooks must remove them all."""
+    errors: list[BaseException] = []
+    for call in calls:
+        try:
+            call()
+        except BaseException as error:
+            errors.append(error)
+    if errors:
+        raise errors[0]

@@ -7,21 +7,14 @@ callback routes what it gets back (keeps the findings, warns, raises or stops). 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from lightning_hookdiag.rules import (
-    AlertState,
-    Baseline,
-    Finding,
-    ParamFacts,
-    RuleConfig,
-    evaluate,
-    values_from_metrics,
-)
+from lightning_hookdiag.rules import AlertState, Baseline, Finding, RuleConfig, evaluate, values_from_metrics
 from lightning_hookdiag.trends import History
 
-if TYPE_CHECKING:  # only a Trip's fields are read; importing the sentinel at run time would import torch
+if TYPE_CHECKING:
+    from lightning_hookdiag.logged_values import ObservedStep
     from lightning_hookdiag.step_state import Trip
 
 __all__ = ["Diagnosed", "Diagnosis"]
@@ -35,60 +28,42 @@ class Diagnosed(NamedTuple):
 
 
 class Diagnosis:
-    """Evaluate the rules on each sampled (or tripped) step, with what earlier steps left behind.
-
-    Args:
-        config: The rules and thresholds; its ``trend_window`` sizes the history.
-
-    Attributes:
-        alerts: Which (rule, layer) pairs are active, and every rule's finding count.
-        baseline: The values of the last step evaluated without a sentinel trip, which ``loss_spike`` compares with;
-            ``None`` before one.
-        last_finite: Parameter name to the last evaluated step on which its ``param_norm`` was finite.
-        history: The earlier evaluated steps' values, for the trend rules; ``logit_drift`` looks back 4 trend windows.
-    """
+    """Evaluate the rules (``config``) on each sampled (or tripped) step, with what earlier steps left behind."""
 
     def __init__(self, config: RuleConfig) -> None:
         self.config = config
-        self.alerts = AlertState()
-        self.baseline: Baseline | None = None
-        self.last_finite: dict[str, int] = {}
-        self.history = History(4 * config.trend_window)
+        self.alerts = AlertState()  # the active (rule, layer) pairs, and every rule's finding count
+        self.baseline: Baseline | None = None  # the last step evaluated without a trip: what loss_spike compares with
+        self.last_finite: dict[str, int] = {}  # parameter name to the last evaluated step its param_norm was finite
+        self.history = History(4 * config.trend_window)  # for the trend rules: logit_drift looks back 4 windows
 
     def step(
         self,
         values: Mapping[str, Mapping[str, float]],
-        forward_order: Sequence[str],
-        backward_order: Sequence[str],
-        step: int,
+        observed: ObservedStep,
         layer_types: Mapping[str, str] | None = None,
-        *,
-        trip: Trip | None = None,
-        missing_grads: Collection[str] = (),
-        eval_mode: Mapping[str, str] | None = None,
-        param_facts: Mapping[str, ParamFacts] | None = None,
-        unregistered: Mapping[str, Sequence[str]] | None = None,
     ) -> Diagnosed:
-        """Evaluate one step (the arguments of :func:`~lightning_hookdiag.rules.evaluate`), then remember it.
+        """Evaluate ``values`` with the orders and facts of ``observed`` (:func:`~lightning_hookdiag.rules.evaluate`).
 
         Call it once per evaluated step. Its values become the :attr:`baseline` unless the sentinel tripped on it (a
         spike is not compared with itself next time); this class supplies the rest of ``evaluate``'s memory.
         """
+        step, trip = observed.step, observed.trip
         findings = evaluate(
             values,
-            forward_order,
-            backward_order,
+            observed.forward_order,
+            observed.backward_order,
             step,
             self.config,
             layer_types,
             trip=trip,
             baseline=self.baseline,
             last_finite=self.last_finite,
-            missing_grads=missing_grads,
-            eval_mode=eval_mode,
-            param_facts=param_facts,
+            missing_grads=observed.missing_grads,
+            eval_mode=observed.eval_mode,
+            param_facts=observed.param_facts,
             history=self.history,
-            unregistered=unregistered,
+            unregistered=observed.unregistered,
         )
         self.history.push(step, values)
         self.last_finite |= {name: step for name, norm in values.get("param_norm", {}).items() if math.isfinite(norm)}

@@ -1,10 +1,9 @@
 """Modules left in eval mode during training: the facts of rule ``eval_mode``.
 
-Which modules count, and which stay silent: ``docs/rules.md#eval_mode-when-the-mode-is-read``. The mode of a forward
-is known only during it, and watching it there would need a hook on every such module. :class:`EvalModeWatch` reads
-``module.training`` at two points that bracket ``training_step`` instead (microseconds per sampled batch, no hook): a
-module in eval mode at both ran the forward between them in eval mode, unless ``training_step`` itself switched it
-to train and back around its forward, which nobody does.
+Which modules count, and which stay silent: ``docs/rules.md#eval_mode-when-the-mode-is-read``. Watching the mode
+during each forward would need a hook on every such module; :class:`EvalModeWatch` reads ``module.training`` at two
+points that bracket ``training_step`` instead (microseconds per sampled batch, no hook), wrong only if
+``training_step`` itself switched a module to train and back around its forward, which nobody does.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,17 +17,9 @@ from torch import Tensor, nn
 # The optional parts register their components when imported.
 from lightning_hookdiag import batches, eval_mode, kurtosis, precision, precursor_probes, saved_memory, unregistered  # noqa: F401
 from lightning_hookdiag.aggregation import LayerStatsAggregator
-from lightning_hookdiag.components import FACTORIES, Component, FitConfig, Setup, WindowStart
+from lightning_hookdiag.components import FACTORIES, Component, FitConfig, Setup, WindowStart, call_all
 from lightning_hookdiag.hooks import HookSet
-from lightning_hookdiag.logged_values import (
-    KeyCache,
-    Note,
-    StepFacts,
-    layer_notes,
-    missing_grad_notes,
-    overflow_notes,
-    step_values,
-)
+from lightning_hookdiag.logged_values import KeyCache, Note, ObservedStep, StepFacts, step_notes, step_values
 from lightning_hookdiag.opt_in import OptInPlan, plan_opt_in
 from lightning_hookdiag.optimizer_watch import Schedule, StepWatch
 from lightning_hookdiag.params import (
@@ -39,10 +30,9 @@ from lightning_hookdiag.params import (
     stale_gradient_squares,
 )
 from lightning_hookdiag.recorder import StepRecorder
-from lightning_hookdiag.rules import ParamFacts
 from lightning_hookdiag.selection import excluded_names, resolve_layers
 from lightning_hookdiag.stats import accumulation_dtype
-from lightning_hookdiag.step_state import StepState, Trip
+from lightning_hookdiag.step_state import StepState
 from lightning_hookdiag.vocabulary import (
     GRADIENT_STATS,
     LAYER_STATS,
@@ -51,50 +41,16 @@ from lightning_hookdiag.vocabulary import (
     PER_PARAMETER_STATS,
 )
 
-__all__ = ["FitRun", "ObservedStep"]
+__all__ = ["FitRun"]
 
-Sharded = Callable[[Mapping[str, nn.Parameter]], bool]
+Sharded = Callable[[Mapping[str, nn.Parameter]], bool]  # whether the strategy shards them over processes
 
 # Read back every window besides the logged statistics, where present: what the notes and the rules read.
 _ALWAYS_READ = ("count", "grad_count", "param_seen", "grad_norm_total", "stale_grad_sq")
 
 
-@dataclass(frozen=True)
-class ObservedStep:
-    """One finished window, read back to the host: what the callback logs and the rules read.
-
-    Attributes:
-        layers: Whether its layers were observed (``False``: parameters only).
-        host: The pooled values by name, one list per statistic (:func:`~lightning_hookdiag.logged_values.step_values`).
-        wanted: The statistics to log, in order.
-        precursors: Precursor statistic to the names of its values.
-        facts: What the step could not observe.
-        histogram_edges: The inner bin edges, when the step logs histograms.
-
-    ``step``, ``trip`` and the orders and facts the rules read are the arguments of
-    :func:`~lightning_hookdiag.rules.evaluate` of the same names.
-    """
-
-    step: int
-    layers: bool
-    trip: Trip | None
-    host: dict[str, list[float]]
-    wanted: list[str]
-    precursors: dict[str, list[str]]
-    facts: StepFacts
-    forward_order: list[str]
-    backward_order: list[str]
-    missing_grads: list[str]
-    eval_mode: dict[str, str]
-    param_facts: dict[str, ParamFacts]
-    histogram_edges: list[float] | None = None
-    unregistered: dict[str, list[str]] = field(default_factory=dict)
-
-
 class FitRun:
     """The run objects of one fit and its open-step state.
-
-    ``sharded`` tells whether the strategy shards the given parameters over processes.
 
     Raises:
         ValueError: A name of the selection matches nothing (:func:`~lightning_hookdiag.selection.resolve_layers`).
@@ -106,16 +62,13 @@ class FitRun:
         modules = resolve_layers(pl_module, config.layers, config.layer_types, config.exclude)
         wanted = set(config.stats)
         self.config = config
-        self.model = pl_module
-        """Where the tracked parameters are looked for when one moved."""
+        self.model = pl_module  # where the tracked parameters are looked for when one moved
         self.layer_names = list(modules)
         self.layer_types = {name: type(m).__name__ for name, m in modules.items()}  # for the rules
-        self.tracked = _tracked_parameters(config, pl_module, modules)
-        """The tracked parameters as the module names them now (see :meth:`follow_names`)."""
+        self.tracked = _tracked_parameters(config, pl_module, modules)  # by their names now (follow_names)
         params = self.tracked() if wanted & set(PARAMETER_STATS) else {}
         self.param_names, self.params = list(params), list(params.values())
-        self.homes = _homes(pl_module, self.params)
-        """The module and attribute holding each tracked parameter when it was last named, in :attr:`params` order."""
+        self.homes = _homes(pl_module, self.params)  # (module, attribute) of each parameter when last named
         self.sentinel_params = list(named_parameters_of(modules).values()) if config.sentinel_grads else []
         # A module of the default selection that does not run is usually unused by design (a dropout that fused
         # attention skips, MultiheadAttention's out_proj): a note, not a warning, unless it holds parameters.
@@ -135,8 +88,7 @@ class FitRun:
         setup = Setup(config=config, model=pl_module, modules=modules, plan=self.plan, aggregator=self.aggregator)
         self.components: list[Component] = [c for factory in FACTORIES if (c := factory(setup)) is not None]
         """Every configured optional part; those that watch replays are the hook set's companions."""
-        self.unreplayed = [c for c in self.components if not c.replays]
-        """The components attached, ended and removed by this run itself (those that watch training forwards only)."""
+        self.unreplayed = [c for c in self.components if not c.replays]  # attached and removed by the run itself
         self.logged = (*self.plan.logged, *(s for c in self.components for s in c.logged if s not in self.plan.logged))
         """Per-layer statistics beyond the default ones: the plan's, then those components declare."""
         dead_unit_layers = [i for i, m in enumerate(modules.values()) if isinstance(m, config.dead_unit_types)]
@@ -156,8 +108,7 @@ class FitRun:
         self.tracker = ParameterTracker(params, snapshot=snapshot, dtype=self.aggregator.acc_dtype) if params else None
         self.keys = KeyCache(config.prefix)
         self.state = StepState(config.every_n_steps)
-        self.watch = StepWatch()
-        """Learning rates and applied steps of the open window, for ``not_updated``."""
+        self.watch = StepWatch()  # learning rates and applied steps of the open window, for not_updated
 
     def attach(self, batch: Any) -> None:
         """A sampled micro-batch starts with ``batch``: attach its hooks (the hook set's and every component's)."""
@@ -173,12 +124,10 @@ class FitRun:
             c.end_forward(loss)
 
     def end_micro_batch(self) -> None:
-        """Remove the micro-batch's hooks; the components keep what they measured."""
+        """Remove the micro-batch's hooks, all of them also after an error; the components keep what they measured."""
         if self.hooks.attached:  # a sampled micro-batch (an unsampled step pays for nothing below)
-            self.hooks.remove(finished=True)
-            for c in self.unreplayed:
-                c.end_micro_batch()
-                c.remove()
+            ends = [call for c in self.unreplayed for call in (c.end_micro_batch, c.remove)]
+            call_all([lambda: self.hooks.remove(finished=True), *ends])
 
     def end_closure(self) -> None:
         """An optimizer closure's forward and backward are over; the hooks stay attached for the next one.
@@ -189,16 +138,11 @@ class FitRun:
             self.hooks.end_micro_batch()
 
     def detach(self) -> None:
-        """Remove every hook; an interrupted micro-batch's partial measurements are dropped. Idempotent."""
-        self.hooks.remove()
-        for c in self.unreplayed:
-            c.remove()
+        """Remove every hook, also after an error; an interrupted micro-batch's measurements are dropped. Idempotent."""
+        call_all([self.hooks.remove, *(c.remove for c in self.unreplayed)])
 
     def open_window(self, step: int, last_metrics: Mapping[str, float], layers: bool = True) -> None:
-        """Open the window of ``step`` (``layers=False``: parameters only) and start its state afresh.
-
-        ``last_metrics``: the previous sampled step's logged values, which the components may start from.
-        """
+        """Open the window of ``step`` (``layers=False``: parameters only) after ``last_metrics``, the last logged."""
         self.state.open(step, layers)
         self.follow_names()
         every = self.config.histogram_every_n_steps
@@ -222,7 +166,6 @@ class FitRun:
             return
         now = {id(p): name for name, p in self.tracked().items()}
         self.param_names = [now.get(id(p), name) for p, name in zip(self.params, self.param_names, strict=True)]
-        self.keys.clear()
         self.homes = _homes(self.model, self.params)
 
     def discard_window(self) -> None:
@@ -257,14 +200,9 @@ class FitRun:
     ) -> None:
         """Measure the weights and gradients before ``optimizer`` steps (a step's first call: docs/integrations.md).
 
-        Args:
-            optimizer: The optimizer about to step.
-            optimizers: Every optimizer of the Trainer.
-            scale: The AMP ``GradScaler``'s scale: the tensor hooks saw gradients scaled by it.
-            watch_membership: Watch learning rates and membership for ``not_updated`` (not where the optimizers
-                hold copies of the parameters, as DeepSpeed's do).
-            schedule: How Lightning steps ``optimizer``'s LR scheduler (``"step"``, ``"epoch"``) and how many times
-                it has stepped; ``(None, None)``: none.
+        ``scale``: the ``GradScaler``'s, which the tensor hooks saw gradients scaled by. ``watch_membership``: watch
+        learning rates and membership for ``not_updated`` (not where the optimizers hold copies of the parameters, as
+        DeepSpeed's do). ``schedule``: how Lightning steps ``optimizer``'s LR scheduler and how often it has.
         """
         window = self.state.window
         if window is None:
@@ -286,45 +224,30 @@ class FitRun:
         if measured is not None:
             self.aggregator.update(params=(measured[0], measured[1], slice(None)))
 
-    def values(
-        self, observed: ObservedStep, execution_order: Sequence[str]
-    ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    def values(self, observed: ObservedStep) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
         """The step's logged metrics and the rules' values (:func:`~lightning_hookdiag.logged_values.step_values`)."""
         return step_values(
-            observed.host,
-            observed.wanted,
+            observed,
             keys=self.keys,
             layer_names=self.layer_names,
             param_names=self.param_names,
-            execution_order=execution_order,
             # NaN: not a ReLU-family layer (act_dead_frac); undefined for this output (an opt-in statistic of an
             # all-zero or constant output).
             undefined_skipped={"act_dead_frac", *self.logged},
-            precursors=observed.precursors,
             total="grad_norm_total" in self.config.stats,
         )
 
     def notes(self, observed: ObservedStep) -> list[Note]:
-        """The one-time notes of the observed step: layers it could not observe, outputs that got no gradient."""
-        return [
-            *layer_notes(
-                observed.step,
-                self.layer_names,
-                observed.host["count"],
-                observed.facts,
-                layers_observed=observed.layers,
-                default_selection=self.config.layers is None,
-                quiet_not_run=self.quiet_not_run,
-            ),
-            *missing_grad_notes(observed.missing_grads),
-            *overflow_notes(self.layer_names, observed.host),
-        ]
+        """The one-time notes of the observed step (:func:`~lightning_hookdiag.logged_values.step_notes`)."""
+        default = self.config.layers is None
+        return step_notes(observed, self.layer_names, default_selection=default, quiet_not_run=self.quiet_not_run)
 
-    def collect(self, before_update: bool = False) -> ObservedStep:
+    def collect(self, last_order: Sequence[str] = (), before_update: bool = False) -> ObservedStep:
         """Close the open window: pool it, reduce it over processes and read it back in one host transfer.
 
-        Every process takes part in the reduction, also one whose layers did not run. ``before_update``: the
-        optimizer has not stepped (``on_anomaly="raise"`` on a trip): there is no update to measure.
+        Every process takes part in the reduction, also one whose layers did not run. ``last_order``: the forward order
+        a window of parameters only keeps for the rules (the last observed one). ``before_update``: the optimizer has
+        not stepped (``on_anomaly="raise"`` on a trip): there is no update to measure.
         """
         window = self.state.close()
         assert window is not None, "collect() needs an open window"
@@ -352,9 +275,7 @@ class FitRun:
         parts = [values[name].reshape(-1).to(torch.float64) for name in names]
         flat = iter(torch.cat(parts).tolist())  # the one host transfer
         host = {name: list(itertools.islice(flat, part.numel())) for name, part in zip(names, parts, strict=True)}
-        found: dict[str, Any] = {"precursors": {}, "eval_mode": {}, "unregistered": {}}
-        for c in self.components:
-            found.update(c.facts(host))
+        found = {k: v for c in self.components for k, v in c.facts(host).items()}
         observed = ObservedStep(
             step=window.step,
             layers=window.layers,
@@ -367,7 +288,7 @@ class FitRun:
                 sparse=frozenset(recorder.sparse_output),
                 empty=frozenset(recorder.empty_output),
             ),
-            forward_order=hooks.fired_names(),
+            forward_order=hooks.fired_names() if window.layers else list(last_order),
             backward_order=[hooks.names[i] for i in hooks.grad_order],
             missing_grads=hooks.missing_grads(),  # the whole window's, replays included: rule no_gradient
             param_facts=self.watch.facts(self.param_names, self.tracker.params) if self.tracker is not None else {},

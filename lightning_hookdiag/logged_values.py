@@ -7,25 +7,31 @@ layer or parameter. Keys are ``f"{prefix}/{stat}/{name}"`` (``docs/statistics.md
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
-from typing import NamedTuple
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 from lightning_hookdiag.names import BATCH
 from lightning_hookdiag.vocabulary import PER_PARAMETER_STATS, PRECURSOR_STATS, counted_by_gradient
+
+if TYPE_CHECKING:
+    from lightning_hookdiag.rules import ParamFacts
+    from lightning_hookdiag.step_state import Trip
 
 __all__ = [
     "Histograms",
     "KeyCache",
     "Note",
+    "ObservedStep",
     "StepFacts",
     "histogram_note",
-    "overflow_notes",
     "histogram_series",
+    "overflow_notes",
     "late_note",
-    "layer_notes",
     "missing_grad_notes",
     "no_logger_note",
     "opt_in_note",
+    "step_notes",
     "step_values",
 ]
 
@@ -57,50 +63,75 @@ class KeyCache:
             cached = self._keys[stat] = (names, [f"{self.prefix}/{stat}/{name}" for name in names])
         return cached[1]
 
-    def clear(self) -> None:
-        """Forget every formatted key (:meth:`keys` notices changed names by itself)."""
-        self._keys.clear()
-
     def key(self, stat: str, name: str | None = None) -> str:
         """One key; without ``name``, the key of a statistic with one value per step."""
         return f"{self.prefix}/{stat}" if name is None else f"{self.prefix}/{stat}/{name}"
 
 
+class StepFacts(NamedTuple):
+    """What one sampled step could not observe, by layer index (from the recorder and the aggregator)."""
+
+    unit_mismatch: frozenset[int] = frozenset()  # units changed between calls or processes: no act_dead_frac
+    no_float: frozenset[int] = frozenset()  # the output held no floating-point tensor
+    sparse: frozenset[int] = frozenset()  # the output (or its gradient) was a sparse tensor
+    empty: frozenset[int] = frozenset()  # a call's output had no elements
+
+
+@dataclass(frozen=True)
+class ObservedStep:
+    """One finished window, read back to the host: what the callback logs and the rules read.
+
+    ``step``, ``trip`` and the orders and facts the rules read are the arguments of
+    :func:`~lightning_hookdiag.rules.evaluate` of the same names.
+    """
+
+    step: int
+    layers: bool  # False: a window of parameters only
+    trip: Trip | None
+    host: dict[str, list[float]]  # the pooled values by name, one list per statistic (step_values)
+    wanted: list[str]  # the statistics to log, in order
+    facts: StepFacts  # what the step could not observe
+    forward_order: list[str]
+    backward_order: list[str]
+    missing_grads: list[str]
+    param_facts: dict[str, ParamFacts]
+    histogram_edges: list[float] | None = None  # the inner bin edges, when the step logs histograms
+    precursors: dict[str, list[str]] = field(default_factory=dict)  # statistic to the names of its values
+    eval_mode: dict[str, str] = field(default_factory=dict)
+    unregistered: dict[str, list[str]] = field(default_factory=dict)
+
+
 def step_values(
-    host: Mapping[str, Sequence[float]],
-    wanted: Sequence[str],
+    observed: ObservedStep,
     *,
     keys: KeyCache,
     layer_names: Sequence[str],
     param_names: Sequence[str],
-    execution_order: Sequence[str],
     undefined_skipped: Collection[str] = (),
-    precursors: Mapping[str, Sequence[str]] | None = None,
     total: bool = True,
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """The step's logged metrics, and the same values by statistic and name with what only the rules read.
 
     A layer's statistic exists where the layer ran (``count``; a gradient statistic where a gradient arrived,
-    ``grad_count``), a parameter's where it was measured (``param_seen``).
+    ``grad_count``), a parameter's where it was measured (``param_seen``); ``depth`` is the place of each layer that
+    ran in ``observed.forward_order``.
 
     Args:
-        host: Every name of ``wanted``, ``count``, ``grad_count``, ``param_seen`` and ``grad_norm_total``;
-            optionally what only the rules read (``stale_grad_sq``, ``batch_rows``, ``param_norm_min``) and the
-            precursors.
-        wanted: The statistics to log, per layer (rows in ``layer_names`` order) or per parameter (``param_names``).
+        observed: Its ``host`` holds every name of ``wanted``, ``count``, ``grad_count``, ``param_seen`` and
+            ``grad_norm_total``; optionally what only the rules read (``stale_grad_sq``, ``batch_rows``,
+            ``param_norm_min``) and the precursors (a NaN value: not seen; an owner ``""``: no module).
         keys: Formats the keys.
-        layer_names: The observed modules.
-        param_names: The tracked parameters.
-        execution_order: Module names in the order their forward first ran: ``depth`` of each layer that ran.
+        layer_names: The observed modules, in the order of the per-layer rows.
+        param_names: The tracked parameters, in the order of the per-parameter rows.
         undefined_skipped: Statistics whose NaN means "undefined here" and is not logged (``act_dead_frac`` of a
             layer that is not ReLU-like; an opt-in statistic of an all-zero or constant output).
-        precursors: Precursor statistic to the names its values belong to (``""``: no module); NaN: not seen.
         total: Log ``grad_norm_total`` (when a parameter was measured).
     """
+    host = observed.host
     count, grad_count, seen = host["count"], host["grad_count"], host["param_seen"]
     metrics: dict[str, float] = {}
     values: dict[str, dict[str, float]] = {}
-    for stat in wanted:
+    for stat in observed.wanted:
         if stat in PER_PARAMETER_STATS:
             names, present = param_names, [s > 0 for s in seen]
         else:
@@ -113,7 +144,7 @@ def step_values(
                 metrics[key] = group[name] = value
         if group:
             values[stat] = group
-    for stat, owners in (precursors or {}).items():
+    for stat, owners in observed.precursors.items():
         group = {n: v for n, v in zip(owners, host[stat], strict=True) if n and v == v}  # NaN: not observed
         if group:
             values[stat] = group
@@ -122,8 +153,8 @@ def step_values(
     if total and any(s > 0 for s in seen):
         metrics[keys.key("grad_norm_total")] = host["grad_norm_total"][0]
     # Depth travels as data so that a report can order layers from the logs of any logger.
-    observed = {name for name, c in zip(layer_names, count, strict=True) if c > 0}
-    for depth, name in enumerate(n for n in execution_order if n in observed):
+    ran = {name for name, c in zip(layer_names, count, strict=True) if c > 0}
+    for depth, name in enumerate(n for n in observed.forward_order if n in ran):
         metrics[keys.key("depth", name)] = float(depth)
     if "stale_grad_sq" in host:  # passed to the rules, not logged: it is 0 on every healthy step
         held = zip(param_names, host["stale_grad_sq"], strict=True)
@@ -137,15 +168,11 @@ def step_values(
 
 
 class Histograms(NamedTuple):
-    """One step's histograms as loggers take them: the ``left`` and ``right`` edges of every bin, and the counts.
-
-    Attributes:
-        series: ``(key, counts)`` per layer and kind (output, then output gradient), only where a value was counted.
-    """
+    """One step's histograms as loggers take them: the ``left`` and ``right`` edges of every bin, and the counts."""
 
     left: list[float]
     right: list[float]
-    series: list[tuple[str, list[float]]]
+    series: list[tuple[str, list[float]]]  # (key, counts) per layer and kind (output, then gradient) where counted
 
 
 def histogram_series(
@@ -163,22 +190,6 @@ def histogram_series(
             if sum(row) > 0:
                 series.append((keys.key(kind, name), row))
     return Histograms([inner[0] * 10, *inner], [*inner, inner[-1] * 10], series)
-
-
-class StepFacts(NamedTuple):
-    """What one sampled step could not observe, by layer index (from the recorder and the aggregator).
-
-    Attributes:
-        unit_mismatch: Layers whose number of units changed between calls or processes (no ``act_dead_frac``).
-        no_float: Layers whose output held no floating-point tensor.
-        sparse: Layers whose output (or its gradient) was a sparse tensor.
-        empty: Layers with a call whose output had no elements.
-    """
-
-    unit_mismatch: frozenset[int] = frozenset()
-    no_float: frozenset[int] = frozenset()
-    sparse: frozenset[int] = frozenset()
-    empty: frozenset[int] = frozenset()
 
 
 _LAYER_NOTES = {
@@ -203,29 +214,23 @@ def _layer_note(kind: str, name: str, step: int = 0, info: bool = False) -> Note
     return _note(f"{kind}:{name}", _LAYER_NOTES[kind].format(name=name, step=step), info)
 
 
-def layer_notes(
-    step: int,
+def step_notes(
+    observed: ObservedStep,
     layer_names: Sequence[str],
-    count: Sequence[float],
-    facts: StepFacts,
     *,
-    layers_observed: bool = True,
     default_selection: bool = True,
     quiet_not_run: Collection[str] = (),
 ) -> list[Note]:
-    """The notes about selected layers that the step could not observe, in a fixed order.
+    """The notes about what the step could not observe, in a fixed order: layers, missing gradients, overflows.
 
     Args:
-        step: The optimizer step.
-        layer_names: The observed modules, in the order of ``count``.
-        count: Per layer, the elements observed (0: the layer produced no observation).
-        facts: Why some layers were not observed.
-        layers_observed: The step's layers were hooked (``False``: a tripped step only its parameters were
-            measured for; then a layer that did not run is no news).
+        observed: The step; in a window of parameters only, a layer that did not run is no news.
+        layer_names: The observed modules, in the order of the per-layer rows.
         default_selection: ``layers=None``: a module inside a selected module that ran is observed through it, so
             that it did not run is an info note, not a warning.
         quiet_not_run: Modules whose not running is a note, not a warning (no parameters of their own).
     """
+    step, count, facts = observed.step, observed.host["count"], observed.facts
     kinds = ("unit_mismatch", "no_float", "sparse")
     unobservable = {kind: [layer_names[i] for i in sorted(getattr(facts, kind))] for kind in kinds}
     unobservable["sparse"].sort()  # by name, as the sparse notes always were; the others in layer order
@@ -236,11 +241,11 @@ def layer_notes(
     for name in (name for name, c in zip(layer_names, count, strict=True) if c == 0):
         if name in empty:
             notes.append(_layer_note("empty", name, step))
-        elif name not in skipped and layers_observed:
+        elif name not in skipped and observed.layers:
             # Inside a selected module that ran (MultiheadAttention's out_proj): observed through it.
             covered = default_selection and any(name.startswith(r + ".") for r in ran)
             notes.append(_layer_note("not_run", name, step, info=covered or name in quiet_not_run))
-    return notes
+    return [*notes, *missing_grad_notes(observed.missing_grads), *overflow_notes(layer_names, observed.host)]
 
 
 def missing_grad_notes(missing: Sequence[str]) -> list[Note]:

@@ -108,13 +108,20 @@ def respond(
     sampled, blocker = run.state.open_for(step) is not None, _replay_blocker(trainer, pl_module)
     plan = plan_trip(trip, sampled=sampled, traces=traces, blocker=blocker, previous=previous, held=micro.holds(step))
     trace = NonFiniteTrace(pl_module) if plan.trace or plan.action == "trace" else None
-    if plan.action == "replay":
-        failure = _replay(trainer, pl_module, run, step, last_metrics, trace)
-        if failure is not None:
-            trace = None
+    if plan.action == "replay":  # into a new window; the hook set attaches the components that watch replays
+        run.open_window(step, last_metrics)
+        failure = _rerun(trainer, pl_module, run, run.hooks, trace)
+        # Every process must agree, or the pooled statistics' collectives would not match.
+        if all_reduce_max(torch.tensor([float(failure is not None)], device=pl_module.device)).item() > 0:
+            run.discard_window()
+            trace, failure = None, failure or "the replay failed on another process"
             plan = plan_trip(trip, sampled=False, traces=traces, blocker=failure, previous=previous, held=True)
-    elif plan.action == "trace" and not _trace_sampled(trainer, pl_module, run, trace):
-        trace = None  # the finding keeps what the hooks saw
+    elif plan.action == "trace":
+        # The hooks saw the step as it happened but cannot see functional code between two layers; still attached
+        # (batch end removes them), they must not count the re-run through the trace alone.
+        run.end_micro_batch()
+        if _rerun(trainer, pl_module, run, HookSet({}, None), trace) is not None:
+            trace = None  # the finding keeps what the hooks saw
     if plan.action == "parameters":
         run.open_window(step, last_metrics, layers=False)  # the parameters can still be measured
         run.state.sample_next = step + 1
@@ -125,39 +132,13 @@ def respond(
     return recorded
 
 
-def _replay(
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
-    run: FitRun,
-    step: int,
-    last_metrics: Mapping[str, float],
-    trace: NonFiniteTrace | None,
+def _rerun(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, run: FitRun, hooks: HookSet, trace: NonFiniteTrace | None
 ) -> str | None:
-    """Replay ``step`` through the hooks (and ``trace``) into a new window; on failure, drop it and say why."""
-    run.open_window(step, last_metrics)
-    failure = None
-    try:  # the hook set attaches and removes the components that watch replays with its own hooks
-        loss = _training_step_loss(trainer, pl_module)
-        replay_step(run.state.micro.batches, loss, pl_module, run.hooks, pl_module.device, trace)
-    except Exception as error:  # a failed replay is reported in the finding; training goes on untouched
-        failure = f"the replay raised {type(error).__name__}: {error}"
-    # Every process must agree, or the pooled statistics' collectives would not match.
-    if all_reduce_max(torch.tensor([float(failure is not None)], device=pl_module.device)).item() > 0:
-        run.discard_window()
-        return failure or "the replay failed on another process"
-    return None
-
-
-def _trace_sampled(trainer: pl.Trainer, pl_module: pl.LightningModule, run: FitRun, trace: NonFiniteTrace) -> bool:
-    """Run a sampled step's micro-batches again through ``trace`` alone; whether the re-run went through.
-
-    The hooks saw the step as it happened but cannot see functional code between two layers. They are still attached
-    (batch end removes them) and must not count the re-run, so they are removed first.
-    """
-    run.end_micro_batch()
+    """Run the step's micro-batches again through ``hooks`` and ``trace``; why it raised, or ``None``."""
     try:
-        loss, hooks = _training_step_loss(trainer, pl_module), HookSet({}, None)
+        loss = _training_step_loss(trainer, pl_module)
         replay_step(run.state.micro.batches, loss, pl_module, hooks, pl_module.device, trace)
-    except Exception:  # training goes on untouched
-        return False
-    return True
+    except Exception as error:  # reported in the finding; training goes on untouched
+        return f"the replay raised {type(error).__name__}: {error}"
+    return None

@@ -61,20 +61,16 @@ UNSEEN = "its micro-batches were not seen by the callback (training resumed insi
 class TripPlan:
     """What to do about a trip.
 
-    Attributes:
-        action: ``"record"``: only record the trip (no window, no finding); ``"observed"``: the step is sampled, its
-            hooks saw it; ``"trace"``: sampled, and its micro-batches run again through the NaN/Inf trace alone;
-            ``"replay"``: replay the step through the hooks into a new window; ``"parameters"``: open a window of
-            the parameters only and sample the next step.
-        trip: The trip as recorded (``replayed``, ``reason`` set); a replay or a trace adds where the NaN/Inf was made.
-        trace: A ``"replay"`` also traces the NaN/Inf to the module that made it.
-        read_batch: Look for NaN/Inf in the step's batch (``bad_batch``).
+    ``action``: ``"record"``: only record the trip (no window, no finding); ``"observed"``: the step is sampled, its
+    hooks saw it; ``"trace"``: sampled, and its micro-batches run again through the NaN/Inf trace alone; ``"replay"``:
+    replay the step through the hooks into a new window; ``"parameters"``: open a window of the parameters only and
+    sample the next step.
     """
 
     action: TripAction
-    trip: Trip
-    trace: bool = False
-    read_batch: bool = False
+    trip: Trip  # as recorded (replayed, reason set); a replay or a trace adds where the NaN/Inf was made
+    trace: bool = False  # a replay also traces the NaN/Inf to the module that made it
+    read_batch: bool = False  # look for NaN/Inf in the step's batch (bad_batch)
 
 
 def plan_trip(
@@ -82,14 +78,9 @@ def plan_trip(
 ) -> TripPlan:
     """What ``trip`` calls for.
 
-    Args:
-        trip: The sentinel's trip.
-        sampled: The step's window is open: its hooks saw it.
-        traces: The trip's NaN/Inf is worth tracing to the module that made it.
-        blocker: Why the training loop cannot replay the step (manual optimization, a sharding strategy, a failed
-            replay), or ``None``.
-        previous: The step of the trip before this one, or ``None``.
-        held: The step's micro-batches were kept.
+    ``sampled``: the step's window is open (its hooks saw it); ``traces``: its NaN/Inf is worth tracing to the module
+    that made it; ``blocker``: why the training loop cannot replay the step (manual optimization, a sharding strategy,
+    a failed replay); ``previous``: the step of the trip before; ``held``: the step's micro-batches were kept.
     """
     persists = previous == trip.step - 1
     reason = PERSISTS if persists else blocker or (None if held else UNSEEN)
@@ -106,17 +97,12 @@ def plan_trip(
 
 @dataclass
 class Window:
-    """The observation of one optimizer step, from its opening to its logging.
+    """The observation of optimizer step ``step``, from its opening to its logging.
 
-    Attributes:
-        step: The optimizer step ``k`` it describes (logged with ``step=k``).
-        layers: Whether the layers are observed (hooks, or a replay through them); ``False``: a trip that could
-            not be replayed, where only the parameters are measured.
-        trip: The sentinel's trip of this step, if it tripped.
-        stepped: ``id`` of every optimizer already measured in this window (LBFGS calls the optimizer step hook
-            once per closure evaluation: the first call sees the weights from before the step).
-        stale: Squares of the gradients still held at the window's first backward (``stale_gradients``).
-        stale_checked: Whether the stale gradients were looked at (only at the first backward).
+    ``layers=False``: a trip that could not be replayed, where only the parameters are measured. ``stepped`` holds the
+    ``id`` of every optimizer already measured (LBFGS calls the optimizer step hook once per closure evaluation: the
+    first call sees the weights from before the step); ``stale``, the squares of the gradients still held at the
+    window's first backward (``stale_gradients``).
     """
 
     step: int
@@ -138,8 +124,7 @@ class StepMicroBatches:
     """References to the micro-batches of the current optimizer step (what a replay re-runs), in order."""
 
     def __init__(self) -> None:
-        self.step: int | None = None
-        """The optimizer step the kept micro-batches belong to (``None``: none kept)."""
+        self.step: int | None = None  # the optimizer step of the kept micro-batches (None: none kept)
         self.batches: list[Any] = []
 
     def keep(self, step: int, micro_batch: Any) -> None:
@@ -170,13 +155,11 @@ class StepState:
         self.every_n_steps = every_n_steps
         self.window: Window | None = None
         self.micro = StepMicroBatches()
-        self.checked_step: int | None = None
-        """The optimizer step the sentinel last checked (LBFGS: only its first closure evaluation is checked)."""
-        self.sample_next: int | None = None
-        """A step sampled out of schedule: the one after a trip that could not be replayed."""
+        self.checked_step: int | None = None  # the sentinel's last (LBFGS: a step's first closure only)
+        self.sample_next: int | None = None  # sampled out of schedule: the step after a trip that was not replayed
+        # The sampled step the last batch found by sampled() was hooked for, when it fell inside the batch before it
+        # (None: on time, or not sampled).
         self.late: int | None = None
-        """The sampled step that the last batch found by :meth:`sampled` was hooked for, when it fell inside the
-        batch before it (``None``: on time, or not sampled)."""
         self._batch_step: int | None = None
         self._previous: int | None = None
 

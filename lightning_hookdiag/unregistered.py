@@ -1,8 +1,7 @@
 """Layers that run in the training forward without being submodules: the facts of rule ``unregistered_module``.
 
-A layer held in a Python list, tuple or dict (not an ``nn.ModuleList``) is called like any module, but no optimizer
-built from ``self.parameters()`` updates it, no checkpoint saves it, ``.to(device)`` does not move it. Which modules
-count: ``docs/rules.md#unregistered_module``.
+Held in a Python list, tuple or dict, they are in no optimizer built from ``self.parameters()``, no checkpoint, and
+``.to(device)`` does not move them. Which modules count: ``docs/rules.md#unregistered_module``.
 """
 
 from __future__ import annotations
@@ -39,12 +38,9 @@ def where_held(parent: nn.Module, module: nn.Module) -> str:
 
 
 class UnregisteredWatch(Component):
-    """Collect the modules with trainable parameters of their own that ran in a sampled training forward unregistered.
+    """Collect the unregistered modules with trainable parameters of their own that ran in a sampled training forward.
 
-    A module counts when it is not ``root`` or one of its submodules, owns a parameter that requires grad and is not
-    one of ``root``'s parameters (a layer that shares registered weights is not lost), and ran with grad enabled
-    outside backward (a teacher run under ``no_grad`` is not trained on purpose). One global forward hook, for a
-    sampled micro-batch's forward only. ``root``: the LightningModule.
+    ``root``: the LightningModule. Which modules count, and why: ``docs/rules.md#unregistered_module``.
     """
 
     replays = False

@@ -7,6 +7,7 @@ on a fresh run, and a few are checked against a hand computation as well.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Callable, Mapping
@@ -19,7 +20,8 @@ from torch import nn
 
 from lightning_hookdiag import ALL_STATS, LayerHealthCallback
 from lightning_hookdiag.components import FACTORIES, Component, FitConfig, Setup, component
-from lightning_hookdiag.fit_run import FitRun, ObservedStep
+from lightning_hookdiag.fit_run import FitRun
+from lightning_hookdiag.logged_values import ObservedStep
 
 
 def config(**changes: object) -> FitConfig:
@@ -240,3 +242,48 @@ def test_a_component_is_attached_once_per_micro_batch_and_sees_a_replay_only_if_
     assert outputs[3] == (3 if replays else 0)  # no replayed tensor reaches a component that does not watch replays
     assert count_hooks(module) == 0
     assert not watch.attached
+
+
+class Hooked(Component):
+    """Holds one forward hook on ``module``; raises in ``end_micro_batch`` or after its ``remove`` when told to."""
+
+    def __init__(self, module: nn.Module, replays: bool, fail: str = "") -> None:
+        self.module, self.replays, self.fail = module, replays, fail
+
+    def attach(self) -> None:
+        if not self.attached:
+            self.hold().enter_context(self.module.register_forward_hook(lambda *args: None))
+
+    def end_micro_batch(self) -> None:
+        if self.fail == "end_micro_batch":
+            raise RuntimeError(self.fail)
+
+    def remove(self) -> None:
+        super().remove()
+        if self.fail == "remove":
+            raise RuntimeError(self.fail)
+
+
+@pytest.mark.parametrize("end", [True, False], ids=["end_micro_batch", "detach"])
+@pytest.mark.parametrize("fail", ["end_micro_batch", "remove"])
+@pytest.mark.parametrize("replays", [True, False])
+def test_a_component_that_raises_leaves_no_hook_of_any_other_behind(end, fail, replays):
+    model = net()
+    failing = Hooked(model[0], replays, fail)
+    others = [Hooked(model[2], False), Hooked(model[2], True)]
+    factories = [lambda setup, c=c: c for c in (failing, *others)]
+    for factory in factories:
+        component(factory)
+    try:
+        run = start(model)
+    finally:
+        for factory in factories:
+            FACTORIES.remove(factory)
+    run.open_window(0, {})
+    run.attach(None)
+    assert all(c.attached for c in (failing, *others))
+    raises = fail == "remove" or end
+    with pytest.raises(RuntimeError, match=fail) if raises else contextlib.nullcontext():
+        run.end_micro_batch() if end else run.detach()
+    assert count_hooks(model) == 0
+    assert not any(c.attached for c in (failing, *others))

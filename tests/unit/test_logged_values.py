@@ -9,15 +9,16 @@ import pytest
 from lightning_hookdiag.logged_values import (
     KeyCache,
     Note,
+    ObservedStep,
     StepFacts,
     histogram_note,
     histogram_series,
     late_note,
-    layer_notes,
     missing_grad_notes,
     no_logger_note,
     opt_in_note,
     overflow_notes,
+    step_notes,
     step_values,
 )
 from lightning_hookdiag.vocabulary import counted_by_gradient
@@ -38,14 +39,20 @@ def host(**extra):
     return {**base, **extra}
 
 
-def build(values, wanted, **kwargs):
-    args = {
-        "keys": KeyCache("p"),
-        "layer_names": LAYERS,
-        "param_names": PARAMS,
-        "execution_order": ["head", "enc", "enc.inner"],
-    }
-    return step_values(values, wanted, **{**args, **kwargs})
+def observed(**fields) -> ObservedStep:
+    """A step with ``fields`` and nothing else: no facts, no missing gradient."""
+    empty = {"step": 0, "layers": True, "trip": None, "host": {}, "wanted": [], "facts": StepFacts()}
+    lists = {"forward_order": [], "backward_order": [], "missing_grads": [], "param_facts": {}}
+    return ObservedStep(**{**empty, **lists, **fields})
+
+
+def build(values, wanted, precursors=None, **kwargs):
+    step = observed(host=values, wanted=wanted, forward_order=["head", "enc", "enc.inner"], precursors=precursors or {})
+    return step_values(step, **{"keys": KeyCache("p"), "layer_names": LAYERS, "param_names": PARAMS, **kwargs})
+
+
+def layer_notes(step, names, count, facts, layers_observed=True, **kwargs):
+    return step_notes(observed(step=step, host={"count": count}, facts=facts, layers=layers_observed), names, **kwargs)
 
 
 def test_layer_statistics_exist_where_the_layer_ran_and_gradient_ones_where_a_gradient_arrived():
@@ -263,3 +270,9 @@ def test_the_late_and_no_logger_notes_name_their_facts():
 def test_a_statistic_of_the_output_gradient_is_counted_where_a_gradient_arrived():
     stats = ["act_mean", "act_grad_norm", "act_grad_nonfinite", "act_grad_underflow_frac_bfloat16", "act_kurtosis"]
     assert [s for s in stats if counted_by_gradient(s)] == stats[1:4]
+
+
+def test_step_notes_are_the_layer_notes_then_the_missing_gradients_then_the_overflows():
+    host = {"count": [4.0, 0.0], "act_nonfinite": [0.0, 0.0], "act_mean": [INF, NAN]}
+    notes = step_notes(observed(host=host, missing_grads=["a"]), ["a", "b"])
+    assert [n.key for n in notes] == ["not_run:b", "no_grad:a", "overflow:act_mean:a"]
