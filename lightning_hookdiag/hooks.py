@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hookdiag.components import Component
+from lightning_hookdiag.components import Component, call_all
 from lightning_hookdiag.torch_internals import in_backward
 
 __all__ = ["HookSet", "first_floating_tensor", "tensors"]
@@ -159,15 +159,7 @@ class HookSet:
         if self.attached:
             self.attached = False
             _exit_eager()
-        errors: list[BaseException] = []
-        for companion in self.companions:
-            for call in (companion.end_micro_batch, companion.remove) if finished else (companion.remove,):
-                try:
-                    call()
-                except BaseException as error:  # the other companions are still removed
-                    errors.append(error)
-        if errors:
-            raise errors[0]
+        call_all(call for c in self.companions for call in ((c.end_micro_batch, c.remove) if finished else (c.remove,)))
 
     def end_micro_batch(self) -> None:
         """One micro-batch is over while the hooks stay attached (a replay runs a step's micro-batches in one go)."""
