@@ -73,4 +73,4 @@ class BatchRows(Component):
 
 @component
 def _batch_rows(setup: Setup) -> BatchRows | None:
-    return BatchRows(setup.aggregator) if setup.config.batch_rows else None
+    return BatchRows(setup.aggregator) if "repeated_batch" in setup.config.rules else None

@@ -36,7 +36,8 @@ from lightning_hookdiag.logged_values import (
 )
 from lightning_hookdiag.opt_in import resolve_targets
 from lightning_hookdiag.replay import respond, sharded
-from lightning_hookdiag.rules import FACT_RULES, Finding, RuleConfig, format_error, values_from_metrics
+from lightning_hookdiag.rules import Finding, RuleConfig, format_error, values_from_metrics
+from lightning_hookdiag.rules.registry import any_reads
 from lightning_hookdiag.selection import import_types
 from lightning_hookdiag.sentinel import SENTINEL_MODES, LossSentinel, MicroBatch, SpikeDetector, capture_rng
 from lightning_hookdiag.stats import resolve_stats
@@ -344,7 +345,8 @@ class LayerHealthCallback(Callback):
             return
         run.end_closure()
         # DeepSpeed's optimizers hold copies of the parameters: membership says nothing there.
-        watch = bool(FACT_RULES & set(self.rule_config.enabled)) and not isinstance(trainer.strategy, DeepSpeedStrategy)
+        deepspeed = isinstance(trainer.strategy, DeepSpeedStrategy)
+        watch = any_reads("param_facts", self.rule_config.enabled) and not deepspeed
         run.before_optimizer_step(optimizer, trainer.optimizers, scale, watch, _schedule(trainer, pl_module, optimizer))
         if trip is not None and self.on_anomaly == "raise":
             run.end_micro_batch()  # finished before the update: its hooks must not see LBFGS's later closures
@@ -460,13 +462,7 @@ class LayerHealthCallback(Callback):
     # ------------------------------------------------------------------------------------------------ internals
     def _fit_config(self) -> FitConfig:
         """What this fit starts from: the attributes as they are now, so that a change made after construction holds."""
-        enabled = self.rule_config.enabled
-        derived = {
-            "sentinel_grads": self.sentinel == "loss+grads",
-            "eval_mode": "eval_mode" in enabled,
-            "unregistered": "unregistered_module" in enabled,
-            "batch_rows": "repeated_batch" in enabled,
-        }
+        derived = {"sentinel_grads": self.sentinel == "loss+grads", "rules": frozenset(self.rule_config.enabled)}
         settings = {f.name: getattr(self, f.name) for f in fields(FitConfig) if f.name not in derived}
         return FitConfig(**derived, **settings)
 

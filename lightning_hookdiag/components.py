@@ -51,13 +51,11 @@ class FitConfig:
     """What a fit's run objects need of the callback's configuration.
 
     Each field is the callback's argument of its name, validated and resolved (``stats=`` with ``extra_stats=``; see
-    :class:`~lightning_hookdiag.LayerHealthCallback`), except the flags derived from ``sentinel=`` and ``rules=``:
+    :class:`~lightning_hookdiag.LayerHealthCallback`), except those derived from ``sentinel=`` and ``rules=``:
 
     Attributes:
         sentinel_grads: The sentinel also checks the selected parameters' gradients (``"loss+grads"``).
-        eval_mode: Rule ``eval_mode`` is enabled (watch the modules' train/eval mode).
-        unregistered: Rule ``unregistered_module`` is enabled (watch for modules that run unregistered).
-        batch_rows: Rule ``repeated_batch`` is enabled (compare the rows of each sampled batch).
+        rules: The enabled rules; a component that feeds one rule only is built when that rule is enabled.
     """
 
     every_n_steps: int
@@ -73,9 +71,7 @@ class FitConfig:
     precision_targets: Sequence[str] | None
     output_layer: str | None
     sentinel_grads: bool
-    eval_mode: bool
-    unregistered: bool = False
-    batch_rows: bool = False
+    rules: frozenset[str]
 
 
 @dataclass(frozen=True)

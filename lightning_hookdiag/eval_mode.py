@@ -96,4 +96,4 @@ class EvalModeWatch(Component):
 
 @component
 def _eval_mode(setup: Setup) -> EvalModeWatch | None:
-    return EvalModeWatch(setup.model) if setup.config.eval_mode else None
+    return EvalModeWatch(setup.model) if "eval_mode" in setup.config.rules else None

@@ -97,4 +97,4 @@ class UnregisteredWatch(Component):
 
 @component
 def _unregistered(setup: Setup) -> UnregisteredWatch | None:
-    return UnregisteredWatch(setup.model) if setup.config.unregistered else None
+    return UnregisteredWatch(setup.model) if "unregistered_module" in setup.config.rules else None

@@ -32,15 +32,9 @@ from lightning_hookdiag.rules.registry import registered
 # Importing the families above registered the built-in rules.
 RULES: tuple[str, ...] = tuple(r.name for r in registered())
 """Names of the built-in rules, in the order findings of the same layer are listed."""
-EVENT_RULES: frozenset[str] = frozenset(r.name for r in registered() if r.event)
-"""Rules whose findings are events of one step (each alerts), not conditions that persist until they clear."""
-FACT_RULES: frozenset[str] = frozenset(r.name for r in registered() if "param_facts" in r.reads)
-"""Rules that read each parameter's optimizer facts (:class:`ParamFacts`): the host gathers them only for these."""
 
 __all__ = [
     "BATCH",
-    "EVENT_RULES",
-    "FACT_RULES",
     "LOSS",
     "ROOT",
     "RULES",

@@ -99,6 +99,11 @@ def rule(
     return register
 
 
+def any_reads(part: str, names: Iterable[str]) -> bool:
+    """Whether any of the rules ``names`` reads ``part`` of the context (asked live: extension rules count)."""
+    return any(part in REGISTRY[n].reads for n in names)
+
+
 def registered() -> list[Rule]:
     """Every registered rule, in the order findings of the same layer are listed."""
     return sorted(REGISTRY.values(), key=lambda r: r.order)

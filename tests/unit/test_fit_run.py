@@ -39,7 +39,7 @@ def config(**changes: object) -> FitConfig:
         "precision_targets": None,
         "output_layer": None,
         "sentinel_grads": False,
-        "eval_mode": True,
+        "rules": frozenset({"eval_mode"}),
     }
     fields.update(changes)
     return FitConfig(**fields)  # type: ignore[arg-type]

@@ -808,6 +808,25 @@ def test_a_rule_written_in_one_function_fires_on_a_real_fit_and_stays_silent_on_
         RuleConfig(enabled=[name])
 
 
+def test_an_extension_rule_that_reads_the_optimizer_facts_gets_them_on_a_real_fit():
+    # Registered after the package was imported, and the only rule enabled: the facts are still gathered for it.
+    seen: list[dict] = []
+
+    @rule(order=99, phase="backward", stat="param_update_ratio", name="reads_facts", reads=["param_facts"])
+    def reads_facts(ctx):
+        seen.append(dict(ctx.param_facts))
+        return []
+
+    try:
+        callback = LayerHealthCallback(every_n_steps=1, rules={"enabled": ["reads_facts"]})
+        make_trainer([callback], max_steps=2).fit(TinyModule())
+    finally:
+        del REGISTRY["reads_facts"]
+    assert len(seen) == 2
+    assert set(seen[0]) == {name for name, _ in TinyModule().named_parameters()}
+    assert all(facts.held for facts in seen[1].values())  # every parameter is in the optimizer
+
+
 def test_a_rule_name_registers_once():
     with pytest.raises(ValueError, match="'dead_units' is registered already") as info:
         rule(order=0, phase="forward", stat="act_dead_frac", name="dead_units")(lambda ctx: [])
