@@ -479,8 +479,8 @@ class LayerHealthCallback(Callback):
         self.trips: list[Trip] = []
         self._warned: set[str] = set()  # the keys of the one-time notes already given
         self._diagnosis = Diagnosis(self.rule_config)  # the rules' memory between sampled steps; checkpointed
-        if self._sentinel is not None:
-            self._sentinel.reset()
+        if self._sentinel is not None:  # no baseline, no trip (on_fit_start forgets what was observed)
+            self._sentinel.load_state_dict({})
 
     def _close_past(self, trainer: pl.Trainer, run: FitRun) -> None:
         """Finish the window of an optimizer step that is over, and forget its micro-batches."""

@@ -196,11 +196,6 @@ class LossSentinel:
         """Forget the losses observed since the last check (an interrupted step)."""
         self._loss = None
 
-    def reset(self) -> None:
-        """Start a new run: no baseline, no trip, nothing observed (a checkpoint may then restore its state)."""
-        self.load_state_dict({})
-        self.discard()
-
     def check(self, step: int, grads: Sequence[Tensor] = (), scale: Tensor | None = None) -> Trip | None:
         """Decide whether the optimizer step about to be taken trips, with one host read (and one MAX all-reduce).
 
