@@ -25,14 +25,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from lightning_hookdiag.vocabulary import ACTIVATION_STATS, ALL_STATS, GRADIENT_STATS, OPT_IN_STATS, PARAMETER_STATS
+from lightning_hookdiag.vocabulary import ALL_STATS, OPT_IN_STATS
 
 __all__ = [
-    "ACTIVATION_STATS",
-    "ALL_STATS",
-    "GRADIENT_STATS",
-    "OPT_IN_STATS",
-    "PARAMETER_STATS",
     "CHUNK_ELEMENTS",
     "Workspace",
     "accumulation_dtype",
