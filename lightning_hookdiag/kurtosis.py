@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_hookdiag.aggregation import host_values
+from lightning_hookdiag.aggregation import LayerStatsAggregator, host_values
 from lightning_hookdiag.components import Component, Setup, WindowStart, component
 from lightning_hookdiag.opt_in import layer_sums
 from lightning_hookdiag.stats import chunked_sum
@@ -82,7 +81,7 @@ def finalize_kurtosis(sums: Tensor) -> Tensor:
 class Outliers(Component):
     """``act_kurtosis`` (output power sums, pooled in ``act_power``) and ``act_absmax_over_std`` (needs no state)."""
 
-    def __init__(self, agg: Any, kurtosis: bool, absmax_over_std: bool) -> None:
+    def __init__(self, agg: LayerStatsAggregator, kurtosis: bool, absmax_over_std: bool) -> None:
         self._kurtosis, self._absmax_over_std = kurtosis, absmax_over_std
         self._shift = torch.zeros(agg.n_layers, dtype=agg.acc_dtype, device=agg.act_moments.device)
         if kurtosis:

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.components import Component, Setup, TensorSink, component
 from lightning_hookdiag.opt_in import PRECISION_TARGETS, layer_sums
 from lightning_hookdiag.stats import chunked_sum
@@ -102,12 +102,12 @@ class PrecisionHeadroom(Component):
     In the sum states ``act_precision`` (against ``act_targets``) and ``grad_precision`` (``grad_targets``).
     """
 
-    def __init__(self, aggregator: Any, act_targets: Sequence[str], grad_targets: Sequence[str]) -> None:
+    def __init__(self, agg: LayerStatsAggregator, act_targets: Sequence[str], grad_targets: Sequence[str]) -> None:
         self._kinds = [("act", "act_precision", act_targets), ("act_grad", "grad_precision", grad_targets)]
-        self.on_output, self.on_grad = [self._sink(aggregator, state, targets) for _, state, targets in self._kinds]
+        self.on_output, self.on_grad = [self._sink(agg, state, targets) for _, state, targets in self._kinds]
 
     @staticmethod
-    def _sink(agg: Any, state: str, targets: Sequence[str]) -> TensorSink | None:
+    def _sink(agg: LayerStatsAggregator, state: str, targets: Sequence[str]) -> TensorSink | None:
         if not targets:
             return None
         dtypes = [PRECISION_TARGETS[t] for t in targets]

@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 from typing_extensions import override
 
 from lightning_hookdiag import stats
+from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.components import Component, Setup, WindowStart, component
 from lightning_hookdiag.hooks import first_floating_tensor
 from lightning_hookdiag.selection import named_modules, unmatched_error
@@ -193,8 +194,7 @@ class PrecursorProbes(Component):
         stats: The resolved ``stats=`` names; only those of :data:`~lightning_hookdiag.PRECURSOR_STATS` matter.
         attention_scope: ``{name: module}`` calls may be attributed to (selected modules and their ancestors).
         output_candidates: ``{name: module}`` output-layer candidates (the named output layer, or the selection).
-        aggregator: A :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator`; ``None``: nothing is pooled
-            (the probes' own measurements only).
+        aggregator: Where the two states are registered.
     """
 
     def __init__(
@@ -202,7 +202,7 @@ class PrecursorProbes(Component):
         stats: Sequence[str],
         attention_scope: Mapping[str, nn.Module],
         output_candidates: Mapping[str, nn.Module],
-        aggregator: Any = None,
+        aggregator: LayerStatsAggregator,
     ) -> None:
         self.attention = AttentionProbe(attention_scope) if "attn_logit_max" in stats else None
         self.output_stats = tuple(s for s in OUTPUT_LAYER_STATS if s in stats)
@@ -216,12 +216,9 @@ class PrecursorProbes(Component):
         self._loss: Tensor | None = None
         self._owners: dict[str, list[str]] = {}
         self._aggregator = aggregator
-        if aggregator is None:
-            return
-        device = aggregator.act_moments.device
         n = len(self.attention.names) if self.attention is not None else 0
-        aggregator.add_state("precursor_sums", torch.zeros(4, dtype=torch.float64, device=device), "sum")
-        aggregator.add_state("precursor_maxima", torch.full((2 + n,), -1.0, dtype=torch.float64, device=device), "max")
+        aggregator.add_state("precursor_sums", (4,), "sum", dtype=torch.float64)
+        aggregator.add_state("precursor_maxima", (2 + n,), "max", fill=-1.0, dtype=torch.float64)
 
     def _zero(self, device: torch.device | None) -> None:
         self.sums = torch.zeros(2, dtype=torch.float64, device=device)
