@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -39,10 +40,8 @@ _SOFTMAX = frozenset({F.softmax, torch.softmax, Tensor.softmax})
 
 
 def _bounds(shape: Sequence[int], per_row: int, max_rows: int, budget: int) -> tuple[int, slice]:
-    """How many leading batch elements and which rows (dim -2) of a ``shape`` tensor stay within the bounds.
-
-    The rows are evenly strided and end with the last one (in a causal model the row that sees every key).
-    """
+    # How many leading batch elements and which rows (dim -2) of a shape tensor stay within the bounds: the rows are
+    # evenly strided and end with the last one (in a causal model the row that sees every key).
     lead = math.prod(shape[1:-2]) * per_row  # logits per row of one batch element
     batch = min(shape[0] if len(shape) > 2 else 1, max(1, budget // max(lead, 1)))
     rows = max(1, min(max_rows, budget // max(batch * lead, 1)))
@@ -238,20 +237,17 @@ class PrecursorProbes(Component):
         if self.output_stats:
             exits = self.hold()
             for i, module in enumerate(self._outputs.values()):
-                exits.enter_context(module.register_forward_hook(self._make_hook(i)))
+                exits.enter_context(module.register_forward_hook(partial(self._output_hook, i)))
 
-    def _make_hook(self, index: int) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if in_backward():
-                return
-            tensor = first_floating_tensor(output)
-            if tensor is None or tensor.dim() < 2 or tensor.numel() == 0 or not tensor.requires_grad:
-                return
-            self._last = (index, tensor)
-            if len(self._outputs) == 1:
-                self.end_micro_batch()
-
-        return hook
+    def _output_hook(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        if in_backward():
+            return
+        tensor = first_floating_tensor(output)
+        if tensor is None or tensor.dim() < 2 or tensor.numel() == 0 or not tensor.requires_grad:
+            return
+        self._last = (index, tensor)
+        if len(self._outputs) == 1:
+            self.end_micro_batch()
 
     @override
     def end_forward(self, loss: Tensor | None) -> None:

@@ -152,13 +152,6 @@ class Workspace:
     On the CPU fresh temporaries cost page faults on every call (an 8 MB activation took 8.3 ms with them, 3.1 ms
     with reused buffers); views are kept per size too, so that a deep stack of equal layers does not pay a few
     microseconds of view creation per tensor. The owner releases it at the end of every sampled step.
-
-    Example:
-        >>> ws = Workspace()
-        >>> finite, bits, pair = ws.get(4, torch.float32, torch.float64, torch.device("cpu"))
-        >>> finite.dtype, bits.dtype, pair.shape, pair.dtype
-        (torch.float32, torch.int32, torch.Size([2, 4]), torch.float64)
-        >>> ws.release()
     """
 
     def __init__(self) -> None:
@@ -174,11 +167,7 @@ class Workspace:
         return buffer[:n]
 
     def get(self, n: int, dtype: torch.dtype, wide: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-        """``(finite, bits, pair)``: views of reused memory for one reduction.
-
-        ``n`` elements of ``dtype``, their bit pattern as integers (the same memory), and a contiguous ``[2, n]``
-        buffer of ``wide`` (values in row 0, their squares in row 1).
-        """
+        """``(finite, bits, pair)``: ``n`` of ``dtype``, their bit pattern (same memory), a ``[2, n]`` of ``wide``."""
         key = (n, dtype, wide, device)
         views = self._views.get(key)
         if views is None:
@@ -189,8 +178,7 @@ class Workspace:
 
     def release(self) -> None:
         """Drop the buffers."""
-        self._buffers = {}
-        self._views = {}
+        self._buffers, self._views = {}, {}
 
 
 def _finite_copy(
@@ -228,13 +216,10 @@ def _finite_copy(
 def activation_row(x: Tensor, out: Tensor, workspace: Workspace | None = None, dim: int | None = None) -> Tensor:
     """Reduce one non-empty floating-point tensor into the ``[ACT_ROW]`` row ``out``, in 9 tensor ops.
 
-    The row holds ``[nonzero, nonzero_finite, sum, sum_of_squares, min, max]``: the non-zero count (NaN and Inf
-    count as non-zero, ``-0.0`` as zero), the non-zero finite count, and the sum, sum of squares, minimum and
-    maximum of the finite elements (NaN/Inf read as 0 there), all in ``out.dtype``. The element count is known on
-    the host and not part of the row. ``x`` is a piece of :func:`chunks` (more than :data:`CHUNK_ELEMENTS` elements
-    raise ``ValueError``); ``out`` is a row of the caller's table (no allocation), and is returned; ``workspace=None``
-    allocates temporaries. ``dim=1`` reduces a ``[k, n]`` stack row by row into a ``[k, ACT_ROW]`` ``out`` in the
-    same 9 ops (the recorder stacks small outputs and pays the ops once per stack).
+    The row holds ``[nonzero, nonzero_finite, sum, sum_of_squares, min, max]`` in ``out.dtype`` (NaN and Inf count
+    as non-zero, ``-0.0`` as zero; the rest are of the finite elements, NaN/Inf read as 0); the element count is
+    known on the host. ``x`` is a piece of :func:`chunks` (larger raises ``ValueError``); ``out``, a row of the
+    caller's table, is returned. ``dim=1`` reduces a ``[k, n]`` stack row by row into ``[k, ACT_ROW]`` in the same ops.
 
     Example:
         >>> activation_row(torch.tensor([0.0, -0.0, -3.0, 4.0, float("nan")]), torch.empty(ACT_ROW)).tolist()
