@@ -229,26 +229,18 @@ class LayerStatsAggregator(Metric):
                 )
             self._add_units(layer, units)
 
-    def add_state(  # type: ignore[override]
-        self,
-        name: str,
-        default: Tensor | tuple[int, ...],
-        dist_reduce_fx: str,
-        fill: float = 0.0,
-        dtype: torch.dtype | None = None,
-    ) -> None:
+    def add_state(self, name: str, default: Tensor, dist_reduce_fx: str) -> None:  # type: ignore[override]
         """Register a state reduced by ``"sum"`` or ``"max"``: the one place its reduction is declared.
 
         A component's state rides in the same two all-reduces as the core states, is reset with them, and
-        :meth:`compute` returns it unchanged under ``name``. ``default`` is its reset value, or its shape: then it is
-        filled with ``fill``, in ``dtype`` (default :attr:`acc_dtype`), on the states' device.
+        :meth:`compute` returns it unchanged under ``name``. ``default`` is its reset value (see :meth:`new_state`).
 
         Raises:
             ValueError: For a reduction other than ``"sum"`` or ``"max"``.
 
         Example:
             >>> agg = LayerStatsAggregator(n_layers=1)
-            >>> agg.add_state("calls", (1,), "sum")
+            >>> agg.add_state("calls", agg.new_state(1), "sum")
             >>> agg.pool("calls", torch.ones(1)); agg.pool("calls", torch.ones(1)); agg.calls, agg.reduce_of["calls"]
             (tensor([2.], dtype=torch.float64), 'sum')
             >>> agg.add_state("calls", torch.zeros(1), "mean")
@@ -258,10 +250,12 @@ class LayerStatsAggregator(Metric):
         """
         if dist_reduce_fx not in ("sum", "max"):
             raise ValueError(f"add_state({name!r}): expected dist_reduce_fx 'sum' or 'max', got {dist_reduce_fx!r}")
-        if not isinstance(default, Tensor):
-            default = torch.full(default, fill, dtype=dtype or self.acc_dtype, device=self.act_moments.device)
         super().add_state(name, default, dist_reduce_fx=dist_reduce_fx, persistent=False)
         self.reduce_of[name] = dist_reduce_fx
+
+    def new_state(self, *shape: int, fill: float = 0.0, dtype: torch.dtype | None = None) -> Tensor:
+        """A ``shape`` tensor of ``fill`` in ``dtype`` (default :attr:`acc_dtype`), on the states' device."""
+        return torch.full(shape, fill, dtype=dtype or self.acc_dtype, device=self.act_moments.device)
 
     def pool(self, name: str, values: Tensor, layer: int | None = None) -> None:
         """Add ``values`` to (``"sum"``) or take the maximum with (``"max"``) state ``name`` (its row ``layer``)."""

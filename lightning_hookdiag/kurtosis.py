@@ -1,6 +1,4 @@
-"""Outlier activations: kurtosis from pooled power sums, and the ratio of the absolute maximum to the spread.
-
-What the two statistics mean: ``docs/statistics.md#outlier-activations``.
+"""Outlier activations (``docs/statistics.md#outlier-activations``): kurtosis from pooled power sums, absmax / std.
 
 Each tensor is reduced to power sums about a *shift* ``c``, which add up exactly over calls, micro-batches and
 processes that share ``c``. They are formed in float64 from the tensor's centred sums and its offset ``mean - c``,

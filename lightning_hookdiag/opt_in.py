@@ -126,7 +126,7 @@ def layer_sums(
         >>> sink(1, torch.zeros(3)); agg.calls.tolist()
         [[0.0], [1.0]]
     """
-    agg.add_state(state, (agg.n_layers, width), "sum")
+    agg.add_state(state, agg.new_state(agg.n_layers, width), "sum")
 
     def sink(layer: int, tensor: Tensor) -> None:
         agg.pool(state, measure(layer, tensor), layer)

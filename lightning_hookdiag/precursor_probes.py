@@ -1,13 +1,11 @@
 """Instability precursors: the attention-logit (``attn_logit_max``) and output-logit statistics, on by default.
 
-:class:`AttentionProbe`, a torch-function mode entered only during a sampled training micro-batch's forward,
-measures the sdpa and eager-softmax attention calls of the modules in scope; :class:`PrecursorProbes`, the component,
-runs it and measures the output layer. Definitions, the subsample bound and the blind spots:
-``docs/statistics.md#instability-precursors``.
-
-Why the mode sees every training call: ``nn.MultiheadAttention``'s fused fast path runs only in eval mode without grad
-and refuses inputs with a torch-function handler, which the mode gives every tensor, so the Python path (sdpa or
-softmax) runs; ``torch.compile``'d models run sampled batches eagerly (the callback's ``force_eager`` stance).
+:class:`AttentionProbe`, a torch-function mode entered only during a sampled training forward, measures the attention
+calls of the modules in scope; :class:`PrecursorProbes`, the component, runs it and measures the output layer
+(definitions, bounds and blind spots: ``docs/statistics.md#instability-precursors``). The mode sees every training
+call: ``nn.MultiheadAttention``'s fused fast path runs only in eval mode without grad and refuses inputs with a
+torch-function handler (the mode gives every tensor one), so the Python path runs; compiled models run sampled
+batches eagerly (``force_eager``).
 """
 
 from __future__ import annotations
@@ -35,16 +33,18 @@ __all__ = ["AttentionProbe", "PrecursorProbes", "attention_scope", "eager_logit_
 
 MASKED = -5000.0
 """Eager softmax inputs at or below this are masked entries, not logits."""
+MAX_ROWS = 32
+"""Query rows measured per attention call at most (evenly strided, the last one included)."""
 
 _SOFTMAX = frozenset({F.softmax, torch.softmax, Tensor.softmax})
 
 
-def _bounds(shape: Sequence[int], per_row: int, max_rows: int, budget: int) -> tuple[int, slice]:
+def _bounds(shape: Sequence[int], per_row: int, budget: int) -> tuple[int, slice]:
     # How many leading batch elements and which rows (dim -2) of a shape tensor stay within the bounds: the rows are
     # evenly strided and end with the last one (in a causal model the row that sees every key).
     lead = math.prod(shape[1:-2]) * per_row  # logits per row of one batch element
     batch = min(shape[0] if len(shape) > 2 else 1, max(1, budget // max(lead, 1)))
-    rows = max(1, min(max_rows, budget // max(batch * lead, 1)))
+    rows = max(1, min(MAX_ROWS, budget // max(batch * lead, 1)))
     stride = max(1, math.ceil(shape[-2] / rows))
     return batch, slice((shape[-2] - 1) % stride, None, stride)
 
@@ -60,7 +60,6 @@ def sdpa_logit_absmax(
     query: Tensor,
     key: Tensor,
     scale: float | None = None,
-    max_rows: int = 32,
     budget: int = 1 << 22,
     attn_mask: Tensor | None = None,
     is_causal: bool = False,
@@ -71,14 +70,13 @@ def sdpa_logit_absmax(
         query: ``[..., heads, L, E]`` (or ``[..., L, E]``), as given to ``F.scaled_dot_product_attention``.
         key: ``[..., heads_k, S, E]``; ``heads_k`` may divide ``heads`` (grouped-query attention).
         scale: sdpa's ``scale=``; ``None`` means ``1 / sqrt(E)``.
-        max_rows: Query rows per call at most (evenly strided, the last one included).
         budget: Logits computed per call at most (fewer batch elements are used beyond it).
         attn_mask: sdpa's mask: boolean (``True``: attend) or additive (entries ``<= -5000`` count as masked).
         is_causal: sdpa's causal flag (row ``i`` attends to keys ``0..i``).
     """
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     length, keys = query.shape[-2], key.shape[-2]
-    batch, rows = _bounds(query.shape, keys, max_rows, budget)
+    batch, rows = _bounds(query.shape, keys, budget)
     q, k = _cut(query, batch, rows, length).float(), _cut(key, batch).float()
     shape = (*q.shape[:-1], keys)
     if q.dim() >= 3 and k.dim() >= 3 and q.shape[-3] != k.shape[-3]:
@@ -100,9 +98,9 @@ def sdpa_logit_absmax(
     return logits.amax() * abs(scale)
 
 
-def eager_logit_absmax(scores: Tensor, max_rows: int = 32, budget: int = 1 << 22) -> Tensor:
+def eager_logit_absmax(scores: Tensor, budget: int = 1 << 22) -> Tensor:
     """The largest ``|x|`` over unmasked entries (``> -5000``) of a softmax input's bounded row subsample."""
-    batch, rows = _bounds(scores.shape, scores.shape[-1], max_rows, budget)
+    batch, rows = _bounds(scores.shape, scores.shape[-1], budget)
     x = _cut(scores, batch, rows, scores.shape[-2]).float()
     return torch.where(x > MASKED, x.abs(), torch.zeros((), dtype=x.dtype, device=x.device)).amax()
 
@@ -216,8 +214,8 @@ class PrecursorProbes(Component):
         self._owners: dict[str, list[str]] = {}
         self._aggregator = aggregator
         n = len(self.attention.names) if self.attention is not None else 0
-        aggregator.add_state("precursor_sums", (4,), "sum", dtype=torch.float64)
-        aggregator.add_state("precursor_maxima", (2 + n,), "max", fill=-1.0, dtype=torch.float64)
+        aggregator.add_state("precursor_sums", aggregator.new_state(4, dtype=torch.float64), "sum")
+        aggregator.add_state("precursor_maxima", aggregator.new_state(2 + n, fill=-1.0, dtype=torch.float64), "max")
 
     def _zero(self, device: torch.device | None) -> None:
         self.sums = torch.zeros(2, dtype=torch.float64, device=device)

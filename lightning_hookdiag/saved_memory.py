@@ -37,7 +37,7 @@ class SavedMemoryTracker(Component):
         self.modules: list[nn.Module] = list(modules.values())
         self.root = root
         self._aggregator = aggregator
-        aggregator.add_state("act_saved", (len(self.modules),), "max")
+        aggregator.add_state("act_saved", aggregator.new_state(len(self.modules)), "max")
         self.bytes: list[int] = [0] * len(self.modules)
         """Bytes saved per module in the current micro-batch."""
         self.peak: list[int] = [0] * len(self.modules)

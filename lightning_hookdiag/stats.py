@@ -1,11 +1,8 @@
 """Pure tensor statistics: per-tensor sufficient statistics and their finalisation.
 
-A tensor is reduced to additive (counts, sums, sums of squares) and max-reducible (maxima) vectors, which pool by a
-sum or a max: :func:`reduce_tensor` is the one pass a recorder makes over a tensor; the finalisers turn the pooled
-vectors into the logged values (``docs/statistics.md#every-key``).
-
-One path serves every device: no host read, no branch on data, a fixed count of aten ops, each at least one kernel
-launch on an accelerator (``benchmarks/overhead.py --count-ops``).
+:func:`reduce_tensor`, the one pass a recorder makes over a tensor, reduces it to additive (counts, sums, sums of
+squares) and maximum vectors; the finalisers turn the pooled vectors into the logged values. One path serves every
+device: no host read, no branch on data, a fixed count of aten ops (``benchmarks/overhead.py --count-ops``).
 
 Why this is exact without prescaling or centring: a float32 (or fp16/bf16) value and its square are exact in float64
 (24 significant bits squared fit in 53), float32's largest square (1.2e77) and smallest (2e-90) are normal float64
@@ -59,19 +56,18 @@ GROW_NONZERO, GROW_NONZERO_FINITE, GROW_SUMSQ = range(3)
 GRAD_ROW = 3
 
 CHUNK_ELEMENTS = 1 << 18
-"""The most elements one reduction reads at once: larger tensors are reduced piece by piece (see :func:`chunks`).
+"""The most elements one reduction reads at once (:func:`chunks`), which bounds every scratch buffer.
 
-It bounds every scratch buffer (``docs/statistics.md#memory-bounded-scratch``). A piece costs a few kernel launches
-on an accelerator (a 64 M-element logits tensor: ~2,300, a few milliseconds per sampled step); on a CPU the passes
-after the first read it from cache (a 2 M-element output reduced 1.7x faster in pieces of 256 K than of 1 M).
+A piece costs a few kernel launches on an accelerator (a 64 M-element logits tensor: ~2,300, a few milliseconds per
+sampled step); on a CPU the passes after the first read it from cache (a 2 M-element output reduced 1.7x faster in
+pieces of 256 K than of 1 M).
 """
 
 
 def chunks(x: Tensor, limit: int | None = None) -> Iterator[Tensor]:
-    """Views of ``x`` of at most ``limit`` elements each that together hold every element of ``x`` once.
+    """Views of ``x`` of at most ``limit`` (default :data:`CHUNK_ELEMENTS`) elements that hold each element once.
 
     A contiguous tensor is cut along its flat view, any other along its leading dimensions: no piece is a copy.
-    ``limit=None`` is :data:`CHUNK_ELEMENTS`.
 
     Example:
         >>> [tuple(p.shape) for p in chunks(torch.zeros(10), limit=4)]
@@ -269,9 +265,9 @@ def reduce_tensor(
 ) -> tuple[Tensor | None, Tensor | None]:
     """Every per-tensor reduction of one output (or gradient), in one pass over its pieces (:func:`chunks`).
 
-    ``row(n)`` is the caller's row for a piece of ``n`` elements, written by :func:`activation_row` (by
-    :func:`gradient_row` with ``grad``). Returns ``(unit maxima, histogram counts)``, ``None`` where not asked for:
-    :func:`unit_maxima` with ``units``; with ``edges``, counts of the finite elements in the ``len(edges) + 1`` bins.
+    ``row(n)`` is the caller's row for a piece of ``n`` elements, written by :func:`activation_row` (``grad``:
+    :func:`gradient_row`). Returns ``(unit maxima, histogram counts)``: :func:`unit_maxima` with ``units``, counts of
+    the finite elements in the ``len(edges) + 1`` bins with ``edges``, ``None`` where not asked for.
 
     Example:
         >>> table = torch.empty(1, ACT_ROW, dtype=torch.float64)
