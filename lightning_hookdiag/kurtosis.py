@@ -81,7 +81,7 @@ class Outliers(Component):
 
     def __init__(self, agg: LayerStatsAggregator, kurtosis: bool, absmax_over_std: bool) -> None:
         self._kurtosis, self._absmax_over_std = kurtosis, absmax_over_std
-        self._shift = torch.zeros(agg.n_layers, dtype=agg.acc_dtype, device=agg.act_moments.device)
+        self._shift = agg.new_state(agg.n_layers)
         if kurtosis:
             # About the last pooled mean, the same on every process: the sums keep their digits and still add up.
             self.on_output = layer_sums(

@@ -112,12 +112,10 @@ def plan_opt_in(
     )
 
 
-def layer_sums(
-    agg: LayerStatsAggregator, state: str, width: int, measure: Callable[[int, Tensor], Tensor]
-) -> TensorSink:
+def layer_sums(agg: LayerStatsAggregator, state: str, width: int, fn: Callable[[int, Tensor], Tensor]) -> TensorSink:
     """Register the ``[n_layers, width]`` sum state ``state`` on the aggregator ``agg``, and a sink that pools into it.
 
-    The sink adds ``measure(layer, tensor)`` to row ``layer``: the one shape of every opt-in statistic that is a
+    The sink adds ``fn(layer, tensor)`` to row ``layer``: the one shape of every opt-in statistic that is a
     vector of additive per-tensor sums, so that it pools exactly over calls, micro-batches and processes.
 
     Example:
@@ -129,6 +127,6 @@ def layer_sums(
     agg.add_state(state, agg.new_state(agg.n_layers, width), "sum")
 
     def sink(layer: int, tensor: Tensor) -> None:
-        agg.pool(state, measure(layer, tensor), layer)
+        agg.pool(state, fn(layer, tensor), layer)
 
     return sink

@@ -97,10 +97,7 @@ def finalize_precision(counts: Tensor, targets: Sequence[str], kind: str) -> dic
 
 
 class PrecisionHeadroom(Component):
-    """Pools the precision counts of every observed output and output gradient, per layer.
-
-    In the sum states ``act_precision`` (against ``act_targets``) and ``grad_precision`` (``grad_targets``).
-    """
+    """Pools the precision counts of every output (state ``act_precision``) and output gradient (``grad_precision``)."""
 
     def __init__(self, agg: LayerStatsAggregator, act_targets: Sequence[str], grad_targets: Sequence[str]) -> None:
         self._kinds = [("act", "act_precision", act_targets), ("act_grad", "grad_precision", grad_targets)]
