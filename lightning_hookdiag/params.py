@@ -333,12 +333,8 @@ class ParameterTracker:
         ``DTensor`` are this process's share of the whole (see :func:`replicas`); ``None`` if the optimizer steps none
         of the tracked parameters with a gradient.
         """
-        positions: list[int] = []
-        for group in param_groups:
-            for p in group["params"]:
-                pos = self._position.get(id(p))
-                if pos is not None and p.requires_grad and p.grad is not None:
-                    positions.append(pos)
+        found = [(self._position.get(id(p)), p) for group in param_groups for p in group["params"]]
+        positions = [pos for pos, p in found if pos is not None and p.requires_grad and p.grad is not None]
         if not positions:
             return None
         local = [local_tensor(self.params[i]).detach() for i in positions]

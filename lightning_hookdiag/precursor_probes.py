@@ -364,11 +364,10 @@ def _precursor_probes(setup: Setup) -> PrecursorProbes | None:
 
 
 def attention_scope(modules: Mapping[str, nn.Module], selected: Sequence[str]) -> dict[str, nn.Module]:
-    """The modules an attention call may be attributed to: the ``selected`` ones and every module containing one.
+    """Those of ``modules`` (all, named as by ``named_modules``) that are ``selected`` or contain a selected one.
 
-    HF attention modules hold their projections as children and own no parameter, so the default selection does
-    not select them; they still contain selected modules. ``modules``: every module, as
-    :func:`~lightning_hookdiag.selection.named_modules` names them.
+    Attention calls are attributed to these. HF attention modules own no parameter (their projections are children),
+    so the default selection does not select them, but they contain selected modules.
     """
     wanted: set[str] = set()
     for name in selected:

@@ -1,8 +1,8 @@
 """The sinks a :class:`~lightning_hookdiag.hooks.HookSet` writes into: outputs and gradients to statistics.
 
-:class:`StepRecorder` hands each observed tensor once to :func:`~lightning_hookdiag.stats.reduce_tensor`, which
-writes its rows into the :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator`'s call table and returns its
-per-unit maxima and histogram counts; the recorder passes those on. The aggregator never sees a tensor.
+Each observed tensor goes once to :func:`~lightning_hookdiag.stats.reduce_tensor`, which writes its rows into the
+aggregator's call table and returns the per-unit maxima and histogram counts the recorder passes on (the aggregator
+never sees the tensor).
 """
 
 from __future__ import annotations
@@ -170,8 +170,7 @@ class StepRecorder:
         """Gradient sink: observe the gradient of the loss w.r.t. the output of layer ``layer``."""
         if grad.layout != torch.strided:
             self.sparse_output.add(layer)
-            return
-        if grad.numel():
+        elif grad.numel():
             self._reduce("grad", layer, grad)
             for c in self._grad_sinks:
                 if c.attached:
