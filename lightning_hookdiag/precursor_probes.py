@@ -178,20 +178,17 @@ class AttentionProbe(TorchFunctionMode):
 class PrecursorProbes(Component):
     """The precursor statistics of one fit: the attention probe's, and ``log Z`` and ``|logit|`` of the output layer.
 
-    The output layer's come from forward hooks on the candidate modules: with one candidate (a named output layer)
-    its every call is measured; with several (the selection), the output of the last one to run in a micro-batch is
-    measured at the micro-batch's end. Which outputs count as logits: ``docs/statistics.md#instability-precursors``.
-
-    Pooled in two states registered on ``aggregator``: ``precursor_sums``, ``[sum of log Z, rows, loss, processes
-    that saw a loss]``, and ``precursor_maxima``: the largest ``|logit|`` of the output layer, the output layer's
-    index among the candidates (so that every process names the same one: the latest in selection order any of
-    them measured), then the attention maxima (``-1``: no call seen).
+    With one output candidate (a named output layer) its every call is measured; with several (the selection), the
+    output of the last one to run in a micro-batch, at the micro-batch's end. Pooled in ``precursor_sums``, ``[sum of
+    log Z, rows, loss, processes that saw a loss]``, and ``precursor_maxima``: the largest ``|logit|``, the output
+    layer's index among the candidates (so that every process names the same one: the latest in selection order any
+    of them measured), then the attention maxima (``-1``: no call seen).
 
     Args:
         stats: The resolved ``stats=`` names; only those of :data:`~lightning_hookdiag.PRECURSOR_STATS` matter.
         attention_scope: ``{name: module}`` calls may be attributed to (selected modules and their ancestors).
         output_candidates: ``{name: module}`` output-layer candidates (the named output layer, or the selection).
-        aggregator: Where the two states are registered.
+        aggregator: Where the states are registered.
     """
 
     def __init__(

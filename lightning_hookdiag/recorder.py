@@ -83,10 +83,10 @@ class StepRecorder:
         unit_dim: Override of the unit axis, see :func:`~lightning_hookdiag.stats.unit_maxima`.
         names: Layer names, for error messages (``unit_dim`` out of range for a layer's output).
         stack_small: Stack outputs and gradients of at most :data:`SMALL_ELEMENTS` elements and reduce them a stack
-            at a time (one copy per tensor instead of 9 or 6 ops); their rows reach the aggregator at
-            :meth:`flush`, which the owner calls before the aggregator folds the step.
-        components: Their tensor sinks (:attr:`~lightning_hookdiag.components.Component.on_output`, ``on_grad``)
-            receive every observed output and gradient after the default statistics, while they are attached.
+            at a time (one copy per tensor instead of 9 or 6 ops); their rows reach the aggregator at :meth:`flush`,
+            which the owner calls before the aggregator folds the step.
+        components: Their ``on_output`` / ``on_grad`` sinks receive every observed output and gradient after the
+            default statistics, while they are attached.
     """
 
     def __init__(
