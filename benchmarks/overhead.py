@@ -92,7 +92,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.errors import LayerHealthWarning
-from lightning_hookdiag.sentinel import Trip
+from lightning_hookdiag.step_state import Trip
 from lightning_hookdiag.vocabulary import (
     ACTIVATION_STATS,
     ALL_STATS,

@@ -1,7 +1,6 @@
 """What the training batch itself shows: the facts of rule ``repeated_batch`` (``docs/rules.md#repeated_batch``).
 
 A batch of one sample repeated trains the model on one example while the loss falls as if it learned.
-:func:`repeated_rows` tells it on the device, without a host sync, from a bounded subsample of each row.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from typing_extensions import override
 
 from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.components import Component, Setup, component
+from lightning_hookdiag.hooks import tensors
 
 __all__ = ["MIN_ROWS", "ROW_SAMPLE", "BatchRows", "repeated_rows"]
 
@@ -26,23 +26,13 @@ ROW_SAMPLE = 4096
 """Elements compared per row at most, evenly strided over the whole row."""
 
 
-def _tensors(batch: Any) -> list[Tensor]:
-    if isinstance(batch, Tensor):
-        return [batch]
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    return [t for value in batch for t in _tensors(value)] if isinstance(batch, (list, tuple)) else []
-
-
 def repeated_rows(batch: Any) -> Tensor | None:
     """Whether every tensor of ``batch`` with 2 or more dims holds one row repeated (0-d bool, on its device).
 
-    Only tensors of at least :data:`MIN_ROWS` rows (the first dimension) and 2 dimensions count: an attention mask
-    of ones repeats in a healthy batch, but not together with the tokens it masks; 1-D label vectors repeat in
-    healthy batches of few classes. ``None`` when no tensor counts.
+    Only tensors of at least :data:`MIN_ROWS` rows count (why: ``docs/rules.md#repeated_batch``); ``None``: none does.
     """
     same: Tensor | None = None
-    for t in _tensors(batch):
+    for _, t in tensors(batch):
         if t.dim() < 2 or t.shape[0] < MIN_ROWS or t.is_sparse or t.is_nested:
             continue
         rows = t.detach().reshape(t.shape[0], -1)

@@ -37,8 +37,9 @@ from lightning_hookdiag.opt_in import resolve_targets
 from lightning_hookdiag.replay import respond, sharded
 from lightning_hookdiag.rules import FACT_RULES, Finding, RuleConfig, format_error, values_from_metrics
 from lightning_hookdiag.selection import import_types
-from lightning_hookdiag.sentinel import SENTINEL_MODES, LossSentinel, MicroBatch, SpikeDetector, Trip, capture_rng
+from lightning_hookdiag.sentinel import SENTINEL_MODES, LossSentinel, MicroBatch, SpikeDetector, capture_rng
 from lightning_hookdiag.stats import resolve_stats
+from lightning_hookdiag.step_state import Trip
 from lightning_hookdiag.table import format_step_table
 from lightning_hookdiag.validation import boolean, check, choice, integer, module_names, names
 from lightning_hookdiag.vocabulary import ALL_STATS, OPT_IN_STATS, OUTPUT_LAYER_STATS

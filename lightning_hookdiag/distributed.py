@@ -40,18 +40,11 @@ def unpack(buffer: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
 
 
 def all_reduce_packed(tensors: Sequence[Tensor], op: Op = "sum", group: Any = None) -> list[Tensor]:
-    """Reduce every tensor of ``tensors`` over the processes of ``group`` with one ``all_reduce``.
+    """New tensors, of the shapes and dtypes of ``tensors`` (not modified), reduced over ``group`` by one all_reduce.
 
-    Every process of the group must call this with tensors of the same shapes, in the same order: the collective
-    pairs buffers element by element. Without an initialised process group the inputs are returned as they are.
-
-    Args:
-        tensors: The local values; not modified.
-        op: ``"sum"``, ``"max"`` or ``"min"``.
-        group: The process group; ``None`` for the default group.
-
-    Returns:
-        New tensors with the reduced values, in the shapes and dtypes of ``tensors``.
+    Every process of the group (``None``: the default one) must call this with tensors of the same shapes, in the same
+    order: the collective pairs buffers element by element. Without an initialised process group the inputs are
+    returned as they are.
     """
     if op not in ("sum", "max", "min"):
         raise ValueError(f"all_reduce_packed: expected op in ['max', 'min', 'sum'], got {op!r}")

@@ -19,18 +19,26 @@ from torch.utils.hooks import RemovableHandle
 from lightning_hookdiag.components import Component
 from lightning_hookdiag.torch_internals import in_backward
 
-__all__ = ["HookSet", "first_floating_tensor", "in_backward"]
+__all__ = ["HookSet", "first_floating_tensor", "tensors"]
+
+
+def tensors(value: Any, path: str | None = None) -> Iterator[tuple[str | None, Tensor]]:
+    """Every tensor in ``value`` (through tuples, lists, dicts), with its path from ``path`` (``x[0]['k']``) or None."""
+    if isinstance(value, Tensor):
+        yield path, value
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            yield from tensors(item, None if path is None else f"{path}[{i}]")
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from tensors(item, None if path is None else f"{path}[{key!r}]")
 
 
 def first_floating_tensor(output: Any) -> Tensor | None:
-    """The first floating-point tensor in ``output``, searched depth-first through tuples, lists and dicts."""
-    if isinstance(output, Tensor):
+    """The first floating-point tensor in ``output`` (see :func:`tensors`)."""
+    if isinstance(output, Tensor):  # the common case, without a generator
         return output if output.is_floating_point() else None
-    if isinstance(output, Mapping):
-        output = output.values()
-    elif not isinstance(output, (tuple, list)):
-        return None
-    return next((found for found in map(first_floating_tensor, output) if found is not None), None)
+    return next((t for _, t in tensors(output) if t.is_floating_point()), None)
 
 
 @contextlib.contextmanager
@@ -83,8 +91,7 @@ class HookSet:
 
     Args:
         modules: Ordered ``{name: module}``; a sink receives the index of the module in this mapping.
-        on_output: Receives every raw output (``None``: only ``on_tensor``); recomputations inside backward are
-            skipped.
+        on_output: Receives every raw output but those recomputed inside backward (``None``: only ``on_tensor``).
         on_grad: If given, receives the gradient w.r.t. the first floating-point tensor of every output that
             requires grad.
         on_tensor: Like ``on_output``, with the output's first floating-point tensor (``None``: it has none).
@@ -142,12 +149,9 @@ class HookSet:
     def remove(self, finished: bool = False) -> None:
         """Remove every hook this set registered, and its companions'; safe to call any number of times.
 
-        Args:
-            finished: The micro-batch ran to its end, so the companions keep what they measured in it; otherwise
-                (an exception, an interrupted batch) they forget it.
-
-        Raises:
-            Exception: The first error a companion raised, once every hook and companion is removed.
+        ``finished``: the micro-batch ran to its end, so the companions keep what they measured in it (after an
+        exception or an interrupted batch they forget it). Raises the first error a companion raised, once every hook
+        and companion is removed.
         """
         for handle in (*self._handles, *self._tensor_handles):
             handle.remove()

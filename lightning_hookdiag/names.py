@@ -57,8 +57,5 @@ def owning_layer(parameter: str, layers: Collection[str] = ()) -> str:
     """
     name = logged_name(parameter)
     parts = name.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        candidate = ".".join(parts[:cut])
-        if candidate in layers:
-            return candidate
-    return name.rpartition(".")[0] or name
+    prefixes = (".".join(parts[:cut]) for cut in range(len(parts) - 1, 0, -1))  # longest first
+    return next((p for p in prefixes if p in layers), name.rpartition(".")[0] or name)

@@ -10,33 +10,22 @@ that builds a ``-inf`` mask from finite inputs is named only when no module made
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hookdiag.hooks import in_backward, sink_mode
+from lightning_hookdiag.hooks import sink_mode, tensors
 from lightning_hookdiag.names import ROOT, logged_name
+from lightning_hookdiag.torch_internals import in_backward
 
 __all__ = ["NonFiniteTrace", "nonfinite_in_batch"]
 
 
-def _paths(value: Any, path: str | None = "") -> Iterator[tuple[str | None, Tensor]]:
-    """Every floating-point tensor in ``value`` with its path (``batch[0]``, ``batch['x']``), depth-first.
-
-    ``path=None`` builds no path: the replay's forward hook walks every module call's inputs and outputs.
-    """
-    if isinstance(value, Tensor):
-        if value.is_floating_point() or value.is_complex():
-            yield path, value
-    elif isinstance(value, (tuple, list)):
-        for i, item in enumerate(value):
-            yield from _paths(item, None if path is None else f"{path}[{i}]")
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            yield from _paths(item, None if path is None else f"{path}[{key!r}]")
+def _inexact(value: Any, path: str | None = None) -> list[tuple[str | None, Tensor]]:
+    return [(p, t) for p, t in tensors(value, path) if t.is_floating_point() or t.is_complex()]
 
 
 def nonfinite_in_batch(batches: Sequence[Any]) -> list[tuple[str, int, int]]:
@@ -50,7 +39,7 @@ def nonfinite_in_batch(batches: Sequence[Any]) -> list[tuple[str, int, int]]:
         >>> nonfinite_in_batch([{"x": torch.ones(3)}])
         []
     """
-    found = [(path, t) for batch in batches for path, t in _paths(batch, "batch")]
+    found = [item for batch in batches for item in _inexact(batch, "batch")]
     if not found:
         return []
     device = found[0][1].device
@@ -63,18 +52,17 @@ def nonfinite_in_batch(batches: Sequence[Any]) -> list[tuple[str, int, int]]:
     return [(path, n, size) for path, (n, size) in bad.items() if n > 0]
 
 
-def _any_nonfinite(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
-    if not tensors:
+def _any_nonfinite(found: Sequence[Tensor], device: torch.device) -> Tensor:
+    if not found:
         return torch.zeros((), dtype=torch.bool, device=device)
-    return torch.stack([~torch.isfinite(t).all().to(device) for t in tensors]).any()
+    return torch.stack([~torch.isfinite(t).all().to(device) for t in found]).any()
 
 
 class NonFiniteTrace:
     """Record, for every module call while attached, whether NaN/Inf went in and came out (see the module docstring).
 
-    Args:
-        root: The LightningModule; module names are relative to it, as the callback logs them, and the root itself
-            is :data:`~lightning_hookdiag.rules.ROOT`. Modules outside it are not recorded.
+    ``root`` is the LightningModule: module names are relative to it, as the callback logs them, the root itself is
+    :data:`~lightning_hookdiag.rules.ROOT`, and modules outside it are not recorded.
 
     Example:
         >>> class Log(nn.Module):
@@ -95,9 +83,7 @@ class NonFiniteTrace:
     """
 
     def __init__(self, root: nn.Module) -> None:
-        self._names: dict[nn.Module, str] = {}
-        for path, module in root.named_modules():
-            self._names.setdefault(module, logged_name(path, root) if path else ROOT)
+        self._names = {module: logged_name(path, root) if path else ROOT for path, module in root.named_modules()}
         self._calls: list[tuple[str, Tensor]] = []
         self._handle: RemovableHandle | None = None
 
@@ -117,11 +103,11 @@ class NonFiniteTrace:
         name = self._names.get(module)
         if name is None or in_backward():  # a recomputation inside backward saw these values already
             return
-        outputs = [t for _, t in _paths(output, None)]
+        outputs = [t for _, t in _inexact(output)]
         if not outputs:
             return
         with sink_mode():
-            device, inputs = outputs[0].device, [t for _, t in _paths(args, None)]
+            device, inputs = outputs[0].device, [t for _, t in _inexact(args)]
             nan = torch.stack([torch.isnan(t).any().to(device) for t in outputs]).any()
             flags = torch.stack([_any_nonfinite(inputs, device), nan, _any_nonfinite(outputs, device)])
         self._calls.append((name, flags))

@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_hookdiag.aggregation import LayerStatsAggregator, host_values
 from lightning_hookdiag.components import Component, Setup, WindowStart, component
-from lightning_hookdiag.hooks import in_backward
+from lightning_hookdiag.torch_internals import in_backward
 
 __all__ = ["SavedMemoryTracker"]
 

@@ -51,12 +51,8 @@ def named_modules(root: nn.Module) -> dict[str, nn.Module]:
     A wrapper and the module it wraps share a name; the wrapped module wins, because it is the one whose
     ``forward`` does the work.
     """
-    found: dict[str, nn.Module] = {}
-    for path, module in root.named_modules():  # each module once, parents before children
-        name = logged_name(path, root)
-        if name:
-            found[name] = module  # a wrapped module comes after its wrapper, so it wins
-    return found
+    # Each module once, parents before children: a wrapped module comes after its wrapper, so it wins.
+    return {name: module for path, module in root.named_modules() if (name := logged_name(path, root))}
 
 
 def _is_leaf(module: nn.Module) -> bool:
@@ -88,7 +84,6 @@ def is_default_layer(module: nn.Module) -> bool:
     """
     if isinstance(module, _NOT_CALLABLE) or is_measurement(module):
         return False
-    # A parametrized tensor is the module's own, computed by its ``parametrizations``, which are no child of note.
     parametrized = parametrize.is_parametrized(module)
     children = [c for c in module.children() if not (parametrized and c is module.parametrizations)]
     owns = parametrized or any(True for _ in module.parameters(recurse=False))
@@ -118,9 +113,8 @@ def list_layers(model: nn.Module) -> list[LayerInfo]:
 def import_types(types: Iterable[type[nn.Module] | str] | None, argument: str) -> tuple[type[nn.Module], ...]:
     """Resolve classes given as objects or import strings such as ``"torch.nn.Linear"``.
 
-    Raises:
-        ValueError: If a string cannot be imported or a value is not an ``nn.Module`` subclass; the message names
-            the configuration ``argument``.
+    A string that cannot be imported, or a value that is no ``nn.Module`` subclass, raises a ``ValueError`` naming the
+    configuration ``argument``.
     """
     if types is None:
         return ()
@@ -184,7 +178,7 @@ def resolve_layers(
     layer_types: Sequence[type[nn.Module]] = (),
     exclude: Sequence[str] = (),
 ) -> dict[str, nn.Module]:
-    """Select modules of ``model`` by name, glob and type.
+    """Select modules of ``model`` by name, glob and type: ``{logged name: module}``, in registration order.
 
     Args:
         model: The root module; names are relative to it.
@@ -192,9 +186,6 @@ def resolve_layers(
             :func:`is_default_layer` but nothing inside a measurement, or, with ``layer_types``, every module.
         layer_types: Keep only instances of these classes.
         exclude: Globs removed from the selection.
-
-    Returns:
-        The selected modules in registration order, keyed by logged name.
 
     Raises:
         ValueError: If a name, glob or exclude pattern matches nothing, or if the selection ends up empty.

@@ -25,7 +25,7 @@ from lightning_hookdiag.stats import accumulation_dtype
 from lightning_hookdiag.step_state import Trip, TripKind
 from lightning_hookdiag.validation import choice
 
-__all__ = ["SENTINEL_MODES", "LossSentinel", "MicroBatch", "SpikeDetector", "Trip", "replay_step"]
+__all__ = ["SENTINEL_MODES", "LossSentinel", "MicroBatch", "SpikeDetector", "replay_step"]
 
 SENTINEL_MODES: tuple[str, ...] = ("loss", "loss+grads")
 """Values of the callback's ``sentinel`` argument besides ``None``."""
@@ -33,17 +33,13 @@ SENTINEL_MODES: tuple[str, ...] = ("loss", "loss+grads")
 
 @dataclass(eq=False)
 class SpikeDetector:
-    """Robust loss-spike test: a rise far above the recent healthy losses, in units of their step-to-step noise.
+    """Robust loss-spike test (``docs/sentinel.md``): a rise far above the recent healthy losses, in noise units.
 
     A loss trips when it rises above the *centre* (the lower median of the latest ``recent`` healthy losses) by more
-    than a factor ``ratio`` *and* by more than ``zscore`` robust standard deviations of the noise, measured free of
-    any trend from consecutive differences (``1.4826 * MAD / sqrt(2)``): the spread alone would trip on an almost
-    constant loss, the ratio alone on a noisy one. Non-negative windows are compared on a log scale without their
-    exact zeros (fewer than 3 positive losses: nothing trips), where a spike must also reach ``floor`` times
-    :attr:`start`; a negative loss switches to a linear scale, with a minimum rise of ``(ratio - 1) * max(|centre|,
-    scale)``, ``scale`` the median non-zero ``|loss|``. Only healthy steps enter the window. The reasons:
-    ``docs/sentinel.md``. Host cost: 1.5 us when the loss is below ``ratio`` times the smallest recent loss (most
-    steps), else 12 us.
+    than a factor ``ratio`` *and* by more than ``zscore`` robust standard deviations of the step-to-step noise: the
+    spread alone would trip on an almost constant loss, the ratio alone on a noisy one. The scale is logarithmic for a
+    non-negative window (its zeros left out), linear once a loss is negative (``scale``: the median non-zero
+    ``|loss|``). Host cost: 1.5 us when the loss is below ``ratio`` times the smallest recent loss, else 12 us.
 
     Args:
         window: Number of recent healthy losses kept.
@@ -158,12 +154,8 @@ def _step_spread(values: list[float]) -> float:
 class LossSentinel:
     """The per-step trip test: a NaN/Inf loss (or, with ``"loss+grads"``, gradient), or a loss spike.
 
-    Call :meth:`observe_loss` with every micro-batch's loss and :meth:`check` once per optimizer step.
-
-    Args:
-        mode: ``"loss"`` or ``"loss+grads"``.
-        detector: The loss-spike test.
-        reduce_max: How the packed per-step values are reduced over processes; ``None`` in a single process.
+    Call :meth:`observe_loss` with every micro-batch's loss and :meth:`check` once per optimizer step. ``reduce_max``
+    reduces the packed per-step values over processes (``None``: a single process).
 
     Example:
         >>> sentinel = LossSentinel("loss", SpikeDetector(warmup=2))
@@ -285,10 +277,9 @@ def capture_rng(device: torch.device) -> RngState:
 
 def restore_rng(state: RngState, device: torch.device) -> None:
     """Set the generators to a state from :func:`capture_rng`."""
-    cpu, accelerator = state
-    torch.set_rng_state(cpu)
-    if accelerator is not None:
-        torch.cuda.set_rng_state(accelerator, device)
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 @dataclass(frozen=True)
@@ -316,24 +307,13 @@ def replay_step(
     device: torch.device,
     trace: NonFiniteTrace | None = None,
 ) -> int:
-    """Re-run one optimizer step's micro-batches through ``hooks``, leaving no trace in the training state.
+    """Re-run one optimizer step's micro-batches through ``hooks``; returns how many produced a loss.
 
-    Each micro-batch starts from the RNG state it started with; the gradient of its loss goes back through the
-    hooked outputs with ``torch.autograd.grad``, never into ``.grad``. Afterwards, also when ``run`` raises, the hooks
-    are removed and the RNG streams (torch's CPU and CUDA, Python's, NumPy's), the buffers and the torchmetrics states
-    of ``module`` are as they were.
-
-    Args:
-        micro_batches: The step's micro-batches, in order.
-        run: Computes one micro-batch's loss; ``None`` when the step function skipped it.
-        module: The module whose parameters receive (discarded) gradients and whose state is restored.
-        hooks: Attached for the replay, told the end of each micro-batch, removed after it.
-        device: Where the step runs (for the accelerator RNG).
-        trace: Attached for the replay and removed after it, also when ``run`` raises: where a NaN/Inf was made
-            (read it afterwards with :meth:`~lightning_hookdiag.provenance.NonFiniteTrace.origin`).
-
-    Returns:
-        The number of micro-batches that produced a loss.
+    Each micro-batch starts from the RNG state it started with; the gradient of its loss (``run`` returns ``None`` for
+    a skipped one) goes back through the hooked outputs with ``torch.autograd.grad``, never into ``.grad``. ``hooks``
+    (told the end of each micro-batch) and ``trace`` (read its ``origin`` afterwards) are attached for the replay and
+    removed after it, also when ``run`` raises; the RNG streams (torch's CPU and ``device``'s, Python's, NumPy's), the
+    buffers and the torchmetrics states of ``module`` are then as they were.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5))

@@ -12,8 +12,8 @@
   ``dropout._DropoutNd``, the bases of every loss, BatchNorm and Dropout: the public classes miss a user's or a
   library's subclass of a base (a custom loss, apex's ``SyncBatchNorm``).
 
-:func:`check` fails with a message that names what changed; the test suite calls it, so a torch release that moves
-one of them fails loudly there instead of silently mis-attributing calls.
+``tests/unit/test_precursor_probes.py`` checks that each exists, so that a torch release that moves one fails loudly
+there, naming it, instead of silently mis-attributing calls.
 """
 
 from __future__ import annotations
@@ -27,24 +27,11 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["DROPOUT", "LOSS", "MODE_DEPENDENT", "calling_modules", "check", "exit_mode", "in_backward"]
-
-_NEEDED = (
-    "torch._C._current_graph_task_id",
-    "torch._C._pop_torch_function_stack",
-    "torch._C._push_on_torch_function_stack",
-    "torch.overrides._get_current_function_mode_stack",
-    "sys._getframe",
-    "torch.nn.Module._call_impl",
-    "torch.nn.Module._wrapped_call_impl",
-    "torch.nn.modules.loss._Loss",
-    "torch.nn.modules.batchnorm._BatchNorm",
-    "torch.nn.modules.dropout._DropoutNd",
-)
+__all__ = ["DROPOUT", "LOSS", "MODE_DEPENDENT", "calling_modules", "exit_mode", "in_backward"]
 
 
 def _lookup(path: str) -> Any:
-    # Without failing at import, so that check() can name what a torch release moved.
+    # Without failing at import: a torch release that moved one fails in the tests, by name.
     head, *parts = path.split(".")
     return functools.reduce(lambda found, part: getattr(found, part, None), parts, sys if head == "sys" else torch)
 
@@ -54,7 +41,7 @@ _CALL_CODES = frozenset(
     for name in ("_call_impl", "_wrapped_call_impl")
     if (code := getattr(_lookup(f"torch.nn.Module.{name}"), "__code__", None))
 )
-# A public class where a torch release moved a base (check() names it).
+# A public class where a torch release moved a base (the tests name it).
 LOSS: type = _lookup("torch.nn.modules.loss._Loss") or nn.MSELoss
 DROPOUT: type = _lookup("torch.nn.modules.dropout._DropoutNd") or nn.Dropout
 MODE_DEPENDENT: tuple[type, ...] = (_lookup("torch.nn.modules.batchnorm._BatchNorm") or nn.BatchNorm2d, DROPOUT)
@@ -87,13 +74,3 @@ def exit_mode(mode: TorchFunctionMode) -> None:
     mode.__exit__(None, None, None)
     for other in reversed(above):
         torch._C._push_on_torch_function_stack(other)
-
-
-def check() -> None:
-    """Raise ``RuntimeError`` naming every internal this module needs that this torch does not have."""
-    missing = sorted(path for path in _NEEDED if not callable(_lookup(path)))
-    if missing:
-        raise RuntimeError(
-            f"lightning_hookdiag relies on torch internals that torch {torch.__version__} lacks: {missing}; see"
-            " lightning_hookdiag/torch_internals.py"
-        )

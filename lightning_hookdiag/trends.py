@@ -27,14 +27,7 @@ Point = tuple[int, float]
 
 
 class History:
-    """The last ``window`` finite values of every statistic in :attr:`stats` and name, with their steps.
-
-    Args:
-        window: Values kept per statistic and name; an integer ``>= 2``.
-
-    Raises:
-        ValueError: For a ``window`` that is not an integer ``>= 2``.
-    """
+    """The last ``window`` (an integer ``>= 2``) finite values of every statistic in :attr:`stats` and name, by step."""
 
     stats = ("attn_logit_max", "logit_lse_mean", "logit_absmax", "step_loss", "param_update_ratio", "param_norm")
     """The statistics kept: the ones the trend rules read."""
@@ -71,11 +64,7 @@ class History:
         return {"window": self.window, "points": points}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (missing keys: empty); only the last ``window`` values stay.
-
-        Raises:
-            ValueError: If the state is malformed.
-        """
+        """Restore the last ``window`` values of a :meth:`state_dict` (missing keys: empty; malformed: ValueError)."""
         raw, where = state.get("points", {}), "History.load_state_dict"
         if not isinstance(raw, Mapping):
             raise ValueError(f"{where}: 'points' expects {{stat: {{name: [[step, value]]}}}}, got {raw!r}")
@@ -93,10 +82,7 @@ class History:
 
 
 def log_slope(points: Sequence[Point]) -> float:
-    """Least-squares slope of ``ln(value)`` against step: the growth rate per optimizer step (positive values only).
-
-    Returns NaN with fewer than two points, a non-positive value or a single step.
-    """
+    """Least-squares slope of ``ln(value)`` against step: the growth rate per optimizer step (NaN where undefined)."""
     if len(points) < 2 or any(v <= 0 for _, v in points):
         return math.nan
     xs = [float(s) for s, _ in points]
@@ -112,8 +98,7 @@ def rising_share(points: Sequence[Point]) -> float:
     """The share of consecutive pairs that rise (NaN with fewer than two points)."""
     if len(points) < 2:
         return math.nan
-    rises = sum(1 for (_, a), (_, b) in zip(points, points[1:], strict=False) if b > a)
-    return rises / (len(points) - 1)
+    return sum(1 for (_, a), (_, b) in zip(points, points[1:], strict=False) if b > a) / (len(points) - 1)
 
 
 def crossing_step(points: Sequence[Point], threshold: float) -> int | None:

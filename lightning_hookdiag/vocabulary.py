@@ -74,8 +74,5 @@ OPT_IN_STATS: tuple[str, ...] = (
 
 
 def counted_by_gradient(stat: str) -> bool:
-    """Whether a layer statistic describes the output's gradient, so that it exists where a gradient arrived.
-
-    The default gradient statistics and every ``act_grad_*`` opt-in one (the precision headroom of gradients).
-    """
+    """Whether a layer statistic describes the output's gradient, so that it exists where a gradient arrived."""
     return stat in GRADIENT_STATS or stat.startswith("act_grad_")

@@ -18,7 +18,8 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hookdiag.sentinel import LossSentinel, Trip
+from lightning_hookdiag.sentinel import LossSentinel
+from lightning_hookdiag.step_state import Trip
 
 
 def count_hooks(root: nn.Module) -> int:

@@ -1,8 +1,6 @@
 """``hookdiag report --diff RUN_A RUN_B``: where two runs' health statistics first part ways.
 
-Only what both runs logged (by step and by layer or parameter name) is compared, in the order a change propagates
-(``docs/report.md#where-do-two-runs-first-differ-hookdiag-report---diff``): a planted change to one layer's initial
-weights shows first at that layer's outputs on step 0, not at the output gradients of the layers below it.
+What is compared, in which order: ``docs/report.md#where-do-two-runs-first-differ-hookdiag-report---diff``.
 """
 
 from __future__ import annotations
@@ -16,16 +14,16 @@ from lightning_hookdiag.names import owning_layer
 from lightning_hookdiag.report.health_log import HealthLog, depth_order, stat_order_key
 from lightning_hookdiag.report.plot import draw_heatmap, load_matplotlib
 from lightning_hookdiag.table import display_name, format_value
+from lightning_hookdiag.vocabulary import counted_by_gradient
 
 __all__ = ["Alignment", "Difference", "align", "find_differences", "format_diff", "ratio_figure"]
 
-_BACKWARD_PARAMETER_STATS = ("param_grad_norm", "param_update_ratio")
 _MAX_LISTED = 5
 
 
 def is_backward(stat: str) -> bool:
     """Whether ``stat`` is measured in the backward pass (or from gradients), not from outputs or weights."""
-    return stat.startswith("act_grad_") or stat in _BACKWARD_PARAMETER_STATS
+    return counted_by_gradient(stat) or stat in ("param_grad_norm", "param_update_ratio")
 
 
 @dataclass(frozen=True)
@@ -78,8 +76,7 @@ def align(a: HealthLog, b: HealthLog) -> Alignment:
             f"the runs share no layer for any statistic (RUN_A logs e.g. {some_a or 'none'}; RUN_B logs e.g."
             f" {some_b or 'none'})"
         )
-    depth = {**b.depth, **a.depth}
-    return Alignment(a=a, b=b, steps=steps, names=names, depth=depth)
+    return Alignment(a=a, b=b, steps=steps, names=names, depth={**b.depth, **a.depth})
 
 
 def _differ(x: float, y: float, rtol: float, atol: float) -> bool:

@@ -9,7 +9,7 @@ import math
 from collections.abc import Iterator, Mapping
 
 from lightning_hookdiag.names import BATCH
-from lightning_hookdiag.rules.context import Context, finite
+from lightning_hookdiag.rules.context import Context, finite, stat
 from lightning_hookdiag.rules.findings import listing, plural
 from lightning_hookdiag.rules.registry import Found, rule
 
@@ -81,11 +81,11 @@ def saturation(ctx: Context) -> Iterator[Found]:
 
 def activation_scale(values: Mapping[str, Mapping[str, float]]) -> tuple[str, dict[str, float]]:
     """Per-layer activation scale: RMS of the finite outputs from act_mean/act_std, else act_absmax."""
-    means, stds = values.get("act_mean") or {}, values.get("act_std") or {}
+    means, stds = stat(values, "act_mean"), stat(values, "act_std")
     if means and stds:
         rms = {k: math.hypot(means[k], stds[k]) for k in means.keys() & stds.keys()}  # no OverflowError at 1e200
         return "act_std", {k: v for k, v in rms.items() if finite(v)}
-    return "act_absmax", {k: v for k, v in (values.get("act_absmax") or {}).items() if finite(v)}
+    return "act_absmax", {k: v for k, v in stat(values, "act_absmax").items() if finite(v)}
 
 
 # The opt-in precision statistics are logged per target dtype: "<base>_<target>".
@@ -99,17 +99,17 @@ _OVERFLOW_STATS = (
 def precision_headroom(ctx: Context) -> Iterator[Found]:
     """Every layer whose share at risk in a target dtype is too large."""
     threshold = ctx.config.overflow_frac_threshold
-    for stat, per_layer in ctx.values.items():
+    for name, per_layer in ctx.values.items():
         for head, phase, what in _OVERFLOW_STATS:
-            if stat.startswith(head):
+            if name.startswith(head):
                 for layer, frac in per_layer.items():
                     if finite(frac) and frac > threshold:
                         message = (
                             f"precision_headroom: {frac:.3g} of the non-zero {what} of {layer} at step {ctx.step}"
-                            f" would overflow {stat[len(head) :]} or sit within 2x of its maximum"
+                            f" would overflow {name[len(head) :]} or sit within 2x of its maximum"
                             f" (overflow_frac_threshold={threshold:g})"
                         )
-                        yield Found(layer, frac, message, threshold, phase, stat)
+                        yield Found(layer, frac, message, threshold, phase, name)
 
 
 @rule(order=13, phase="forward", stat="act_std")
@@ -135,11 +135,10 @@ def input_scale(ctx: Context) -> Iterator[Found]:
 def repeated_batch(ctx: Context) -> Iterator[Found]:
     """Every row of the step's training batch was one sample repeated."""
     if ctx.stat("batch_repeated").get(BATCH) == 1.0:
-        yield Found(
-            BATCH,
-            1.0,
+        message = (
             f"repeated_batch at step {ctx.step}: every row of the training batch is the same sample (each tensor of 2"
             " or more dims, at least 8 rows): the model trains on one example while its loss falls; does the"
             " Dataset's __getitem__ use its index, and do the sampler and the collate function keep the samples"
-            " apart?",
+            " apart?"
         )
+        yield Found(BATCH, 1.0, message)

@@ -13,7 +13,7 @@ from lightning_hookdiag.names import BATCH, ROOT, owning_layer
 from lightning_hookdiag.rules.config import RuleConfig
 from lightning_hookdiag.step_state import Trip
 
-__all__ = ["Baseline", "Context", "Orders", "ParamFacts", "finite", "first_positions"]
+__all__ = ["Baseline", "Context", "Orders", "ParamFacts", "finite", "first_positions", "stat"]
 
 
 class Orders:
@@ -33,6 +33,8 @@ class Orders:
             forward.setdefault(trip.nan_origin or ROOT, forward[trip.nan_entry])
         self.forward: Mapping[str, int] = MappingProxyType(forward)
         self.backward: Mapping[str, int] = MappingProxyType(backward)
+        self.forward_layers = tuple(sorted(forward, key=forward.__getitem__))
+        self.backward_layers = tuple(sorted(backward, key=backward.__getitem__))
 
     def owner(self, param: str) -> str:
         """The observed layer that owns parameter ``param`` (see :func:`~lightning_hookdiag.names.owning_layer`)."""
@@ -67,6 +69,11 @@ def first_positions(names: Sequence[str]) -> dict[str, int]:
     for i, name in enumerate(names):
         positions.setdefault(name, i)
     return positions
+
+
+def stat(values: Mapping[str, Mapping[str, float]], name: str) -> Mapping[str, float]:
+    """The values of statistic ``name`` per layer or parameter; empty when it is absent."""
+    return values.get(name) or {}
 
 
 def finite(x: Any) -> bool:
@@ -148,4 +155,8 @@ class Context:
 
     def stat(self, name: str) -> Mapping[str, float]:
         """The values of statistic ``name`` per layer or parameter; empty when it is absent."""
-        return self.values.get(name) or {}
+        return stat(self.values, name)
+
+    def positive(self, name: str) -> dict[str, float]:
+        """The finite values of statistic ``name`` that are ``> 0``."""
+        return {k: v for k, v in self.stat(name).items() if finite(v) and v > 0}

@@ -55,9 +55,8 @@ def cut_off(
 @rule(order=4, phase="backward", stat="act_grad_norm")
 def no_gradient(ctx: Context) -> Iterator[Found]:
     """The layers before the point the gradient never crossed (:func:`cut_off`)."""
-    forward = sorted(ctx.orders.forward, key=ctx.orders.forward.__getitem__)
-    backward = sorted(ctx.orders.backward, key=ctx.orders.backward.__getitem__)
-    cut = cut_off(ctx.missing_grads, forward, backward, ctx.stat("param_grad_norm"))
+    backward = ctx.orders.backward_layers
+    cut = cut_off(ctx.missing_grads, ctx.orders.forward_layers, backward, ctx.stat("param_grad_norm"))
     if cut:
         first, last = cut[0], cut[-1]
         reached = min((n for n in backward if n in ctx.orders.forward), key=ctx.orders.forward.__getitem__)
@@ -72,13 +71,9 @@ def no_gradient(ctx: Context) -> Iterator[Found]:
 
 def _gradient_ratios(ctx: Context) -> tuple[str, float, list[tuple[str, float]]] | None:
     """The output-end reference layer and norm, and every other usable layer's ratio to it, in backward order."""
-    nonfinite = ctx.stat("act_grad_nonfinite")
+    norms, nonfinite = ctx.stat("act_grad_norm"), ctx.positive("act_grad_nonfinite")
     # A norm taken over only the finite part of a NaN-ridden gradient means nothing; `nonfinite` reports those.
-    usable = [
-        (layer, float(norm))
-        for layer, norm in ctx.stat("act_grad_norm").items()
-        if finite(norm) and norm >= 0 and not (finite(nonfinite.get(layer, 0.0)) and nonfinite.get(layer, 0.0) > 0)
-    ]
+    usable = [(k, float(v)) for k, v in norms.items() if finite(v) and v >= 0 and k not in nonfinite]
     usable.sort(key=lambda item: ctx.orders.backward_key(item[0]))
     for i, (layer, norm) in enumerate(usable):
         if norm > 0:

@@ -28,13 +28,11 @@ def nonfinite(ctx: Context) -> list[Found]:
     if trip is not None and trip.bad_batch:
         # Every layer that received the batch is non-finite as a consequence: the first selected layer, and a NaN
         # traced to code outside every module's forward (or the LightningModule's own), which is where it entered.
-        layers = [n for n in ctx.orders.forward if n != ROOT]  # ROOT may have been placed beside the first layer
-        first = min(layers, key=ctx.orders.forward.__getitem__, default=None)
+        first = next((n for n in ctx.orders.forward_layers if n != ROOT), None)  # ROOT may sit beside the first
         entered = {first, ROOT} if trip.nan_origin is None else {first}
         found = [_nonfinite_batch(ctx), *(f for f in found if not (f.phase == "forward" and f.layer in entered))]
     found += _broken_by_step(ctx)
-    weights = _nonfinite_weights(ctx)
-    if weights is not None:
+    if (weights := _nonfinite_weights(ctx)) is not None:
         # A broken weight makes everything computed from it non-finite: only a forward origin upstream of every
         # broken weight is still an origin of its own (its inputs come from healthy layers).
         first_broken = ctx.orders.forward_key(weights.layer)
@@ -80,12 +78,8 @@ def _broken_by_step(ctx: Context) -> list[Found]:
     The update ratio ``||w_after - w_before|| / ||w_before||`` is non-finite exactly when ``w_after`` is, given a
     finite, non-zero ``w_before`` (a weight norm of 0 has no ratio).
     """
-    norms, grads = ctx.stat("param_norm"), ctx.stat("param_grad_norm")
-    bad = [
-        p
-        for p in _nonfinite(ctx.stat("param_update_ratio").items())
-        if finite(norms.get(p)) and norms[p] > 0 and finite(grads.get(p))
-    ]
+    norms, grads = ctx.positive("param_norm"), ctx.stat("param_grad_norm")
+    bad = [p for p in _nonfinite(ctx.stat("param_update_ratio").items()) if p in norms and finite(grads.get(p))]
     if not bad:
         return []
     owners = ctx.orders.owners(bad)
@@ -144,7 +138,7 @@ def _nonfinite_weights(ctx: Context) -> Found | None:
 def _nonfinite_origins(ctx: Context) -> list[Found]:
     found: list[Found] = []
     # Activations: a NaN propagates forward, so the first non-finite layer in forward order is where it was born.
-    acts = {k: v for k, v in ctx.stat("act_nonfinite").items() if finite(v) and v > 0}
+    acts = ctx.positive("act_nonfinite")
     if acts:
         origin, *others = sorted(acts, key=ctx.orders.forward_key)
         message = (
@@ -154,7 +148,7 @@ def _nonfinite_origins(ctx: Context) -> list[Found]:
         entry = Found(origin, acts[origin], message, phase="forward", stat="act_nonfinite")
         found.append(_made_between(ctx, entry) if ctx.trip is not None and ctx.trip.nan_entry == origin else entry)
     # Output gradients: a NaN propagates backward, so the origin is the first non-finite layer in backward order.
-    grads = {k: v for k, v in ctx.stat("act_grad_nonfinite").items() if finite(v) and v > 0}
+    grads = ctx.positive("act_grad_nonfinite")
     if grads:
         origin, *others = sorted(grads, key=ctx.orders.backward_key)
         message = (

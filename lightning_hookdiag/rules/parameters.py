@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 
-from lightning_hookdiag.rules.context import Context, ParamFacts, finite
+from lightning_hookdiag.rules.context import Context, ParamFacts, finite, stat
 from lightning_hookdiag.rules.findings import MAX_LISTED, listing, plural, spread
 from lightning_hookdiag.rules.registry import Found, rule
 
@@ -20,8 +20,7 @@ def _slow_layers(ctx: Context, values: Mapping[str, Mapping[str, float]]) -> dic
     gradient is exactly 0 (a branch behind a zero-initialised norm), which moves by weight decay alone
     (``lr * weight_decay``, 1e-5 with AdamW's defaults).
     """
-    ratios, norms = values.get("param_update_ratio") or {}, values.get("param_norm") or {}
-    grads = values.get("param_grad_norm") or {}
+    ratios, norms, grads = (stat(values, s) for s in ("param_update_ratio", "param_norm", "param_grad_norm"))
     sums: dict[str, list[float]] = {}  # layer -> squared norms of [update, weights, gradient]
     for param, ratio in ratios.items():
         norm, grad = norms.get(param, math.nan), grads.get(param, math.nan)
@@ -152,14 +151,11 @@ def zeroed_gradients(ctx: Context) -> list[Found]:
     if any(not (finite(g) and g == 0) for g in grads.values()) or measured - set(grads):
         return []
     owners = {ctx.orders.owner(p) for p, f in facts.items() if f.held}
-    reached = sorted(
-        (layer for layer, norm in ctx.stat("act_grad_norm").items() if finite(norm) and norm > 0 and layer in owners),
-        key=ctx.orders.forward_key,
-    )
+    norms = ctx.positive("act_grad_norm")
+    reached = sorted((layer for layer in norms if layer in owners), key=ctx.orders.forward_key)
     if not reached:
         return []
-    first = reached[0]
-    norm = ctx.stat("act_grad_norm")[first]
+    first, norm = reached[0], norms[reached[0]]
     held = sorted(p for p, f in facts.items() if f.held and ctx.orders.owner(p) == first)
     what = "was 0" if grads else "was None"
     message = (
@@ -223,16 +219,14 @@ def not_updated(ctx: Context) -> Iterator[Found]:
     """Per module, parameters with a gradient whose weights did not move, and why."""
     facts = ctx.param_facts
     threshold = ctx.config.moved_mass_threshold
-    ratios, norms = ctx.stat("param_update_ratio"), ctx.stat("param_norm")
+    ratios, norms = ctx.stat("param_update_ratio"), ctx.positive("param_norm")
     stuck: dict[str, dict[str, list[tuple[str, float]]]] = {}  # owner -> cause -> [(parameter, value)]
-    for param, grad in ctx.stat("param_grad_norm").items():
-        fact = facts.get(param)
-        if fact is None or not (finite(grad) and grad > 0):
+    for param, grad in ctx.positive("param_grad_norm").items():
+        if (fact := facts.get(param)) is None:
             continue
         ratio = ratios.get(param)
         bound = moved_mass_bound(ratio, fact.eps) if finite(ratio) and ratio >= 0 else None
-        norm = norms.get(param, math.nan)
-        intended = fact.lr * grad / norm if finite(norm) and norm > 0 else math.nan
+        intended = fact.lr * grad / norms[param] if param in norms else math.nan
         cause = _stuck(fact, bound, intended, threshold)
         if cause is not None:
             value = float(grad) if cause == _UNHELD else float(bound)  # type: ignore[arg-type]
@@ -242,10 +236,8 @@ def not_updated(ctx: Context) -> Iterator[Found]:
         sentences = "; ".join(_stuck_sentence(ctx, cause, causes[cause]) for cause in order)
         message = f"not_updated: the weights of {owner} did not move across step {ctx.step}: {sentences}"
         value = max(v for _, v in causes[order[0]])  # the finding's value and statistic come from its first cause
-        if order[0] == _UNHELD:
-            yield Found(owner, value, message, stat="param_grad_norm")
-        else:
-            yield Found(owner, value, message, threshold)
+        unheld = order[0] == _UNHELD
+        yield Found(owner, value, message, 0.0 if unheld else threshold, stat="param_grad_norm" if unheld else None)
 
 
 def _stuck_sentence(ctx: Context, cause: str, found: list[tuple[str, float]]) -> str:

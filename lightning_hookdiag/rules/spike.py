@@ -1,8 +1,4 @@
-"""Rule ``loss_spike``: the step the sentinel tripped on, and what in the network grew.
-
-Named at the first layer whose activation scale grew since the last regular sampled step, or at the loss when none
-did (``docs/sentinel.md``).
-"""
+"""Rule ``loss_spike``: the step the sentinel tripped on, and what in the network grew (``docs/rules.md#the-rules``)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_hookdiag
 from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning, RuleConfig
-from lightning_hookdiag.sentinel import Trip
+from lightning_hookdiag.step_state import Trip
 
 P = "layer_health"
 

@@ -11,7 +11,7 @@ from lightning_hookdiag import LayerHealthCallback, LayerHealthError, replay
 from lightning_hookdiag import sentinel as SN
 from lightning_hookdiag.provenance import NonFiniteTrace
 from lightning_hookdiag.rules import LOSS, ROOT, evaluate
-from lightning_hookdiag.sentinel import Trip
+from lightning_hookdiag.step_state import Trip
 
 BAD_STEP = 13
 

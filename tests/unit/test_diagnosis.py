@@ -19,7 +19,7 @@ from torch import nn
 from lightning_hookdiag import LayerHealthCallback, LayerHealthError, LayerHealthWarning
 from lightning_hookdiag.diagnosis import Diagnosis
 from lightning_hookdiag.rules import LOSS, RuleConfig
-from lightning_hookdiag.sentinel import Trip
+from lightning_hookdiag.step_state import Trip
 
 # ------------------------------------------------------------------------------------ the Diagnosis, by hand
 REPO = Path(__file__).resolve().parents[2]

@@ -4,7 +4,7 @@ from conftest import count_hooks
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_hookdiag.hooks import HookSet, first_floating_tensor
+from lightning_hookdiag.hooks import HookSet, first_floating_tensor, tensors
 
 
 def mlp(inplace: bool = False) -> nn.Sequential:
@@ -209,6 +209,12 @@ def test_first_floating_tensor():
     t = torch.tensor([1.0])
     assert first_floating_tensor([torch.tensor([1]), (None, {"a": t})]) is t
     assert first_floating_tensor("text") is None
+
+
+def test_tensors_walks_every_dtype_with_its_path():
+    i, f = torch.tensor([1]), torch.tensor([1.0])
+    assert [(p, t) for p, t in tensors([i, ("a", {"x": f})], "batch")] == [("batch[0]", i), ("batch[1][1]['x']", f)]
+    assert [p for p, _ in tensors({"x": (i, f)})] == [None, None]
 
 
 @pytest.mark.parametrize("finished", [False, True])
