@@ -165,8 +165,7 @@ class LayerStatsAggregator(Metric):
             fill = torch.full((size,), float("-inf"), dtype=self.unit_max.dtype, device=device)
             default.append(fill)
             if old_sizes[layer]:
-                start = old_offsets[layer]
-                current.append(self.unit_max[start : start + size])
+                current.append(self.unit_max[old_offsets[layer] : old_offsets[layer] + size])
             elif layer in self._pending_units and self._pending_units[layer].numel() == size:
                 current.append(self._pending_units[layer].to(device, self.unit_max.dtype))
             else:

@@ -223,14 +223,11 @@ def named_parameters_of(modules: dict[str, nn.Module]) -> dict[str, nn.Parameter
         >>> list(named_parameters_of({"0": net[0], "1": net[1]}))
         ['0.weight', '0.bias']
     """
-    found: dict[str, nn.Parameter] = {}
-    seen: set[int] = set()
+    found: dict[int, tuple[str, nn.Parameter]] = {}  # by identity: each parameter once, under its first name
     for module_name, module in modules.items():
         for param_name, param in module.named_parameters():
-            if id(param) not in seen:
-                seen.add(id(param))
-                found[f"{module_name}.{logged_name(param_name, module)}"] = param
-    return found
+            found.setdefault(id(param), (f"{module_name}.{logged_name(param_name, module)}", param))
+    return dict(found.values())
 
 
 def owned_parameters(root: nn.Module, skip: Iterable[str] = ()) -> dict[str, nn.Parameter]:
@@ -246,12 +243,8 @@ def owned_parameters(root: nn.Module, skip: Iterable[str] = ()) -> dict[str, nn.
         ['0.in_proj_weight', '0.in_proj_bias', '0.out_proj.weight', '0.out_proj.bias', '1.weight', '1.bias']
     """
     skipped = set(skip)
-    found: dict[str, nn.Parameter] = {}
-    for path, param in root.named_parameters():  # each parameter once, under its first path
-        name = logged_name(path, root)
-        if name.rpartition(".")[0] not in skipped:
-            found[name] = param
-    return found
+    named = ((logged_name(path, root), param) for path, param in root.named_parameters())  # each once, first path
+    return {name: param for name, param in named if name.rpartition(".")[0] not in skipped}
 
 
 class _Pattern(NamedTuple):

@@ -89,11 +89,8 @@ def finalize_precision(counts: Tensor, targets: Sequence[str], kind: str) -> dic
         >>> finalize_precision(precision_counts(x, [torch.float16])[None], ["float16"], "act")
         {'act_underflow_frac_float16': tensor([0.2500], dtype=torch.float64), 'act_overflow_frac_float16': tensor([0.5000], dtype=torch.float64)}
     """  # noqa: E501
-    out: dict[str, Tensor] = {}
-    for i, target in enumerate(targets):
-        out[f"{kind}_underflow_frac_{target}"] = counts[:, 1 + 2 * i] / counts[:, 0]
-        out[f"{kind}_overflow_frac_{target}"] = counts[:, 2 + 2 * i] / counts[:, 0]
-    return out
+    names = [f"{kind}_{flow}_frac_{target}" for target in targets for flow in ("underflow", "overflow")]
+    return {name: counts[:, 1 + i] / counts[:, 0] for i, name in enumerate(names)}
 
 
 class PrecisionHeadroom(Component):

@@ -366,8 +366,5 @@ def attention_scope(modules: Mapping[str, nn.Module], selected: Sequence[str]) -
     Attention calls are attributed to these. HF attention modules own no parameter (their projections are children),
     so the default selection does not select them, but they contain selected modules.
     """
-    wanted: set[str] = set()
-    for name in selected:
-        parts = name.split(".")
-        wanted.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    wanted = {".".join(parts[:i]) for parts in (n.split(".") for n in selected) for i in range(1, len(parts) + 1)}
     return {name: module for name, module in modules.items() if name in wanted}
