@@ -143,8 +143,7 @@ class LayerStatsAggregator(Metric):
         """Declare the layers that may report per-unit maxima (default: every layer)."""
         # Until each of them has run somewhere, a sync reads the agreed unit counts back (a small host transfer).
         layers = frozenset(layers)
-        bad = [i for i in layers if not 0 <= i < self.n_layers]
-        if bad:
+        if bad := [i for i in layers if not 0 <= i < self.n_layers]:
             raise ValueError(f"track_units: expected layer indices in [0, {self.n_layers}), got {sorted(bad)}")
         self.unit_layers = layers
 

@@ -318,13 +318,10 @@ def unit_maxima(x: Tensor, unit_dim: int | None = None) -> Tensor:
         >>> unit_maxima(torch.tensor([[0.0, 2.0, -1.0], [0.0, -1.0, float("nan")]])).tolist()
         [0.0, 2.0, inf]
     """
-    x = x.detach()
-    if x.ndim == 0:
-        maxima = x.reshape(1)
-    else:
-        dim = unit_dim % x.ndim if unit_dim is not None else 1 if x.ndim >= 4 else x.ndim - 1
-        others = [d for d in range(x.ndim) if d != dim]
-        maxima = x.amax(dim=others) if others else x
+    x = x.detach() if x.ndim else x.detach().reshape(1)
+    dim = unit_dim % x.ndim if unit_dim is not None else 1 if x.ndim >= 4 else x.ndim - 1
+    others = [d for d in range(x.ndim) if d != dim]
+    maxima = x.amax(dim=others) if others else x
     return torch.nan_to_num(maxima, nan=math.inf, posinf=math.inf, neginf=-math.inf)
 
 
