@@ -92,9 +92,15 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.errors import LayerHealthWarning
-from lightning_hookdiag.stats import ACTIVATION_STATS, ALL_STATS, GRADIENT_STATS, OPT_IN_STATS, PARAMETER_STATS
 from lightning_hookdiag.step_state import Trip
-from lightning_hookdiag.vocabulary import PRECURSOR_STATS
+from lightning_hookdiag.vocabulary import (
+    ACTIVATION_STATS,
+    ALL_STATS,
+    GRADIENT_STATS,
+    OPT_IN_STATS,
+    PARAMETER_STATS,
+    PRECURSOR_STATS,
+)
 
 PERIOD = 50
 """``every_n_steps`` default of ``LayerHealthCallback``: the length of one amortisation period."""

@@ -27,33 +27,38 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import overhead  # noqa: E402
 
+from lightning_hookdiag.aggregation import LayerStatsAggregator  # noqa: E402
+from lightning_hookdiag.components import WindowStart  # noqa: E402
 from lightning_hookdiag.precursor_probes import PrecursorProbes, attention_scope  # noqa: E402
 from lightning_hookdiag.selection import named_modules, resolve_layers  # noqa: E402
 from lightning_hookdiag.vocabulary import PRECURSOR_STATS  # noqa: E402
 
 
-def measure(model_name: str, stats: list[str], pairs: int, every: int = 50) -> dict[str, float]:
+def measure(model_name: str, stats: list[str], pairs: int, every: int = 50, quick: bool = False) -> dict[str, float]:
     """Median CPU milliseconds of a plain and of a probed step, and the amortised cost in percent."""
-    spec = overhead.model_specs(False)[model_name]
+    spec = overhead.model_specs(quick)[model_name]
     torch.manual_seed(0)
     model = spec.build()
     optimizer = torch.optim.Adam(model.parameters(), 1e-4)
     x, y = spec.batch(torch.Generator().manual_seed(0))
     selected = resolve_layers(model)
-    probes = PrecursorProbes(stats, attention_scope(named_modules(model), list(selected)), selected)
+    scope = attention_scope(named_modules(model), list(selected))
+    probes = PrecursorProbes(stats, scope, selected, LayerStatsAggregator(len(selected)))
+    window = WindowStart(torch.device("cpu"), lambda stat: [])
 
     def step(probed: bool) -> None:
         if probed:
-            probes.reset(torch.device("cpu"))
+            probes.reset(window)
             probes.attach()
         out = model(x)
         loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
         if probed:
             probes.end_forward(loss)
-            probes.settle()  # as after every sampled step: a model without attention stops entering the mode
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        if probed:
+            probes.fold()  # as after every sampled step: a model without attention stops entering the mode
 
     for _ in range(3):
         step(False)
@@ -73,21 +78,23 @@ def measure(model_name: str, stats: list[str], pairs: int, every: int = 50) -> d
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="transformer", choices=overhead.MODELS)
     parser.add_argument("--stats", default=",".join(PRECURSOR_STATS))
     parser.add_argument("--pairs", type=int, default=40)
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="overhead.py's small models (a smoke run)")
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     stats = [s for s in args.stats.split(",") if s]
-    r = measure(args.model, stats, args.pairs)
+    r = measure(args.model, stats, args.pairs, quick=args.quick)
     print(
         f"{args.model} {stats}: plain {r['plain_ms']:.2f} ms, probed {r['probed_ms']:.2f} ms (CPU time);"
         f" at every_n_steps=50: {r['amortised_pct']:.3f}% per step"
         f" (attention probe {'on' if r['attention_on'] else 'off after the first step: no attention call'})"
     )
+    return r
 
 
 if __name__ == "__main__":

@@ -1,13 +1,9 @@
 """Exact pooling of per-layer statistics over calls, micro-batches and processes, in torchmetrics state.
 
-torchmetrics keeps the stacked per-layer states (reset, device moves, ``compute``), but its gather-based sync is
-replaced by one SUM and one MAX ``all_reduce`` of packed buffers (``docs/integrations.md#what-is-synced-and-how``).
-Hook calls write their rows into a call table, folded into the states in a constant number of ops per step.
-
-The per-unit layout (``act_dead_frac``) is the same on every process: a layer's unit count is learned from its
-output shape, then agreed through the SUM buffer of the first sync in which any process saw the layer, so a layer
-that first runs on some processes only (a rank-dependent branch, MoE routing) gets the same slots everywhere. Until
-then its maxima wait in a per-layer pending tensor.
+torchmetrics keeps the states (reset, device moves, ``compute``); its gather-based sync is replaced by one SUM and one
+MAX ``all_reduce`` of packed buffers (``docs/integrations.md#what-is-synced-and-how``). Hook calls write rows into a
+call table, folded into the states in a constant number of ops per step. A layer's unit count (``act_dead_frac``) is
+agreed through the SUM buffer of the first sync in which any process saw it, so every process has the same layout.
 """
 
 from __future__ import annotations
@@ -43,9 +39,8 @@ __all__ = ["LayerStatsAggregator", "host_values"]
 def host_values(values: Iterable[float], dtype: torch.dtype, device: torch.device) -> Tensor:
     """A 1-D tensor of host ``values`` on ``device``, without a stream synchronisation on CUDA.
 
-    A copy from pageable memory makes the host wait for the device's queue; a pinned one sent with
-    ``non_blocking=True`` is queued like a kernel (torch keeps the pinned block alive until it is done). For values
-    that change between sampled steps only; everything else is cached on the device.
+    A copy from pageable memory makes the host wait for the device's queue; a pinned one sent with ``non_blocking``
+    is queued like a kernel (torch keeps the pinned block alive until it is done).
     """
     host = torch.tensor(list(values), dtype=dtype)
     if device.type == "cpu":
@@ -100,7 +95,7 @@ class LayerStatsAggregator(Metric):
         # Rows written by hooks bypass update(), so a cached result could be stale: never cache.
         super().__init__(**{"compute_with_cache": False, **kwargs})
         self.reduce_of: dict[str, str] = {}
-        """Each state's reduction over calls, micro-batches and processes (``"sum"`` or ``"max"``), as declared."""
+        """Each state's reduction (``"sum"`` or ``"max"``), as declared."""
         self.n_layers = n_layers
         self.n_params = n_params
         self.acc_dtype = dtype
@@ -145,13 +140,10 @@ class LayerStatsAggregator(Metric):
         self._calls = {"act": _Calls(ACT_ROW, dtype), "grad": _Calls(GRAD_ROW, dtype), "count": _Calls(0, dtype)}
 
     def track_units(self, layers: Iterable[int]) -> None:
-        """Declare the layers that may report per-unit maxima (default: every layer).
-
-        Until each of them has run somewhere, a sync reads the agreed unit counts back to the host (a small transfer).
-        """
+        """Declare the layers that may report per-unit maxima (default: every layer)."""
+        # Until each of them has run somewhere, a sync reads the agreed unit counts back (a small host transfer).
         layers = frozenset(layers)
-        bad = [i for i in layers if not 0 <= i < self.n_layers]
-        if bad:
+        if bad := [i for i in layers if not 0 <= i < self.n_layers]:
             raise ValueError(f"track_units: expected layer indices in [0, {self.n_layers}), got {sorted(bad)}")
         self.unit_layers = layers
 
@@ -172,8 +164,7 @@ class LayerStatsAggregator(Metric):
             fill = torch.full((size,), float("-inf"), dtype=self.unit_max.dtype, device=device)
             default.append(fill)
             if old_sizes[layer]:
-                start = old_offsets[layer]
-                current.append(self.unit_max[start : start + size])
+                current.append(self.unit_max[old_offsets[layer] : old_offsets[layer] + size])
             elif layer in self._pending_units and self._pending_units[layer].numel() == size:
                 current.append(self._pending_units[layer].to(device, self.unit_max.dtype))
             else:
@@ -236,20 +227,20 @@ class LayerStatsAggregator(Metric):
                 )
             self._add_units(layer, units)
 
-    def add_state(self, name: str, default: Tensor, dist_reduce_fx: str, persistent: bool = False) -> None:  # type: ignore[override]
+    def add_state(self, name: str, default: Tensor, dist_reduce_fx: str) -> None:  # type: ignore[override]
         """Register a state reduced by ``"sum"`` or ``"max"``: the one place its reduction is declared.
 
         A component's state rides in the same two all-reduces as the core states, is reset with them, and
-        :meth:`compute` returns it unchanged under ``name``.
+        :meth:`compute` returns it unchanged under ``name``. ``default`` is its reset value (see :meth:`new_state`).
 
         Raises:
             ValueError: For a reduction other than ``"sum"`` or ``"max"``.
 
         Example:
             >>> agg = LayerStatsAggregator(n_layers=1)
-            >>> agg.add_state("calls", torch.zeros(1), "sum")
-            >>> agg.pool("calls", torch.ones(1)); agg.pool("calls", torch.ones(1)); agg.reduce_of["calls"]
-            'sum'
+            >>> agg.add_state("calls", agg.new_state(1), "sum")
+            >>> agg.pool("calls", torch.ones(1)); agg.pool("calls", torch.ones(1)); agg.calls, agg.reduce_of["calls"]
+            (tensor([2.], dtype=torch.float64), 'sum')
             >>> agg.add_state("calls", torch.zeros(1), "mean")
             Traceback (most recent call last):
             ...
@@ -257,8 +248,12 @@ class LayerStatsAggregator(Metric):
         """
         if dist_reduce_fx not in ("sum", "max"):
             raise ValueError(f"add_state({name!r}): expected dist_reduce_fx 'sum' or 'max', got {dist_reduce_fx!r}")
-        super().add_state(name, default, dist_reduce_fx=dist_reduce_fx, persistent=persistent)
+        super().add_state(name, default, dist_reduce_fx=dist_reduce_fx, persistent=False)
         self.reduce_of[name] = dist_reduce_fx
+
+    def new_state(self, *shape: int, fill: float = 0.0, dtype: torch.dtype | None = None) -> Tensor:
+        """A ``shape`` tensor of ``fill`` in ``dtype`` (default :attr:`acc_dtype`), on the states' device."""
+        return torch.full(shape, fill, dtype=dtype or self.acc_dtype, device=self.act_moments.device)
 
     def pool(self, name: str, values: Tensor, layer: int | None = None) -> None:
         """Add ``values`` to (``"sum"``) or take the maximum with (``"max"``) state ``name`` (its row ``layer``)."""
@@ -284,7 +279,7 @@ class LayerStatsAggregator(Metric):
             self.act_moments[:, ACT_COUNT].index_add_(0, index, counts)
 
     def update(self, *args: Any, **kwargs: Any) -> None:
-        """:meth:`add` through torchmetrics' bookkeeping, once per step; also folds the rows (as the sync does)."""
+        """:meth:`add` through torchmetrics' bookkeeping, once per step; also folds the rows."""
         self.add(*args, **kwargs)
         self._fold()
 
@@ -309,11 +304,8 @@ class LayerStatsAggregator(Metric):
             self.unit_max, self._relaid = self._relaid, None
 
     def _sync_dist(self, dist_sync_fn: Any = None, process_group: Any = None) -> None:
-        """Reduce the states over ``process_group`` (default: the metric's) with one SUM and one MAX ``all_reduce``.
-
-        Every process must call it, also one whose layers did not run. ``dist_sync_fn`` is ignored: a sum and a
-        maximum need no gathered copies.
-        """
+        # One SUM and one MAX all_reduce over process_group (default: the metric's); every process must call it, also
+        # one whose layers did not run. dist_sync_fn is ignored: a sum and a maximum need no gathered copies.
         group = process_group or self.process_group
         self._synced = True
         # Layers declared for per-unit maxima without an agreed unit count: the same list on every process, because
@@ -408,11 +400,8 @@ class LayerStatsAggregator(Metric):
 
 
 class _Calls:
-    """The rows of one kind of observation written in the open step, one per call, folded once per step.
-
-    The layer index and counts of a step are host lists; their device copies are cached by value, so a step that
-    repeats the previous one's calls (the usual case) copies nothing to the device.
-    """
+    # The rows of one kind of observation in the open step, one per call. The layer index and counts are host lists
+    # whose device copies are cached by value: a step repeating the previous one's calls copies nothing.
 
     __slots__ = ("_patterns", "counts", "dtype", "layers", "table", "width")
 
@@ -425,7 +414,6 @@ class _Calls:
         self._patterns: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[Tensor, Tensor]] = {}
 
     def rows(self, layers: list[int], count: int, device: torch.device) -> Tensor:
-        """``len(layers)`` consecutive rows, for calls of ``count`` elements each."""
         i, k = len(self.layers), len(layers)
         if i + k > self.table.shape[0] or self.table.device != device:
             grown = torch.empty(max(16, 2 * i, i + k), self.width, dtype=self.dtype, device=device)

@@ -1,6 +1,4 @@
-"""Outlier activations: kurtosis from pooled power sums, and the ratio of the absolute maximum to the spread.
-
-What the two statistics mean: ``docs/statistics.md#outlier-activations``.
+"""Outlier activations (``docs/statistics.md#outlier-activations``): kurtosis from pooled power sums, absmax / std.
 
 Each tensor is reduced to power sums about a *shift* ``c``, which add up exactly over calls, micro-batches and
 processes that share ``c``. They are formed in float64 from the tensor's centred sums and its offset ``mean - c``,
@@ -13,13 +11,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_hookdiag.aggregation import host_values
+from lightning_hookdiag.aggregation import LayerStatsAggregator, host_values
 from lightning_hookdiag.components import Component, Setup, WindowStart, component
 from lightning_hookdiag.opt_in import layer_sums
 from lightning_hookdiag.stats import chunked_sum
@@ -82,9 +79,9 @@ def finalize_kurtosis(sums: Tensor) -> Tensor:
 class Outliers(Component):
     """``act_kurtosis`` (output power sums, pooled in ``act_power``) and ``act_absmax_over_std`` (needs no state)."""
 
-    def __init__(self, agg: Any, kurtosis: bool, absmax_over_std: bool) -> None:
+    def __init__(self, agg: LayerStatsAggregator, kurtosis: bool, absmax_over_std: bool) -> None:
         self._kurtosis, self._absmax_over_std = kurtosis, absmax_over_std
-        self._shift = torch.zeros(agg.n_layers, dtype=agg.acc_dtype, device=agg.act_moments.device)
+        self._shift = agg.new_state(agg.n_layers)
         if kurtosis:
             # About the last pooled mean, the same on every process: the sums keep their digits and still add up.
             self.on_output = layer_sums(

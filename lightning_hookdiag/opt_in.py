@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
+from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.components import TensorSink
 from lightning_hookdiag.stats import resolve_names
 from lightning_hookdiag.vocabulary import OPT_IN_STATS
@@ -112,22 +112,21 @@ def plan_opt_in(
     )
 
 
-def layer_sums(agg: Any, state: str, width: int, measure: Callable[[int, Tensor], Tensor]) -> TensorSink:
+def layer_sums(agg: LayerStatsAggregator, state: str, width: int, fn: Callable[[int, Tensor], Tensor]) -> TensorSink:
     """Register the ``[n_layers, width]`` sum state ``state`` on the aggregator ``agg``, and a sink that pools into it.
 
-    The sink adds ``measure(layer, tensor)`` to row ``layer``: the one shape of every opt-in statistic that is a
+    The sink adds ``fn(layer, tensor)`` to row ``layer``: the one shape of every opt-in statistic that is a
     vector of additive per-tensor sums, so that it pools exactly over calls, micro-batches and processes.
 
     Example:
-        >>> from lightning_hookdiag.aggregation import LayerStatsAggregator
         >>> agg = LayerStatsAggregator(n_layers=2)
         >>> sink = layer_sums(agg, "calls", 1, lambda layer, tensor: torch.ones(1))
         >>> sink(1, torch.zeros(3)); agg.calls.tolist()
         [[0.0], [1.0]]
     """
-    agg.add_state(state, torch.zeros(agg.n_layers, width, dtype=agg.acc_dtype, device=agg.act_moments.device), "sum")
+    agg.add_state(state, agg.new_state(agg.n_layers, width), "sum")
 
     def sink(layer: int, tensor: Tensor) -> None:
-        agg.pool(state, measure(layer, tensor), layer)
+        agg.pool(state, fn(layer, tensor), layer)
 
     return sink

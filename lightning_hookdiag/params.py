@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -52,10 +52,6 @@ def replicas(t: Tensor) -> int:
     outside a sub-mesh holds the parameter on a mesh of its own). FSDP2: 1; HSDP: the replicate size; a ``dp x tp``
     mesh, sharded over ``dp``: the ``tp`` size. A ``Partial`` placement (partial sums: their squares do not add up to
     the whole's) raises ``ValueError``, as does a mesh whose size does not divide the group's.
-
-    Example:
-        >>> replicas(torch.zeros(3))
-        1
     """
     placements = getattr(t, "placements", None)
     mesh = getattr(t, "device_mesh", None)
@@ -82,10 +78,9 @@ def replicas(t: Tensor) -> int:
 def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64) -> Tensor:
     """Sums of squares of each tensor, as one ``[len(tensors)]`` vector: finite for finite values of any magnitude.
 
-    One fused ``_foreach_norm`` per dtype and device over views of at most
-    :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS` elements, accumulated in ``dtype`` (float64: a float32 square is
-    exact there), so the scratch is one piece, never a whole tensor; one launch per group on an accelerator, not one
-    per parameter. Measures a ``DTensor``'s local part and a sparse tensor's stored values; NaN and Inf propagate.
+    One fused ``_foreach_norm`` per dtype and device (one launch, not one per parameter) over pieces of at most
+    ``CHUNK_ELEMENTS`` (the scratch), accumulated in ``dtype`` (float64: a float32 square is exact there). Measures a
+    ``DTensor``'s local part and a sparse tensor's stored values; NaN and Inf propagate.
 
     Example:
         >>> [round(v, 4) for v in squared_norms([torch.tensor([3.0, 4.0]), torch.tensor([1.0])]).tolist()]
@@ -139,11 +134,9 @@ def update_samples(numels: Sequence[int], budget: int = SNAPSHOT_ELEMENTS) -> li
 
 
 def _sample_view(t: Tensor, size: int, phase: int) -> Tensor:
-    """At most ``size`` entries of ``t`` as a view: every ``k``-th entry of its flat form, from ``phase % k`` on.
-
-    As many entries whatever the phase, so a scale computed once holds on every step. A tensor that is not
-    contiguous is sampled along its leading dimensions in turn, down to at most ``size`` entries (or one row).
-    """
+    # At most size entries of t as a view: every k-th entry of its flat form, from phase % k on; as many whatever the
+    # phase, so a scale computed once holds on every step. A tensor that is not contiguous is sampled along its
+    # leading dimensions in turn, down to at most size entries (or one row).
     if t.numel() <= size:
         return t
     if t.is_contiguous():
@@ -230,14 +223,11 @@ def named_parameters_of(modules: dict[str, nn.Module]) -> dict[str, nn.Parameter
         >>> list(named_parameters_of({"0": net[0], "1": net[1]}))
         ['0.weight', '0.bias']
     """
-    found: dict[str, nn.Parameter] = {}
-    seen: set[int] = set()
+    found: dict[int, tuple[str, nn.Parameter]] = {}  # by identity: each parameter once, under its first name
     for module_name, module in modules.items():
         for param_name, param in module.named_parameters():
-            if id(param) not in seen:
-                seen.add(id(param))
-                found[f"{module_name}.{logged_name(param_name, module)}"] = param
-    return found
+            found.setdefault(id(param), (f"{module_name}.{logged_name(param_name, module)}", param))
+    return dict(found.values())
 
 
 def owned_parameters(root: nn.Module, skip: Iterable[str] = ()) -> dict[str, nn.Parameter]:
@@ -253,27 +243,20 @@ def owned_parameters(root: nn.Module, skip: Iterable[str] = ()) -> dict[str, nn.
         ['0.in_proj_weight', '0.in_proj_bias', '0.out_proj.weight', '0.out_proj.bias', '1.weight', '1.bias']
     """
     skipped = set(skip)
-    found: dict[str, nn.Parameter] = {}
-    for path, param in root.named_parameters():  # each parameter once, under its first path
-        name = logged_name(path, root)
-        if name.rpartition(".")[0] not in skipped:
-            found[name] = param
-    return found
+    named = ((logged_name(path, root), param) for path, param in root.named_parameters())  # each once, first path
+    return {name: param for name, param in named if name.rpartition(".")[0] not in skipped}
 
 
-@dataclass
-class _Pattern:
-    """The device constants of one set of stepped parameters."""
-
+class _Pattern(NamedTuple):
+    # The device constants of one set of stepped parameters. share: 1 / replicas per parameter, so that a replicated
+    # shard counts once over processes (None, no work: all 1); sizes: entries kept across the step; snapshot_share:
+    # share times numel / entries kept.
     index: Tensor
     zeros: Tensor
     ones: Tensor
     share: Tensor | None
-    """1 / replicas per parameter, so that a replicated shard counts once over processes; ``None`` (no work): all 1."""
     sizes: list[int]
-    """Entries kept across the step."""
     snapshot_share: Tensor | None
-    """``share`` times ``numel / entries kept``."""
 
 
 class ParameterTracker:
@@ -343,12 +326,8 @@ class ParameterTracker:
         ``DTensor`` are this process's share of the whole (see :func:`replicas`); ``None`` if the optimizer steps none
         of the tracked parameters with a gradient.
         """
-        positions: list[int] = []
-        for group in param_groups:
-            for p in group["params"]:
-                pos = self._position.get(id(p))
-                if pos is not None and p.requires_grad and p.grad is not None:
-                    positions.append(pos)
+        found = [(self._position.get(id(p)), p) for group in param_groups for p in group["params"]]
+        positions = [pos for pos, p in found if pos is not None and p.requires_grad and p.grad is not None]
         if not positions:
             return None
         local = [local_tensor(self.params[i]).detach() for i in positions]

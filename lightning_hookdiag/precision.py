@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.components import Component, Setup, TensorSink, component
 from lightning_hookdiag.opt_in import PRECISION_TARGETS, layer_sums
 from lightning_hookdiag.stats import chunked_sum
@@ -89,25 +89,19 @@ def finalize_precision(counts: Tensor, targets: Sequence[str], kind: str) -> dic
         >>> finalize_precision(precision_counts(x, [torch.float16])[None], ["float16"], "act")
         {'act_underflow_frac_float16': tensor([0.2500], dtype=torch.float64), 'act_overflow_frac_float16': tensor([0.5000], dtype=torch.float64)}
     """  # noqa: E501
-    out: dict[str, Tensor] = {}
-    for i, target in enumerate(targets):
-        out[f"{kind}_underflow_frac_{target}"] = counts[:, 1 + 2 * i] / counts[:, 0]
-        out[f"{kind}_overflow_frac_{target}"] = counts[:, 2 + 2 * i] / counts[:, 0]
-    return out
+    names = [f"{kind}_{flow}_frac_{target}" for target in targets for flow in ("underflow", "overflow")]
+    return {name: counts[:, 1 + i] / counts[:, 0] for i, name in enumerate(names)}
 
 
 class PrecisionHeadroom(Component):
-    """Pools the precision counts of every observed output and output gradient, per layer.
+    """Pools the precision counts of every output (state ``act_precision``) and output gradient (``grad_precision``)."""
 
-    In the sum states ``act_precision`` (against ``act_targets``) and ``grad_precision`` (``grad_targets``).
-    """
-
-    def __init__(self, aggregator: Any, act_targets: Sequence[str], grad_targets: Sequence[str]) -> None:
+    def __init__(self, agg: LayerStatsAggregator, act_targets: Sequence[str], grad_targets: Sequence[str]) -> None:
         self._kinds = [("act", "act_precision", act_targets), ("act_grad", "grad_precision", grad_targets)]
-        self.on_output, self.on_grad = [self._sink(aggregator, state, targets) for _, state, targets in self._kinds]
+        self.on_output, self.on_grad = [self._sink(agg, state, targets) for _, state, targets in self._kinds]
 
     @staticmethod
-    def _sink(agg: Any, state: str, targets: Sequence[str]) -> TensorSink | None:
+    def _sink(agg: LayerStatsAggregator, state: str, targets: Sequence[str]) -> TensorSink | None:
         if not targets:
             return None
         dtypes = [PRECISION_TARGETS[t] for t in targets]

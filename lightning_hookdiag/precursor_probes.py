@@ -1,19 +1,18 @@
 """Instability precursors: the attention-logit (``attn_logit_max``) and output-logit statistics, on by default.
 
-:class:`AttentionProbe`, a torch-function mode entered only during a sampled training micro-batch's forward,
-measures the sdpa and eager-softmax attention calls of the modules in scope; :class:`PrecursorProbes`, the component,
-runs it and measures the output layer. Definitions, the subsample bound and the blind spots:
-``docs/statistics.md#instability-precursors``.
-
-Why the mode sees every training call: ``nn.MultiheadAttention``'s fused fast path runs only in eval mode without grad
-and refuses inputs with a torch-function handler, which the mode gives every tensor, so the Python path (sdpa or
-softmax) runs; ``torch.compile``'d models run sampled batches eagerly (the callback's ``force_eager`` stance).
+:class:`AttentionProbe`, a torch-function mode entered only during a sampled training forward, measures the attention
+calls of the modules in scope; :class:`PrecursorProbes`, the component, runs it and measures the output layer
+(definitions, bounds and blind spots: ``docs/statistics.md#instability-precursors``). The mode sees every training
+call: ``nn.MultiheadAttention``'s fused fast path runs only in eval mode without grad and refuses inputs with a
+torch-function handler (the mode gives every tensor one), so the Python path runs; compiled models run sampled
+batches eagerly (``force_eager``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 from typing_extensions import override
 
 from lightning_hookdiag import stats
+from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.components import Component, Setup, WindowStart, component
 from lightning_hookdiag.hooks import first_floating_tensor
 from lightning_hookdiag.selection import named_modules, unmatched_error
@@ -33,18 +33,18 @@ __all__ = ["AttentionProbe", "PrecursorProbes", "attention_scope", "eager_logit_
 
 MASKED = -5000.0
 """Eager softmax inputs at or below this are masked entries, not logits."""
+MAX_ROWS = 32
+"""Query rows measured per attention call at most (evenly strided, the last one included)."""
 
 _SOFTMAX = frozenset({F.softmax, torch.softmax, Tensor.softmax})
 
 
-def _bounds(shape: Sequence[int], per_row: int, max_rows: int, budget: int) -> tuple[int, slice]:
-    """How many leading batch elements and which rows (dim -2) of a ``shape`` tensor stay within the bounds.
-
-    The rows are evenly strided and end with the last one (in a causal model the row that sees every key).
-    """
+def _bounds(shape: Sequence[int], per_row: int, budget: int) -> tuple[int, slice]:
+    # How many leading batch elements and which rows (dim -2) of a shape tensor stay within the bounds: the rows are
+    # evenly strided and end with the last one (in a causal model the row that sees every key).
     lead = math.prod(shape[1:-2]) * per_row  # logits per row of one batch element
     batch = min(shape[0] if len(shape) > 2 else 1, max(1, budget // max(lead, 1)))
-    rows = max(1, min(max_rows, budget // max(batch * lead, 1)))
+    rows = max(1, min(MAX_ROWS, budget // max(batch * lead, 1)))
     stride = max(1, math.ceil(shape[-2] / rows))
     return batch, slice((shape[-2] - 1) % stride, None, stride)
 
@@ -60,7 +60,6 @@ def sdpa_logit_absmax(
     query: Tensor,
     key: Tensor,
     scale: float | None = None,
-    max_rows: int = 32,
     budget: int = 1 << 22,
     attn_mask: Tensor | None = None,
     is_causal: bool = False,
@@ -71,14 +70,13 @@ def sdpa_logit_absmax(
         query: ``[..., heads, L, E]`` (or ``[..., L, E]``), as given to ``F.scaled_dot_product_attention``.
         key: ``[..., heads_k, S, E]``; ``heads_k`` may divide ``heads`` (grouped-query attention).
         scale: sdpa's ``scale=``; ``None`` means ``1 / sqrt(E)``.
-        max_rows: Query rows per call at most (evenly strided, the last one included).
         budget: Logits computed per call at most (fewer batch elements are used beyond it).
         attn_mask: sdpa's mask: boolean (``True``: attend) or additive (entries ``<= -5000`` count as masked).
         is_causal: sdpa's causal flag (row ``i`` attends to keys ``0..i``).
     """
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     length, keys = query.shape[-2], key.shape[-2]
-    batch, rows = _bounds(query.shape, keys, max_rows, budget)
+    batch, rows = _bounds(query.shape, keys, budget)
     q, k = _cut(query, batch, rows, length).float(), _cut(key, batch).float()
     shape = (*q.shape[:-1], keys)
     if q.dim() >= 3 and k.dim() >= 3 and q.shape[-3] != k.shape[-3]:
@@ -100,9 +98,9 @@ def sdpa_logit_absmax(
     return logits.amax() * abs(scale)
 
 
-def eager_logit_absmax(scores: Tensor, max_rows: int = 32, budget: int = 1 << 22) -> Tensor:
+def eager_logit_absmax(scores: Tensor, budget: int = 1 << 22) -> Tensor:
     """The largest ``|x|`` over unmasked entries (``> -5000``) of a softmax input's bounded row subsample."""
-    batch, rows = _bounds(scores.shape, scores.shape[-1], max_rows, budget)
+    batch, rows = _bounds(scores.shape, scores.shape[-1], budget)
     x = _cut(scores, batch, rows, scores.shape[-2]).float()
     return torch.where(x > MASKED, x.abs(), torch.zeros((), dtype=x.dtype, device=x.device)).amax()
 
@@ -180,21 +178,17 @@ class AttentionProbe(TorchFunctionMode):
 class PrecursorProbes(Component):
     """The precursor statistics of one fit: the attention probe's, and ``log Z`` and ``|logit|`` of the output layer.
 
-    The output layer's come from forward hooks on the candidate modules: with one candidate (a named output layer)
-    its every call is measured; with several (the selection), the output of the last one to run in a micro-batch is
-    measured at the micro-batch's end. Which outputs count as logits: ``docs/statistics.md#instability-precursors``.
-
-    Pooled in two states registered on ``aggregator``: ``precursor_sums``, ``[sum of log Z, rows, loss, processes
-    that saw a loss]``, and ``precursor_maxima``: the largest ``|logit|`` of the output layer, the output layer's
-    index among the candidates (so that every process names the same one: the latest in selection order any of
-    them measured), then the attention maxima (``-1``: no call seen).
+    With one output candidate (a named output layer) its every call is measured; with several (the selection), the
+    output of the last one to run in a micro-batch, at the micro-batch's end. Pooled in ``precursor_sums``, ``[sum of
+    log Z, rows, loss, processes that saw a loss]``, and ``precursor_maxima``: the largest ``|logit|``, the output
+    layer's index among the candidates (so that every process names the same one: the latest in selection order any
+    of them measured), then the attention maxima (``-1``: no call seen).
 
     Args:
         stats: The resolved ``stats=`` names; only those of :data:`~lightning_hookdiag.PRECURSOR_STATS` matter.
         attention_scope: ``{name: module}`` calls may be attributed to (selected modules and their ancestors).
         output_candidates: ``{name: module}`` output-layer candidates (the named output layer, or the selection).
-        aggregator: A :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator`; ``None``: nothing is pooled
-            (the probes' own measurements only).
+        aggregator: Where the states are registered.
     """
 
     def __init__(
@@ -202,7 +196,7 @@ class PrecursorProbes(Component):
         stats: Sequence[str],
         attention_scope: Mapping[str, nn.Module],
         output_candidates: Mapping[str, nn.Module],
-        aggregator: Any = None,
+        aggregator: LayerStatsAggregator,
     ) -> None:
         self.attention = AttentionProbe(attention_scope) if "attn_logit_max" in stats else None
         self.output_stats = tuple(s for s in OUTPUT_LAYER_STATS if s in stats)
@@ -216,12 +210,9 @@ class PrecursorProbes(Component):
         self._loss: Tensor | None = None
         self._owners: dict[str, list[str]] = {}
         self._aggregator = aggregator
-        if aggregator is None:
-            return
-        device = aggregator.act_moments.device
         n = len(self.attention.names) if self.attention is not None else 0
-        aggregator.add_state("precursor_sums", torch.zeros(4, dtype=torch.float64, device=device), "sum")
-        aggregator.add_state("precursor_maxima", torch.full((2 + n,), -1.0, dtype=torch.float64, device=device), "max")
+        aggregator.add_state("precursor_sums", aggregator.new_state(4, dtype=torch.float64), "sum")
+        aggregator.add_state("precursor_maxima", aggregator.new_state(2 + n, fill=-1.0, dtype=torch.float64), "max")
 
     def _zero(self, device: torch.device | None) -> None:
         self.sums = torch.zeros(2, dtype=torch.float64, device=device)
@@ -241,20 +232,17 @@ class PrecursorProbes(Component):
         if self.output_stats:
             exits = self.hold()
             for i, module in enumerate(self._outputs.values()):
-                exits.enter_context(module.register_forward_hook(self._make_hook(i)))
+                exits.enter_context(module.register_forward_hook(partial(self._output_hook, i)))
 
-    def _make_hook(self, index: int) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if in_backward():
-                return
-            tensor = first_floating_tensor(output)
-            if tensor is None or tensor.dim() < 2 or tensor.numel() == 0 or not tensor.requires_grad:
-                return
-            self._last = (index, tensor)
-            if len(self._outputs) == 1:
-                self.end_micro_batch()
-
-        return hook
+    def _output_hook(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        if in_backward():
+            return
+        tensor = first_floating_tensor(output)
+        if tensor is None or tensor.dim() < 2 or tensor.numel() == 0 or not tensor.requires_grad:
+            return
+        self._last = (index, tensor)
+        if len(self._outputs) == 1:
+            self.end_micro_batch()
 
     @override
     def end_forward(self, loss: Tensor | None) -> None:
@@ -373,14 +361,10 @@ def _precursor_probes(setup: Setup) -> PrecursorProbes | None:
 
 
 def attention_scope(modules: Mapping[str, nn.Module], selected: Sequence[str]) -> dict[str, nn.Module]:
-    """The modules an attention call may be attributed to: the ``selected`` ones and every module containing one.
+    """Those of ``modules`` (all, named as by ``named_modules``) that are ``selected`` or contain a selected one.
 
-    HF attention modules hold their projections as children and own no parameter, so the default selection does
-    not select them; they still contain selected modules. ``modules``: every module, as
-    :func:`~lightning_hookdiag.selection.named_modules` names them.
+    Attention calls are attributed to these. HF attention modules own no parameter (their projections are children),
+    so the default selection does not select them, but they contain selected modules.
     """
-    wanted: set[str] = set()
-    for name in selected:
-        parts = name.split(".")
-        wanted.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    wanted = {".".join(parts[:i]) for parts in (n.split(".") for n in selected) for i in range(1, len(parts) + 1)}
     return {name: module for name, module in modules.items() if name in wanted}

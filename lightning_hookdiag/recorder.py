@@ -1,8 +1,8 @@
 """The sinks a :class:`~lightning_hookdiag.hooks.HookSet` writes into: outputs and gradients to statistics.
 
-:class:`StepRecorder` hands each observed tensor once to :func:`~lightning_hookdiag.stats.reduce_tensor`, which
-writes its rows into the :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator`'s call table and returns its
-per-unit maxima and histogram counts; the recorder passes those on. The aggregator never sees a tensor.
+Each observed tensor goes once to :func:`~lightning_hookdiag.stats.reduce_tensor`, which writes its rows into the
+aggregator's call table and returns the per-unit maxima and histogram counts the recorder passes on (the aggregator
+never sees the tensor).
 """
 
 from __future__ import annotations
@@ -83,10 +83,10 @@ class StepRecorder:
         unit_dim: Override of the unit axis, see :func:`~lightning_hookdiag.stats.unit_maxima`.
         names: Layer names, for error messages (``unit_dim`` out of range for a layer's output).
         stack_small: Stack outputs and gradients of at most :data:`SMALL_ELEMENTS` elements and reduce them a stack
-            at a time (one copy per tensor instead of 9 or 6 ops); their rows reach the aggregator at
-            :meth:`flush`, which the owner calls before the aggregator folds the step.
-        components: Their tensor sinks (:attr:`~lightning_hookdiag.components.Component.on_output`, ``on_grad``)
-            receive every observed output and gradient after the default statistics, while they are attached.
+            at a time (one copy per tensor instead of 9 or 6 ops); their rows reach the aggregator at :meth:`flush`,
+            which the owner calls before the aggregator folds the step.
+        components: Their ``on_output`` / ``on_grad`` sinks receive every observed output and gradient after the
+            default statistics, while they are attached.
     """
 
     def __init__(
@@ -170,8 +170,7 @@ class StepRecorder:
         """Gradient sink: observe the gradient of the loss w.r.t. the output of layer ``layer``."""
         if grad.layout != torch.strided:
             self.sparse_output.add(layer)
-            return
-        if grad.numel():
+        elif grad.numel():
             self._reduce("grad", layer, grad)
             for c in self._grad_sinks:
                 if c.attached:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_hookdiag.aggregation import host_values
+from lightning_hookdiag.aggregation import LayerStatsAggregator, host_values
 from lightning_hookdiag.components import Component, Setup, WindowStart, component
 from lightning_hookdiag.torch_internals import in_backward
 
@@ -30,16 +30,14 @@ class SavedMemoryTracker(Component):
     Args:
         modules: Ordered ``{name: module}``; :attr:`peak` lists bytes in this order.
         root: The model whose parameters and buffers are never counted.
-        aggregator: Where the step's peak is pooled (the max state ``act_saved``); ``None``: kept in :attr:`peak`.
+        aggregator: Where the step's peak is pooled (the max state ``act_saved``).
     """
 
-    def __init__(self, modules: Mapping[str, nn.Module], root: nn.Module, aggregator: Any = None) -> None:
+    def __init__(self, modules: Mapping[str, nn.Module], root: nn.Module, aggregator: LayerStatsAggregator) -> None:
         self.modules: list[nn.Module] = list(modules.values())
         self.root = root
         self._aggregator = aggregator
-        if aggregator is not None:
-            saved = torch.zeros(len(self.modules), dtype=aggregator.acc_dtype, device=aggregator.act_moments.device)
-            aggregator.add_state("act_saved", saved, "max")
+        aggregator.add_state("act_saved", aggregator.new_state(len(self.modules)), "max")
         self.bytes: list[int] = [0] * len(self.modules)
         """Bytes saved per module in the current micro-batch."""
         self.peak: list[int] = [0] * len(self.modules)

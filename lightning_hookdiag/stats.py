@@ -1,11 +1,8 @@
 """Pure tensor statistics: per-tensor sufficient statistics and their finalisation.
 
-A tensor is reduced to additive (counts, sums, sums of squares) and max-reducible (maxima) vectors, which pool by a
-sum or a max: :func:`reduce_tensor` is the one pass a recorder makes over a tensor; the finalisers turn the pooled
-vectors into the logged values (``docs/statistics.md#every-key``).
-
-One path serves every device: no host read, no branch on data, a fixed count of aten ops, each at least one kernel
-launch on an accelerator (``benchmarks/overhead.py --count-ops``).
+:func:`reduce_tensor`, the one pass a recorder makes over a tensor, reduces it to additive (counts, sums, sums of
+squares) and maximum vectors; the finalisers turn the pooled vectors into the logged values. One path serves every
+device: no host read, no branch on data, a fixed count of aten ops (``benchmarks/overhead.py --count-ops``).
 
 Why this is exact without prescaling or centring: a float32 (or fp16/bf16) value and its square are exact in float64
 (24 significant bits squared fit in 53), float32's largest square (1.2e77) and smallest (2e-90) are normal float64
@@ -25,14 +22,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from lightning_hookdiag.vocabulary import ACTIVATION_STATS, ALL_STATS, GRADIENT_STATS, OPT_IN_STATS, PARAMETER_STATS
+from lightning_hookdiag.vocabulary import ALL_STATS, OPT_IN_STATS
 
 __all__ = [
-    "ACTIVATION_STATS",
-    "ALL_STATS",
-    "GRADIENT_STATS",
-    "OPT_IN_STATS",
-    "PARAMETER_STATS",
     "CHUNK_ELEMENTS",
     "Workspace",
     "accumulation_dtype",
@@ -64,19 +56,18 @@ GROW_NONZERO, GROW_NONZERO_FINITE, GROW_SUMSQ = range(3)
 GRAD_ROW = 3
 
 CHUNK_ELEMENTS = 1 << 18
-"""The most elements one reduction reads at once: larger tensors are reduced piece by piece (see :func:`chunks`).
+"""The most elements one reduction reads at once (:func:`chunks`), which bounds every scratch buffer.
 
-It bounds every scratch buffer (``docs/statistics.md#memory-bounded-scratch``). A piece costs a few kernel launches
-on an accelerator (a 64 M-element logits tensor: ~2,300, a few milliseconds per sampled step); on a CPU the passes
-after the first read it from cache (a 2 M-element output reduced 1.7x faster in pieces of 256 K than of 1 M).
+A piece costs a few kernel launches on an accelerator (a 64 M-element logits tensor: ~2,300, a few milliseconds per
+sampled step); on a CPU the passes after the first read it from cache (a 2 M-element output reduced 1.7x faster in
+pieces of 256 K than of 1 M).
 """
 
 
 def chunks(x: Tensor, limit: int | None = None) -> Iterator[Tensor]:
-    """Views of ``x`` of at most ``limit`` elements each that together hold every element of ``x`` once.
+    """Views of ``x`` of at most ``limit`` (default :data:`CHUNK_ELEMENTS`) elements that hold each element once.
 
     A contiguous tensor is cut along its flat view, any other along its leading dimensions: no piece is a copy.
-    ``limit=None`` is :data:`CHUNK_ELEMENTS`.
 
     Example:
         >>> [tuple(p.shape) for p in chunks(torch.zeros(10), limit=4)]
@@ -157,13 +148,6 @@ class Workspace:
     On the CPU fresh temporaries cost page faults on every call (an 8 MB activation took 8.3 ms with them, 3.1 ms
     with reused buffers); views are kept per size too, so that a deep stack of equal layers does not pay a few
     microseconds of view creation per tensor. The owner releases it at the end of every sampled step.
-
-    Example:
-        >>> ws = Workspace()
-        >>> finite, bits, pair = ws.get(4, torch.float32, torch.float64, torch.device("cpu"))
-        >>> finite.dtype, bits.dtype, pair.shape, pair.dtype
-        (torch.float32, torch.int32, torch.Size([2, 4]), torch.float64)
-        >>> ws.release()
     """
 
     def __init__(self) -> None:
@@ -179,11 +163,7 @@ class Workspace:
         return buffer[:n]
 
     def get(self, n: int, dtype: torch.dtype, wide: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-        """``(finite, bits, pair)``: views of reused memory for one reduction.
-
-        ``n`` elements of ``dtype``, their bit pattern as integers (the same memory), and a contiguous ``[2, n]``
-        buffer of ``wide`` (values in row 0, their squares in row 1).
-        """
+        """``(finite, bits, pair)``: ``n`` of ``dtype``, their bit pattern (same memory), a ``[2, n]`` of ``wide``."""
         key = (n, dtype, wide, device)
         views = self._views.get(key)
         if views is None:
@@ -194,8 +174,7 @@ class Workspace:
 
     def release(self) -> None:
         """Drop the buffers."""
-        self._buffers = {}
-        self._views = {}
+        self._buffers, self._views = {}, {}
 
 
 def _finite_copy(
@@ -233,13 +212,10 @@ def _finite_copy(
 def activation_row(x: Tensor, out: Tensor, workspace: Workspace | None = None, dim: int | None = None) -> Tensor:
     """Reduce one non-empty floating-point tensor into the ``[ACT_ROW]`` row ``out``, in 9 tensor ops.
 
-    The row holds ``[nonzero, nonzero_finite, sum, sum_of_squares, min, max]``: the non-zero count (NaN and Inf
-    count as non-zero, ``-0.0`` as zero), the non-zero finite count, and the sum, sum of squares, minimum and
-    maximum of the finite elements (NaN/Inf read as 0 there), all in ``out.dtype``. The element count is known on
-    the host and not part of the row. ``x`` is a piece of :func:`chunks` (more than :data:`CHUNK_ELEMENTS` elements
-    raise ``ValueError``); ``out`` is a row of the caller's table (no allocation), and is returned; ``workspace=None``
-    allocates temporaries. ``dim=1`` reduces a ``[k, n]`` stack row by row into a ``[k, ACT_ROW]`` ``out`` in the
-    same 9 ops (the recorder stacks small outputs and pays the ops once per stack).
+    The row holds ``[nonzero, nonzero_finite, sum, sum_of_squares, min, max]`` in ``out.dtype`` (NaN and Inf count
+    as non-zero, ``-0.0`` as zero; the rest are of the finite elements, NaN/Inf read as 0); the element count is
+    known on the host. ``x`` is a piece of :func:`chunks` (larger raises ``ValueError``); ``out``, a row of the
+    caller's table, is returned. ``dim=1`` reduces a ``[k, n]`` stack row by row into ``[k, ACT_ROW]`` in the same ops.
 
     Example:
         >>> activation_row(torch.tensor([0.0, -0.0, -3.0, 4.0, float("nan")]), torch.empty(ACT_ROW)).tolist()
@@ -289,9 +265,9 @@ def reduce_tensor(
 ) -> tuple[Tensor | None, Tensor | None]:
     """Every per-tensor reduction of one output (or gradient), in one pass over its pieces (:func:`chunks`).
 
-    ``row(n)`` is the caller's row for a piece of ``n`` elements, written by :func:`activation_row` (by
-    :func:`gradient_row` with ``grad``). Returns ``(unit maxima, histogram counts)``, ``None`` where not asked for:
-    :func:`unit_maxima` with ``units``; with ``edges``, counts of the finite elements in the ``len(edges) + 1`` bins.
+    ``row(n)`` is the caller's row for a piece of ``n`` elements, written by :func:`activation_row` (``grad``:
+    :func:`gradient_row`). Returns ``(unit maxima, histogram counts)``: :func:`unit_maxima` with ``units``, counts of
+    the finite elements in the ``len(edges) + 1`` bins with ``edges``, ``None`` where not asked for.
 
     Example:
         >>> table = torch.empty(1, ACT_ROW, dtype=torch.float64)
@@ -342,13 +318,10 @@ def unit_maxima(x: Tensor, unit_dim: int | None = None) -> Tensor:
         >>> unit_maxima(torch.tensor([[0.0, 2.0, -1.0], [0.0, -1.0, float("nan")]])).tolist()
         [0.0, 2.0, inf]
     """
-    x = x.detach()
-    if x.ndim == 0:
-        maxima = x.reshape(1)
-    else:
-        dim = unit_dim % x.ndim if unit_dim is not None else 1 if x.ndim >= 4 else x.ndim - 1
-        others = [d for d in range(x.ndim) if d != dim]
-        maxima = x.amax(dim=others) if others else x
+    x = x.detach() if x.ndim else x.detach().reshape(1)
+    dim = unit_dim % x.ndim if unit_dim is not None else 1 if x.ndim >= 4 else x.ndim - 1
+    others = [d for d in range(x.ndim) if d != dim]
+    maxima = x.amax(dim=others) if others else x
     return torch.nan_to_num(maxima, nan=math.inf, posinf=math.inf, neginf=-math.inf)
 
 

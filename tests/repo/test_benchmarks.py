@@ -58,6 +58,14 @@ def test_sync_cost_new_path_bytes_do_not_grow_with_ranks_and_old_path_bytes_do()
     assert text.count("\n| 8192 |") == 6
 
 
+def test_precursor_cost_benchmark_prices_the_probes_of_one_model():
+    cost = load_benchmark("precursor_cost")
+    result = cost.main(["--quick", "--model", "transformer", "--pairs", "2"])
+    assert result["plain_ms"] > 0
+    assert result["probed_ms"] > 0
+    assert result["attention_on"]  # the transformer's attention calls were seen, so the probe stays on
+
+
 @pytest.mark.slow
 def test_memory_benchmark_measures_one_step_per_fresh_process(tmp_path):
     memory = load_benchmark("memory")

@@ -221,6 +221,7 @@ def test_tensors_walks_every_dtype_with_its_path():
 def test_a_companion_that_raises_leaves_no_hook_behind(finished):
     from torch._dynamo import eval_frame
 
+    from lightning_hookdiag.aggregation import LayerStatsAggregator
     from lightning_hookdiag.components import Component
     from lightning_hookdiag.saved_memory import SavedMemoryTracker
     from lightning_hookdiag.unregistered import UnregisteredWatch
@@ -235,7 +236,8 @@ def test_a_companion_that_raises_leaves_no_hook_behind(finished):
 
     net = mlp()
     modules = dict(net.named_children())
-    companions = [SavedMemoryTracker(modules, net), Failing(), UnregisteredWatch(net), SavedMemoryTracker(modules, net)]
+    trackers = [SavedMemoryTracker(modules, net, LayerStatsAggregator(len(modules))) for _ in range(2)]
+    companions = [trackers[0], Failing(), UnregisteredWatch(net), trackers[1]]
     hooks = HookSet(modules, lambda i, o: None, lambda i, g: None, companions=companions)
     hooks.attach()
     net(torch.randn(2, 3))  # leaves tensor hooks on the outputs

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from lightning_hookdiag import kurtosis as O
-from lightning_hookdiag import stats as S
 from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.recorder import StepRecorder
+from lightning_hookdiag.vocabulary import ACTIVATION_STATS
 
 
 def reference(chunks: list[torch.Tensor]) -> dict[str, float]:
@@ -149,7 +149,7 @@ def test_default_recorder_path_registers_no_opt_in_state():
     assert not {"act_precision", "grad_precision", "act_power", "act_saved"} & set(agg.reduce_of)
     agg.update()
     out = agg.compute()
-    assert set(out) >= set(S.ACTIVATION_STATS)
+    assert set(out) >= set(ACTIVATION_STATS)
     assert not {"act_kurtosis", "act_absmax_over_std", "act_saved_bytes"} & set(out)
 
 

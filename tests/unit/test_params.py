@@ -227,3 +227,7 @@ def test_parameter_statistics_cost_a_constant_number_of_fused_ops(dtypes):
     assert few == many, (few, many)
     assert few.count("_foreach_norm") == 2 * len(dtypes)  # before the step (weights and grads), after (updates)
     assert len(few) <= 7 + 2 * len(dtypes), few
+
+
+def test_a_plain_tensor_is_held_by_one_process():
+    assert P.replicas(torch.zeros(3)) == 1

@@ -13,6 +13,7 @@ from torch.utils.data import TensorDataset
 from zoo import _tokens, hf_model, zoo_module
 
 from lightning_hookdiag import ALL_STATS, LayerHealthCallback, torch_internals
+from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.components import WindowStart
 from lightning_hookdiag.precursor_probes import (
     AttentionProbe,
@@ -305,7 +306,7 @@ def test_removing_the_probe_leaves_a_mode_entered_after_it_in_place():
     class Other(torch.overrides.TorchFunctionMode):
         pass
 
-    probes = PrecursorProbes(["attn_logit_max"], {"attn": nn.Linear(2, 2)}, {})
+    probes = PrecursorProbes(["attn_logit_max"], {"attn": nn.Linear(2, 2)}, {}, LayerStatsAggregator(1))
     probes.attach()
     other = Other()
     other.__enter__()  # e.g. a `with torch.device(...)` opened inside training_step and still open
@@ -474,7 +475,8 @@ def test_the_probes_copy_no_host_data_to_the_device_in_a_micro_batch():
     model = hf_model("gpt2")
     model.set_attn_implementation("sdpa")
     modules = named_modules(model)
-    probes = PrecursorProbes(PRECURSOR_STATS, attention_scope(modules, list(modules)), {"lm_head": model.lm_head})
+    scope = attention_scope(modules, list(modules))
+    probes = PrecursorProbes(PRECURSOR_STATS, scope, {"lm_head": model.lm_head}, LayerStatsAggregator(1))
     probes.reset(WindowStart(torch.device("cpu"), lambda stat: []))
     x = _tokens(2, 0)
 

@@ -10,6 +10,7 @@ from conftest import RecordingLogger, TinyModule, count_hooks, make_data, make_t
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
+from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.saved_memory import SavedMemoryTracker
 
 F32 = 4  # bytes per float32 element
@@ -17,7 +18,7 @@ P = "layer_health"
 
 
 def saved_bytes(model: nn.Module, modules: dict[str, nn.Module], x: torch.Tensor) -> dict[str, int]:
-    tracker = SavedMemoryTracker(modules, model)
+    tracker = SavedMemoryTracker(modules, model, LayerStatsAggregator(len(modules)))
     tracker.attach()
     try:
         model(x).sum().backward()
@@ -141,7 +142,7 @@ def test_recomputation_in_backward_is_not_counted():
 
 def test_remove_is_idempotent_and_restores_everything():
     net = nn.Sequential(nn.Linear(2, 2))
-    tracker = SavedMemoryTracker(dict(net.named_children()), net)
+    tracker = SavedMemoryTracker(dict(net.named_children()), net, LayerStatsAggregator(1))
     tracker.attach()
     tracker.attach()
     assert tracker.attached

@@ -6,6 +6,7 @@ import torch
 from reference import activation_stats, activation_stats_float64
 
 from lightning_hookdiag import stats as S
+from lightning_hookdiag.vocabulary import ALL_STATS
 
 
 def finalize_one(*tensors: torch.Tensor) -> dict[str, float]:
@@ -105,7 +106,7 @@ def test_dead_fraction_nan_for_untracked_layers():
 
 
 def test_resolve_stats_orders_and_validates():
-    assert S.resolve_stats(None) == S.ALL_STATS
+    assert S.resolve_stats(None) == ALL_STATS
     assert S.resolve_stats("act_std") == ("act_std",)
     with pytest.raises(ValueError, match=r"unknown statistic\(s\) \['act_sdt'\].*act_std"):
         S.resolve_stats(["act_sdt"])
