@@ -53,9 +53,7 @@ class BatchRows(Component):
 
     def __init__(self, aggregator: LayerStatsAggregator) -> None:
         self._aggregator = aggregator
-        aggregator.add_state(
-            "batch_rows", torch.zeros(2, dtype=torch.float64, device=aggregator.act_moments.device), "max"
-        )
+        aggregator.add_state("batch_rows", aggregator.new_state(2, dtype=torch.float64), "max")
 
     @override
     def observe_batch(self, batch: Any) -> None:

@@ -161,7 +161,7 @@ class AbsSum(Component):
 
     def __init__(self, aggregator: Any) -> None:
         self.aggregator = aggregator
-        aggregator.add_state("abs_sum", torch.zeros(aggregator.n_layers, dtype=torch.float64), "sum")
+        aggregator.add_state("abs_sum", aggregator.new_state(aggregator.n_layers, dtype=torch.float64), "sum")
 
     def on_output(self, layer: int, tensor: torch.Tensor) -> None:
         self.aggregator.pool("abs_sum", tensor.abs().sum(dtype=torch.float64), layer)
