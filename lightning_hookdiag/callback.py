@@ -534,8 +534,8 @@ class LayerHealthCallback(Callback):
         """Pool, log and diagnose the open window, then act as ``on_anomaly`` says; ``before_update``: no update yet."""
         observed = run.collect(self.execution_order, before_update)
         self.execution_order = observed.forward_order
-        metrics, values = run.values(observed)
-        for note in run.notes(observed):
+        metrics, values, notes = run.results(observed)
+        for note in notes:
             self._note(note)
         error = self._log(trainer, observed.step, metrics)
         if observed.histogram_edges is not None:

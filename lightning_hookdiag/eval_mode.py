@@ -40,12 +40,6 @@ def mode_dependent_modules(root: nn.Module) -> dict[str, tuple[nn.Module, nn.Mod
     return found
 
 
-def _mode_matters(module: nn.Module) -> bool:
-    if isinstance(module, DROPOUT):
-        return module.p > 0
-    return module.running_mean is not None  # without running statistics, eval mode normalises with the batch's too
-
-
 def eval_mode_modules(candidates: Mapping[str, tuple[nn.Module, nn.Module]]) -> dict[str, str]:
     """The candidates in eval mode now whose mode matters and whose owner has a parameter that requires grad.
 
@@ -54,7 +48,10 @@ def eval_mode_modules(candidates: Mapping[str, tuple[nn.Module, nn.Module]]) -> 
     return {
         name: type(module).__name__
         for name, (module, owner) in candidates.items()
-        if not module.training and _mode_matters(module) and any(p.requires_grad for p in owner.parameters())
+        if not module.training
+        # Without running statistics, eval mode normalises with the batch's statistics too: the mode does not matter.
+        and (module.p > 0 if isinstance(module, DROPOUT) else module.running_mean is not None)
+        and any(p.requires_grad for p in owner.parameters())
     }
 
 

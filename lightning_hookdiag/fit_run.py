@@ -224,9 +224,9 @@ class FitRun:
         if measured is not None:
             self.aggregator.update(params=(measured[0], measured[1], slice(None)))
 
-    def values(self, observed: ObservedStep) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
-        """The step's logged metrics and the rules' values (:func:`~lightning_hookdiag.logged_values.step_values`)."""
-        return step_values(
+    def results(self, observed: ObservedStep) -> tuple[dict[str, float], dict[str, dict[str, float]], list[Note]]:
+        """The step's logged metrics, the rules' values and its one-time notes (``step_values``, ``step_notes``)."""
+        metrics, values = step_values(
             observed,
             keys=self.keys,
             layer_names=self.layer_names,
@@ -236,11 +236,9 @@ class FitRun:
             undefined_skipped={"act_dead_frac", *self.logged},
             total="grad_norm_total" in self.config.stats,
         )
-
-    def notes(self, observed: ObservedStep) -> list[Note]:
-        """The one-time notes of the observed step (:func:`~lightning_hookdiag.logged_values.step_notes`)."""
         default = self.config.layers is None
-        return step_notes(observed, self.layer_names, default_selection=default, quiet_not_run=self.quiet_not_run)
+        notes = step_notes(observed, self.layer_names, default_selection=default, quiet_not_run=self.quiet_not_run)
+        return metrics, values, notes
 
     def collect(self, last_order: Sequence[str] = (), before_update: bool = False) -> ObservedStep:
         """Close the open window: pool it, reduce it over processes and read it back in one host transfer.

@@ -26,9 +26,7 @@ __all__ = [
     "StepFacts",
     "histogram_note",
     "histogram_series",
-    "overflow_notes",
     "late_note",
-    "missing_grad_notes",
     "no_logger_note",
     "opt_in_note",
     "step_notes",
@@ -214,6 +212,12 @@ def _layer_note(kind: str, name: str, step: int = 0, info: bool = False) -> Note
     return _note(f"{kind}:{name}", _LAYER_NOTES[kind].format(name=name, step=step), info)
 
 
+_OVERFLOW_CHECKS = (
+    ("count", "act_nonfinite", ("act_mean", "act_std", "act_absmax"), "output"),
+    ("grad_count", "act_grad_nonfinite", ("act_grad_norm",), "output gradient"),
+)
+
+
 def step_notes(
     observed: ObservedStep,
     layer_names: Sequence[str],
@@ -230,46 +234,26 @@ def step_notes(
             that it did not run is an info note, not a warning.
         quiet_not_run: Modules whose not running is a note, not a warning (no parameters of their own).
     """
-    step, count, facts = observed.step, observed.host["count"], observed.facts
+    step, host, facts = observed.step, observed.host, observed.facts
     kinds = ("unit_mismatch", "no_float", "sparse")
     unobservable = {kind: [layer_names[i] for i in sorted(getattr(facts, kind))] for kind in kinds}
     unobservable["sparse"].sort()  # by name, as the sparse notes always were; the others in layer order
     notes = [_layer_note(kind, name) for kind in kinds for name in unobservable[kind]]
     skipped = {*unobservable["no_float"], *unobservable["sparse"]}
     empty = {layer_names[i] for i in facts.empty}
-    ran = [name for name, c in zip(layer_names, count, strict=True) if c > 0]
-    for name in (name for name, c in zip(layer_names, count, strict=True) if c == 0):
+    ran = [name for name, c in zip(layer_names, host["count"], strict=True) if c > 0]
+    for name in (name for name, c in zip(layer_names, host["count"], strict=True) if c == 0):
         if name in empty:
             notes.append(_layer_note("empty", name, step))
         elif name not in skipped and observed.layers:
             # Inside a selected module that ran (MultiheadAttention's out_proj): observed through it.
             covered = default_selection and any(name.startswith(r + ".") for r in ran)
             notes.append(_layer_note("not_run", name, step, info=covered or name in quiet_not_run))
-    return [*notes, *missing_grad_notes(observed.missing_grads), *overflow_notes(layer_names, observed.host)]
-
-
-def missing_grad_notes(missing: Sequence[str]) -> list[Note]:
-    """Notes for the outputs that required grad but received none on a sampled step.
-
-    A note, not a warning: rule ``no_gradient`` reports the outputs that cut the network off from the gradient;
-    the others (a pooler under a token-level head) do not reach the loss by design.
-    """
-    return [_layer_note("no_grad", name, info=True) for name in missing]
-
-
-_OVERFLOW_CHECKS = (
-    ("count", "act_nonfinite", ("act_mean", "act_std", "act_absmax"), "output"),
-    ("grad_count", "act_grad_nonfinite", ("act_grad_norm",), "output gradient"),
-)
-
-
-def overflow_notes(layer_names: Sequence[str], host: dict[str, list[float]]) -> list[Note]:
-    """Notes for statistics that are not finite although the tensor they describe held only finite values.
-
-    That is an overflow of what the statistic is held in (``docs/statistics.md#the-numeric-contract``). Layers that
-    observed nothing (NaN statistics of a layer that did not run) are not overflows.
-    """
-    notes = []
+    # A note, not a warning: rule no_gradient reports the outputs that cut the network off from the gradient; the
+    # others (a pooler under a token-level head) do not reach the loss by design.
+    notes += [_layer_note("no_grad", name, info=True) for name in observed.missing_grads]
+    # A statistic that is not finite although its tensor held only finite values overflowed what it is held in
+    # (docs/statistics.md#the-numeric-contract); NaN statistics of a layer that observed nothing are no overflow.
     for count_key, nonfinite_key, stats, what in _OVERFLOW_CHECKS:
         for stat in (stat for stat in stats if {count_key, nonfinite_key, stat} <= host.keys()):
             held = zip(layer_names, host[count_key], host[nonfinite_key], host[stat], strict=True)

@@ -7,7 +7,7 @@ Trainer's own ``training_step``, precision context and gradient scaling, through
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -69,26 +69,6 @@ def _logging_silenced(pl_module: pl.LightningModule) -> Iterator[None]:
         del pl_module.__dict__["log"], pl_module.__dict__["log_dict"]
 
 
-def _training_step_loss(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Callable[[MicroBatch], Tensor | None]:
-    """One micro-batch's loss as the automatic-optimization loop back-propagates it."""
-    takes_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    accumulate = trainer.accumulate_grad_batches
-
-    def run(micro: MicroBatch) -> Tensor | None:
-        args = (micro.batch, micro.batch_idx) if takes_index else (micro.batch,)
-        # The LightningModule itself, not the DDP wrapper: DDP's reducer must not see this backward.
-        with trainer.precision_plugin.train_step_context(), _logging_silenced(pl_module):
-            output = pl_module.training_step(*args)
-        loss = output.get("loss") if isinstance(output, Mapping) else output
-        if not isinstance(loss, Tensor):
-            return None
-        loss = loss / accumulate
-        return scaler.scale(loss) if scaler is not None else loss
-
-    return run
-
-
 def respond(
     trip: Trip,
     previous: int | None,
@@ -136,8 +116,21 @@ def _rerun(
     trainer: pl.Trainer, pl_module: pl.LightningModule, run: FitRun, hooks: HookSet, trace: NonFiniteTrace | None
 ) -> str | None:
     """Run the step's micro-batches again through ``hooks`` and ``trace``; why it raised, or ``None``."""
+
+    def loss(micro: MicroBatch) -> Tensor | None:  # as the automatic-optimization loop back-propagates it
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        takes_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
+        args = (micro.batch, micro.batch_idx) if takes_index else (micro.batch,)
+        # The LightningModule itself, not the DDP wrapper: DDP's reducer must not see this backward.
+        with trainer.precision_plugin.train_step_context(), _logging_silenced(pl_module):
+            output = pl_module.training_step(*args)
+        value = output.get("loss") if isinstance(output, Mapping) else output
+        if not isinstance(value, Tensor):
+            return None
+        value = value / trainer.accumulate_grad_batches
+        return scaler.scale(value) if scaler is not None else value
+
     try:
-        loss = _training_step_loss(trainer, pl_module)
         replay_step(run.state.micro.batches, loss, pl_module, hooks, pl_module.device, trace)
     except Exception as error:  # reported in the finding; training goes on untouched
         return f"the replay raised {type(error).__name__}: {error}"

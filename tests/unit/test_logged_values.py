@@ -14,10 +14,8 @@ from lightning_hookdiag.logged_values import (
     histogram_note,
     histogram_series,
     late_note,
-    missing_grad_notes,
     no_logger_note,
     opt_in_note,
-    overflow_notes,
     step_notes,
     step_values,
 )
@@ -193,7 +191,7 @@ def test_a_parameter_window_says_nothing_about_layers_that_did_not_run():
 
 
 def test_missing_gradient_histogram_and_opt_in_notes():
-    (note,) = missing_grad_notes(["pooler"])
+    (note,) = step_notes(observed(host={"count": []}, missing_grads=["pooler"]), [])
     assert (note.key, note.info) == ("no_grad:pooler", True)
     for fact in ("'pooler'", "required grad but received no gradient", "no act_grad statistics"):
         assert fact in note.message
@@ -246,12 +244,13 @@ def test_an_overflow_is_a_non_finite_statistic_of_finite_values_of_a_layer_that_
         "act_grad_nonfinite": [0.0, 0.0, 0.0, 0.0],
         "act_grad_norm": [1.0, NAN, NAN, INF],
     }
-    notes = overflow_notes(["fc1", "fc2", "fc3", "fc4"], host)
+    notes = [n for n in step_notes(observed(host=host), ["fc1", "fc2", "fc3", "fc4"]) if n.key.startswith("overflow:")]
     assert [n.key for n in notes] == ["overflow:act_std:fc1", "overflow:act_grad_norm:fc4"]
     for fact in ("'fc1'", "inf", "output held no NaN/Inf"):
         assert fact in notes[0].message
     assert "output gradient held no NaN/Inf" in notes[1].message
-    assert overflow_notes(["fc1"], {"act_std": [INF]}) == []  # without the counts nothing is judged
+    # without the count of non-finite elements nothing is judged
+    assert step_notes(observed(host={"count": [4.0], "act_std": [INF]}), ["fc1"]) == []
 
 
 def test_the_late_and_no_logger_notes_name_their_facts():
