@@ -104,7 +104,7 @@ class LayerStatsAggregator(Metric):
         self.add_state("param_stats", torch.zeros(n_params, P_SLOTS, dtype=dtype), "sum" if sharded_params else "max")
         self.add_state("act_moments", torch.zeros(n_layers, ACT_SLOTS, dtype=dtype), dist_reduce_fx="sum")
         # float32, like the other maxima, so that the MAX buffer stays float32 in sharded runs: only float64 outputs
-        # beyond float32's range (3.4e38) overflow it, and they are logged as inf with a note (overflow_notes).
+        # beyond float32's range (3.4e38) overflow it, and they are logged as inf with a note (step_notes).
         self.add_state("act_absmax", torch.zeros(n_layers), dist_reduce_fx="max")
         self.add_state("grad_moments", torch.zeros(n_layers, GRAD_SLOTS, dtype=dtype), dist_reduce_fx="sum")
         self.add_state("unit_max", torch.empty(0), dist_reduce_fx="max")
