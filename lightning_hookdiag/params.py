@@ -109,8 +109,6 @@ def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64)
 SNAPSHOT_ELEMENTS = 1 << 22
 """The most parameter entries :class:`ParameterTracker` keeps across an optimizer step (16 MiB of float32)."""
 
-_MIN_SAMPLE = 1024
-
 
 def update_samples(numels: Sequence[int], budget: int = SNAPSHOT_ELEMENTS) -> list[int]:
     """How many entries of each parameter to keep across the step: all of the small ones, a share of the large ones.
@@ -127,7 +125,7 @@ def update_samples(numels: Sequence[int], budget: int = SNAPSHOT_ELEMENTS) -> li
     taken = [0] * len(numels)
     left, waiting = budget, len(numels)
     for i in sorted(range(len(numels)), key=numels.__getitem__):
-        share = max(_MIN_SAMPLE, left // waiting)
+        share = max(1024, left // waiting)
         taken[i] = min(numels[i], share)
         left, waiting = max(0, left - taken[i]), waiting - 1
     return taken

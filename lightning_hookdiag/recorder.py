@@ -186,6 +186,5 @@ class StepRecorder:
         for stacks in self._stacks.values():
             stacks.release()
         self.workspace.release()
-        self.no_float_output.clear()
-        self.empty_output.clear()
-        self.sparse_output.clear()
+        for skipped in (self.no_float_output, self.empty_output, self.sparse_output):
+            skipped.clear()
