@@ -153,8 +153,7 @@ class LayerStatsAggregator(Metric):
         old_sizes, old_offsets = list(self.unit_sizes), list(self._unit_offsets)
         for layer, size in sizes.items():
             self.unit_sizes[layer] = size
-        current, default = [], []
-        offset = 0
+        current, default, offset = [], [], 0
         for layer, size in enumerate(self.unit_sizes):
             self._unit_offsets[layer] = offset
             offset += size

@@ -358,8 +358,7 @@ class ParameterTracker:
             # In place on the copies, which are not read again: no second weight-sized allocation.
             torch._foreach_sub_(before, current)
             update_sq = squared_norms(before, self.dtype).to(pattern.index.device)
-            share = pattern.snapshot_share
-            updates.append(update_sq if share is None else update_sq * share)
+            updates.append(update_sq if pattern.snapshot_share is None else update_sq * pattern.snapshot_share)
         self._snapshots = []
         if len(indices) == 1:
             return indices[0], updates[0]
