@@ -388,8 +388,7 @@ class LayerStatsAggregator(Metric):
         if self._unit_bad is not None:  # ... on some other process
             dead = torch.where(self._unit_bad.to(dead.device) > 0, torch.full_like(dead, float("nan")), dead)
         out["act_dead_frac"] = dead
-        out["count"] = self.act_moments[:, ACT_COUNT]
-        out["grad_count"] = self.grad_moments[:, GRAD_COUNT]
+        out.update(count=self.act_moments[:, ACT_COUNT], grad_count=self.grad_moments[:, GRAD_COUNT])
         out.update(finalize_parameters(self.param_stats))
         if self.param_norm_low is not None:  # synced over processes: replicas can be compared
             out["param_norm_min"] = self.param_norm_low.to(self.param_stats.device).sqrt()

@@ -53,8 +53,7 @@ def replicas(t: Tensor) -> int:
     mesh, sharded over ``dp``: the ``tp`` size. A ``Partial`` placement (partial sums: their squares do not add up to
     the whole's) raises ``ValueError``, as does a mesh whose size does not divide the group's.
     """
-    placements = getattr(t, "placements", None)
-    mesh = getattr(t, "device_mesh", None)
+    placements, mesh = getattr(t, "placements", None), getattr(t, "device_mesh", None)
     if placements is None or mesh is None:
         return 1
     within = 1
