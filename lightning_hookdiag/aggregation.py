@@ -153,8 +153,7 @@ class LayerStatsAggregator(Metric):
         old_sizes, old_offsets = list(self.unit_sizes), list(self._unit_offsets)
         for layer, size in sizes.items():
             self.unit_sizes[layer] = size
-        current, default = [], []
-        offset = 0
+        current, default, offset = [], [], 0
         for layer, size in enumerate(self.unit_sizes):
             self._unit_offsets[layer] = offset
             offset += size
@@ -311,8 +310,8 @@ class LayerStatsAggregator(Metric):
         # Layers declared for per-unit maxima without an agreed unit count: the same list on every process, because
         # the agreed counts are.
         waiting = [i for i in sorted(self.unit_layers) if not self.unit_sizes[i] and i not in self.unit_mismatch]
-        sum_names = [name for name, reduce in self.reduce_of.items() if reduce == "sum"]
-        sums = [getattr(self, name) for name in sum_names]
+        names = {op: [name for name, reduce in self.reduce_of.items() if reduce == op] for op in ("sum", "max")}
+        sums = [getattr(self, name) for name in names["sum"]]
         if waiting:
             # (processes that saw the layer, sum of their unit counts, sum of squares): the counts agree exactly
             # when seen * squares == total ** 2.
@@ -332,8 +331,7 @@ class LayerStatsAggregator(Metric):
             if agreed:
                 self._relayout(agreed)
                 self._relaid = self.unit_max  # what unsync restores instead of the local copy's old layout
-        max_names = [name for name, reduce in self.reduce_of.items() if reduce == "max"]
-        maxima = [getattr(self, name) for name in max_names]
+        maxima = [getattr(self, name) for name in names["max"]]  # read after the relayout: unit_max may be new
         if self.unit_layers:
             maxima.append(self._mismatch_flags())
         low = None
@@ -346,7 +344,7 @@ class LayerStatsAggregator(Metric):
         self.param_norm_low = None if low is None else reduced_max.pop().neg()
         if self.unit_layers:
             self._unit_bad = reduced_max.pop()
-        for name, value in zip([*sum_names, *max_names], [*reduced, *reduced_max], strict=True):
+        for name, value in zip([*names["sum"], *names["max"]], [*reduced, *reduced_max], strict=True):
             setattr(self, name, value)
 
     def _mismatch_flags(self) -> Tensor:
@@ -390,8 +388,7 @@ class LayerStatsAggregator(Metric):
         if self._unit_bad is not None:  # ... on some other process
             dead = torch.where(self._unit_bad.to(dead.device) > 0, torch.full_like(dead, float("nan")), dead)
         out["act_dead_frac"] = dead
-        out["count"] = self.act_moments[:, ACT_COUNT]
-        out["grad_count"] = self.grad_moments[:, GRAD_COUNT]
+        out.update(count=self.act_moments[:, ACT_COUNT], grad_count=self.grad_moments[:, GRAD_COUNT])
         out.update(finalize_parameters(self.param_stats))
         if self.param_norm_low is not None:  # synced over processes: replicas can be compared
             out["param_norm_min"] = self.param_norm_low.to(self.param_stats.device).sqrt()
@@ -403,11 +400,9 @@ class _Calls:
     # The rows of one kind of observation in the open step, one per call. The layer index and counts are host lists
     # whose device copies are cached by value: a step repeating the previous one's calls copies nothing.
 
-    __slots__ = ("_patterns", "counts", "dtype", "layers", "table", "width")
+    __slots__ = ("_patterns", "counts", "layers", "table")
 
     def __init__(self, width: int, dtype: torch.dtype) -> None:
-        self.width = width
-        self.dtype = dtype
         self.table = torch.empty(0, width, dtype=dtype)
         self.layers: list[int] = []
         self.counts: list[int] = []
@@ -416,7 +411,7 @@ class _Calls:
     def rows(self, layers: list[int], count: int, device: torch.device) -> Tensor:
         i, k = len(self.layers), len(layers)
         if i + k > self.table.shape[0] or self.table.device != device:
-            grown = torch.empty(max(16, 2 * i, i + k), self.width, dtype=self.dtype, device=device)
+            grown = torch.empty(max(16, 2 * i, i + k), self.table.shape[1], dtype=self.table.dtype, device=device)
             grown[:i].copy_(self.table[:i])
             self.table = grown
         self.layers.extend(layers)
@@ -435,7 +430,7 @@ class _Calls:
             device = self.table.device
             cached = self._patterns[key] = (
                 host_values(key[0], torch.long, device),
-                host_values(key[1], self.dtype, device),
+                host_values(key[1], self.table.dtype, device),
             )
         rows = self.table[: len(self.layers)]
         self.clear()

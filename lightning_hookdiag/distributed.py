@@ -35,8 +35,7 @@ def unpack(buffer: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
     sizes = [t.numel() for t in like]
     if sum(sizes) != buffer.numel():
         raise ValueError(f"unpack: the buffer holds {buffer.numel()} elements, the tensors {sum(sizes)}")
-    chunks = torch.split(buffer, sizes)
-    return [c.reshape(t.shape).to(t.dtype) for c, t in zip(chunks, like, strict=True)]
+    return [c.reshape(t.shape).to(t.dtype) for c, t in zip(buffer.split(sizes), like, strict=True)]
 
 
 def all_reduce_packed(tensors: Sequence[Tensor], op: Op = "sum", group: Any = None) -> list[Tensor]:

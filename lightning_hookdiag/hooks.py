@@ -64,20 +64,15 @@ _stance_users = 0
 _stance_restore: Any = None
 
 
-def _enter_eager() -> None:
+def _count_eager_user(change: int) -> None:
+    # +1 when a hook set attaches, -1 when it is removed.
     global _stance_users, _stance_restore
     with _stance_lock:
-        if _stance_users == 0:
+        if change > 0 and _stance_users == 0:
             # Its __exit__ restores the previous stance, options included.
             _stance_restore = torch.compiler.set_stance("force_eager")
-        _stance_users += 1
-
-
-def _exit_eager() -> None:
-    global _stance_users, _stance_restore
-    with _stance_lock:
-        _stance_users -= 1
-        if _stance_users == 0:
+        _stance_users += change
+        if change < 0 and _stance_users == 0:
             restore, _stance_restore = _stance_restore, None
             restore.__exit__(None, None, None)
 
@@ -141,7 +136,7 @@ class HookSet:
             return self
         self.attached = True
         self._handles = [m.register_forward_hook(h) for m, h in zip(self.modules, self._forward_hooks, strict=True)]
-        _enter_eager()
+        _count_eager_user(1)
         for companion in self.companions:
             companion.attach()
         return self
@@ -158,7 +153,7 @@ class HookSet:
         self._handles, self._tensor_handles = [], []
         if self.attached:
             self.attached = False
-            _exit_eager()
+            _count_eager_user(-1)
         call_all(call for c in self.companions for call in ((c.end_micro_batch, c.remove) if finished else (c.remove,)))
 
     def end_micro_batch(self) -> None:

@@ -53,8 +53,7 @@ def replicas(t: Tensor) -> int:
     mesh, sharded over ``dp``: the ``tp`` size. A ``Partial`` placement (partial sums: their squares do not add up to
     the whole's) raises ``ValueError``, as does a mesh whose size does not divide the group's.
     """
-    placements = getattr(t, "placements", None)
-    mesh = getattr(t, "device_mesh", None)
+    placements, mesh = getattr(t, "placements", None), getattr(t, "device_mesh", None)
     if placements is None or mesh is None:
         return 1
     within = 1
@@ -109,8 +108,6 @@ def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64)
 SNAPSHOT_ELEMENTS = 1 << 22
 """The most parameter entries :class:`ParameterTracker` keeps across an optimizer step (16 MiB of float32)."""
 
-_MIN_SAMPLE = 1024
-
 
 def update_samples(numels: Sequence[int], budget: int = SNAPSHOT_ELEMENTS) -> list[int]:
     """How many entries of each parameter to keep across the step: all of the small ones, a share of the large ones.
@@ -127,7 +124,7 @@ def update_samples(numels: Sequence[int], budget: int = SNAPSHOT_ELEMENTS) -> li
     taken = [0] * len(numels)
     left, waiting = budget, len(numels)
     for i in sorted(range(len(numels)), key=numels.__getitem__):
-        share = max(_MIN_SAMPLE, left // waiting)
+        share = max(1024, left // waiting)
         taken[i] = min(numels[i], share)
         left, waiting = max(0, left - taken[i]), waiting - 1
     return taken
@@ -360,8 +357,7 @@ class ParameterTracker:
             # In place on the copies, which are not read again: no second weight-sized allocation.
             torch._foreach_sub_(before, current)
             update_sq = squared_norms(before, self.dtype).to(pattern.index.device)
-            share = pattern.snapshot_share
-            updates.append(update_sq if share is None else update_sq * share)
+            updates.append(update_sq if pattern.snapshot_share is None else update_sq * pattern.snapshot_share)
         self._snapshots = []
         if len(indices) == 1:
             return indices[0], updates[0]

@@ -118,7 +118,5 @@ class PrecisionHeadroom(Component):
 
 @component
 def _headroom(setup: Setup) -> PrecisionHeadroom | None:
-    plan = setup.plan
-    if plan.act_targets or plan.grad_targets:
-        return PrecisionHeadroom(setup.aggregator, plan.act_targets, plan.grad_targets)
-    return None
+    act, grad = setup.plan.act_targets, setup.plan.grad_targets
+    return PrecisionHeadroom(setup.aggregator, act, grad) if act or grad else None

@@ -290,8 +290,7 @@ class PrecursorProbes(Component):
             self.attention.reset(window.device)
         if self.output_stats:
             self._zero(window.device)
-        self._loss = None
-        self._forwards = 0
+        self._loss, self._forwards = None, 0
 
     def fold(self) -> None:
         """Pool this process's step; stop entering the mode where forwards reaching a loss made no attention call."""

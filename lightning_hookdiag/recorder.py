@@ -1,8 +1,7 @@
 """The sinks a :class:`~lightning_hookdiag.hooks.HookSet` writes into: outputs and gradients to statistics.
 
 Each observed tensor goes once to :func:`~lightning_hookdiag.stats.reduce_tensor`, which writes its rows into the
-aggregator's call table and returns the per-unit maxima and histogram counts the recorder passes on (the aggregator
-never sees the tensor).
+aggregator's call table and returns the per-unit maxima and histogram counts passed on (the aggregator never sees it).
 """
 
 from __future__ import annotations
@@ -186,6 +185,5 @@ class StepRecorder:
         for stacks in self._stacks.values():
             stacks.release()
         self.workspace.release()
-        self.no_float_output.clear()
-        self.empty_output.clear()
-        self.sparse_output.clear()
+        for skipped in (self.no_float_output, self.empty_output, self.sparse_output):
+            skipped.clear()

@@ -1,9 +1,8 @@
 """Saved-activation memory per layer: the bytes autograd keeps for backward, by the selected module that saved them.
 
 A forward pre-hook and an always-called forward hook keep a stack of the running selected modules; the pack hook of
-:class:`torch.autograd.graph.saved_tensors_hooks` charges each saved storage to the innermost one, once per
-micro-batch and never a parameter or buffer. Forwards re-run inside backward are skipped, and non-reentrant
-checkpointing saves through its own hooks: recomputations are not counted. What is counted, and why:
+``saved_tensors_hooks`` charges each storage to the innermost one. Forwards re-run inside backward are skipped, and
+non-reentrant checkpointing saves through its own hooks. What counts (storages once, never a parameter), and why:
 ``docs/statistics.md#saved-activation-memory-per-layer``; hand-derived examples: ``tests/unit/test_saved_memory.py``.
 """
 
@@ -60,8 +59,7 @@ class SavedMemoryTracker(Component):
     @override
     def remove(self) -> None:
         super().remove()
-        self._stack = []
-        self._own = set()
+        self._stack, self._own = [], set()
         self._take()  # a partial count is not a measurement
 
     def _take(self) -> list[int]:

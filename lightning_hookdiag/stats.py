@@ -333,8 +333,7 @@ def finalize_activations(moments: Tensor, absmax: Tensor) -> dict[str, Tensor]:
         >>> {k: round(v.item(), 4) for k, v in finalize_activations(moments, torch.tensor([3.0])).items()}
         {'act_mean': -0.6667, 'act_std': 1.6997, 'act_absmax': 3.0, 'act_zero_frac': 0.25, 'act_nonfinite': 1.0}
     """
-    count = moments[:, ACT_COUNT]
-    nonzero = moments[:, ACT_NONZERO]
+    count, nonzero = moments[:, ACT_COUNT], moments[:, ACT_NONZERO]
     nonfinite = nonzero - moments[:, ACT_NONZERO_FINITE]
     finite = count - nonfinite
     mean = moments[:, ACT_SUM] / finite
