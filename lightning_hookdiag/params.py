@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from lightning_hookdiag import stats
 from lightning_hookdiag.names import logged_name
 from lightning_hookdiag.stats import chunks
 
@@ -95,7 +96,7 @@ def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64)
         groups.setdefault((t.dtype, t.device), []).append(i)
     norms: list[Tensor] = [pieces[0]] * len(pieces)
     for members in groups.values():
-        for i, norm in zip(members, torch._foreach_norm([pieces[i] for i in members], 2, dtype=dtype), strict=True):
+        for i, norm in zip(members, _norms([pieces[i] for i in members], dtype), strict=True):
             norms[i] = norm
     device = local[0].device
     squares = torch.stack([norm.to(device) for norm in norms]).square()
@@ -103,6 +104,33 @@ def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64)
         return squares
     per_tensor = squares.split([len(part) for part in parts])
     return torch.stack([part[0] if len(part) == 1 else part.sum() for part in per_tensor])
+
+
+def _norms(pieces: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    """``torch._foreach_norm(pieces, 2, dtype=dtype)`` for pieces of one dtype and device, in scratch of one piece.
+
+    CUDA's fused kernel reads each piece in its own dtype; the CPU's casts every piece into a new buffer, which glibc's
+    malloc may fail to reuse: +5 GB resident on a 329 M-parameter model, in some processes and not in others
+    (``docs/statistics.md#memory-bounded-scratch``). There the pieces are cast into one reused buffer of at most
+    :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS`, as many at a time as fit, and measured in it.
+    """
+    first = pieces[0]
+    if first.device.type != "cpu" or first.dtype == dtype or not first.is_floating_point():
+        return list(torch._foreach_norm(pieces, 2, dtype=dtype))
+    numels = [p.numel() for p in pieces]  # each at most CHUNK_ELEMENTS (stats.chunks)
+    scratch = torch.empty(min(sum(numels), stats.CHUNK_ELEMENTS), dtype=dtype)
+    norms: list[Tensor] = []
+    start = 0
+    while start < len(pieces):
+        end, used = start + 1, numels[start]
+        while end < len(pieces) and used + numels[end] <= scratch.numel():
+            end, used = end + 1, used + numels[end]
+        batch = pieces[start:end]
+        views = [v.view(p.shape) for v, p in zip(scratch[:used].split(numels[start:end]), batch, strict=True)]
+        torch._foreach_copy_(views, batch)
+        norms += torch._foreach_norm(views, 2)
+        start = end
+    return norms
 
 
 SNAPSHOT_ELEMENTS = 1 << 22

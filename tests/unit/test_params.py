@@ -226,7 +226,9 @@ def test_parameter_statistics_cost_a_constant_number_of_fused_ops(dtypes):
     few, many = launches(3 * len(dtypes)), launches(300 * len(dtypes))
     assert few == many, (few, many)
     assert few.count("_foreach_norm") == 2 * len(dtypes)  # before the step (weights and grads), after (updates)
-    assert len(few) <= 7 + 2 * len(dtypes), few
+    # On the CPU each _foreach_norm reads the pieces cast into one float64 buffer by a _foreach_copy_ (params._norms).
+    assert few.count("_foreach_copy_") == few.count("_foreach_norm")
+    assert len(few) - few.count("_foreach_copy_") <= 7 + 2 * len(dtypes), few
 
 
 def test_a_plain_tensor_is_held_by_one_process():

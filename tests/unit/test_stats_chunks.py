@@ -131,6 +131,34 @@ def test_parameter_norms_never_cast_a_whole_parameter(small_pieces):
     assert max(sizes) <= 1000
 
 
+def test_on_the_cpu_parameter_norms_read_pieces_already_cast_into_one_buffer(small_pieces):
+    # The CPU's _foreach_norm casts each piece into a new buffer of its own, which glibc's malloc may never reuse
+    # (+5 GB on a 329 M-parameter model in some processes; params._norms): the pieces reach it already in float64,
+    # cast into one buffer of at most one piece, several small pieces at a time.
+    norm_inputs, buffers = [], []
+
+    class Watch(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket is torch.ops.aten._foreach_norm:
+                norm_inputs.append([(t.dtype, t.numel()) for t in args[0]])
+            elif func.overloadpacket is torch.ops.aten.empty:
+                buffers.append((out.dtype, out.numel()))
+            return out
+
+    tensors = [torch.randn(2_500), torch.randn(5), torch.randn(3, 7)]
+    with Watch():
+        squares = P.squared_norms(tensors)
+    assert buffers == [(torch.float64, 1000)]
+    assert norm_inputs == [
+        [(torch.float64, 1000)],
+        [(torch.float64, 1000)],
+        [(torch.float64, 500), (torch.float64, 5), (torch.float64, 21)],
+    ]
+    for value, t in zip(squares.tolist(), tensors, strict=True):
+        assert value == pytest.approx(sum(v * v for v in t.double().reshape(-1).tolist()), rel=1e-12)
+
+
 def test_update_samples_share_the_budget_smallest_first():
     assert P.update_samples([10, 20], budget=100) == [10, 20]
     assert P.update_samples([10, 5000, 100, 8000], budget=4000) == [10, 1945, 100, 1945]
