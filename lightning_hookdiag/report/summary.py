@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from lightning_hookdiag.report.health_log import HealthLog
-from lightning_hookdiag.table import display_name, format_value, table_lines
+from lightning_hookdiag.table import display_name, format_value, plural, table_lines
 
 __all__ = ["format_summary"]
 
@@ -83,7 +83,7 @@ def format_summary(log: HealthLog, stat: str) -> str:
     """
     steps = log.stat_steps(stat)
     unit = "parameters" if log.is_parameter_stat(stat) else "layers"
-    sampled = f"{len(steps)} sampled step{'s' if len(steps) > 1 else ''} ({steps[0]}..{steps[-1]})"
+    sampled = f"{plural(len(steps), 'sampled step')} ({steps[0]}..{steps[-1]})"
     lines = [f"{log.prefix}/{stat}: {len(log.stats[stat])} {unit}, {sampled}"]
     header = ["depth", unit[:-1], "latest", "min", "max", ""]
     lines += table_lines(header, _layer_rows(log, stat, steps[-1]), [">", "<", ">", ">", ">", "<"])
