@@ -93,8 +93,7 @@ def read_csv_scalars(path: str | os.PathLike[str]) -> list[Scalar]:
                 # A ragged row puts its extra cells under the key None, as a list.
                 if key is None or key == "step" or not isinstance(cell, str) or not cell:
                     continue
-                value = _to_float(cell)
-                if value is not None:
+                if (value := _to_float(cell)) is not None:
                     scalars.append(Scalar(key, int(step), value))
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise ReportError(f"{path}: cannot read it as CSV ({exc})") from exc
