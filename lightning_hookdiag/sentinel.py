@@ -264,8 +264,7 @@ RngState = tuple[Tensor, Tensor | None]
 
 def capture_rng(device: torch.device) -> RngState:
     """The CPU generator's state and, on CUDA, the device generator's (host-side copies; no device sync)."""
-    accelerator = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), accelerator
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
 
 
 def restore_rng(state: RngState, device: torch.device) -> None:

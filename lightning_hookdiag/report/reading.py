@@ -152,9 +152,7 @@ def read_health_log(path: str | os.PathLike[str], prefix: str | None = None) -> 
         ('layer_health', (7,), {'act_std': {'b': {7: 0.5}}}, {'a': 1, 'b': 0})
     """
     files = find_log_files(path)
-    scalars: list[Scalar] = []
-    for file in files:
-        scalars += read_csv_scalars(file) if file.name == _CSV_NAME else read_tensorboard_scalars(file)
+    scalars = [s for f in files for s in (read_csv_scalars(f) if f.name == _CSV_NAME else read_tensorboard_scalars(f))]
     log = build_health_log(scalars, prefix)
     if log.empty:
         shown = ", ".join(str(f) for f in files)

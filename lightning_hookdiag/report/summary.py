@@ -37,8 +37,7 @@ def _layer_rows(log: HealthLog, stat: str, last_step: int) -> list[list[str]]:
 def _count_line(log: HealthLog, stat: str) -> str:
     hits = []
     for name in log.layers(stat):
-        bad_steps = [step for step, v in sorted(log.stats[stat][name].items()) if v != 0]  # NaN is no all-clear
-        if bad_steps:
+        if bad_steps := [step for step, v in sorted(log.stats[stat][name].items()) if v != 0]:  # NaN is no all-clear
             hits.append(f"{display_name(name)} (from step {bad_steps[0]})")
     if not hits:
         return f"{stat}: none"
