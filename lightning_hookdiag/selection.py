@@ -67,8 +67,7 @@ def is_measurement(module: nn.Module) -> bool:
     if isinstance(module, LOSS):
         return True
     # If torchmetrics is not imported yet, no module can be one of its metrics; importing it would cost seconds.
-    torchmetrics = sys.modules.get("torchmetrics")
-    metric = getattr(torchmetrics, "Metric", None)
+    metric = getattr(sys.modules.get("torchmetrics"), "Metric", None)
     return isinstance(metric, type) and isinstance(module, metric)
 
 

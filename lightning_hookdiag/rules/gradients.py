@@ -45,8 +45,7 @@ def cut_off(
     if not reached:
         return []
     first = min(reached)
-    grads = (param_grad_norm or {}).items()
-    learning = {owning_layer(p, forward) for p, norm in grads if finite(norm) and norm > 0}
+    learning = {owning_layer(p, forward) for p, norm in (param_grad_norm or {}).items() if finite(norm) and norm > 0}
     return sorted(
         (n for n in missing_grads if forward.get(n, first) < first and n not in learning), key=forward.__getitem__
     )
