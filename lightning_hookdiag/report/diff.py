@@ -106,8 +106,7 @@ def find_differences(alignment: Alignment, rtol: float = 1e-4, atol: float = 0.0
                 if step in values_a and step in values_b and _differ(values_a[step], values_b[step], rtol, atol):
                     key = (step, backward, where, stat_order_key(stat))
                     keyed.append((key, Difference(step, name, stat, values_a[step], values_b[step])))
-    keyed.sort(key=lambda item: item[0])
-    return [d for _, d in keyed]
+    return [d for _, d in sorted(keyed, key=lambda item: item[0])]
 
 
 def _line(d: Difference, with_stat: bool = True) -> str:
