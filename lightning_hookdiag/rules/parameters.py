@@ -227,8 +227,7 @@ def not_updated(ctx: Context) -> Iterator[Found]:
         ratio = ratios.get(param)
         bound = moved_mass_bound(ratio, fact.eps) if finite(ratio) and ratio >= 0 else None
         intended = fact.lr * grad / norms[param] if param in norms else math.nan
-        cause = _stuck(fact, bound, intended, threshold)
-        if cause is not None:
+        if (cause := _stuck(fact, bound, intended, threshold)) is not None:
             value = float(grad) if cause == _UNHELD else float(bound)  # type: ignore[arg-type]
             stuck.setdefault(ctx.orders.owner(param), {}).setdefault(cause, []).append((param, value))
     for owner, causes in stuck.items():
