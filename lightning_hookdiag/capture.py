@@ -71,8 +71,7 @@ def capture_activations(
 
     with HookSet(modules, store):
         yield acts
-    missing = [n for n in names if n not in acts]
-    if missing:
+    if missing := [n for n in names if n not in acts]:
         warnings.warn(
             f"capture_activations: {', '.join(missing)} did not run inside the block (forward called directly,"
             " or a branch not taken); nothing was captured for them",

@@ -48,10 +48,9 @@ class LayerInfo(NamedTuple):
 def named_modules(root: nn.Module) -> dict[str, nn.Module]:
     """Every submodule of ``root`` (not the root itself) under its logged name, in ``named_modules()`` order.
 
-    A wrapper and the module it wraps share a name; the wrapped module wins, because it is the one whose
-    ``forward`` does the work.
+    A wrapper and the module it wraps share a name; the wrapped module, which ``named_modules()`` yields after its
+    wrapper, wins, because it is the one whose ``forward`` does the work.
     """
-    # Each module once, parents before children: a wrapped module comes after its wrapper, so it wins.
     return {name: module for path, module in root.named_modules() if (name := logged_name(path, root))}
 
 
@@ -68,8 +67,7 @@ def is_measurement(module: nn.Module) -> bool:
     if isinstance(module, LOSS):
         return True
     # If torchmetrics is not imported yet, no module can be one of its metrics; importing it would cost seconds.
-    torchmetrics = sys.modules.get("torchmetrics")
-    metric = getattr(torchmetrics, "Metric", None)
+    metric = getattr(sys.modules.get("torchmetrics"), "Metric", None)
     return isinstance(metric, type) and isinstance(module, metric)
 
 

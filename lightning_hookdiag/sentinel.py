@@ -35,11 +35,9 @@ SENTINEL_MODES: tuple[str, ...] = ("loss", "loss+grads")
 class SpikeDetector:
     """Robust loss-spike test (``docs/sentinel.md``): a rise far above the recent healthy losses, in noise units.
 
-    A loss trips when it rises above the *centre* (the lower median of the latest ``recent`` healthy losses) by more
-    than a factor ``ratio`` *and* by more than ``zscore`` robust standard deviations of the step-to-step noise: the
-    spread alone would trip on an almost constant loss, the ratio alone on a noisy one. The scale is logarithmic for a
-    non-negative window (its zeros left out), linear once a loss is negative (``scale``: the median non-zero
-    ``|loss|``). Host cost: 1.5 us when the loss is below ``ratio`` times the smallest recent loss, else 12 us.
+    Both a factor and a spread, because the spread alone would trip on an almost constant loss, the ratio alone on a
+    noisy one. ``scale``: the median non-zero ``|loss|``. Host cost: 1.5 us when the loss is below ``ratio`` times the
+    smallest recent loss, else 12 us.
 
     Args:
         window: Number of recent healthy losses kept.
@@ -266,8 +264,7 @@ RngState = tuple[Tensor, Tensor | None]
 
 def capture_rng(device: torch.device) -> RngState:
     """The CPU generator's state and, on CUDA, the device generator's (host-side copies; no device sync)."""
-    accelerator = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), accelerator
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
 
 
 def restore_rng(state: RngState, device: torch.device) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["display_name", "format_bytes", "format_step_table", "format_value", "table_lines"]
+__all__ = ["display_name", "format_bytes", "format_step_table", "format_value", "plural", "table_lines"]
 
 
 def format_value(value: float) -> str:
@@ -23,6 +23,11 @@ def format_bytes(value: float) -> str:
         if abs(value) < 1024:
             return f"{value:.1f} {unit}"
     return f"{value / 1024:.1f} GiB"
+
+
+def plural(n: int, word: str) -> str:
+    """``n word``, with the plural ``s`` unless ``n`` is 1."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def display_name(name: str) -> str:

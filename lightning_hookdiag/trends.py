@@ -41,8 +41,7 @@ class History:
     def push(self, step: int, values: Mapping[str, Mapping[str, float]]) -> None:
         """Append one step's finite values; a step at or before the last one kept for a name replaces nothing."""
         for stat in self.stats:
-            group = values.get(stat)
-            if not group:
+            if not (group := values.get(stat)):
                 continue
             kept = self._points.setdefault(stat, {})
             for name, value in group.items():

@@ -13,7 +13,7 @@ from lightning_hookdiag.errors import ReportError
 from lightning_hookdiag.names import owning_layer
 from lightning_hookdiag.report.health_log import HealthLog, depth_order, stat_order_key
 from lightning_hookdiag.report.plot import draw_heatmap, load_matplotlib
-from lightning_hookdiag.table import display_name, format_value
+from lightning_hookdiag.table import display_name, format_value, plural
 from lightning_hookdiag.vocabulary import counted_by_gradient
 
 __all__ = ["Alignment", "Difference", "align", "find_differences", "format_diff", "ratio_figure"]
@@ -70,11 +70,9 @@ def align(a: HealthLog, b: HealthLog) -> Alignment:
     stats = sorted(set(a.stats) & set(b.stats), key=stat_order_key)
     names = {s: n for s in stats if (n := tuple(sorted(set(a.stats[s]) & set(b.stats[s]))))}
     if not names:
-        some_a = ", ".join(sorted({n for s in a.stats.values() for n in s})[:_MAX_LISTED])
-        some_b = ", ".join(sorted({n for s in b.stats.values() for n in s})[:_MAX_LISTED])
+        some = [", ".join(sorted({n for s in log.stats.values() for n in s})[:_MAX_LISTED]) or "none" for log in (a, b)]
         raise ReportError(
-            f"the runs share no layer for any statistic (RUN_A logs e.g. {some_a or 'none'}; RUN_B logs e.g."
-            f" {some_b or 'none'})"
+            f"the runs share no layer for any statistic (RUN_A logs e.g. {some[0]}; RUN_B logs e.g. {some[1]})"
         )
     return Alignment(a=a, b=b, steps=steps, names=names, depth={**b.depth, **a.depth})
 
@@ -108,8 +106,7 @@ def find_differences(alignment: Alignment, rtol: float = 1e-4, atol: float = 0.0
                 if step in values_a and step in values_b and _differ(values_a[step], values_b[step], rtol, atol):
                     key = (step, backward, where, stat_order_key(stat))
                     keyed.append((key, Difference(step, name, stat, values_a[step], values_b[step])))
-    keyed.sort(key=lambda item: item[0])
-    return [d for _, d in keyed]
+    return [d for _, d in sorted(keyed, key=lambda item: item[0])]
 
 
 def _line(d: Difference, with_stat: bool = True) -> str:
@@ -123,22 +120,17 @@ def _line(d: Difference, with_stat: bool = True) -> str:
 
 def format_diff(alignment: Alignment, differences: list[Difference], rtol: float, atol: float) -> str:
     """The text report: what was aligned, the first difference, then the first difference of each statistic."""
-
-    def counted(n: int, word: str) -> str:
-        return f"{n} common {word}{'s' if n != 1 else ''}"
-
     names = alignment.names
     layers = {n for s, ns in names.items() if not alignment.a.is_parameter_stat(s) for n in ns}
     params = {n for s, ns in names.items() if alignment.a.is_parameter_stat(s) for n in ns}
     steps = alignment.steps
-    parts = [f"{counted(len(steps), 'step')} ({steps[0]}..{steps[-1]})", counted(len(layers), "layer")]
+    parts = [f"{plural(len(steps), 'common step')} ({steps[0]}..{steps[-1]})", plural(len(layers), "common layer")]
     if params:
-        parts.append(counted(len(params), "parameter"))
-    lines = [f"aligned: {', '.join(parts)}, {counted(len(names), 'statistic')}"]
-    only_a = sorted(set(alignment.a.stats) - set(names), key=stat_order_key)
-    only_b = sorted(set(alignment.b.stats) - set(names), key=stat_order_key)
-    if only_a or only_b:
-        lines.append(f"not compared: only in A: {', '.join(only_a) or '-'}; only in B: {', '.join(only_b) or '-'}")
+        parts.append(plural(len(params), "common parameter"))
+    lines = [f"aligned: {', '.join(parts)}, {plural(len(names), 'common statistic')}"]
+    only = [", ".join(sorted(set(log.stats) - set(names), key=stat_order_key)) for log in (alignment.a, alignment.b)]
+    if any(only):
+        lines.append(f"not compared: only in A: {only[0] or '-'}; only in B: {only[1] or '-'}")
     if not differences:
         lines.append(f"no difference beyond rtol={rtol:g}, atol={atol:g}")
         return "\n".join(lines)

@@ -32,8 +32,7 @@ def _prefixes_before(keys: Iterable[str], segments: frozenset[str], allow_last: 
     for key in keys:
         parts = key.split("/")
         # A layer part follows the statistic segment; only per-step totals may end the key.
-        last = len(parts) if allow_last else len(parts) - 1
-        for i in range(1, last):
+        for i in range(1, len(parts) if allow_last else len(parts) - 1):
             if parts[i] in segments:
                 found.add("/".join(parts[:i]))
                 break

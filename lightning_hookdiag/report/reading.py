@@ -93,8 +93,7 @@ def read_csv_scalars(path: str | os.PathLike[str]) -> list[Scalar]:
                 # A ragged row puts its extra cells under the key None, as a list.
                 if key is None or key == "step" or not isinstance(cell, str) or not cell:
                     continue
-                value = _to_float(cell)
-                if value is not None:
+                if (value := _to_float(cell)) is not None:
                     scalars.append(Scalar(key, int(step), value))
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise ReportError(f"{path}: cannot read it as CSV ({exc})") from exc
@@ -153,9 +152,7 @@ def read_health_log(path: str | os.PathLike[str], prefix: str | None = None) -> 
         ('layer_health', (7,), {'act_std': {'b': {7: 0.5}}}, {'a': 1, 'b': 0})
     """
     files = find_log_files(path)
-    scalars: list[Scalar] = []
-    for file in files:
-        scalars += read_csv_scalars(file) if file.name == _CSV_NAME else read_tensorboard_scalars(file)
+    scalars = [s for f in files for s in (read_csv_scalars(f) if f.name == _CSV_NAME else read_tensorboard_scalars(f))]
     log = build_health_log(scalars, prefix)
     if log.empty:
         shown = ", ".join(str(f) for f in files)

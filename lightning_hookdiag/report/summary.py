@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from lightning_hookdiag.report.health_log import HealthLog
-from lightning_hookdiag.table import display_name, format_value, table_lines
+from lightning_hookdiag.table import display_name, format_value, plural, table_lines
 
 __all__ = ["format_summary"]
 
@@ -37,8 +37,7 @@ def _layer_rows(log: HealthLog, stat: str, last_step: int) -> list[list[str]]:
 def _count_line(log: HealthLog, stat: str) -> str:
     hits = []
     for name in log.layers(stat):
-        bad_steps = [step for step, v in sorted(log.stats[stat][name].items()) if v != 0]  # NaN is no all-clear
-        if bad_steps:
+        if bad_steps := [step for step, v in sorted(log.stats[stat][name].items()) if v != 0]:  # NaN is no all-clear
             hits.append(f"{display_name(name)} (from step {bad_steps[0]})")
     if not hits:
         return f"{stat}: none"
@@ -83,7 +82,7 @@ def format_summary(log: HealthLog, stat: str) -> str:
     """
     steps = log.stat_steps(stat)
     unit = "parameters" if log.is_parameter_stat(stat) else "layers"
-    sampled = f"{len(steps)} sampled step{'s' if len(steps) > 1 else ''} ({steps[0]}..{steps[-1]})"
+    sampled = f"{plural(len(steps), 'sampled step')} ({steps[0]}..{steps[-1]})"
     lines = [f"{log.prefix}/{stat}: {len(log.stats[stat])} {unit}, {sampled}"]
     header = ["depth", unit[:-1], "latest", "min", "max", ""]
     lines += table_lines(header, _layer_rows(log, stat, steps[-1]), [">", "<", ">", ">", ">", "<"])

@@ -120,8 +120,7 @@ class RuleConfig:
             items = list(enabled)
         except TypeError:
             raise ValueError(f"enabled: expected rule names from {list(known)}, got {self.enabled!r}") from None
-        unknown = sorted({repr(r) for r in items if r not in known})
-        if unknown:
+        if unknown := sorted({repr(r) for r in items if r not in known}):
             raise ValueError(f"enabled: unknown rule(s) {', '.join(unknown)}; expected names from {list(known)}")
         # frozen: normalised through object.__setattr__ so that equal configurations compare and hash equal; the
         # numbers are stored as float and int, so that a numpy scalar from a config leaks into neither arithmetic
@@ -156,7 +155,6 @@ class RuleConfig:
         if not isinstance(d, Mapping):
             raise ValueError(f"rule settings: expected a mapping of setting names to values, got {d!r}")
         valid = sorted(f.name for f in fields(cls))
-        unknown = sorted(str(k) for k in d if k not in valid)
-        if unknown:
+        if unknown := sorted(str(k) for k in d if k not in valid):
             raise ValueError(f"unknown rule setting(s) {unknown}; valid keys: {valid}")
         return cls(**d)

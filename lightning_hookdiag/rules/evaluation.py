@@ -144,8 +144,7 @@ def values_from_metrics(metrics: Mapping[str, float], prefix: str = "layer_healt
     """
     out: dict[str, dict[str, float]] = {}
     for key, value in metrics.items():
-        split = _split_key(key, prefix)
-        if split is not None:
+        if (split := _split_key(key, prefix)) is not None:
             out.setdefault(split[0], {})[split[1]] = float(value)
     return out
 

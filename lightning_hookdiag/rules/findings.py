@@ -1,9 +1,11 @@
-"""What the rules find: a :class:`Finding`, and the phrases every message shares (:func:`plural`, :func:`also`)."""
+"""What the rules find: a :class:`Finding`, and the phrases every message shares (:func:`also`, :func:`spread`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from lightning_hookdiag.table import plural
 
 __all__ = ["MAX_LISTED", "PHASES", "Finding", "also", "listing", "plural", "spread"]
 
@@ -47,11 +49,6 @@ class Finding:
 
     def __str__(self) -> str:
         return self.message
-
-
-def plural(n: int, word: str) -> str:
-    """``n word``, with the plural ``s`` unless ``n`` is 1."""
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def listing(names: Sequence[str]) -> str:

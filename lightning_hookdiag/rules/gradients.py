@@ -45,8 +45,7 @@ def cut_off(
     if not reached:
         return []
     first = min(reached)
-    grads = (param_grad_norm or {}).items()
-    learning = {owning_layer(p, forward) for p, norm in grads if finite(norm) and norm > 0}
+    learning = {owning_layer(p, forward) for p, norm in (param_grad_norm or {}).items() if finite(norm) and norm > 0}
     return sorted(
         (n for n in missing_grads if forward.get(n, first) < first and n not in learning), key=forward.__getitem__
     )
@@ -56,8 +55,7 @@ def cut_off(
 def no_gradient(ctx: Context) -> Iterator[Found]:
     """The layers before the point the gradient never crossed (:func:`cut_off`)."""
     backward = ctx.orders.backward_layers
-    cut = cut_off(ctx.missing_grads, ctx.orders.forward_layers, backward, ctx.stat("param_grad_norm"))
-    if cut:
+    if cut := cut_off(ctx.missing_grads, ctx.orders.forward_layers, backward, ctx.stat("param_grad_norm")):
         first, last = cut[0], cut[-1]
         reached = min((n for n in backward if n in ctx.orders.forward), key=ctx.orders.forward.__getitem__)
         message = (

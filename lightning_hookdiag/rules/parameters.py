@@ -227,8 +227,7 @@ def not_updated(ctx: Context) -> Iterator[Found]:
         ratio = ratios.get(param)
         bound = moved_mass_bound(ratio, fact.eps) if finite(ratio) and ratio >= 0 else None
         intended = fact.lr * grad / norms[param] if param in norms else math.nan
-        cause = _stuck(fact, bound, intended, threshold)
-        if cause is not None:
+        if (cause := _stuck(fact, bound, intended, threshold)) is not None:
             value = float(grad) if cause == _UNHELD else float(bound)  # type: ignore[arg-type]
             stuck.setdefault(ctx.orders.owner(param), {}).setdefault(cause, []).append((param, value))
     for owner, causes in stuck.items():
@@ -282,13 +281,13 @@ def replica_divergence(ctx: Context) -> Iterator[Found]:
             apart.setdefault(ctx.orders.owner(param), []).append((param, float(low), float(high)))
     for owner, found in apart.items():
         spread = max((high - low) / high for _, low, high in found)
-        norms = ", ".join(f"{p} {low:.9g} to {high:.9g}" for p, low, high in found[:MAX_LISTED])
+        norms = listing([f"{p} {low:.9g} to {high:.9g}" for p, low, high in found])
         message = (
             f"replica_divergence: the weights of {owner} differ between processes before step {ctx.step}:"
             f" {plural(len(found), 'replicated parameter')} {'has' if len(found) == 1 else 'have'} different norms on"
-            f" different processes ({norms}{', ...' if len(found) > MAX_LISTED else ''}; relative difference up to"
-            f" {spread:.3g} > replica_rtol={rtol:g}). DDP replicas must be identical: a rank-dependent update or a"
-            " weight changed on one process only makes each process train its own model"
+            f" different processes ({norms}; relative difference up to {spread:.3g} > replica_rtol={rtol:g}). DDP"
+            " replicas must be identical: a rank-dependent update or a weight changed on one process only makes each"
+            " process train its own model"
         )
         yield Found(owner, spread, message, rtol)
 

@@ -27,8 +27,7 @@ def _points(ctx: Context, stat: str, name: str, value: float, windows: int = 1) 
 def attention_logits(ctx: Context) -> Iterator[Found]:
     """Logits at the threshold, or rising steadily towards it."""
     for layer, value in ctx.stat("attn_logit_max").items():
-        message = _attention_message(ctx, layer, value) if finite(value) else ""
-        if message:
+        if finite(value) and (message := _attention_message(ctx, layer, value)):
             yield Found(layer, value, message, ctx.config.attn_logit_threshold)
 
 
@@ -75,8 +74,7 @@ def logit_drift(ctx: Context) -> Iterator[Found]:
         # The earliest kept step from which log Z moved far while the loss stayed flat: a slow drift is caught once
         # it has accumulated, over up to 4 * trend_window sampled steps.
         for start, first in points[:-1]:
-            old_loss = losses.get(start)
-            if old_loss is None:
+            if (old_loss := losses.get(start)) is None:
                 continue
             drift, change = value - first, abs(loss - old_loss)
             if abs(drift) >= config.logit_drift_nats and change <= config.drift_loss_tolerance * abs(old_loss):
