@@ -42,7 +42,7 @@ from lightning_hookdiag.selection import import_types
 from lightning_hookdiag.sentinel import SENTINEL_MODES, LossSentinel, MicroBatch, SpikeDetector, capture_rng
 from lightning_hookdiag.stats import resolve_stats
 from lightning_hookdiag.step_state import Trip
-from lightning_hookdiag.table import format_step_table
+from lightning_hookdiag.table import format_step_table, plural
 from lightning_hookdiag.validation import boolean, check, choice, integer, module_names, names
 from lightning_hookdiag.vocabulary import ALL_STATS, OPT_IN_STATS, OUTPUT_LAYER_STATS
 
@@ -399,8 +399,7 @@ class LayerHealthCallback(Callback):
         for finding in self.last_findings:
             marks.setdefault(finding.layer, []).append(finding.rule)
         values = values_from_metrics(self.last_metrics, self.prefix)
-        n = len(self.last_findings)
-        title = f"LayerHealthCallback: step {self.last_step}, {n} finding{'' if n == 1 else 's'}"
+        title = f"LayerHealthCallback: step {self.last_step}, {plural(len(self.last_findings), 'finding')}"
         return format_step_table(values, self.execution_order, marks, title)
 
     @override
