@@ -491,12 +491,14 @@ class LayerHealthCallback(Callback):
 
     def _end_step(self, run: FitRun, drop: bool = False) -> None:
         """Forget the step's micro-batches and the sentinel's loss total; ``drop``: also its hooks and open window."""
-        if drop:
-            run.release()  # with the micro-batches; the window is not logged
-        else:
-            run.state.micro.release()
-        if self._sentinel is not None:
-            self._sentinel.discard()
+        try:
+            if drop:
+                run.release()  # with the micro-batches; the window is not logged
+            else:
+                run.state.micro.release()
+        finally:
+            if self._sentinel is not None:
+                self._sentinel.discard()
 
     def _check(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, run: FitRun, scale: Tensor | None

@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from lightning_hookdiag.components import Component, Setup, WindowStart, component
 from lightning_hookdiag.selection import named_modules
-from lightning_hookdiag.torch_internals import DROPOUT, MODE_DEPENDENT
+from lightning_hookdiag.torch_internals import DROPOUT_BASE, MODE_DEPENDENT
 
 __all__ = ["EvalModeWatch", "eval_mode_modules", "mode_dependent_modules"]
 
@@ -50,7 +50,7 @@ def eval_mode_modules(candidates: Mapping[str, tuple[nn.Module, nn.Module]]) -> 
         for name, (module, owner) in candidates.items()
         if not module.training
         # Without running statistics, eval mode normalises with the batch's statistics too: the mode does not matter.
-        and (module.p > 0 if isinstance(module, DROPOUT) else module.running_mean is not None)
+        and (module.p > 0 if isinstance(module, DROPOUT_BASE) else module.running_mean is not None)
         and any(p.requires_grad for p in owner.parameters())
     }
 

@@ -7,6 +7,7 @@ pickles after a fit, also a failed one.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -127,7 +128,7 @@ class FitRun:
         """Remove the micro-batch's hooks, all of them also after an error; the components keep what they measured."""
         if self.hooks.attached:  # a sampled micro-batch (an unsampled step pays for nothing below)
             ends = [call for c in self.unreplayed for call in (c.end_micro_batch, c.remove)]
-            call_all([lambda: self.hooks.remove(finished=True), *ends])
+            call_all([functools.partial(self.hooks.remove, finished=True), *ends])
 
     def end_closure(self) -> None:
         """An optimizer closure's forward and backward are over; the hooks stay attached for the next one.
@@ -298,9 +299,11 @@ class FitRun:
 
     def release(self) -> None:
         """Remove every hook and drop the open window and the kept micro-batches (the fit is over, or the step)."""
-        self.detach()
-        self.discard_window()
-        self.state.micro.release()
+        try:
+            self.detach()
+        finally:  # also when a component's remove raised: the window and the micro-batches go all the same
+            self.discard_window()
+            self.state.micro.release()
 
 
 def _homes(root: nn.Module, params: Sequence[nn.Parameter]) -> list[tuple[nn.Module, str]]:

@@ -65,7 +65,7 @@ _stance_restore: Any = None
 
 
 def _count_eager_user(change: int) -> None:
-    # +1 when a hook set attaches, -1 when it is removed.
+    # +1 when a hook set attaches (the first enters force_eager), -1 when it is removed (the last restores).
     global _stance_users, _stance_restore
     with _stance_lock:
         if change > 0 and _stance_users == 0:
@@ -154,7 +154,10 @@ class HookSet:
         if self.attached:
             self.attached = False
             _count_eager_user(-1)
-        call_all(call for c in self.companions for call in ((c.end_micro_batch, c.remove) if finished else (c.remove,)))
+        calls: list[Callable[[], object]] = []
+        for c in self.companions:
+            calls += [c.end_micro_batch, c.remove] if finished else [c.remove]
+        call_all(calls)
 
     def end_micro_batch(self) -> None:
         """One micro-batch is over while the hooks stay attached (a replay runs a step's micro-batches in one go)."""

@@ -78,9 +78,10 @@ def replicas(t: Tensor) -> int:
 def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64) -> Tensor:
     """Sums of squares of each tensor, as one ``[len(tensors)]`` vector: finite for finite values of any magnitude.
 
-    One fused ``_foreach_norm`` per dtype and device (one launch, not one per parameter) over pieces of at most
-    ``CHUNK_ELEMENTS`` (the scratch), accumulated in ``dtype`` (float64: a float32 square is exact there). Measures a
-    ``DTensor``'s local part and a sparse tensor's stored values; NaN and Inf propagate.
+    One fused ``_foreach_norm`` per dtype and device (one launch, not one per parameter; on the CPU, one per
+    buffer-full of pieces: :func:`_norms`) over pieces of at most ``CHUNK_ELEMENTS`` (the scratch), accumulated in
+    ``dtype`` (float64: a float32 square is exact there). Measures a ``DTensor``'s local part and a sparse tensor's
+    stored values; NaN and Inf propagate.
 
     Example:
         >>> [round(v, 4) for v in squared_norms([torch.tensor([3.0, 4.0]), torch.tensor([1.0])]).tolist()]
@@ -88,6 +89,8 @@ def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64)
         >>> f"{squared_norms([torch.tensor([3e20, 4e20])]).item():.6g}"
         '2.5e+41'
     """
+    if not tensors:
+        return torch.zeros(0, dtype=dtype)
     local = [stored_values(local_tensor(t).detach()) for t in tensors]
     parts = [list(chunks(t)) for t in local]  # an empty tensor is one (empty) piece
     pieces = [piece for part in parts for piece in part]
@@ -111,11 +114,14 @@ def _norms(pieces: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
 
     CUDA's fused kernel reads each piece in its own dtype; the CPU's casts every piece into a new buffer, which glibc's
     malloc may fail to reuse: +5 GB resident on a 329 M-parameter model, in some processes and not in others
-    (``docs/statistics.md#memory-bounded-scratch``). There the pieces are cast into one reused buffer of at most
-    :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS`, as many at a time as fit, and measured in it.
+    (``docs/statistics.md#memory-bounded-scratch``). There floating-point pieces that ``dtype`` widens are cast into
+    one buffer of at most :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS` (allocated once per call), as many at a
+    time as fit, and measured in it; the sums then run over each piece in its logical order, which can differ from
+    the kernel's in the last bits for a non-contiguous piece. Other pieces take the kernel's own path.
     """
     first = pieces[0]
-    if first.device.type != "cpu" or first.dtype == dtype or not first.is_floating_point():
+    widens = first.is_floating_point() and dtype.is_floating_point and first.dtype.itemsize < dtype.itemsize
+    if first.device.type != "cpu" or not widens:
         return list(torch._foreach_norm(pieces, 2, dtype=dtype))
     numels = [p.numel() for p in pieces]  # each at most CHUNK_ELEMENTS (stats.chunks)
     scratch = torch.empty(min(sum(numels), stats.CHUNK_ELEMENTS), dtype=dtype)

@@ -89,6 +89,7 @@ def finalize_precision(counts: Tensor, targets: Sequence[str], kind: str) -> dic
         >>> finalize_precision(precision_counts(x, [torch.float16])[None], ["float16"], "act")
         {'act_underflow_frac_float16': tensor([0.2500], dtype=torch.float64), 'act_overflow_frac_float16': tensor([0.5000], dtype=torch.float64)}
     """  # noqa: E501
+    # The columns of counts: non-zero elements, then (under, over) per target; names runs in that order.
     names = [f"{kind}_{flow}_frac_{target}" for target in targets for flow in ("underflow", "overflow")]
     return {name: counts[:, 1 + i] / counts[:, 0] for i, name in enumerate(names)}
 

@@ -2,8 +2,9 @@
 
 A forward pre-hook and an always-called forward hook keep a stack of the running selected modules; the pack hook of
 ``saved_tensors_hooks`` charges each storage to the innermost one. Forwards re-run inside backward are skipped, and
-non-reentrant checkpointing saves through its own hooks. What counts (storages once, never a parameter), and why:
-``docs/statistics.md#saved-activation-memory-per-layer``; hand-derived examples: ``tests/unit/test_saved_memory.py``.
+non-reentrant checkpointing saves through its own hooks. What counts (storages once, never a parameter or buffer),
+and why: ``docs/statistics.md#saved-activation-memory-per-layer``; hand-derived examples:
+``tests/unit/test_saved_memory.py``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from lightning_hookdiag.names import logged_name
-from lightning_hookdiag.torch_internals import LOSS
+from lightning_hookdiag.torch_internals import LOSS_BASE
 
 __all__ = [
     "LayerInfo",
@@ -64,7 +64,7 @@ def is_measurement(module: nn.Module) -> bool:
     Both are leaf modules called in ``training_step`` whose outputs are a number computed without gradient:
     observing them logs statistics of a number and warns about a gradient that is absent by design.
     """
-    if isinstance(module, LOSS):
+    if isinstance(module, LOSS_BASE):
         return True
     # If torchmetrics is not imported yet, no module can be one of its metrics; importing it would cost seconds.
     metric = getattr(sys.modules.get("torchmetrics"), "Metric", None)

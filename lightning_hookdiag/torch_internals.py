@@ -8,9 +8,10 @@
 * :func:`exit_mode`: leave a torch-function mode that is not on top of the mode stack
   (``torch.overrides._get_current_function_mode_stack``, ``torch._C._pop_torch_function_stack``,
   ``torch._C._push_on_torch_function_stack``): another mode entered after ours may still be active.
-* :data:`LOSS`, :data:`MODE_DEPENDENT`, :data:`DROPOUT`: ``nn.modules.loss._Loss``, ``batchnorm._BatchNorm`` and
-  ``dropout._DropoutNd``, the bases of every loss, BatchNorm and Dropout: the public classes miss a user's or a
-  library's subclass of a base (a custom loss, apex's ``SyncBatchNorm``).
+* :data:`LOSS_BASE`, :data:`MODE_DEPENDENT`, :data:`DROPOUT_BASE`: ``nn.modules.loss._Loss``, ``batchnorm._BatchNorm``
+  and ``dropout._DropoutNd``, the bases of every loss, BatchNorm and Dropout: the public classes miss a user's or a
+  library's subclass of a base (a custom loss, apex's ``SyncBatchNorm``). Read at import: a torch that moved one
+  fails there, by name, rather than misclassifying modules.
 
 ``tests/unit/test_precursor_probes.py`` checks that each exists, so that a torch release that moves one fails loudly
 there, naming it, instead of silently mis-attributing calls.
@@ -18,7 +19,6 @@ there, naming it, instead of silently mis-attributing calls.
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -27,13 +27,16 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["DROPOUT", "LOSS", "MODE_DEPENDENT", "calling_modules", "exit_mode", "in_backward"]
+__all__ = ["DROPOUT_BASE", "LOSS_BASE", "MODE_DEPENDENT", "calling_modules", "exit_mode", "in_backward"]
 
 
 def _lookup(path: str) -> Any:
     # Without failing at import: a torch release that moved one fails in the tests, by name.
     head, *parts = path.split(".")
-    return functools.reduce(lambda found, part: getattr(found, part, None), parts, sys if head == "sys" else torch)
+    found: Any = sys if head == "sys" else torch
+    for part in parts:
+        found = getattr(found, part, None)
+    return found
 
 
 _CALL_CODES = frozenset(
@@ -41,10 +44,9 @@ _CALL_CODES = frozenset(
     for name in ("_call_impl", "_wrapped_call_impl")
     if (code := getattr(_lookup(f"torch.nn.Module.{name}"), "__code__", None))
 )
-# A public class where a torch release moved a base (the tests name it).
-LOSS: type = _lookup("torch.nn.modules.loss._Loss") or nn.MSELoss
-DROPOUT: type = _lookup("torch.nn.modules.dropout._DropoutNd") or nn.Dropout
-MODE_DEPENDENT: tuple[type, ...] = (_lookup("torch.nn.modules.batchnorm._BatchNorm") or nn.BatchNorm2d, DROPOUT)
+LOSS_BASE: type = nn.modules.loss._Loss
+DROPOUT_BASE: type = nn.modules.dropout._DropoutNd
+MODE_DEPENDENT: tuple[type, ...] = (nn.modules.batchnorm._BatchNorm, DROPOUT_BASE)
 """The modules whose output depends on the training mode."""
 
 

@@ -101,7 +101,7 @@ def rule(
 
 def any_reads(part: str, names: Iterable[str]) -> bool:
     """Whether any of the rules ``names`` reads ``part`` of the context (asked live: extension rules count)."""
-    return any(part in REGISTRY[n].reads for n in names)
+    return any(n in REGISTRY and part in REGISTRY[n].reads for n in names)
 
 
 def registered() -> list[Rule]:

@@ -6,7 +6,7 @@ from reference import record
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_hookdiag import stats as S
-from lightning_hookdiag.aggregation import LayerStatsAggregator
+from lightning_hookdiag.aggregation import LayerStatsAggregator, host_values
 from lightning_hookdiag.recorder import StepRecorder
 
 
@@ -202,3 +202,11 @@ def test_each_state_is_reduced_as_declared_and_nothing_else_is_accepted():
         agg.add_state("mean_state", torch.zeros(1), "mean")
     assert "'mean'" in str(error.value)  # the bad value
     assert "'sum' or 'max'" in str(error.value)  # the valid choices
+
+
+def test_host_values_become_a_1d_tensor_of_the_dtype_on_the_device():
+    out = host_values([1.5, 2.0, -3.0], torch.float64, torch.device("cpu"))
+    assert out.dtype == torch.float64
+    assert out.device.type == "cpu"
+    assert out.tolist() == [1.5, 2.0, -3.0]
+    assert host_values(iter([]), torch.float32, torch.device("cpu")).shape == (0,)

@@ -22,6 +22,7 @@ from lightning_hookdiag import ALL_STATS, LayerHealthCallback
 from lightning_hookdiag.components import FACTORIES, Component, FitConfig, Setup, component
 from lightning_hookdiag.fit_run import FitRun
 from lightning_hookdiag.logged_values import ObservedStep
+from lightning_hookdiag.sentinel import MicroBatch, capture_rng
 
 
 def config(**changes: object) -> FitConfig:
@@ -287,3 +288,21 @@ def test_a_component_that_raises_leaves_no_hook_of_any_other_behind(end, fail, r
         run.end_micro_batch() if end else run.detach()
     assert count_hooks(model) == 0
     assert not any(c.attached for c in (failing, *others))
+
+
+def test_release_drops_the_window_and_the_micro_batches_also_when_a_component_raises():
+    model = net()
+    failing = Hooked(model[0], False, "remove")
+    factory = component(lambda setup: failing)
+    try:
+        run = start(model)
+    finally:
+        FACTORIES.remove(factory)
+    run.open_window(0, {})
+    run.state.micro.keep(0, MicroBatch(torch.ones(2, 4), 0, capture_rng(torch.device("cpu"))))
+    run.attach(None)
+    with pytest.raises(RuntimeError, match="remove"):
+        run.release()
+    assert count_hooks(model) == 0
+    assert run.state.window is None
+    assert run.state.micro.batches == []
