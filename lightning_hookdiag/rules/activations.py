@@ -67,7 +67,7 @@ def saturation(ctx: Context) -> Iterator[Found]:
         if kind not in SATURATING_TYPES or not (finite(mean) and finite(std)):
             continue
         # Second moment of z in [-1, 1]: z = y for Tanh, z = 2y - 1 for Sigmoid.
-        m2 = std * std + mean * mean if kind == "Tanh" else 4 * std * std + (2 * mean - 1) ** 2
+        m2 = std * std + mean * mean if kind == "Tanh" else 4 * std * std + (2 * mean - 1) * (2 * mean - 1)
         bound = min(1.0, max(0.0, (m2 - level * level) / (1 - level * level)))
         if bound >= frac:
             z = "|y|" if kind == "Tanh" else "|2y - 1|"

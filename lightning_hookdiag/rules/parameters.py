@@ -181,7 +181,7 @@ def moved_mass_bound(ratio: float, eps: float) -> float:
         >>> moved_mass_bound(0.0, 2**-7), moved_mass_bound(2**-10, 2**-7), moved_mass_bound(1e-3, 2**-23)
         (0.0, 0.0625, 1.0)
     """
-    return min(1.0, (2.0 * ratio / eps) ** 2)
+    return min(1.0, 2.0 * ratio / eps) ** 2  # the min first: squaring a float beyond 1e154 raises OverflowError
 
 
 _SCHEDULED_LOW = 1e-2

@@ -18,6 +18,7 @@ from lightning_hookdiag.rules import (
     RuleConfig,
     evaluate,
     format_error,
+    moved_mass_bound,
     values_from_metrics,
 )
 from lightning_hookdiag.rules.registry import REGISTRY, Found, registered, rule
@@ -457,6 +458,14 @@ def test_saturation_bound_threshold_is_inclusive_and_configurable():
     high = RuleConfig(saturation_frac=0.51)
     assert len(evaluate(values, ["t"], [], step=0, config=low, layer_types={"t": "Tanh"})) == 1
     assert evaluate(values, ["t"], [], step=0, config=high, layer_types={"t": "Tanh"}) == []
+
+
+def test_huge_finite_statistics_bound_the_rules_instead_of_raising():
+    # A Python float squared beyond ~1e154 raises OverflowError (1e200 * 1e200 is inf): the rules must not.
+    values = {"act_mean": {"t": 1e200, "s": 1e200}, "act_std": {"t": 1.0, "s": 1.0}}
+    found = evaluate(values, ["t", "s"], [], step=0, layer_types={"t": "Tanh", "s": "Sigmoid"})
+    assert [(f.layer, f.value) for f in found if f.rule == "saturation"] == [("t", 1.0), ("s", 1.0)]
+    assert moved_mass_bound(1e300, 2**-23) == 1.0
 
 
 # ------------------------------------------------------------------------------------------ missing stats
