@@ -18,6 +18,7 @@ import numpy  # a dependency of torchmetrics
 import torch
 from torch import Tensor, nn
 
+from lightning_hookdiag.components import call_all
 from lightning_hookdiag.hooks import HookSet
 from lightning_hookdiag.params import stored_values
 from lightning_hookdiag.provenance import NonFiniteTrace
@@ -343,17 +344,17 @@ def replay_step(
                 del loss
                 hooks.end_micro_batch()  # its backward is over: the companions keep its measurement
     finally:
-        if trace is not None:
-            trace.remove()
-        hooks.remove()
-        # The random streams first: a buffer the step resized cannot be copied back, and raises.
-        restore_rng(rng, device)
-        random.setstate(python_state)
-        numpy.random.set_state(numpy_state)
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
-        for metric, saved_state in metrics:
-            for name, value in saved_state.items():
-                setattr(metric, name, value)
+        try:
+            call_all([hooks.remove] if trace is None else [trace.remove, hooks.remove])
+        finally:  # also when a companion's remove raised: the replay leaves no trace in the training state
+            # The random streams first: a buffer the step resized cannot be copied back, and raises.
+            restore_rng(rng, device)
+            random.setstate(python_state)
+            numpy.random.set_state(numpy_state)
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+            for metric, saved_state in metrics:
+                for name, value in saved_state.items():
+                    setattr(metric, name, value)
     return produced

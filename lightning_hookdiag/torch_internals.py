@@ -30,19 +30,11 @@ from torch.overrides import TorchFunctionMode
 __all__ = ["DROPOUT_BASE", "LOSS_BASE", "MODE_DEPENDENT", "calling_modules", "exit_mode", "in_backward"]
 
 
-def _lookup(path: str) -> Any:
-    # Without failing at import: a torch release that moved one fails in the tests, by name.
-    head, *parts = path.split(".")
-    found: Any = sys if head == "sys" else torch
-    for part in parts:
-        found = getattr(found, part, None)
-    return found
-
-
+# Without failing at import (a torch that lacks one fails in the tests, by name).
 _CALL_CODES = frozenset(
     code
     for name in ("_call_impl", "_wrapped_call_impl")
-    if (code := getattr(_lookup(f"torch.nn.Module.{name}"), "__code__", None))
+    if (code := getattr(getattr(nn.Module, name, None), "__code__", None))
 )
 LOSS_BASE: type = nn.modules.loss._Loss
 DROPOUT_BASE: type = nn.modules.dropout._DropoutNd

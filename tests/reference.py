@@ -3,6 +3,10 @@
 Activations and gradients are recomputed from the weights and inputs a recorded training batch saw, with
 ``retain_grad()`` on every intermediate output and the loss scaled by ``1/accumulate`` as Lightning does; statistics
 are then taken element by element in Python floats.
+
+Not references, and named here only so that tests share them: drivers of the package's own path
+(``activation_moments``, ``gradient_moments``, ``square_sum``, ``histogram_counts``, ``record``) and structural probes
+that read its private fields (``pending_rows``, ``aggregator_held``, ``workspace_held``, ``tracker_held``).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ class Difference:
 
 @dataclass(frozen=True)
 class Alignment:
-    """What runs ``a`` and ``b`` both logged, ``names`` by statistic in vocabulary order; ``depth`` A's, then B's."""
+    """What both runs logged (``names``: by statistic, in vocabulary order); ``depth``: A's, completed with B's."""
 
     a: HealthLog
     b: HealthLog

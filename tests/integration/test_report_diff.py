@@ -207,7 +207,9 @@ def test_equal_infinities_do_not_differ():
 
 def test_a_selected_container_s_parameter_is_ordered_at_the_container_s_depth():
     # `enc` is a selected container (depth 1); `enc.block.weight` belongs to it, not to an unlogged `enc.block`.
-    rows = [Scalar(f"layer_health/act_std/{layer}", 0, 1.0) for layer in ("stem", "enc", "head")]
+    layers = ("stem", "enc", "head")
+    rows = [Scalar(f"layer_health/act_std/{layer}", 0, 1.0) for layer in layers]
+    rows += [Scalar(f"layer_health/depth/{layer}", 0, float(depth)) for depth, layer in enumerate(layers)]
     a = build_health_log(
         rows + [Scalar(f"layer_health/param_norm/{p}", 0, 1.0) for p in ("enc.block.weight", "head.weight")]
     )

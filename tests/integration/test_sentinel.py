@@ -17,6 +17,7 @@ from torchmetrics import MeanMetric
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthError, LayerHealthWarning
 from lightning_hookdiag import sentinel as SN
+from lightning_hookdiag.components import Component
 from lightning_hookdiag.sentinel import LossSentinel, SpikeDetector
 
 P = "layer_health"
@@ -444,6 +445,30 @@ def test_replay_helper_restores_rng_buffers_and_gradients_even_when_the_step_rai
     assert torch.equal(before_stats, net[1].running_mean)
     assert int(net[1].num_batches_tracked) == 0
     assert all(p.grad is None for p in net.parameters())
+
+
+def test_the_replay_restores_the_training_state_even_when_a_companion_fails_to_remove():
+    class FailsToRemove(Component):
+        def remove(self) -> None:
+            super().remove()
+            raise RuntimeError("companion remove failed")
+
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Dropout(0.5))
+    hooks = SN.HookSet({"0": net[0], "1": net[1]}, lambda i, out: None, companions=[FailsToRemove()])
+    micro = SN.MicroBatch(torch.randn(5, 3), 0, SN.capture_rng(torch.device("cpu")))
+    before = torch.get_rng_state(), random.getstate(), net[1].running_mean.clone()
+
+    def run(m):
+        torch.rand(3), random.random()
+        return net(m.batch).sum()
+
+    with pytest.raises(RuntimeError, match="companion remove failed"):
+        SN.replay_step([micro], run, net, hooks, torch.device("cpu"))
+    assert count_hooks(net) == 0
+    assert torch.equal(before[0], torch.get_rng_state())
+    assert before[1] == random.getstate()
+    assert torch.equal(before[2], net[1].running_mean)
+    assert int(net[1].num_batches_tracked) == 0
 
 
 def test_the_random_streams_are_restored_even_when_a_buffer_cannot_be_put_back():

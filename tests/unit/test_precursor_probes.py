@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import math
+import re
+import sys
 
 import pytest
 import torch
@@ -513,7 +516,25 @@ TORCH_INTERNALS = (
 
 def missing_torch_internals() -> list[str]:
     """The internals of :data:`TORCH_INTERNALS` that this torch lacks."""
-    return sorted(path for path in TORCH_INTERNALS if not callable(torch_internals._lookup(path)))
+
+    def lookup(path: str) -> object:
+        head, *parts = path.split(".")
+        found: object = sys if head == "sys" else torch
+        for part in parts:
+            found = getattr(found, part, None)
+        return found
+
+    return sorted(path for path in TORCH_INTERNALS if not callable(lookup(path)))
+
+
+def test_the_list_names_every_private_name_the_module_reads():
+    # Read from the module's code (its docstring left out), so that a private name added there without adding it
+    # here fails.
+    source = inspect.getsource(torch_internals).split('"""', 2)[2]
+    read = set(re.findall(r"\b(?:torch\._C|torch\.overrides|sys)\._\w+", source))
+    read |= {f"torch.{m}" for m in re.findall(r"\bnn\.modules\.\w+\._\w+", source)}
+    read |= {f"torch.nn.Module.{name}" for name in re.findall(r'"(_\w+_impl)"', source)}
+    assert read == set(TORCH_INTERNALS)
 
 
 def test_the_torch_internals_the_probes_rely_on_still_behave_as_expected():

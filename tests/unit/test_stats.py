@@ -313,6 +313,10 @@ def test_workspace_views_are_reused_and_release_drops_every_buffer():
     bigger = ws.get(16, torch.float64, torch.float64, cpu)  # grows: new memory, no stale views
     assert bigger[2].shape == (2, 16)
     assert ws.get(4, torch.float64, torch.float64, cpu)[2].shape == (2, 4)
+    narrow, narrow_bits, wide = ws.get(8, torch.float32, torch.float64, cpu)  # a float32 tensor's scratch
+    assert (narrow.dtype, narrow_bits.dtype) == (torch.float32, torch.int32)
+    assert (wide.dtype, wide.shape) == (torch.float64, (2, 8))
+    assert narrow_bits.data_ptr() == narrow.data_ptr()
     ws.release()
     assert not R.workspace_held(ws)
 
