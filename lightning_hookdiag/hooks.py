@@ -64,15 +64,19 @@ _stance_users = 0
 _stance_restore: Any = None
 
 
-def _count_eager_user(change: int) -> None:
-    # +1 when a hook set attaches (the first enters force_eager), -1 when it is removed (the last restores).
+def _enter_eager() -> None:
     global _stance_users, _stance_restore
     with _stance_lock:
-        if change > 0 and _stance_users == 0:
-            # Its __exit__ restores the previous stance, options included.
+        if _stance_users == 0:  # the first hook set to attach; its __exit__ restores the stance, options included
             _stance_restore = torch.compiler.set_stance("force_eager")
-        _stance_users += change
-        if change < 0 and _stance_users == 0:
+        _stance_users += 1
+
+
+def _exit_eager() -> None:
+    global _stance_users, _stance_restore
+    with _stance_lock:
+        _stance_users -= 1
+        if _stance_users == 0:  # the last one removed
             restore, _stance_restore = _stance_restore, None
             restore.__exit__(None, None, None)
 
@@ -136,7 +140,7 @@ class HookSet:
             return self
         self.attached = True
         self._handles = [m.register_forward_hook(h) for m, h in zip(self.modules, self._forward_hooks, strict=True)]
-        _count_eager_user(1)
+        _enter_eager()
         for companion in self.companions:
             companion.attach()
         return self
@@ -153,7 +157,7 @@ class HookSet:
         self._handles, self._tensor_handles = [], []
         if self.attached:
             self.attached = False
-            _count_eager_user(-1)
+            _exit_eager()
         calls: list[Callable[[], object]] = []
         for c in self.companions:
             calls += [c.end_micro_batch, c.remove] if finished else [c.remove]

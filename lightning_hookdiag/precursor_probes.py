@@ -241,13 +241,13 @@ class PrecursorProbes(Component):
         if tensor is None or tensor.dim() < 2 or tensor.numel() == 0 or not tensor.requires_grad:
             return
         self._last = (index, tensor)
-        if len(self._outputs) == 1:
-            self.end_micro_batch()
+        if len(self._outputs) == 1:  # a named output layer: every call is measured
+            self._measure_last()
 
     @override
     def end_forward(self, loss: Tensor | None) -> None:
         """Measure the output and detach everything: the probes never see backward."""
-        self.end_micro_batch()
+        self._measure_last()
         if loss is not None and self.attached:
             if self.attention_on:  # the mode is entered
                 self._forwards += 1  # a forward that reached its loss under the mode
@@ -257,6 +257,9 @@ class PrecursorProbes(Component):
 
     @override
     def end_micro_batch(self) -> None:  # also without a backward (a replay, a training_step that returned no loss)
+        self._measure_last()
+
+    def _measure_last(self) -> None:
         """Measure the output kept by the last hook that fired, then let it go."""
         last, self._last = self._last, None
         if last is None:

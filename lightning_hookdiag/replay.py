@@ -116,10 +116,10 @@ def _rerun(
     trainer: pl.Trainer, pl_module: pl.LightningModule, run: FitRun, hooks: HookSet, trace: NonFiniteTrace | None
 ) -> str | None:
     """Run the step's micro-batches again through ``hooks`` and ``trace``; why it raised, or ``None``."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    takes_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
 
     def loss(micro: MicroBatch) -> Tensor | None:  # as the automatic-optimization loop back-propagates it
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        takes_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
         args = (micro.batch, micro.batch_idx) if takes_index else (micro.batch,)
         # The LightningModule itself, not the DDP wrapper: DDP's reducer must not see this backward.
         with trainer.precision_plugin.train_step_context(), _logging_silenced(pl_module):
