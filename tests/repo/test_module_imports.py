@@ -137,7 +137,7 @@ def test_the_package_has_no_import_cycle():
     assert import_cycles(Path(lightning_hookdiag.__file__).parent) == []
 
 
-# Issue 30's budget (the library went 11,664 -> 10,139 -> 8,992 lines in two rounds): it may shrink, not grow back.
+# Issue 30's budget (the library went 11,664 -> 10,139 -> 8,999 lines in two rounds): it may shrink, not grow back.
 LIBRARY_LINES = 9_000
 
 
