@@ -9,6 +9,8 @@ script's folder on ``sys.path``).
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import shlex
 import sys
 import warnings
 from collections import OrderedDict
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -99,8 +101,23 @@ def quiet_lightning() -> None:
         warnings.filterwarnings("ignore", message=message)
 
 
-def describe(callback: LayerHealthCallback, csv_dir: Path, name: str, stat: str) -> None:
-    """Print the alerts, the findings of the last sampled step, where the logs are and the report command."""
+def command(script: str, module: str) -> str:
+    """How to run ``script`` from any shell after the README's set-up, without activating the virtual environment.
+
+    The full path of the console script installed next to this Python (``.venv/bin/hookdiag``), or ``python -m
+    <module>`` with this Python's full path where there is no such script.
+    """
+    installed = Path(sys.executable).parent / script
+    if installed.exists():
+        return shlex.quote(str(installed))
+    return f"{shlex.quote(sys.executable)} -m {module}"
+
+
+def describe(callback: LayerHealthCallback, csv_dir: Path, name: str, stat: str, tb_dir: Path | None = None) -> None:
+    """Print the alerts, the findings of the last sampled step, where the logs are and the commands to read them.
+
+    Every finding is printed once: the last step's findings that were already alerted are not repeated.
+    """
     print(f"\n== {name}: what LayerHealthCallback found ==")
     if not callback.findings:
         print("no findings: every rule stayed silent on every sampled step")
@@ -111,13 +128,29 @@ def describe(callback: LayerHealthCallback, csv_dir: Path, name: str, stat: str)
             print(f"  step {f.step:>3}  {f.rule:<19} {f.layer:<14} value={f.value:.3g}  threshold={f.threshold:g}")
             print(f"            {f.message}")
     if callback.last_step is not None:
-        rules = ", ".join(f"{f.rule} @ {f.layer}" for f in callback.last_findings) or "none"
-        print(f"findings of the last sampled step ({callback.last_step}): {rules}")
+        alerted = set(callback.findings)
+        repeated = sum(1 for f in callback.last_findings if f in alerted)
+        others = [f for f in callback.last_findings if f not in alerted]
+        print(f"findings of the last sampled step ({callback.last_step}): {len(callback.last_findings)}", end="")
+        print(f" ({repeated} of them listed above)" if repeated else "")
+        for f in others:
+            print(f"  step {f.step:>3}  {f.rule:<19} {f.layer:<14} {f.message}")
     print(f"\nlayers in forward order: {', '.join(callback.execution_order)}")
     print(f"CSV log: {csv_dir / 'metrics.csv'}")
     print("draw a heatmap of one statistic (layers in forward order x sampled steps):")
-    print(f"  hookdiag report {csv_dir} --stat {stat}")
-    print(f"  # or: {Path(sys.executable).name} -m lightning_hookdiag report {csv_dir} --stat {stat} --out {stat}.png")
+    print(f"  {command('hookdiag', 'lightning_hookdiag')} report {csv_dir} --stat {stat}")
+    if tb_dir is not None:
+        print("open the run in TensorBoard:")
+        print(f"  {command('tensorboard', 'tensorboard.main')} --logdir {tb_dir}")
+
+
+def exit_code(callback: LayerHealthCallback) -> int:
+    """1 when training stopped on a :class:`~lightning_hookdiag.LayerHealthError`, else 0: for a script's exit status.
+
+    With ``on_anomaly="raise"`` the error is raised on the first step with a finding, so a finding of the last
+    sampled step means the run was stopped by it.
+    """
+    return 1 if callback.on_anomaly == "raise" and callback.last_findings else 0
 
 
 def run(
@@ -131,20 +164,26 @@ def run(
     batch_size: int = 64,
     stat: str = "act_grad_norm",
 ) -> LayerHealthCallback:
-    """Train ``module`` on ``data`` for ``max_steps`` optimizer steps with ``callback`` and a CSVLogger.
+    """Train ``module`` on ``data`` for ``max_steps`` optimizer steps with ``callback``, a CSVLogger and TensorBoard.
 
-    Logs go to ``<log_dir>/<name>/version_<n>``. What the callback found is printed also when training ends with an
-    exception (``on_anomaly="raise"``), which then propagates.
+    Logs go to ``<log_dir>/<name>/version_<n>`` (CSV) and ``<log_dir>/<name>_tb/version_<n>`` (TensorBoard, when
+    ``tensorboard`` is installed: ``pip install -e ".[examples]"``). What the callback found is printed also when
+    training ends with an exception (``on_anomaly="raise"``), which then propagates.
 
     Returns:
         ``callback``, with its ``findings``, ``last_findings`` and ``last_metrics`` filled in.
     """
     logger = CSVLogger(str(log_dir), name=name)
+    loggers: list[Logger] = [logger]
+    tensorboard = None
+    if importlib.util.find_spec("tensorboard") is not None:
+        tensorboard = TensorBoardLogger(str(log_dir), name=f"{name}_tb")
+        loggers.append(tensorboard)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
         max_steps=max_steps,
-        logger=logger,
+        logger=loggers,
         callbacks=[callback],
         log_every_n_steps=1,
         num_sanity_val_steps=0,
@@ -163,5 +202,6 @@ def run(
         trainer.fit(module, loader)
     finally:
         torch.set_num_threads(threads)
-        describe(callback, csv_dir, name, stat)
+        tb_dir = Path(tensorboard.log_dir).resolve() if tensorboard is not None else None
+        describe(callback, csv_dir, name, stat, tb_dir)
     return callback

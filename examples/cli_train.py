@@ -14,9 +14,11 @@ rejects ends the command with one ``error:`` line naming where it is (``HealthCL
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from _common import command
 from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from torch import nn
@@ -146,7 +148,23 @@ def main(args: list[str] | None = None) -> HealthCLI:
     Returns:
         The CLI object, which holds the ``trainer`` and ``model``.
     """
-    return HealthCLI(SyntheticClassifier, SyntheticDataModule, args=args)
+    cli = HealthCLI(SyntheticClassifier, SyntheticDataModule, args=args)
+    print_report_command(cli.trainer)
+    return cli
+
+
+def print_report_command(trainer: pl.Trainer) -> None:
+    """Print where each logger wrote and the ``hookdiag report`` command that draws the run (rank zero only)."""
+    if not trainer.is_global_zero:
+        return
+    report = command("hookdiag", "lightning_hookdiag")
+    for logger in trainer.loggers:
+        log_dir = getattr(logger, "log_dir", None)  # where the logger writes files, for the file-based ones
+        if not isinstance(log_dir, str):
+            continue
+        run_dir = Path(log_dir).resolve()
+        print(f"{type(logger).__name__} logs: {run_dir}")
+        print(f"  {report} report {run_dir} --stat act_grad_norm")
 
 
 if __name__ == "__main__":

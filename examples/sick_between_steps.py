@@ -19,7 +19,7 @@ import argparse
 from collections.abc import Sequence
 
 import torch
-from _common import DEFAULT_LOG_DIR, ON_ANOMALY, SequentialRegressor, make_dataset, quiet_lightning, run
+from _common import DEFAULT_LOG_DIR, ON_ANOMALY, SequentialRegressor, exit_code, make_dataset, quiet_lightning, run
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthError
@@ -95,4 +95,4 @@ def main(argv: Sequence[str] | None = None) -> LayerHealthCallback:
 
 if __name__ == "__main__":
     quiet_lightning()
-    main()
+    raise SystemExit(exit_code(main()))

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from _common import SequentialRegressor, make_dataset, mlp, parse_args, quiet_lightning, run
+from _common import SequentialRegressor, exit_code, make_dataset, mlp, parse_args, quiet_lightning, run
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
@@ -64,4 +64,4 @@ def main(argv: Sequence[str] | None = None) -> LayerHealthCallback:
 
 if __name__ == "__main__":
     quiet_lightning()
-    main()
+    raise SystemExit(exit_code(main()))

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from _common import SequentialRegressor, make_dataset, parse_args, quiet_lightning, run
+from _common import SequentialRegressor, exit_code, make_dataset, parse_args, quiet_lightning, run
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthError
@@ -96,4 +96,4 @@ def main(argv: Sequence[str] | None = None) -> LayerHealthCallback:
 
 if __name__ == "__main__":
     quiet_lightning()
-    main()
+    raise SystemExit(exit_code(main()))

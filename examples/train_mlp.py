@@ -14,6 +14,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from _common import command
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -89,8 +90,8 @@ def main() -> None:
     print(f"CSV log:          {csv_dir / 'metrics.csv'}")
     print(f"TensorBoard logs: {tb_dir}")
     print("Look at them with:")
-    print(f"  hookdiag report {csv_dir} --stat act_grad_norm     # per-layer summary + heatmap PNG")
-    print(f"  tensorboard --logdir {tb_dir}     # filter tags on 'act_grad_norm'")
+    print(f"  {command('hookdiag', 'lightning_hookdiag')} report {csv_dir} --stat act_grad_norm")
+    print(f"  {command('tensorboard', 'tensorboard.main')} --logdir {tb_dir}")
 
 
 if __name__ == "__main__":

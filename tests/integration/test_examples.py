@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import importlib
 import re
+import shlex
 import subprocess
 import sys
 import warnings
@@ -277,7 +278,9 @@ def test_healthy_baseline_has_no_findings_and_no_warnings(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------ as scripts, and the report
 @pytest.mark.slow
-def test_script_prints_a_report_command_that_works(tmp_path):
+def test_script_prints_commands_that_run_without_an_activated_venv(tmp_path):
+    """The printed ``hookdiag report`` and ``tensorboard`` commands run as printed, from a shell whose PATH lacks the
+    virtual environment (the README's set-up never activates it)."""
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / "sick_vanishing.py"), "--log-dir", str(tmp_path / "logs")],
         capture_output=True,
@@ -285,14 +288,48 @@ def test_script_prints_a_report_command_that_works(tmp_path):
         timeout=120,
         check=False,
     )
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.stderr  # warn: the run finishes, so the script succeeds
     assert "vanishing_gradient" in proc.stdout
     assert "vanishing_gradient" in proc.stderr  # the LayerHealthWarning
-    command = re.search(r"^\s*hookdiag (report \S+ --stat \S+)$", proc.stdout, re.MULTILINE)
-    assert command is not None, proc.stdout
+    report = re.search(r"^\s*(\S*hookdiag report \S+ --stat \S+)$", proc.stdout, re.MULTILINE)
+    assert report is not None, proc.stdout
     out = tmp_path / "heatmap.png"
-    assert report_main([*command.group(1).split(), "--out", str(out)]) == 0
+    bare = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    drawn = subprocess.run(
+        [*shlex.split(report.group(1)), "--out", str(out)], capture_output=True, text=True, env=bare, check=False
+    )
+    assert drawn.returncode == 0, drawn.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    tensorboard = re.search(r"^\s*(\S*tensorboard) --logdir (\S+)$", proc.stdout, re.MULTILINE)
+    assert tensorboard is not None, proc.stdout
+    assert list(Path(tensorboard.group(2)).glob("events.out.tfevents.*"))  # the sick run is in TensorBoard too
+    version = subprocess.run(
+        [*shlex.split(tensorboard.group(1)), "--version_tb"], capture_output=True, text=True, env=bare, check=False
+    )
+    assert version.returncode == 0, version.stderr
+
+
+@pytest.mark.slow
+def test_a_sick_script_stopped_by_layer_health_error_exits_non_zero(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "sick_nan.py"), "--log-dir", str(tmp_path / "logs")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert "training stopped with LayerHealthError" in proc.stdout
+    assert proc.returncode == 1, proc.stdout[-2000:]
+
+
+def test_the_printout_lists_each_finding_once(tmp_path, capsys):
+    ex = example("sick_nan")
+    callback = ex.main(["--log-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert callback.last_findings  # raise: stopped on its first finding
+    for finding in callback.last_findings:
+        assert out.count(finding.message) == 2, finding  # once in the findings, once in LayerHealthError's message
+    assert f"findings of the last sampled step ({callback.last_step}): {len(callback.last_findings)}" in out
 
 
 # ------------------------------------------------------------------------------------------ sick_between_steps
