@@ -406,11 +406,13 @@ def test_readme_test_command_is_the_one_ci_runs():
     assert expected in shell_lines((ROOT / "CONTRIBUTING.md").read_text())
 
 
-def test_readme_main_example_command_runs_a_script_that_exists():
+def test_readme_first_command_sets_up_with_ci_commands_and_runs_an_example_that_exists():
     venv, install, _ = ci_commands()
-    script = "examples/train_mlp.py"
-    expected = f"{venv} && {install.replace('.[dev]', '.[examples]')} && .venv/bin/python {script}"
-    assert expected in shell_lines(README.read_text()), f"README.md should show {expected!r}"
+    first = shell_lines(README.read_text())[0]
+    set_up = f"{venv} && {install.replace('.[dev]', '.[examples]')} && .venv/bin/python "
+    assert first.startswith(set_up), f"README.md's first command should start with {set_up!r}, got {first!r}"
+    script = first.removeprefix(set_up)
+    assert re.fullmatch(r"examples/\w+\.py", script), script
     assert (ROOT / script).is_file()
 
 
