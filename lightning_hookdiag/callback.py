@@ -102,6 +102,37 @@ def _schedule(
     return None, None
 
 
+def _stepping_optimizers(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[torch.optim.Optimizer]:
+    """The optimizers whose step ends a sampled micro-batch's recording; none under manual optimization.
+
+    There ``training_step`` may run forwards after any of its optimizer steps, so recording ends at the batch end.
+    """
+    if not pl_module.automatic_optimization:
+        return []
+    return [optimizer for optimizer in trainer.optimizers if isinstance(optimizer, torch.optim.Optimizer)]
+
+
+def _check_prefix_unique(callbacks: Sequence[Callback]) -> None:
+    """Raise if two ``LayerHealthCallback`` of the Trainer share a ``prefix``: their keys would overwrite each other.
+
+    Both would log ``<prefix>/grad_norm_total`` and their own ``<prefix>/depth/<layer>`` at the same step, so neither
+    the values nor a report's layer order could be trusted.
+    """
+    seen: dict[str, tuple[int, LayerHealthCallback]] = {}
+    for index, callback in enumerate(callbacks):
+        if not isinstance(callback, LayerHealthCallback):
+            continue
+        first, other = seen.setdefault(callback.prefix, (index, callback))
+        if other is callback:
+            continue
+        raise ValueError(
+            f"LayerHealthCallback: trainer.callbacks[{first}] (layers={other.layers}) and trainer.callbacks[{index}]"
+            f" (layers={callback.layers}) both log under prefix={callback.prefix!r}: their keys (such as"
+            f" {callback.prefix}/grad_norm_total and {callback.prefix}/depth/<layer>) would overwrite each other at"
+            f" every step; give each its own prefix=, e.g. LayerHealthCallback(..., prefix={callback.prefix + '_2'!r})"
+        )
+
+
 class LayerHealthCallback(Callback):
     r"""Log per-layer activation and gradient health on a fixed interval of optimizer steps.
 
@@ -293,6 +324,7 @@ class LayerHealthCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Resolve the selection (errors for names that match nothing) and allocate the device state."""
         self._release_fit()  # a fit that ended without teardown (an interrupted one) leaves nothing behind
+        _check_prefix_unique(trainer.callbacks)
         self._run = FitRun(self._fit_config(), pl_module, trainer.precision, lambda params: sharded(trainer, params))
         self.layer_names = list(self._run.layer_names)
         self._note(opt_in_note(self._run.plan.note))
@@ -318,7 +350,7 @@ class LayerHealthCallback(Callback):
         if state.window is None:
             run.open_window(step, self.last_metrics)
             self._note(late_note(state.late, step, self.every_n_steps))
-        run.attach(batch)
+        run.attach(batch, _stepping_optimizers(trainer, pl_module))
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -330,6 +362,12 @@ class LayerHealthCallback(Callback):
         if run.state.window is not None:  # an unsampled step pays for nothing below
             run.end_forward(loss)
             run.check_stale(len(trainer.optimizers))
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """End a sampled micro-batch's recording after its backward, unless the optimizer is stepping (LBFGS)."""
+        if self._run is not None:
+            self._run.after_backward()
 
     @override
     def on_before_optimizer_step(

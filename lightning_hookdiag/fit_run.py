@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 # The optional parts register their components when imported.
 from lightning_hookdiag import batches, eval_mode, kurtosis, precision, precursor_probes, saved_memory, unregistered  # noqa: F401
@@ -110,25 +111,62 @@ class FitRun:
         self.keys = KeyCache(config.prefix)
         self.state = StepState(config.every_n_steps)
         self.watch = StepWatch()  # learning rates and applied steps of the open window, for not_updated
+        self._step_handles: list[RemovableHandle] = []  # the optimizers' step hooks of a sampled micro-batch
+        self._stepping = False  # inside one of their steps (set by the pre hook, cleared by the post hook)
 
-    def attach(self, batch: Any) -> None:
-        """A sampled micro-batch starts with ``batch``: attach its hooks (the hook set's and every component's)."""
+    def attach(self, batch: Any, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
+        """A sampled micro-batch starts with ``batch``: attach its hooks (the hook set's and every component's).
+
+        ``optimizers``: the optimizers whose step ends the micro-batch's own forwards and backwards (automatic
+        optimization): the hooks record until one of them has stepped or, when none steps around the backward (an
+        accumulating micro-batch, a ``GradScaler`` that steps after the closure), until :meth:`after_backward`. Empty:
+        they record until :meth:`end_micro_batch` (manual optimization, where ``training_step`` may run forwards after
+        any of its optimizer steps). See ``docs/integrations.md#what-a-sampled-step-records``.
+        """
         for c in self.components:
             c.observe_batch(batch)
         self.hooks.attach()
         for c in self.unreplayed:
             c.attach()
+        self._stepping = False
+        for optimizer in optimizers:
+            self._step_handles.append(optimizer.register_step_pre_hook(self._step_starts))
+            self._step_handles.append(optimizer.register_step_post_hook(self._step_ends))
+
+    def _step_starts(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # A closure evaluated from here on (LBFGS evaluates several) is the micro-batch's own.
+        self._stepping = True
+
+    def _step_ends(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # The step is over: a forward after it is not training's (another callback's on_train_batch_end). The
+        # optimizer's handles stay until the batch ends: removing them here would change the dict torch iterates.
+        self._stepping = False
+        self.stop_recording()
+
+    def after_backward(self) -> None:
+        """A micro-batch's backward is over: recording ends, unless an optimizer step (which may run it again) is on."""
+        if self._step_handles and not self._stepping:
+            self.stop_recording()
 
     def end_forward(self, loss: Tensor | None = None) -> None:
         """The micro-batch's forward is over (``loss``: what is back-propagated); forward watchers leave."""
         for c in self.components:
             c.end_forward(loss)
 
-    def end_micro_batch(self) -> None:
+    def stop_recording(self) -> None:
         """Remove the micro-batch's hooks, all of them also after an error; the components keep what they measured."""
         if self.hooks.attached:  # a sampled micro-batch (an unsampled step pays for nothing below)
             ends = [call for c in self.unreplayed for call in (c.end_micro_batch, c.remove)]
             call_all([functools.partial(self.hooks.remove, finished=True), *ends])
+
+    def end_micro_batch(self) -> None:
+        """The micro-batch is over: :meth:`stop_recording`; remove the optimizers' step hooks, even after an error."""
+        call_all([self.stop_recording, self._remove_step_handles])
+
+    def _remove_step_handles(self) -> None:
+        handles, self._step_handles = self._step_handles, []
+        for handle in handles:
+            handle.remove()
 
     def end_closure(self) -> None:
         """An optimizer closure's forward and backward are over; the hooks stay attached for the next one.
@@ -140,7 +178,7 @@ class FitRun:
 
     def detach(self) -> None:
         """Remove every hook, also after an error; an interrupted micro-batch's measurements are dropped. Idempotent."""
-        call_all([self.hooks.remove, *(c.remove for c in self.unreplayed)])
+        call_all([self.hooks.remove, self._remove_step_handles, *(c.remove for c in self.unreplayed)])
 
     def open_window(self, step: int, last_metrics: Mapping[str, float], layers: bool = True) -> None:
         """Open the window of ``step`` (``layers=False``: parameters only) after ``last_metrics``, the last logged."""
