@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 # The optional parts register their components when imported.
 from lightning_hookdiag import batches, eval_mode, kurtosis, precision, precursor_probes, saved_memory, unregistered  # noqa: F401
-from lightning_hookdiag.aggregation import LayerStatsAggregator
+from lightning_hookdiag.aggregation import LayerOrders, LayerStatsAggregator, agreed_orders
 from lightning_hookdiag.components import FACTORIES, Component, FitConfig, Setup, WindowStart, call_all
 from lightning_hookdiag.hooks import HookSet
 from lightning_hookdiag.logged_values import KeyCache, Note, ObservedStep, StepFacts, step_notes, step_values
@@ -294,6 +294,8 @@ class FitRun:
             c.fold()
         recorder.flush()  # the stacked small outputs and gradients, before the fold
         agg.update(params=None if updated is None else (updated[0], updated[1], P_UPDATE_SQ))
+        own = LayerOrders(hooks.fired_order, hooks.grad_order, hooks.missing_grad_layers())
+        agg.agree_orders(own)  # every process must hold the same orders, so the same depths and findings
         values = agg.pooled()  # reduced over processes: one SUM and one MAX all-reduce (aggregation.py)
         if window.stale is not None:
             values["stale_grad_sq"] = window.stale.to(values["count"].device)
@@ -305,6 +307,8 @@ class FitRun:
             names.append("param_norm_min")
         if recorder.histograms:
             names += ["act_hist", "grad_hist"]
+        if "layer_orders" in values:  # agreed over processes
+            names.append("layer_orders")
         finalized = {k: v for c in self.components for k, v in c.finalize(values).items()}
         values.update(finalized)
         # An opt-in statistic is read back only where it is logged (not in a parameter-only window).
@@ -312,6 +316,7 @@ class FitRun:
         parts = [values[name].reshape(-1).to(torch.float64) for name in names]
         flat = iter(torch.cat(parts).tolist())  # the one host transfer
         host = {name: list(itertools.islice(flat, part.numel())) for name, part in zip(names, parts, strict=True)}
+        orders = agreed_orders(host.pop("layer_orders"), len(self.layer_names)) if "layer_orders" in host else own
         found = {k: v for c in self.components for k, v in c.facts(host).items()}
         observed = ObservedStep(
             step=window.step,
@@ -325,9 +330,10 @@ class FitRun:
                 sparse=frozenset(recorder.sparse_output),
                 empty=frozenset(recorder.empty_output),
             ),
-            forward_order=hooks.fired_names() if window.layers else list(last_order),
-            backward_order=[hooks.names[i] for i in hooks.grad_order],
-            missing_grads=hooks.missing_grads(),  # the whole window's, replays included: rule no_gradient
+            forward_order=[hooks.names[i] for i in orders.forward] if window.layers else list(last_order),
+            backward_order=[hooks.names[i] for i in orders.backward],
+            # The whole window's, replays included (rule no_gradient); missed on any process.
+            missing_grads=[hooks.names[i] for i in orders.missing_grads],
             param_facts=self.watch.facts(self.param_names, self.tracker.params) if self.tracker is not None else {},
             histogram_edges=agg.histogram_edges_host if recorder.histograms else None,
             **found,
