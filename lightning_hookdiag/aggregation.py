@@ -52,10 +52,6 @@ def order_positions(orders: LayerOrders, n_layers: int) -> list[float]:
     A layer's row holds its first-call position in the forward and in the backward order and minus it (their maxima:
     the latest and the earliest position over the processes where it ran; ``-1`` and ``-inf`` where it did not), and
     1 if its output received no gradient here.
-
-    Example:
-        >>> order_positions(LayerOrders([1, 0], [], [1]), 2)
-        [1.0, -1.0, -1.0, -inf, 0.0, 0.0, -0.0, -1.0, -inf, 1.0]
     """
     rows = [[-1.0, -math.inf, -1.0, -math.inf, 0.0] for _ in range(n_layers)]
     for column, order in ((0, orders.forward), (2, orders.backward)):
@@ -71,7 +67,8 @@ def agreed_orders(maxima: Sequence[float], n_layers: int) -> LayerOrders:
 
     Layers that ran somewhere sort by their latest first-call position over the processes, then the earliest, then
     their index: where every process runs the same layers this is their own order, and a layer run by some processes
-    only sorts after what ran before it there. A layer misses its gradient where it missed it on any process.
+    only sits where they ran it when the others run what precedes it at the same places (a heuristic beyond that: no
+    reduction of a few numbers per layer can merge arbitrary orders). A layer misses its gradient if it did anywhere.
 
     Example:
         >>> rank0 = order_positions(LayerOrders([0, 1, 3], [], []), 4)  # layer 2 runs on rank 1 only
@@ -250,11 +247,7 @@ class LayerStatsAggregator(Metric):
             torch.fmax(target, units, out=target)
 
     def agree_orders(self, orders: LayerOrders) -> None:
-        """Have the next sync agree this process's ``orders`` with the others', in the MAX all-reduce it makes anyway.
-
-        :meth:`compute` then returns ``layer_orders``, the maxima :func:`agreed_orders` reads (only after a sync: one
-        process's orders are its own).
-        """
+        """Agree ``orders`` in the next sync's MAX all-reduce; :meth:`compute` then returns their ``layer_orders``."""
         self._orders = orders
 
     def rows(self, kind: str, layers: list[int], numel: int) -> Tensor:

@@ -103,21 +103,14 @@ def _schedule(
 
 
 def _stepping_optimizers(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[torch.optim.Optimizer]:
-    """The optimizers whose step ends a sampled micro-batch's recording; none under manual optimization.
-
-    There ``training_step`` may run forwards after any of its optimizer steps, so recording ends at the batch end.
-    """
+    """The optimizers whose step ends a sampled micro-batch's recording; none under manual optimization."""
     if not pl_module.automatic_optimization:
         return []
     return [optimizer for optimizer in trainer.optimizers if isinstance(optimizer, torch.optim.Optimizer)]
 
 
 def _check_prefix_unique(callbacks: Sequence[Callback]) -> None:
-    """Raise if two ``LayerHealthCallback`` of the Trainer share a ``prefix``: their keys would overwrite each other.
-
-    Both would log ``<prefix>/grad_norm_total`` and their own ``<prefix>/depth/<layer>`` at the same step, so neither
-    the values nor a report's layer order could be trusted.
-    """
+    """Raise if two ``LayerHealthCallback`` of the Trainer share a ``prefix``: their keys would overwrite each other."""
     seen: dict[str, tuple[int, LayerHealthCallback]] = {}
     for index, callback in enumerate(callbacks):
         if not isinstance(callback, LayerHealthCallback):

@@ -117,11 +117,8 @@ class FitRun:
     def attach(self, batch: Any, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
         """A sampled micro-batch starts with ``batch``: attach its hooks (the hook set's and every component's).
 
-        ``optimizers``: the optimizers whose step ends the micro-batch's own forwards and backwards (automatic
-        optimization): the hooks record until one of them has stepped or, when none steps around the backward (an
-        accumulating micro-batch, a ``GradScaler`` that steps after the closure), until :meth:`after_backward`. Empty:
-        they record until :meth:`end_micro_batch` (manual optimization, where ``training_step`` may run forwards after
-        any of its optimizer steps). See ``docs/integrations.md#what-a-sampled-step-records``.
+        They record until one of ``optimizers`` has stepped, or :meth:`after_backward` outside a step; without
+        ``optimizers`` (manual optimization), until :meth:`end_micro_batch` (``docs/integrations.md``).
         """
         for c in self.components:
             c.observe_batch(batch)
