@@ -9,8 +9,8 @@ agreed through the SUM buffer of the first sync in which any process saw it, so 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -33,7 +33,56 @@ from lightning_hookdiag.stats import (
     moments_from_rows,
 )
 
-__all__ = ["LayerStatsAggregator", "host_values"]
+__all__ = ["LayerOrders", "LayerStatsAggregator", "agreed_orders", "host_values", "order_positions"]
+
+ORDER_SLOTS = 5  # per layer: forward latest, -forward earliest, backward latest, -backward earliest, missing gradient
+
+
+class LayerOrders(NamedTuple):
+    """Layer indices in forward order, in backward order, and those whose output received no gradient."""
+
+    forward: list[int]
+    backward: list[int]
+    missing_grads: list[int]
+
+
+def order_positions(orders: LayerOrders, n_layers: int) -> list[float]:
+    """One process's ``orders`` as ``n_layers`` rows of :data:`ORDER_SLOTS` values, merged by their maxima.
+
+    A layer's row holds its first-call position in the forward and in the backward order and minus it (their maxima:
+    the latest and the earliest position over the processes where it ran; ``-1`` and ``-inf`` where it did not), and
+    1 if its output received no gradient here.
+    """
+    rows = [[-1.0, -math.inf, -1.0, -math.inf, 0.0] for _ in range(n_layers)]
+    for column, order in ((0, orders.forward), (2, orders.backward)):
+        for position, layer in enumerate(order):
+            rows[layer][column], rows[layer][column + 1] = float(position), -float(position)
+    for layer in orders.missing_grads:
+        rows[layer][4] = 1.0
+    return [value for row in rows for value in row]
+
+
+def agreed_orders(maxima: Sequence[float], n_layers: int) -> LayerOrders:
+    """The orders every process agrees on, from the maxima over processes of :func:`order_positions`.
+
+    Layers that ran somewhere sort by their latest first-call position over the processes, then the earliest, then
+    their index: where every process runs the same layers this is their own order, and a layer run by some processes
+    only sits where they ran it when the others run what precedes it at the same places (a heuristic beyond that: no
+    reduction of a few numbers per layer can merge arbitrary orders). A layer misses its gradient if it did anywhere.
+
+    Example:
+        >>> rank0 = order_positions(LayerOrders([0, 1, 3], [], []), 4)  # layer 2 runs on rank 1 only
+        >>> rank1 = order_positions(LayerOrders([0, 1, 2, 3], [], []), 4)
+        >>> agreed_orders([max(a, b) for a, b in zip(rank0, rank1)], 4).forward
+        [0, 1, 2, 3]
+    """
+    rows = [maxima[i * ORDER_SLOTS : (i + 1) * ORDER_SLOTS] for i in range(n_layers)]
+
+    def merged(column: int) -> list[int]:
+        ran = [i for i in range(n_layers) if rows[i][column] >= 0]
+        return sorted(ran, key=lambda i: (rows[i][column], -rows[i][column + 1], i))
+
+    return LayerOrders(merged(0), merged(2), [i for i in range(n_layers) if rows[i][4] > 0])
 
 
 def host_values(values: Iterable[float], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -137,6 +186,8 @@ class LayerStatsAggregator(Metric):
         """AMP loss scale of the step's gradients, divided out of ``act_grad_norm`` at ``compute``."""
         self._synced = False
         self._relaid: Tensor | None = None
+        self._orders: LayerOrders | None = None  # this process's, for the next sync (agree_orders)
+        self._agreed: Tensor | None = None  # their maxima over processes, from the last sync
         self._calls = {"act": _Calls(ACT_ROW, dtype), "grad": _Calls(GRAD_ROW, dtype), "count": _Calls(0, dtype)}
 
     def track_units(self, layers: Iterable[int]) -> None:
@@ -194,6 +245,10 @@ class LayerStatsAggregator(Metric):
             self._pending_units.pop(layer, None)
         else:
             torch.fmax(target, units, out=target)
+
+    def agree_orders(self, orders: LayerOrders) -> None:
+        """Agree ``orders`` in the next sync's MAX all-reduce; :meth:`compute` then returns their ``layer_orders``."""
+        self._orders = orders
 
     def rows(self, kind: str, layers: list[int], numel: int) -> Tensor:
         """``len(layers)`` consecutive rows of this step's call table ``kind``, for calls of ``numel`` elements each.
@@ -290,6 +345,7 @@ class LayerStatsAggregator(Metric):
         self._pending_units = {}
         self._unit_bad = None
         self.param_norm_low = None
+        self._orders, self._agreed = None, None
 
     def sync(self, *args: Any, **kwargs: Any) -> None:
         """Torchmetrics' ``sync``, after the fold, so that the local copy it keeps holds every row."""
@@ -340,7 +396,12 @@ class LayerStatsAggregator(Metric):
             # processes is minus the smallest, so replicas that differ show up in the collective that takes the largest.
             low = torch.where(self.param_stats[:, P_SEEN] > 0, self.param_stats[:, P_WEIGHT_SQ], math.inf).neg()
             maxima.append(low)
+        if self._orders is not None:  # a few numbers per layer, in the same collective: no collective per layer
+            positions = order_positions(self._orders, self.n_layers)
+            maxima.append(host_values(positions, self.act_absmax.dtype, self.act_absmax.device))
         reduced_max = all_reduce_packed(maxima, "max", group)
+        if self._orders is not None:
+            self._agreed = reduced_max.pop()
         self.param_norm_low = None if low is None else reduced_max.pop().neg()
         if self.unit_layers:
             self._unit_bad = reduced_max.pop()
@@ -393,6 +454,8 @@ class LayerStatsAggregator(Metric):
         if self.param_norm_low is not None:  # synced over processes: replicas can be compared
             out["param_norm_min"] = self.param_norm_low.to(self.param_stats.device).sqrt()
         out.update((name, getattr(self, name)) for name in self.reduce_of if name not in self._core)
+        if self._agreed is not None:
+            out["layer_orders"] = self._agreed
         return out
 
 

@@ -102,18 +102,43 @@ def _schedule(
     return None, None
 
 
+def _stepping_optimizers(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[torch.optim.Optimizer]:
+    """The optimizers whose step ends a sampled micro-batch's recording; none under manual optimization."""
+    if not pl_module.automatic_optimization:
+        return []
+    return [optimizer for optimizer in trainer.optimizers if isinstance(optimizer, torch.optim.Optimizer)]
+
+
+def _check_prefix_unique(callbacks: Sequence[Callback]) -> None:
+    """Raise if two ``LayerHealthCallback`` of the Trainer share a ``prefix``: their keys would overwrite each other."""
+    seen: dict[str, tuple[int, LayerHealthCallback]] = {}
+    for index, callback in enumerate(callbacks):
+        if not isinstance(callback, LayerHealthCallback):
+            continue
+        first, other = seen.setdefault(callback.prefix, (index, callback))
+        if other is callback:
+            continue
+        raise ValueError(
+            f"LayerHealthCallback: trainer.callbacks[{first}] (layers={other.layers}) and trainer.callbacks[{index}]"
+            f" (layers={callback.layers}) both log under prefix={callback.prefix!r}: their keys (such as"
+            f" {callback.prefix}/grad_norm_total and {callback.prefix}/depth/<layer>) would overwrite each other at"
+            f" every step; give each its own prefix=, e.g. LayerHealthCallback(..., prefix={callback.prefix + '_2'!r})"
+        )
+
+
 class LayerHealthCallback(Callback):
     r"""Log per-layer activation and gradient health on a fixed interval of optimizer steps.
 
     Optimizer step ``k`` is the step that starts with ``trainer.global_step == k``; it is *sampled* when
     ``k % every_n_steps == 0``. On a sampled step, hooks are attached to the selected modules at the start of each
-    of its micro-batches and removed at the end of each; everything observed is pooled exactly (over calls,
-    micro-batches and processes) and, once the optimizer has stepped, logged once to every logger of the Trainer
-    with ``step=k``. The same values are kept in :attr:`last_metrics`, also without a logger (said once). A fresh fit
-    starts with no results and an empty alert memory; a checkpoint restores them only when a fit resumes from it
-    (``test``/``validate``/``predict`` with ``ckpt_path`` keep the fit's). Hooks never exist outside a sampled
-    training batch (not in validation, not after ``fit`` or an exception). Training is bit-identical with and without
-    the callback.
+    of its micro-batches and removed at the end of each; they observe the training step's own forwards and backwards,
+    not another callback's (``docs/integrations.md#what-a-sampled-step-records``). Everything observed is pooled
+    exactly (over calls, micro-batches and processes) and, once the optimizer has stepped, logged once to every logger
+    of the Trainer with ``step=k``. The same values are kept in :attr:`last_metrics`, also without a logger (said
+    once). A fresh fit starts with no results and an empty alert memory; a checkpoint restores them only when a fit
+    resumes from it (``test``/``validate``/``predict`` with ``ckpt_path`` keep the fit's). Hooks never exist outside a
+    sampled training batch (not in validation, not after ``fit`` or an exception). Training is bit-identical with and
+    without the callback.
 
     Every key is ``<prefix>/<stat>/<layer>`` (parameter statistics: ``<prefix>/<stat>/<param>``, with the
     parameter's dotted name; ``grad_norm_total`` has no name part), logged with ``step=k``; the default and opt-in
@@ -138,7 +163,7 @@ class LayerHealthCallback(Callback):
             :data:`~lightning_hookdiag.OPT_IN_STATS` are computed only when listed here or in ``extra_stats``.
         extra_stats: Names added to ``stats`` (to the default set when ``stats=None``), e.g.
             ``["act_kurtosis"]`` for the defaults plus kurtosis.
-        prefix: First segment of every logged key.
+        prefix: First segment of every logged key; two callbacks on one Trainer need distinct ones.
         dead_unit_types: Module classes (or import strings) whose outputs get ``act_dead_frac``.
         unit_dim: Axis of the output that indexes units for ``act_dead_frac``. ``None``: dim 1 (channels) for
             4-D/5-D outputs, the last dim for 1-D to 3-D outputs.
@@ -173,7 +198,8 @@ class LayerHealthCallback(Callback):
         last_metrics: The values logged on the most recent sampled step (pooled over processes, on every process).
         last_step: The optimizer step :attr:`last_metrics` describes.
         layer_names: Names of the observed modules, in selection order (set when fit starts).
-        execution_order: Names of the modules in the order their forward first ran on the last sampled step.
+        execution_order: Names of the modules in the order their forward first ran on the last sampled step (agreed
+            over processes: ``docs/integrations.md#ddp``).
         findings: Every finding that alerted (first appearance of a rule on a layer, or its return after clearing).
         last_findings: All findings of the most recent sampled step, earliest origin first.
         trips: Every optimizer step the sentinel tripped on, with whether it was replayed and, if not, why.
@@ -181,7 +207,8 @@ class LayerHealthCallback(Callback):
 
     Raises:
         ValueError: At construction, for any invalid argument (the message names it and the valid values); when
-            fit starts, for a name, glob or type that matches no module (with the closest names).
+            fit starts, for a name, glob or type that matches no module (with the closest names), or for another
+            ``LayerHealthCallback`` of the Trainer with the same ``prefix`` (naming both).
 
     Example:
         >>> import lightning.pytorch as pl
@@ -293,6 +320,7 @@ class LayerHealthCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Resolve the selection (errors for names that match nothing) and allocate the device state."""
         self._release_fit()  # a fit that ended without teardown (an interrupted one) leaves nothing behind
+        _check_prefix_unique(trainer.callbacks)
         self._run = FitRun(self._fit_config(), pl_module, trainer.precision, lambda params: sharded(trainer, params))
         self.layer_names = list(self._run.layer_names)
         self._note(opt_in_note(self._run.plan.note))
@@ -318,7 +346,7 @@ class LayerHealthCallback(Callback):
         if state.window is None:
             run.open_window(step, self.last_metrics)
             self._note(late_note(state.late, step, self.every_n_steps))
-        run.attach(batch)
+        run.attach(batch, _stepping_optimizers(trainer, pl_module))
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -330,6 +358,12 @@ class LayerHealthCallback(Callback):
         if run.state.window is not None:  # an unsampled step pays for nothing below
             run.end_forward(loss)
             run.check_stale(len(trainer.optimizers))
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """End a sampled micro-batch's recording after its backward, unless the optimizer is stepping (LBFGS)."""
+        if self._run is not None:
+            self._run.after_backward()
 
     @override
     def on_before_optimizer_step(

@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 # The optional parts register their components when imported.
 from lightning_hookdiag import batches, eval_mode, kurtosis, precision, precursor_probes, saved_memory, unregistered  # noqa: F401
-from lightning_hookdiag.aggregation import LayerStatsAggregator
+from lightning_hookdiag.aggregation import LayerOrders, LayerStatsAggregator, agreed_orders
 from lightning_hookdiag.components import FACTORIES, Component, FitConfig, Setup, WindowStart, call_all
 from lightning_hookdiag.hooks import HookSet
 from lightning_hookdiag.logged_values import KeyCache, Note, ObservedStep, StepFacts, step_notes, step_values
@@ -110,25 +111,59 @@ class FitRun:
         self.keys = KeyCache(config.prefix)
         self.state = StepState(config.every_n_steps)
         self.watch = StepWatch()  # learning rates and applied steps of the open window, for not_updated
+        self._step_handles: list[RemovableHandle] = []  # the optimizers' step hooks of a sampled micro-batch
+        self._stepping = False  # inside one of their steps (set by the pre hook, cleared by the post hook)
 
-    def attach(self, batch: Any) -> None:
-        """A sampled micro-batch starts with ``batch``: attach its hooks (the hook set's and every component's)."""
+    def attach(self, batch: Any, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
+        """A sampled micro-batch starts with ``batch``: attach its hooks (the hook set's and every component's).
+
+        They record until one of ``optimizers`` has stepped, or :meth:`after_backward` outside a step; without
+        ``optimizers`` (manual optimization), until :meth:`end_micro_batch` (``docs/integrations.md``).
+        """
         for c in self.components:
             c.observe_batch(batch)
         self.hooks.attach()
         for c in self.unreplayed:
             c.attach()
+        self._stepping = False
+        for optimizer in optimizers:
+            self._step_handles.append(optimizer.register_step_pre_hook(self._step_starts))
+            self._step_handles.append(optimizer.register_step_post_hook(self._step_ends))
+
+    def _step_starts(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # A closure evaluated from here on (LBFGS evaluates several) is the micro-batch's own.
+        self._stepping = True
+
+    def _step_ends(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # The step is over: a forward after it is not training's (another callback's on_train_batch_end). The
+        # optimizer's handles stay until the batch ends: removing them here would change the dict torch iterates.
+        self._stepping = False
+        self.stop_recording()
+
+    def after_backward(self) -> None:
+        """A micro-batch's backward is over: recording ends, unless an optimizer step (which may run it again) is on."""
+        if self._step_handles and not self._stepping:
+            self.stop_recording()
 
     def end_forward(self, loss: Tensor | None = None) -> None:
         """The micro-batch's forward is over (``loss``: what is back-propagated); forward watchers leave."""
         for c in self.components:
             c.end_forward(loss)
 
-    def end_micro_batch(self) -> None:
+    def stop_recording(self) -> None:
         """Remove the micro-batch's hooks, all of them also after an error; the components keep what they measured."""
         if self.hooks.attached:  # a sampled micro-batch (an unsampled step pays for nothing below)
             ends = [call for c in self.unreplayed for call in (c.end_micro_batch, c.remove)]
             call_all([functools.partial(self.hooks.remove, finished=True), *ends])
+
+    def end_micro_batch(self) -> None:
+        """The micro-batch is over: :meth:`stop_recording`; remove the optimizers' step hooks, even after an error."""
+        call_all([self.stop_recording, self._remove_step_handles])
+
+    def _remove_step_handles(self) -> None:
+        handles, self._step_handles = self._step_handles, []
+        for handle in handles:
+            handle.remove()
 
     def end_closure(self) -> None:
         """An optimizer closure's forward and backward are over; the hooks stay attached for the next one.
@@ -140,7 +175,7 @@ class FitRun:
 
     def detach(self) -> None:
         """Remove every hook, also after an error; an interrupted micro-batch's measurements are dropped. Idempotent."""
-        call_all([self.hooks.remove, *(c.remove for c in self.unreplayed)])
+        call_all([self.hooks.remove, self._remove_step_handles, *(c.remove for c in self.unreplayed)])
 
     def open_window(self, step: int, last_metrics: Mapping[str, float], layers: bool = True) -> None:
         """Open the window of ``step`` (``layers=False``: parameters only) after ``last_metrics``, the last logged."""
@@ -256,6 +291,8 @@ class FitRun:
             c.fold()
         recorder.flush()  # the stacked small outputs and gradients, before the fold
         agg.update(params=None if updated is None else (updated[0], updated[1], P_UPDATE_SQ))
+        own = LayerOrders(hooks.fired_order, hooks.grad_order, hooks.missing_grad_layers())
+        agg.agree_orders(own)  # every process must hold the same orders, so the same depths and findings
         values = agg.pooled()  # reduced over processes: one SUM and one MAX all-reduce (aggregation.py)
         if window.stale is not None:
             values["stale_grad_sq"] = window.stale.to(values["count"].device)
@@ -267,6 +304,8 @@ class FitRun:
             names.append("param_norm_min")
         if recorder.histograms:
             names += ["act_hist", "grad_hist"]
+        if "layer_orders" in values:  # agreed over processes
+            names.append("layer_orders")
         finalized = {k: v for c in self.components for k, v in c.finalize(values).items()}
         values.update(finalized)
         # An opt-in statistic is read back only where it is logged (not in a parameter-only window).
@@ -274,6 +313,7 @@ class FitRun:
         parts = [values[name].reshape(-1).to(torch.float64) for name in names]
         flat = iter(torch.cat(parts).tolist())  # the one host transfer
         host = {name: list(itertools.islice(flat, part.numel())) for name, part in zip(names, parts, strict=True)}
+        orders = agreed_orders(host.pop("layer_orders"), len(self.layer_names)) if "layer_orders" in host else own
         found = {k: v for c in self.components for k, v in c.facts(host).items()}
         observed = ObservedStep(
             step=window.step,
@@ -287,9 +327,10 @@ class FitRun:
                 sparse=frozenset(recorder.sparse_output),
                 empty=frozenset(recorder.empty_output),
             ),
-            forward_order=hooks.fired_names() if window.layers else list(last_order),
-            backward_order=[hooks.names[i] for i in hooks.grad_order],
-            missing_grads=hooks.missing_grads(),  # the whole window's, replays included: rule no_gradient
+            forward_order=[hooks.names[i] for i in orders.forward] if window.layers else list(last_order),
+            backward_order=[hooks.names[i] for i in orders.backward],
+            # The whole window's, replays included (rule no_gradient); missed on any process.
+            missing_grads=[hooks.names[i] for i in orders.missing_grads],
             param_facts=self.watch.facts(self.param_names, self.tracker.params) if self.tracker is not None else {},
             histogram_edges=agg.histogram_edges_host if recorder.histograms else None,
             **found,

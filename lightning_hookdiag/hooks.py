@@ -180,8 +180,12 @@ class HookSet:
 
         A detached branch, or an output that does not reach the loss; meaningful once backward has run.
         """
+        return [self.names[i] for i in self.missing_grad_layers()]
+
+    def missing_grad_layers(self) -> list[int]:
+        """Indices of the modules of :meth:`missing_grads`."""
         pairs = zip(self._grad_expected, self._grad_fired, strict=True)
-        return [self.names[i] for i, (want, got) in enumerate(pairs) if want and not got]
+        return [i for i, (want, got) in enumerate(pairs) if want and not got]
 
     def fired_names(self) -> list[str]:
         """Names of the modules that ran, in the order they first ran."""

@@ -210,3 +210,20 @@ def test_host_values_become_a_1d_tensor_of_the_dtype_on_the_device():
     assert out.device.type == "cpu"
     assert out.tolist() == [1.5, 2.0, -3.0]
     assert host_values(iter([]), torch.float32, torch.device("cpu")).shape == (0,)
+
+
+def test_orders_agreed_by_their_maxima_keep_a_one_rank_layer_where_it_ran_and_every_missed_gradient():
+    from lightning_hookdiag.aggregation import LayerOrders, agreed_orders, order_positions
+
+    # Layers 0 trunk, 1 head, 2 rare (selected after head); rare runs on rank 1 only, between trunk and head, and
+    # misses its gradient there; head misses it on rank 0.
+    rank0 = order_positions(LayerOrders([0, 1], [1, 0], [1]), 3)
+    rank1 = order_positions(LayerOrders([0, 2, 1], [1, 0], [2]), 3)
+    merged = agreed_orders([max(a, b) for a, b in zip(rank0, rank1, strict=True)], 3)
+    assert merged == LayerOrders([0, 2, 1], [1, 0], [1, 2])
+    # One process: its own orders back.
+    assert agreed_orders(rank1, 3) == LayerOrders([0, 2, 1], [1, 0], [2])
+    # A tie on the latest position goes to the earliest: layer 3 ran last on rank 1, head sat there on rank 0.
+    rank0 = order_positions(LayerOrders([0, 2, 1], [], []), 4)
+    rank1 = order_positions(LayerOrders([0, 1, 3], [], []), 4)
+    assert agreed_orders([max(a, b) for a, b in zip(rank0, rank1, strict=True)], 4).forward == [0, 2, 1, 3]
