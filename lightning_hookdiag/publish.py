@@ -155,22 +155,25 @@ class FindingsWriter:
 
     def _write_one(self, logger: Logger, step: int, records: list[dict[str, Any]], active: int) -> None:
         metrics: dict[str, Any] = {f"{self.prefix}_alerts/active": float(active)}
-        if records and isinstance(logger, TensorBoardLogger):
-            text = _markdown([_row(record) for record in records])
-            logger.experiment.add_text(_prefixed(logger, f"{self.prefix}_findings"), text, global_step=step)
-            _append_lines(logger.log_dir, records)  # beside the event files, for `hookdiag report`
-        elif records and isinstance(logger, MLFlowLogger):
-            self._write_mlflow(logger, records)
-        elif records and isinstance(logger, WandbLogger):
+        if records and isinstance(logger, WandbLogger):
             import wandb
 
             run = self._runs.setdefault(str(logger.experiment.id), [])
             run.extend(records)
             table = wandb.Table(columns=list(COLUMNS), data=[_row(record) for record in run])
-            metrics[f"{self.prefix}_findings"] = table  # log_metrics adds the logger's prefix
-        elif records and logger.log_dir is not None:
+            metrics[f"{self.prefix}_findings"] = table  # one history row with the count; log_metrics adds the prefix
+        # First, so that a CSVLogger has made its folder (it warns about a folder that holds files before it).
+        logger.log_metrics(metrics, step=step)
+        if not records or isinstance(logger, WandbLogger):
+            return
+        if isinstance(logger, TensorBoardLogger):
+            text = _markdown([_row(record) for record in records])
+            logger.experiment.add_text(_prefixed(logger, f"{self.prefix}_findings"), text, global_step=step)
+            _append_lines(logger.log_dir, records)  # beside the event files, for `hookdiag report`
+        elif isinstance(logger, MLFlowLogger):
+            self._write_mlflow(logger, records)
+        elif logger.log_dir is not None:
             _append_lines(logger.log_dir, records)
-        logger.log_metrics(metrics, step=step)  # W&B: the count and the table in one history row
 
     def _write_mlflow(self, logger: MLFlowLogger, records: list[dict[str, Any]]) -> None:
         from mlflow.entities import RunTag
@@ -235,6 +238,7 @@ def _write_image_one(logger: Logger, tag: str, image: np.ndarray, step: int) -> 
             raise MissingExtraError("W&B images need pillow (wandb.Image draws with PIL): pip install pillow")
         logger.log_image(key, [image], step=step)
     elif logger.log_dir is not None:
+        _ = logger.experiment  # a CSVLogger makes its folder here (it warns about a folder that already holds files)
         folder = Path(logger.log_dir)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / _image_file_name(key, step)).write_bytes(png_bytes(image))
