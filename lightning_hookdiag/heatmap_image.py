@@ -13,11 +13,11 @@ import math
 import struct
 import zlib
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["MISSING", "NONFINITE", "VIRIDIS", "ZERO", "png_bytes", "render"]
+__all__ = ["MISSING", "NONFINITE", "VIRIDIS", "ZERO", "as_rgb", "png_bytes", "render"]
 
 # matplotlib's viridis (Stefan van der Walt and Nathaniel Smith, CC0; matplotlib/_cm_listed.py ``_viridis_data``)
 # sampled at 256 points and rounded to 8 bits, as RRGGBB hex; tests/unit/test_heatmap_image.py checks it against
@@ -124,15 +124,23 @@ def _chunk(kind: bytes, payload: bytes) -> bytes:
     return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
 
 
-def png_bytes(image: np.ndarray) -> bytes:
-    """``image`` (``H x W x 3`` ``uint8``) as an 8-bit RGB PNG file, written with ``zlib`` alone.
+def as_rgb(image: Any) -> np.ndarray:
+    """``image`` (a numpy array or a torch tensor, on any device) as an ``H x W x 3`` ``uint8`` numpy array.
 
     Raises:
         ValueError: If ``image`` is not an ``H x W x 3`` ``uint8`` array with ``H, W >= 1``.
     """
+    if hasattr(image, "detach"):  # a torch tensor, without importing torch here
+        image = image.detach().cpu().numpy()
     pixels = np.asarray(image)
     if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[2] != 3 or 0 in pixels.shape:
         raise ValueError(f"expected an H x W x 3 uint8 image, got shape {pixels.shape} and dtype {pixels.dtype}")
+    return pixels
+
+
+def png_bytes(image: Any) -> bytes:
+    """``image`` (see :func:`as_rgb`) as an 8-bit RGB PNG file, written with ``zlib`` alone."""
+    pixels = as_rgb(image)
     height, width, _ = pixels.shape
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8 bits, RGB, deflate, no filter, no interlace
     rows = np.concatenate([np.zeros((height, 1), dtype=np.uint8), pixels.reshape(height, width * 3)], axis=1)

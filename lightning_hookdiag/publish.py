@@ -23,18 +23,19 @@ from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger, W
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_hookdiag.errors import MissingExtraError
-from lightning_hookdiag.heatmap_image import png_bytes
+from lightning_hookdiag.heatmap_image import as_rgb, png_bytes
+from lightning_hookdiag.report.findings_file import FINDINGS_FILE
 from lightning_hookdiag.rules.findings import Finding
 from lightning_hookdiag.step_state import Trip
 from lightning_hookdiag.table import format_value
 
 __all__ = ["COLUMNS", "FINDINGS_FILE", "FindingsWriter", "finding_record", "trip_message", "trip_record", "write_image"]
 
-FINDINGS_FILE = "findings.jsonl"
 COLUMNS = ("step", "rule", "layer", "phase", "value", "threshold", "message")
 """The columns of the TensorBoard and W&B tables: one row per finding or trip."""
 
-# MLflow 2.x refuses tag values over 5000 characters (3.x: 8000), and more than 100 tags in one batch.
+# MLflow refuses more than 100 tags in one batch, and tag values over 8000 characters (older releases: 5000, the
+# limit kept here).
 _MLFLOW_TAG_CHARS = 5000
 _MLFLOW_TAGS_PER_BATCH = 100
 
@@ -113,6 +114,12 @@ def _mlflow_records(client: Any, run_id: str, artifact: str) -> list[dict[str, A
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+def _tag_value(record: dict[str, Any]) -> str:
+    """A finding or trip as an MLflow tag value: the step and the message, cut to MLflow's limit."""
+    text = f"step {record['step']}: {record['message']}"
+    return text if len(text) <= _MLFLOW_TAG_CHARS else text[: _MLFLOW_TAG_CHARS - 3] + "..."
+
+
 class FindingsWriter:
     """Writes findings, trips and the active-alert count to loggers; remembers each run's findings so far.
 
@@ -172,7 +179,7 @@ class FindingsWriter:
             _append_lines(logger.log_dir, records)  # beside the event files, for `hookdiag report`
         elif isinstance(logger, MLFlowLogger):
             self._write_mlflow(logger, records)
-        elif logger.log_dir is not None:
+        elif getattr(logger, "log_dir", None) is not None:
             _append_lines(logger.log_dir, records)
 
     def _write_mlflow(self, logger: MLFlowLogger, records: list[dict[str, Any]]) -> None:
@@ -191,22 +198,6 @@ class FindingsWriter:
             client.log_batch(run_id, tags=tags[start : start + _MLFLOW_TAGS_PER_BATCH])
         run.extend(records)
         client.log_text(run_id, "".join(json.dumps(record) + "\n" for record in run), artifact)
-
-
-def _tag_value(record: dict[str, Any]) -> str:
-    """A finding or trip as an MLflow tag value: the step and the message, cut to MLflow's limit."""
-    text = f"step {record['step']}: {record['message']}"
-    return text if len(text) <= _MLFLOW_TAG_CHARS else text[: _MLFLOW_TAG_CHARS - 3] + "..."
-
-
-def _as_image(image: Any) -> np.ndarray:
-    """``image`` (numpy or torch, ``H x W x 3`` ``uint8``) as a numpy array; a clear error for anything else."""
-    if hasattr(image, "detach"):
-        image = image.detach().cpu().numpy()
-    pixels = np.asarray(image)
-    if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[2] != 3 or 0 in pixels.shape:
-        raise ValueError(f"expected an H x W x 3 uint8 image, got shape {pixels.shape} and dtype {pixels.dtype}")
-    return pixels
 
 
 def _has_pil() -> bool:
@@ -237,7 +228,7 @@ def _write_image_one(logger: Logger, tag: str, image: np.ndarray, step: int) -> 
         if not _has_pil():
             raise MissingExtraError("W&B images need pillow (wandb.Image draws with PIL): pip install pillow")
         logger.log_image(key, [image], step=step)
-    elif logger.log_dir is not None:
+    elif getattr(logger, "log_dir", None) is not None:
         _ = logger.experiment  # a CSVLogger makes its folder here (it warns about a folder that already holds files)
         folder = Path(logger.log_dir)
         folder.mkdir(parents=True, exist_ok=True)
@@ -257,7 +248,7 @@ def write_image(loggers: Sequence[Logger], tag: str, image: Any, step: int) -> l
     Raises:
         ValueError: If ``image`` is not an ``H x W x 3`` ``uint8`` array.
     """
-    pixels = _as_image(image)
+    pixels = as_rgb(image)
     if rank_zero_only.rank != 0:
         return []
     errors: list[BaseException] = []

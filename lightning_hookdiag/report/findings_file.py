@@ -17,7 +17,7 @@ from lightning_hookdiag.errors import ReportError, ReportWarning
 
 __all__ = ["FINDINGS_FILE", "format_findings", "read_findings"]
 
-FINDINGS_FILE = "findings.jsonl"  # the name publish.FINDINGS_FILE writes; the report imports no Lightning module
+FINDINGS_FILE = "findings.jsonl"  # publish writes it under this name (defined here: the report imports no Lightning)
 
 
 def read_findings(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -26,7 +26,8 @@ from test_heatmap_image import decode_png
 
 from lightning_hookdiag.heatmap_image import render
 from lightning_hookdiag.publish import FindingsWriter, trip_message, write_image
-from lightning_hookdiag.report.findings_file import read_findings
+from lightning_hookdiag.report import ReportError, ReportWarning
+from lightning_hookdiag.report.findings_file import format_findings, read_findings
 from lightning_hookdiag.rules.findings import Finding
 from lightning_hookdiag.step_state import Trip
 
@@ -387,3 +388,29 @@ def test_trip_messages_say_what_was_seen_and_whether_it_was_replayed() -> None:
         "sentinel tripped at step 9: the loss or a gradient went non-finite (last finite at step 8);"
         " the batch holds NaN/Inf: batch[0] (3 of 32); replayed with hooks"
     )
+
+
+# ------------------------------------------------------------------------------------------ the file read back
+def test_reading_a_run_without_findings_gives_none_and_a_missing_folder_an_error(tmp_path: Path) -> None:
+    assert read_findings(tmp_path) == []
+    with pytest.raises(ReportError, match="no such file or folder"):
+        read_findings(tmp_path / "absent")
+
+
+def test_a_last_line_cut_short_is_left_out_with_a_warning_and_a_bad_line_before_it_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "findings.jsonl"
+    path.write_text('{"kind": "finding", "step": 1, "rule": "r", "message": "m"}\n{"kind": "fi')
+    with pytest.warns(ReportWarning, match=r"findings.jsonl:2: left out a line cut short"):
+        assert read_findings(path) == [{"kind": "finding", "step": 1, "rule": "r", "message": "m"}]
+    path.write_text('{"kind": "fi\n{"kind": "finding", "step": 1}\n')
+    with pytest.raises(ReportError, match=r"findings.jsonl:1: not a JSON line"):
+        read_findings(path)
+    path.write_text("[1, 2]\n")
+    with pytest.raises(ReportError, match=r"findings.jsonl:1: expected a JSON object with a 'kind', got '\[1, 2\]'"):
+        read_findings(tmp_path)
+
+
+def test_findings_are_printed_one_a_line_steps_aligned() -> None:
+    records = [{"step": 3, "rule": "dead_units", "message": "a"}, {"step": 12, "rule": "nonfinite", "message": "b"}]
+    assert format_findings(records) == "step  3  dead_units  a\nstep 12  nonfinite  b"
+    assert format_findings([]) == ""
