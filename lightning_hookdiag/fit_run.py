@@ -286,6 +286,8 @@ class FitRun:
                 no_float=frozenset(recorder.no_float_output),
                 sparse=frozenset(recorder.sparse_output),
                 empty=frozenset(recorder.empty_output),
+                nested=frozenset(recorder.nested_output),
+                opaque=frozenset(recorder.opaque_output.items()),
             ),
             forward_order=hooks.fired_names() if window.layers else list(last_order),
             backward_order=[hooks.names[i] for i in hooks.grad_order],
