@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning, capture_activations
+from lightning_hookdiag.vocabulary import OPT_IN_STATS
 
 P = "layer_health"
 
@@ -193,6 +194,31 @@ def test_training_is_bit_identical_with_and_without_the_callback(kind: str) -> N
     alone, _, _ = _fit(kind, None)
     for (name, p), q in zip(watched.model.named_parameters(), alone.model.parameters(), strict=True):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("kind", ["nested_strided", "nested_jagged", "meta", "wrapper"])
+def test_opt_in_statistics_histograms_and_accumulation_skip_them_too(kind: str) -> None:
+    """Every sink an output reaches (kurtosis, precision headroom, saved bytes, histograms) is spared it."""
+    callback = LayerHealthCallback(
+        every_n_steps=1,
+        extra_stats=list(OPT_IN_STATS),
+        histogram_every_n_steps=1,
+        precision_targets=["bfloat16"],
+        sentinel="loss+grads",
+    )
+    torch.manual_seed(0)
+    module = TinyModule(model=Net(kind))
+    logger = RecordingLogger()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer([callback], max_steps=2, logger=logger, accumulate_grad_batches=2).fit(module)
+    notes = [str(w.message) for w in caught if "'model.odd'" in str(w.message)]
+    assert len(notes) == 1
+    assert SKIPPED[kind] in notes[0]
+    metrics = logger.ours()[-1][1]
+    assert not any(key.endswith("/model.odd") for key in metrics)
+    assert f"{P}/act_kurtosis/model.a" in metrics
+    assert f"{P}/act_grad_norm/model.b" in metrics
 
 
 @pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
