@@ -30,21 +30,6 @@ _STACKABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _PLAIN_DISPATCH = Tensor.__torch_dispatch__
 
 
-def _opaque(tensor: Tensor) -> str | None:
-    """Why a dense, strided ``tensor`` holds no values the reductions can read, or ``None`` (it has them).
-
-    A meta tensor has no data; a subclass that dispatches its own operations (``DTensor``: a shard, or partial sums
-    of one) gives ops on it its own meaning, which reductions into the recorder's plain buffers must not assume.
-    Reads attributes only: no kernel.
-    """
-    if tensor.is_meta:
-        return "a meta tensor (no data)"
-    kind = type(tensor)
-    if kind is not Tensor and kind.__torch_dispatch__ is not _PLAIN_DISPATCH:
-        return f"a {kind.__name__}, a tensor subclass that dispatches its own operations"
-    return None
-
-
 def _stackable(tensor: Tensor) -> bool:
     # A stack holds at least one tensor within the reductions' piece limit (CHUNK_ELEMENTS, read at run time).
     return tensor.numel() <= min(SMALL_ELEMENTS, stats.CHUNK_ELEMENTS) and tensor.dtype in _STACKABLE
@@ -140,7 +125,7 @@ class StepRecorder:
         self.nested_output: set[int] = set()
         """Layers whose output (or its gradient) was a nested tensor, strided or jagged layout (skipped)."""
         self.opaque_output: dict[int, str] = {}
-        """Layers whose output (or its gradient) held no readable values, with what it was (see :func:`_opaque`)."""
+        """Layers whose output (or its gradient) held no values to read (meta, ``DTensor``), with what it was."""
         self.histograms = False
         """Whether outputs and gradients are also binned into histograms (set per step by the callback)."""
         self.workspace = Workspace()
@@ -199,20 +184,22 @@ class StepRecorder:
                     c.on_grad(layer, grad)
 
     def _skipped(self, layer: int, tensor: Tensor) -> bool:
-        """Note and skip a tensor with nothing to reduce: nested, sparse, meta or a wrapper subclass.
+        """Note and skip a tensor the reductions cannot read; attribute checks only, so no kernel on any tensor.
 
-        Attribute checks only, so an ordinary output pays no kernel for them. Nested comes first: a jagged nested
-        tensor has a layout of its own too, and is no sparse tensor.
+        Nested comes first: a jagged nested tensor has a layout of its own too. A meta tensor has no data; a subclass
+        that dispatches its own operations (``DTensor``: a shard, or partial sums of one) gives them its own meaning.
         """
+        kind = type(tensor)
         if tensor.is_nested:
             self.nested_output.add(layer)
         elif tensor.layout != torch.strided:
             self.sparse_output.add(layer)
+        elif tensor.is_meta:
+            self.opaque_output[layer] = "a meta tensor (no data)"
+        elif kind is not Tensor and kind.__torch_dispatch__ is not _PLAIN_DISPATCH:
+            self.opaque_output[layer] = f"a {kind.__name__}, a tensor subclass that dispatches its own operations"
         else:
-            opaque = _opaque(tensor)
-            if opaque is None:
-                return False
-            self.opaque_output[layer] = opaque
+            return False
         return True
 
     def flush(self) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from lightning_hookdiag.errors import MissingExtraError, ReportError, ReportWarning
 from lightning_hookdiag.report.diff import align, find_differences, format_diff, ratio_figure
-from lightning_hookdiag.report.plot import heatmap_figure, supported_formats
+from lightning_hookdiag.report.plot import heatmap_figure
 from lightning_hookdiag.report.reading import read_health_log
 from lightning_hookdiag.report.summary import format_summary
 
@@ -66,10 +66,13 @@ def _check_out(out: str | None) -> None:
     """Refuse an ``--out`` suffix matplotlib cannot write, before any log is read (no suffix: ``.png``, a folder)."""
     if out is None or Path(out).is_dir() or not Path(out).suffix:
         return
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:  # nothing to check against; drawing fails later, naming the extra to install
+        return
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
     suffix = Path(out).suffix
-    formats = supported_formats()
-    # matplotlib reads the format from the suffix in lower case (``heat.PNG`` is a PNG).
-    if formats is not None and suffix[1:].lower() not in formats:
+    if suffix[1:].lower() not in formats:  # savefig reads the format from the suffix in lower case
         listed = ", ".join(f".{name}" for name in formats)
         raise ReportError(f"--out {out}: unsupported suffix {suffix!r}; the heatmap can be written as {listed}")
 

@@ -10,7 +10,7 @@ from lightning_hookdiag.errors import MissingExtraError
 from lightning_hookdiag.report.health_log import HealthLog
 from lightning_hookdiag.table import display_name
 
-__all__ = ["draw_heatmap", "heatmap_figure", "load_matplotlib", "supported_formats"]
+__all__ = ["draw_heatmap", "heatmap_figure", "load_matplotlib"]
 
 # Beyond these many rows/columns every label would overlap; label every k-th instead.
 _MAX_ROW_LABELS = 60
@@ -29,20 +29,6 @@ def load_matplotlib() -> SimpleNamespace:
     except ImportError as exc:
         raise MissingExtraError("plotting needs matplotlib: pip install 'lightning-hookdiag[plot]'") from exc
     return SimpleNamespace(np=np, Figure=Figure, colors=matplotlib.colors, colormaps=matplotlib.colormaps)
-
-
-def supported_formats() -> list[str] | None:
-    """The file suffixes (without the dot) a heatmap can be saved as, sorted; ``None`` without matplotlib.
-
-    They are matplotlib's (``FigureCanvasBase.get_supported_filetypes``): ``savefig`` picks the format from the
-    suffix, in lower case. Without matplotlib there is nothing to check against, and drawing fails with the extra
-    to install.
-    """
-    try:
-        from matplotlib.backend_bases import FigureCanvasBase
-    except ImportError:
-        return None
-    return sorted(FigureCanvasBase.get_supported_filetypes())
 
 
 def _norm_and_mask(mpl: SimpleNamespace, data: Any) -> tuple[Any, Any, str, str]:
