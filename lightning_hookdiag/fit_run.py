@@ -326,6 +326,8 @@ class FitRun:
                 no_float=frozenset(recorder.no_float_output),
                 sparse=frozenset(recorder.sparse_output),
                 empty=frozenset(recorder.empty_output),
+                nested=frozenset(recorder.nested_output),
+                opaque=frozenset(recorder.opaque_output.items()),
             ),
             forward_order=[hooks.names[i] for i in orders.forward] if window.layers else list(last_order),
             backward_order=[hooks.names[i] for i in orders.backward],

@@ -73,6 +73,8 @@ class StepFacts(NamedTuple):
     no_float: frozenset[int] = frozenset()  # the output held no floating-point tensor
     sparse: frozenset[int] = frozenset()  # the output (or its gradient) was a sparse tensor
     empty: frozenset[int] = frozenset()  # a call's output had no elements
+    nested: frozenset[int] = frozenset()  # the output (or its gradient) was a nested tensor (strided or jagged)
+    opaque: frozenset[tuple[int, str]] = frozenset()  # (layer, what): a meta tensor or a wrapper subclass (DTensor)
 
 
 @dataclass(frozen=True)
@@ -193,8 +195,12 @@ def histogram_series(
 _LAYER_NOTES = {
     "unit_mismatch": "the number of units of {name!r} changed between calls or differs between processes (a module"
     " shared by inputs of different widths); act_dead_frac is not tracked for it",
-    "no_float": "the output of {name!r} holds no floating-point tensor; it is not observed",
+    "no_float": "the output of {name!r} holds no floating-point tensor (an integer, bool, complex or quantized tensor"
+    " has no real floating-point values to reduce); it is not observed",
     "sparse": "the output of {name!r} (or its gradient) is a sparse tensor; sparse tensors are not observed",
+    "nested": "the output of {name!r} (or its gradient) is a nested tensor (strided or jagged layout); nested tensors"
+    " are not reduced, so {name!r} is skipped on the steps it returns one",
+    "opaque": "the output of {name!r} (or its gradient) is {what}; its values cannot be reduced, so it is not observed",
     "empty": "selected module {name!r} ran during sampled step {step} but its output had no elements; no statistics"
     " for it",
     "not_run": "selected module {name!r} did not run during sampled step {step} (its forward was called directly"
@@ -208,8 +214,8 @@ def _note(key: str, text: str, info: bool = False) -> Note:
     return Note(key, "LayerHealthCallback: " + text, info)
 
 
-def _layer_note(kind: str, name: str, step: int = 0, info: bool = False) -> Note:
-    return _note(f"{kind}:{name}", _LAYER_NOTES[kind].format(name=name, step=step), info)
+def _layer_note(kind: str, name: str, step: int = 0, info: bool = False, what: str = "") -> Note:
+    return _note(f"{kind}:{name}", _LAYER_NOTES[kind].format(name=name, step=step, what=what), info)
 
 
 _OVERFLOW_CHECKS = (
@@ -235,11 +241,14 @@ def step_notes(
         quiet_not_run: Modules whose not running is a note, not a warning (no parameters of their own).
     """
     step, host, facts = observed.step, observed.host, observed.facts
-    kinds = ("unit_mismatch", "no_float", "sparse")
+    kinds = ("unit_mismatch", "no_float", "sparse", "nested")
     unobservable = {kind: [layer_names[i] for i in sorted(getattr(facts, kind))] for kind in kinds}
     unobservable["sparse"].sort()  # by name, as the sparse notes always were; the others in layer order
     notes = [_layer_note(kind, name) for kind in kinds for name in unobservable[kind]]
-    skipped = {*unobservable["no_float"], *unobservable["sparse"]}
+    opaque = [(layer_names[i], what) for i, what in sorted(facts.opaque)]
+    notes += [_layer_note("opaque", name, what=what) for name, what in opaque]
+    skipped = {*unobservable["no_float"], *unobservable["sparse"], *unobservable["nested"]}
+    skipped.update(name for name, _ in opaque)
     empty = {layer_names[i] for i in facts.empty}
     ran = [name for name, c in zip(layer_names, host["count"], strict=True) if c > 0]
     for name in (name for name, c in zip(layer_names, host["count"], strict=True) if c == 0):

@@ -26,6 +26,10 @@ _MAX_STACKS = 8
 _STACKABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+# What an ordinary tensor runs its ops through; a subclass with a dispatch of its own wraps other tensors (DTensor).
+_PLAIN_DISPATCH = Tensor.__torch_dispatch__
+
+
 def _stackable(tensor: Tensor) -> bool:
     # A stack holds at least one tensor within the reductions' piece limit (CHUNK_ELEMENTS, read at run time).
     return tensor.numel() <= min(SMALL_ELEMENTS, stats.CHUNK_ELEMENTS) and tensor.dtype in _STACKABLE
@@ -118,6 +122,10 @@ class StepRecorder:
         """Layers with a call whose output had no elements (skipped: there is nothing to reduce)."""
         self.sparse_output: set[int] = set()
         """Layers whose output (or its gradient) was a sparse tensor (skipped, like integer outputs)."""
+        self.nested_output: set[int] = set()
+        """Layers whose output (or its gradient) was a nested tensor, strided or jagged layout (skipped)."""
+        self.opaque_output: dict[int, str] = {}
+        """Layers whose output (or its gradient) held no values to read (meta, ``DTensor``), with what it was."""
         self.histograms = False
         """Whether outputs and gradients are also binned into histograms (set per step by the callback)."""
         self.workspace = Workspace()
@@ -155,8 +163,8 @@ class StepRecorder:
         """Forward sink: observe the first floating-point tensor of layer ``layer``'s output (``None``: none)."""
         if tensor is None:
             self.no_float_output.add(layer)
-        elif tensor.layout != torch.strided:
-            self.sparse_output.add(layer)
+        elif self._skipped(layer, tensor):
+            return
         elif not tensor.numel():
             self.empty_output.add(layer)
         else:
@@ -167,13 +175,32 @@ class StepRecorder:
 
     def on_grad(self, layer: int, grad: Tensor) -> None:
         """Gradient sink: observe the gradient of the loss w.r.t. the output of layer ``layer``."""
-        if grad.layout != torch.strided:
-            self.sparse_output.add(layer)
-        elif grad.numel():
+        if self._skipped(layer, grad):
+            return
+        if grad.numel():
             self._reduce("grad", layer, grad)
             for c in self._grad_sinks:
                 if c.attached:
                     c.on_grad(layer, grad)
+
+    def _skipped(self, layer: int, tensor: Tensor) -> bool:
+        """Note and skip a tensor the reductions cannot read; attribute checks only, so no kernel on any tensor.
+
+        Nested comes first: a jagged nested tensor has a layout of its own too. A meta tensor has no data; a subclass
+        that dispatches its own operations (``DTensor``: a shard, or partial sums of one) gives them its own meaning.
+        """
+        kind = type(tensor)
+        if tensor.is_nested:
+            self.nested_output.add(layer)
+        elif tensor.layout != torch.strided:
+            self.sparse_output.add(layer)
+        elif tensor.is_meta:
+            self.opaque_output[layer] = "a meta tensor (no data)"
+        elif kind is not Tensor and kind.__torch_dispatch__ is not _PLAIN_DISPATCH:
+            self.opaque_output[layer] = f"a {kind.__name__}, a tensor subclass that dispatches its own operations"
+        else:
+            return False
+        return True
 
     def flush(self) -> None:
         """Reduce the stacked small outputs and gradients into the aggregator's call table (``stack_small``)."""
@@ -185,5 +212,6 @@ class StepRecorder:
         for stacks in self._stacks.values():
             stacks.release()
         self.workspace.release()
-        for skipped in (self.no_float_output, self.empty_output, self.sparse_output):
+        for skipped in (self.no_float_output, self.empty_output, self.sparse_output, self.nested_output):
             skipped.clear()
+        self.opaque_output.clear()

@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument(
         "--out",
-        help="heatmap file (default: LOG_DIR/layer_health_<stat>.png; with --diff, RUN_B/layer_health_diff_<stat>.png)",
+        help="heatmap file; its suffix picks the format (none: .png), an existing folder gets the default name inside"
+        " it (default: LOG_DIR/layer_health_<stat>.png; with --diff, RUN_B/layer_health_diff_<stat>.png)",
     )
     report.add_argument("--prefix", help="the callback's prefix= (default: detected from the logs)")
     report.add_argument(
@@ -61,8 +62,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_out(out: str | None) -> None:
+    """Refuse an ``--out`` suffix matplotlib cannot write, before any log is read (no suffix: ``.png``, a folder)."""
+    if out is None or Path(out).is_dir() or not Path(out).suffix:
+        return
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:  # nothing to check against; drawing fails later, naming the extra to install
+        return
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    suffix = Path(out).suffix
+    if suffix[1:].lower() not in formats:  # savefig reads the format from the suffix in lower case
+        listed = ", ".join(f".{name}" for name in formats)
+        raise ReportError(f"--out {out}: unsupported suffix {suffix!r}; the heatmap can be written as {listed}")
+
+
 def _out_path(out: str | None, run: Path, name: str) -> Path:
-    path = Path(out) if out is not None else (run if run.is_dir() else run.parent) / f"layer_health_{name}.png"
+    """The file the heatmap goes to: ``--out`` as given, with ``.png`` when it has no suffix, or inside a folder."""
+    default = f"layer_health_{name}.png"
+    if out is None:
+        path = (run if run.is_dir() else run.parent) / default
+    elif Path(out).is_dir():  # an existing folder: the default file name inside it
+        path = Path(out) / default
+    elif not Path(out).suffix:  # matplotlib would add .png itself; adding it here lets the path printed be the file
+        path = Path(out + ".png")
+    else:
+        path = Path(out)
     if not path.parent.is_dir():
         raise ReportError(f"{path}: the folder {path.parent} does not exist")
     return path
@@ -77,6 +102,7 @@ def _save(figure: Any, out: Path, what: str) -> None:
 
 
 def _report(args: argparse.Namespace) -> int:
+    _check_out(args.out)
     if args.diff is not None:
         if args.log_dir is not None:
             raise ReportError(f"give LOG_DIR or --diff RUN_A RUN_B, not both (got LOG_DIR {args.log_dir})")
