@@ -6,6 +6,7 @@ Its hook methods route the Trainer's events to the fit's :class:`~lightning_hook
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 from typing import Any, Literal
@@ -25,6 +26,7 @@ from lightning_hookdiag.diagnosis import Diagnosis
 from lightning_hookdiag.distributed import all_reduce_max
 from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
 from lightning_hookdiag.fit_run import FitRun
+from lightning_hookdiag.heatmap_image import render
 from lightning_hookdiag.logged_values import (
     Note,
     ObservedStep,
@@ -35,6 +37,7 @@ from lightning_hookdiag.logged_values import (
     opt_in_note,
 )
 from lightning_hookdiag.opt_in import resolve_targets
+from lightning_hookdiag.publish import FindingsWriter, write_image
 from lightning_hookdiag.replay import respond, sharded
 from lightning_hookdiag.rules import Finding, RuleConfig, format_error, values_from_metrics
 from lightning_hookdiag.rules.registry import any_reads
@@ -49,6 +52,10 @@ from lightning_hookdiag.vocabulary import ALL_STATS, OPT_IN_STATS, OUTPUT_LAYER_
 __all__ = ["LayerHealthCallback"]
 
 ON_ANOMALY = ("warn", "raise", "stop", "ignore")
+
+# The heatmap's columns: the latest sampled steps kept for it (a bound on what the callback holds, whatever the run's
+# length; 256 columns of 8 pixels are wider than any dashboard shows).
+HEATMAP_COLUMNS = 256
 
 
 HistogramWriter = Callable[[str, list[float], list[float], list[float], int], None]
@@ -194,6 +201,13 @@ class LayerHealthCallback(Callback):
             (a dotted name as :func:`~lightning_hookdiag.list_layers` prints it). ``None``: the last selected module
             to run in each micro-batch's forward. Naming one without either statistic in ``stats=`` is an error.
 
+        heatmap_stats: Statistics drawn as a layers-by-sampled-steps heatmap image into every logger that stores
+            images (``<prefix>_heatmap/<stat>``; log colour scale, zero black, missing grey, NaN/Inf red), at the end
+            of the fit and every ``heatmap_every_n_steps``. The default shows a vanishing or blocked gradient
+            (``act_grad_norm``) and a dead block (``act_std`` of 0). Statistics not in ``stats=`` are left out.
+        heatmap_every_n_steps: Also draw the heatmaps on sampled steps divisible by this (a multiple of
+            ``every_n_steps``); ``None``: only at the end of the fit.
+
     Attributes:
         last_metrics: The values logged on the most recent sampled step (pooled over processes, on every process).
         last_step: The optimizer step :attr:`last_metrics` describes.
@@ -242,6 +256,8 @@ class LayerHealthCallback(Callback):
         sentinel: Literal["loss", "loss+grads"] | None = "loss",
         precision_targets: str | torch.dtype | Sequence[str | torch.dtype] | None = None,
         output_layer: str | None = None,
+        heatmap_stats: Sequence[str] = ("act_grad_norm", "act_std"),
+        heatmap_every_n_steps: int | None = None,
     ) -> None:
         self.every_n_steps: int = integer("every_n_steps", every_n_steps, "an integer >= 1", lambda v: v >= 1)
         self.prefix: str = check(
@@ -282,6 +298,14 @@ class LayerHealthCallback(Callback):
                 " neither; add them to stats= or leave output_layer=None"
             )
         self.precision_targets = resolve_targets(precision_targets)
+        self.heatmap_stats = names("heatmap_stats", heatmap_stats, ALL_STATS + OPT_IN_STATS, "statistic") or []
+        self.heatmap_every_n_steps: int | None = integer(
+            "heatmap_every_n_steps",
+            heatmap_every_n_steps,
+            f"None or a positive multiple of every_n_steps={self.every_n_steps}",
+            lambda v: v >= 1 and v % self.every_n_steps == 0,
+            optional=True,
+        )
         self.dead_unit_types = import_types(dead_unit_types, "dead_unit_types")
         r = self.rule_config
         spikes = SpikeDetector(r.spike_window, r.spike_warmup, r.spike_zscore, r.spike_ratio, floor=r.spike_floor)
@@ -426,6 +450,7 @@ class LayerHealthCallback(Callback):
             self._end_step(self._run, drop=True)
         if self.summary and self.last_step is not None:
             rank_zero_info(self.summary_table())
+        self._raise_first(self._draw_heatmaps(trainer))
 
     def summary_table(self) -> str:
         """The end-of-fit table: the last sampled step's values per layer in depth order, findings marked."""
@@ -512,6 +537,10 @@ class LayerHealthCallback(Callback):
         self.trips: list[Trip] = []
         self._warned: set[str] = set()  # the keys of the one-time notes already given
         self._diagnosis = Diagnosis(self.rule_config)  # the rules' memory between sampled steps; checkpointed
+        self._writer = FindingsWriter(self.prefix)  # findings and trips into the loggers, once each
+        # The heatmaps' columns, per statistic: (step, {layer: value}); not checkpointed (a resumed fit draws from
+        # the steps it sampled).
+        self._heatmap: dict[str, deque[tuple[int, dict[str, float]]]] = {}
         if self._sentinel is not None:  # no baseline, no trip (on_fit_start forgets what was observed)
             self._sentinel.load_state_dict({})
 
@@ -550,8 +579,9 @@ class LayerHealthCallback(Callback):
         trip = respond(trip, previous, self._diagnosis.traces(trip), trainer, pl_module, run, self.last_metrics)
         self.trips.append(trip)
         window = run.state.open_for(step)
-        if window is None:
-            return None  # recorded only: a failure that persists is reported at its first step
+        if window is None:  # recorded only: a failure that persists is reported at its first step
+            self._raise_first(self._writer.write(trainer.loggers, step, [], [trip], active=len(self.last_findings)))
+            return None
         window.trip = trip
         return trip
 
@@ -579,6 +609,13 @@ class LayerHealthCallback(Callback):
             findings, new = self._diagnosis.step(values, observed, run.layer_types)
             self.last_findings = findings
             self.findings.extend(new)
+            # In the loggers before on_anomaly acts: a run stopped by LayerHealthError shows why in its dashboard.
+            trips = [observed.trip] if observed.trip is not None else []  # with the findings of its window
+            written = self._writer.write(trainer.loggers, observed.step, new, trips, active=len(findings))
+            self._remember_heatmap_column(observed.step, values)
+            if self.heatmap_every_n_steps is not None and observed.step % self.heatmap_every_n_steps == 0:
+                written += self._draw_heatmaps(trainer)
+            error = error or next(iter(written), None)
             if self.on_anomaly == "raise" and findings:
                 raise LayerHealthError(format_error(findings))
             if self.on_anomaly in ("warn", "stop"):
@@ -589,6 +626,39 @@ class LayerHealthCallback(Callback):
         finally:
             if error is not None:  # the other loggers and the rules got the step first
                 raise error
+
+    @staticmethod
+    def _raise_first(errors: list[BaseException]) -> None:
+        """Raise the first of the loggers' errors (each logger got its share before)."""
+        if errors:
+            raise errors[0]
+
+    def _remember_heatmap_column(self, step: int, values: dict[str, dict[str, float]]) -> None:
+        """Keep the step's values of the heatmap statistics (the latest ``HEATMAP_COLUMNS`` sampled steps)."""
+        for stat in self.heatmap_stats:
+            if stat in values:
+                column = self._heatmap.setdefault(stat, deque(maxlen=HEATMAP_COLUMNS))
+                column.append((step, dict(values[stat])))
+
+    def _draw_heatmaps(self, trainer: pl.Trainer) -> list[BaseException]:
+        """Draw each kept statistic as layers (forward order) by sampled steps into the loggers that store images.
+
+        Layers that ran on none of the drawn steps are left out; a layer without a value on a step is a missing cell.
+        """
+        errors: list[BaseException] = []
+        for stat, columns in self._heatmap.items():
+            seen = {layer for _, by_layer in columns for layer in by_layer}
+            rows = [layer for layer in self.execution_order if layer in seen]
+            rows += sorted(seen - set(rows))  # parameters and layers not in the last forward order
+            matrix = [[by_layer.get(layer) for _, by_layer in columns] for layer in rows]
+            signed = any(v is not None and v < 0 for row in matrix for v in row)  # NaN is neither: drawn red
+            scale = "linear" if signed else "log"
+            # Cells of 4 to 32 pixels, so that a few layers or steps still make an image a person can read.
+            cell = max(4, min(32, 384 // max(len(rows), len(columns))))
+            image = render(matrix, scale=scale, cell=cell)
+            step = columns[-1][0]
+            errors += write_image(trainer.loggers, f"{self.prefix}_heatmap/{stat}", image, step)
+        return errors
 
     def _log(self, trainer: pl.Trainer, step: int, metrics: dict[str, float]) -> BaseException | None:
         """Keep the step's metrics and send them to every logger; returns the first logger error, raised later."""

@@ -15,6 +15,7 @@ from typing import Any
 
 from lightning_hookdiag.errors import MissingExtraError, ReportError, ReportWarning
 from lightning_hookdiag.report.diff import align, find_differences, format_diff, ratio_figure
+from lightning_hookdiag.report.findings_file import FINDINGS_FILE, format_findings, read_findings
 from lightning_hookdiag.report.plot import heatmap_figure
 from lightning_hookdiag.report.reading import read_health_log
 from lightning_hookdiag.report.summary import format_summary
@@ -120,9 +121,18 @@ def _report(args: argparse.Namespace) -> int:
         raise ReportError(f"stat '{args.stat}' is not in the logs of {args.log_dir}; stats present: {present}")
     out = _out_path(args.out, Path(args.log_dir), args.stat)
     print(format_summary(log, args.stat))
+    print(_findings_text(Path(args.log_dir)))
     # The summary is printed first: it is useful even when the plot then fails for want of matplotlib.
     _save(heatmap_figure(log, args.stat), out, "heatmap")
     return 0
+
+
+def _findings_text(path: Path) -> str:
+    """The run's findings and trips as the callback wrote them beside its logs, or a line saying there are none."""
+    records = read_findings(path if path.is_dir() else path.parent)
+    if not records:
+        return f"no findings or sentinel trips recorded ({FINDINGS_FILE} is absent or empty)"
+    return f"findings and sentinel trips ({len(records)}, from {FINDINGS_FILE}):\n{format_findings(records)}"
 
 
 def _tolerance(name: str, value: float) -> float:

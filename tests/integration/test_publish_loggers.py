@@ -1,10 +1,10 @@
-"""Inside a real fit: a callback of the test's own publishes what LayerHealthCallback found, and the loggers hold it.
+"""Inside a real fit, LayerHealthCallback writes what it found into the loggers, and they hold it.
 
 A module makes NaN on optimizer step 5 (between sampled steps 4 and 6): the sentinel trips, the step is replayed and
-the rule ``nonfinite`` names the module. After each evaluated step the test's ``Publish`` callback hands the new
-findings and trips to :class:`FindingsWriter`, and at the end of training the heatmap of ``act_std`` to
-:func:`write_image`. The CSV and TensorBoard logs are then read back with their own readers, and the report reader
-still finds the statistics beside the new keys.
+the rule ``nonfinite`` names the module. The trip and the finding, the count of active alerts and, at the end of
+training, the heatmap of ``act_std`` reach CSV and TensorBoard; both are read back with their own readers (the
+expected image is drawn from the values ``metrics.csv`` holds), and the report reader still finds the statistics
+beside the new keys.
 """
 
 from __future__ import annotations
@@ -19,14 +19,12 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 from conftest import TinyModule, make_data, make_trainer
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from test_heatmap_image import decode_png
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.heatmap_image import NONFINITE, render
-from lightning_hookdiag.publish import FindingsWriter, write_image
 from lightning_hookdiag.report import read_health_log
 from lightning_hookdiag.report.findings_file import read_findings
 
@@ -57,37 +55,16 @@ def sick_module() -> TinyModule:
     return module
 
 
-class Publish(Callback):
-    """After each step the health callback logs: its new findings and trips to every logger; at the end, a heatmap."""
-
-    def __init__(self, health: LayerHealthCallback) -> None:
-        self.health = health
-        self.writer = FindingsWriter(health.prefix)
-        self.step: int | None = None
-        self.findings = self.trips = 0
-        self.columns: dict[int, dict[str, float]] = {}  # step -> layer -> STAT, as logged
-        self.errors: list[BaseException] = []
-
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        step = self.health.last_step
-        if step is None or step == self.step:
-            return
-        self.step = step
-        findings, trips = self.health.findings[self.findings :], self.health.trips[self.trips :]
-        self.findings, self.trips = len(self.health.findings), len(self.health.trips)
-        active = len(self.health.last_findings) + sum(trip.step == step for trip in trips)
-        self.errors += self.writer.write(trainer.loggers, step, findings, trips, active=active)
-        head = f"{self.health.prefix}/{STAT}/"
-        self.columns[step] = {k[len(head) :]: v for k, v in self.health.last_metrics.items() if k.startswith(head)}
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.errors += write_image(trainer.loggers, f"{self.health.prefix}_heatmap/{STAT}", self.image(), self.step)
-
-    def image(self) -> np.ndarray:
-        layers = list(self.columns[min(self.columns)])  # logged in forward order
-        return render([[column.get(layer) for column in self.columns.values()] for layer in layers], cell=2)
+def logged_columns(csv_dir: str, stat: str) -> dict[int, dict[str, float]]:
+    """``{step: {layer: value}}`` of one statistic, read back from ``metrics.csv``, layers in logged order."""
+    head = f"layer_health/{stat}/"
+    columns: dict[int, dict[str, float]] = {}
+    with open(Path(csv_dir) / "metrics.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            for key, cell in row.items():
+                if key.startswith(head) and cell:
+                    columns.setdefault(int(row["step"]), {})[key[len(head) :]] = float(cell)
+    return columns
 
 
 def test_a_fit_publishes_its_trip_finding_count_and_heatmap_to_csv_and_tensorboard(tmp_path: Path) -> None:
@@ -95,12 +72,13 @@ def test_a_fit_publishes_its_trip_finding_count_and_heatmap_to_csv_and_tensorboa
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    health = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", summary=False)
-    publish = Publish(health)
+    health = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", summary=False, heatmap_stats=[STAT])
     csv_logger = CSVLogger(tmp_path, name="csv")
     tb_logger = TensorBoardLogger(tmp_path, name="tb", default_hp_metric=False)
-    make_trainer([health, publish], max_steps=NAN_STEP + 1, logger=[csv_logger, tb_logger]).fit(sick_module())
-    assert publish.errors == []
+    make_trainer([health], max_steps=NAN_STEP + 1, logger=[csv_logger, tb_logger]).fit(sick_module())
+    columns = logged_columns(csv_logger.log_dir, STAT)
+    forward = list(columns[0])  # logged in forward order
+    matrix = [[column.get(layer) for column in columns.values()] for layer in forward]
 
     # What the callback found: the trip and the finding at the module that made the NaN, both on step 5.
     trip = health.trips[0]
@@ -115,7 +93,7 @@ def test_a_fit_publishes_its_trip_finding_count_and_heatmap_to_csv_and_tensorboa
         assert records[1]["layer"] == SICK
         assert math.isnan(records[0]["loss"])
 
-    evaluated = sorted(publish.columns)
+    evaluated = sorted(columns)
     assert evaluated == [0, 2, 4, NAN_STEP]
     with open(Path(csv_logger.log_dir) / "metrics.csv", newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["layer_health_alerts/active"]]
@@ -126,10 +104,12 @@ def test_a_fit_publishes_its_trip_finding_count_and_heatmap_to_csv_and_tensorboa
     assert all(counts[s] == 0 for s in evaluated[:-1])
     png = Path(csv_logger.log_dir) / f"layer_health_heatmap_{STAT}_step{NAN_STEP:06d}.png"
     image = decode_png(png.read_bytes())
-    assert (image == publish.image()).all()
+    cell = image.shape[0] // len(forward)  # square cells, one row per layer, one column per sampled step
+    assert cell >= 4 and image.shape[:2] == (cell * len(forward), cell * len(columns))
+    assert (image == render(matrix, cell=cell)).all()
     # The NaN column: the sick module's row is red.
-    sick_row = list(publish.columns[0]).index(SICK)
-    assert tuple(int(v) for v in image[2 * sick_row, -1]) == NONFINITE
+    sick_row = forward.index(SICK)
+    assert tuple(int(v) for v in image[cell * sick_row, -1]) == NONFINITE
 
     acc = EventAccumulator(tb_logger.log_dir, size_guidance={"tensors": 0, "scalars": 0, "images": 0})
     acc.Reload()
