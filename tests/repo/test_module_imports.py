@@ -1,7 +1,8 @@
-"""The package's modules talk to each other through public names only: a helper that two modules need is public in
-the module that owns its job (issue 22), so that a module's private names can change without breaking another one.
+"""The package's import graph: modules talk to each other through public names only (a helper that two modules
+need is public in the module that owns its job, issue 22, so that a module's private names can change without
+breaking another one), and no modules import each other in a circle.
 
-The finder is tested on a hand-written package first, so that a finder that sees nothing cannot pass for a package
+Each finder is tested on a hand-written package first, so that a finder that sees nothing cannot pass for a package
 that is clean.
 """
 
@@ -135,30 +136,3 @@ def test_the_package_has_no_import_cycle():
     # Names live where they belong (ROOT / LOSS / BATCH in names.py, Trip in step_state.py), so that provenance,
     # the rules and the sentinel do not import each other in a circle (issue 30 item 3).
     assert import_cycles(Path(lightning_hookdiag.__file__).parent) == []
-
-
-# Issue 30's budget (the library went 11,664 -> 10,139 -> 8,999 lines in two rounds): it may shrink, not grow back.
-LIBRARY_LINES = 9_000
-
-
-def largest_modules(package: Path, most: int = 5) -> list[tuple[str, int]]:
-    """The ``most`` largest modules of ``package`` by raw line count (as ``wc -l`` counts), largest first."""
-    sizes = [(str(p.relative_to(package.parent)), p.read_bytes().count(b"\n")) for p in package.rglob("*.py")]
-    return sorted(sizes, key=lambda item: (-item[1], item[0]))[:most]
-
-
-def test_the_size_report_names_the_largest_modules_first(tmp_path):
-    package = tmp_path / "pkg"
-    (package / "sub").mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    (package / "small.py").write_text("a = 1\n")
-    (package / "sub" / "big.py").write_text("a = 1\n" * 3)
-    (package / "notes.txt").write_text("x\n" * 100)  # not a module
-    assert largest_modules(package, most=2) == [("pkg/sub/big.py", 3), ("pkg/small.py", 1)]
-
-
-def test_the_library_stays_within_its_line_budget():
-    package = Path(lightning_hookdiag.__file__).parent
-    total = sum(p.read_bytes().count(b"\n") for p in package.rglob("*.py"))
-    largest = ", ".join(f"{name} ({lines})" for name, lines in largest_modules(package))
-    assert total <= LIBRARY_LINES, f"the library has {total} lines (budget {LIBRARY_LINES}); largest: {largest}"
