@@ -1,7 +1,8 @@
-"""The package's modules talk to each other through public names only: a helper that two modules need is public in
-the module that owns its job (issue 22), so that a module's private names can change without breaking another one.
+"""The package's import graph: modules talk to each other through public names only (a helper that two modules
+need is public in the module that owns its job, issue 22, so that a module's private names can change without
+breaking another one), and no modules import each other in a circle.
 
-The finder is tested on a hand-written package first, so that a finder that sees nothing cannot pass for a package
+Each finder is tested on a hand-written package first, so that a finder that sees nothing cannot pass for a package
 that is clean.
 """
 
@@ -70,54 +71,63 @@ def test_no_module_takes_a_private_name_from_another():
     assert not found, "make these helpers public in their owning module:\n" + "\n".join(found)
 
 
-def import_cycles(package: Path) -> list[list[str]]:
-    """The import cycles among a package's modules, counting every ``import`` statement (``TYPE_CHECKING`` too).
-
-    ``from pkg.sub import name`` is an import of ``pkg.sub.name`` where that is a module, else of ``pkg.sub``; a
-    package is its ``__init__``. Returns the strongly connected components of more than one module, sorted.
-    """
-    root = package.name
+def package_modules(package: Path) -> dict[str, Path]:
+    """``{dotted name: path}`` of every module of ``package``; a package is its ``__init__``."""
     modules: dict[str, Path] = {}
     for path in package.rglob("*.py"):
         parts = path.relative_to(package.parent).with_suffix("").parts
         modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    graph: dict[str, set[str]] = {name: set() for name in modules}
-    for name, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(root):
-                for alias in node.names:
-                    target = f"{node.module}.{alias.name}"
-                    graph[name].add(target if target in modules else node.module)
-            elif isinstance(node, ast.Import):
-                graph[name].update(a.name for a in node.names if a.name.split(".")[0] == root)
+    return modules
+
+
+def imported_modules(path: Path, modules: dict[str, Path], root: str) -> set[str]:
+    """The modules of the package ``root`` that the module at ``path`` imports anywhere (``TYPE_CHECKING`` too).
+
+    ``from pkg.sub import name`` is an import of ``pkg.sub.name`` where that is a module, else of ``pkg.sub``.
+    """
+    imported: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(root):
+            for alias in node.names:
+                target = f"{node.module}.{alias.name}"
+                imported.add(target if target in modules else node.module)
+        elif isinstance(node, ast.Import):
+            imported.update(a.name for a in node.names if a.name.split(".")[0] == root)
+    return imported & modules.keys()
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node of ``graph`` (Tarjan's algorithm), sorted."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
-    cycles: list[list[str]] = []
+    components: list[list[str]] = []
 
-    def visit(node: str) -> None:  # Tarjan's strongly connected components
+    def visit(node: str) -> None:
         index[node] = low[node] = len(index)
         stack.append(node)
-        for target in sorted(graph[node] & modules.keys()):
+        for target in sorted(graph[node]):
             if target not in index:
                 visit(target)
                 low[node] = min(low[node], low[target])
             elif target in stack:
                 low[node] = min(low[node], index[target])
         if low[node] == index[node]:
-            component = []
-            while True:
-                top = stack.pop()
-                component.append(top)
-                if top == node:
-                    break
+            component = stack[stack.index(node) :]
+            del stack[stack.index(node) :]
             if len(component) > 1:
-                cycles.append(sorted(component))
+                components.append(sorted(component))
 
-    for name in sorted(modules):
+    for name in sorted(graph):
         if name not in index:
             visit(name)
-    return sorted(cycles)
+    return sorted(components)
+
+
+def import_cycles(package: Path) -> list[list[str]]:
+    """The import cycles among a package's modules, counting every ``import`` statement (``TYPE_CHECKING`` too)."""
+    modules = package_modules(package)
+    return strongly_connected({name: imported_modules(path, modules, package.name) for name, path in modules.items()})
 
 
 def test_the_cycle_finder_sees_a_cycle_through_a_type_checking_import(tmp_path):
@@ -135,30 +145,3 @@ def test_the_package_has_no_import_cycle():
     # Names live where they belong (ROOT / LOSS / BATCH in names.py, Trip in step_state.py), so that provenance,
     # the rules and the sentinel do not import each other in a circle (issue 30 item 3).
     assert import_cycles(Path(lightning_hookdiag.__file__).parent) == []
-
-
-# Issue 30's budget (the library went 11,664 -> 10,139 -> 8,999 lines in two rounds): it may shrink, not grow back.
-LIBRARY_LINES = 9_000
-
-
-def largest_modules(package: Path, most: int = 5) -> list[tuple[str, int]]:
-    """The ``most`` largest modules of ``package`` by raw line count (as ``wc -l`` counts), largest first."""
-    sizes = [(str(p.relative_to(package.parent)), p.read_bytes().count(b"\n")) for p in package.rglob("*.py")]
-    return sorted(sizes, key=lambda item: (-item[1], item[0]))[:most]
-
-
-def test_the_size_report_names_the_largest_modules_first(tmp_path):
-    package = tmp_path / "pkg"
-    (package / "sub").mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    (package / "small.py").write_text("a = 1\n")
-    (package / "sub" / "big.py").write_text("a = 1\n" * 3)
-    (package / "notes.txt").write_text("x\n" * 100)  # not a module
-    assert largest_modules(package, most=2) == [("pkg/sub/big.py", 3), ("pkg/small.py", 1)]
-
-
-def test_the_library_stays_within_its_line_budget():
-    package = Path(lightning_hookdiag.__file__).parent
-    total = sum(p.read_bytes().count(b"\n") for p in package.rglob("*.py"))
-    largest = ", ".join(f"{name} ({lines})" for name, lines in largest_modules(package))
-    assert total <= LIBRARY_LINES, f"the library has {total} lines (budget {LIBRARY_LINES}); largest: {largest}"
