@@ -12,6 +12,7 @@ from dataclasses import fields
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.fabric.utilities.logger import _add_prefix
 from lightning.pytorch.callbacks import Callback
@@ -90,7 +91,7 @@ def _histogram_writer(logger: Logger) -> HistogramWriter | None:
         def wandb_histogram(tag: str, counts: list[float], left: list[float], right: list[float], step: int) -> None:
             import wandb
 
-            histogram = wandb.Histogram(np_histogram=(counts, [left[0], *right]))
+            histogram = wandb.Histogram(np_histogram=(np.asarray(counts), np.asarray([left[0], *right])))
             logger.log_metrics({tag: histogram}, step=step)  # type: ignore[dict-item]
 
         return wandb_histogram
@@ -237,6 +238,18 @@ class LayerHealthCallback(Callback):
         2
     """
 
+    # The results, set anew by _start_fresh (the Attributes above).
+    last_metrics: dict[str, float]
+    last_step: int | None
+    execution_order: list[str]
+    findings: list[Finding]
+    last_findings: list[Finding]
+    trips: list[Trip]
+    _warned: set[str]
+    _diagnosis: Diagnosis
+    _writer: FindingsWriter
+    _heatmap: dict[str, deque[tuple[int, dict[str, float]]]]
+
     def __init__(
         self,
         every_n_steps: int = 50,
@@ -344,7 +357,7 @@ class LayerHealthCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Resolve the selection (errors for names that match nothing) and allocate the device state."""
         self._release_fit()  # a fit that ended without teardown (an interrupted one) leaves nothing behind
-        _check_prefix_unique(trainer.callbacks)
+        _check_prefix_unique(trainer.callbacks)  # type: ignore[attr-defined]  # set by Lightning's CallbackConnector
         self._run = FitRun(self._fit_config(), pl_module, trainer.precision, lambda params: sharded(trainer, params))
         self.layer_names = list(self._run.layer_names)
         self._note(opt_in_note(self._run.plan.note))
@@ -404,7 +417,7 @@ class LayerHealthCallback(Callback):
         run.end_closure()
         # DeepSpeed's optimizers hold copies of the parameters: membership says nothing there.
         deepspeed = isinstance(trainer.strategy, DeepSpeedStrategy)
-        watch = any_reads("param_facts", self.rule_config.enabled) and not deepspeed
+        watch = any_reads("param_facts", self.rule_config.enabled or ()) and not deepspeed
         run.before_optimizer_step(optimizer, trainer.optimizers, scale, watch, _schedule(trainer, pl_module, optimizer))
         if trip is not None and self.on_anomaly == "raise":
             run.end_micro_batch()  # finished before the update: its hooks must not see LBFGS's later closures
@@ -520,8 +533,11 @@ class LayerHealthCallback(Callback):
     # ------------------------------------------------------------------------------------------------ internals
     def _fit_config(self) -> FitConfig:
         """What this fit starts from: the attributes as they are now, so that a change made after construction holds."""
-        derived = {"sentinel_grads": self.sentinel == "loss+grads", "rules": frozenset(self.rule_config.enabled)}
-        settings = {f.name: getattr(self, f.name) for f in fields(FitConfig) if f.name not in derived}
+        derived: dict[str, Any] = {
+            "sentinel_grads": self.sentinel == "loss+grads",
+            "rules": frozenset(self.rule_config.enabled or ()),
+        }
+        settings: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(FitConfig) if f.name not in derived}
         return FitConfig(**derived, **settings)
 
     def _start_fresh(self) -> None:
@@ -529,18 +545,18 @@ class LayerHealthCallback(Callback):
 
         New containers, not cleared ones: a reference kept to the previous fit's ``findings`` still holds them.
         """
-        self.last_metrics: dict[str, float] = {}
-        self.last_step: int | None = None
-        self.execution_order: list[str] = []
-        self.findings: list[Finding] = []
-        self.last_findings: list[Finding] = []
-        self.trips: list[Trip] = []
-        self._warned: set[str] = set()  # the keys of the one-time notes already given
+        self.last_metrics = {}
+        self.last_step = None
+        self.execution_order = []
+        self.findings = []
+        self.last_findings = []
+        self.trips = []
+        self._warned = set()  # the keys of the one-time notes already given
         self._diagnosis = Diagnosis(self.rule_config)  # the rules' memory between sampled steps; checkpointed
         self._writer = FindingsWriter(self.prefix)  # findings and trips into the loggers, once each
         # The heatmaps' columns, per statistic: (step, {layer: value}); not checkpointed (a resumed fit draws from
         # the steps it sampled).
-        self._heatmap: dict[str, deque[tuple[int, dict[str, float]]]] = {}
+        self._heatmap = {}
         if self._sentinel is not None:  # no baseline, no trip (on_fit_start forgets what was observed)
             self._sentinel.load_state_dict({})
 
@@ -652,7 +668,7 @@ class LayerHealthCallback(Callback):
             rows += sorted(seen - set(rows))  # parameters and layers not in the last forward order
             matrix = [[by_layer.get(layer) for _, by_layer in columns] for layer in rows]
             signed = any(v is not None and v < 0 for row in matrix for v in row)  # NaN is neither: drawn red
-            scale = "linear" if signed else "log"
+            scale: Literal["log", "linear"] = "linear" if signed else "log"
             # Cells of 4 to 32 pixels, so that a few layers or steps still make an image a person can read.
             cell = max(4, min(32, 384 // max(len(rows), len(columns))))
             image = render(matrix, scale=scale, cell=cell)

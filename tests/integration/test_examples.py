@@ -23,7 +23,6 @@ import pytest
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthError, LayerHealthWarning, RuleConfig
-from lightning_hookdiag.report.cli import main as report_main
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 PREFIX = "layer_health/"
