@@ -28,7 +28,6 @@ __all__ = [
     "import_types",
     "is_default_layer",
     "is_measurement",
-    "is_scripted",
     "list_layers",
     "named_modules",
     "resolve_layers",
@@ -74,11 +73,6 @@ def is_measurement(module: nn.Module) -> bool:
     # If torchmetrics is not imported yet, no module can be one of its metrics; importing it would cost seconds.
     metric = getattr(sys.modules.get("torchmetrics"), "Metric", None)
     return isinstance(metric, type) and isinstance(module, metric)
-
-
-def is_scripted(module: nn.Module) -> bool:
-    """Whether ``module`` is TorchScript (``torch.jit.script``): it refuses forward hooks, so it cannot be observed."""
-    return isinstance(module, torch.jit.ScriptModule)
 
 
 def is_default_layer(module: nn.Module) -> bool:
@@ -240,7 +234,7 @@ def resolve_layers(
 def _without_scripts(candidates: list[str], modules: dict[str, nn.Module], named: Iterable[str]) -> list[str]:
     # ScriptModules raise on register_forward_hook: one warning names the outermost (what the user scripted). A module
     # named in layers= (not by a glob) is an error: the user asked for that very module.
-    scripted = [n for n in modules if is_scripted(modules[n])]
+    scripted = [n for n in modules if isinstance(modules[n], torch.jit.ScriptModule)]
     skipped = set(candidates).intersection(scripted)
     named_scripts = sorted(skipped.intersection(named))
     if named_scripts:
@@ -251,9 +245,6 @@ def _without_scripts(candidates: list[str], modules: dict[str, nn.Module], named
     if skipped:
         outermost = [n for n in scripted if not any(n.startswith(f"{m}.") for m in scripted)]
         inside = [m for m in outermost if any(f"{s}.".startswith(f"{m}.") for s in skipped)]
-        warnings.warn(
-            f"TorchScript modules are not observed (ScriptModules refuse forward hooks): {', '.join(inside)}",
-            LayerHealthWarning,
-            stacklevel=3,
-        )
+        message = f"TorchScript modules are not observed (ScriptModules refuse forward hooks): {', '.join(inside)}"
+        warnings.warn(message, LayerHealthWarning, stacklevel=3)
     return [n for n in candidates if n not in skipped]
