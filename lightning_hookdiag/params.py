@@ -149,12 +149,11 @@ def _norms(pieces: Sequence[Tensor], minus: Sequence[Tensor] = (), *, dtype: tor
         while end < len(pieces) and used + numels[end] <= scratch.shape[1]:
             end, used = end + 1, used + numels[end]
         batch = pieces[start:end]
-        views = [v.view(p.shape) for v, p in zip(scratch[0, :used].split(numels[start:end]), batch, strict=True)]
+        places = scratch[:, :used].split(numels[start:end], dim=1)  # each [1 or 2, numel of a piece]
+        views = [place[0].view(p.shape) for place, p in zip(places, batch, strict=True)]
         torch._foreach_copy_(views, batch)
         if minus:
-            subtrahends = [
-                v.view(p.shape) for v, p in zip(scratch[1, :used].split(numels[start:end]), batch, strict=True)
-            ]
+            subtrahends = [place[1].view(p.shape) for place, p in zip(places, batch, strict=True)]
             torch._foreach_copy_(subtrahends, minus[start:end])
             torch._foreach_sub_(views, subtrahends)
         norms += torch._foreach_norm(views, 2)
