@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from lightning_hookdiag.errors import LayerHealthWarning
 from lightning_hookdiag.hooks import HookSet
 from lightning_hookdiag.selection import resolve_layers
+from lightning_hookdiag.validation import check, module_names
 
 __all__ = ["capture_activations"]
 
@@ -50,7 +51,8 @@ def capture_activations(
         :class:`~lightning_hookdiag.LayerHealthWarning` names it when the block ends.
 
     Raises:
-        ValueError: If a name matches no module; the message lists the closest names.
+        ValueError: If ``layers`` is not a name or a sequence of names (the callback's ``layers=`` check), if a name
+            matches no module (the message lists the closest names), or if a name is a TorchScript module.
 
     Example:
         >>> import torch
@@ -62,7 +64,9 @@ def capture_activations(
         >>> len(net[0]._forward_hooks)
         0
     """
-    modules = resolve_layers(model, [layers] if isinstance(layers, str) else list(layers))
+    # The callback's check of its layers= (None is its default selection, which a capture has no use for).
+    check("layers", layers, "a module name or glob, or a sequence of them", lambda v: v is not None)
+    modules = resolve_layers(model, module_names("layers", layers))
     names = list(modules)
     acts: dict[str, Any] = {}
 

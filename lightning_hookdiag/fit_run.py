@@ -198,7 +198,7 @@ class FitRun:
         Each parameter is looked up where it was; the names are derived again from the model only when one moved.
         """
         held = zip(self.homes, self.params, strict=True)
-        if all(module._parameters.get(attr) is p for (module, attr), p in held):
+        if all(attr in module._parameters and module._parameters[attr] is p for (module, attr), p in held):
             return
         now = {id(p): name for name, p in self.tracked().items()}
         self.param_names = [now.get(id(p), name) for p, name in zip(self.params, self.param_names, strict=True)]

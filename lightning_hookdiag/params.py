@@ -27,6 +27,7 @@ __all__ = [
     "named_parameters_of",
     "owned_parameters",
     "replicas",
+    "real_view",
     "squared_norms",
     "stale_gradient_squares",
     "stored_values",
@@ -80,60 +81,81 @@ def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64)
 
     One fused ``_foreach_norm`` per dtype and device (one launch, not one per parameter; on the CPU, one per
     buffer-full of pieces: :func:`_norms`) over pieces of at most ``CHUNK_ELEMENTS`` (the scratch), accumulated in
-    ``dtype`` (float64: a float32 square is exact there). Measures a ``DTensor``'s local part and a sparse tensor's
-    stored values; NaN and Inf propagate.
+    ``dtype`` (float64: a float32 square is exact there). Measures a ``DTensor``'s local part, a sparse tensor's
+    stored values and a complex tensor's magnitudes (``|z|**2 = re**2 + im**2``, read as its real view); NaN and Inf
+    propagate.
 
     Example:
         >>> [round(v, 4) for v in squared_norms([torch.tensor([3.0, 4.0]), torch.tensor([1.0])]).tolist()]
         [25.0, 1.0]
         >>> f"{squared_norms([torch.tensor([3e20, 4e20])]).item():.6g}"
         '2.5e+41'
+        >>> [round(v, 4) for v in squared_norms([torch.tensor([3 + 4j, 1j])]).tolist()]
+        [26.0]
     """
     if not tensors:
         return torch.zeros(0, dtype=dtype)
-    local = [stored_values(local_tensor(t).detach()) for t in tensors]
-    parts = [list(chunks(t)) for t in local]  # an empty tensor is one (empty) piece
+    local = [real_view(stored_values(local_tensor(t).detach())) for t in tensors]
+    return _sum_squares([[(piece,) for piece in chunks(t)] for t in local], dtype)  # an empty tensor: one piece
+
+
+def real_view(t: Tensor) -> Tensor:
+    """``t``, or a complex ``t`` as its real view (a trailing dimension of 2): the same sum of squares, ``|z|**2``."""
+    return torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
+
+
+def _sum_squares(parts: list[list[tuple[Tensor, ...]]], dtype: torch.dtype) -> Tensor:
+    # parts[i]: the pieces of tensor i, each (piece,) or (before, after) to subtract; one _norms per dtype and device.
     pieces = [piece for part in parts for piece in part]
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for i, t in enumerate(pieces):
-        groups.setdefault((t.dtype, t.device), []).append(i)
-    norms: list[Tensor] = [pieces[0]] * len(pieces)
+    for i, piece in enumerate(pieces):
+        groups.setdefault((piece[0].dtype, piece[0].device), []).append(i)
+    norms: list[Tensor] = [pieces[0][0]] * len(pieces)
     for members in groups.values():
-        for i, norm in zip(members, _norms([pieces[i] for i in members], dtype), strict=True):
+        found = _norms(*zip(*(pieces[i] for i in members), strict=True), dtype=dtype)
+        for i, norm in zip(members, found, strict=True):
             norms[i] = norm
-    device = local[0].device
-    squares = torch.stack([norm.to(device) for norm in norms]).square()
-    if len(pieces) == len(local):
+    squares = torch.stack([norm.to(pieces[0][0].device) for norm in norms]).square()
+    if len(pieces) == len(parts):
         return squares
     per_tensor = squares.split([len(part) for part in parts])
     return torch.stack([part[0] if len(part) == 1 else part.sum() for part in per_tensor])
 
 
-def _norms(pieces: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
-    """``torch._foreach_norm(pieces, 2, dtype=dtype)`` for pieces of one dtype and device, in scratch of one piece.
+def _norms(pieces: Sequence[Tensor], minus: Sequence[Tensor] = (), *, dtype: torch.dtype) -> list[Tensor]:
+    """The norms of ``pieces`` (of one dtype and device; minus ``minus``, if given) in ``dtype``, in bounded scratch.
 
     CUDA's fused kernel reads each piece in its own dtype; the CPU's casts every piece into a new buffer, which glibc's
     malloc may fail to reuse: +5 GB resident on a 329 M-parameter model, in some processes and not in others
     (``docs/statistics.md#memory-bounded-scratch``). There floating-point pieces that ``dtype`` widens are cast into
     one buffer of at most :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS` (allocated once per call), as many at a
     time as fit, and measured in it; the sums then run over each piece in its logical order, which can differ from
-    the kernel's in the last bits for a non-contiguous piece. Other pieces take the kernel's own path.
+    the kernel's in the last bits for a non-contiguous piece. Other pieces take the kernel's own path. A difference
+    is taken in ``dtype`` (in their own, bf16 weights' would be rounded to 8 bits): on every device in two such
+    buffers, or in ``pieces`` themselves if they are in ``dtype`` already.
     """
     first = pieces[0]
     widens = first.is_floating_point() and dtype.is_floating_point and first.dtype.itemsize < dtype.itemsize
-    if first.device.type != "cpu" or not widens:
+    if minus and not widens:
+        torch._foreach_sub_(pieces, minus)
+    if not widens or (first.device.type != "cpu" and not minus):
         return list(torch._foreach_norm(pieces, 2, dtype=dtype))
     numels = [p.numel() for p in pieces]  # each at most CHUNK_ELEMENTS (stats.chunks)
-    scratch = torch.empty(min(sum(numels), stats.CHUNK_ELEMENTS), dtype=dtype)
+    scratch = torch.empty(2 if minus else 1, min(sum(numels), stats.CHUNK_ELEMENTS), dtype=dtype, device=first.device)
     norms: list[Tensor] = []
     start = 0
     while start < len(pieces):
         end, used = start + 1, numels[start]
-        while end < len(pieces) and used + numels[end] <= scratch.numel():
+        while end < len(pieces) and used + numels[end] <= scratch.shape[1]:
             end, used = end + 1, used + numels[end]
         batch = pieces[start:end]
-        views = [v.view(p.shape) for v, p in zip(scratch[:used].split(numels[start:end]), batch, strict=True)]
+        places = scratch[:, :used].split(numels[start:end], dim=1)  # each [1 or 2, numel of a piece]
+        views = [place[0].view(p.shape) for place, p in zip(places, batch, strict=True)]
         torch._foreach_copy_(views, batch)
+        if minus:
+            subtrahends = [place[1].view(p.shape) for place, p in zip(places, batch, strict=True)]
+            torch._foreach_copy_(subtrahends, minus[start:end])
+            torch._foreach_sub_(views, subtrahends)
         norms += torch._foreach_norm(views, 2)
         start = end
     return norms
@@ -318,8 +340,8 @@ class ParameterTracker:
         self._position = {id(p): i for i, p in enumerate(self.params)}
         self._snapshot_enabled = snapshot
         self.dtype = dtype
-        self._snapshots: list[tuple[_Pattern, list[Tensor], list[Tensor]]] = []
-        """Per stepped set: views of the entries kept of each local tensor, and their copies from before the step."""
+        self._snapshots: list[tuple[_Pattern, list[list[Tensor]], list[Tensor]]] = []
+        """Per stepped set: the entries kept of each local tensor as views in pieces, and the pieces' copies."""
         self._patterns: dict[tuple[tuple[int, ...], tuple[int, ...]], _Pattern] = {}
         self._snapshot_elements = snapshot_elements
         self._phase = 0
@@ -361,7 +383,7 @@ class ParameterTracker:
         positions = [pos for pos, p in found if pos is not None and p.requires_grad and p.grad is not None]
         if not positions:
             return None
-        local = [local_tensor(self.params[i]).detach() for i in positions]
+        local = [real_view(local_tensor(self.params[i]).detach()) for i in positions]  # complex: its real view
         grads: list[Tensor] = [self.params[i].grad for i in positions]  # type: ignore[misc]
         squares = squared_norms([*local, *grads], self.dtype)
         weight_sq, grad_sq = squares[: len(local)], squares[len(local) :]
@@ -371,8 +393,9 @@ class ParameterTracker:
         values = torch.stack([weight_sq, grad_sq, pattern.zeros, pattern.ones], dim=1)
         if self._snapshot_enabled:
             phase, self._phase = self._phase, self._phase + 1
-            current = [_sample_view(t, size, phase) for t, size in zip(local, pattern.sizes, strict=True)]
-            self._snapshots.append((pattern, current, torch._foreach_mul(current, 1.0)))
+            kept = [_sample_view(t, size, phase) for t, size in zip(local, pattern.sizes, strict=True)]
+            current = [list(chunks(t)) for t in kept]  # copied in pieces: each pairs with its view after the step
+            self._snapshots.append((pattern, current, torch._foreach_mul([p for part in current for p in part], 1.0)))
         return pattern.index, values
 
     @torch.no_grad()
@@ -388,9 +411,9 @@ class ParameterTracker:
         indices, updates = [], []
         for pattern, current, before in self._snapshots:
             indices.append(pattern.index)
-            # In place on the copies, which are not read again: no second weight-sized allocation.
-            torch._foreach_sub_(before, current)
-            update_sq = squared_norms(before, self.dtype).to(pattern.index.device)
+            copies = iter(before)  # not read again: the difference may be taken in place in them
+            pairs = [[(next(copies), piece) for piece in part] for part in current]
+            update_sq = _sum_squares(pairs, self.dtype).to(pattern.index.device)
             updates.append(update_sq if pattern.snapshot_share is None else update_sq * pattern.snapshot_share)
         self._snapshots = []
         if len(indices) == 1:

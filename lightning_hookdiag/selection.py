@@ -9,14 +9,18 @@ import difflib
 import fnmatch
 import importlib
 import sys
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from lightning_hookdiag.errors import LayerHealthWarning
 from lightning_hookdiag.names import logged_name
 from lightning_hookdiag.torch_internals import LOSS_BASE
+from lightning_hookdiag.validation import check
 
 __all__ = [
     "LayerInfo",
@@ -178,6 +182,10 @@ def resolve_layers(
 ) -> dict[str, nn.Module]:
     """Select modules of ``model`` by name, glob and type: ``{logged name: module}``, in registration order.
 
+    TorchScript modules refuse forward hooks: globs, types and the default selection leave them out with one
+    :class:`~lightning_hookdiag.LayerHealthWarning`. A default selection may be empty (a module holding only parameters
+    of its own, such as a matrix factorisation), with one warning.
+
     Args:
         model: The root module; names are relative to it.
         layers: Dotted names or fnmatch globs (``*`` also crosses dots). ``None`` selects every module of
@@ -186,11 +194,13 @@ def resolve_layers(
         exclude: Globs removed from the selection.
 
     Raises:
-        ValueError: If a name, glob or exclude pattern matches nothing, or if the selection ends up empty.
+        ValueError: If ``layers`` is empty, if a name, glob or exclude pattern matches nothing, if a name is a
+            TorchScript module, or if ``layers``, ``layer_types`` or ``exclude`` leave the selection empty.
     """
     modules = named_modules(model)
     names = list(modules)
     if layers is not None:
+        check("layers", layers, "at least one module name or glob (None: the default selection)", bool)
         chosen = _match(layers, names, "layers")
         candidates = [n for n in names if n in chosen]
     elif layer_types:
@@ -199,6 +209,7 @@ def resolve_layers(
         inside = [f"{n}." for n in names if is_measurement(modules[n])]
         inside += [f"{n}.parametrizations." for n in names if parametrize.is_parametrized(modules[n])]
         candidates = [n for n in names if is_default_layer(modules[n]) and not any(n.startswith(m) for m in inside)]
+    candidates = _without_scripts(candidates, modules, layers or ())
     if layer_types:
         typed = [n for n in candidates if isinstance(modules[n], tuple(layer_types))]
         if not typed:
@@ -210,8 +221,30 @@ def resolve_layers(
         candidates = typed
     removed = _match(exclude, names, "exclude")
     candidates = [n for n in candidates if n not in removed]
-    if not candidates:
+    if not candidates and (layers is not None or layer_types or exclude):
         raise ValueError(
             f"no module left to observe after exclude={list(exclude)!r}; relax `exclude` or widen `layers`"
         )
+    if not candidates:
+        message = f"{type(model).__name__} has no layer to hook (no submodule to observe): only parameters are measured"
+        warnings.warn(message, LayerHealthWarning, stacklevel=2)
     return {n: modules[n] for n in candidates}
+
+
+def _without_scripts(candidates: list[str], modules: dict[str, nn.Module], named: Iterable[str]) -> list[str]:
+    # ScriptModules raise on register_forward_hook: one warning names the outermost (what the user scripted). A module
+    # named in layers= (not by a glob) is an error: the user asked for that very module.
+    scripted = [n for n in modules if isinstance(modules[n], torch.jit.ScriptModule)]
+    skipped = set(candidates).intersection(scripted)
+    named_scripts = sorted(skipped.intersection(named))
+    if named_scripts:
+        raise ValueError(
+            f"layers: {named_scripts[0]!r} is a TorchScript module, which refuses forward hooks; leave it out of"
+            " `layers`, or name the module before torch.jit.script is applied to it"
+        )
+    if skipped:
+        outermost = [n for n in scripted if not any(n.startswith(f"{m}.") for m in scripted)]
+        inside = [m for m in outermost if any(f"{s}.".startswith(f"{m}.") for s in skipped)]
+        message = f"TorchScript modules are not observed (ScriptModules refuse forward hooks): {', '.join(inside)}"
+        warnings.warn(message, LayerHealthWarning, stacklevel=3)
+    return [n for n in candidates if n not in skipped]

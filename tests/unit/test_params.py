@@ -8,6 +8,7 @@ from reference import tracker_held
 from torch import nn
 
 from lightning_hookdiag import params as P
+from lightning_hookdiag.stats import CHUNK_ELEMENTS
 
 
 def sq(t: torch.Tensor) -> float:
@@ -36,8 +37,8 @@ def test_tracker_matches_reference_over_several_steps(dtype):
             assert grad == pytest.approx(sq(p.grad), rel=1e-6)
             assert seen == 1
             update = sq(p.detach().double() - expected_before[i].double())
-            # The difference is taken in the parameter's dtype: bf16 rounds it to 8 significant bits.
-            assert update_sq[row].item() == pytest.approx(update, rel=1e-6 if dtype == torch.float32 else 2e-2)
+            # The difference is taken in float64, not in the parameter's dtype (bf16 would round it to 8 bits).
+            assert update_sq[row].item() == pytest.approx(update, rel=1e-12)
     tracker.release()
     assert tracker_held(tracker)[0] == 0
 
@@ -226,10 +227,52 @@ def test_parameter_statistics_cost_a_constant_number_of_fused_ops(dtypes):
     few, many = launches(3 * len(dtypes)), launches(300 * len(dtypes))
     assert few == many, (few, many)
     assert few.count("_foreach_norm") == 2 * len(dtypes)  # before the step (weights and grads), after (updates)
-    # On the CPU each _foreach_norm reads the pieces cast into one float64 buffer by a _foreach_copy_ (params._norms).
-    assert few.count("_foreach_copy_") == few.count("_foreach_norm")
-    assert len(few) - few.count("_foreach_copy_") <= 7 + 2 * len(dtypes), few
+    # On the CPU each _foreach_norm reads the pieces cast into one float64 buffer by a _foreach_copy_ (params._norms);
+    # the update's reads their difference, taken in float64 after a second _foreach_copy_ (the weights after the step).
+    assert few.count("_foreach_copy_") == few.count("_foreach_norm") + len(dtypes)
+    # Per dtype: the two norms and the update's _foreach_sub_ (one per dtype since the difference is taken in float64).
+    assert len(few) - few.count("_foreach_copy_") <= 7 + 3 * len(dtypes), few
 
 
 def test_a_plain_tensor_is_held_by_one_process():
     assert P.replicas(torch.zeros(3)) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(512, 1024), (2, 300_000)], ids=["rows", "long_rows"])
+def test_update_of_a_large_strided_parameter_is_its_float64_difference(dtype, shape):
+    # Kept whole (within SNAPSHOT_ELEMENTS) and cut into pieces of at most CHUNK_ELEMENTS along its rows (or parts of
+    # a row longer than that); each piece's copy pairs with its view after the step, subtracted in float64.
+    g = torch.Generator().manual_seed(7)
+    w = nn.Parameter(torch.randn(shape[::-1], generator=g).to(dtype).t())  # a transposed weight
+    assert not w.is_contiguous()
+    assert CHUNK_ELEMENTS < w.numel() <= P.SNAPSHOT_ELEMENTS
+    w.grad = torch.randn(shape, generator=g).to(dtype)
+    tracker = P.ParameterTracker({"w": w})
+    opt = torch.optim.SGD([w], lr=1e-3, weight_decay=0.1)
+    before = w.detach().double().clone()
+    tracker.before_step(opt.param_groups)
+    opt.step()
+    _, update_sq = tracker.after_step()
+    expected = (w.detach().double() - before).square().sum().item()
+    assert update_sq[0].item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_complex_parameters_are_measured_by_their_magnitudes():
+    # A Fourier Neural Operator's spectral weights: the norm of the magnitudes, |z|**2 = re**2 + im**2.
+    g = torch.Generator().manual_seed(2)
+    w = nn.Parameter(torch.randn(4, 4, 3, dtype=torch.cfloat, generator=g))
+    b = nn.Parameter(torch.randn(3, generator=g))
+    w.grad, b.grad = torch.randn(4, 4, 3, dtype=torch.cfloat, generator=g), torch.randn(3, generator=g)
+    tracker = P.ParameterTracker({"w": w, "b": b})
+    opt = torch.optim.Adam([w, b], lr=0.1)
+    before = w.detach().to(torch.complex128)
+    index, values = tracker.before_step(opt.param_groups)
+    opt.step()
+    _, update_sq = tracker.after_step()
+    row = index.tolist().index(0)
+    weight, grad, _, _ = values[row].tolist()
+    assert weight == pytest.approx(before.abs().square().sum().item(), rel=1e-12)
+    assert grad == pytest.approx(w.grad.to(torch.complex128).abs().square().sum().item(), rel=1e-12)
+    update = (w.detach().to(torch.complex128) - before).abs().square().sum().item()
+    assert update_sq[row].item() == pytest.approx(update, rel=1e-12)
