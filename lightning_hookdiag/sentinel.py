@@ -47,6 +47,7 @@ class SpikeDetector:
         ratio: Minimum rise as a factor of the centre (log scale) or of ``max(|centre|, scale)`` (linear scale).
         recent: How many of the latest healthy (positive, on the log scale) losses the centre is the median of.
         floor: On the log scale, the smallest spike as a share of :attr:`start`; 0: no floor.
+        early: How many of the run's first positive healthy losses :attr:`start` is the lower median of.
 
     Example:
         >>> detector = SpikeDetector(window=50, warmup=5, zscore=8.0, ratio=10.0)
@@ -69,6 +70,7 @@ class SpikeDetector:
     ratio: float = 10.0
     recent: int = 5
     floor: float = 1e-2
+    early: int = 3
 
     def __post_init__(self) -> None:
         self.clear()
@@ -76,7 +78,11 @@ class SpikeDetector:
     def clear(self) -> None:
         """Empty the window and forget the run's early level."""
         self.start: float | None = None
-        """The run's early loss level: the lower median of its first ``warmup`` positive healthy losses."""
+        """The run's scale where it started: the lower median of its first ``early`` positive healthy losses.
+
+        Its first few steps, not its warmup: a classifier can fall from 1.6 to 1e-5 within 20 steps, and the median of
+        those 20 losses is already inside the collapse. Three steps: one odd batch among them does not set it.
+        """
         self._early: list[float] = []
         self.losses: deque[float] = deque(maxlen=self.window)
         # Logs of the window's positive losses, oldest first, taken once when a loss enters the window (the test
@@ -109,7 +115,8 @@ class SpikeDetector:
             value, least = math.log(loss), self._log_ratio
             # The centre is at least the smallest of the latest logs: below log(ratio) above it, no spike. The common
             # case, decided without a sort.
-            if value - min(latest) <= least or (self.start is not None and loss < self.floor * self.start):
+            level = self._level()
+            if value - min(latest) <= least or (level is not None and loss < self.floor * level):
                 return False
         # The lower median is one of the values (the mean of the middle two is not): the centre of the logs is the log
         # of the centre.
@@ -128,9 +135,15 @@ class SpikeDetector:
             self._logs.append(math.log(loss))
             if self.start is None:
                 self._early.append(loss)
-                if len(self._early) >= max(self.warmup, 1):
+                if len(self._early) >= max(self.early, 1):
                     self.start, self._early = statistics.median_low(self._early), []
         self._negative += loss < 0
+
+    def _level(self) -> float | None:
+        """:attr:`start`, or while fewer than ``early`` positive losses were seen (a warmup below it), theirs."""
+        if self.start is not None:
+            return self.start
+        return statistics.median_low(self._early) if self._early else None
 
     def observe(self, loss: float) -> bool:
         """Test ``loss`` and record it as healthy if it did not trip; returns whether it tripped."""
