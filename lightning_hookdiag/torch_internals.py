@@ -13,6 +13,11 @@
   library's subclass of a base (a custom loss, apex's ``SyncBatchNorm``). Read at import: a torch that moved one
   fails there, by name, rather than misclassifying modules.
 
+* :data:`DispatchMode`, :func:`written_tensors`, :func:`version`: ``torch.utils._python_dispatch.TorchDispatchMode``,
+  an op's ``_schema`` and a tensor's ``_version``: a replay saves what ``training_step`` writes in place before it
+  writes (:mod:`lightning_hookdiag.inplace`), which only the dispatcher sees (a torch-function mode misses the writes
+  of ``out=`` arguments and of ops called from C++), and the version counter is the witness of a write it missed.
+
 ``tests/unit/test_precursor_probes.py`` checks that each exists, so that a torch release that moves one fails loudly
 there, naming it, instead of silently mis-attributing calls.
 """
@@ -26,8 +31,22 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DROPOUT_BASE", "LOSS_BASE", "MODE_DEPENDENT", "calling_modules", "exit_mode", "in_backward"]
+__all__ = [
+    "DROPOUT_BASE",
+    "LOSS_BASE",
+    "MODE_DEPENDENT",
+    "DispatchMode",
+    "calling_modules",
+    "exit_mode",
+    "in_backward",
+    "version",
+    "written_tensors",
+]
+
+DispatchMode = TorchDispatchMode
+"""The base of a mode that sees every ATen op, below autograd (``__torch_dispatch__``)."""
 
 
 # Without failing at import (a torch that lacks one fails in the tests, by name).
@@ -68,3 +87,33 @@ def exit_mode(mode: TorchFunctionMode) -> None:
     mode.__exit__(None, None, None)
     for other in reversed(above):
         torch._C._push_on_torch_function_stack(other)
+
+
+def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors the ATen op ``func`` writes in place when called with ``args`` and ``kwargs``.
+
+    The arguments its schema marks ``Tensor(a!)`` (``add_``'s ``self``, an ``out=``, every list of ``_foreach_add_``),
+    and the running statistics of a batch norm in training, which ``native_batch_norm`` and ``cudnn_batch_norm`` update
+    without their schemas saying so.
+    """
+    schema = func._schema
+    named = dict(zip((a.name for a in schema.arguments), args, strict=False))
+    named.update(kwargs)
+    written: list[Any] = []
+    for argument in schema.arguments:
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            written.append(named.get(argument.name))
+    if named.get("training") is True:
+        written += [named.get("running_mean"), named.get("running_var")]
+    found: list[torch.Tensor] = []
+    for value in written:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found
+
+
+def version(tensor: torch.Tensor) -> int:
+    """``tensor``'s version counter: how many in-place writes autograd has counted on it (and its views)."""
+    return tensor._version
