@@ -1,16 +1,8 @@
-"""What a replayed ``training_step`` writes in place into the module: saved before the write, put back after.
+"""What a replayed ``training_step`` writes in place into the module: copied before the write, put back after.
 
-BYOL, MoCo and mean-teacher models update a target network in place inside ``training_step`` (under ``no_grad``); a
-replay that ran it again would apply that update twice. While a replay runs, :class:`InPlaceGuard` watches every ATen
-op (a dispatch mode, below autograd, so ``out=`` arguments and ops called from C++ count too) and copies a tensor of
-the module (a parameter, a buffer, a parameter's gradient, a plain tensor attribute of any submodule) before the first
-op that writes into its storage. At most ``budget`` bytes are copied: a write that would need more is refused before it
-happens (:class:`ReplayWriteLimit`), and what was saved is put back. Afterwards the guard also puts back every tensor
-that was rebound (``self.ema = ...``), resized or re-pointed (``.set_``, ``.data = ...``).
-
-Only tensors reachable from the module's attributes are watched: a tensor held in a list, a closure or the optimizer
-is not, nor are Python numbers. A write no op reported (a kernel that bypasses the dispatcher) still bumps the
-tensor's version counter where autograd counts it; the guard names such a tensor, since it could not put it back.
+Why (a mean teacher's EMA update would run twice), what is watched and the bound: ``docs/sentinel.md#the-replay``.
+Below autograd, so ``out=`` arguments and ops called from C++ count; the version counter witnesses a write no op
+reported, which cannot be put back.
 """
 
 from __future__ import annotations
@@ -29,10 +21,7 @@ from lightning_hookdiag.torch_internals import DispatchMode, version, written_te
 __all__ = ["REPLAY_SAVE_BYTES", "InPlaceGuard", "ReplayWriteLimit"]
 
 REPLAY_SAVE_BYTES = 64 * 2**20
-"""The most bytes of the module's tensors a replay copies before writing into them (64 MiB).
-
-A target network as large as this is not copied: its step is not replayed, and its trip says why.
-"""
+"""The most bytes of the module's tensors a replay copies before writing into them (64 MiB)."""
 
 _StorageKey = tuple[torch.device, int]
 
@@ -52,29 +41,34 @@ class _Held:
     geometry: tuple[int, tuple[int, ...], tuple[int, ...]]  # storage offset, size, stride
     version: int | None  # None: not counted (an inference tensor)
 
+    @classmethod
+    def of(cls, name: str, tensor: Tensor) -> _Held:
+        storage, key = _storage(tensor) or (None, None)
+        geometry = (tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()))
+        return cls(name, tensor, storage, key, geometry, None if tensor.is_inference() else version(tensor))
 
-def _storage(tensor: Tensor) -> torch.UntypedStorage | None:
+    def reseat(self) -> None:
+        """Point the tensor at its storage with its geometry again (after ``resize_``, ``set_``, ``.data =``)."""
+        now = (self.tensor.storage_offset(), tuple(self.tensor.size()), tuple(self.tensor.stride()))
+        moved = self.storage is not None and self.tensor.untyped_storage().data_ptr() != self.storage.data_ptr()
+        if self.storage is not None and (moved or now != self.geometry):
+            self.tensor.set_(self.storage, *self.geometry)
+
+
+def _storage(tensor: Tensor) -> tuple[torch.UntypedStorage, _StorageKey] | None:
     try:
         storage = tensor.untyped_storage()
     except (RuntimeError, NotImplementedError):  # sparse, nested and wrapper subclasses have none to copy
         return None
-    return storage if storage.data_ptr() != 0 else None  # empty or meta: nothing to save
-
-
-def _key(storage: torch.UntypedStorage) -> _StorageKey:
-    return storage.device, storage.data_ptr()
+    # Empty or meta: nothing to save.
+    return (storage, (storage.device, storage.data_ptr())) if storage.data_ptr() != 0 else None
 
 
 def _bindings(root: nn.Module) -> Iterator[tuple[dict[str, Any], str, str, Tensor]]:
-    """``(container, key, name, tensor)`` for every tensor bound to a module of ``root``.
-
-    Parameters, buffers and plain tensor attributes (a torchmetrics state, an EMA copy kept outside
-    ``register_buffer``).
-    """
+    """``(container, key, name, tensor)`` for every parameter, buffer and plain tensor attribute of ``root``."""
     for path, module in root.named_modules(remove_duplicate=False):
         prefix = f"{logged_name(path, root)}." if path else ""
-        containers = (module._parameters, module._buffers, module.__dict__)
-        for container in containers:
+        for container in (module._parameters, module._buffers, module.__dict__):
             for key, value in container.items():
                 if isinstance(value, Tensor):
                     yield container, key, prefix + key, value
@@ -115,22 +109,16 @@ class InPlaceGuard(DispatchMode):
         self._grads = [(p, p.grad) for p in root.parameters() if p.grad is not None]
         held: dict[int, _Held] = {}
         for _, _, name, tensor in self._bound:
-            held.setdefault(id(tensor), self._hold(name, tensor))
+            held.setdefault(id(tensor), _Held.of(name, tensor))
         for p, grad in self._grads:
-            held.setdefault(id(grad), self._hold(f"{held[id(p)].name}.grad", grad))
+            held.setdefault(id(grad), _Held.of(f"{held[id(p)].name}.grad", grad))
         self._held = list(held.values())
+        # The first name bound to each storage: the one a refused write is reported under.
         self._watched: dict[_StorageKey, tuple[str, torch.UntypedStorage]] = {}
-        for h in self._held:
+        for h in reversed(self._held):
             if h.storage is not None and h.key is not None:
-                self._watched.setdefault(h.key, (h.name, h.storage))
+                self._watched[h.key] = (h.name, h.storage)
         self._saved: dict[_StorageKey, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
-
-    @staticmethod
-    def _hold(name: str, tensor: Tensor) -> _Held:
-        storage = _storage(tensor)
-        geometry = (tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()))
-        counted = None if tensor.is_inference() else version(tensor)
-        return _Held(name, tensor, storage, None if storage is None else _key(storage), geometry, counted)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -139,10 +127,7 @@ class InPlaceGuard(DispatchMode):
         return func(*args, **kwargs)
 
     def _save(self, tensor: Tensor) -> None:
-        storage = _storage(tensor)
-        if storage is None:
-            return
-        key = _key(storage)
+        _, key = _storage(tensor) or (None, None)
         if key not in self._watched or key in self._saved:
             return
         name, original = self._watched[key]
@@ -179,16 +164,5 @@ class InPlaceGuard(DispatchMode):
                 p.grad = grad
         with torch.no_grad():
             for h in self._held:
-                self._reseat(h)
+                h.reseat()
         return missed
-
-    @staticmethod
-    def _reseat(held: _Held) -> None:
-        """Point ``held``'s tensor at its storage with its geometry again (after ``resize_``, ``set_``, ``.data =``)."""
-        tensor, storage = held.tensor, held.storage
-        if storage is None:
-            return
-        now = (tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()))
-        if now != held.geometry or tensor.untyped_storage().data_ptr() != storage.data_ptr():
-            offset, size, stride = held.geometry
-            tensor.set_(storage, offset, size, stride)

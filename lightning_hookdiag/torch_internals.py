@@ -24,6 +24,7 @@ there, naming it, instead of silently mis-attributing calls.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -89,21 +90,30 @@ def exit_mode(mode: TorchFunctionMode) -> None:
         torch._C._push_on_torch_function_stack(other)
 
 
+@functools.cache
+def _writes(func: Any) -> tuple[tuple[str, ...], tuple[str, ...], bool]:
+    """``func``'s argument names, those its schema marks written, and whether it updates running statistics."""
+    schema = func._schema
+    names = tuple(a.name for a in schema.arguments)
+    marked = tuple(a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write)
+    statistics = "running_mean" in names and "backward" not in schema.name and "no_training" not in schema.name
+    return names, marked, statistics
+
+
 def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors the ATen op ``func`` writes in place when called with ``args`` and ``kwargs``.
 
     The arguments its schema marks ``Tensor(a!)`` (``add_``'s ``self``, an ``out=``, every list of ``_foreach_add_``),
-    and the running statistics of a batch norm in training, which ``native_batch_norm`` and ``cudnn_batch_norm`` update
-    without their schemas saying so.
+    and the running statistics of a batch norm in training, which ``native_batch_norm``, ``cudnn_batch_norm`` and
+    SyncBatchNorm's ``batch_norm_gather_stats_with_counts`` update without their schemas saying so.
     """
-    schema = func._schema
-    named = dict(zip((a.name for a in schema.arguments), args, strict=False))
+    names, marked, statistics = _writes(func)  # read once per op: most ops write nothing and cost a cache hit
+    if not marked and not statistics:
+        return []
+    named = dict(zip(names, args, strict=False))
     named.update(kwargs)
-    written: list[Any] = []
-    for argument in schema.arguments:
-        if argument.alias_info is not None and argument.alias_info.is_write:
-            written.append(named.get(argument.name))
-    if named.get("training") is True:
+    written = [named.get(name) for name in marked]
+    if statistics and named.get("training", True) is True:  # no training argument: an op only training calls
         written += [named.get("running_mean"), named.get("running_var")]
     found: list[torch.Tensor] = []
     for value in written:

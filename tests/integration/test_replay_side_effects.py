@@ -1,4 +1,5 @@
-"""What a replay of a tripped step leaves behind (issue 35, items 14-16): nothing, or a trip that says why it did not run.
+"""What a replay of a tripped step leaves behind (issue 35, items 14-16): nothing, or a trip that says why it did not
+run.
 
 Real fits: a loss spike planted on an unsampled step trips the sentinel, and the run is compared with the same run
 without the callback.
@@ -33,9 +34,7 @@ def spiked(n_steps: int, d_in: int = 4, batch_size: int = 8) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def fit(
-    make: Callable[[], TinyModule], callback: LayerHealthCallback | None, steps: int, **kwargs: Any
-) -> TinyModule:
+def fit(make: Callable[[], TinyModule], callback: LayerHealthCallback | None, steps: int, **kwargs: Any) -> TinyModule:
     """Build a module with ``make`` and fit it, from the same seed every time."""
     # Clipped: the spike's gradient does not throw the model off, so the steps after it do not trip as well.
     torch.manual_seed(0)
@@ -161,6 +160,13 @@ def test_the_torch_internals_the_guard_reads_exist():
     out = torch.empty(2)
     assert written_tensors(torch.ops.aten.add_.Tensor, (t, t), {}) == [t]
     assert written_tensors(torch.ops.aten.add.out, (t, t), {"out": out}) == [out]
+    # A batch norm writes its running statistics in training only, and never in its backward.
+    x, mean, var = torch.randn(4, 2), torch.zeros(2), torch.ones(2)
+    norm = torch.ops.aten.native_batch_norm.default
+    assert written_tensors(norm, (x, None, None, mean, var, True, 0.1, 1e-5), {}) == [mean, var]
+    assert written_tensors(norm, (x, None, None, mean, var, False, 0.1, 1e-5), {}) == []
+    backward = torch.ops.aten.native_batch_norm_backward.default
+    assert written_tensors(backward, (x, x, None, mean, var, mean, var, True, 1e-5, [True] * 3), {}) == []
 
 
 def _no_hooks() -> Any:
