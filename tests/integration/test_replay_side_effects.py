@@ -1,5 +1,4 @@
-"""What a replay of a tripped step leaves behind (issue 35, items 14-16): nothing, or a trip that says why it did not
-run.
+"""What a replay of a tripped step leaves behind (issue 35, items 14-16): nothing, or a trip that says why.
 
 Real fits: a loss spike planted on an unsampled step trips the sentinel, and the run is compared with the same run
 without the callback.
