@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from lightning_hookdiag.distributed import all_reduce_max
 from lightning_hookdiag.fit_run import FitRun
 from lightning_hookdiag.hooks import HookSet
+from lightning_hookdiag.inplace import ReplayWriteLimit
 from lightning_hookdiag.provenance import NonFiniteTrace, nonfinite_in_batch
 from lightning_hookdiag.sentinel import MicroBatch, replay_step
 from lightning_hookdiag.step_state import Trip, plan_trip
@@ -42,6 +43,11 @@ def _replay_blocker(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str |
     """Why the Trainer's step cannot be re-run before the optimizer applies it, or ``None``."""
     if not pl_module.automatic_optimization:
         return "of manual optimization: training_step steps the optimizer itself, so it cannot be re-run"
+    if is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True):
+        return (
+            "training_step takes dataloader_iter: it draws its batches from the loader itself, so the callback never"
+            " holds the step's batch to run it again"
+        )
     strategy = trainer.strategy
     replayable = (strategies.SingleDeviceStrategy, strategies.DDPStrategy)
     if not isinstance(strategy, replayable) or isinstance(strategy, strategies.DeepSpeedStrategy):
@@ -56,17 +62,26 @@ def _replay_blocker(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str |
 
 @contextmanager
 def _logging_silenced(pl_module: pl.LightningModule) -> Iterator[None]:
-    """``self.log`` and ``self.log_dict`` record nothing inside the block (a replayed ``training_step``)."""
+    """``self.log`` and ``self.log_dict`` record nothing inside the block (a replayed ``training_step``).
+
+    Instance attributes shadow the methods. The user's own instance attributes of those names (a wrapper, a partial,
+    a mock) are shadowed as well and put back afterwards, exactly: only names that had none are deleted.
+    """
 
     def ignore(*args: Any, **kwargs: Any) -> None:
         return None
 
-    # Instance attributes shadow the methods; deleting them brings the methods back.
-    pl_module.__dict__.update(log=ignore, log_dict=ignore)
+    names = ("log", "log_dict")
+    own = {name: pl_module.__dict__[name] for name in names if name in pl_module.__dict__}
+    pl_module.__dict__.update(dict.fromkeys(names, ignore))
     try:
         yield
     finally:
-        del pl_module.__dict__["log"], pl_module.__dict__["log_dict"]
+        for name in names:
+            if name in own:
+                pl_module.__dict__[name] = own[name]
+            else:
+                pl_module.__dict__.pop(name, None)
 
 
 def respond(
@@ -132,6 +147,8 @@ def _rerun(
 
     try:
         replay_step(run.state.micro.batches, loss, pl_module, hooks, pl_module.device, trace)
+    except ReplayWriteLimit as error:  # refused before the write; the writes before it were undone
+        return f"{error}; the replay stopped there and undid its earlier writes"
     except Exception as error:  # reported in the finding; training goes on untouched
         return f"the replay raised {type(error).__name__}: {error}"
     return None

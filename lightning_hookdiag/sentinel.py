@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from lightning_hookdiag.components import call_all
 from lightning_hookdiag.hooks import HookSet
+from lightning_hookdiag.inplace import REPLAY_SAVE_BYTES, InPlaceGuard
 from lightning_hookdiag.params import stored_values
 from lightning_hookdiag.provenance import NonFiniteTrace
 from lightning_hookdiag.stats import accumulation_dtype
@@ -47,6 +48,7 @@ class SpikeDetector:
         ratio: Minimum rise as a factor of the centre (log scale) or of ``max(|centre|, scale)`` (linear scale).
         recent: How many of the latest healthy (positive, on the log scale) losses the centre is the median of.
         floor: On the log scale, the smallest spike as a share of :attr:`start`; 0: no floor.
+        early: How many of the run's first positive healthy losses :attr:`start` is the lower median of.
 
     Example:
         >>> detector = SpikeDetector(window=50, warmup=5, zscore=8.0, ratio=10.0)
@@ -69,6 +71,7 @@ class SpikeDetector:
     ratio: float = 10.0
     recent: int = 5
     floor: float = 1e-2
+    early: int = 3
 
     def __post_init__(self) -> None:
         self.clear()
@@ -76,7 +79,11 @@ class SpikeDetector:
     def clear(self) -> None:
         """Empty the window and forget the run's early level."""
         self.start: float | None = None
-        """The run's early loss level: the lower median of its first ``warmup`` positive healthy losses."""
+        """The run's scale where it started: the lower median of its first ``early`` positive healthy losses.
+
+        Its first few steps, not its warmup: a classifier can fall from 1.6 to 1e-5 within 20 steps, and the median of
+        those 20 losses is already inside the collapse. Three steps: one odd batch among them does not set it.
+        """
         self._early: list[float] = []
         self.losses: deque[float] = deque(maxlen=self.window)
         # Logs of the window's positive losses, oldest first, taken once when a loss enters the window (the test
@@ -109,7 +116,8 @@ class SpikeDetector:
             value, least = math.log(loss), self._log_ratio
             # The centre is at least the smallest of the latest logs: below log(ratio) above it, no spike. The common
             # case, decided without a sort.
-            if value - min(latest) <= least or (self.start is not None and loss < self.floor * self.start):
+            level = self._level()
+            if value - min(latest) <= least or (level is not None and loss < self.floor * level):
                 return False
         # The lower median is one of the values (the mean of the middle two is not): the centre of the logs is the log
         # of the centre.
@@ -128,9 +136,15 @@ class SpikeDetector:
             self._logs.append(math.log(loss))
             if self.start is None:
                 self._early.append(loss)
-                if len(self._early) >= max(self.warmup, 1):
+                if len(self._early) >= max(self.early, 1):
                     self.start, self._early = statistics.median_low(self._early), []
         self._negative += loss < 0
+
+    def _level(self) -> float | None:
+        """:attr:`start`, or while fewer than ``early`` positive losses were seen (a warmup below it), theirs."""
+        if self.start is not None:
+            return self.start
+        return statistics.median_low(self._early) if self._early else None
 
     def observe(self, loss: float) -> bool:
         """Test ``loss`` and record it as healthy if it did not trip; returns whether it tripped."""
@@ -299,14 +313,23 @@ def replay_step(
     hooks: HookSet,
     device: torch.device,
     trace: NonFiniteTrace | None = None,
+    budget: int = REPLAY_SAVE_BYTES,
 ) -> int:
     """Re-run one optimizer step's micro-batches through ``hooks``; returns how many produced a loss.
 
     Each micro-batch starts from the RNG state it started with; the gradient of its loss (``run`` returns ``None`` for
     a skipped one) goes back through the hooked outputs with ``torch.autograd.grad``, never into ``.grad``. ``hooks``
     (told the end of each micro-batch) and ``trace`` (read its ``origin`` afterwards) are attached for the replay and
-    removed after it, also when ``run`` raises; the RNG streams (torch's CPU and ``device``'s, Python's, NumPy's), the
-    buffers and the torchmetrics states of ``module`` are then as they were.
+    removed after it, also when ``run`` raises; the RNG streams (torch's CPU and ``device``'s, Python's, NumPy's) and
+    the torchmetrics states of ``module`` are then as they were, and so is every tensor of ``module`` that the replay
+    wrote in place or rebound (parameters, buffers, gradients, plain tensor attributes: a mean teacher's EMA update):
+    :class:`~lightning_hookdiag.inplace.InPlaceGuard` copies at most ``budget`` bytes of them before their first write,
+    and refuses a write beyond with :class:`~lightning_hookdiag.inplace.ReplayWriteLimit`, before it happens.
+
+    Raises:
+        ReplayWriteLimit: The replay would have written into more than ``budget`` bytes of ``module``'s tensors.
+        RuntimeError: A tensor of ``module`` was written in place by a kernel that no op reported (its version
+            counter moved), so it could not be put back.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5))
@@ -322,7 +345,8 @@ def replay_step(
 
     params = [p for p in module.parameters() if p.requires_grad]
     rng, python_state, numpy_state = capture_rng(device), random.getstate(), numpy.random.get_state()
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    guard = InPlaceGuard(module, budget)
+    missed: list[str] = []
     metrics: list[tuple[Metric, dict[str, Any]]] = []
     for m in module.modules():
         if isinstance(m, Metric):
@@ -330,7 +354,7 @@ def replay_step(
             metrics.append((m, {**state, "_update_count": m._update_count, "_computed": m._computed}))
     produced = 0
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), guard:
             hooks.attach()
             if trace is not None:
                 trace.attach()
@@ -347,14 +371,17 @@ def replay_step(
         try:
             call_all([hooks.remove] if trace is None else [trace.remove, hooks.remove])
         finally:  # also when a companion's remove raised: the replay leaves no trace in the training state
-            # The random streams first: a buffer the step resized cannot be copied back, and raises.
+            # The random streams first: they cannot fail to be put back.
             restore_rng(rng, device)
             random.setstate(python_state)
             numpy.random.set_state(numpy_state)
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
+            missed = guard.restore()
             for metric, saved_state in metrics:
                 for name, value in saved_state.items():
                     setattr(metric, name, value)
+    if missed:
+        raise RuntimeError(
+            f"training_step changed {', '.join(missed)} in place without an op reporting the write (a kernel that"
+            " bypasses the dispatcher), so the replay could not put it back"
+        )
     return produced

@@ -13,12 +13,18 @@
   library's subclass of a base (a custom loss, apex's ``SyncBatchNorm``). Read at import: a torch that moved one
   fails there, by name, rather than misclassifying modules.
 
+* :data:`DispatchMode`, :func:`written_tensors`, :func:`version`: ``torch.utils._python_dispatch.TorchDispatchMode``,
+  an op's ``_schema`` and a tensor's ``_version``: a replay saves what ``training_step`` writes in place before it
+  writes (:mod:`lightning_hookdiag.inplace`), which only the dispatcher sees (a torch-function mode misses the writes
+  of ``out=`` arguments and of ops called from C++), and the version counter is the witness of a write it missed.
+
 ``tests/unit/test_precursor_probes.py`` checks that each exists, so that a torch release that moves one fails loudly
 there, naming it, instead of silently mis-attributing calls.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -26,8 +32,22 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DROPOUT_BASE", "LOSS_BASE", "MODE_DEPENDENT", "calling_modules", "exit_mode", "in_backward"]
+__all__ = [
+    "DROPOUT_BASE",
+    "LOSS_BASE",
+    "MODE_DEPENDENT",
+    "DispatchMode",
+    "calling_modules",
+    "exit_mode",
+    "in_backward",
+    "version",
+    "written_tensors",
+]
+
+DispatchMode = TorchDispatchMode
+"""The base of a mode that sees every ATen op, below autograd (``__torch_dispatch__``)."""
 
 
 # Without failing at import (a torch that lacks one fails in the tests, by name).
@@ -68,3 +88,42 @@ def exit_mode(mode: TorchFunctionMode) -> None:
     mode.__exit__(None, None, None)
     for other in reversed(above):
         torch._C._push_on_torch_function_stack(other)
+
+
+@functools.cache
+def _writes(func: Any) -> tuple[tuple[str, ...], tuple[str, ...], bool]:
+    """``func``'s argument names, those its schema marks written, and whether it updates running statistics."""
+    schema = func._schema
+    names = tuple(a.name for a in schema.arguments)
+    marked = tuple(a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write)
+    statistics = "running_mean" in names and "backward" not in schema.name and "no_training" not in schema.name
+    return names, marked, statistics
+
+
+def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors the ATen op ``func`` writes in place when called with ``args`` and ``kwargs``.
+
+    The arguments its schema marks ``Tensor(a!)`` (``add_``'s ``self``, an ``out=``, every list of ``_foreach_add_``),
+    and the running statistics of a batch norm in training, which ``native_batch_norm``, ``cudnn_batch_norm`` and
+    SyncBatchNorm's ``batch_norm_gather_stats_with_counts`` update without their schemas saying so.
+    """
+    names, marked, statistics = _writes(func)  # read once per op: most ops write nothing and cost a cache hit
+    if not marked and not statistics:
+        return []
+    named = dict(zip(names, args, strict=False))
+    named.update(kwargs)
+    written = [named.get(name) for name in marked]
+    if statistics and named.get("training", True) is True:  # no training argument: an op only training calls
+        written += [named.get("running_mean"), named.get("running_var")]
+    found: list[torch.Tensor] = []
+    for value in written:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found
+
+
+def version(tensor: torch.Tensor) -> int:
+    """``tensor``'s version counter: how many in-place writes autograd has counted on it (and its views)."""
+    return tensor._version
