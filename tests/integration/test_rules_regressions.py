@@ -1,0 +1,109 @@
+"""Regressions of issue 35 in the rules, each on a real Trainer fit that reproduced it.
+
+* a NaN made in backward is named where the gradient went non-finite, not at a layer the optimizer step then broke;
+* an attention finding present at initialisation says so, and points at the inputs' scale and the initialisation;
+* a residual branch behind a zero-initialised norm that starts learning is no ``update_jump``;
+* the output-logit rules hold only where the output feeds a softmax or a sigmoid loss (not ``BoringModel``'s
+  regression head).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from conftest import TinyModule, make_data, make_trainer
+from torch import nn
+
+from lightning_hookdiag import LayerHealthCallback
+
+# ------------------------------------------------------------------ item 9: a NaN made in backward, with clipping
+
+
+class _NanBackward(torch.autograd.Function):
+    """The identity forward; its backward writes NaN into the first row of the gradient when ``bad``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, bad: bool) -> torch.Tensor:
+        ctx.bad = bad
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if ctx.bad:
+            grad = grad.clone()
+            grad[0] = math.nan
+        return grad, None
+
+
+class _NanGate(nn.Module):
+    """A parameterless module whose backward makes NaN on the step its flag is set (its forward stays finite)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bad = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _NanBackward.apply(x, self.bad)
+
+
+def _nan_in_backward_fit(bad_step: int, clip: float | None) -> tuple[LayerHealthCallback, list[float]]:
+    gate = _NanGate()
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Linear(4, 16),
+        nn.ReLU(),
+        nn.Linear(16, 16),
+        nn.ReLU(),
+        nn.Linear(16, 16),
+        nn.Linear(16, 16),  # model.5: its output gradient is the first to receive the NaN
+        gate,
+        nn.ReLU(),
+        nn.Linear(16, 16),  # model.8: downstream, finite gradients; clipping by the NaN total norm breaks it
+        nn.ReLU(),
+        nn.Linear(16, 1),
+    )
+    module = TinyModule(net, data=make_data(256), lr=0.01)
+    losses: list[float] = []
+
+    def on_step(m: TinyModule, batch_idx: int) -> None:
+        gate.bad = m.global_step == bad_step
+
+    module.on_step = on_step
+    module.record_enabled = False
+    original = module.training_step
+
+    def training_step(batch, batch_idx):
+        loss = original(batch, batch_idx)
+        losses.append(float(loss))
+        return loss
+
+    module.training_step = training_step
+    callback = LayerHealthCallback(every_n_steps=5, sentinel="loss+grads", on_anomaly="ignore", summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer([callback], max_steps=bad_step + 2, gradient_clip_val=clip).fit(module)
+    return callback, losses
+
+
+def test_a_nan_made_in_backward_is_named_at_the_first_nonfinite_output_gradient_not_at_the_optimizer_update():
+    callback, losses = _nan_in_backward_fit(bad_step=13, clip=1.0)
+    assert math.isfinite(losses[13])  # the loss of the step stayed finite: only backward made the NaN
+    at_13 = [f for f in callback.findings if f.step == 13]
+    assert [(f.rule, f.layer, f.stat) for f in at_13][0] == ("nonfinite", "model.5", "act_grad_nonfinite")
+    assert at_13[0].value == 16  # the one NaN row of the 16-wide output gradient
+    # Clipping by the (NaN) total norm made the downstream layers' finite gradients NaN before the update: the
+    # update did not make the NaN, so no finding blames it; the origin's finding says where it spread.
+    assert not any(f.stat == "param_update_ratio" for f in callback.findings)
+    assert not any("wrote NaN/Inf into finite weights" in f.message for f in callback.findings)
+    assert "the optimizer update then made model.8.weight, model.8.bias, model.10.weight, ..." in at_13[0].message
+    assert "(4 parameters in 2 layers, the first in forward order: model.8)" in at_13[0].message
+
+
+def test_a_nan_made_in_backward_without_clipping_names_the_same_origin():
+    # The twin without clipping: the downstream weights stay finite, and the origin is the same.
+    callback, _ = _nan_in_backward_fit(bad_step=13, clip=None)
+    at_13 = [f for f in callback.findings if f.step == 13]
+    assert [(f.rule, f.layer, f.stat) for f in at_13] == [("nonfinite", "model.5", "act_grad_nonfinite")]
+    assert "optimizer update" not in at_13[0].message
