@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from lightning_hookdiag import trends
 from lightning_hookdiag.names import LOSS
@@ -143,9 +143,21 @@ def unbounded_loss(ctx: Context) -> Iterator[Found]:
         yield Found(layer, logits[2] / logits[0], message, growth)
 
 
-def _layer_update_norms(ctx: Context) -> dict[str, list[tuple[int, float]]]:
-    """Per layer, the update norm ``param_update_ratio * param_norm`` of its parameters per step, oldest first."""
-    by_step: dict[str, dict[int, list[float]]] = {}
+_REAL_UPDATE = 1e-2
+"""``update_jump``: the smallest median earlier update of a layer, relative to its weights, as a share of the median
+layer's, that a jump is measured against.
+
+Below it the layer was barely moving: a residual branch behind a zero-initialised norm (timm's ``zero_init_last``)
+that AdamW's weight decay alone moved by ``lr * wd`` (1e-5 of its norm) while the median layer moved by 8e-3. Such
+a layer that starts to learn is no jump; a BatchNorm's normal updates sit at 0.08 of the median layer's."""
+
+
+def _layer_updates(ctx: Context) -> dict[str, list[tuple[int, float, float]]]:
+    """Per layer, ``(step, update norm, weight norm)`` over its parameters, oldest first.
+
+    The update norm is ``param_update_ratio * param_norm``; only parameters with a positive weight norm have a ratio.
+    """
+    by_step: dict[str, dict[int, list[tuple[float, float]]]] = {}
     norms_now = ctx.stat("param_norm")
     for param, ratio in ctx.stat("param_update_ratio").items():
         norm = norms_now.get(param)
@@ -154,32 +166,44 @@ def _layer_update_norms(ctx: Context) -> dict[str, list[tuple[int, float]]]:
         norms = dict(_points(ctx, "param_norm", param, norm))
         steps = by_step.setdefault(ctx.orders.owner(param), {})
         for step, r in dict(_points(ctx, "param_update_ratio", param, ratio)).items():
-            if step in norms and r >= 0:
-                steps.setdefault(step, []).append((r * norms[step]) * (r * norms[step]))
-    out: dict[str, list[tuple[int, float]]] = {}
+            if step in norms and r >= 0 and norms[step] > 0:
+                steps.setdefault(step, []).append((r * norms[step], norms[step]))
+    out: dict[str, list[tuple[int, float, float]]] = {}
     for layer, steps in by_step.items():
         if ctx.step in steps:  # a layer whose parameters did not all update now is not compared
-            out[layer] = [(s, math.sqrt(sum(sq))) for s, sq in sorted(steps.items())]
+            out[layer] = [
+                (s, _norm(u for u, _ in parts), _norm(w for _, w in parts)) for s, parts in sorted(steps.items())
+            ]
     return out
+
+
+def _norm(parts: Iterable[float]) -> float:
+    """The 2-norm of a concatenation, from the 2-norms of its parts."""
+    return math.sqrt(sum(x * x for x in parts))
 
 
 @rule(order=19, phase="backward", stat="param_update_ratio")
 def update_jump(ctx: Context) -> Iterator[Found]:
-    """A layer's update jumped far above its own recent ones and the typical jump."""
+    """A layer's update jumped far above its own recent ones and the typical jump, from a baseline that moved."""
     config = ctx.config
     jumps: dict[str, tuple[float, float]] = {}
-    for layer, points in _layer_update_norms(ctx).items():
-        *earlier, (_, now) = points
+    moved: dict[str, float] = {}  # per layer, the median earlier update relative to its weights
+    for layer, points in _layer_updates(ctx).items():
+        *earlier, (_, now, _) = points
         if len(earlier) < config.trend_window - 1:
             continue
-        own = statistics.median([v for _, v in earlier])
+        own = statistics.median([u for _, u, _ in earlier])
         if own > 0:
             jumps[layer] = (now / own, own)
+            moved[layer] = statistics.median([u / w for _, u, w in earlier])
     if not jumps:
         return
     # A learning-rate schedule (warm-up) moves every layer's update together: compare with the typical jump too.
     typical = statistics.median([j for j, _ in jumps.values()])
+    typical_moved = statistics.median(moved.values())
     for layer, (jump, own) in jumps.items():
+        if moved[layer] < _REAL_UPDATE * typical_moved:
+            continue  # its earlier updates were ~0: it starts to learn, and no ratio to them is a jump
         if jump >= config.update_jump_ratio and jump >= config.update_jump_ratio * typical:
             message = (
                 f"update_jump: the optimizer update of {layer} at step {ctx.step} (the norm of its parameters' change)"

@@ -10,11 +10,15 @@
 from __future__ import annotations
 
 import math
+import statistics
 import warnings
 
+import pytest
 import torch
-from conftest import TinyModule, make_data, make_trainer
+from conftest import RecordingLogger, TinyModule, make_data, make_trainer
 from torch import nn
+from torch.utils.data import TensorDataset
+from zoo import ResNet18, ZooModule
 
 from lightning_hookdiag import LayerHealthCallback
 
@@ -107,3 +111,28 @@ def test_a_nan_made_in_backward_without_clipping_names_the_same_origin():
     at_13 = [f for f in callback.findings if f.step == 13]
     assert [(f.rule, f.layer, f.stat) for f in at_13] == [("nonfinite", "model.5", "act_grad_nonfinite")]
     assert "optimizer update" not in at_13[0].message
+
+
+# ----------------------------------------------- item 12: a branch behind a zero-initialised norm starts to learn
+
+
+def test_resnet18_with_zero_init_last_at_timms_widths_raises_no_update_jump():
+    # timm's resnet18 at its real widths (64 to 512 channels) with zero_init_last. Behind its zero bn2.weight, the
+    # branch of layer4's blocks gets a gradient on some steps only; on the others AdamW's weight decay alone moves
+    # conv2, by lr * wd = 1e-5 of its norm. Against the median of such updates a normal one is a ~1,000x "jump".
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(8 * 12, 3, 32, 32, generator=g), torch.randint(0, 10, (8 * 12,), generator=g))
+    module = ZooModule(ResNet18(width=64), "classify", data)
+    assert all(float(b.bn2.weight.abs().sum()) == 0.0 for b in module.model.layer4)
+    logger = RecordingLogger()
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer([callback], max_steps=12, logger=logger).fit(module)
+    key = "layer_health/param_update_ratio/model.layer4.1.conv2.weight"
+    ratios = {step: metrics[key] for step, metrics in logger.ours() if key in metrics}
+    earlier = statistics.median(ratios[step] for step in range(7))
+    assert earlier == pytest.approx(1e-3 * 1e-2, rel=1e-2)  # AdamW's decay alone: lr * weight_decay
+    assert ratios[7] > 500 * earlier  # what fired update_jump at step 7 before the fix
+    assert [f.message for f in callback.findings] == []
