@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator
 
 from lightning_hookdiag import trends
 from lightning_hookdiag.names import LOSS
-from lightning_hookdiag.rules.context import Context, finite
+from lightning_hookdiag.rules.context import SIGMOID_LINK, SOFTMAX_LINK, Context, finite
 from lightning_hookdiag.rules.registry import Found, rule
 
 __all__: list[str] = []
@@ -35,10 +35,18 @@ def _attention_message(ctx: Context, layer: str, value: float) -> str:
     """The message of a logit at the threshold, or of a steady rise projected to cross it soon; else ``""``."""
     config, limit = ctx.config, ctx.config.attn_logit_threshold
     if value >= limit:
+        start = _points(ctx, "attn_logit_max", layer, value, 4)[0]
+        # At step 0 no update has run: the initial weights and the inputs' scale make it, not the learning rate.
+        advice = (
+            "qk-norm or a lower learning rate keeps it bounded"
+            if start[0] != 0 or start[1] < limit
+            else f"it was {start[1]:.4g} at step 0, before any optimizer update: not training but the scale of the"
+            " inputs made it; look at the RMS of its inputs (an N(0, 1) embedding times sqrt(d_model) has an RMS of"
+            " sqrt(d_model)) and at the initialisation of its query and key projections"
+        )
         return (
             f"attention_logits: the largest attention logit |q.k|*scale of {layer} is {value:.4g} at step"
-            f" {ctx.step}, at or above attn_logit_threshold={limit:g} (the softmax is close to one-hot; qk-norm"
-            " or a lower learning rate keeps it bounded)"
+            f" {ctx.step}, at or above attn_logit_threshold={limit:g} (the softmax is close to one-hot; {advice})"
         )
     points = _points(ctx, "attn_logit_max", layer, value) if value >= config.attn_trend_floor else []
     if len(points) < config.trend_window or trends.rising_share(points) < 0.75:
@@ -57,16 +65,26 @@ def _attention_message(ctx: Context, layer: str, value: float) -> str:
     )
 
 
+def _read_through(ctx: Context, layer: str, link: int) -> bool:
+    """Whether the loss read ``layer``'s output through ``link`` (``SIGMOID_LINK``: a sigmoid or a softmax).
+
+    Only there are its outputs logits: ``docs/rules.md#the-output-logit-rules``.
+    """
+    seen = ctx.stat("output_link").get(layer)
+    return finite(seen) and seen >= link
+
+
 @rule(order=17, phase="forward", stat="logit_lse_mean")
 def logit_drift(ctx: Context) -> Iterator[Found]:
-    """The output logits' log Z drifted over the window while the loss stayed flat."""
+    """The output logits' log Z drifted over the window while the loss stayed flat (a softmax reads them)."""
     config = ctx.config
     loss = ctx.stat("step_loss").get(LOSS)
     if not finite(loss):
         return
     losses = dict(_points(ctx, "step_loss", LOSS, float(loss), 4))
     for layer, value in ctx.stat("logit_lse_mean").items():
-        if not finite(value):
+        # Only a softmax is blind to log Z: a regression head's or a sigmoid's shift moves the loss.
+        if not (finite(value) and _read_through(ctx, layer, SOFTMAX_LINK)):
             continue
         points = _points(ctx, "logit_lse_mean", layer, value, 4)
         if len(points) < config.trend_window:
@@ -98,7 +116,7 @@ of 255 falls by up to 254 per unit of logit."""
 
 @rule(order=18, phase="forward", stat="logit_absmax")
 def unbounded_loss(ctx: Context) -> Iterator[Found]:
-    """A negative loss that keeps falling while the output layer's logits keep growing."""
+    """A negative loss that keeps falling while the logits (read by a softmax or a sigmoid) keep growing."""
     config = ctx.config
     loss = ctx.stat("step_loss").get(LOSS)
     if not finite(loss) or loss >= 0:  # a loss of a bounded family (cross-entropy, MSE) is never negative
@@ -106,7 +124,8 @@ def unbounded_loss(ctx: Context) -> Iterator[Found]:
     losses = dict(_points(ctx, "step_loss", LOSS, float(loss), 4))
     growth = config.unbounded_growth
     for layer, value in ctx.stat("logit_absmax").items():
-        if not finite(value):
+        # Its bound is that of a loss with probability targets: a regression head's loss has none to compare with.
+        if not (finite(value) and _read_through(ctx, layer, SIGMOID_LINK)):
             continue
         points = [(s, v) for s, v in _points(ctx, "logit_absmax", layer, value, 4) if s in losses]
         if len(points) < config.trend_window:

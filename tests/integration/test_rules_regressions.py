@@ -16,8 +16,10 @@ import warnings
 import pytest
 import torch
 from conftest import RecordingLogger, TinyModule, make_data, make_trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.demos.transformer import LightningTransformer
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 from zoo import ResNet18, ZooModule
 
 from lightning_hookdiag import LayerHealthCallback
@@ -136,3 +138,88 @@ def test_resnet18_with_zero_init_last_at_timms_widths_raises_no_update_jump():
     assert earlier == pytest.approx(1e-3 * 1e-2, rel=1e-2)  # AdamW's decay alone: lr * weight_decay
     assert ratios[7] > 500 * earlier  # what fired update_jump at step 7 before the fix
     assert [f.message for f in callback.findings] == []
+
+
+# ------------------------------------------- item 13: the output-logit rules only where a softmax/sigmoid loss reads
+
+
+class _Boring(BoringModel):
+    """Lightning's ``BoringModel`` (a 2-unit head trained by MSE towards 1), or with a cross entropy on that head.
+
+    ``shift`` is added to both units' bias after every optimizer step: the softmax does not see it, the MSE does.
+    """
+
+    def __init__(self, loss: str = "mse", shift: float = 0.0) -> None:
+        super().__init__()
+        self.loss_name, self.shift = loss, shift
+
+    def loss(self, preds: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if self.loss_name == "cross_entropy":
+            return nn.functional.cross_entropy(preds, torch.zeros(len(preds), dtype=torch.long))
+        return super().loss(preds, labels)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        with torch.no_grad():
+            self.layer.bias.add_(self.shift)
+
+
+def _boring_fit(module: BoringModel, steps: int = 40) -> LayerHealthCallback:
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer([callback], max_steps=steps).fit(module)
+    return callback
+
+
+def test_boring_models_regression_head_gets_no_logit_drift():
+    # BoringModel's output is a regression head: its log Z moves as MSE pulls it to 1, and no softmax reads it.
+    callback = _boring_fit(_Boring())
+    assert "layer_health/logit_lse_mean/layer" in callback.last_metrics  # still measured and logged
+    assert [f.message for f in callback.findings] == []
+
+
+def test_the_same_head_under_a_cross_entropy_is_named_when_its_log_z_drifts_under_a_flat_loss():
+    torch.manual_seed(0)
+    drifting = _boring_fit(_Boring("cross_entropy", shift=0.5), steps=20)
+    first = drifting.findings[0]
+    assert (first.rule, first.layer, first.stat) == ("logit_drift", "layer", "logit_lse_mean")
+    # The twin: the same shift under the MSE moves the loss, and the rule does not hold for a regression head.
+    torch.manual_seed(0)
+    regression = _boring_fit(_Boring("mse", shift=0.5), steps=20)
+    assert not any(f.rule == "logit_drift" for f in regression.findings)
+
+
+# ------------------------------------------------- item 11: attention logits that are one-hot from initialisation
+
+
+class _DemoTransformer(LightningTransformer):
+    """Lightning's demo transformer (``ninp=200``: its embedding is multiplied by sqrt(200)) on random tokens."""
+
+    def prepare_data(self) -> None:  # the demo downloads WikiText-2 here
+        pass
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, 100, (16, 17), generator=g)
+        return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+
+
+def test_attention_logits_one_hot_from_initialisation_point_at_the_inputs_scale_not_the_learning_rate():
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer([callback], max_steps=2).fit(_DemoTransformer(vocab_size=100))
+    at_0 = [f for f in callback.findings if f.step == 0]
+    assert [(f.rule, f.layer) for f in at_0] == [
+        ("attention_logits", "model.transformer.encoder.layers.0.self_attn"),
+        ("attention_logits", "model.transformer.decoder.layers.0.self_attn"),
+    ]
+    for finding in at_0:
+        assert finding.value > 50
+        assert "at step 0, before any optimizer update" in finding.message
+        assert "RMS of its inputs" in finding.message
+        assert "lower learning rate keeps it bounded" not in finding.message
+    # Still there at step 1 (an alert already raised, so not in findings again): it was so at step 0, and it says so.
+    assert callback.last_step == 1
+    assert [f.layer for f in callback.last_findings] == [f.layer for f in at_0]
+    assert all(" at step 0, before any optimizer update" in f.message for f in callback.last_findings)
