@@ -26,7 +26,7 @@ from lightning_hookdiag import stats
 from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.components import Component, Setup, WindowStart, component
 from lightning_hookdiag.hooks import first_floating_tensor
-from lightning_hookdiag.rules.context import SIGMOID_LINK, SOFTMAX_LINK
+from lightning_hookdiag.rules.precursors import SIGMOID_LINK, SOFTMAX_LINK
 from lightning_hookdiag.selection import named_modules, unmatched_error
 from lightning_hookdiag.torch_internals import calling_modules, exit_mode, in_backward
 from lightning_hookdiag.vocabulary import OUTPUT_LAYER_STATS, PRECURSOR_STATS
@@ -47,16 +47,13 @@ MAX_ROWS = 32
 
 _SOFTMAX = frozenset({F.softmax, torch.softmax, Tensor.softmax})
 
-_LINKS = {
-    # F.cross_entropy is log_softmax then nll_loss; an nll_loss straight on the output reads it as log-probabilities.
-    "LogSoftmaxBackward0": SOFTMAX_LINK,
-    "SoftmaxBackward0": SOFTMAX_LINK,
-    "NllLossBackward0": SOFTMAX_LINK,
-    "NllLoss2DBackward0": SOFTMAX_LINK,
-    "BinaryCrossEntropyWithLogitsBackward0": SIGMOID_LINK,
-    "SigmoidBackward0": SIGMOID_LINK,
-    "LogSigmoidBackward0": SIGMOID_LINK,
-}
+# F.cross_entropy is log_softmax then nll_loss; an nll_loss straight on the output reads it as log-probabilities.
+_LINKS = dict.fromkeys(
+    ("LogSoftmaxBackward0", "SoftmaxBackward0", "NllLossBackward0", "NllLoss2DBackward0"), SOFTMAX_LINK
+)
+_LINKS |= dict.fromkeys(
+    ("BinaryCrossEntropyWithLogitsBackward0", "SigmoidBackward0", "LogSigmoidBackward0"), SIGMOID_LINK
+)
 MAX_GRAPH_NODES = 1024
 """Autograd nodes :func:`output_link` visits at most, from the loss towards the output."""
 
@@ -69,7 +66,7 @@ def output_link(loss: Any, output: Any, limit: int = MAX_GRAPH_NODES) -> int:
     the model below the head is not walked. Host-only work on the autograd graph: no kernel, no sync.
 
     Returns:
-        ``SOFTMAX_LINK`` or ``SIGMOID_LINK`` (:mod:`lightning_hookdiag.rules.context`; the largest on any path), or
+        ``SOFTMAX_LINK`` or ``SIGMOID_LINK`` (:mod:`lightning_hookdiag.rules.precursors`; the largest on any path), or
         0 where no path has one or the output is not reached within ``limit`` nodes.
     """
     queue: deque[tuple[Any, int]] = deque([(loss, 0)])

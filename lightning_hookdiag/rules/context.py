@@ -13,22 +13,7 @@ from lightning_hookdiag.names import BATCH, ROOT, owning_layer
 from lightning_hookdiag.rules.config import RuleConfig
 from lightning_hookdiag.step_state import Trip
 
-__all__ = [
-    "SIGMOID_LINK",
-    "SOFTMAX_LINK",
-    "Baseline",
-    "Context",
-    "Orders",
-    "ParamFacts",
-    "finite",
-    "first_positions",
-    "stat",
-]
-
-SOFTMAX_LINK, SIGMOID_LINK = 2, 1
-"""The values of ``output_link`` (read by the output-logit rules, not logged): the loss read the output layer's output
-through a softmax (cross entropy, NLL, softmax) or through a sigmoid (BCE with logits, sigmoid); 0: through neither.
-A larger value wins when a step saw both."""
+__all__ = ["Baseline", "Context", "Orders", "ParamFacts", "finite", "first_positions", "stat"]
 
 
 class Orders:

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator
 
 from lightning_hookdiag import trends
 from lightning_hookdiag.names import LOSS
-from lightning_hookdiag.rules.context import SIGMOID_LINK, SOFTMAX_LINK, Context, finite
+from lightning_hookdiag.rules.context import Context, finite
 from lightning_hookdiag.rules.registry import Found, rule
 
 __all__: list[str] = []
@@ -63,6 +63,11 @@ def _attention_message(ctx: Context, layer: str, value: float) -> str:
         f" {value:.4g} at step {ctx.step} and, at its rate of {trends.log_slope(points):.3g} (log per step), crosses"
         f" attn_logit_threshold={limit:g} at about step {crossing}"
     )
+
+
+SOFTMAX_LINK, SIGMOID_LINK = 2, 1
+"""The values of ``output_link`` (for these rules, not logged): the loss read the output layer's output through a
+softmax (cross entropy, NLL, softmax) or a sigmoid (BCE with logits, sigmoid); 0: neither. The larger one wins."""
 
 
 def _read_through(ctx: Context, layer: str, link: int) -> bool:
