@@ -142,9 +142,17 @@ class FindingsWriter:
         self._runs: dict[str, list[dict[str, Any]]] = {}  # run id -> the run's records so far (MLflow, W&B)
 
     def write(
-        self, loggers: Sequence[Logger], step: int, findings: Sequence[Finding], trips: Sequence[Trip], *, active: int
+        self,
+        loggers: Sequence[Logger],
+        step: int,
+        findings: Sequence[Finding],
+        trips: Sequence[Trip],
+        *,
+        active: int | None = None,
     ) -> list[BaseException]:
         """Write the ``findings`` and ``trips`` new at ``step``, and the count of ``active`` alerts, to ``loggers``.
+
+        ``active=None`` logs no count (a caller that logs it with its own scalars, in one row per step).
 
         Returns:
             The error of each logger that failed, after every other logger got the step.
@@ -160,8 +168,8 @@ class FindingsWriter:
                 errors.append(error)
         return errors
 
-    def _write_one(self, logger: Logger, step: int, records: list[dict[str, Any]], active: int) -> None:
-        metrics: dict[str, Any] = {f"{self.prefix}_alerts/active": float(active)}
+    def _write_one(self, logger: Logger, step: int, records: list[dict[str, Any]], active: int | None) -> None:
+        metrics: dict[str, Any] = {} if active is None else {f"{self.prefix}_alerts/active": float(active)}
         if records and isinstance(logger, WandbLogger):
             import wandb
 
@@ -170,7 +178,8 @@ class FindingsWriter:
             table = wandb.Table(columns=list(COLUMNS), data=[_row(record) for record in run])
             metrics[f"{self.prefix}_findings"] = table  # one history row with the count; log_metrics adds the prefix
         # First, so that a CSVLogger has made its folder (it warns about a folder that holds files before it).
-        logger.log_metrics(metrics, step=step)
+        if metrics:
+            logger.log_metrics(metrics, step=step)
         if not records or isinstance(logger, WandbLogger):
             return
         if isinstance(logger, TensorBoardLogger):
