@@ -153,8 +153,8 @@ def step_values(
     if total and any(s > 0 for s in seen):
         metrics[keys.key("grad_norm_total")] = host["grad_norm_total"][0]
     # Depth travels as data so that a report can order layers from the logs of any logger.
-    ran = {name for name, c in zip(layer_names, count, strict=True) if c > 0}
-    for depth, name in enumerate(n for n in observed.forward_order if n in ran):
+    ran_names = {name for name, c in zip(layer_names, count, strict=True) if c > 0}
+    for depth, name in enumerate(n for n in observed.forward_order if n in ran_names):
         metrics[keys.key("depth", name)] = float(depth)
     if "stale_grad_sq" in host:  # passed to the rules, not logged: it is 0 on every healthy step
         held = zip(param_names, host["stale_grad_sq"], strict=True)

@@ -278,8 +278,9 @@ class PrecursorProbes(Component):
     def attach(self) -> None:
         if self.attached:
             return
-        if self.attention_on:
-            self.attention.__enter__()
+        if self.attention_on and self.attention is not None:  # attention_on implies a probe
+            # TorchFunctionMode.__enter__ is unannotated; untyped_calls_exclude matches the receiver's class (ours).
+            self.attention.__enter__()  # type: ignore[no-untyped-call]
             self.hold().callback(exit_mode, self.attention)
         if self.output_stats:
             exits = self.hold()
@@ -354,7 +355,7 @@ class PrecursorProbes(Component):
     def fold(self) -> None:
         """Pool this process's step; stop entering the mode where forwards reaching a loss made no attention call."""
         agg = self._aggregator
-        device = agg.precursor_sums.device
+        device = agg.act_moments.device  # every state lives there (new_state)
         sums = torch.zeros(4, dtype=torch.float64, device=device)
         maxima = [torch.full((1,), -1.0, dtype=torch.float64, device=device)] * 3
         if self.output_stats:
@@ -370,7 +371,8 @@ class PrecursorProbes(Component):
             maxima.append(self.attention.maxima.to(device, torch.float64))
         agg.pool("precursor_sums", sums)
         agg.pool("precursor_maxima", torch.cat(maxima))
-        if self.attention_on and self._forwards and not any(self.attention.calls.values()):
+        probe = self.attention
+        if probe is not None and self.attention_on and self._forwards and not any(probe.calls.values()):
             self.attention_on = False
 
     def finalize(self, pooled: Mapping[str, Tensor]) -> dict[str, Tensor]:
