@@ -163,12 +163,14 @@ def run(
     max_steps: int,
     batch_size: int = 64,
     stat: str = "act_grad_norm",
+    extra_loggers: Sequence[Logger] = (),
 ) -> LayerHealthCallback:
     """Train ``module`` on ``data`` for ``max_steps`` optimizer steps with ``callback``, a CSVLogger and TensorBoard.
 
     Logs go to ``<log_dir>/<name>/version_<n>`` (CSV) and ``<log_dir>/<name>_tb/version_<n>`` (TensorBoard, when
-    ``tensorboard`` is installed: ``pip install -e ".[examples]"``). What the callback found is printed also when
-    training ends with an exception (``on_anomaly="raise"``), which then propagates.
+    ``tensorboard`` is installed: ``pip install -e ".[examples]"``), and to every logger in ``extra_loggers``. What
+    the callback found is printed also when training ends with an exception (``on_anomaly="raise"``), which then
+    propagates.
 
     Returns:
         ``callback``, with its ``findings``, ``last_findings`` and ``last_metrics`` filled in.
@@ -179,6 +181,7 @@ def run(
     if importlib.util.find_spec("tensorboard") is not None:
         tensorboard = TensorBoardLogger(str(log_dir), name=f"{name}_tb")
         loggers.append(tensorboard)
+    loggers.extend(extra_loggers)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
