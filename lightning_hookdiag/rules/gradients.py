@@ -186,15 +186,19 @@ def stopped_by_dead(ctx: Context) -> InputSide | None:
     is the last one in backward order not past ``vanishing_ratio``), the dead layer is the cause and the vanishing its
     consequence: ``dead_units`` says both in one finding (``docs/rules.md#dead_units-one-chain-one-finding``).
     """
-    if "dead_units" not in ctx.config.enabled or "vanishing_gradient" not in ctx.config.enabled:
-        return None
     side = input_side(ctx, vanishing=True)
-    return side if side is not None and is_dead(ctx, side.above) else None
+    return side if side is not None and _folded(ctx, side) else None
+
+
+def _folded(ctx: Context, side: InputSide) -> bool:
+    # With either rule off, nothing folds: the vanishing gradient keeps its own finding, or the dead units say nothing.
+    enabled = ctx.config.enabled
+    return "dead_units" in enabled and "vanishing_gradient" in enabled and is_dead(ctx, side.above)
 
 
 def _gradient_scale(ctx: Context, vanishing: bool) -> list[Found]:
     side = input_side(ctx, vanishing)
-    if side is None or (vanishing and stopped_by_dead(ctx) is not None):
+    if side is None or (vanishing and _folded(ctx, side)):
         return []
     threshold = ctx.config.vanishing_ratio if vanishing else ctx.config.exploding_ratio
     span = f"from {side.layer} to the input end ({plural(side.count, 'layer')})"
