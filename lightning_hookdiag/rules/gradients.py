@@ -182,8 +182,8 @@ def stopped_by_dead(ctx: Context) -> InputSide | None:
     """The vanishing input side whose gradient a dead layer stopped, when ``dead_units`` reports it, or ``None``.
 
     The output gradient of the layer before a dead ReLU is its own times a derivative that is 0 on every unit that
-    was ``<= 0``: exactly 0 below a fully dead layer. When the vanishing starts right below a dead layer (that layer
-    is the last one in backward order not past ``vanishing_ratio``), the dead layer is the cause and the vanishing its
+    was ``<= 0``: exactly 0 below a fully dead layer. When the vanishing starts right below a dead layer (the observed
+    layer just before the first starved one in backward order), the dead layer is the cause and the vanishing its
     consequence: ``dead_units`` says both in one finding (``docs/rules.md#dead_units-one-chain-one-finding``).
     """
     side = input_side(ctx, vanishing=True)
