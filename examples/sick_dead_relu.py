@@ -6,8 +6,9 @@ gradient, so its units can never recover, and nothing below it (``fc3`` and the 
 either: only the head's bias learns. ``relu1`` and ``relu2`` are healthy in the forward pass.
 
 What the callback should say: ``dead_units`` naming ``net.relu3`` (``act_dead_frac`` 1.0: every unit was ``<= 0``
-for every sample) and no other ReLU; and, as a consequence, ``vanishing_gradient`` naming ``net.fc3``, the first
-layer in backward order whose output gradient is 0. The ``act_dead_frac`` and ``act_grad_norm`` heatmaps show both:
+for every sample) and no other ReLU; one finding for one cause, which also says the consequence: from ``net.fc3``,
+the first layer in backward order whose output gradient is 0, to the input end, no layer gets a gradient. The
+``act_dead_frac`` and ``act_grad_norm`` heatmaps show both:
 
     python examples/sick_dead_relu.py
     hookdiag report hookdiag_logs/sick_dead_relu/version_0 --stat act_dead_frac

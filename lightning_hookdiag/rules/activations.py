@@ -10,7 +10,8 @@ from collections.abc import Iterator, Mapping
 
 from lightning_hookdiag.names import BATCH
 from lightning_hookdiag.rules.context import Context, finite, stat
-from lightning_hookdiag.rules.findings import listing, plural
+from lightning_hookdiag.rules.findings import also, listing, plural
+from lightning_hookdiag.rules.gradients import InputSide, is_dead, stopped_by_dead
 from lightning_hookdiag.rules.registry import Found, rule
 
 __all__ = ["SATURATING_TYPES", "activation_scale"]
@@ -44,16 +45,59 @@ def eval_mode(ctx: Context) -> Iterator[Found]:
 
 @rule(order=3, phase="forward", stat="act_dead_frac")
 def dead_units(ctx: Context) -> Iterator[Found]:
-    """Every layer whose dead fraction reaches ``dead_frac_threshold``."""
+    """One finding per chain of dead layers, at its first layer in forward order, with what it stops in backward.
+
+    Dead layers count as one chain when no tracked layer (one with an ``act_dead_frac``) between them in forward order
+    is alive: a layer whose units are nearly all ``<= 0`` passes nearly nothing but constants to the next, so every
+    ReLU-family layer after it in a plain stack is dead or alive on a constant input, and its own bias decides which.
+    A live tracked layer between two dead ones carries a signal again: the later one has a cause of its own
+    (``docs/rules.md#dead_units-one-chain-one-finding``).
+    """
     threshold = ctx.config.dead_frac_threshold
-    for layer, frac in ctx.stat("act_dead_frac").items():
-        # NaN (a layer whose units are not tracked) compares False and is skipped with the rest.
-        if finite(frac) and frac >= threshold:
-            message = (
-                f"dead_units: {frac:.1%} of the units of {layer} were <= 0 for every sample of step {ctx.step}"
-                f" (dead_frac_threshold={threshold:g})"
-            )
-            yield Found(layer, frac, message, threshold)
+    fracs = ctx.stat("act_dead_frac")
+    stop = stopped_by_dead(ctx)
+    for chain in _dead_chains(ctx):
+        origin, others = chain[0], chain[1:]
+        frac = fracs[origin]
+        where = "" if not others else "; the first dead layer in forward order"
+        spreads = also(others, " after it", "dead", last=True)
+        between = ", with no live ReLU-family layer between them" if others else ""
+        stops = _stops(ctx, stop) if stop is not None and stop.above in chain else ""
+        message = (
+            f"dead_units: {frac:.1%} of the units of {origin} were <= 0 for every sample of step {ctx.step}"
+            f" (dead_frac_threshold={threshold:g}{where}{spreads}{between}){stops}"
+        )
+        yield Found(origin, frac, message, threshold)
+
+
+def _dead_chains(ctx: Context) -> list[list[str]]:
+    """The dead layers in forward order, cut into chains wherever a tracked layer between them is alive."""
+    tracked = sorted((k for k, v in ctx.stat("act_dead_frac").items() if finite(v)), key=ctx.orders.forward_key)
+    chains: list[list[str]] = []
+    previous_dead = False
+    for layer in tracked:
+        dead = is_dead(ctx, layer)
+        if dead and previous_dead:
+            chains[-1].append(layer)
+        elif dead:
+            chains.append([layer])
+        previous_dead = dead
+    return chains
+
+
+def _stops(ctx: Context, side: InputSide) -> str:
+    """The sentence for the vanishing gradient that a dead layer of the chain made: its consequence, not a finding."""
+    if side.ratio == 0:
+        ratio, learns = "exactly 0", "so their weights get no gradient from the loss"
+    else:
+        ratio, learns = f"{side.ratio:.3g} times, at {side.extreme}", "so their weights get almost none"
+    return (
+        f". Dead units pass no gradient back: below {side.above}, no layer from {side.layer} to the input end"
+        f" ({plural(side.count, 'layer')}) receives an output gradient of vanishing_ratio="
+        f"{ctx.config.vanishing_ratio:g} times that of the output end ({side.ref_layer}, {side.ref_norm:.3g}); the"
+        f" largest is {ratio}, {learns}. This is the vanishing gradient from {side.layer}, a"
+        " consequence of the dead units, not a finding of its own"
+    )
 
 
 @rule(order=7, phase="forward", stat="act_std")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from lightning_hookdiag.table import plural
 
-__all__ = ["MAX_LISTED", "PHASES", "Finding", "also", "listing", "plural", "spread"]
+__all__ = ["MAX_LISTED", "PHASES", "Finding", "also", "listing", "plural", "reach", "spread"]
 
 
 PHASES: tuple[str, ...] = ("forward", "backward")
@@ -57,15 +57,31 @@ def listing(names: Sequence[str]) -> str:
     return shown + (", ..." if len(names) > MAX_LISTED else "")
 
 
+def reach(names: Sequence[str]) -> str:
+    """Like :func:`listing`, but a cut list ends with the last name, so that it says how far it reaches.
+
+    Example:
+        >>> reach(["b", "c", "d", "e", "f"])
+        'b, c, d, ..., f'
+    """
+    if len(names) <= MAX_LISTED + 1:
+        return ", ".join(names)
+    return f"{listing(names)}, {names[-1]}"
+
+
 def spread(params: Sequence[str], owners: Sequence[str]) -> str:
     """``"N parameter(s) in M layer(s), the first in forward order: <owners[0]>"``."""
     layers = plural(len(owners), "layer")
     return f"{plural(len(params), 'parameter')} in {layers}, the first in forward order: {owners[0]}"
 
 
-def also(others: Sequence[str], where: str, what: str) -> str:
-    """``"; N more layer(s){where} is/are also {what}: <listing>"``, or ``""`` without ``others``."""
+def also(others: Sequence[str], where: str, what: str, last: bool = False) -> str:
+    """``"; N more layer(s){where} is/are also {what}: <listing>"``, or ``""`` without ``others``.
+
+    With ``last``, the names end with the last one (:func:`reach`), for a chain whose extent matters.
+    """
     if not others:
         return ""
     verb = "is" if len(others) == 1 else "are"
-    return f"; {plural(len(others), 'more layer')}{where} {verb} also {what}: {listing(others)}"
+    names = reach(others) if last else listing(others)
+    return f"; {plural(len(others), 'more layer')}{where} {verb} also {what}: {names}"

@@ -8,13 +8,14 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Collection, Iterator, Mapping, Sequence
+from typing import NamedTuple
 
 from lightning_hookdiag.names import owning_layer
 from lightning_hookdiag.rules.context import Context, finite, first_positions
 from lightning_hookdiag.rules.findings import also, plural
 from lightning_hookdiag.rules.registry import Found, rule
 
-__all__ = ["cut_off"]
+__all__ = ["InputSide", "cut_off", "input_side", "is_dead", "stopped_by_dead"]
 
 
 def cut_off(
@@ -122,10 +123,35 @@ def exploding_gradient(ctx: Context) -> list[Found]:
     return _gradient_scale(ctx, vanishing=False)
 
 
-def _gradient_scale(ctx: Context, vanishing: bool) -> list[Found]:
+class InputSide(NamedTuple):
+    """Where a gradient rule fires: from ``layer`` (and every layer after it in backward order) to the input end.
+
+    Attributes:
+        ref_layer: The output end (the reference), and ``ref_norm`` its output-gradient norm.
+        layer: The first layer in backward order of the side past the threshold.
+        count: How many observed layers the side holds, ``layer`` included.
+        ratio: The side's extreme ratio to the output end (the largest for vanishing, the smallest for exploding), at
+            ``extreme``.
+        above: The observed layer just before ``layer`` in backward order (``ref_layer`` when there is none): the
+            one whose backward took the gradient past the threshold.
+        upto: The other layers' ratios to the output end, in backward order, up to ``layer``.
+    """
+
+    ref_layer: str
+    ref_norm: float
+    layer: str
+    count: int
+    ratio: float
+    extreme: str
+    above: str
+    upto: list[tuple[str, float]]
+
+
+def input_side(ctx: Context, vanishing: bool) -> InputSide | None:
+    """Where ``vanishing_gradient`` (``exploding_gradient`` if not ``vanishing``) fires on this step, or ``None``."""
     ratios = _gradient_ratios(ctx)
     if ratios is None:
-        return []
+        return None
     ref_layer, ref_norm, rest = ratios
     threshold = ctx.config.vanishing_ratio if vanishing else ctx.config.exploding_ratio
     # The rule fires from the first layer whose input side (it and every layer after it in backward order) is past the
@@ -136,19 +162,57 @@ def _gradient_scale(ctx: Context, vanishing: bool) -> list[Found]:
     i = within[-1] + 1 if within else 0
     side = [(r, name) for name, r in reversed(rest[i:]) if vanishing or r > 0]  # a tie: the one nearest the input end
     if not side:
+        return None
+    ratio, extreme = (max if vanishing else min)(side, key=lambda item: item[0])
+    # The layer just before it among every observed one, a non-finite gradient included: a dead ReLU passes 0 back
+    # even for an Inf output gradient (its backward selects, it does not multiply).
+    observed = sorted(ctx.stat("act_grad_norm"), key=ctx.orders.backward_key)
+    at = observed.index(rest[i][0])
+    above = observed[at - 1] if at > 0 else ref_layer
+    return InputSide(ref_layer, ref_norm, rest[i][0], len(rest) - i, ratio, extreme, above, rest[: i + 1])
+
+
+def is_dead(ctx: Context, layer: str) -> bool:
+    """Whether ``layer``'s ``act_dead_frac`` reaches ``dead_frac_threshold`` (NaN: its units are not tracked)."""
+    frac = ctx.stat("act_dead_frac").get(layer)
+    return finite(frac) and frac >= ctx.config.dead_frac_threshold
+
+
+def stopped_by_dead(ctx: Context) -> InputSide | None:
+    """The vanishing input side whose gradient a dead layer stopped, when ``dead_units`` reports it, or ``None``.
+
+    The output gradient of the layer before a dead ReLU is its own times a derivative that is 0 on every unit that
+    was ``<= 0``: exactly 0 below a fully dead layer. When the vanishing starts right below a dead layer (the observed
+    layer just before the first starved one in backward order), the dead layer is the cause and the vanishing its
+    consequence: ``dead_units`` says both in one finding (``docs/rules.md#dead_units-one-chain-one-finding``).
+    """
+    side = input_side(ctx, vanishing=True)
+    return side if side is not None and _folded(ctx, side) else None
+
+
+def _folded(ctx: Context, side: InputSide) -> bool:
+    # With either rule off, nothing folds: the vanishing gradient keeps its own finding, or the dead units say nothing.
+    enabled = ctx.config.enabled
+    return "dead_units" in enabled and "vanishing_gradient" in enabled and is_dead(ctx, side.above)
+
+
+def _gradient_scale(ctx: Context, vanishing: bool) -> list[Found]:
+    side = input_side(ctx, vanishing)
+    if side is None or (vanishing and _folded(ctx, side)):
         return []
-    layer, (ratio, extreme) = rest[i][0], (max if vanishing else min)(side, key=lambda item: item[0])
-    span = f"from {layer} to the input end ({plural(len(rest) - i, 'layer')})"
+    threshold = ctx.config.vanishing_ratio if vanishing else ctx.config.exploding_ratio
+    span = f"from {side.layer} to the input end ({plural(side.count, 'layer')})"
     if vanishing:
-        title, named, where = "vanishing_gradient", layer, ""
+        title, named, where = "vanishing_gradient", side.layer, ""
         what = (
             f"no layer {span} receives an output gradient of vanishing_ratio={threshold:g} times that of the output"
-            f" end ({ref_layer}, {ref_norm:.3g}); the largest is {ratio:.3g} times, at {extreme}"
+            f" end ({side.ref_layer}, {side.ref_norm:.3g}); the largest is {side.ratio:.3g} times, at {side.extreme}"
         )
     else:  # named where the gradient grows, not where the growth is first seen
-        title, (named, where) = "exploding_gradient", _amplifier(ref_layer, rest[: i + 1])
+        title, (named, where) = "exploding_gradient", _amplifier(side.ref_layer, side.upto)
         what = (
             f"every layer {span} receives an output gradient more than exploding_ratio={threshold:g} times that of"
-            f" the output end ({ref_layer}, {ref_norm:.3g}); the smallest is {ratio:.3g} times, at {extreme}"
+            f" the output end ({side.ref_layer}, {side.ref_norm:.3g}); the smallest is {side.ratio:.3g} times, at"
+            f" {side.extreme}"
         )
-    return [Found(named, ratio, f"{title} at step {ctx.step}: {what}{where}", threshold)]
+    return [Found(named, side.ratio, f"{title} at step {ctx.step}: {what}{where}", threshold)]
