@@ -16,6 +16,8 @@ from typing import Any
 from lightning_hookdiag.errors import MissingExtraError, ReportError, ReportWarning
 from lightning_hookdiag.report.diff import align, find_differences, format_diff, ratio_figure
 from lightning_hookdiag.report.findings_file import FINDINGS_FILE, format_findings, read_findings
+from lightning_hookdiag.report.health_log import HealthLog, build_health_log
+from lightning_hookdiag.report.mlflow_run import is_mlflow_run, read_mlflow_findings, read_mlflow_scalars
 from lightning_hookdiag.report.plot import heatmap_figure
 from lightning_hookdiag.report.reading import read_health_log
 from lightning_hookdiag.report.summary import format_summary
@@ -36,10 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
         "report",
         help="summarise and plot the statistics a LayerHealthCallback logged",
         description="Print a per-layer summary of one statistic (layers in forward order) and save its heatmap. "
-        "Reads a CSVLogger metrics.csv and/or TensorBoardLogger event files.",
+        "Reads a CSVLogger metrics.csv and/or TensorBoardLogger event files, or an MLflow run (mlflow:<run id>).",
     )
     report.add_argument(
-        "log_dir", metavar="LOG_DIR", nargs="?", help="the logger's log_dir (e.g. lightning_logs/version_0)"
+        "log_dir",
+        metavar="LOG_DIR",
+        nargs="?",
+        help="the logger's log_dir (e.g. lightning_logs/version_0), or mlflow:<run id> for an MLflow run",
     )
     report.add_argument(
         "--stat",
@@ -51,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
         " it (default: LOG_DIR/layer_health_<stat>.png; with --diff, RUN_B/layer_health_diff_<stat>.png)",
     )
     report.add_argument("--prefix", help="the callback's prefix= (default: detected from the logs)")
+    report.add_argument(
+        "--tracking-uri",
+        help="the MLflow tracking store of mlflow:<run id> runs (default: MLFLOW_TRACKING_URI, else MLflow's own)",
+    )
     report.add_argument(
         "--diff",
         nargs=2,
@@ -111,7 +120,7 @@ def _report(args: argparse.Namespace) -> int:
     if args.log_dir is None:
         raise ReportError("expected LOG_DIR, or --diff RUN_A RUN_B")
     args.stat = args.stat or DEFAULT_STAT
-    log = read_health_log(args.log_dir, prefix=args.prefix)
+    log = _read_log(args.log_dir, args)
     if args.stat not in log.stats:
         present = ", ".join(log.stat_names) or "none"
         if args.stat in log.totals:
@@ -119,17 +128,36 @@ def _report(args: argparse.Namespace) -> int:
                 f"'{args.stat}' is one number per step, not per layer (see the summary); per-layer stats: {present}"
             )
         raise ReportError(f"stat '{args.stat}' is not in the logs of {args.log_dir}; stats present: {present}")
-    out = _out_path(args.out, Path(args.log_dir), args.stat)
+    out = _out_path(args.out, _folder_of(args.log_dir), args.stat)
     print(format_summary(log, args.stat))
-    print(_findings_text(Path(args.log_dir)))
+    print(_findings_text(args.log_dir, log.prefix, args))
     # The summary is printed first: it is useful even when the plot then fails for want of matplotlib.
     _save(heatmap_figure(log, args.stat), out, "heatmap")
     return 0
 
 
-def _findings_text(path: Path) -> str:
+def _read_log(source: str, args: argparse.Namespace) -> HealthLog:
+    """The health log of a log folder or file, or of an MLflow run (``mlflow:<run id>``)."""
+    if not is_mlflow_run(source):
+        return read_health_log(source, prefix=args.prefix)
+    log = build_health_log(read_mlflow_scalars(source, args.tracking_uri), args.prefix)
+    if log.empty:
+        raise ReportError(f"no '{log.prefix}/...' metrics in the MLflow run {source}; was LayerHealthCallback there?")
+    return log
+
+
+def _folder_of(source: str) -> Path:
+    """Where a heatmap goes by default: beside the logs, or the current folder for an MLflow run."""
+    return Path.cwd() if is_mlflow_run(source) else Path(source)
+
+
+def _findings_text(source: str, prefix: str, args: argparse.Namespace) -> str:
     """The run's findings and trips as the callback wrote them beside its logs, or a line saying there are none."""
-    records = read_findings(path if path.is_dir() else path.parent)
+    if is_mlflow_run(source):
+        records = read_mlflow_findings(source, prefix, args.tracking_uri)
+    else:
+        path = Path(source)
+        records = read_findings(path if path.is_dir() else path.parent)
     if not records:
         return f"no findings or sentinel trips recorded ({FINDINGS_FILE} is absent or empty)"
     return f"findings and sentinel trips ({len(records)}, from {FINDINGS_FILE}):\n{format_findings(records)}"
@@ -144,14 +172,14 @@ def _tolerance(name: str, value: float) -> float:
 def _diff(args: argparse.Namespace) -> int:
     rtol, atol = _tolerance("rtol", args.rtol), _tolerance("atol", args.atol)
     run_a, run_b = args.diff
-    alignment = align(read_health_log(run_a, prefix=args.prefix), read_health_log(run_b, prefix=args.prefix))
+    alignment = align(_read_log(run_a, args), _read_log(run_b, args))
     differences = find_differences(alignment, rtol=rtol, atol=atol)
     if args.stat is not None and args.stat not in alignment.names:
         common = ", ".join(alignment.names)
         raise ReportError(f"--stat {args.stat} is not logged by both runs; common statistics: {common}")
     stat = args.stat or (differences[0].stat if differences else DEFAULT_STAT)
     stat = stat if stat in alignment.names else next(iter(alignment.names))  # DEFAULT_STAT may not be a common one
-    out = _out_path(args.out, Path(run_b), f"diff_{stat}")
+    out = _out_path(args.out, _folder_of(run_b), f"diff_{stat}")
     print(f"RUN_A: {run_a}\nRUN_B: {run_b}")
     print(format_diff(alignment, differences, rtol, atol))
     _save(ratio_figure(alignment, stat), out, f"ratio heatmap (B/A of {stat})")

@@ -93,7 +93,7 @@ def _stops(ctx: Context, side: InputSide) -> str:
         ratio, learns = f"{side.ratio:.3g} times, at {side.extreme}", "so their weights get almost none"
     return (
         f". Dead units pass no gradient back: below {side.above}, no layer from {side.layer} to the input end"
-        f" ({plural(side.count, 'layer')}) receives an output gradient of vanishing_ratio="
+        f" ({plural(side.span, 'layer')}) receives an output gradient of vanishing_ratio="
         f"{ctx.config.vanishing_ratio:g} times that of the output end ({side.ref_layer}, {side.ref_norm:.3g}); the"
         f" largest is {ratio}, {learns}. This is the vanishing gradient from {side.layer}, a"
         " consequence of the dead units, not a finding of its own"

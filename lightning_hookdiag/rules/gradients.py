@@ -129,7 +129,7 @@ class InputSide(NamedTuple):
     Attributes:
         ref_layer: The output end (the reference), and ``ref_norm`` its output-gradient norm.
         layer: The first layer in backward order of the side past the threshold.
-        count: How many observed layers the side holds, ``layer`` included.
+        span: How many observed layers the side holds, ``layer`` included.
         ratio: The side's extreme ratio to the output end (the largest for vanishing, the smallest for exploding), at
             ``extreme``.
         above: The observed layer just before ``layer`` in backward order (``ref_layer`` when there is none): the
@@ -140,7 +140,7 @@ class InputSide(NamedTuple):
     ref_layer: str
     ref_norm: float
     layer: str
-    count: int
+    span: int
     ratio: float
     extreme: str
     above: str
@@ -192,7 +192,7 @@ def stopped_by_dead(ctx: Context) -> InputSide | None:
 
 def _folded(ctx: Context, side: InputSide) -> bool:
     # With either rule off, nothing folds: the vanishing gradient keeps its own finding, or the dead units say nothing.
-    enabled = ctx.config.enabled
+    enabled = ctx.config.rule_names
     return "dead_units" in enabled and "vanishing_gradient" in enabled and is_dead(ctx, side.above)
 
 
@@ -201,7 +201,7 @@ def _gradient_scale(ctx: Context, vanishing: bool) -> list[Found]:
     if side is None or (vanishing and _folded(ctx, side)):
         return []
     threshold = ctx.config.vanishing_ratio if vanishing else ctx.config.exploding_ratio
-    span = f"from {side.layer} to the input end ({plural(side.count, 'layer')})"
+    span = f"from {side.layer} to the input end ({plural(side.span, 'layer')})"
     if vanishing:
         title, named, where = "vanishing_gradient", side.layer, ""
         what = (
