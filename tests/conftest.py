@@ -18,6 +18,7 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_hookdiag.keys import parse_key
 from lightning_hookdiag.sentinel import LossSentinel
 from lightning_hookdiag.step_state import Trip
 
@@ -32,11 +33,35 @@ def count_hooks(root: nn.Module) -> int:
     return total
 
 
+def by_name(metrics: dict[str, float]) -> dict[str, float]:
+    """``metrics`` with each per-layer key read back as ``<prefix>/<stat>/<name>``, for tests that look a value up by
+    statistic and layer name; the summary group and every other key stay as they are.
+
+    The logged layout (``<prefix>.<stat>/<depth>_<name>``, ``docs/statistics.md#keys``) is checked on the keys as
+    logged in ``tests/integration/test_keys.py``; the depth part is read with the package's parser.
+    """
+    out = {}
+    for key, value in metrics.items():
+        head = key.partition("/")[0]
+        prefix, dot, _ = head.rpartition(".")
+        parsed = parse_key(key, prefix) if dot and prefix else None
+        if parsed is not None and parsed.name is not None:
+            out[f"{prefix}/{parsed.stat}/{parsed.name}"] = value
+        else:
+            out[key] = value
+    return out
+
+
 class RecordingLogger(Logger):
-    """A real Lightning ``Logger`` that keeps every ``log_metrics`` call in memory."""
+    """A real Lightning ``Logger`` that keeps every ``log_metrics`` call in memory.
+
+    ``raw`` holds the calls as logged; ``calls`` the same calls :func:`by_name`, so that a test reads a value by
+    statistic and layer name.
+    """
 
     def __init__(self) -> None:
         super().__init__()
+        self.raw: list[tuple[int | None, dict[str, float]]] = []
         self.calls: list[tuple[int | None, dict[str, float]]] = []
 
     @property
@@ -48,7 +73,8 @@ class RecordingLogger(Logger):
         return 0
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.calls.append((step, dict(metrics)))
+        self.raw.append((step, dict(metrics)))
+        self.calls.append((step, by_name(metrics)))
 
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
         pass

@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer
+from conftest import RecordingLogger, TinyModule, by_name, count_hooks, force_trips, make_data, make_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelPruning
 from torch import nn
 from torch.nn.utils import parametrize
@@ -261,7 +261,7 @@ def test_without_a_logger_the_callback_says_so_once_and_keeps_its_findings(caplo
     assert "no statistic is logged" in notes[0]
     assert "callback.last_metrics" in notes[0]
     assert callback.last_step == 2
-    assert callback.last_metrics[f"{P}/act_dead_frac/model.1"] == 1.0
+    assert by_name(callback.last_metrics)[f"{P}/act_dead_frac/model.1"] == 1.0
     assert [(f.rule, f.step) for f in callback.findings if f.rule == "dead_units"] == [("dead_units", 0)]
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import RecordingLogger, make_trainer
+from conftest import RecordingLogger, by_name, make_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -85,8 +85,10 @@ def test_metrics_and_losses_stay_selectable_by_name():
     callback, _ = _fit(module, steps=2, layers=["model.2", "train_acc", "loss_fn"])
     assert callback.layer_names == ["model.2", "train_acc", "loss_fn"]
     # Accuracy's output is the batch accuracy; the loss module's output is the loss itself.
-    assert callback.last_metrics[f"{P}/act_mean/train_acc"] == pytest.approx(module.batch_accuracy[-1], abs=1e-7)
-    assert callback.last_metrics[f"{P}/act_grad_norm/loss_fn"] == pytest.approx(1.0)  # d(loss)/d(loss)
+    assert by_name(callback.last_metrics)[f"{P}/act_mean/train_acc"] == pytest.approx(
+        module.batch_accuracy[-1], abs=1e-7
+    )
+    assert by_name(callback.last_metrics)[f"{P}/act_grad_norm/loss_fn"] == pytest.approx(1.0)  # d(loss)/d(loss)
 
 
 # ------------------------------------------------------------------------------------------------ no_gradient

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import count_hooks, make_trainer
+from conftest import by_name, count_hooks, make_trainer
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
@@ -235,7 +235,9 @@ def test_callback_attention_value_matches_the_qk_of_the_step_it_describes():
     module.model.blocks[2].attn.register_forward_hook(reference)
     callback = LayerHealthCallback(every_n_steps=1, stats=STATS, on_anomaly="ignore", summary=False)
     make_trainer([callback], max_steps=2).fit(module)
-    assert callback.last_metrics["layer_health/attn_logit_max/model.blocks.2.attn"] == pytest.approx(refs[-1], rel=1e-5)
+    assert by_name(callback.last_metrics)["layer_health/attn_logit_max/model.blocks.2.attn"] == pytest.approx(
+        refs[-1], rel=1e-5
+    )
 
 
 def test_output_layer_named_by_the_user_and_its_errors():
@@ -417,7 +419,7 @@ def test_a_one_wide_output_gets_its_largest_logit_but_no_log_z():
     callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
     make_trainer([callback], max_steps=2).fit(module)
     assert [k for k in callback.last_metrics if "/logit_" in k] == ["layer_health/logit_absmax/model.2"]
-    assert callback.last_metrics["layer_health/logit_absmax/model.2"] == pytest.approx(
+    assert by_name(callback.last_metrics)["layer_health/logit_absmax/model.2"] == pytest.approx(
         float(seen[-1].abs().max()), rel=1e-6
     )
 
