@@ -95,7 +95,9 @@ def depth_order(names: Iterable[str], depth: dict[str, int], parameters: bool = 
     def key(name: str) -> tuple[int, int, str, str]:
         owner = owning_layer(name, depth) if parameters else name
         d = depth.get(owner)
-        return (0, d, owner, name) if d is not None else (1, 0, owner, name)
+        # Within one depth by name, as a plain sort of the logged keys lists them (a container's own parameter
+        # shares the depth of the first layer inside it).
+        return (0, d, name, owner) if d is not None else (1, 0, owner, name)
 
     return sorted(names, key=key)
 
