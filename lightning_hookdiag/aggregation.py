@@ -131,6 +131,7 @@ class LayerStatsAggregator(Metric):
     act_hist: Tensor
     grad_hist: Tensor
     param_stats: Tensor
+    histogram_edges: Tensor  # a buffer, not a state
 
     def __init__(
         self,
@@ -236,10 +237,11 @@ class LayerStatsAggregator(Metric):
         if size:
             target = self.unit_max[self._unit_offsets[layer] : self._unit_offsets[layer] + size]
         else:  # not agreed yet: keep this process's maxima aside until the next sync (or compute) gives it slots
-            target = self._pending_units.get(layer)
-            if target is None:
+            pending = self._pending_units.get(layer)
+            if pending is None:
                 self._pending_units[layer] = units.to(self.unit_max.dtype).clone()
                 return
+            target = pending
         if units.numel() != target.numel():
             self.unit_mismatch.add(layer)
             self._pending_units.pop(layer, None)

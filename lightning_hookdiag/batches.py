@@ -60,7 +60,7 @@ class BatchRows(Component):
         same = repeated_rows(batch)
         if same is not None:
             agg = self._aggregator
-            seen = torch.ones(2, dtype=torch.float64, device=agg.batch_rows.device)
+            seen = agg.new_state(2, fill=1.0, dtype=torch.float64)  # on the states' device, as batch_rows is
             seen[1] = ~same.to(seen.device)
             agg.pool("batch_rows", seen)
 

@@ -615,7 +615,7 @@ class LayerHealthCallback(Callback):
         self.trips.append(trip)
         window = run.state.open_for(step)
         if window is None:  # recorded only: a failure that persists is reported at its first step
-            self._raise_first(self._writer.write(trainer.loggers, step, [], [trip], active=len(self.last_findings)))
+            self._raise_first(self._writer.write(trainer.loggers, step, [], [trip]))
             return None
         window.trip = trip
         return trip
@@ -631,26 +631,31 @@ class LayerHealthCallback(Callback):
             rank_zero_warn(note.message, category=LayerHealthWarning)
 
     def _finish_window(self, trainer: pl.Trainer, run: FitRun, before_update: bool = False) -> None:
-        """Pool, log and diagnose the open window, then act as ``on_anomaly`` says; ``before_update``: no update yet."""
+        """Pool, diagnose and log the open window, then act as ``on_anomaly`` says; ``before_update``: no update yet.
+
+        The rules run before anything is logged, so that the step's scalars (with the count of its findings) are one
+        row in every logger; what the rules found reaches the loggers before ``on_anomaly`` acts, so that a run stopped
+        by a :class:`~lightning_hookdiag.LayerHealthError` shows why in its dashboard. A logger's error is raised last.
+        """
         observed = run.collect(self.execution_order, before_update)
         self.execution_order = observed.forward_order
         metrics, values, notes = run.results(observed)
         for note in notes:
             self._note(note)
-        error = self._log(trainer, observed.step, metrics)
+        findings, new = self._diagnosis.step(values, observed, run.layer_types)
+        self.last_findings = findings
+        self.findings.extend(new)
+        self.last_metrics, self.last_step = metrics, observed.step
+        # One row per sampled step in every logger: the statistics with the count of the step's findings.
+        errors = self._log(trainer, observed.step, {**metrics, f"{self.prefix}_alerts/active": float(len(findings))})
         if observed.histogram_edges is not None:
-            error = self._log_histograms(trainer, observed, run) or error
+            errors += self._log_histograms(trainer, observed, run)
+        trips = [observed.trip] if observed.trip is not None else []  # with the findings of its window
+        errors += self._writer.write(trainer.loggers, observed.step, new, trips)
+        self._remember_heatmap_column(observed.step, values)
+        if self.heatmap_every_n_steps is not None and observed.step % self.heatmap_every_n_steps == 0:
+            errors += self._draw_heatmaps(trainer)
         try:
-            findings, new = self._diagnosis.step(values, observed, run.layer_types)
-            self.last_findings = findings
-            self.findings.extend(new)
-            # In the loggers before on_anomaly acts: a run stopped by LayerHealthError shows why in its dashboard.
-            trips = [observed.trip] if observed.trip is not None else []  # with the findings of its window
-            written = self._writer.write(trainer.loggers, observed.step, new, trips, active=len(findings))
-            self._remember_heatmap_column(observed.step, values)
-            if self.heatmap_every_n_steps is not None and observed.step % self.heatmap_every_n_steps == 0:
-                written += self._draw_heatmaps(trainer)
-            error = error or next(iter(written), None)
             if self.on_anomaly == "raise" and findings:
                 raise LayerHealthError(format_error(findings))
             if self.on_anomaly in ("warn", "stop"):
@@ -659,8 +664,7 @@ class LayerHealthCallback(Callback):
             if self.on_anomaly == "stop" and findings:
                 trainer.should_stop = True
         finally:
-            if error is not None:  # the other loggers and the rules got the step first
-                raise error
+            self._raise_first(errors)  # the other loggers and on_anomaly got the step first
 
     @staticmethod
     def _raise_first(errors: list[BaseException]) -> None:
@@ -695,24 +699,23 @@ class LayerHealthCallback(Callback):
             errors += write_image(trainer.loggers, f"{self.prefix}_heatmap/{stat}", image, step)
         return errors
 
-    def _log(self, trainer: pl.Trainer, step: int, metrics: dict[str, float]) -> BaseException | None:
-        """Keep the step's metrics and send them to every logger; returns the first logger error, raised later."""
-        self.last_metrics, self.last_step = metrics, step
-        first: BaseException | None = None
+    def _log(self, trainer: pl.Trainer, step: int, metrics: dict[str, float]) -> list[BaseException]:
+        """Send the step's metrics to every logger; returns the loggers' errors, raised later."""
+        errors: list[BaseException] = []
         for logger in trainer.loggers:
             try:
                 logger.log_metrics(metrics, step=step)
             except Exception as error:  # the other loggers and the rules still get the step; raised after them
-                first = first or error
-        return first
+                errors.append(error)
+        return errors
 
-    def _log_histograms(self, trainer: pl.Trainer, observed: ObservedStep, run: FitRun) -> BaseException | None:
-        """Send the step's histograms to the loggers that store them; returns the first logger error."""
+    def _log_histograms(self, trainer: pl.Trainer, observed: ObservedStep, run: FitRun) -> list[BaseException]:
+        """Send the step's histograms to the loggers that store them; returns the loggers' errors."""
         assert observed.histogram_edges is not None
         writers = [(logger, _histogram_writer(logger)) for logger in trainer.loggers]
         writes = [write for _, write in writers if write is not None]
         skipped = [type(logger).__name__ for logger, write in writers if write is None]
-        first: BaseException | None = None
+        errors: list[BaseException] = []
         if writes:  # cut into series only for a logger that stores them
             act, grad, edges = observed.host["act_hist"], observed.host["grad_hist"], observed.histogram_edges
             histograms = histogram_series(act, grad, edges, keys=run.keys, layer_names=run.layer_names)
@@ -721,6 +724,6 @@ class LayerHealthCallback(Callback):
                     for key, counts in histograms.series:
                         write(key, counts, histograms.left, histograms.right, observed.step)
                 except Exception as error:  # as in _log: the other loggers and the rules first
-                    first = first or error
+                    errors.append(error)
         self._note(histogram_note(skipped))
-        return first
+        return errors

@@ -73,7 +73,7 @@ class Diagnosis:
 
     def traces(self, trip: Trip) -> bool:
         """Whether to trace a tripped step's NaN/Inf to the module that made it (only rule ``nonfinite`` reads it)."""
-        return trip.kind != "loss_spike" and "nonfinite" in self.config.enabled
+        return trip.kind != "loss_spike" and "nonfinite" in self.config.rule_names
 
     def state_dict(self) -> dict[str, Any]:
         """``{"alerts": ..., "last_finite": ..., "history": ...}``, JSON types only: the keys of the callback's state.

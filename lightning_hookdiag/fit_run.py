@@ -70,7 +70,8 @@ class FitRun:
     def __init__(
         self, config: FitConfig, pl_module: nn.Module, trainer_precision: str | int | None, sharded: Sharded
     ) -> None:
-        modules = resolve_layers(pl_module, config.layers, config.layer_types, config.exclude)
+        # None (no type filter) is the empty filter to resolve_layers.
+        modules = resolve_layers(pl_module, config.layers, config.layer_types or (), config.exclude)
         wanted = set(config.stats)
         self.config = config
         self.model = pl_module  # where the tracked parameters are looked for when one moved

@@ -132,15 +132,16 @@ class StepWatch:
                     top, was = holders.get(id(p), (rate, False))
                     holders[id(p)] = (rate if rate.lr > top.lr else top, applied or was)
         out: dict[str, ParamFacts] = {}
-        interned: dict[tuple[Any, ...], ParamFacts] = {}  # a few distinct facts: building one costs microseconds
+        # A few distinct facts: building one costs microseconds.
+        interned: dict[tuple[tuple[ParamFacts, bool] | None, torch.dtype], ParamFacts] = {}
         for name, p in zip(names, params, strict=True):
             holder = holders.get(id(p))
             if holder is None and id(p) not in self._unheld:
                 continue  # not stepped in this window by a watched optimizer, e.g. another optimizer's turn
-            key = (holder, p.dtype)
-            if key not in interned:
-                interned[key] = _facts(holder, p.dtype)
-            out[name] = interned[key]
+            facts_key = (holder, p.dtype)
+            if facts_key not in interned:
+                interned[facts_key] = _facts(holder, p.dtype)
+            out[name] = interned[facts_key]
         return out
 
     def release(self) -> None:

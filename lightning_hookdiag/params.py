@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -67,13 +68,14 @@ def replicas(t: Tensor) -> int:
                 f"replicas: expected Shard or Replicate placements on a parameter, got {placement!r} in {placements}"
             )
     dist = torch.distributed
-    group_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else mesh.size()
-    if group_size % mesh.size():
+    mesh_size: int = mesh.size()  # DeviceMesh.size(); found by getattr above, so untyped there
+    group_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else mesh_size
+    if group_size % mesh_size:
         raise ValueError(
-            f"replicas: the parameter's device mesh has {mesh.size()} processes, which does not divide the"
+            f"replicas: the parameter's device mesh has {mesh_size} processes, which does not divide the"
             f" {group_size} processes its statistics are reduced over"
         )
-    return within * (group_size // mesh.size())
+    return within * (group_size // mesh_size)
 
 
 def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64) -> Tensor:
@@ -104,7 +106,7 @@ def real_view(t: Tensor) -> Tensor:
     return torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
 
 
-def _sum_squares(parts: list[list[tuple[Tensor, ...]]], dtype: torch.dtype) -> Tensor:
+def _sum_squares(parts: Sequence[Sequence[tuple[Tensor, ...]]], dtype: torch.dtype) -> Tensor:
     # parts[i]: the pieces of tensor i, each (piece,) or (before, after) to subtract; one _norms per dtype and device.
     pieces = [piece for part in parts for piece in part]
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
@@ -122,7 +124,7 @@ def _sum_squares(parts: list[list[tuple[Tensor, ...]]], dtype: torch.dtype) -> T
     return torch.stack([part[0] if len(part) == 1 else part.sum() for part in per_tensor])
 
 
-def _norms(pieces: Sequence[Tensor], minus: Sequence[Tensor] = (), *, dtype: torch.dtype) -> list[Tensor]:
+def _norms(pieces: tuple[Tensor, ...], minus: tuple[Tensor, ...] = (), *, dtype: torch.dtype) -> list[Tensor]:
     """The norms of ``pieces`` (of one dtype and device; minus ``minus``, if given) in ``dtype``, in bounded scratch.
 
     CUDA's fused kernel reads each piece in its own dtype; the CPU's casts every piece into a new buffer, which glibc's
@@ -300,10 +302,11 @@ def owned_parameters(root: nn.Module, skip: Iterable[str] = ()) -> dict[str, nn.
     return {name: param for name, param in named if name.rpartition(".")[0] not in skipped}
 
 
-class _Pattern(NamedTuple):
+@dataclass(frozen=True)
+class _Pattern:
     # The device constants of one set of stepped parameters. share: 1 / replicas per parameter, so that a replicated
     # shard counts once over processes (None, no work: all 1); sizes: entries kept across the step; snapshot_share:
-    # share times numel / entries kept.
+    # share times numel / entries kept. A dataclass, not a NamedTuple, whose field index would shadow tuple.index.
     index: Tensor
     zeros: Tensor
     ones: Tensor
@@ -340,7 +343,7 @@ class ParameterTracker:
         self._position = {id(p): i for i, p in enumerate(self.params)}
         self._snapshot_enabled = snapshot
         self.dtype = dtype
-        self._snapshots: list[tuple[_Pattern, list[list[Tensor]], list[Tensor]]] = []
+        self._snapshots: list[tuple[_Pattern, list[list[Tensor]], Sequence[Tensor]]] = []
         """Per stepped set: the entries kept of each local tensor as views in pieces, and the pieces' copies."""
         self._patterns: dict[tuple[tuple[int, ...], tuple[int, ...]], _Pattern] = {}
         self._snapshot_elements = snapshot_elements
@@ -371,7 +374,7 @@ class ParameterTracker:
         return None if all(v == 1 for v in values) else torch.tensor(values, dtype=self.dtype, device=device)
 
     @torch.no_grad()
-    def before_step(self, param_groups: Iterable[dict]) -> tuple[Tensor, Tensor] | None:
+    def before_step(self, param_groups: Iterable[dict[str, Any]]) -> tuple[Tensor, Tensor] | None:
         """Weight and gradient norms of the tracked parameters an optimizer (its ``param_groups``) is about to step.
 
         ``(index, values)``: positions of the measured parameters and a ``[n, P_SLOTS]`` matrix of weight sum of

@@ -11,6 +11,7 @@ batches eagerly (``force_eager``).
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -25,11 +26,19 @@ from lightning_hookdiag import stats
 from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.components import Component, Setup, WindowStart, component
 from lightning_hookdiag.hooks import first_floating_tensor
+from lightning_hookdiag.rules.precursors import SIGMOID_LINK, SOFTMAX_LINK
 from lightning_hookdiag.selection import named_modules, unmatched_error
 from lightning_hookdiag.torch_internals import calling_modules, exit_mode, in_backward
 from lightning_hookdiag.vocabulary import OUTPUT_LAYER_STATS, PRECURSOR_STATS
 
-__all__ = ["AttentionProbe", "PrecursorProbes", "attention_scope", "eager_logit_absmax", "sdpa_logit_absmax"]
+__all__ = [
+    "AttentionProbe",
+    "PrecursorProbes",
+    "attention_scope",
+    "eager_logit_absmax",
+    "output_link",
+    "sdpa_logit_absmax",
+]
 
 MASKED = -5000.0
 """Eager softmax inputs at or below this are masked entries, not logits."""
@@ -37,6 +46,45 @@ MAX_ROWS = 32
 """Query rows measured per attention call at most (evenly strided, the last one included)."""
 
 _SOFTMAX = frozenset({F.softmax, torch.softmax, Tensor.softmax})
+
+# F.cross_entropy is log_softmax then nll_loss; an nll_loss straight on the output reads it as log-probabilities.
+_LINKS = dict.fromkeys(
+    ("LogSoftmaxBackward0", "SoftmaxBackward0", "NllLossBackward0", "NllLoss2DBackward0"), SOFTMAX_LINK
+)
+_LINKS |= dict.fromkeys(
+    ("BinaryCrossEntropyWithLogitsBackward0", "SigmoidBackward0", "LogSigmoidBackward0"), SIGMOID_LINK
+)
+MAX_GRAPH_NODES = 1024
+"""Autograd nodes :func:`output_link` visits at most, from the loss towards the output."""
+
+
+def output_link(loss: Any, output: Any, limit: int = MAX_GRAPH_NODES) -> int:
+    """Whether the loss's autograd graph reaches the ``output`` node through a softmax- or sigmoid-family node.
+
+    A breadth-first walk from ``loss`` (the loss tensor's ``grad_fn``) that does not go below ``output`` (the output
+    tensor's ``grad_fn``): the nodes between a loss and the head are few (a cross entropy: two, and a reshape), so
+    the model below the head is not walked. Host-only work on the autograd graph: no kernel, no sync.
+
+    Returns:
+        ``SOFTMAX_LINK`` or ``SIGMOID_LINK`` (:mod:`lightning_hookdiag.rules.precursors`; the largest on any path), or
+        0 where no path has one or the output is not reached within ``limit`` nodes.
+    """
+    queue: deque[tuple[Any, int]] = deque([(loss, 0)])
+    seen: set[tuple[int, int]] = set()
+    best = 0
+    while queue and len(seen) < limit:
+        node, link = queue.popleft()
+        if node is None or (id(node), link) in seen:
+            continue
+        seen.add((id(node), link))
+        if node is output:
+            best = max(best, link)
+            if best == SOFTMAX_LINK:
+                return best
+            continue
+        link = max(link, _LINKS.get(type(node).__name__, 0))
+        queue.extend((child, link) for child, _ in node.next_functions)
+    return best
 
 
 def _bounds(shape: Sequence[int], per_row: int, budget: int) -> tuple[int, slice]:
@@ -182,7 +230,8 @@ class PrecursorProbes(Component):
     output of the last one to run in a micro-batch, at the micro-batch's end. Pooled in ``precursor_sums``, ``[sum of
     log Z, rows, loss, processes that saw a loss]``, and ``precursor_maxima``: the largest ``|logit|``, the output
     layer's index among the candidates (so that every process names the same one: the latest in selection order any
-    of them measured), then the attention maxima (``-1``: no call seen).
+    of them measured), the :func:`output_link` of the loss to that output (the largest seen), then the attention
+    maxima (``-1``: no call seen).
 
     Args:
         stats: The resolved ``stats=`` names; only those of :data:`~lightning_hookdiag.PRECURSOR_STATS` matter.
@@ -202,6 +251,9 @@ class PrecursorProbes(Component):
         self.output_stats = tuple(s for s in OUTPUT_LAYER_STATS if s in stats)
         self._outputs = dict(output_candidates) if self.output_stats else {}
         self._last: tuple[int, Tensor] | None = None
+        self._node: Any = None  # the autograd node of the output measured last, until the forward ends
+        self.link = 0
+        """The largest :func:`output_link` of a loss to the output layer since :meth:`reset`."""
         self._zero(None)
         self.attention_on = self.attention is not None
         """Whether the mode is entered on sampled forwards: off once a sampled step's forward made no attention call
@@ -212,7 +264,7 @@ class PrecursorProbes(Component):
         self._aggregator = aggregator
         n = len(self.attention.names) if self.attention is not None else 0
         aggregator.add_state("precursor_sums", aggregator.new_state(4, dtype=torch.float64), "sum")
-        aggregator.add_state("precursor_maxima", aggregator.new_state(2 + n, fill=-1.0, dtype=torch.float64), "max")
+        aggregator.add_state("precursor_maxima", aggregator.new_state(3 + n, fill=-1.0, dtype=torch.float64), "max")
 
     def _zero(self, device: torch.device | None) -> None:
         self.sums = torch.zeros(2, dtype=torch.float64, device=device)
@@ -226,8 +278,9 @@ class PrecursorProbes(Component):
     def attach(self) -> None:
         if self.attached:
             return
-        if self.attention_on:
-            self.attention.__enter__()
+        if self.attention_on and self.attention is not None:  # attention_on implies a probe
+            # TorchFunctionMode.__enter__ is unannotated; untyped_calls_exclude matches the receiver's class (ours).
+            self.attention.__enter__()  # type: ignore[no-untyped-call]
             self.hold().callback(exit_mode, self.attention)
         if self.output_stats:
             exits = self.hold()
@@ -246,8 +299,11 @@ class PrecursorProbes(Component):
 
     @override
     def end_forward(self, loss: Tensor | None) -> None:
-        """Measure the output and detach everything: the probes never see backward."""
+        """Measure the output, note how the loss reads it, and detach everything: the probes never see backward."""
         self._measure_last()
+        if loss is not None and self._node is not None:
+            # Host work on the graph the forward built, once per sampled micro-batch: no handler on any torch call.
+            self.link = max(self.link, output_link(loss.grad_fn, self._node))
         if loss is not None and self.attached:
             if self.attention_on:  # the mode is entered
                 self._forwards += 1  # a forward that reached its loss under the mode
@@ -265,6 +321,7 @@ class PrecursorProbes(Component):
         if last is None:
             return
         index, tensor = last
+        self._node = tensor.grad_fn
         with torch.no_grad():
             logits = tensor.detach()
             if self.sums.device != logits.device:
@@ -285,7 +342,7 @@ class PrecursorProbes(Component):
     @override
     def remove(self) -> None:
         super().remove()
-        self._last = None  # no reference to an output outlives the forward
+        self._last = self._node = None  # no reference to an output or its graph outlives the forward
 
     @override
     def reset(self, window: WindowStart) -> None:
@@ -293,18 +350,20 @@ class PrecursorProbes(Component):
             self.attention.reset(window.device)
         if self.output_stats:
             self._zero(window.device)
-        self._loss, self._forwards = None, 0
+        self._loss, self._forwards, self.link = None, 0, 0
 
     def fold(self) -> None:
         """Pool this process's step; stop entering the mode where forwards reaching a loss made no attention call."""
         agg = self._aggregator
-        device = agg.precursor_sums.device
+        device = agg.act_moments.device  # every state lives there (new_state)
         sums = torch.zeros(4, dtype=torch.float64, device=device)
-        maxima = [torch.full((1,), -1.0, dtype=torch.float64, device=device)] * 2
+        maxima = [torch.full((1,), -1.0, dtype=torch.float64, device=device)] * 3
         if self.output_stats:
             sums[:2] = self.sums.to(device)
             maxima[0] = self.absmax.to(device, torch.float64).reshape(1)
-            maxima[1] = torch.full((1,), float(self.layer), dtype=torch.float64, device=device)  # a fill, not a copy
+            # Fills, not copies: a Python scalar is a kernel argument.
+            maxima[1] = torch.full((1,), float(self.layer), dtype=torch.float64, device=device)
+            maxima[2] = torch.full((1,), float(self.link), dtype=torch.float64, device=device)
         if self._loss is not None:
             sums[2] = self._loss.to(device)
             sums[3] = 1.0
@@ -312,7 +371,8 @@ class PrecursorProbes(Component):
             maxima.append(self.attention.maxima.to(device, torch.float64))
         agg.pool("precursor_sums", sums)
         agg.pool("precursor_maxima", torch.cat(maxima))
-        if self.attention_on and self._forwards and not any(self.attention.calls.values()):
+        probe = self.attention
+        if probe is not None and self.attention_on and self._forwards and not any(probe.calls.values()):
             self.attention_on = False
 
     def finalize(self, pooled: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -329,8 +389,9 @@ class PrecursorProbes(Component):
             for stat in self.output_stats:
                 values[stat], self._owners[stat] = found[stat], []
         values["output_layer"], self._owners["output_layer"] = maxima[1].reshape(1), [""]
+        values["output_link"], self._owners["output_link"] = maxima[2].reshape(1), [""]
         if self.attention is not None:
-            attention = maxima[2:]
+            attention = maxima[3:]
             values["attn_logit_max"] = torch.where(attention >= 0, attention, math.nan)
             self._owners["attn_logit_max"] = self.attention.names
         return values
@@ -338,13 +399,15 @@ class PrecursorProbes(Component):
     def facts(self, host: Mapping[str, list[float]]) -> dict[str, Any]:
         """``precursors``: each statistic's owners; the output layer's is the pooled one every process agreed on.
 
+        ``output_link`` (for the rules, not logged) belongs to the output layer too: how a loss read its output.
+
         A process names the last candidate it saw run: in a rank-dependent branch the processes can differ.
         """
         owners, self._owners = self._owners, {}
         if self.output_stats:
             index = int(host["output_layer"][0])
             name = list(self._outputs)[index] if 0 <= index < len(self._outputs) else ""
-            owners.update((stat, [name]) for stat in self.output_stats)
+            owners.update((stat, [name]) for stat in (*self.output_stats, "output_link"))
         return {"precursors": owners}
 
 

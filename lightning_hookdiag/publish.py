@@ -19,8 +19,10 @@ from typing import Any
 
 import numpy as np
 from lightning.fabric.utilities.logger import _add_prefix
+
+# From fabric, which defines and sets it; lightning.pytorch re-exports the same object without declaring the export.
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_hookdiag.errors import MissingExtraError
 from lightning_hookdiag.heatmap_image import as_rgb, png_bytes
@@ -142,14 +144,22 @@ class FindingsWriter:
         self._runs: dict[str, list[dict[str, Any]]] = {}  # run id -> the run's records so far (MLflow, W&B)
 
     def write(
-        self, loggers: Sequence[Logger], step: int, findings: Sequence[Finding], trips: Sequence[Trip], *, active: int
+        self,
+        loggers: Sequence[Logger],
+        step: int,
+        findings: Sequence[Finding],
+        trips: Sequence[Trip],
+        *,
+        active: int | None = None,
     ) -> list[BaseException]:
         """Write the ``findings`` and ``trips`` new at ``step``, and the count of ``active`` alerts, to ``loggers``.
+
+        ``active=None`` logs no count (a caller that logs it with its own scalars, in one row per step).
 
         Returns:
             The error of each logger that failed, after every other logger got the step.
         """
-        if rank_zero_only.rank != 0:
+        if _global_rank() != 0:
             return []
         records = [trip_record(trip) for trip in trips] + [finding_record(finding) for finding in findings]
         errors: list[BaseException] = []
@@ -160,8 +170,8 @@ class FindingsWriter:
                 errors.append(error)
         return errors
 
-    def _write_one(self, logger: Logger, step: int, records: list[dict[str, Any]], active: int) -> None:
-        metrics: dict[str, Any] = {f"{self.prefix}_alerts/active": float(active)}
+    def _write_one(self, logger: Logger, step: int, records: list[dict[str, Any]], active: int | None) -> None:
+        metrics: dict[str, Any] = {} if active is None else {f"{self.prefix}_alerts/active": float(active)}
         if records and isinstance(logger, WandbLogger):
             import wandb
 
@@ -170,7 +180,8 @@ class FindingsWriter:
             table = wandb.Table(columns=list(COLUMNS), data=[_row(record) for record in run])
             metrics[f"{self.prefix}_findings"] = table  # one history row with the count; log_metrics adds the prefix
         # First, so that a CSVLogger has made its folder (it warns about a folder that holds files before it).
-        logger.log_metrics(metrics, step=step)
+        if metrics:
+            logger.log_metrics(metrics, step=step)
         if not records or isinstance(logger, WandbLogger):
             return
         if isinstance(logger, TensorBoardLogger):
@@ -179,14 +190,18 @@ class FindingsWriter:
             _append_lines(logger.log_dir, records)  # beside the event files, for `hookdiag report`
         elif isinstance(logger, MLFlowLogger):
             self._write_mlflow(logger, records)
-        elif getattr(logger, "log_dir", None) is not None:
-            _append_lines(logger.log_dir, records)
+        else:
+            log_dir: str | None = getattr(logger, "log_dir", None)  # Logger.log_dir, or None for a logger without one
+            if log_dir is not None:
+                _append_lines(log_dir, records)
 
     def _write_mlflow(self, logger: MLFlowLogger, records: list[dict[str, Any]]) -> None:
         from mlflow.entities import RunTag
 
         client, run_id = logger.experiment, logger.run_id
         artifact = _prefixed(logger, f"{self.prefix}/{FINDINGS_FILE}")
+        if run_id is None:  # unreachable: .experiment (just read) starts the run and sets its id on rank 0
+            raise RuntimeError(f"MLFlowLogger has no run id after starting its run; {artifact} is not written")
         if run_id not in self._runs:
             self._runs[run_id] = _mlflow_records(client, run_id, artifact)
         run = self._runs[run_id]
@@ -198,6 +213,14 @@ class FindingsWriter:
             client.log_batch(run_id, tags=tags[start : start + _MLFLOW_TAGS_PER_BATCH])
         run.extend(records)
         client.log_text(run_id, "".join(json.dumps(record) + "\n" for record in run), artifact)
+
+
+def _global_rank() -> int:
+    """This process's rank, as Lightning's own rank-zero-only logging reads it."""
+    # Set at runtime on the function object (by lightning.fabric.utilities.rank_zero at import, then by the
+    # Trainer's strategy); its overloaded type cannot declare the attribute.
+    rank: int = rank_zero_only.rank  # type: ignore[attr-defined]
+    return rank
 
 
 def _has_pil() -> bool:
@@ -228,9 +251,14 @@ def _write_image_one(logger: Logger, tag: str, image: np.ndarray, step: int) -> 
         if not _has_pil():
             raise MissingExtraError("W&B images need pillow (wandb.Image draws with PIL): pip install pillow")
         logger.log_image(key, [image], step=step)
-    elif getattr(logger, "log_dir", None) is not None:
-        _ = logger.experiment  # a CSVLogger makes its folder here (it warns about a folder that already holds files)
-        folder = Path(logger.log_dir)
+    else:
+        log_dir: str | None = getattr(logger, "log_dir", None)  # Logger.log_dir, or None for a logger without one
+        if log_dir is None:
+            return
+        # A CSVLogger makes its folder here (it warns about a folder that already holds files). Logger declares no
+        # experiment, though every Lightning logger with a log_dir has one: the access is duck-typed, as before.
+        _ = logger.experiment  # type: ignore[attr-defined]
+        folder = Path(log_dir)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / _image_file_name(key, step)).write_bytes(png_bytes(image))
 
@@ -249,7 +277,7 @@ def write_image(loggers: Sequence[Logger], tag: str, image: Any, step: int) -> l
         ValueError: If ``image`` is not an ``H x W x 3`` ``uint8`` array.
     """
     pixels = as_rgb(image)
-    if rank_zero_only.rank != 0:
+    if _global_rank() != 0:
         return []
     errors: list[BaseException] = []
     for logger in loggers:

@@ -104,10 +104,11 @@ class StepRecorder:
     ) -> None:
         self.aggregator = aggregator
         # Only attached components get tensors: those that do not watch replays are not attached during one.
-        self._output_sinks = [c for c in components if c.on_output is not None]
-        self._grad_sinks = [c for c in components if c.on_grad is not None]
+        # Each with its sink, which components set in their constructors.
+        self._output_sinks = [(c, c.on_output) for c in components if c.on_output is not None]
+        self._grad_sinks = [(c, c.on_grad) for c in components if c.on_grad is not None]
         self._stacks = {
-            kind: _Stacks(reduce, lambda layers, n, kind=kind: aggregator.rows(kind, layers, n))
+            kind: _Stacks(reduce, functools.partial(aggregator.rows, kind))
             for kind, reduce in (("act", activation_row), ("grad", gradient_row))
             if stack_small
         }
@@ -169,9 +170,9 @@ class StepRecorder:
             self.empty_output.add(layer)
         else:
             self._reduce("act", layer, tensor, layer in self.unit_layers)
-            for c in self._output_sinks:
+            for c, sink in self._output_sinks:
                 if c.attached:
-                    c.on_output(layer, tensor)
+                    sink(layer, tensor)
 
     def on_grad(self, layer: int, grad: Tensor) -> None:
         """Gradient sink: observe the gradient of the loss w.r.t. the output of layer ``layer``."""
@@ -179,9 +180,9 @@ class StepRecorder:
             return
         if grad.numel():
             self._reduce("grad", layer, grad)
-            for c in self._grad_sinks:
+            for c, sink in self._grad_sinks:
                 if c.attached:
-                    c.on_grad(layer, grad)
+                    sink(layer, grad)
 
     def _skipped(self, layer: int, tensor: Tensor) -> bool:
         """Note and skip a tensor the reductions cannot read; attribute checks only, so no kernel on any tensor.

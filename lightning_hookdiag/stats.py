@@ -118,7 +118,7 @@ def resolve_stats(stats: Sequence[str] | None) -> tuple[str, ...]:
     return resolve_names("stats", "statistic", stats, ALL_STATS + OPT_IN_STATS)
 
 
-def resolve_names(argument: str, noun: str, names: list, known: Sequence[str]) -> tuple[str, ...]:
+def resolve_names(argument: str, noun: str, names: Sequence[object], known: Sequence[str]) -> tuple[str, ...]:
     """``names`` in the order of ``known``; a ``ValueError`` that lists ``known`` for an unknown name or none."""
     unknown = sorted({n if isinstance(n, str) else repr(n) for n in names if n not in known})
     if unknown:
@@ -283,7 +283,8 @@ def reduce_tensor(
         for piece in chunks(x):
             if row is not None:
                 reduce_row(piece, row(piece.numel()), workspace)
-            if counts is not None:
+            # counts exists exactly when edges does; testing both narrows both for the type checker.
+            if counts is not None and edges is not None:
                 # Bin i counts the finite edges[i-1] < x <= edges[i]; with scatter_add, as bincount's output size
                 # depends on the data, which forces a host synchronisation.
                 flat = piece.detach()

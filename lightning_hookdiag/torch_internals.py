@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import torch
@@ -56,8 +57,8 @@ _CALL_CODES = frozenset(
     for name in ("_call_impl", "_wrapped_call_impl")
     if (code := getattr(getattr(nn.Module, name, None), "__code__", None))
 )
-LOSS_BASE: type = nn.modules.loss._Loss
-DROPOUT_BASE: type = nn.modules.dropout._DropoutNd
+LOSS_BASE: type[nn.Module] = nn.modules.loss._Loss
+DROPOUT_BASE: type[nn.modules.dropout._DropoutNd] = nn.modules.dropout._DropoutNd
 MODE_DEPENDENT: tuple[type, ...] = (nn.modules.batchnorm._BatchNorm, DROPOUT_BASE)
 """The modules whose output depends on the training mode."""
 
@@ -69,7 +70,7 @@ def in_backward() -> bool:
 
 def calling_modules(depth: int) -> Iterator[Any]:
     """The ``self`` of every ``Module.__call__`` frame on the stack, innermost first, from ``depth`` frames up."""
-    frame = sys._getframe(depth + 1)
+    frame: FrameType | None = sys._getframe(depth + 1)
     while frame is not None:
         if frame.f_code in _CALL_CODES:
             yield frame.f_locals.get("self")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 __all__ = ["boolean", "check", "choice", "integer", "module_names", "names", "number"]
 
@@ -29,22 +29,34 @@ def number(name: str, value: Any, valid: str, ok: Callable[[float], bool]) -> fl
     )
 
 
+@overload
+def integer(
+    name: str, value: Any, valid: str, ok: Callable[[int], bool] = ..., *, optional: Literal[False] = False
+) -> int: ...
+
+
+@overload
+def integer(name: str, value: Any, valid: str, ok: Callable[[int], bool] = ..., *, optional: bool) -> int | None: ...
+
+
 def integer(
     name: str, value: Any, valid: str, ok: Callable[[int], bool] = lambda v: True, *, optional: bool = False
-) -> Any:
+) -> int | None:
     """An integral number for which ``ok`` holds, as an ``int``, never a ``float``; ``None`` too when ``optional``."""
     if optional and value is None:
         return None
     # bool is an int subclass: True would silently become 1. numbers.Integral covers numpy's and other integer
-    # scalars (np.bool_ is not registered as one).
+    # scalars (np.bool_ is not registered as one). The bool test comes first: typeshed does not register bool as an
+    # Integral, so after the Integral test a type checker would call the bool test unreachable.
     return int(
-        check(name, value, valid, lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and ok(int(v)))
+        check(name, value, valid, lambda v: not isinstance(v, bool) and isinstance(v, numbers.Integral) and ok(int(v)))
     )
 
 
 def boolean(name: str, value: Any) -> bool:
     """``True`` or ``False`` itself (not ``1`` or ``"false"``)."""
-    return check(name, value, "True or False", lambda v: isinstance(v, bool))
+    # bool() of a checked bool is the value itself; it gives the result its type, as int() and float() do above.
+    return bool(check(name, value, "True or False", lambda v: isinstance(v, bool)))
 
 
 def choice(name: str, value: T, choices: Sequence[Any]) -> T:

@@ -115,7 +115,8 @@ class RuleConfig:
 
     def __post_init__(self) -> None:
         known = tuple(r.name for r in registered())
-        enabled = known if self.enabled is None else (self.enabled,) if isinstance(self.enabled, str) else self.enabled
+        given: Any = self.enabled  # as the caller passed it, validated here: None, one name or an iterable of them
+        enabled = known if given is None else (given,) if isinstance(given, str) else given
         try:
             items = list(enabled)
         except TypeError:
@@ -131,6 +132,14 @@ class RuleConfig:
             object.__setattr__(
                 self, f.name, f.metadata["check"](f.name, getattr(self, f.name), valid, lambda v, ok=ok: ok(v, self))
             )
+
+    @property
+    def rule_names(self) -> tuple[str, ...]:
+        """``enabled`` as stored: the enabled rules' names in rule order (never ``None`` once built)."""
+        names = self.enabled
+        if names is None:  # unreachable: __post_init__ stores a tuple
+            raise RuntimeError("RuleConfig.enabled is None after __post_init__")
+        return names
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any] | None) -> RuleConfig:

@@ -6,7 +6,7 @@ import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import TypeGuard
 
 from lightning_hookdiag import trends
 from lightning_hookdiag.names import BATCH, ROOT, owning_layer
@@ -76,7 +76,7 @@ def stat(values: Mapping[str, Mapping[str, float]], name: str) -> Mapping[str, f
     return values.get(name) or {}
 
 
-def finite(x: Any) -> bool:
+def finite(x: object) -> TypeGuard[float]:
     """Whether ``x`` is a finite ``int`` or ``float`` (a ``bool`` is not)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 

@@ -80,7 +80,7 @@ def evaluate(
         vanishing_gradient fc1 0.0002
     """
     config = RuleConfig() if config is None else config
-    for name in config.enabled:  # here, not at registration: the registry cannot import Context without a cycle
+    for name in config.rule_names:  # here, not at registration: the registry cannot import Context without a cycle
         if unknown := sorted(set(REGISTRY[name].reads) - _PARTS):
             raise ValueError(f"rule {name!r}: reads={unknown} names no part of the Context; parts: {sorted(_PARTS)}")
     ctx = Context(
@@ -98,7 +98,7 @@ def evaluate(
         param_facts or {},
         history,
     )
-    findings = [f for name in config.enabled for f in REGISTRY[name].run(ctx)]
+    findings = [f for name in config.rule_names for f in REGISTRY[name].run(ctx)]
     rank = {r.name: i for i, r in enumerate(registered())}
 
     def key(f: Finding) -> tuple[Any, ...]:

@@ -31,7 +31,7 @@ def nonfinite(ctx: Context) -> list[Found]:
         first = next((n for n in ctx.orders.forward_layers if n != ROOT), None)  # ROOT may sit beside the first
         entered = {first, ROOT} if trip.nan_origin is None else {first}
         found = [_nonfinite_batch(ctx), *(f for f in found if not (f.phase == "forward" and f.layer in entered))]
-    found += _broken_by_step(ctx)
+    found = _with_broken_by_step(ctx, found)
     if (weights := _nonfinite_weights(ctx)) is not None:
         # A broken weight makes everything computed from it non-finite: only a forward origin upstream of every
         # broken weight is still an origin of its own (its inputs come from healthy layers).
@@ -72,23 +72,37 @@ def _nonfinite_batch(ctx: Context) -> Found:
     return Found(BATCH, sum(n for _, n, _ in bad), message, phase="forward", stat="batch_nonfinite")
 
 
-def _broken_by_step(ctx: Context) -> list[Found]:
-    """The parameters whose finite weights the optimizer step made NaN/Inf from finite gradients.
+def _with_broken_by_step(ctx: Context, found: list[Found]) -> list[Found]:
+    """``found`` with the weights the optimizer step made NaN/Inf, where their gradients were finite before it.
 
     The update ratio ``||w_after - w_before|| / ||w_before||`` is non-finite exactly when ``w_after`` is, given a
-    finite, non-zero ``w_before`` (a weight norm of 0 has no ratio).
+    finite, non-zero ``w_before`` (a weight norm of 0 has no ratio). The update made the NaN/Inf only when every
+    gradient of the step was finite: a non-finite gradient elsewhere reaches finite ones before the update (clipping
+    by the total gradient norm, which is then non-finite, multiplies every gradient by it), so the origin stays where
+    the gradient first went non-finite, and that finding says which weights the step spread it to.
     """
     norms, grads = ctx.positive("param_norm"), ctx.stat("param_grad_norm")
     bad = [p for p in _nonfinite(ctx.stat("param_update_ratio").items()) if p in norms and finite(grads.get(p))]
     if not bad:
-        return []
+        return found
     owners = ctx.orders.owners(bad)
-    message = (
-        f"nonfinite: the optimizer update of step {ctx.step} wrote NaN/Inf into finite weights from finite gradients:"
-        f" {listing(bad)} ({spread(bad, owners)}) were finite with finite gradients before the step and are not after"
-        f" it. {_step_cause(ctx.param_facts.get(bad[0]))}"
+    origin = next((i for i, f in enumerate(found) if f.phase == "backward"), None)
+    if origin is None and (ctx.trip is None or ctx.trip.kind != "nonfinite_grad"):
+        message = (
+            f"nonfinite: the optimizer update of step {ctx.step} wrote NaN/Inf into finite weights from finite"
+            f" gradients: {listing(bad)} ({spread(bad, owners)}) were finite with finite gradients before the step and"
+            f" are not after it. {_step_cause(ctx.param_facts.get(bad[0]))}"
+        )
+        return [*found, Found(owners[0], len(bad), message, phase="backward", stat="param_update_ratio")]
+    if origin is None:  # a non-finite gradient that no observed layer shows: the loss finding says so
+        return found
+    note = (
+        f"; the optimizer update then made {listing(bad)} ({spread(bad, owners)}) non-finite too, whose gradients were"
+        " finite before the step: the non-finite gradient reached them there (clipping by the total gradient norm,"
+        " gradient_clip_val, multiplies every gradient by that norm, here non-finite)"
     )
-    return [Found(owners[0], len(bad), message, phase="backward", stat="param_update_ratio")]
+    first = found[origin]
+    return [*found[:origin], first._replace(message=first.message + note), *found[origin + 1 :]]
 
 
 def _step_cause(fact: ParamFacts | None) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from lightning_hookdiag import trends
 from lightning_hookdiag.names import LOSS
@@ -35,10 +35,18 @@ def _attention_message(ctx: Context, layer: str, value: float) -> str:
     """The message of a logit at the threshold, or of a steady rise projected to cross it soon; else ``""``."""
     config, limit = ctx.config, ctx.config.attn_logit_threshold
     if value >= limit:
+        start = _points(ctx, "attn_logit_max", layer, value, 4)[0]
+        # At step 0 no update has run: the initial weights and the inputs' scale make it, not the learning rate.
+        advice = (
+            "qk-norm or a lower learning rate keeps it bounded"
+            if start[0] != 0 or start[1] < limit
+            else f"it was {start[1]:.4g} at step 0, before any optimizer update: not training but the scale of the"
+            " inputs made it; look at the RMS of its inputs (an N(0, 1) embedding times sqrt(d_model) has an RMS of"
+            " sqrt(d_model)) and at the initialisation of its query and key projections"
+        )
         return (
             f"attention_logits: the largest attention logit |q.k|*scale of {layer} is {value:.4g} at step"
-            f" {ctx.step}, at or above attn_logit_threshold={limit:g} (the softmax is close to one-hot; qk-norm"
-            " or a lower learning rate keeps it bounded)"
+            f" {ctx.step}, at or above attn_logit_threshold={limit:g} (the softmax is close to one-hot; {advice})"
         )
     points = _points(ctx, "attn_logit_max", layer, value) if value >= config.attn_trend_floor else []
     if len(points) < config.trend_window or trends.rising_share(points) < 0.75:
@@ -57,16 +65,31 @@ def _attention_message(ctx: Context, layer: str, value: float) -> str:
     )
 
 
+SOFTMAX_LINK, SIGMOID_LINK = 2, 1
+"""The values of ``output_link`` (for these rules, not logged): the loss read the output layer's output through a
+softmax (cross entropy, NLL, softmax) or a sigmoid (BCE with logits, sigmoid); 0: neither. The larger one wins."""
+
+
+def _read_through(ctx: Context, layer: str, link: int) -> bool:
+    """Whether the loss read ``layer``'s output through ``link`` (``SIGMOID_LINK``: a sigmoid or a softmax).
+
+    Only there are its outputs logits: ``docs/rules.md#the-output-logit-rules``.
+    """
+    seen = ctx.stat("output_link").get(layer)
+    return finite(seen) and seen >= link
+
+
 @rule(order=17, phase="forward", stat="logit_lse_mean")
 def logit_drift(ctx: Context) -> Iterator[Found]:
-    """The output logits' log Z drifted over the window while the loss stayed flat."""
+    """The output logits' log Z drifted over the window while the loss stayed flat (a softmax reads them)."""
     config = ctx.config
     loss = ctx.stat("step_loss").get(LOSS)
     if not finite(loss):
         return
     losses = dict(_points(ctx, "step_loss", LOSS, float(loss), 4))
     for layer, value in ctx.stat("logit_lse_mean").items():
-        if not finite(value):
+        # Only a softmax is blind to log Z: a regression head's or a sigmoid's shift moves the loss.
+        if not (finite(value) and _read_through(ctx, layer, SOFTMAX_LINK)):
             continue
         points = _points(ctx, "logit_lse_mean", layer, value, 4)
         if len(points) < config.trend_window:
@@ -98,7 +121,7 @@ of 255 falls by up to 254 per unit of logit."""
 
 @rule(order=18, phase="forward", stat="logit_absmax")
 def unbounded_loss(ctx: Context) -> Iterator[Found]:
-    """A negative loss that keeps falling while the output layer's logits keep growing."""
+    """A negative loss that keeps falling while the logits (read by a softmax or a sigmoid) keep growing."""
     config = ctx.config
     loss = ctx.stat("step_loss").get(LOSS)
     if not finite(loss) or loss >= 0:  # a loss of a bounded family (cross-entropy, MSE) is never negative
@@ -106,7 +129,8 @@ def unbounded_loss(ctx: Context) -> Iterator[Found]:
     losses = dict(_points(ctx, "step_loss", LOSS, float(loss), 4))
     growth = config.unbounded_growth
     for layer, value in ctx.stat("logit_absmax").items():
-        if not finite(value):
+        # Its bound is that of a loss with probability targets: a regression head's loss has none to compare with.
+        if not (finite(value) and _read_through(ctx, layer, SIGMOID_LINK)):
             continue
         points = [(s, v) for s, v in _points(ctx, "logit_absmax", layer, value, 4) if s in losses]
         if len(points) < config.trend_window:
@@ -143,9 +167,21 @@ def unbounded_loss(ctx: Context) -> Iterator[Found]:
         yield Found(layer, logits[2] / logits[0], message, growth)
 
 
-def _layer_update_norms(ctx: Context) -> dict[str, list[tuple[int, float]]]:
-    """Per layer, the update norm ``param_update_ratio * param_norm`` of its parameters per step, oldest first."""
-    by_step: dict[str, dict[int, list[float]]] = {}
+_REAL_UPDATE = 1e-2
+"""``update_jump``: the smallest median earlier update of a layer, relative to its weights, as a share of the median
+layer's, that a jump is measured against.
+
+Below it the layer was barely moving: a residual branch behind a zero-initialised norm (timm's ``zero_init_last``)
+that AdamW's weight decay alone moved by ``lr * wd`` (1e-5 of its norm) while the median layer moved by 8e-3. Such
+a layer that starts to learn is no jump; a BatchNorm's normal updates sit at 0.08 of the median layer's."""
+
+
+def _layer_updates(ctx: Context) -> dict[str, list[tuple[int, float, float]]]:
+    """Per layer, ``(step, update norm, weight norm)`` over its parameters, oldest first.
+
+    The update norm is ``param_update_ratio * param_norm``; only parameters with a positive weight norm have a ratio.
+    """
+    by_step: dict[str, dict[int, list[tuple[float, float]]]] = {}
     norms_now = ctx.stat("param_norm")
     for param, ratio in ctx.stat("param_update_ratio").items():
         norm = norms_now.get(param)
@@ -154,32 +190,44 @@ def _layer_update_norms(ctx: Context) -> dict[str, list[tuple[int, float]]]:
         norms = dict(_points(ctx, "param_norm", param, norm))
         steps = by_step.setdefault(ctx.orders.owner(param), {})
         for step, r in dict(_points(ctx, "param_update_ratio", param, ratio)).items():
-            if step in norms and r >= 0:
-                steps.setdefault(step, []).append((r * norms[step]) * (r * norms[step]))
-    out: dict[str, list[tuple[int, float]]] = {}
+            if step in norms and r >= 0 and norms[step] > 0:
+                steps.setdefault(step, []).append((r * norms[step], norms[step]))
+    out: dict[str, list[tuple[int, float, float]]] = {}
     for layer, steps in by_step.items():
         if ctx.step in steps:  # a layer whose parameters did not all update now is not compared
-            out[layer] = [(s, math.sqrt(sum(sq))) for s, sq in sorted(steps.items())]
+            out[layer] = [
+                (s, _norm(u for u, _ in parts), _norm(w for _, w in parts)) for s, parts in sorted(steps.items())
+            ]
     return out
+
+
+def _norm(parts: Iterable[float]) -> float:
+    """The 2-norm of a concatenation, from the 2-norms of its parts."""
+    return math.sqrt(sum(x * x for x in parts))
 
 
 @rule(order=19, phase="backward", stat="param_update_ratio")
 def update_jump(ctx: Context) -> Iterator[Found]:
-    """A layer's update jumped far above its own recent ones and the typical jump."""
+    """A layer's update jumped far above its own recent ones and the typical jump, from a baseline that moved."""
     config = ctx.config
     jumps: dict[str, tuple[float, float]] = {}
-    for layer, points in _layer_update_norms(ctx).items():
-        *earlier, (_, now) = points
+    moved: dict[str, float] = {}  # per layer, the median earlier update relative to its weights
+    for layer, points in _layer_updates(ctx).items():
+        *earlier, (_, now, _) = points
         if len(earlier) < config.trend_window - 1:
             continue
-        own = statistics.median([v for _, v in earlier])
+        own = statistics.median([u for _, u, _ in earlier])
         if own > 0:
             jumps[layer] = (now / own, own)
+            moved[layer] = statistics.median([u / w for _, u, w in earlier])
     if not jumps:
         return
     # A learning-rate schedule (warm-up) moves every layer's update together: compare with the typical jump too.
     typical = statistics.median([j for j, _ in jumps.values()])
+    typical_moved = statistics.median(moved.values())
     for layer, (jump, own) in jumps.items():
+        if moved[layer] < _REAL_UPDATE * typical_moved:
+            continue  # its earlier updates were ~0: it starts to learn, and no ratio to them is a jump
         if jump >= config.update_jump_ratio and jump >= config.update_jump_ratio * typical:
             message = (
                 f"update_jump: the optimizer update of {layer} at step {ctx.step} (the norm of its parameters' change)"

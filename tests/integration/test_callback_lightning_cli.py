@@ -131,7 +131,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def cli_train() -> ModuleType:
-    """``examples/cli_train.py`` imported as a module, for the in-process cases."""
+    """``examples/cli_train.py`` imported as a module, for the in-process cases.
+
+    Its folder goes on ``sys.path`` as Python puts it there for ``python examples/cli_train.py`` (it imports
+    ``_common`` from beside it).
+    """
+    if str(SCRIPT.parent) not in sys.path:
+        sys.path.insert(0, str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("cli_train", SCRIPT)
     assert spec is not None
     assert spec.loader is not None

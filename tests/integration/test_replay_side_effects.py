@@ -231,7 +231,7 @@ def test_a_replay_keeps_the_users_own_instance_log():
     assert module.__dict__["log"] is module.wrapper
 
     def users(log: RecordingLogger) -> list[tuple[int | None, dict[str, float]]]:
-        calls = [(s, {k: v for k, v in m.items() if not k.startswith("layer_health/")}) for s, m in log.calls]
+        calls = [(s, {k: v for k, v in m.items() if not k.startswith("layer_health")}) for s, m in log.calls]
         return [(s, m) for s, m in calls if m]
 
     assert users(watched_log) == users(plain_log)

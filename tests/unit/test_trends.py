@@ -121,7 +121,7 @@ def test_attention_trend_is_silent_below_the_floor_when_slow_or_unsteady():
     assert _attention(7, 45.0, _history({"attn_logit_max": {"attn": [(s, 20.0 + 3 * s) for s in range(7)]}}))
 
 
-def _drift(lse: list[float], loss: list[float], **config) -> list:
+def _drift(lse: list[float], loss: list[float], link: float = 2.0, **config) -> list:
     *earlier_lse, now_lse = lse
     *earlier_loss, now_loss = loss
     history = _history(
@@ -130,7 +130,7 @@ def _drift(lse: list[float], loss: list[float], **config) -> list:
             "step_loss": {"loss": list(enumerate(earlier_loss))},
         }
     )
-    values = {"logit_lse_mean": {"head": now_lse}, "step_loss": {"loss": now_loss}}
+    values = {"logit_lse_mean": {"head": now_lse}, "step_loss": {"loss": now_loss}, "output_link": {"head": link}}
     return evaluate(values, ["head"], [], len(lse) - 1, RuleConfig(**config), history=history)
 
 
@@ -139,6 +139,9 @@ def test_logit_drift_needs_a_flat_loss_a_large_move_and_enough_history():
     (finding,) = _drift([4.0 + 0.5 * s for s in range(12)], flat)
     assert finding.value == pytest.approx(5.5)  # from step 0, the earliest start that qualifies
     assert (finding.layer, finding.stat, finding.rule) == ("head", "logit_lse_mean", "logit_drift")
+    # Only where a softmax reads the head: not through a sigmoid (1), nor a regression loss (0).
+    assert _drift([4.0 + 0.5 * s for s in range(12)], flat, link=1.0) == []
+    assert _drift([4.0 + 0.5 * s for s in range(12)], flat, link=0.0) == []
     assert _drift([4.0 + 0.5 * s for s in range(12)], [2.0 - 0.05 * s for s in range(12)]) == []  # loss moved too
     assert _drift([4.0 + 0.4 * s for s in range(12)], flat) == []  # 4.4 nats < 5
     assert _drift([4.0, 10.0, 10.0, 10.0], [2.0] * 4) == []  # fewer than trend_window=8 points

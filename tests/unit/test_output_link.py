@@ -1,0 +1,51 @@
+"""``output_link``: how a loss's autograd graph reads the output layer's output (issue 35, item 13)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from lightning_hookdiag.precursor_probes import output_link
+from lightning_hookdiag.rules.precursors import SIGMOID_LINK, SOFTMAX_LINK
+
+
+def _head() -> tuple[torch.Tensor, torch.Tensor]:
+    out = nn.Linear(4, 3)(torch.randn(5, 4))
+    return out, torch.zeros(5, dtype=torch.long)
+
+
+def test_softmax_losses_sigmoid_losses_and_a_regression_loss():
+    out, labels = _head()
+    assert output_link(F.cross_entropy(out.view(-1, 3) / 2.0, labels).grad_fn, out.grad_fn) == SOFTMAX_LINK
+    assert output_link(F.nll_loss(out.log_softmax(-1), labels).grad_fn, out.grad_fn) == SOFTMAX_LINK
+    assert output_link((out.softmax(-1) ** 2).sum().grad_fn, out.grad_fn) == SOFTMAX_LINK
+    target = torch.ones(5, 3)
+    assert output_link(F.binary_cross_entropy_with_logits(out, target).grad_fn, out.grad_fn) == SIGMOID_LINK
+    assert output_link(F.binary_cross_entropy(out.sigmoid(), target).grad_fn, out.grad_fn) == SIGMOID_LINK
+    assert output_link(F.mse_loss(out, target).grad_fn, out.grad_fn) == 0
+    # Both on one step: the softmax wins.
+    both = F.mse_loss(out, target) + F.binary_cross_entropy_with_logits(out, target) + F.cross_entropy(out, labels)
+    assert output_link(both.grad_fn, out.grad_fn) == SOFTMAX_LINK
+
+
+def test_a_softmax_that_does_not_read_the_output_does_not_count():
+    out, labels = _head()
+    other = nn.Linear(4, 3)(torch.randn(5, 4))
+    loss = F.mse_loss(out, torch.ones(5, 3)) + F.cross_entropy(other, labels)
+    assert output_link(loss.grad_fn, out.grad_fn) == 0
+    # Below the output: a softmax inside the model, before the head, is no link either.
+    hidden = torch.randn(5, 4, requires_grad=True).softmax(-1)
+    head = nn.Linear(4, 3)(hidden)
+    assert output_link(F.mse_loss(head, torch.ones(5, 3)).grad_fn, head.grad_fn) == 0
+
+
+def test_the_walk_stops_after_its_limit_and_on_a_loss_without_graph():
+    out, labels = _head()
+    deep = out
+    for _ in range(50):
+        deep = deep * 1.0
+    loss = F.cross_entropy(deep, labels)
+    assert output_link(loss.grad_fn, out.grad_fn, limit=20) == 0
+    assert output_link(loss.grad_fn, out.grad_fn) == SOFTMAX_LINK
+    assert output_link(None, out.grad_fn) == 0
