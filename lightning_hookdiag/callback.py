@@ -28,6 +28,7 @@ from lightning_hookdiag.distributed import all_reduce_max
 from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
 from lightning_hookdiag.fit_run import FitRun
 from lightning_hookdiag.heatmap_image import render
+from lightning_hookdiag.keys import ALERTS_ACTIVE, step_key
 from lightning_hookdiag.logged_values import (
     Note,
     ObservedStep,
@@ -155,9 +156,10 @@ class LayerHealthCallback(Callback):
     - ``<prefix>.<stat>/<depth>_<layer>``: one layer's value, e.g. ``layer_health.act_std/07_net.7``; one dashboard
       group per statistic, layers in forward order when sorted as strings. Parameter statistics use the parameter's
       dotted name with its layer's depth (``layer_health.param_norm/07_net.7.weight``).
-    - ``<prefix>/grad_norm_total`` and ``<prefix>/<stat>_min`` / ``_max``: the summary group, one page with the
-      total gradient norm and the worst layer's value of each statistic of
-      :data:`~lightning_hookdiag.vocabulary.SUMMARIES`.
+    - ``<prefix>/grad_norm_total``, ``<prefix>/<stat>_min`` / ``_max`` and ``<prefix>/alerts_active``: the summary
+      group, one page with the total gradient norm, the worst layer's value of each statistic of
+      :data:`~lightning_hookdiag.vocabulary.SUMMARIES` and the count of active alerts (the rules' findings on the
+      step).
 
     ``<depth>`` is the layer's place in the forward order of the first sampled step it ran on, zero-padded; a
     parameter of the LightningModule itself (or of a layer that has not run) has ``x`` digits and sorts last. Values
@@ -227,7 +229,8 @@ class LayerHealthCallback(Callback):
             value on every sampled step as well.
 
     Attributes:
-        last_metrics: The values logged on the most recent sampled step (pooled over processes, on every process).
+        last_metrics: The statistics logged on the most recent sampled step (pooled over processes, on every process):
+            every key logged with them but ``<prefix>/alerts_active`` (the alerts are :attr:`last_findings`).
         last_step: The optimizer step :attr:`last_metrics` describes.
         layer_names: Names of the observed modules, in selection order (set when fit starts).
         execution_order: Names of the modules in the order their forward first ran on the last sampled step (agreed
@@ -646,8 +649,10 @@ class LayerHealthCallback(Callback):
         self.last_findings = findings
         self.findings.extend(new)
         self.last_metrics, self.last_step = metrics, observed.step
-        # One row per sampled step in every logger: the statistics with the count of the step's findings.
-        errors = self._log(trainer, observed.step, {**metrics, f"{self.prefix}_alerts/active": float(len(findings))})
+        # One row per sampled step in every logger: the statistics with the count of the step's findings (the summary
+        # group's alerts_active; last_metrics keeps the statistics only).
+        active = {step_key(self.prefix, ALERTS_ACTIVE): float(len(findings))}
+        errors = self._log(trainer, observed.step, {**metrics, **active})
         if observed.histogram_edges is not None:
             errors += self._log_histograms(trainer, observed, run)
         trips = [observed.trip] if observed.trip is not None else []  # with the findings of its window

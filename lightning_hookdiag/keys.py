@@ -6,8 +6,8 @@ Pure Python, no torch: the callback formats keys with it, the rules and the repo
   TensorBoard and W&B group charts by the part before the first ``/``, so each statistic is one group; ``<depth>``
   is the layer's place in the forward order, zero-padded to the digits of the last place, so that a plain string
   sort (MLflow's) and a natural one (TensorBoard's) both list the layers input end first.
-- A value per step: ``<prefix>/<stat>`` (``grad_norm_total``, the worst layer's value ``act_std_min``, ...): the
-  summary group, which sorts before every statistic's group.
+- A value per step: ``<prefix>/<stat>`` (``grad_norm_total``, the worst layer's value ``act_std_min``, ...,
+  and the count of active alerts ``alerts_active``): the summary group, which sorts before every statistic's group.
 - A name without a depth (a parameter of the LightningModule itself, or of a layer that has not run yet) has ``x``
   in place of each digit (``xx_scale``), which sorts after every number.
 
@@ -20,6 +20,7 @@ from collections.abc import Collection, Mapping
 from typing import NamedTuple
 
 __all__ = [
+    "ALERTS_ACTIVE",
     "LEGACY_DEPTH",
     "ParsedKey",
     "depth_of",
@@ -30,6 +31,9 @@ __all__ = [
     "tag",
     "tag_width",
 ]
+
+ALERTS_ACTIVE = "alerts_active"
+"""The summary group's count of active alerts (``<prefix>/alerts_active``): the findings of the step's rules."""
 
 LEGACY_DEPTH = "depth"
 """The statistic segment of the per-step depth scalars of old logs (``<prefix>/depth/<layer>``)."""

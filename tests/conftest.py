@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hookdiag.keys import parse_key
+from lightning_hookdiag.keys import ALERTS_ACTIVE, parse_key, step_key
 from lightning_hookdiag.sentinel import LossSentinel
 from lightning_hookdiag.step_state import Trip
 
@@ -55,8 +55,8 @@ def by_name(metrics: dict[str, float]) -> dict[str, float]:
 class RecordingLogger(Logger):
     """A real Lightning ``Logger`` that keeps every ``log_metrics`` call in memory.
 
-    ``raw`` holds the calls as logged; ``calls`` the same calls :func:`by_name`, so that a test reads a value by
-    statistic and layer name.
+    ``raw`` holds the calls as logged; ``calls`` the same calls :func:`by_name` (``<prefix>/<stat>/<name>``), so that
+    a test reads a value by statistic and layer name; :meth:`ours` the statistics of those calls only.
     """
 
     def __init__(self) -> None:
@@ -80,17 +80,19 @@ class RecordingLogger(Logger):
         pass
 
     def ours(self, prefix: str = "layer_health") -> list[tuple[int | None, dict[str, float]]]:
-        """The calls that carry this package's statistics (``<prefix>/...``), with those keys only.
+        """The calls that carry this package's statistics, with those keys only, read :func:`by_name`.
 
-        The count of active alerts logged beside them (``<prefix>_alerts/active``) is left out here; the tests of the
-        findings in the loggers read it.
+        That is what :attr:`LayerHealthCallback.last_metrics` holds for the step (by name): every ``<prefix>/...``
+        key but the count of active alerts logged in the same call (``<prefix>/alerts_active``), which the tests of
+        the findings read from :attr:`calls` or :attr:`raw`.
         """
-        head = prefix + "/"
-        return [
-            (s, {k: v for k, v in m.items() if k.startswith(head)})
-            for s, m in self.calls
-            if any(k.startswith(head) for k in m)
-        ]
+        head, count = prefix + "/", step_key(prefix, ALERTS_ACTIVE)
+        out = []
+        for step, metrics in self.calls:
+            kept = {k: v for k, v in metrics.items() if k.startswith(head) and k != count}
+            if kept:
+                out.append((step, kept))
+        return out
 
 
 def make_data(n: int = 32, d_in: int = 4, d_out: int = 1, seed: int = 0) -> TensorDataset:

@@ -18,6 +18,7 @@ from conftest import RecordingLogger, TinyModule, make_data, make_trainer
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
+from lightning_hookdiag.keys import ALERTS_ACTIVE
 from lightning_hookdiag.report import read_health_log
 from lightning_hookdiag.vocabulary import SUMMARIES
 
@@ -113,7 +114,8 @@ def test_tensorboard_has_one_group_per_statistic_and_a_one_page_summary(fitted: 
         "param_norm", "param_grad_norm", "param_update_ratio", "logit_lse_mean", "logit_absmax",
     } - {"logit_lse_mean"}  # fmt: skip  # a [N, 1] output has no log-sum-exp over classes to take
     summary = sorted(by_group[P])
-    assert summary == sorted(["grad_norm_total", *(f"{s}_{k}" for s, kinds in SUMMARIES.items() for k in kinds)])
+    expected = ["grad_norm_total", ALERTS_ACTIVE, *(f"{s}_{k}" for s, kinds in SUMMARIES.items() for k in kinds)]
+    assert summary == sorted(expected)
     assert len(summary) <= 12  # one page of TensorBoard's 12 cards
     # No constant metadata per step, and the healthy run's non-finite counts only in the summary (charts="default").
     assert not [t for t in fitted["tb"] if "depth" in t]
