@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_hookdiag.keys import ALERTS_ACTIVE, parse_key, step_key
 from lightning_hookdiag.sentinel import LossSentinel
 from lightning_hookdiag.step_state import Trip
+from lightning_hookdiag.vocabulary import PER_PARAMETER_STATS
 
 
 def count_hooks(root: nn.Module) -> int:
@@ -49,6 +50,18 @@ def by_name(metrics: dict[str, float]) -> dict[str, float]:
             out[f"{prefix}/{parsed.stat}/{parsed.name}"] = value
         else:
             out[key] = value
+    return out
+
+
+def depths(metrics: dict[str, float], prefix: str = "layer_health") -> dict[str, int]:
+    """The depth (place in the forward order) that each layer's keys in ``metrics`` carry, read with the package's
+    parser; parameters' keys (which carry their module's depth) are left out."""
+    out = {}
+    for key in metrics:
+        parsed = parse_key(key, prefix)
+        if parsed is None or parsed.name is None or parsed.depth is None or parsed.stat in PER_PARAMETER_STATS:
+            continue
+        out[parsed.name] = parsed.depth
     return out
 
 
