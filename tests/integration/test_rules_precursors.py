@@ -46,7 +46,7 @@ class _Watch(pl.Callback):
         step = self.health.last_step
         if step is not None and step not in self.values:
             self.findings[step] = list(self.health.last_findings)
-            self.values[step] = self.health.last_metrics.get(self.key, float("nan"))
+            self.values[step] = by_name(self.health.last_metrics).get(self.key, float("nan"))
 
 
 def _health(**rules) -> LayerHealthCallback:

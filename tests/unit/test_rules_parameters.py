@@ -269,6 +269,7 @@ class Finetune(pl.LightningModule):
 
 def _pooled(metrics: dict[str, float], layer: str) -> float:
     # sqrt(sum (ratio * norm)**2 / sum norm**2) over the layer's parameters, from the logged values.
+    metrics = by_name(metrics)
     names = [k.rsplit("/", 1)[1] for k in metrics if k.startswith(f"layer_health/param_norm/{layer}.")]
     update = sum(
         (metrics[f"layer_health/param_update_ratio/{n}"] * metrics[f"layer_health/param_norm/{n}"]) ** 2 for n in names
