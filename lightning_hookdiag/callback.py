@@ -28,6 +28,7 @@ from lightning_hookdiag.distributed import all_reduce_max
 from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
 from lightning_hookdiag.fit_run import FitRun
 from lightning_hookdiag.heatmap_image import render
+from lightning_hookdiag.keys import ALERTS_ACTIVE, step_key
 from lightning_hookdiag.logged_values import (
     Note,
     ObservedStep,
@@ -53,6 +54,7 @@ from lightning_hookdiag.vocabulary import ALL_STATS, OPT_IN_STATS, OUTPUT_LAYER_
 __all__ = ["LayerHealthCallback"]
 
 ON_ANOMALY = ("warn", "raise", "stop", "ignore")
+CHARTS = ("default", "all")
 
 # The heatmap's columns: the latest sampled steps kept for it (a bound on what the callback holds, whatever the run's
 # length; 256 columns of 8 pixels are wider than any dashboard shows).
@@ -129,8 +131,9 @@ def _check_prefix_unique(callbacks: Sequence[Callback]) -> None:
         raise ValueError(
             f"LayerHealthCallback: trainer.callbacks[{first}] (layers={other.layers}) and trainer.callbacks[{index}]"
             f" (layers={callback.layers}) both log under prefix={callback.prefix!r}: their keys (such as"
-            f" {callback.prefix}/grad_norm_total and {callback.prefix}/depth/<layer>) would overwrite each other at"
-            f" every step; give each its own prefix=, e.g. LayerHealthCallback(..., prefix={callback.prefix + '_2'!r})"
+            f" {callback.prefix}/grad_norm_total and {callback.prefix}.act_std/<depth>_<layer>) would overwrite each"
+            f" other at every step; give each its own prefix=, e.g."
+            f" LayerHealthCallback(..., prefix={callback.prefix + '_2'!r})"
         )
 
 
@@ -148,9 +151,21 @@ class LayerHealthCallback(Callback):
     sampled training batch (not in validation, not after ``fit`` or an exception). Training is bit-identical with and
     without the callback.
 
-    Every key is ``<prefix>/<stat>/<layer>`` (parameter statistics: ``<prefix>/<stat>/<param>``, with the
-    parameter's dotted name; ``grad_norm_total`` has no name part), logged with ``step=k``; the default and opt-in
-    statistics, their definitions and the histograms are in ``docs/statistics.md``. The always-on sentinel and its
+    Keys are shaped for the dashboards (``docs/statistics.md#keys``), all logged with ``step=k``:
+
+    - ``<prefix>.<stat>/<depth>_<layer>``: one layer's value, e.g. ``layer_health.act_std/07_net.7``; one dashboard
+      group per statistic, layers in forward order when sorted as strings. Parameter statistics use the parameter's
+      dotted name with its layer's depth (``layer_health.param_norm/07_net.7.weight``).
+    - ``<prefix>/grad_norm_total``, ``<prefix>/<stat>_min`` / ``_max`` and ``<prefix>/alerts_active``: the summary
+      group, one page with the total gradient norm, the worst layer's value of each statistic of
+      :data:`~lightning_hookdiag.vocabulary.SUMMARIES` and the count of active alerts (the rules' findings on the
+      step).
+
+    ``<depth>`` is the layer's place in the forward order of the first sampled step it ran on, zero-padded; a
+    parameter of the LightningModule itself (or of a layer that has not run) has ``x`` digits and sorts last. Values
+    that are undefined (``param_update_ratio`` of weights that were all 0) are left out with a one-time note; NaN
+    and Inf are logged only where the tensors held or produced them. The default and opt-in statistics, their
+    definitions and the histograms are in ``docs/statistics.md``. The always-on sentinel and its
     replay of a tripped step are in ``docs/sentinel.md``, the rules in ``docs/rules.md``.
 
     Args:
@@ -185,9 +200,9 @@ class LayerHealthCallback(Callback):
         summary: At the end of fit, print (rank zero) a table of the last sampled step's values per layer in depth
             order, with the rules that fired marked.
         histogram_every_n_steps: Also log histograms of every selected layer's output and output gradient
-            (``<prefix>/act_hist/<layer>``, ``<prefix>/act_grad_hist/<layer>``) on steps divisible by this, to the
-            loggers that support histograms (TensorBoard, W&B); other loggers are skipped with a one-time note.
-            Must be a multiple of ``every_n_steps``. ``None`` (default): no histograms.
+            (``<prefix>.act_hist/<depth>_<layer>``, ``<prefix>.act_grad_hist/<depth>_<layer>``) on steps divisible
+            by this, to the loggers that support histograms (TensorBoard, W&B); other loggers are skipped with a
+            one-time note. Must be a multiple of ``every_n_steps``. ``None`` (default): no histograms.
         histogram_bins: Number of fixed, symmetric log-spaced bins (``±1e-6`` to ``±1e4`` and 0), computed on the
             device; fixed edges make histograms pool exactly over micro-batches and processes.
         sentinel: What is checked on *every* optimizer step (``docs/sentinel.md``): ``"loss"`` (default; NaN/Inf
@@ -208,9 +223,14 @@ class LayerHealthCallback(Callback):
             (``act_grad_norm``) and a dead block (``act_std`` of 0). Statistics not in ``stats=`` are left out.
         heatmap_every_n_steps: Also draw the heatmaps on sampled steps divisible by this (a multiple of
             ``every_n_steps``); ``None``: only at the end of the fit.
+        charts: ``"default"``: the summary group and every per-layer chart, except that the per-layer non-finite
+            counts (``act_nonfinite``, ``act_grad_nonfinite``: 0 in a healthy run) are logged only on the steps where
+            a layer's is not 0 (their ``_max`` summary is logged on every sampled step). ``"all"``: every per-layer
+            value on every sampled step as well.
 
     Attributes:
-        last_metrics: The values logged on the most recent sampled step (pooled over processes, on every process).
+        last_metrics: The statistics logged on the most recent sampled step (pooled over processes, on every process):
+            every key logged with them but ``<prefix>/alerts_active`` (the alerts are :attr:`last_findings`).
         last_step: The optimizer step :attr:`last_metrics` describes.
         layer_names: Names of the observed modules, in selection order (set when fit starts).
         execution_order: Names of the modules in the order their forward first ran on the last sampled step (agreed
@@ -233,7 +253,7 @@ class LayerHealthCallback(Callback):
         ...                      enable_model_summary=False, enable_checkpointing=False)
         >>> trainer.fit(BoringModel())
         >>> sorted(callback.last_metrics)
-        ['layer_health/act_mean/layer', 'layer_health/act_std/layer', 'layer_health/depth/layer']
+        ['layer_health.act_mean/0_layer', 'layer_health.act_std/0_layer', 'layer_health/act_std_min']
         >>> callback.last_step
         2
     """
@@ -271,6 +291,7 @@ class LayerHealthCallback(Callback):
         output_layer: str | None = None,
         heatmap_stats: Sequence[str] = ("act_grad_norm", "act_std"),
         heatmap_every_n_steps: int | None = None,
+        charts: Literal["default", "all"] = "default",
     ) -> None:
         self.every_n_steps: int = integer("every_n_steps", every_n_steps, "an integer >= 1", lambda v: v >= 1)
         self.prefix: str = check(
@@ -282,6 +303,7 @@ class LayerHealthCallback(Callback):
         self.unit_dim: int | None = integer("unit_dim", unit_dim, "an integer axis or None", optional=True)
         self.summary = boolean("summary", summary)
         self.on_anomaly = choice("on_anomaly", on_anomaly, ON_ANOMALY)
+        self.charts = choice("charts", charts, CHARTS)
         self.sentinel = choice("sentinel", sentinel, [*SENTINEL_MODES, None])
         self.output_layer = check(
             "output_layer",
@@ -627,8 +649,10 @@ class LayerHealthCallback(Callback):
         self.last_findings = findings
         self.findings.extend(new)
         self.last_metrics, self.last_step = metrics, observed.step
-        # One row per sampled step in every logger: the statistics with the count of the step's findings.
-        errors = self._log(trainer, observed.step, {**metrics, f"{self.prefix}_alerts/active": float(len(findings))})
+        # One row per sampled step in every logger: the statistics with the count of the step's findings (the summary
+        # group's alerts_active; last_metrics keeps the statistics only).
+        active = {step_key(self.prefix, ALERTS_ACTIVE): float(len(findings))}
+        errors = self._log(trainer, observed.step, {**metrics, **active})
         if observed.histogram_edges is not None:
             errors += self._log_histograms(trainer, observed, run)
         trips = [observed.trip] if observed.trip is not None else []  # with the findings of its window

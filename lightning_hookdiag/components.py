@@ -72,6 +72,7 @@ class FitConfig:
     output_layer: str | None
     sentinel_grads: bool
     rules: frozenset[str]
+    charts: str = "default"
 
 
 @dataclass(frozen=True)

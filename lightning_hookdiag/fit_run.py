@@ -21,7 +21,15 @@ from lightning_hookdiag import batches, eval_mode, kurtosis, precision, precurso
 from lightning_hookdiag.aggregation import LayerOrders, LayerStatsAggregator, agreed_orders
 from lightning_hookdiag.components import FACTORIES, Component, FitConfig, Setup, WindowStart, call_all
 from lightning_hookdiag.hooks import HookSet
-from lightning_hookdiag.logged_values import KeyCache, Note, ObservedStep, StepFacts, step_notes, step_values
+from lightning_hookdiag.logged_values import (
+    KeyCache,
+    Note,
+    ObservedStep,
+    StepFacts,
+    step_notes,
+    step_values,
+    undefined_note,
+)
 from lightning_hookdiag.opt_in import OptInPlan, plan_opt_in
 from lightning_hookdiag.optimizer_watch import Schedule, StepWatch
 from lightning_hookdiag.params import (
@@ -41,6 +49,7 @@ from lightning_hookdiag.vocabulary import (
     MOMENT_STATS,
     PARAMETER_STATS,
     PER_PARAMETER_STATS,
+    ZERO_IN_HEALTH,
 )
 
 __all__ = ["FitRun"]
@@ -109,7 +118,7 @@ class FitRun:
         self.hooks = HookSet(modules, None, on_grad, self.recorder.on_tensor, [c for c in self.components if c.replays])
         snapshot = "param_update_ratio" in wanted
         self.tracker = ParameterTracker(params, snapshot=snapshot, dtype=self.aggregator.acc_dtype) if params else None
-        self.keys = KeyCache(config.prefix)
+        self.keys = KeyCache(config.prefix, len(modules))
         self.state = StepState(config.every_n_steps)
         self.watch = StepWatch()  # learning rates and applied steps of the open window, for not_updated
         self._step_handles: list[RemovableHandle] = []  # the optimizers' step hooks of a sampled micro-batch
@@ -272,10 +281,12 @@ class FitRun:
             # all-zero or constant output).
             undefined_skipped={"act_dead_frac", *self.logged},
             total="grad_norm_total" in self.config.stats,
+            zero_quiet=ZERO_IN_HEALTH if self.config.charts == "default" else (),
         )
         default = self.config.layers is None
         notes = step_notes(observed, self.layer_names, default_selection=default, quiet_not_run=self.quiet_not_run)
-        return metrics, values, notes
+        undefined = undefined_note(observed, self.param_names)
+        return metrics, values, [*notes, *([undefined] if undefined is not None else [])]
 
     def collect(self, last_order: Sequence[str] = (), before_update: bool = False) -> ObservedStep:
         """Close the open window: pool it, reduce it over processes and read it back in one host transfer.
@@ -301,6 +312,9 @@ class FitRun:
         wanted = [s for s in default if s in self.config.stats and not (before_update and s == "param_update_ratio")]
         wanted += self.logged if window.layers else ()
         names = [*wanted, *(name for name in _ALWAYS_READ if name in values)]
+        # The weight norm tells an undefined update ratio (weights all 0) from a non-finite one.
+        if "param_update_ratio" in wanted and "param_norm" not in wanted and "param_norm" in values:
+            names.append("param_norm")
         if "param_norm" in wanted and "param_norm_min" in values:  # replicated parameters of a distributed run
             names.append("param_norm_min")
         if recorder.histograms:

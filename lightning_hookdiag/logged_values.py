@@ -1,18 +1,19 @@
 """One sampled step's host values as logged keys and as the rules' values, and the notes on what it could not measure.
 
 Pure Python on plain floats (no torch): the host copy of the pooled state is ``{name: [float, ...]}``, one value per
-layer or parameter. Keys are ``f"{prefix}/{stat}/{name}"`` (``docs/statistics.md``).
+layer or parameter. Keys: :mod:`lightning_hookdiag.keys` (``docs/statistics.md#keys``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+from lightning_hookdiag.keys import depth_of, name_key, step_key, tag, tag_width
 from lightning_hookdiag.names import BATCH
-from lightning_hookdiag.vocabulary import PER_PARAMETER_STATS, PRECURSOR_STATS, counted_by_gradient
+from lightning_hookdiag.vocabulary import PER_PARAMETER_STATS, PRECURSOR_STATS, SUMMARIES, counted_by_gradient
 
 if TYPE_CHECKING:
     from lightning_hookdiag.rules import ParamFacts
@@ -31,6 +32,7 @@ __all__ = [
     "opt_in_note",
     "step_notes",
     "step_values",
+    "undefined_note",
 ]
 
 
@@ -43,27 +45,57 @@ class Note(NamedTuple):
 
 
 class KeyCache:
-    """The logged keys of each statistic, formatted once (1,000 f-strings cost about 0.2 ms a step)."""
+    """The logged keys of the fit (:mod:`lightning_hookdiag.keys`), with the depth of every layer fixed once seen.
 
-    def __init__(self, prefix: str) -> None:
+    A layer's depth is its place in the forward order of the first sampled step it ran on (agreed over processes);
+    a layer first seen on a later step is numbered after the known ones, so a key never changes once numbered. Keys
+    are formatted once per statistic and formatted again only when the names or the numbering change (1,000
+    f-strings cost about 0.2 ms a step).
+    """
+
+    def __init__(self, prefix: str, n_layers: int = 1) -> None:
         self.prefix = prefix
-        self._keys: dict[str, tuple[list[str], list[str]]] = {}
+        self.width = tag_width(n_layers)
+        self.depth: dict[str, int] = {}
+        self._tags: dict[tuple[str, bool], str] = {}  # the tags of numbered names, fixed for the fit
+        self._keys: dict[tuple[str, bool], tuple[list[str], int, list[str]]] = {}
 
-    def keys(self, stat: str, names: Sequence[str]) -> list[str]:
-        """``f"{prefix}/{stat}/{name}"`` for every name, formatted again only when the names change.
+    def number(self, forward_order: Sequence[str]) -> None:
+        """Give each layer of ``forward_order`` not numbered yet the next depth, in that order."""
+        for name in forward_order:
+            if name not in self.depth:
+                self.depth[name] = len(self.depth)
+
+    def tag(self, name: str, parameter: bool = False) -> str:
+        """The depth part of ``name``'s keys (``x`` per digit while it has none)."""
+        held = self._tags.get((name, parameter))
+        if held is not None:
+            return held
+        depth = depth_of(name, self.depth, parameter)
+        found = tag(depth, self.width)
+        if depth is not None:
+            self._tags[(name, parameter)] = found
+        return found
+
+    def keys(self, stat: str, names: Sequence[str], parameter: bool = False) -> list[str]:
+        """The key of ``stat`` for every name, formatted again only when the names or the numbering change.
 
         The names are compared with the ones the keys were formatted from, not counted: a renamed parameter keeps
         their number. Copying and comparing 1,000 names costs about 2 us a statistic, formatting them about 30.
         """
         names = list(names)
-        cached = self._keys.get(stat)
-        if cached is None or cached[0] != names:
-            cached = self._keys[stat] = (names, [f"{self.prefix}/{stat}/{name}" for name in names])
-        return cached[1]
+        numbered = len(self.depth)
+        cached = self._keys.get((stat, parameter))
+        if cached is None or cached[0] != names or cached[1] != numbered:
+            formatted = [name_key(self.prefix, stat, self.tag(name, parameter), name) for name in names]
+            cached = self._keys[(stat, parameter)] = (names, numbered, formatted)
+        return cached[2]
 
-    def key(self, stat: str, name: str | None = None) -> str:
-        """One key; without ``name``, the key of a statistic with one value per step."""
-        return f"{self.prefix}/{stat}" if name is None else f"{self.prefix}/{stat}/{name}"
+    def key(self, stat: str, name: str | None = None, parameter: bool = False) -> str:
+        """One key; without ``name``, the key of a value with one number per step (the summary group)."""
+        if name is None:
+            return step_key(self.prefix, stat)
+        return name_key(self.prefix, stat, self.tag(name, parameter), name)
 
 
 class StepFacts(NamedTuple):
@@ -109,41 +141,60 @@ def step_values(
     param_names: Sequence[str],
     undefined_skipped: Collection[str] = (),
     total: bool = True,
+    zero_quiet: Collection[str] = (),
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """The step's logged metrics, and the same values by statistic and name with what only the rules read.
 
     A layer's statistic exists where the layer ran (``count``; a gradient statistic where a gradient arrived,
-    ``grad_count``), a parameter's where it was measured (``param_seen``); ``depth`` is the place of each layer that
-    ran in ``observed.forward_order``.
+    ``grad_count``), a parameter's where it was measured (``param_seen``). The layers of ``observed.forward_order``
+    not numbered yet are numbered first (:meth:`KeyCache.number`). Besides the per-name values, the step logs its
+    summary group: ``grad_norm_total`` and the worst value of each statistic of
+    :data:`~lightning_hookdiag.vocabulary.SUMMARIES` (NaN if one of its values is NaN).
 
     Args:
         observed: Its ``host`` holds every name of ``wanted``, ``count``, ``grad_count``, ``param_seen`` and
-            ``grad_norm_total``; optionally what only the rules read (``stale_grad_sq``, ``batch_rows``,
-            ``param_norm_min``) and the precursors (a NaN value: not seen; an owner ``""``: no module).
+            ``grad_norm_total`` (and ``param_norm`` when ``param_update_ratio`` is wanted); optionally what only the
+            rules read (``stale_grad_sq``, ``batch_rows``, ``param_norm_min``) and the precursors (a NaN value: not
+            seen; an owner ``""``: no module).
         keys: Formats the keys.
         layer_names: The observed modules, in the order of the per-layer rows.
         param_names: The tracked parameters, in the order of the per-parameter rows.
         undefined_skipped: Statistics whose NaN means "undefined here" and is not logged (``act_dead_frac`` of a
             layer that is not ReLU-like; an opt-in statistic of an all-zero or constant output).
+            ``param_update_ratio`` of weights that were all 0 before the step is never logged (a ratio to 0 is
+            undefined: :func:`undefined_note`); the rules still get it.
         total: Log ``grad_norm_total`` (when a parameter was measured).
+        zero_quiet: Statistics whose per-name values are logged only when one of them is not 0 (their summary is
+            logged on every step).
     """
     host = observed.host
     count, grad_count, seen = host["count"], host["grad_count"], host["param_seen"]
+    keys.number(observed.forward_order)
     metrics: dict[str, float] = {}
     values: dict[str, dict[str, float]] = {}
     for stat in observed.wanted:
-        if stat in PER_PARAMETER_STATS:
+        parameter = stat in PER_PARAMETER_STATS
+        if parameter:
             names, present = param_names, [s > 0 for s in seen]
         else:
             ran = grad_count if counted_by_gradient(stat) else count
             names, present = layer_names, [c > 0 for c in ran]
+        logged = _logged(stat, host, present)
         skip_nan = stat in undefined_skipped
         group: dict[str, float] = {}
-        for key, name, value, ok in zip(keys.keys(stat, names), names, host[stat], present, strict=True):
+        shown: dict[str, float] = {}  # the logged ones: not undefined
+        for key, name, value, ok, log in zip(
+            keys.keys(stat, names, parameter), names, host[stat], present, logged, strict=True
+        ):
             if ok and not (skip_nan and value != value):
-                metrics[key] = group[name] = value
+                group[name] = value
+                if log:
+                    shown[key] = value
         if group:
             values[stat] = group
+        metrics.update(_summaries(keys, stat, shown.values()))
+        if stat not in zero_quiet or any(v != 0 for v in shown.values()):
+            metrics.update(shown)
     for stat, owners in observed.precursors.items():
         group = {n: v for n, v in zip(owners, host[stat], strict=True) if n and v == v}  # NaN: not observed
         if group:
@@ -152,10 +203,6 @@ def step_values(
                 metrics.update({keys.key(stat, n): v for n, v in group.items()})
     if total and any(s > 0 for s in seen):
         metrics[keys.key("grad_norm_total")] = host["grad_norm_total"][0]
-    # Depth travels as data so that a report can order layers from the logs of any logger.
-    ran_names = {name for name, c in zip(layer_names, count, strict=True) if c > 0}
-    for depth, name in enumerate(n for n in observed.forward_order if n in ran_names):
-        metrics[keys.key("depth", name)] = float(depth)
     if "stale_grad_sq" in host:  # passed to the rules, not logged: it is 0 on every healthy step
         held = zip(param_names, host["stale_grad_sq"], strict=True)
         values["param_stale_grad_norm"] = {name: math.sqrt(sq) for name, sq in held if sq != 0}
@@ -165,6 +212,42 @@ def step_values(
         present_min = zip(param_names, host["param_norm_min"], seen, strict=True)
         values["param_norm_min"] = {name: low for name, low, s in present_min if s > 0}
     return metrics, values
+
+
+def _logged(stat: str, host: Mapping[str, list[float]], present: Sequence[bool]) -> list[bool]:
+    """Which of ``stat``'s values are defined: all, but ``param_update_ratio`` of weights that were all 0."""
+    if stat != "param_update_ratio" or "param_norm" not in host:
+        return [True] * len(present)
+    # A weight norm of exactly 0 (a zero-initialised bias): ||dw|| / 0 is 0/0 or x/0, undefined. A NaN or Inf
+    # weight norm is no zero: its ratio is logged as it is.
+    return [norm != 0 for norm in host["param_norm"]]
+
+
+def _summaries(keys: KeyCache, stat: str, logged: Collection[float]) -> dict[str, float]:
+    """The summary group's values of ``stat``: its worst logged value per :data:`SUMMARIES` entry."""
+    if not logged or stat not in SUMMARIES:
+        return {}
+    if any(v != v for v in logged):  # a NaN is the worst there is, and min/max would skip or keep it by position
+        return {keys.key(f"{stat}_{kind}"): math.nan for kind in SUMMARIES[stat]}
+    return {keys.key(f"{stat}_{kind}"): (min if kind == "min" else max)(logged) for kind in SUMMARIES[stat]}
+
+
+def undefined_note(observed: ObservedStep, param_names: Sequence[str]) -> Note | None:
+    """The note on the ``param_update_ratio`` values left out because the weights were all 0, or ``None``."""
+    host = observed.host
+    if "param_update_ratio" not in observed.wanted or "param_norm" not in host:
+        return None
+    held = zip(param_names, host["param_norm"], host["param_seen"], strict=True)
+    zero = [name for name, norm, seen in held if seen > 0 and norm == 0]
+    if not zero:
+        return None
+    shown = ", ".join(zero[:3]) + (f" and {len(zero) - 3} more" if len(zero) > 3 else "")
+    text = (
+        f"param_update_ratio is not logged for parameters whose weights were all 0 before the step ({shown} at step"
+        f" {observed.step}; zero-initialised biases, say): ||dw|| / ||w|| with ||w|| = 0 is undefined, so it is left"
+        " out rather than logged as NaN or Inf. It is logged from the first step their weights are not all 0"
+    )
+    return _note("undefined:param_update_ratio", text, info=True)
 
 
 class Histograms(NamedTuple):

@@ -2,11 +2,12 @@
 
 The callback's logging half for everything that is not a scalar statistic: findings and sentinel trips as
 TensorBoard text, MLflow tags and an artifact, a W&B table, or JSON lines in ``<log_dir>/findings.jsonl`` (CSV and
-any logger with a ``log_dir``); the count of active alerts as a scalar to every logger; the heatmap as an image.
-Nothing here computes or decides: the caller passes each finding once, on the step it is made. Every logger gets
-its share even when another one fails: the errors come back, one per failing logger, for the caller to raise after
-the step. Only rank 0 writes (as Lightning's own ``log_metrics``), and each logger's ``prefix`` applies as Lightning
-applies it to scalars. What each logger receives, and how to read it back: ``docs/loggers.md``.
+any logger with a ``log_dir``); the count of active alerts as a scalar (``<prefix>/alerts_active``, in the summary
+group) to every logger; the heatmap as an image. Nothing here computes or decides: the caller passes each finding
+once, on the step it is made. Every logger gets its share even when another one fails: the errors come back, one per
+failing logger, for the caller to raise after the step. Only rank 0 writes (as Lightning's own ``log_metrics``), and
+each logger's ``prefix`` applies as Lightning applies it to scalars. What each logger receives, and how to read it
+back: ``docs/loggers.md``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger, W
 
 from lightning_hookdiag.errors import MissingExtraError
 from lightning_hookdiag.heatmap_image import as_rgb, png_bytes
+from lightning_hookdiag.keys import ALERTS_ACTIVE, step_key
 from lightning_hookdiag.report.findings_file import FINDINGS_FILE
 from lightning_hookdiag.rules.findings import Finding
 from lightning_hookdiag.step_state import Trip
@@ -129,7 +131,7 @@ class FindingsWriter:
     the run's whole list each time (an MLflow run resumed with ``run_id=`` is read back first; a resumed W&B run
     starts a new table). Per logger, on each step it is called for:
 
-    - every logger: ``<prefix>_alerts/active``, the number of active alerts (its own dashboard group);
+    - every logger: ``<prefix>/alerts_active``, the number of active alerts (in the summary group);
     - TensorBoard: the step's new rows as a Markdown table, text tag ``<prefix>_findings``, and the JSON lines file;
     - MLflow: a tag ``<prefix>.finding.<n>`` per row (``n`` counts the run's rows) and ``<prefix>/findings.jsonl``;
     - W&B: a table ``<prefix>_findings`` of the run's rows, logged with the count;
@@ -171,7 +173,7 @@ class FindingsWriter:
         return errors
 
     def _write_one(self, logger: Logger, step: int, records: list[dict[str, Any]], active: int | None) -> None:
-        metrics: dict[str, Any] = {} if active is None else {f"{self.prefix}_alerts/active": float(active)}
+        metrics: dict[str, Any] = {} if active is None else {step_key(self.prefix, ALERTS_ACTIVE): float(active)}
         if records and isinstance(logger, WandbLogger):
             import wandb
 

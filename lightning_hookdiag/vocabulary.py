@@ -16,7 +16,9 @@ __all__ = [
     "PARAMETER_STATS",
     "PER_PARAMETER_STATS",
     "PRECURSOR_STATS",
+    "SUMMARIES",
     "TOTAL_STATS",
+    "ZERO_IN_HEALTH",
     "counted_by_gradient",
 ]
 
@@ -71,6 +73,24 @@ OPT_IN_STATS: tuple[str, ...] = (
 )
 """Statistics computed only when named in ``stats=``; the precision ones are logged once per target dtype, as
 ``<name>_<target>`` (e.g. ``act_overflow_frac_float16``)."""
+
+
+SUMMARIES: dict[str, tuple[str, ...]] = {
+    "act_std": ("min",),
+    "act_absmax": ("max",),
+    "act_nonfinite": ("max",),
+    "act_dead_frac": ("max",),
+    "act_grad_norm": ("min", "max"),
+    "act_grad_nonfinite": ("max",),
+    "param_update_ratio": ("min", "max"),
+}
+"""The summary group: per statistic, the worst layer's (or parameter's) value on each sampled step, logged as
+``<prefix>/<stat>_<min|max>`` (``act_std_min``: the most collapsed output, ``act_grad_norm_min``/``_max``: the most
+vanishing and the most exploding gradient, ...)."""
+
+ZERO_IN_HEALTH: tuple[str, ...] = ("act_nonfinite", "act_grad_nonfinite")
+"""Counts that are 0 in a healthy run: with ``charts="default"`` their per-layer values are logged only on the steps
+where a layer's is not (their ``_max`` summary is logged on every sampled step)."""
 
 
 def counted_by_gradient(stat: str) -> bool:

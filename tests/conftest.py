@@ -18,8 +18,10 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_hookdiag.keys import ALERTS_ACTIVE, parse_key, step_key
 from lightning_hookdiag.sentinel import LossSentinel
 from lightning_hookdiag.step_state import Trip
+from lightning_hookdiag.vocabulary import PER_PARAMETER_STATS
 
 
 def count_hooks(root: nn.Module) -> int:
@@ -32,11 +34,47 @@ def count_hooks(root: nn.Module) -> int:
     return total
 
 
+def by_name(metrics: dict[str, float]) -> dict[str, float]:
+    """``metrics`` with each per-layer key read back as ``<prefix>/<stat>/<name>``, for tests that look a value up by
+    statistic and layer name; the summary group and every other key stay as they are.
+
+    The logged layout (``<prefix>.<stat>/<depth>_<name>``, ``docs/statistics.md#keys``) is checked on the keys as
+    logged in ``tests/integration/test_keys.py``; the depth part is read with the package's parser.
+    """
+    out = {}
+    for key, value in metrics.items():
+        head = key.partition("/")[0]
+        prefix, dot, _ = head.rpartition(".")
+        parsed = parse_key(key, prefix) if dot and prefix else None
+        if parsed is not None and parsed.name is not None:
+            out[f"{prefix}/{parsed.stat}/{parsed.name}"] = value
+        else:
+            out[key] = value
+    return out
+
+
+def depths(metrics: dict[str, float], prefix: str = "layer_health") -> dict[str, int]:
+    """The depth (place in the forward order) that each layer's keys in ``metrics`` carry, read with the package's
+    parser; parameters' keys (which carry their module's depth) are left out."""
+    out = {}
+    for key in metrics:
+        parsed = parse_key(key, prefix)
+        if parsed is None or parsed.name is None or parsed.depth is None or parsed.stat in PER_PARAMETER_STATS:
+            continue
+        out[parsed.name] = parsed.depth
+    return out
+
+
 class RecordingLogger(Logger):
-    """A real Lightning ``Logger`` that keeps every ``log_metrics`` call in memory."""
+    """A real Lightning ``Logger`` that keeps every ``log_metrics`` call in memory.
+
+    ``raw`` holds the calls as logged; ``calls`` the same calls :func:`by_name` (``<prefix>/<stat>/<name>``), so that
+    a test reads a value by statistic and layer name; :meth:`ours` the statistics of those calls only.
+    """
 
     def __init__(self) -> None:
         super().__init__()
+        self.raw: list[tuple[int | None, dict[str, float]]] = []
         self.calls: list[tuple[int | None, dict[str, float]]] = []
 
     @property
@@ -48,23 +86,26 @@ class RecordingLogger(Logger):
         return 0
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.calls.append((step, dict(metrics)))
+        self.raw.append((step, dict(metrics)))
+        self.calls.append((step, by_name(metrics)))
 
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
         pass
 
     def ours(self, prefix: str = "layer_health") -> list[tuple[int | None, dict[str, float]]]:
-        """The calls that carry this package's statistics (``<prefix>/...``), with those keys only.
+        """The calls that carry this package's statistics, with those keys only, read :func:`by_name`.
 
-        The count of active alerts logged beside them (``<prefix>_alerts/active``) is left out here; the tests of the
-        findings in the loggers read it.
+        That is what :attr:`LayerHealthCallback.last_metrics` holds for the step (by name): every ``<prefix>/...``
+        key but the count of active alerts logged in the same call (``<prefix>/alerts_active``), which the tests of
+        the findings read from :attr:`calls` or :attr:`raw`.
         """
-        head = prefix + "/"
-        return [
-            (s, {k: v for k, v in m.items() if k.startswith(head)})
-            for s, m in self.calls
-            if any(k.startswith(head) for k in m)
-        ]
+        head, count = prefix + "/", step_key(prefix, ALERTS_ACTIVE)
+        out = []
+        for step, metrics in self.calls:
+            kept = {k: v for k, v in metrics.items() if k.startswith(head) and k != count}
+            if kept:
+                out.append((step, kept))
+        return out
 
 
 def make_data(n: int = 32, d_in: int = 4, d_out: int = 1, seed: int = 0) -> TensorDataset:

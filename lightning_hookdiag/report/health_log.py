@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from lightning_hookdiag.errors import ReportError
+from lightning_hookdiag.keys import LEGACY_DEPTH, known_prefixes, parse_key
 from lightning_hookdiag.names import owning_layer
 from lightning_hookdiag.vocabulary import LAYER_STATS, PER_PARAMETER_STATS, TOTAL_STATS
 
@@ -15,7 +16,6 @@ __all__ = ["HealthLog", "Scalar", "build_health_log", "depth_order", "detect_pre
 
 _DEFAULT_PREFIX = "layer_health"
 
-_DEPTH = "depth"
 _KNOWN_ORDER = {s: i for i, s in enumerate(LAYER_STATS + PER_PARAMETER_STATS + TOTAL_STATS)}
 
 
@@ -42,8 +42,9 @@ def _prefixes_before(keys: Iterable[str], segments: frozenset[str], allow_last: 
 def detect_prefix(keys: Iterable[str]) -> str:
     """The key prefix under which the health statistics were logged, among every key of the logs.
 
-    Keys ``<prefix>/depth/<layer>`` decide first, because every sampled step logs them; failing those, keys whose
-    statistic segment is a known statistic name; failing both, the callback's default ``layer_health``.
+    Keys ``<prefix>.<stat>/<depth>_<name>`` of a known statistic decide first; failing those, the keys of older logs:
+    ``<prefix>/depth/<layer>``, which every sampled step logged, then keys whose statistic segment is a known
+    statistic name; failing all, the callback's default ``layer_health``.
 
     Args:
         keys: Every logged key of the run.
@@ -53,13 +54,17 @@ def detect_prefix(keys: Iterable[str]) -> str:
             user can choose between.
 
     Example:
+        >>> detect_prefix(["train_loss", "enc_health.act_mean/0_enc.0", "enc_health/act_std_min"])
+        'enc_health'
         >>> detect_prefix(["train_loss", "enc_health/depth/enc.0", "enc_health/act_mean/enc.0"])
         'enc_health'
         >>> detect_prefix(["train_loss", "epoch"])
         'layer_health'
     """
     keys = list(keys)
-    candidates = _prefixes_before(keys, frozenset({_DEPTH}), allow_last=False)
+    candidates = known_prefixes(keys, LAYER_STATS + PER_PARAMETER_STATS)
+    if not candidates:
+        candidates = _prefixes_before(keys, frozenset({LEGACY_DEPTH}), allow_last=False)
     if not candidates:
         candidates = _prefixes_before(keys, frozenset(LAYER_STATS + PER_PARAMETER_STATS), allow_last=False)
         candidates |= _prefixes_before(keys, frozenset(TOTAL_STATS), allow_last=True)
@@ -77,7 +82,7 @@ def depth_order(names: Iterable[str], depth: dict[str, int], parameters: bool = 
 
     Args:
         names: The layer (or parameter) names to sort.
-        depth: Layer name to its depth (``<prefix>/depth/<layer>``).
+        depth: Layer name to its depth (:attr:`HealthLog.depth`).
         parameters: ``names`` are parameter names, sorted by the depth of their owning layer.
 
     Example:
@@ -90,7 +95,9 @@ def depth_order(names: Iterable[str], depth: dict[str, int], parameters: bool = 
     def key(name: str) -> tuple[int, int, str, str]:
         owner = owning_layer(name, depth) if parameters else name
         d = depth.get(owner)
-        return (0, d, owner, name) if d is not None else (1, 0, owner, name)
+        # Within one depth by name, as a plain sort of the logged keys lists them (a container's own parameter
+        # shares the depth of the first layer inside it).
+        return (0, d, name, owner) if d is not None else (1, 0, owner, name)
 
     return sorted(names, key=key)
 
@@ -109,7 +116,8 @@ class HealthLog:
         steps: Every step at which a statistic was logged, ascending.
         stats: ``{stat: {layer: {step: value}}}`` for per-layer and per-parameter statistics.
         totals: ``{stat: {step: value}}`` for statistics without a layer part, such as ``grad_norm_total``.
-        depth: Forward position of each layer, from the latest step that logged it.
+        depth: Forward position of each layer: the depth in its keys (and a parameter's module's, from its key), or
+            in older logs the ``<prefix>/depth/<layer>`` scalar of the latest step that logged it.
     """
 
     prefix: str
@@ -156,8 +164,8 @@ class HealthLog:
             The row names in depth order, the column steps ascending, and the rows of values.
 
         Example:
-            >>> log = build_health_log([Scalar("layer_health/depth/b", 0, 0.0), Scalar("layer_health/depth/a", 0, 1.0),
-            ...     Scalar("layer_health/act_std/a", 0, 2.0), Scalar("layer_health/act_std/b", 5, 3.0)])
+            >>> log = build_health_log([Scalar("layer_health.act_std/1_a", 0, 2.0),
+            ...     Scalar("layer_health.act_std/0_b", 5, 3.0)])
             >>> log.matrix("act_std")
             (['b', 'a'], [0, 5], [[nan, 3.0], [2.0, nan]])
         """
@@ -179,33 +187,39 @@ def build_health_log(scalars: Iterable[Scalar], prefix: str | None = None) -> He
         ReportError: If ``prefix`` is ``None`` and the logs hold several prefixes.
 
     Example:
-        >>> log = build_health_log([Scalar("train_loss", 0, 0.9), Scalar("layer_health/depth/fc", 0, 0.0),
-        ...     Scalar("layer_health/act_std/fc", 0, 0.5), Scalar("layer_health/grad_norm_total", 0, 2.0)])
+        >>> log = build_health_log([Scalar("train_loss", 0, 0.9), Scalar("layer_health.act_std/0_fc", 0, 0.5),
+        ...     Scalar("layer_health/grad_norm_total", 0, 2.0)])
         >>> log.stats, log.totals, log.depth
         ({'act_std': {'fc': {0: 0.5}}}, {'grad_norm_total': {0: 2.0}}, {'fc': 0})
+
+        Older logs (``<prefix>/<stat>/<name>`` keys and ``<prefix>/depth/<layer>`` scalars) read the same:
+
+        >>> build_health_log([Scalar("layer_health/depth/fc", 0, 0.0), Scalar("layer_health/act_std/fc", 0, 0.5)]).depth
+        {'fc': 0}
     """
     scalars = list(scalars)
     if prefix is None:
         prefix = detect_prefix({s.key for s in scalars})
-    head = prefix + "/"
     stats: dict[str, dict[str, dict[int, float]]] = {}
     totals: dict[str, dict[int, float]] = {}
     depth: dict[str, int] = {}
     steps: set[int] = set()
     # sorted() is stable, so within one step the order of writing still decides which duplicate wins.
     for key, step, value in sorted(scalars, key=lambda s: s.step):
-        if not key.startswith(head):
+        parsed = parse_key(key, prefix)
+        if parsed is None:
             continue
-        stat, has_layer, layer = key[len(head) :].partition("/")
-        if not stat:
-            continue
-        if stat == _DEPTH and has_layer:
+        stat, name = parsed.stat, parsed.name
+        if stat == LEGACY_DEPTH and name is not None:  # an older log: the depth of a layer, as a scalar per step
             if math.isfinite(value):
-                depth[layer] = int(value)
+                depth[name] = int(value)
             continue
-        if has_layer:
-            stats.setdefault(stat, {}).setdefault(layer, {})[step] = value
-        else:
+        if name is None:
             totals.setdefault(stat, {})[step] = value
+        else:
+            stats.setdefault(stat, {}).setdefault(name, {})[step] = value
+            if parsed.depth is not None:
+                # A parameter's key carries its module's depth (depth_order finds the module as its owning layer).
+                depth[name.rpartition(".")[0] if stat.startswith("param_") else name] = parsed.depth
         steps.add(step)
     return HealthLog(prefix=prefix, steps=tuple(sorted(steps)), stats=stats, totals=totals, depth=depth)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cases import BY_NAME, CASES, BugModule, Case, Fit, _mlp, run
+from conftest import by_name
 from torch.utils.data import TensorDataset
 
 from lightning_hookdiag.rules import RULES
@@ -96,7 +97,7 @@ def test_input_scale_is_silent_on_pixels_scaled_to_0_1_without_standardising():
     callback = run(case, sick=True, max_steps=3)
     assert callback.findings == []
     rms = (
-        callback.last_metrics["layer_health/act_mean/model.0"] ** 2
-        + callback.last_metrics["layer_health/act_std/model.0"] ** 2
+        by_name(callback.last_metrics)["layer_health/act_mean/model.0"] ** 2
+        + by_name(callback.last_metrics)["layer_health/act_std/model.0"] ** 2
     ) ** 0.5
     assert rms < 1.0

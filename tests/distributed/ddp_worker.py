@@ -91,7 +91,7 @@ def main(out_dir: str) -> None:
                 every_n_steps=2, stats=[*OPT_IN_STATS, *PRECURSOR_STATS], precision_targets=["float16", "float8_e5m2"]
             )
             if opt_in
-            else CountingCallback(every_n_steps=2)
+            else CountingCallback(every_n_steps=2, charts="all")  # every statistic is compared with a reference
         )
         trainer = make_trainer(
             [callback],

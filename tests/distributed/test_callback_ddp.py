@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TinyModule
+from conftest import TinyModule, by_name, depths
 from reference import activation_stats, dead_fraction, flat, l2, replay_sequential
 from torch import nn
 
@@ -51,7 +51,8 @@ def test_every_rank_holds_the_same_pooled_values(ranks, depth):
 def test_pooled_values_equal_statistics_of_the_union(ranks, depth):
     module = union_module(ranks, depth)
     n_layers = len(module.model)
-    for step, metrics in ranks[0][depth]["pooled"].items():
+    for step, logged in ranks[0][depth]["pooled"].items():
+        metrics = by_name(logged)
         # 2 micro-batches per process, 2 processes; each process's loss is its own mean, scaled by 1/accumulate.
         outputs, grads, param_grads, before = replay_sequential(module, step, accumulate=2)
         assert len(outputs[0]) == 4
@@ -74,7 +75,7 @@ def test_each_rank_alone_would_be_wrong(ranks):
     module.record = ranks[0][1]["record"]
     outputs, _, _, _ = replay_sequential(module, 0, accumulate=2)
     alone = activation_stats(flat(outputs[0]))["act_std"]
-    assert ranks[0][1]["pooled"][0][f"{P}/act_std/model.0"] > 3 * alone
+    assert by_name(ranks[0][1]["pooled"][0])[f"{P}/act_std/model.0"] > 3 * alone
 
 
 def test_each_sampled_step_syncs_with_two_collectives_whatever_the_depth(ranks):
@@ -95,8 +96,10 @@ def test_a_relu_branch_first_run_on_one_rank_gets_the_same_layout_everywhere(ran
     # Every value agrees, depths included: rank 0 did not see the branch run on step 0, yet writes its depth, where
     # rank 1 ran it (the orders are agreed in the MAX all-reduce).
     assert branch[0]["pooled"] == branch[1]["pooled"]
-    assert branch[0]["pooled"][0][f"{P}/depth/branch.1"] == branch[0]["pooled"][0][f"{P}/depth/branch.0"] + 1
-    for step, metrics in branch[0]["pooled"].items():
+    placed = depths(branch[0]["pooled"][0])
+    assert placed["branch.1"] == placed["branch.0"] + 1
+    for step, logged in branch[0]["pooled"].items():
+        metrics = by_name(logged)
         outputs = branch[0]["seen"].get(step, []) + branch[1]["seen"][step]
         assert metrics[f"{P}/act_dead_frac/branch.1"] == pytest.approx(dead_fraction(outputs), abs=1e-12), step
         assert metrics[f"{P}/act_mean/branch.1"] == pytest.approx(activation_stats(flat(outputs))["act_mean"])
@@ -117,7 +120,8 @@ def test_opt_in_statistics_pool_over_processes(ranks):
     assert set(ranks[0]["opt_in"]["collectives"].values()) == {2}
     module = union_module(ranks, "opt_in")
     targets = {"float16": torch.float16, "float8_e5m2": torch.float8_e5m2}
-    for step, metrics in ranks[0]["opt_in"]["pooled"].items():
+    for step, logged in ranks[0]["opt_in"]["pooled"].items():
+        metrics = by_name(logged)
         outputs, grads, _, _ = replay_sequential(module, step, accumulate=2)
         for i in range(len(module.model)):
             for stat, value in outlier_reference(outputs[i]).items():
@@ -148,7 +152,7 @@ def test_a_weight_changed_on_one_rank_is_a_replica_divergence_on_every_rank(rank
         norms = [float(r["diverge"]["perturbed"]["record"][2]["0.weight"].double().norm()) for r in ranks]
         assert norms[1] != norms[0]
         assert finding["value"] == pytest.approx((max(norms) - min(norms)) / max(norms), rel=1e-6)
-        assert perturbed["pooled"][2][f"{P}/param_norm/model.0.weight"] == pytest.approx(max(norms), rel=1e-6)
+        assert by_name(perturbed["pooled"][2])[f"{P}/param_norm/model.0.weight"] == pytest.approx(max(norms), rel=1e-6)
         assert "model.0.weight" in finding["message"]
         assert "differ between processes" in finding["message"]
         # Only the perturbed parameter: the bias stays identical; alerted once while it lasts (steps 2 and 4).

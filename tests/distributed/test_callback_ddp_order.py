@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import depths
 
 pytestmark = pytest.mark.slow  # multi-process: left out of the fast loop, pytest -m "not slow"
 
@@ -25,10 +26,6 @@ def ranks(tmp_path_factory) -> list[dict]:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
-
-
-def depths(metrics: dict[str, float]) -> dict[str, float]:
-    return {k.removeprefix(f"{P}/depth/"): v for k, v in metrics.items() if k.startswith(f"{P}/depth/")}
 
 
 def test_every_rank_holds_the_same_values_depths_orders_and_findings(ranks):

@@ -9,12 +9,13 @@ import weakref
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, count_hooks, make_data, make_trainer
+from conftest import RecordingLogger, TinyModule, by_name, count_hooks, depths, make_data, make_trainer
 from lightning.pytorch.loggers import CSVLogger
 from reference import activation_stats, dead_fraction, flat, l2, replay_sequential, weights_after
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning
+from lightning_hookdiag.keys import parse_key
 
 P = "layer_health"
 
@@ -24,6 +25,11 @@ def by_step(logger: RecordingLogger) -> dict[int, dict[str, float]]:
     steps = [s for s, _ in calls]
     assert len(steps) == len(set(steps)), f"logged more than once for a step: {steps}"
     return dict(calls)
+
+
+def raw_by_step(logger: RecordingLogger, prefix: str = P) -> dict[int, dict[str, float]]:
+    """The keys under ``prefix`` as logged (with the depth in them), by step."""
+    return {s: m for s, m in logger.raw if any(parse_key(k, prefix) for k in m)}
 
 
 def assert_forward_matches(metrics, module, step, accumulate, layers):
@@ -39,7 +45,7 @@ def assert_forward_matches(metrics, module, step, accumulate, layers):
 def test_forward_statistics_and_schedule_under_accumulation():
     module = TinyModule(data=make_data(n=96), batch_size=4)
     logger = RecordingLogger()
-    callback = LayerHealthCallback(every_n_steps=2)
+    callback = LayerHealthCallback(every_n_steps=2, charts="all")  # every statistic, the non-finite counts too
     make_trainer([callback], max_steps=5, accumulate_grad_batches=3, logger=logger).fit(module)
 
     logged = by_step(logger)
@@ -51,9 +57,10 @@ def test_forward_statistics_and_schedule_under_accumulation():
         assert metrics[f"{P}/act_dead_frac/model.1"] == pytest.approx(dead_fraction(outputs[1]))
         # Only ReLU-family layers get a dead fraction.
         assert f"{P}/act_dead_frac/model.0" not in metrics
-        assert [metrics[f"{P}/depth/model.{i}"] for i in range(3)] == [0.0, 1.0, 2.0]
+        # The keys carry each layer's place in the forward order.
+        assert depths(raw_by_step(logger)[step]) == {f"model.{i}": i for i in range(3)}
     assert callback.last_step == 4
-    assert callback.last_metrics == logged[4]
+    assert by_name(callback.last_metrics) == logged[4]
 
 
 def test_dead_units_pooled_over_micro_batches_not_averaged():
@@ -80,7 +87,7 @@ def test_gradient_and_parameter_statistics_match_reference(accumulate, clip):
     module = TinyModule(model=model, data=make_data(n=64), batch_size=4)
     logger = RecordingLogger()
     make_trainer(
-        [LayerHealthCallback(every_n_steps=1)],
+        [LayerHealthCallback(every_n_steps=1, charts="all")],  # the gradients' non-finite counts (0) too
         max_steps=3,
         accumulate_grad_batches=accumulate,
         gradient_clip_val=clip,
@@ -135,21 +142,23 @@ def test_every_logger_receives_one_call_per_sampled_step_and_csv_reads_back(tmp_
     make_trainer([callback], max_steps=7, logger=[csv_logger, recording], log_every_n_steps=1).fit(TinyModule())
     logged = by_step(recording)
     assert sorted(logged) == [0, 3, 6]
-    assert all(len(m) == 3 * 2 + 3 for m in logged.values())  # 3 layers x 2 stats + 3 depth keys
+    # 3 layers x 2 stats + the summary of act_grad_norm (min and max); no depth keys: the depth is in the keys.
+    assert all(len(m) == 3 * 2 + 2 for m in logged.values())
     with open(f"{csv_logger.log_dir}/metrics.csv") as f:
         rows = list(csv.DictReader(f))
-    key = f"{P}/act_mean/model.2"
-    from_csv = {int(r["step"]): float(r[key]) for r in rows if r.get(key)}
-    assert from_csv == pytest.approx({s: m[key] for s, m in logged.items()})
+    column = f"{P}.act_mean/2_model.2"  # as logged
+    from_csv = {int(r["step"]): float(r[column]) for r in rows if r.get(column)}
+    assert from_csv == pytest.approx({s: m[f"{P}/act_mean/model.2"] for s, m in logged.items()})
 
 
 def test_stats_selection_limits_keys_and_custom_prefix():
     logger = RecordingLogger()
     callback = LayerHealthCallback(every_n_steps=1, stats=["act_dead_frac"], prefix="health")
     make_trainer([callback], max_steps=1, logger=logger).fit(TinyModule())
-    assert set(logger.ours("health")[0][1]) == {"health/act_dead_frac/model.1"} | {
-        f"health/depth/model.{i}" for i in range(3)
-    }
+    assert set(logger.ours("health")[0][1]) == {"health/act_dead_frac/model.1", "health/act_dead_frac_max"}
+    # As logged: the layer's group under the custom prefix, with its depth; the summary group with the alert count.
+    (logged,) = raw_by_step(logger, "health").values()
+    assert set(logged) == {"health.act_dead_frac/1_model.1", "health/act_dead_frac_max", "health/alerts_active"}
 
 
 # ---------------------------------------------------------------------------------------------- lifecycle
@@ -484,7 +493,7 @@ def test_settings_changed_after_construction_hold_for_the_next_fit():
     make_trainer([callback], max_steps=5, logger=logger).fit(TinyModule())
     logged = by_step(logger)
     assert sorted(logged) == [0, 2, 4]
-    assert {key.split("/")[1] for metrics in logged.values() for key in metrics} == {"act_mean", "depth"}
+    assert {key.split("/")[1] for metrics in logged.values() for key in metrics} == {"act_mean"}
     assert "'every_n_steps': 2" in callback.state_key  # the checkpoint key agrees with the schedule
 
 

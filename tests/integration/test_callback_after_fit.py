@@ -302,6 +302,7 @@ CONFIG = {
     "output_layer",
     "heatmap_stats",
     "heatmap_every_n_steps",
+    "charts",
 }
 RESULTS = {"last_metrics", "last_step", "layer_names", "execution_order", "findings", "last_findings", "trips"}
 

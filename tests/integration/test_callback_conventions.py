@@ -91,7 +91,8 @@ def test_tensorboard_histograms_carry_the_logger_prefix_like_scalars(tmp_path):
     accumulator = EventAccumulator(tb.log_dir, size_guidance={"histograms": 0, "scalars": 0})
     accumulator.Reload()
     tags = accumulator.Tags()
-    assert "exp-layer_health/act_mean/model.1" in tags["scalars"]
-    assert "exp-layer_health/act_hist/model.1" in tags["histograms"]
-    assert "exp-layer_health/act_grad_hist/model.1" in tags["histograms"]
+    assert "exp-layer_health.act_mean/1_model.1" in tags["scalars"]
+    assert "exp-layer_health/act_std_min" in tags["scalars"]  # the summary group
+    assert "exp-layer_health.act_hist/1_model.1" in tags["histograms"]
+    assert "exp-layer_health.act_grad_hist/1_model.1" in tags["histograms"]
     assert not [t for t in tags["histograms"] if not t.startswith("exp-")]

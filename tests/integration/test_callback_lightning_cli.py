@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from lightning_hookdiag.vocabulary import SUMMARIES
+
 pytestmark = pytest.mark.slow
 
 pytest.importorskip("jsonargparse", reason="LightningCLI needs jsonargparse[signatures] (the 'cli' extra)")
@@ -168,17 +170,21 @@ def test_cli_run_logs_exactly_the_configured_layers_and_stats(runs: dict[str, An
         header = reader.fieldnames or []
         rows = list(reader)
 
-    expected = {f"layer_health/{stat}/{layer}" for stat in STATS if stat.startswith("act_") for layer in LAYERS}
-    expected -= {f"layer_health/act_dead_frac/{layer}" for layer in LAYERS if layer not in RELU_LAYERS}
-    expected |= {f"layer_health/param_norm/{param}" for param in PARAMS}
-    expected |= {f"layer_health/depth/{layer}" for layer in LAYERS}  # always logged, for the report's layer order
-    assert {k for k in header if k.startswith("layer_health/")} == expected
+    # Each layer's keys carry its place in the forward order (LAYERS is that order), a parameter its layer's.
+    depth = {layer: i for i, layer in enumerate(LAYERS)}
+    acts = [stat for stat in STATS if stat.startswith("act_")]
+    expected = {f"layer_health.{stat}/{depth[layer]}_{layer}" for stat in acts for layer in LAYERS}
+    expected -= {f"layer_health.act_dead_frac/{depth[layer]}_{layer}" for layer in LAYERS if layer not in RELU_LAYERS}
+    expected |= {f"layer_health.param_norm/{depth[param.rpartition('.')[0]]}_{param}" for param in PARAMS}
+    # The summary group: the worst layer's value of each statistic of SUMMARIES, and the count of active alerts.
+    expected |= {f"layer_health/{stat}_{kind}" for stat in STATS for kind in SUMMARIES.get(stat, ())}
+    expected |= {"layer_health/alerts_active"}
+    assert {k for k in header if k.startswith("layer_health")} == expected
 
     logged = [row for row in rows if any(row[k] for k in expected)]
     assert [int(row["step"]) for row in logged] == list(range(0, MAX_STEPS, EVERY_N_STEPS))
     for row in logged:
         assert all(row[k] != "" for k in expected), row  # every key on every sampled step
-        assert [float(row[f"layer_health/depth/{layer}"]) for layer in LAYERS] == [0.0, 1.0, 2.0, 3.0]
     # LightningCLI saved the configuration it ran with, callback arguments included.
     saved = yaml.safe_load((metrics_csv.parent / "config.yaml").read_text())
     assert health_args(saved)["layer_types"] == ["torch.nn.Linear", "torch.nn.ReLU"]

@@ -20,17 +20,20 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
-from conftest import TinyModule, make_data, make_trainer
+from conftest import TinyModule, by_name, make_data, make_trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, Logger
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
+from lightning_hookdiag.keys import parse_key
 
 EVERY = 2
 MAX_STEPS = 5
 SAMPLED = [0, 2, 4]
-PREFIX = "layer_health/"
+PREFIX = "layer_health"
+# Logged beside the statistics in the same call, not kept in last_metrics (the findings' tests read it).
+COUNT = f"{PREFIX}/alerts_active"
 # Characters MLflow accepts in a metric name; Lightning's MLFlowLogger strips anything else (with a warning).
 MLFLOW_KEY = re.compile(r"[A-Za-z0-9_/. -]+")
 
@@ -84,17 +87,23 @@ def fit(logger: Logger) -> dict[int, dict[str, float]]:
     assert recorder.per_step[SAMPLED[-1]] == health.last_metrics
     for metrics in recorder.per_step.values():
         # A broad selection: every stat kind and every kind of nested name is present.
-        assert f"{PREFIX}act_mean/model.heads.out-proj" in metrics
-        assert f"{PREFIX}act_dead_frac/model.blocks.0.1" in metrics
-        assert f"{PREFIX}param_update_ratio/model.blocks.1.0.weight" in metrics
-        assert f"{PREFIX}grad_norm_total" in metrics
-        assert all(k.startswith(PREFIX) for k in metrics)
+        named = by_name(metrics)
+        assert f"{PREFIX}/act_mean/model.heads.out-proj" in named
+        assert f"{PREFIX}/act_dead_frac/model.blocks.0.1" in named
+        assert f"{PREFIX}/param_update_ratio/model.blocks.1.0.weight" in named
+        assert f"{PREFIX}/grad_norm_total" in named
+        assert all(parse_key(k, PREFIX) is not None for k in metrics)
         assert all(math.isfinite(v) for v in metrics.values())
     return recorder.per_step
 
 
+def is_statistic(key: str) -> bool:
+    """A key of the callback's statistics (what ``last_metrics`` holds), as logged."""
+    return parse_key(key, PREFIX) is not None and key != COUNT
+
+
 def ours(metrics: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in metrics.items() if k.startswith(PREFIX)}
+    return {k: v for k, v in metrics.items() if is_statistic(k)}
 
 
 # ------------------------------------------------------------------------------------------------------ CSV
@@ -106,7 +115,8 @@ def test_csv_logger_stores_every_sampled_step(tmp_path: Path) -> None:
         reader = csv.DictReader(f)
         header = reader.fieldnames or []
         rows = list(reader)
-    assert {k for k in header if k.startswith(PREFIX)} == set().union(*expected.values())
+    assert {k for k in header if is_statistic(k)} == set().union(*expected.values())
+    assert COUNT in header
     stored: dict[int, dict[str, float]] = {}
     for row in rows:
         values = {k: float(v) for k, v in ours(row).items() if v != ""}
@@ -130,7 +140,7 @@ def test_tensorboard_logger_stores_every_sampled_step(tmp_path: Path) -> None:
 
     acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0})  # 0: keep every event
     acc.Reload()
-    tags = [t for t in acc.Tags()["scalars"] if t.startswith(PREFIX)]
+    tags = [t for t in acc.Tags()["scalars"] if is_statistic(t)]
     # Tags are the keys unchanged (TensorBoard does not rewrite '.', '-' or '/').
     assert set(tags) == set().union(*expected.values())
     stored: dict[int, dict[str, float]] = {}

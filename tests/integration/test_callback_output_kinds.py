@@ -169,7 +169,7 @@ def _reference(module: TinyModule, step: int) -> dict[str, float]:
 
 @pytest.mark.parametrize("kind", [*SKIPPED, *MEASURED])
 def test_every_output_kind_leaves_the_fit_and_the_other_layers_intact(kind: str) -> None:
-    module, logger, messages = _fit(kind, LayerHealthCallback(every_n_steps=1))
+    module, logger, messages = _fit(kind, LayerHealthCallback(every_n_steps=1, charts="all"))  # every statistic
     assert count_hooks(module) == 0
     steps = [step for step, metrics in logger.ours()]
     assert steps == [0, 1, 2]
@@ -274,7 +274,8 @@ def test_a_frozen_transformer_encoder_in_a_training_step_is_skipped_as_nested() 
     logger = RecordingLogger()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        make_trainer([LayerHealthCallback(layers=LAYERS, every_n_steps=1)], max_steps=2, logger=logger).fit(module)
+        callback = LayerHealthCallback(layers=LAYERS, every_n_steps=1, charts="all")  # every statistic, compared
+        make_trainer([callback], max_steps=2, logger=logger).fit(module)
     messages = [str(w.message) for w in caught if issubclass(w.category, LayerHealthWarning)]
     for name in LAYERS[:2]:
         notes = [m for m in messages if f"'{name}'" in m and "nested tensor" in m]

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, count_hooks, force_trips, make_trainer
+from conftest import RecordingLogger, TinyModule, by_name, count_hooks, force_trips, make_trainer
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -60,7 +60,8 @@ def test_huge_finite_activations_give_finite_exact_statistics(factor):
     model = nn.Sequential(nn.Linear(4, 8), Scale(factor), Scale(1 / factor), nn.Linear(8, 1))
     module = TinyModule(model=model)
     logger = RecordingLogger()
-    callback = LayerHealthCallback(every_n_steps=1, layers=["model.1"], on_anomaly="ignore")
+    # charts="all": the non-finite count is logged although it is 0.
+    callback = LayerHealthCallback(every_n_steps=1, layers=["model.1"], on_anomaly="ignore", charts="all")
     make_trainer([callback], max_steps=1, logger=logger).fit(module)
     metrics = by_step(logger)[0]
     _, x, _, weights = module.record[0]
@@ -87,7 +88,7 @@ def test_finite_exploding_gradients_fire_exploding_not_nonfinite():
     module = TinyModule(model=model)
     logger = RecordingLogger()
     recorder = GradRecorder()
-    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore")
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", charts="all")  # the 0 counts too
     make_trainer([recorder, callback], max_steps=1, logger=logger).fit(module)
     metrics = by_step(logger)[0]
     assert all(math.isfinite(v) for v in metrics.values()), metrics
@@ -502,7 +503,8 @@ def test_only_the_requested_statistics_are_logged():
     make_trainer([callback], max_steps=2, logger=logger).fit(TinyModule())
     for _, metrics in logger.ours():
         # grad_norm_total is a statistic of its own: not logged unless asked for.
-        assert {key.split("/")[1] for key in metrics} == {"act_mean", "param_norm", "depth"}
+        # Neither has a summary; the depth is in the keys, never a scalar of its own.
+        assert {key.split("/")[1] for key in metrics} == {"act_mean", "param_norm"}
 
 
 def test_a_step_finished_before_its_update_logs_no_update_ratio(monkeypatch):
@@ -533,5 +535,5 @@ def test_a_layer_type_selection_tracks_only_the_parameters_of_the_selected_layer
     model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 1))
     callback = LayerHealthCallback(every_n_steps=1, layer_types=["torch.nn.Linear"], summary=False)
     make_trainer([callback], max_steps=1).fit(TinyModule(model=model))
-    tracked = {key.rsplit("/", 1)[1] for key in callback.last_metrics if "/param_norm/" in key}
+    tracked = {key.rsplit("/", 1)[1] for key in by_name(callback.last_metrics) if "/param_norm/" in key}
     assert tracked == {"model.0.weight", "model.0.bias", "model.2.weight", "model.2.bias"}

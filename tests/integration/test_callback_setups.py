@@ -5,7 +5,7 @@ import re
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, count_hooks, make_trainer
+from conftest import RecordingLogger, TinyModule, count_hooks, depths, make_trainer
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
@@ -145,10 +145,11 @@ def test_two_callbacks_with_distinct_prefixes_log_apart_with_their_own_depths():
     )
     make_trainer([first, second], max_steps=1, logger=logger).fit(module)
     merged: dict[str, float] = {}
-    for step, metrics in logger.calls:
+    for step, metrics in logger.raw:
         assert step == 0
         assert not set(merged) & set(metrics)  # no key written twice at the step
         merged.update(metrics)
-    assert merged[f"{P}/depth/model.0"] == 0.0
-    assert merged["head_health/depth/model.2"] == 0.0
+    # Each callback numbers its own layers: the first one it observes is at depth 0.
+    assert depths(merged) == {"model.0": 0}
+    assert depths(merged, "head_health") == {"model.2": 0}
     assert merged[f"{P}/grad_norm_total"] != merged["head_health/grad_norm_total"]

@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer
+from conftest import RecordingLogger, TinyModule, by_name, count_hooks, force_trips, make_data, make_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelPruning
 from torch import nn
 from torch.nn.utils import parametrize
@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_hookdiag
 from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning, RuleConfig
 from lightning_hookdiag.step_state import Trip
+from lightning_hookdiag.vocabulary import SUMMARIES
 
 P = "layer_health"
 
@@ -183,7 +184,8 @@ def test_evaluating_the_best_checkpoint_after_fit_keeps_the_fits_results(tmp_pat
     state = saved["callbacks"][callback.state_key]
     assert state["last_step"] < 8
     assert not any(f["rule"] == "dead_units" for f in state["findings"])
-    assert state["last_metrics"][f"{P}/act_dead_frac/model.1"] != last_metrics[f"{P}/act_dead_frac/model.1"]
+    dead_frac = f"{P}/act_dead_frac/model.1"
+    assert by_name(state["last_metrics"])[dead_frac] != by_name(last_metrics)[dead_frac]
 
     if stage == "predict":
         trainer.predict(module, ckpt_path="best")
@@ -261,7 +263,7 @@ def test_without_a_logger_the_callback_says_so_once_and_keeps_its_findings(caplo
     assert "no statistic is logged" in notes[0]
     assert "callback.last_metrics" in notes[0]
     assert callback.last_step == 2
-    assert callback.last_metrics[f"{P}/act_dead_frac/model.1"] == 1.0
+    assert by_name(callback.last_metrics)[f"{P}/act_dead_frac/model.1"] == 1.0
     assert [(f.rule, f.step) for f in callback.findings if f.rule == "dead_units"] == [("dead_units", 0)]
 
 
@@ -289,11 +291,14 @@ def test_rules_take_a_rule_config_as_well_as_a_mapping():
 def test_extra_stats_add_to_the_default_set_and_are_measured():
     logger = RecordingLogger()
     module = TinyModule(data=make_data(n=32))
-    callback = LayerHealthCallback(every_n_steps=4, extra_stats=["act_kurtosis"], summary=False)
+    # charts="all": the per-layer non-finite counts of ALL_STATS are logged although they are 0.
+    callback = LayerHealthCallback(every_n_steps=4, extra_stats=["act_kurtosis"], summary=False, charts="all")
     assert callback.stats == (*lightning_hookdiag.ALL_STATS, "act_kurtosis")
     make_trainer([callback], max_steps=1, logger=logger).fit(module)
     ((step, metrics),) = logger.ours()
-    logged = {k.split("/")[1] for k in metrics} - {"depth"}
+    summaries = {f"{stat}_{kind}" for stat, kinds in SUMMARIES.items() for kind in kinds}
+    assert summaries <= {k.split("/")[1] for k in metrics}  # the summary group, beside the statistics
+    logged = {k.split("/")[1] for k in metrics} - summaries
     # The precursors that do not apply to this model are not logged: no attention call (attn_logit_max), and a
     # regression head of one output, whose log Z is the logit itself (logit_lse_mean).
     assert logged == {*lightning_hookdiag.ALL_STATS, "act_kurtosis"} - {"attn_logit_max", "logit_lse_mean"}

@@ -23,9 +23,16 @@ import pytest
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthError, LayerHealthWarning, RuleConfig
+from lightning_hookdiag.keys import parse_key
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-PREFIX = "layer_health/"
+PREFIX = "layer_health"
+
+
+def is_layer(key: str, stat: str, layer: str) -> bool:
+    """``key`` is the logged key of ``stat`` of ``layer``."""
+    parsed = parse_key(key, PREFIX)
+    return parsed is not None and (parsed.stat, parsed.name) == (stat, layer)
 
 
 def example(name: str) -> ModuleType:
@@ -44,20 +51,37 @@ class Run:
     def logged(self, stat: str) -> dict[int, dict[str, float]]:
         """``{step: {layer: value}}`` of one statistic, read back from the CSV file."""
         out: dict[int, dict[str, float]] = {}
-        head = f"{PREFIX}{stat}/"
         with open(self.csv_dir / "metrics.csv", newline="") as fh:
             for row in csv.DictReader(fh):
                 for key, cell in row.items():
-                    if key.startswith(head) and cell != "":
-                        out.setdefault(int(row["step"]), {})[key[len(head) :]] = float(cell)
+                    parsed = parse_key(key, PREFIX)
+                    if parsed is not None and parsed.stat == stat and parsed.name is not None and cell != "":
+                        out.setdefault(int(row["step"]), {})[parsed.name] = float(cell)
         return out
+
+    def totals(self, stat: str) -> dict[int, float]:
+        """``{step: value}`` of one value of the summary group (``<prefix>/<stat>``), read back from the CSV file."""
+        key = f"{PREFIX}/{stat}"
+        with open(self.csv_dir / "metrics.csv", newline="") as fh:
+            return {int(r["step"]): float(r[key]) for r in csv.DictReader(fh) if r.get(key)}
 
     def losses(self) -> list[float]:
         with open(self.csv_dir / "metrics.csv", newline="") as fh:
             return [float(r["train_loss"]) for r in csv.DictReader(fh) if r.get("train_loss")]
 
     def forward_order(self, step: int) -> list[str]:
-        depth = self.logged("depth")[step]
+        """The layers logged at ``step``, by the depth their keys carry (their place in the forward order)."""
+        depth: dict[str, int] = {}
+        with open(self.csv_dir / "metrics.csv", newline="") as fh:
+            for row in csv.DictReader(fh):
+                if int(row["step"]) != step:
+                    continue
+                for key, cell in row.items():
+                    parsed = parse_key(key, PREFIX)
+                    if parsed is None or parsed.name is None or parsed.depth is None or cell == "":
+                        continue
+                    if not parsed.stat.startswith("param_"):
+                        depth[parsed.name] = parsed.depth
         return sorted(depth, key=depth.__getitem__)
 
 
@@ -191,9 +215,12 @@ def test_nan_origin_is_the_first_nonfinite_layer_in_forward_order(tmp_path, caps
     callback = run.callback
     assert run.warnings == []  # ignore: findings only
 
-    nonfinite = run.logged("act_nonfinite")
-    assert sorted(nonfinite) == list(range(ex.MAX_STEPS))
-    sick_steps = [s for s in sorted(nonfinite) if any(v > 0 for v in nonfinite[s].values())]
+    # The per-layer counts are logged on the steps where one is not 0 (charts="default"), their largest on every step.
+    nonfinite, worst = run.logged("act_nonfinite"), run.totals("act_nonfinite_max")
+    assert sorted(worst) == list(range(ex.MAX_STEPS))
+    sick_steps = [s for s in sorted(worst) if worst[s] > 0]
+    assert sorted(nonfinite) == sick_steps
+    assert all(max(nonfinite[s].values()) == worst[s] for s in sick_steps)
     first = sick_steps[0]
     assert first == ex.HEALTHY_STEPS > 0  # clean steps first: the callback sees the step it happens
     forward = run.forward_order(first)
@@ -227,7 +254,9 @@ def test_nan_with_on_anomaly_raise_names_the_origin(tmp_path, capsys):
     # Training stopped on that step: nothing was logged after it.
     (csv_file,) = tmp_path.rglob("metrics.csv")
     with open(csv_file, newline="") as fh:
-        steps = {int(r["step"]) for r in csv.DictReader(fh) if r.get(f"{PREFIX}depth/{origin}")}
+        # The steps that logged the origin layer's output (every sampled step it ran on).
+        rows = csv.DictReader(fh)
+        steps = {int(r["step"]) for r in rows for k, v in r.items() if v and is_layer(k, "act_mean", origin)}
     assert max(steps) == ex.HEALTHY_STEPS == callback.last_step
     # The findings were recorded before raising, and the run still printed them.
     assert callback.findings[0].layer == origin
@@ -266,10 +295,14 @@ def test_healthy_baseline_has_no_findings_and_no_warnings(tmp_path, capsys):
     assert callback.last_step == sampled[-1]
     layers = set(callback.execution_order)
     assert len(layers) == 7
-    for stat in ("act_grad_norm", "act_nonfinite", "act_grad_nonfinite", "act_mean", "act_std"):
+    for stat in ("act_grad_norm", "act_mean", "act_std"):
         logged = run.logged(stat)
         assert sorted(logged) == sampled, stat
         assert all(set(by_layer) == layers for by_layer in logged.values()), stat
+    # The non-finite counts, 0 on every layer, are charted by their largest (charts="default").
+    for stat in ("act_nonfinite", "act_grad_nonfinite"):
+        assert run.totals(f"{stat}_max") == dict.fromkeys(sampled, 0.0), stat
+        assert run.logged(stat) == {}, stat
     assert all(len(by_layer) == 3 for by_layer in run.logged("act_dead_frac").values())
     # A learnable task, learned.
     losses = run.losses()

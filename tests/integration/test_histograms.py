@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import TinyModule, make_data, make_trainer
+from conftest import TinyModule, by_name, make_data, make_trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from reference import flat, histogram_counts, replay_sequential
 
@@ -44,7 +44,7 @@ def test_tensorboard_histograms_read_back(tmp_path, caplog):
 
     accumulator = EventAccumulator(tb.log_dir, size_guidance={"histograms": 0})
     accumulator.Reload()
-    tag = "layer_health/act_hist/model.1"
+    tag = "layer_health.act_hist/1_model.1"  # the layer's depth in its key, as the scalars
     events = accumulator.Histograms(tag)
     assert [e.step for e in events] == [0, 4]  # histogram steps only, a subset of the sampled steps
     edges = S.histogram_edges(16).tolist()
@@ -52,10 +52,11 @@ def test_tensorboard_histograms_read_back(tmp_path, caplog):
         outputs, grads, _, _ = replay_sequential(module, event.step, accumulate=2)
         assert list(event.histogram_value.bucket) == reference_counts(flat(outputs[1]), edges)
         grad_event = next(
-            e for e in accumulator.Histograms("layer_health/act_grad_hist/model.1") if e.step == event.step
+            e for e in accumulator.Histograms("layer_health.act_grad_hist/1_model.1") if e.step == event.step
         )
         assert list(grad_event.histogram_value.bucket) == reference_counts(flat(grads[1]), edges)
-    assert "layer_health/act_hist/model.1" not in callback.last_metrics  # histograms are not scalars
+    assert tag not in callback.last_metrics  # histograms are not scalars
+    assert not [k for k in by_name(callback.last_metrics) if "_hist/" in k]
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, force_trips, make_data, make_trainer
+from conftest import RecordingLogger, TinyModule, by_name, force_trips, make_data, make_trainer
 from lightning.pytorch.loggers import CSVLogger
 from reference import flat, replay_sequential
 from test_fit_run import start
@@ -91,7 +91,7 @@ def test_full_precision_without_targets_computes_nothing_and_says_how(caplog):
     with caplog.at_level(logging.INFO):
         make_trainer([callback], max_steps=2, logger=logger).fit(TinyModule())
     keys = {k.split("/")[1] for _, m in logger.ours() for k in m}
-    assert keys == {"act_mean", "depth"}
+    assert keys == {"act_mean"}  # no opt-in statistic, no depth scalar (the depth is in the keys)
     notes = [r.getMessage() for r in caplog.records if "precision headroom" in r.getMessage()]
     assert len(notes) == 1
     assert "32-true precision" in notes[0]
@@ -133,7 +133,7 @@ def test_nan_parameter_gradients_are_still_logged_but_undefined_opt_in_values_ar
         module.model[2].weight[0, 0] = float("nan")  # every output, loss and gradient of the step is NaN
     callback = LayerHealthCallback(every_n_steps=1, stats=["param_grad_norm", "act_kurtosis"], on_anomaly="ignore")
     make_trainer([callback], max_steps=1).fit(module)
-    metrics = callback.last_metrics
+    metrics = by_name(callback.last_metrics)
     assert math.isnan(metrics[f"{P}/param_grad_norm/model.0.weight"])  # a default statistic: NaN is the finding
     assert f"{P}/act_kurtosis/model.0" in metrics  # finite outputs before the NaN weight
     assert f"{P}/act_kurtosis/model.2" not in metrics  # no finite output: undefined, not logged

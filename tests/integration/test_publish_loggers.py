@@ -25,6 +25,7 @@ from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.heatmap_image import NONFINITE, render
+from lightning_hookdiag.keys import parse_key
 from lightning_hookdiag.report import read_health_log
 from lightning_hookdiag.report.findings_file import read_findings
 
@@ -57,13 +58,13 @@ def sick_module() -> TinyModule:
 
 def logged_columns(csv_dir: str, stat: str) -> dict[int, dict[str, float]]:
     """``{step: {layer: value}}`` of one statistic, read back from ``metrics.csv``, layers in logged order."""
-    head = f"layer_health/{stat}/"
     columns: dict[int, dict[str, float]] = {}
     with open(Path(csv_dir) / "metrics.csv", newline="") as f:
         for row in csv.DictReader(f):
             for key, cell in row.items():
-                if key.startswith(head) and cell:
-                    columns.setdefault(int(row["step"]), {})[key[len(head) :]] = float(cell)
+                parsed = parse_key(key, "layer_health")
+                if parsed is not None and parsed.stat == stat and parsed.name is not None and cell:
+                    columns.setdefault(int(row["step"]), {})[parsed.name] = float(cell)
     return columns
 
 
@@ -96,8 +97,8 @@ def test_a_fit_publishes_its_trip_finding_count_and_heatmap_to_csv_and_tensorboa
     evaluated = sorted(columns)
     assert evaluated == [0, 2, 4, NAN_STEP]
     with open(Path(csv_logger.log_dir) / "metrics.csv", newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r["layer_health_alerts/active"]]
-    counts = {int(r["step"]): float(r["layer_health_alerts/active"]) for r in rows}
+        rows = [r for r in csv.DictReader(f) if r["layer_health/alerts_active"]]
+    counts = {int(r["step"]): float(r["layer_health/alerts_active"]) for r in rows}
     assert len(rows) == len(counts)
     assert sorted(counts) == evaluated
     assert counts[NAN_STEP] == len(health.last_findings) >= 1  # the step's findings, the nonfinite one at least
@@ -117,7 +118,7 @@ def test_a_fit_publishes_its_trip_finding_count_and_heatmap_to_csv_and_tensorboa
     (text,) = acc.Tensors("layer_health_findings/text_summary")
     assert text.step == NAN_STEP
     assert f"| {NAN_STEP} | nonfinite | {SICK} |" in text.tensor_proto.string_val[0].decode()
-    assert [e.step for e in acc.Scalars("layer_health_alerts/active")] == evaluated
+    assert [e.step for e in acc.Scalars("layer_health/alerts_active")] == evaluated
     (tb_image,) = acc.Images(f"layer_health_heatmap/{STAT}")
     pil = pytest.importorskip("PIL.Image")
     with pil.open(io.BytesIO(tb_image.encoded_image_string)) as decoded:

@@ -15,6 +15,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 import lightning_hookdiag
 from lightning_hookdiag import LayerHealthCallback
+from lightning_hookdiag.keys import parse_key
 from lightning_hookdiag.report import ReportError, ReportWarning, Scalar, build_health_log, read_health_log
 from lightning_hookdiag.report.cli import build_parser, main
 from lightning_hookdiag.report.health_log import stat_order_key
@@ -426,13 +427,15 @@ def test_report_of_a_real_training_run(tmp_path: Path, capsys: pytest.CaptureFix
     assert log.steps == (0, 2, 4)
     assert log.layers("act_grad_norm") == callback.execution_order
     for key, value in callback.last_metrics.items():
-        stat, _, layer = key.removeprefix("layer_health/").partition("/")
-        if stat == "depth":
-            assert log.depth[layer] == value
-        elif layer:
+        parsed = parse_key(key, "layer_health")
+        assert parsed is not None, key
+        stat, layer = parsed.stat, parsed.name
+        if layer is not None:
             assert log.stats[stat][layer][4] == pytest.approx(value, rel=1e-12, nan_ok=True)
+            if not stat.startswith("param_"):  # the depth the key carries is the layer's place in the report
+                assert log.depth[layer] == parsed.depth == callback.execution_order.index(layer)
         else:
-            assert log.totals[stat][4] == pytest.approx(value, rel=1e-12)
+            assert log.totals[stat][4] == pytest.approx(value, rel=1e-12, nan_ok=True)
 
     assert main(["report", str(log_dir)]) == 0
     out = capsys.readouterr().out

@@ -10,7 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import RecordingLogger, make_trainer
+from conftest import RecordingLogger, by_name, make_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -73,7 +73,7 @@ def test_metrics_and_losses_on_the_module_are_not_observed_by_default():
     callback, warned = _fit(_WithMetrics(), steps=3)
     assert warned == []
     assert callback.findings == []
-    observed = {key.rsplit("/", 1)[1] for key in callback.last_metrics if key.count("/") == 2}
+    observed = {key.rsplit("/", 1)[1] for key in by_name(callback.last_metrics) if key.count("/") == 2}
     assert observed == {"model.0", "model.1", "model.2", "model.0.weight", "model.0.bias", "model.2.weight",
                         "model.2.bias"}  # fmt: skip
     assert callback.layer_names == ["model.0", "model.1", "model.2"]
@@ -85,8 +85,10 @@ def test_metrics_and_losses_stay_selectable_by_name():
     callback, _ = _fit(module, steps=2, layers=["model.2", "train_acc", "loss_fn"])
     assert callback.layer_names == ["model.2", "train_acc", "loss_fn"]
     # Accuracy's output is the batch accuracy; the loss module's output is the loss itself.
-    assert callback.last_metrics[f"{P}/act_mean/train_acc"] == pytest.approx(module.batch_accuracy[-1], abs=1e-7)
-    assert callback.last_metrics[f"{P}/act_grad_norm/loss_fn"] == pytest.approx(1.0)  # d(loss)/d(loss)
+    assert by_name(callback.last_metrics)[f"{P}/act_mean/train_acc"] == pytest.approx(
+        module.batch_accuracy[-1], abs=1e-7
+    )
+    assert by_name(callback.last_metrics)[f"{P}/act_grad_norm/loss_fn"] == pytest.approx(1.0)  # d(loss)/d(loss)
 
 
 # ------------------------------------------------------------------------------------------------ no_gradient
@@ -151,8 +153,8 @@ def test_detached_body_is_found_at_its_first_layer_with_every_cut_off_layer_coun
         "3 more layers after it are also cut off: body.1, body.2, body.3",
     )
     assert warned == [f"LayerHealthCallback: {finding.message}"]  # the finding, no separate warning
-    assert f"{P}/act_grad_norm/head" in callback.last_metrics
-    assert f"{P}/act_grad_norm/body.3" not in callback.last_metrics
+    assert f"{P}/act_grad_norm/head" in by_name(callback.last_metrics)
+    assert f"{P}/act_grad_norm/body.3" not in by_name(callback.last_metrics)
 
 
 def test_a_detached_body_is_found_once_per_step_over_accumulated_micro_batches():

@@ -11,7 +11,7 @@ import re
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import TinyModule, count_hooks, make_trainer
+from conftest import TinyModule, by_name, count_hooks, make_trainer
 from torch import nn
 from torch.utils.data import TensorDataset
 from zoo import zoo_module
@@ -46,7 +46,7 @@ class _Watch(pl.Callback):
         step = self.health.last_step
         if step is not None and step not in self.values:
             self.findings[step] = list(self.health.last_findings)
-            self.values[step] = self.health.last_metrics.get(self.key, float("nan"))
+            self.values[step] = by_name(self.health.last_metrics).get(self.key, float("nan"))
 
 
 def _health(**rules) -> LayerHealthCallback:
@@ -204,7 +204,7 @@ def test_history_goes_into_the_checkpoint_state_and_comes_back():
     state = json.loads(json.dumps(health.state_dict()))
     points = state["history"]["points"]["attn_logit_max"]["model.blocks.0.attn"]
     assert [s for s, _ in points] == [0, 1, 2, 3]
-    assert points[-1][1] == health.last_metrics["layer_health/attn_logit_max/model.blocks.0.attn"]
+    assert points[-1][1] == by_name(health.last_metrics)["layer_health/attn_logit_max/model.blocks.0.attn"]
     restored = _health()
     restored.load_state_dict(state)
     assert restored.state_dict()["history"]["points"]["attn_logit_max"]["model.blocks.0.attn"] == points

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import count_hooks, make_trainer
+from conftest import by_name, count_hooks, make_trainer
 from torch import nn
 from torch.utils.data import TensorDataset
 from zoo import (
@@ -55,7 +55,7 @@ def test_healthy_zoo_raises_no_finding_on_any_step(name):
     assert callback.last_step == STEPS - 1
     assert callback.rule_config.enabled == RULES  # every rule was on
     assert set(PRECURSOR_STATS) <= set(callback.stats)  # and every default statistic
-    assert any("/logit_lse_mean/" in k for k in callback.last_metrics)
+    assert any("/logit_lse_mean/" in k for k in by_name(callback.last_metrics))
     assert torch._C._len_torch_function_stack() == 0
     assert [f.message for f in callback.findings] == []
     # Not even a finding that repeated an earlier alert.
@@ -127,7 +127,7 @@ def test_vanishing_sigmoid_stack_names_the_layer_where_the_signal_is_lost():
     )
     make_trainer([callback], max_steps=1).fit(module)
     (finding,) = callback.findings
-    norms = {k.rsplit("/", 1)[1]: v for k, v in callback.last_metrics.items() if "/act_grad_norm/" in k}
+    norms = {k.rsplit("/", 1)[1]: v for k, v in by_name(callback.last_metrics).items() if "/act_grad_norm/" in k}
     backward = sorted(norms, key=lambda n: -int(n.split(".")[1]))  # a chain: backward order is reversed depth
     ref = norms[backward[0]]
     # Independent reference: the first layer, from the output end, after which every layer is below 1e-3 of it.

@@ -202,6 +202,8 @@ def test_a_module_with_only_its_own_parameters_is_tracked_with_one_note():
         "param_grad_norm",
         "param_update_ratio",
         "grad_norm_total",
+        "param_update_ratio_min",  # the summary group
+        "param_update_ratio_max",
     }
 
 

@@ -36,11 +36,11 @@ FENCE = re.compile(r"^\s*(```|~~~)")
 CODE_SPAN = re.compile(r"(`+)(.+?)\1")
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
-KEY = re.compile(r"`(?:layer_health)/([A-Za-z0-9_<>]+)(?:/[^`]*)?`")
+KEY = re.compile(r"`(?:layer_health)[./]([A-Za-z0-9_<>]+)(?:/[^`]*)?`")
 TABLE_SECTION = "Every key"
 DOCSTRING_LINK = re.compile(r"``((?:docs/[\w.-]+|README|CONTRIBUTING)\.md(?:#[\w-]+)?)``")
 # Keys of the key table that are not statistics of the vocabulary (layer metadata and histograms).
-NOT_STATISTICS = {"depth", "act_hist", "act_grad_hist"}
+NOT_STATISTICS = {"alerts_active", "act_hist", "act_grad_hist", "<stat>_min", "<stat>_max"}
 # The precision statistics are logged once per target dtype, as ``<name>_<dtype>``.
 DTYPE_SUFFIX = "_<dtype>"
 

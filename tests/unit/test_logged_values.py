@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from lightning_hookdiag.keys import parse_key
 from lightning_hookdiag.logged_values import (
     KeyCache,
     Note,
@@ -62,15 +63,18 @@ def test_layer_statistics_exist_where_the_layer_ran_and_gradient_ones_where_a_gr
     )
     wanted = ["act_std", "act_grad_norm", "act_grad_overflow_frac_float16", "param_norm"]
     metrics, by_stat = build(values, wanted)
+    # The depth in each key is the layer's place in the forward order (head, enc, enc.inner); a parameter takes its
+    # module's. The summary group has the worst value of each statistic of SUMMARIES.
     assert metrics == {
-        "p/act_std/enc": 1.5,
-        "p/act_std/head": 0.25,
-        "p/act_grad_norm/enc": 3.0,
-        "p/act_grad_overflow_frac_float16/enc": 0.5,
-        "p/param_norm/enc.weight": 2.0,
+        "p.act_std/1_enc": 1.5,
+        "p.act_std/0_head": 0.25,
+        "p/act_std_min": 0.25,
+        "p.act_grad_norm/1_enc": 3.0,
+        "p/act_grad_norm_min": 3.0,
+        "p/act_grad_norm_max": 3.0,
+        "p.act_grad_overflow_frac_float16/1_enc": 0.5,
+        "p.param_norm/1_enc.weight": 2.0,
         "p/grad_norm_total": 5.0,
-        "p/depth/head": 0.0,  # the forward order, of the layers that ran
-        "p/depth/enc": 1.0,
     }
     assert by_stat == {
         "act_std": {"enc": 1.5, "head": 0.25},
@@ -88,8 +92,9 @@ def test_nan_is_dropped_only_where_it_means_undefined():
     assert by_stat["act_dead_frac"] == {"head": 0.5}
     assert by_stat["act_kurtosis"] == {"head": 3.0}
     assert math.isnan(by_stat["act_mean"]["enc"])  # a NaN mean is news: the rules and the loggers see it
-    assert math.isnan(metrics["p/act_mean/enc"])
-    assert "p/act_dead_frac/enc" not in metrics
+    assert math.isnan(metrics["p.act_mean/1_enc"])
+    assert "p.act_dead_frac/1_enc" not in metrics
+    assert metrics["p/act_dead_frac_max"] == 0.5  # the summary of the logged values only
 
 
 def test_no_grad_norm_total_without_a_measured_parameter_or_when_not_asked_for():
@@ -102,9 +107,9 @@ def test_precursors_are_logged_by_their_own_names_and_nan_means_not_seen():
     precursors = {"attn_logit_max": ["enc", "head"], "logit_lse_mean": ["head"], "logit_absmax": [""]}
     metrics, by_stat = build(values, [], precursors=precursors)
     assert by_stat == {"attn_logit_max": {"enc": 12.0}, "logit_lse_mean": {"head": 4.0}}
-    assert metrics["p/attn_logit_max/enc"] == 12.0
-    assert metrics["p/logit_lse_mean/head"] == 4.0
-    assert "p/attn_logit_max/head" not in metrics
+    assert metrics["p.attn_logit_max/1_enc"] == 12.0
+    assert metrics["p.logit_lse_mean/0_head"] == 4.0
+    assert "p.attn_logit_max/0_head" not in metrics
 
 
 def test_a_value_with_no_owner_is_dropped_and_step_loss_reaches_only_the_rules():
@@ -112,7 +117,8 @@ def test_a_value_with_no_owner_is_dropped_and_step_loss_reaches_only_the_rules()
     values = host(logit_lse_mean=[4.0], step_loss=[0.5])
     metrics, by_stat = build(values, [], precursors={"logit_lse_mean": [""], "step_loss": ["loss"]})
     assert by_stat == {"step_loss": {"loss": 0.5}}  # what logit_drift compares the drift with
-    assert not any(key.startswith(("p/logit_lse_mean/", "p/step_loss/")) for key in metrics)
+    parsed = [parse_key(key, "p") for key in metrics]
+    assert not [key for key in parsed if key is None or key.stat in ("logit_lse_mean", "step_loss")]
 
 
 def test_stale_gradients_and_replica_minima_reach_the_rules_but_are_not_logged():
@@ -123,18 +129,23 @@ def test_stale_gradients_and_replica_minima_reach_the_rules_but_are_not_logged()
     assert not [k for k in metrics if "stale" in k or "min" in k]
 
 
-def test_keys_are_formatted_once_per_statistic_and_again_when_the_names_change():
-    keys = KeyCache("h")
+def test_keys_are_formatted_once_per_statistic_and_again_when_the_names_or_the_numbering_change():
+    keys = KeyCache("h", n_layers=12)  # two digits of depth
+    keys.number(["b", "a", "c"])
     first = keys.keys("act_std", ["a", "b"])
     assert keys.keys("act_std", ["a", "b"]) is first
-    assert keys.keys("act_std", ["a", "b", "c"]) == ["h/act_std/a", "h/act_std/b", "h/act_std/c"]
+    assert keys.keys("act_std", ["a", "b", "c"]) == ["h.act_std/01_a", "h.act_std/00_b", "h.act_std/02_c"]
     # A renamed parameter (a reparametrisation) keeps the number of names: the names themselves decide.
-    assert keys.keys("act_std", ["a", "x", "c"]) == ["h/act_std/a", "h/act_std/x", "h/act_std/c"]
+    assert keys.keys("act_std", ["a", "z", "c"]) == ["h.act_std/01_a", "h.act_std/xx_z", "h.act_std/02_c"]
     names = ["a", "b"]
-    assert keys.keys("act_std", names) == ["h/act_std/a", "h/act_std/b"]
+    assert keys.keys("act_std", names) == ["h.act_std/01_a", "h.act_std/00_b"]
     names[1] = "y"  # changed in place: the cache holds its own copy of the names
-    assert keys.keys("act_std", names) == ["h/act_std/a", "h/act_std/y"]
-    assert keys.key("depth", "a") == "h/depth/a"
+    assert keys.keys("act_std", names) == ["h.act_std/01_a", "h.act_std/xx_y"]
+    # A layer first seen later is numbered after the known ones, whose numbers stay.
+    keys.number(["y", "a"])
+    assert keys.keys("act_std", names) == ["h.act_std/01_a", "h.act_std/03_y"]
+    assert keys.key("param_norm", "y.weight", parameter=True) == "h.param_norm/03_y.weight"
+    assert keys.key("param_norm", "scale", parameter=True) == "h.param_norm/xx_scale"
     assert keys.key("grad_norm_total") == "h/grad_norm_total"
 
 
@@ -211,14 +222,16 @@ def test_histograms_are_cut_into_one_series_per_layer_and_kind_with_open_outer_b
     inner = [-1e4, -1e-6, 0.0, 1e-6, 1e4]  # 6 bins per layer
     act = [0, 1, 2, 3, 4, 5] + [0] * 6 + [7, 0, 0, 0, 0, 1]
     grad = [0] * 6 + [0, 0, 9, 9, 0, 0] + [0] * 6
-    h = histogram_series(act, grad, inner, keys=KeyCache("lh"), layer_names=LAYERS)
+    keys = KeyCache("lh", n_layers=len(LAYERS))
+    keys.number(LAYERS)
+    h = histogram_series(act, grad, inner, keys=keys, layer_names=LAYERS)
     assert h.left == [-1e5, -1e4, -1e-6, 0.0, 1e-6, 1e4]
     assert h.right == [-1e4, -1e-6, 0.0, 1e-6, 1e4, 1e5]
     # Layers without a counted value (enc.inner's outputs, every gradient but enc.inner's) have no series.
     assert h.series == [
-        ("lh/act_hist/enc", [0, 1, 2, 3, 4, 5]),
-        ("lh/act_hist/head", [7, 0, 0, 0, 0, 1]),
-        ("lh/act_grad_hist/enc.inner", [0, 0, 9, 9, 0, 0]),
+        ("lh.act_hist/0_enc", [0, 1, 2, 3, 4, 5]),
+        ("lh.act_hist/2_head", [7, 0, 0, 0, 0, 1]),
+        ("lh.act_grad_hist/1_enc.inner", [0, 0, 9, 9, 0, 0]),
     ]
 
 

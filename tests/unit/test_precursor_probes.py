@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import count_hooks, make_trainer
+from conftest import by_name, count_hooks, make_trainer
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
@@ -210,7 +210,7 @@ def test_callback_logs_vit_attention_and_output_logits_equal_to_references():
     seen = _head_outputs(module)
     callback = LayerHealthCallback(every_n_steps=1, stats=STATS, on_anomaly="ignore", summary=False)
     make_trainer([callback], max_steps=3).fit(module)
-    metrics = callback.last_metrics
+    metrics = by_name(callback.last_metrics)
     assert {k for k in metrics if "/attn_logit_max/" in k} == {
         f"layer_health/attn_logit_max/model.blocks.{i}.attn" for i in range(4)
     }
@@ -235,7 +235,9 @@ def test_callback_attention_value_matches_the_qk_of_the_step_it_describes():
     module.model.blocks[2].attn.register_forward_hook(reference)
     callback = LayerHealthCallback(every_n_steps=1, stats=STATS, on_anomaly="ignore", summary=False)
     make_trainer([callback], max_steps=2).fit(module)
-    assert callback.last_metrics["layer_health/attn_logit_max/model.blocks.2.attn"] == pytest.approx(refs[-1], rel=1e-5)
+    assert by_name(callback.last_metrics)["layer_health/attn_logit_max/model.blocks.2.attn"] == pytest.approx(
+        refs[-1], rel=1e-5
+    )
 
 
 def test_output_layer_named_by_the_user_and_its_errors():
@@ -244,7 +246,8 @@ def test_output_layer_named_by_the_user_and_its_errors():
         every_n_steps=1, stats=["logit_lse_mean"], output_layer="model.transformer.ln_f", summary=False
     )
     make_trainer([callback], max_steps=1).fit(module)
-    assert [k for k in callback.last_metrics if "logit_" in k] == ["layer_health/logit_lse_mean/model.transformer.ln_f"]
+    named = by_name(callback.last_metrics)
+    assert [k for k in named if "logit_" in k] == ["layer_health/logit_lse_mean/model.transformer.ln_f"]
     with pytest.raises(ValueError, match=r"output_layer: .*got 3"):
         LayerHealthCallback(output_layer=3)
     with pytest.raises(ValueError, match=r"output_layer: .*got ''"):
@@ -296,7 +299,7 @@ def test_a_compiled_model_gets_the_same_precursor_statistics_as_eager():
             module.model = torch.compile(module.model, backend="eager")
         callback = LayerHealthCallback(every_n_steps=1, stats=list(PRECURSOR_STATS), on_anomaly="ignore", summary=False)
         make_trainer([callback], max_steps=3).fit(module)
-        return {k: v for k, v in callback.last_metrics.items() if "logit" in k}
+        return {k: v for k, v in by_name(callback.last_metrics).items() if "logit" in k}
 
     eager, compiled = run(False), run(True)
     assert len(eager) == 6
@@ -395,7 +398,7 @@ def test_the_output_layer_is_the_last_module_whose_output_can_be_logits():
     module.record_enabled = False
     callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)  # the default set
     make_trainer([callback], max_steps=2).fit(module)
-    metrics = callback.last_metrics
+    metrics = by_name(callback.last_metrics)
     assert sorted(k for k in metrics if "/logit_" in k) == [
         "layer_health/logit_absmax/model.student.2",
         "layer_health/logit_lse_mean/model.student.2",
@@ -416,8 +419,8 @@ def test_a_one_wide_output_gets_its_largest_logit_but_no_log_z():
     module.model[2].register_forward_hook(lambda m, a, out: seen.append(out.detach().double()))
     callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
     make_trainer([callback], max_steps=2).fit(module)
-    assert [k for k in callback.last_metrics if "/logit_" in k] == ["layer_health/logit_absmax/model.2"]
-    assert callback.last_metrics["layer_health/logit_absmax/model.2"] == pytest.approx(
+    assert [k for k in by_name(callback.last_metrics) if "/logit_" in k] == ["layer_health/logit_absmax/model.2"]
+    assert by_name(callback.last_metrics)["layer_health/logit_absmax/model.2"] == pytest.approx(
         float(seen[-1].abs().max()), rel=1e-6
     )
 

@@ -97,7 +97,7 @@ ROWS = [
     [5, "vanishing_gradient", "net.4", "backward", 1e-9, 1e-7, "net.4: gradient 1e-09"],
 ]
 ACTIVE = {3: 3.0, 4: 3.0, 5: 1.0}
-COUNT_KEY = "layer_health_alerts/active"
+COUNT_KEY = "layer_health/alerts_active"
 IMAGE = render([[1.0, 10.0, None], [0.0, 100.0, math.nan]], cell=4)
 
 
@@ -347,7 +347,7 @@ def test_a_failing_logger_does_not_keep_the_others_from_the_step(tmp_path: Path)
 def test_the_prefix_names_the_count(tmp_path: Path) -> None:
     plain = RecordingLogger()
     FindingsWriter(prefix="enc_health").write([plain], 0, [], [], active=0)
-    assert plain.calls == [(0, {"enc_health_alerts/active": 0.0})]
+    assert plain.calls == [(0, {"enc_health/alerts_active": 0.0})]
 
 
 def test_only_rank_zero_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,7 +12,7 @@ import math
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import make_data, make_trainer
+from conftest import by_name, make_data, make_trainer
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -269,6 +269,7 @@ class Finetune(pl.LightningModule):
 
 def _pooled(metrics: dict[str, float], layer: str) -> float:
     # sqrt(sum (ratio * norm)**2 / sum norm**2) over the layer's parameters, from the logged values.
+    metrics = by_name(metrics)
     names = [k.rsplit("/", 1)[1] for k in metrics if k.startswith(f"layer_health/param_norm/{layer}.")]
     update = sum(
         (metrics[f"layer_health/param_update_ratio/{n}"] * metrics[f"layer_health/param_norm/{n}"]) ** 2 for n in names
@@ -287,7 +288,7 @@ def test_update_ratio_is_silent_on_fine_tuning_where_only_the_norm_layer_is_slow
 
 def test_update_ratio_is_silent_through_a_warm_up_from_lr_0():
     callback = _fit(Finetune(lr=1e-3, warmup=100), steps=4)
-    assert callback.last_metrics["layer_health/param_update_ratio/model.0.weight"] > 1e-5
+    assert by_name(callback.last_metrics)["layer_health/param_update_ratio/model.0.weight"] > 1e-5
     assert callback.findings == []
 
 

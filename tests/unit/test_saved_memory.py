@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, count_hooks, make_data, make_trainer
+from conftest import RecordingLogger, TinyModule, by_name, count_hooks, make_data, make_trainer
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
@@ -191,7 +191,7 @@ def test_lbfgs_closures_are_one_measurement_each_not_a_sum():
     assert steps.count(0) > 1  # several closure evaluations per step
     assert steps.count(1) > 1
     assert callback.last_step == 1
-    saved = {k.rsplit("/", 1)[1]: v for k, v in callback.last_metrics.items() if "act_saved_bytes" in k}
+    saved = {k.rsplit("/", 1)[1]: v for k, v in by_name(callback.last_metrics).items() if "act_saved_bytes" in k}
     # Linear saves its input (8 rows x 4), ReLU its output (8 x 8); the last Linear's input is ReLU's output.
     assert saved == {"model.0": 8 * 4 * F32, "model.1": 8 * 8 * F32, "model.2": 0.0}
     assert count_hooks(module) == 0
