@@ -21,11 +21,12 @@ import pytest
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning
+from lightning_hookdiag.keys import parse_key
 
 pytestmark = pytest.mark.slow  # two 100-step fits of a 97-layer model, ~10-20 s each on 2 busy cores
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-PREFIX = "layer_health/"
+PREFIX = "layer_health"
 
 
 def example(name: str) -> ModuleType:
@@ -50,19 +51,19 @@ def csv_dir(log_dir: Path, name: str) -> Path:
 def logged(run: Path, stat: str) -> dict[int, dict[str, float]]:
     """``{step: {layer: value}}`` of one statistic, read back from ``metrics.csv``."""
     out: dict[int, dict[str, float]] = {}
-    head = f"{PREFIX}{stat}/"
     with open(run / "metrics.csv", newline="") as fh:
         for row in csv.DictReader(fh):
             for key, cell in row.items():
-                if key.startswith(head) and cell != "":
-                    out.setdefault(int(row["step"]), {})[key[len(head) :]] = float(cell)
+                parsed = parse_key(key, PREFIX)
+                if parsed is not None and parsed.stat == stat and parsed.name is not None and cell != "":
+                    out.setdefault(int(row["step"]), {})[parsed.name] = float(cell)
     return out
 
 
 def statistic_keys(run: Path) -> set[str]:
     with open(run / "metrics.csv", newline="") as fh:
         header = next(csv.reader(fh))
-    return {key for key in header if key.startswith(PREFIX)}
+    return {key for key in header if parse_key(key, PREFIX) is not None}
 
 
 def findings_file(run: Path) -> list[dict[str, object]]:
@@ -174,8 +175,14 @@ def test_healthy_twin_logs_the_same_statistics_and_finds_nothing(fits):
     assert healthy.last_findings == []
     assert warned == []
     assert not [r for r in findings_file(healthy_run) if r["kind"] == "finding"]
-    # The same charts: every statistic of every layer, on the same sampled steps.
-    assert statistic_keys(healthy_run) == statistic_keys(sick_run)
+    # The same charts: every statistic of every layer, on the same sampled steps; the sick run lacks only the update
+    # ratios left out because they are undefined there (biases that stay exactly 0 behind the dead block, 0 / 0).
+    missing = statistic_keys(healthy_run) - statistic_keys(sick_run)
+    assert statistic_keys(sick_run) <= statistic_keys(healthy_run)
+    frozen = {name for by_layer in logged(sick_run, "param_norm").values() for name, v in by_layer.items() if v == 0}
+    assert missing
+    assert {parse_key(key, PREFIX).name for key in missing} <= frozen
+    assert {parse_key(key, PREFIX).stat for key in missing} == {"param_update_ratio"}
     assert sorted(logged(healthy_run, "act_std")) == sorted(logged(sick_run, "act_std"))
     assert healthy.execution_order == sick.execution_order
     # From the values: every ReLU has live units on every sampled step, and the gradient reaches the input end.
