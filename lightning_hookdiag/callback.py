@@ -39,7 +39,7 @@ from lightning_hookdiag.logged_values import (
     opt_in_note,
 )
 from lightning_hookdiag.opt_in import resolve_targets
-from lightning_hookdiag.publish import FindingsWriter, write_image
+from lightning_hookdiag.publish import FindingsWriter, write_all_clear, write_image
 from lightning_hookdiag.replay import respond, sharded
 from lightning_hookdiag.rules import Finding, RuleConfig, format_error, values_from_metrics
 from lightning_hookdiag.rules.registry import any_reads
@@ -485,7 +485,11 @@ class LayerHealthCallback(Callback):
             self._end_step(self._run, drop=True)
         if self.summary and self.last_step is not None:
             rank_zero_info(self.summary_table())
-        self._raise_first(self._draw_heatmaps(trainer))
+        errors = self._draw_heatmaps(trainer)
+        if self.last_step is not None and not self.findings and not self.trips:
+            text = f"No findings: every rule stayed silent on every sampled step up to step {self.last_step}."
+            errors += write_all_clear(trainer.loggers, self.prefix, self.last_step, text)
+        self._raise_first(errors)
 
     def summary_table(self) -> str:
         """The end-of-fit table: the last sampled step's values per layer in depth order, findings marked."""

@@ -33,7 +33,16 @@ from lightning_hookdiag.rules.findings import Finding
 from lightning_hookdiag.step_state import Trip
 from lightning_hookdiag.table import format_value
 
-__all__ = ["COLUMNS", "FINDINGS_FILE", "FindingsWriter", "finding_record", "trip_message", "trip_record", "write_image"]
+__all__ = [
+    "COLUMNS",
+    "FINDINGS_FILE",
+    "FindingsWriter",
+    "finding_record",
+    "trip_message",
+    "trip_record",
+    "write_all_clear",
+    "write_image",
+]
 
 COLUMNS = ("step", "rule", "layer", "phase", "value", "threshold", "message")
 """The columns of the TensorBoard and W&B tables: one row per finding or trip."""
@@ -215,6 +224,29 @@ class FindingsWriter:
             client.log_batch(run_id, tags=tags[start : start + _MLFLOW_TAGS_PER_BATCH])
         run.extend(records)
         client.log_text(run_id, "".join(json.dumps(record) + "\n" for record in run), artifact)
+
+
+def write_all_clear(loggers: Sequence[Logger], prefix: str, step: int, text: str) -> list[BaseException]:
+    """Say in the loggers with a text view that the run had no finding: TensorBoard text, an MLflow tag.
+
+    A healthy run's dashboard then says so, instead of leaving the reader to infer it from an empty Text tab. CSV and
+    W&B show the absence directly (no ``findings.jsonl``; an empty table is not logged), and get nothing.
+
+    Returns:
+        The error of each logger that failed, after every other logger got the text.
+    """
+    if _global_rank() != 0:
+        return []
+    errors: list[BaseException] = []
+    for logger in loggers:
+        try:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text(_prefixed(logger, f"{prefix}_findings"), text, global_step=step)
+            elif isinstance(logger, MLFlowLogger) and logger.run_id is not None:
+                logger.experiment.set_tag(logger.run_id, _prefixed(logger, f"{prefix}.summary"), text)
+        except Exception as error:  # the other loggers still get the text; the caller raises it after them
+            errors.append(error)
+    return errors
 
 
 def _global_rank() -> int:

@@ -127,3 +127,46 @@ def test_a_fit_publishes_its_trip_finding_count_and_heatmap_to_csv_and_tensorboa
     # The report still reads the statistics: the alert count's key is outside the statistics' prefix.
     log = read_health_log(csv_logger.log_dir)
     assert log.prefix == "layer_health"
+
+
+def test_a_healthy_fit_says_in_tensorboard_and_mlflow_that_nothing_was_found(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    uri = f"file:{tmp_path / 'mlruns'}"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3.7+ refuses a file store without it
+        tb_logger = TensorBoardLogger(tmp_path, name="tb", default_hp_metric=False)
+        mlflow_logger = MLFlowLogger(experiment_name="healthy", tracking_uri=uri)
+        health = LayerHealthCallback(every_n_steps=2, summary=False)
+        module = TinyModule(data=make_data(n=64))
+        module.record_enabled = False
+        make_trainer([health], max_steps=5, logger=[tb_logger, mlflow_logger]).fit(module)
+        tags = MlflowClient(tracking_uri=uri).get_run(mlflow_logger.run_id).data.tags
+    assert health.findings == []
+    assert health.trips == []
+    acc = EventAccumulator(tb_logger.log_dir, size_guidance={"tensors": 0})
+    acc.Reload()
+    (text,) = acc.Tensors("layer_health_findings/text_summary")
+    assert text.step == health.last_step == 4
+    assert text.tensor_proto.string_val[0].decode().startswith("No findings: every rule stayed silent")
+    assert tags["layer_health.summary"].startswith("No findings")
+    assert read_findings(tb_logger.log_dir) == []  # no record of a finding or a trip
+
+
+def test_a_run_with_a_finding_gets_no_all_clear(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb_logger = TensorBoardLogger(tmp_path, name="tb", default_hp_metric=False)
+    health = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", summary=False)
+    make_trainer([health], max_steps=NAN_STEP + 1, logger=[tb_logger]).fit(sick_module())
+    acc = EventAccumulator(tb_logger.log_dir, size_guidance={"tensors": 0})
+    acc.Reload()
+    texts = [t.tensor_proto.string_val[0].decode() for t in acc.Tensors("layer_health_findings/text_summary")]
+    assert texts
+    assert not [t for t in texts if t.startswith("No findings")]
