@@ -182,14 +182,33 @@ SCALED_TYPES: tuple[str, ...] = ("Linear", "Conv1d", "Conv2d", "Conv3d")
 multiplies one input vector: a sample's features, a convolution's patch)."""
 
 
-def _first_weighted(ctx: Context) -> str | None:
-    """The first layer in forward order that owns a tracked parameter.
+PASS_THROUGH_TYPES: tuple[str, ...] = (
+    "Flatten",
+    "Unflatten",
+    "Identity",
+    "Dropout",
+    "Dropout1d",
+    "Dropout2d",
+    "Dropout3d",
+    "AlphaDropout",
+)
+"""Parameter-free module class names that pass the inputs on with their scale, which ``input_scale`` looks past."""
 
-    Parameter-free layers before it (a Flatten, a Dropout) pass the inputs on with their scale.
+
+def _first_weighted(ctx: Context) -> str | None:
+    """The first layer in forward order, past :data:`PASS_THROUGH_TYPES` only, if it owns a tracked parameter.
+
+    ``None`` when another layer comes first: one whose parameters are not tracked (a frozen stem, a body behind a
+    stray ``.detach()``) makes what the next layer reads no longer the inputs.
     """
     params = set(ctx.stat("param_norm")) | set(ctx.param_facts)
     owners = {ctx.orders.owner(p) for p in params}
-    return next((layer for layer in ctx.orders.forward_layers if layer in owners), None)
+    for layer in ctx.orders.forward_layers:
+        if layer in owners:
+            return layer
+        if ctx.layer_types.get(layer, "").rpartition(".")[2] not in PASS_THROUGH_TYPES:
+            return None
+    return None
 
 
 def _inputs_too_small(ctx: Context) -> Iterator[Found]:

@@ -272,3 +272,24 @@ def test_the_small_side_keeps_its_facts_when_it_is_the_only_rule_enabled():
     assert [(f.rule, f.layer) for f in callback.findings] == [("input_scale", "model.0")]
     values = values_from_metrics(callback.last_metrics)
     assert values["param_grad_norm"]["model.0.weight"] > 0
+
+
+def _frozen_stem(sick: bool) -> Fit:
+    # A frozen first layer: what the trained layer after it reads are features, not the inputs; not this rule's to
+    # judge, whatever their scale (here tiny: the frozen stem's weights were scaled down by 1e-4).
+    net = _mlp(64, 32, d_out=2)
+    with torch.no_grad():
+        net[0].weight.mul_(1e-4)
+        net[0].bias.zero_()
+    net[0].requires_grad_(False)
+
+    def trainable(module: BugModule) -> list[nn.Parameter]:
+        return [p for p in module.parameters() if p.requires_grad]  # the usual filter: the stem is in no group
+
+    return Fit(BugModule(net, _features(64, 64, 1.0), loss="ce", lr=0.01, optimized=trainable))
+
+
+def test_a_layer_after_a_frozen_first_layer_is_not_checked_for_input_scale():
+    case = Case("frozen_stem", "", _frozen_stem, None, None, 2)
+    callback = run(case, sick=True, rules={"enabled": ["input_scale"]})
+    assert callback.findings == []
