@@ -44,10 +44,10 @@ def shared_parameters(ctx: Context) -> Iterator[Found]:
     first = next(p for p in shared if ctx.orders.owner(p) == owners[0])
     everything = _holds_every(facts)
     distinct = sorted({i for indices in shared.values() for i in indices})
-    if everything and len(distinct) > 1:
+    others = [i for i in distinct if i not in everything]
+    if everything and others:
         # The GAN mistake: one optimizer built from self.parameters() next to one built from a part of the model.
         whole = everything[0]
-        others = [i for i in distinct if i != whole]
         why = (
             f"optimizer {whole} holds every parameter of the model (built from self.parameters()?) while"
             f" {plural(len(others), 'other optimizer')} ({listing([str(i) for i in others])}) hold a part of it:"

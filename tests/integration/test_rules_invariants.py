@@ -22,7 +22,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.rules import values_from_metrics
+from lightning_hookdiag.rules import ParamFacts, RuleConfig, evaluate, values_from_metrics
 
 NEW_RULES = ("input_scale", "shared_parameters", "scheduler_overstepped")
 
@@ -293,3 +293,20 @@ def test_a_layer_after_a_frozen_first_layer_is_not_checked_for_input_scale():
     case = Case("frozen_stem", "", _frozen_stem, None, None, 2)
     callback = run(case, sick=True, rules={"enabled": ["input_scale"]})
     assert callback.findings == []
+
+
+def _shared(held: dict[str, tuple[int, ...]]) -> list[Any]:
+    facts = {p: ParamFacts(held=True, optimizers=indices) for p, indices in held.items()}
+    config = RuleConfig(enabled=["shared_parameters"])
+    return evaluate({}, ["g", "d"], [], step=3, config=config, param_facts=facts)
+
+
+def test_two_optimizers_over_the_whole_model_are_not_called_a_part_and_a_whole():
+    # Both optimizers hold everything: no optimizer holds "a part", so the generic message, not the GAN one.
+    (both,) = _shared({"g.weight": (0, 1), "d.weight": (0, 1)})
+    assert "holds every parameter of the model" not in both.message
+    assert "g.weight by optimizers 0 and 1" in both.message
+    (gan,) = _shared({"g.weight": (0,), "d.weight": (0, 1)})
+    assert (gan.layer, gan.value) == ("d", 1)
+    assert "optimizer 0 holds every parameter of the model (built from self.parameters()?) while 1 other" in gan.message
+    assert _shared({"g.weight": (0,), "d.weight": (1,)}) == []
