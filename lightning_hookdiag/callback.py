@@ -102,14 +102,18 @@ def _histogram_writer(logger: Logger) -> HistogramWriter | None:
 
 def _schedule(
     trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-) -> tuple[str | None, int | None]:
-    """How the Trainer steps ``optimizer``'s LR scheduler (manual optimization: ``None``) and how often it has."""
+) -> tuple[str | None, int | None, int | None]:
+    """How the Trainer steps ``optimizer``'s LR scheduler (manual optimization: ``None``), how often it has, and when.
+
+    When: the Trainer's clock for that interval, the optimizer step (``"step"``) or the epoch (``"epoch"``).
+    """
     for config in trainer.lr_scheduler_configs:
         if getattr(config.scheduler, "optimizer", None) is optimizer:
             steps = getattr(config.scheduler, "last_epoch", None)
             interval = config.interval if pl_module.automatic_optimization else None
-            return interval, steps if isinstance(steps, int) else None
-    return None, None
+            clock = trainer.current_epoch if interval == "epoch" else trainer.global_step
+            return interval, steps if isinstance(steps, int) else None, clock
+    return None, None, None
 
 
 def _stepping_optimizers(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[torch.optim.Optimizer]:

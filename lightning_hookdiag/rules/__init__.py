@@ -18,7 +18,15 @@ Example:
 """  # noqa: E501
 
 from lightning_hookdiag.names import BATCH, LOSS, ROOT
-from lightning_hookdiag.rules import activations, gradients, nonfinite, parameters, precursors, spike  # noqa: F401
+from lightning_hookdiag.rules import (  # noqa: F401
+    activations,
+    gradients,
+    nonfinite,
+    optimizers,
+    parameters,
+    precursors,
+    spike,
+)
 from lightning_hookdiag.rules.activations import SATURATING_TYPES
 from lightning_hookdiag.rules.alerts import AlertState
 from lightning_hookdiag.rules.config import RuleConfig

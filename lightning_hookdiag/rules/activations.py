@@ -14,7 +14,7 @@ from lightning_hookdiag.rules.findings import also, listing, plural
 from lightning_hookdiag.rules.gradients import InputSide, is_dead, stopped_by_dead
 from lightning_hookdiag.rules.registry import Found, rule
 
-__all__ = ["SATURATING_TYPES", "activation_scale"]
+__all__ = ["SATURATING_TYPES", "SCALED_TYPES", "activation_scale"]
 
 
 SATURATING_TYPES: tuple[str, ...] = ("Tanh", "Sigmoid")
@@ -156,9 +156,9 @@ def precision_headroom(ctx: Context) -> Iterator[Found]:
                         yield Found(layer, frac, message, threshold, phase, name)
 
 
-@rule(order=13, phase="forward", stat="act_std")
+@rule(order=13, phase="forward", stat="act_std", uses=["param_facts"])
 def input_scale(ctx: Context) -> Iterator[Found]:
-    """The first layer's output RMS, on the fit's first sampled step, is too large."""
+    """The first layer's inputs, on the fit's first sampled step, are far too large or far too small."""
     # Only while the weights are those the fit started from (no earlier sampled step): later, a first layer whose
     # weights blew up (a learning rate too high) has a large output RMS from perfectly scaled inputs.
     if ctx.baseline is not None:
@@ -173,6 +173,75 @@ def input_scale(ctx: Context) -> Iterator[Found]:
             " likely far from unit scale (raw 0-255 pixels, unnormalised features); scale them to mean 0 and std 1"
         )
         yield Found(first, scale[first], message, limit, stat=stat)
+        return
+    yield from _inputs_too_small(ctx)
+
+
+SCALED_TYPES: tuple[str, ...] = ("Linear", "Conv1d", "Conv2d", "Conv3d")
+"""Module class names whose input scale ``input_scale`` estimates from the weight gradient (``weight[o, ...]``
+multiplies one input vector: a sample's features, a convolution's patch)."""
+
+
+PASS_THROUGH_TYPES: tuple[str, ...] = (
+    "Flatten",
+    "Unflatten",
+    "Identity",
+    "Dropout",
+    "Dropout1d",
+    "Dropout2d",
+    "Dropout3d",
+    "AlphaDropout",
+)
+"""Parameter-free module class names that pass the inputs on with their scale, which ``input_scale`` looks past."""
+
+
+def _first_weighted(ctx: Context) -> str | None:
+    """The first layer in forward order, past :data:`PASS_THROUGH_TYPES` only, if it owns a tracked parameter.
+
+    ``None`` when another layer comes first: one whose parameters are not tracked (a frozen stem, a body behind a
+    stray ``.detach()``) makes what the next layer reads no longer the inputs.
+    """
+    params = set(ctx.stat("param_norm")) | set(ctx.param_facts)
+    owners = {ctx.orders.owner(p) for p in params}
+    for layer in ctx.orders.forward_layers:
+        if layer in owners:
+            return layer
+        if ctx.layer_types.get(layer, "").rpartition(".")[2] not in PASS_THROUGH_TYPES:
+            return None
+    return None
+
+
+def _inputs_too_small(ctx: Context) -> Iterator[Found]:
+    """The first weighted layer's input vectors, estimated from ``||dL/dW|| / ||dL/dy||``, are far below unit norm.
+
+    For ``y = W x + b`` summed over the batch (and a convolution's positions), ``dL/dW = sum dL/dy x^T``: with the
+    output gradient uncorrelated with the inputs, ``||dL/dW||^2 ~ ||dL/dy||^2 E||x||^2``, so the ratio of the two
+    norms estimates the RMS norm of one input vector, whatever the layer's width (a one-hot row has norm 1); the
+    weights do not enter it. Measured margins: ``docs/rules.md#input_scale-both-ends``.
+    """
+    floor = ctx.config.input_scale_floor
+    layer = _first_weighted(ctx)
+    if layer is None or ctx.layer_types.get(layer, "").rpartition(".")[2] not in SCALED_TYPES:
+        return  # an Embedding reads indices, a norm layer rescales its inputs itself: no input scale to check
+    weight = f"{layer}.weight"
+    fact = ctx.param_facts.get(weight)
+    g_weight = ctx.stat("param_grad_norm").get(weight, math.nan)
+    g_out = ctx.stat("act_grad_norm").get(layer, math.nan)
+    if fact is None or len(fact.shape) < 2 or not (finite(g_weight) and finite(g_out) and g_out > 0):
+        return
+    norm = g_weight / g_out
+    if norm >= floor:
+        return
+    fan_in = math.prod(fact.shape[1:])
+    message = (
+        f"input_scale: the inputs of {layer}, the first layer with parameters in forward order, have an estimated"
+        f" norm of {norm:.3g} per input vector (RMS {norm / math.sqrt(fan_in):.3g} over its {fan_in} inputs) at step"
+        f" {ctx.step}, the first sampled step of the fit, from its weight gradient norm {g_weight:.3g} over its"
+        f" output gradient norm {g_out:.3g} (input_scale_floor={floor:g}): its inputs are far below unit scale"
+        " (features divided by 255 twice, values in the wrong unit, a mask of 1e-6), so its weights barely shape"
+        " its outputs and their gradient is as small; scale them to mean 0 and std 1"
+    )
+    yield Found(layer, norm, message, floor, phase="backward", stat="param_grad_norm")
 
 
 @rule(order=20, phase="forward", stat="batch_repeated")

@@ -55,6 +55,8 @@ class RuleConfig:
         update_ratio_low: ``update_ratio``'s bound on every layer's update-to-weight ratio; in ``(0, 1)``.
         effective_lr_low: ... and on every layer's update over its gradient; finite, ``> 0``.
         input_scale_limit: ``input_scale``'s bound on the first layer's output RMS; finite, ``> 1``.
+        input_scale_floor: ... and on the norm of the first Linear/Conv layer's input vectors (a sample's features, a
+            convolution's patch), estimated from its weight gradient; in ``(0, 1)``.
         moved_mass_threshold: ``not_updated``'s bound on the share of squared mass that moved; in ``(0, 1]``.
         replica_rtol: ``replica_divergence``'s relative tolerance between processes' parameter norms; in ``[0, 1)``.
         attn_logit_threshold: ``attention_logits`` fires at ``attn_logit_max >=`` this; finite, ``> 0``.
@@ -98,6 +100,7 @@ class RuleConfig:
     update_ratio_low: float = _setting(1e-5, *_UNIT_OPEN)
     effective_lr_low: float = _setting(5e-4, *_POSITIVE)
     input_scale_limit: float = _setting(20.0, *_ABOVE_1)
+    input_scale_floor: float = _setting(0.1, *_UNIT_OPEN)
     moved_mass_threshold: float = _setting(0.1, *_UNIT_UPPER)
     replica_rtol: float = _setting(1e-6, *_UNIT_LOWER)
     attn_logit_threshold: float = _setting(50.0, *_POSITIVE)
@@ -153,11 +156,11 @@ class RuleConfig:
 
         Example:
             >>> RuleConfig.from_mapping({"exploding_ratio": 1e4, "enabled": ["nonfinite"]})
-            RuleConfig(enabled=('nonfinite',), dead_frac_threshold=0.9, vanishing_ratio=0.001, exploding_ratio=10000.0, saturation_level=0.9, saturation_frac=0.5, spike_window=50, spike_warmup=20, spike_zscore=8.0, spike_ratio=10.0, spike_floor=0.01, spike_growth=10.0, overflow_frac_threshold=0.0, update_ratio_low=1e-05, effective_lr_low=0.0005, input_scale_limit=20.0, moved_mass_threshold=0.1, replica_rtol=1e-06, attn_logit_threshold=50.0, attn_trend_floor=10.0, attn_trend_horizon=10, trend_window=8, logit_drift_nats=5.0, drift_loss_tolerance=0.1, unbounded_growth=2.0, update_jump_ratio=5.0)
+            RuleConfig(enabled=('nonfinite',), dead_frac_threshold=0.9, vanishing_ratio=0.001, exploding_ratio=10000.0, saturation_level=0.9, saturation_frac=0.5, spike_window=50, spike_warmup=20, spike_zscore=8.0, spike_ratio=10.0, spike_floor=0.01, spike_growth=10.0, overflow_frac_threshold=0.0, update_ratio_low=1e-05, effective_lr_low=0.0005, input_scale_limit=20.0, input_scale_floor=0.1, moved_mass_threshold=0.1, replica_rtol=1e-06, attn_logit_threshold=50.0, attn_trend_floor=10.0, attn_trend_horizon=10, trend_window=8, logit_drift_nats=5.0, drift_loss_tolerance=0.1, unbounded_growth=2.0, update_jump_ratio=5.0)
             >>> RuleConfig.from_mapping({"dead_frac": 0.5})
             Traceback (most recent call last):
             ...
-            ValueError: unknown rule setting(s) ['dead_frac']; valid keys: ['attn_logit_threshold', 'attn_trend_floor', 'attn_trend_horizon', 'dead_frac_threshold', 'drift_loss_tolerance', 'effective_lr_low', 'enabled', 'exploding_ratio', 'input_scale_limit', 'logit_drift_nats', 'moved_mass_threshold', 'overflow_frac_threshold', 'replica_rtol', 'saturation_frac', 'saturation_level', 'spike_floor', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore', 'trend_window', 'unbounded_growth', 'update_jump_ratio', 'update_ratio_low', 'vanishing_ratio']
+            ValueError: unknown rule setting(s) ['dead_frac']; valid keys: ['attn_logit_threshold', 'attn_trend_floor', 'attn_trend_horizon', 'dead_frac_threshold', 'drift_loss_tolerance', 'effective_lr_low', 'enabled', 'exploding_ratio', 'input_scale_floor', 'input_scale_limit', 'logit_drift_nats', 'moved_mass_threshold', 'overflow_frac_threshold', 'replica_rtol', 'saturation_frac', 'saturation_level', 'spike_floor', 'spike_growth', 'spike_ratio', 'spike_warmup', 'spike_window', 'spike_zscore', 'trend_window', 'unbounded_growth', 'update_jump_ratio', 'update_ratio_low', 'vanishing_ratio']
         """  # noqa: E501
         if d is None:
             return cls()

@@ -98,6 +98,13 @@ class ParamFacts:
         interval: How Lightning steps the LR scheduler of the optimizer (``"step"`` or ``"epoch"``), ``None``
             without one.
         scheduler_steps: How many times that scheduler has stepped (its ``last_epoch``), ``None`` if unknown.
+        scheduler_advance: Since the previous sampled step on which that optimizer was seen: ``(times the scheduler
+            stepped, the most times Lightning can have stepped it, the Lightning clock then)``; the clock is the
+            optimizer step for ``interval="step"`` and the epoch for ``"epoch"``. ``None`` on the first sampled step,
+            under manual optimization (Lightning steps no scheduler) and without a scheduler.
+        optimizers: The index, in the Trainer's list of optimizers, of each optimizer whose param groups hold the
+            parameter, once per time it is held (``(0, 0)``: twice in one optimizer), read at the step.
+        shape: The parameter's shape (a weight's fan-in, for ``input_scale``).
 
     Example:
         >>> ParamFacts(held=True, lr=0.1, dtype="bfloat16", eps=2**-7).eps
@@ -114,6 +121,9 @@ class ParamFacts:
     opt_eps: float | None = None
     interval: str | None = None
     scheduler_steps: int | None = None
+    scheduler_advance: tuple[int, int, int] | None = None
+    optimizers: tuple[int, ...] = ()
+    shape: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ class Rule:
     stat: str
     reads: tuple[str, ...]
     event: bool
+    uses: tuple[str, ...] = ()
 
     def run(self, ctx: Any) -> list[Finding]:
         """The rule's findings on ``ctx``; none when a part of the context it reads is absent or empty."""
@@ -65,6 +66,7 @@ def rule(
     name: str | None = None,
     reads: Iterable[str] = (),
     event: bool = False,
+    uses: Iterable[str] = (),
 ) -> Callable[[Check], Check]:
     """Register the decorated function as a rule, under its own name unless ``name`` is given.
 
@@ -76,6 +78,8 @@ def rule(
         reads: Parts of the context (``"trip"``, ``"param_facts"``) without which the rule says nothing.
         event: Whether each finding is an event of one step that alerts every time (``loss_spike``), not a
             condition that persists until it clears.
+        uses: Parts of the context the rule reads where present, without needing them for all it says: gathered
+            for it like ``reads`` (``input_scale`` reads the weights' shapes in ``"param_facts"`` for its small side).
 
     Raises:
         ValueError: If a rule of that name is registered already.
@@ -93,15 +97,15 @@ def rule(
         key = name or check.__name__
         if key in REGISTRY:
             raise ValueError(f"rule: {key!r} is registered already (by {REGISTRY[key].check.__module__})")
-        REGISTRY[key] = Rule(key, check, order, phase, stat, tuple(reads), event)
+        REGISTRY[key] = Rule(key, check, order, phase, stat, tuple(reads), event, tuple(uses))
         return check
 
     return register
 
 
 def any_reads(part: str, names: Iterable[str]) -> bool:
-    """Whether any of the rules ``names`` reads ``part`` of the context (asked live: extension rules count)."""
-    return any(n in REGISTRY and part in REGISTRY[n].reads for n in names)
+    """Whether any of the rules ``names`` reads or uses ``part`` of the context (asked live: extension rules count)."""
+    return any(n in REGISTRY and (part in REGISTRY[n].reads or part in REGISTRY[n].uses) for n in names)
 
 
 def registered() -> list[Rule]:

@@ -589,7 +589,8 @@ def test_alert_state_counts_every_finding_seen():
                             "precision_headroom": 0, "update_ratio": 0, "warmup_stuck": 0, "stale_gradients": 0,
                             "zeroed_gradients": 0, "input_scale": 0, "not_updated": 0, "replica_divergence": 0,
                             "attention_logits": 0, "logit_drift": 0, "unbounded_loss": 0,
-                            "update_jump": 0, "repeated_batch": 0, "unregistered_module": 0}  # fmt: skip
+                            "update_jump": 0, "repeated_batch": 0, "unregistered_module": 0,
+                            "shared_parameters": 0, "scheduler_overstepped": 0}  # fmt: skip
 
 
 def test_alert_state_round_trips_through_json_and_pickle():
@@ -699,7 +700,8 @@ def test_from_mapping_builds_and_defaults():
 def test_from_mapping_rejects_unknown_keys_listing_valid_ones_sorted():
     valid = (
         "['attn_logit_threshold', 'attn_trend_floor', 'attn_trend_horizon', 'dead_frac_threshold',"
-        " 'drift_loss_tolerance', 'effective_lr_low', 'enabled', 'exploding_ratio', 'input_scale_limit',"
+        " 'drift_loss_tolerance', 'effective_lr_low', 'enabled', 'exploding_ratio', 'input_scale_floor',"
+        " 'input_scale_limit',"
         " 'logit_drift_nats', 'moved_mass_threshold', 'overflow_frac_threshold', 'replica_rtol',"
         " 'saturation_frac', 'saturation_level', 'spike_floor', 'spike_growth', 'spike_ratio', 'spike_warmup',"
         " 'spike_window', 'spike_zscore', 'trend_window', 'unbounded_growth', 'update_jump_ratio', 'update_ratio_low',"

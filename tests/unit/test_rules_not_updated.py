@@ -251,9 +251,9 @@ def test_step_watch_reads_the_lr_before_the_step_and_sees_whether_the_step_ran()
     scheduler.step()  # raises the lr after the step, as Lightning does before the step is diagnosed
     names = ["lin.weight", "lin.bias", "other.weight"]
     facts = watch.facts(names, [lin.weight, lin.bias, other.weight])
-    assert facts["lin.weight"] == ParamFacts(held=True, applied=True, lr=0.0, base_lr=0.0)
-    assert facts["lin.bias"] == ParamFacts(held=True, applied=True, lr=0.0, base_lr=0.2)
-    assert facts["other.weight"] == ParamFacts(held=True, applied=False, lr=0.3, base_lr=None)
+    assert facts["lin.weight"] == ParamFacts(held=True, applied=True, lr=0.0, base_lr=0.0, shape=(1, 2))
+    assert facts["lin.bias"] == ParamFacts(held=True, applied=True, lr=0.0, base_lr=0.2, shape=(1,))
+    assert facts["other.weight"] == ParamFacts(held=True, applied=False, lr=0.3, base_lr=None, shape=(1, 2))
     watch.release()
     assert not opt._optimizer_step_post_hooks
     assert not skipped._optimizer_step_post_hooks
@@ -270,9 +270,9 @@ def test_step_watch_facts_of_unheld_shared_and_low_precision_parameters():
     assert watch.unheld([a, b, c], [first, second]) == [c]
     second.step()
     facts = watch.facts(["a", "b", "c"], [a, b, c])
-    assert facts["a"] == ParamFacts(held=True, applied=True, lr=0.5)  # the largest lr; one optimizer stepped
+    assert facts["a"] == ParamFacts(held=True, applied=True, lr=0.5, optimizers=(0, 1), shape=(2,))  # the largest lr
     assert (facts["b"].dtype, facts["b"].eps) == ("bfloat16", 2.0**-7)
-    assert facts["c"] == ParamFacts(held=False, applied=False)
+    assert facts["c"] == ParamFacts(held=False, applied=False, shape=(2,))
     watch.release()
 
 
