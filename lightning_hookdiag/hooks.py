@@ -19,7 +19,32 @@ from torch.utils.hooks import RemovableHandle
 from lightning_hookdiag.components import Component, call_all
 from lightning_hookdiag.torch_internals import in_backward
 
-__all__ = ["HookSet", "first_floating_tensor", "tensors"]
+__all__ = ["HookSet", "first_floating_tensor", "module_hook", "tensors"]
+
+
+def module_hook(method: Callable[..., Any], *args: Any) -> Callable[..., Any]:
+    """``method`` with ``args`` first, as a plain function to register on a user's module.
+
+    A module's hooks live in its ``__dict__``, so ``copy.deepcopy(module)`` (a user's EMA copy or snapshot in
+    ``training_step``, during a sampled step) copies them: a bound method or a ``functools.partial`` would be
+    deep-copied with the object behind it, and with any tensor that object holds (an output with its autograd graph,
+    which cannot be copied). A function is copied by reference.
+
+    Example:
+        >>> import copy
+        >>> from torch import nn
+        >>> seen = []
+        >>> net = nn.Linear(2, 2)
+        >>> _ = net.register_forward_hook(module_hook(lambda tag, module, args, out: seen.append(tag), "fc"))
+        >>> _ = copy.deepcopy(net)(torch.ones(2))
+        >>> seen
+        ['fc']
+    """
+
+    def hook(*hook_args: Any) -> Any:
+        return method(*args, *hook_args)
+
+    return hook
 
 
 def tensors(value: Any, path: str | None = None) -> Iterator[tuple[str | None, Tensor]]:

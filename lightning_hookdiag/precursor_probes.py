@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
-from functools import partial
 from typing import Any
 
 import torch
@@ -25,7 +24,7 @@ from typing_extensions import override
 from lightning_hookdiag import stats
 from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.components import Component, Setup, WindowStart, component
-from lightning_hookdiag.hooks import first_floating_tensor
+from lightning_hookdiag.hooks import first_floating_tensor, module_hook
 from lightning_hookdiag.rules.precursors import SIGMOID_LINK, SOFTMAX_LINK
 from lightning_hookdiag.selection import named_modules, unmatched_error
 from lightning_hookdiag.torch_internals import calling_modules, exit_mode, in_backward
@@ -285,7 +284,7 @@ class PrecursorProbes(Component):
         if self.output_stats:
             exits = self.hold()
             for i, module in enumerate(self._outputs.values()):
-                exits.enter_context(module.register_forward_hook(partial(self._output_hook, i)))
+                exits.enter_context(module.register_forward_hook(module_hook(self._output_hook, i)))
 
     def _output_hook(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         if in_backward():

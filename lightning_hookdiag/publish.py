@@ -198,13 +198,12 @@ class FindingsWriter:
         if isinstance(logger, TensorBoardLogger):
             text = _markdown([_row(record) for record in records])
             logger.experiment.add_text(_prefixed(logger, f"{self.prefix}_findings"), text, global_step=step)
-            _append_lines(logger.log_dir, records)  # beside the event files, for `hookdiag report`
+            if (log_dir := _log_dir(logger)) is not None:  # beside the event files, for `hookdiag report`
+                _append_lines(log_dir, records)
         elif isinstance(logger, MLFlowLogger):
             self._write_mlflow(logger, records)
-        else:
-            log_dir: str | None = getattr(logger, "log_dir", None)  # Logger.log_dir, or None for a logger without one
-            if log_dir is not None:
-                _append_lines(log_dir, records)
+        elif (log_dir := _log_dir(logger)) is not None:
+            _append_lines(log_dir, records)
 
     def _write_mlflow(self, logger: MLFlowLogger, records: list[dict[str, Any]]) -> None:
         from mlflow.entities import RunTag
@@ -249,6 +248,16 @@ def write_all_clear(loggers: Sequence[Logger], prefix: str, step: int, text: str
     return errors
 
 
+def _log_dir(logger: Logger) -> str | None:
+    """The folder a logger writes its files into, as Lightning's file loggers give it (a string), else ``None``.
+
+    Only a string counts: a stand-in logger (a ``Mock`` in a test) answers any attribute, and a ``MagicMock`` even
+    converts to a path, so that files would be written under a folder named after the mock.
+    """
+    log_dir = getattr(logger, "log_dir", None)
+    return log_dir if isinstance(log_dir, str) else None
+
+
 def _global_rank() -> int:
     """This process's rank, as Lightning's own rank-zero-only logging reads it."""
     # Set at runtime on the function object (by lightning.fabric.utilities.rank_zero at import, then by the
@@ -286,7 +295,7 @@ def _write_image_one(logger: Logger, tag: str, image: np.ndarray, step: int) -> 
             raise MissingExtraError("W&B images need pillow (wandb.Image draws with PIL): pip install pillow")
         logger.log_image(key, [image], step=step)
     else:
-        log_dir: str | None = getattr(logger, "log_dir", None)  # Logger.log_dir, or None for a logger without one
+        log_dir = _log_dir(logger)
         if log_dir is None:
             return
         # A CSVLogger makes its folder here (it warns about a folder that already holds files). Logger declares no

@@ -10,7 +10,6 @@ and why: ``docs/statistics.md#saved-activation-memory-per-layer``; hand-derived 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import partial
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ from typing_extensions import override
 
 from lightning_hookdiag.aggregation import LayerStatsAggregator, host_values
 from lightning_hookdiag.components import Component, Setup, WindowStart, component
+from lightning_hookdiag.hooks import module_hook
 from lightning_hookdiag.torch_internals import in_backward
 
 __all__ = ["SavedMemoryTracker"]
@@ -53,8 +53,8 @@ class SavedMemoryTracker(Component):
         self._own = {_storage_key(t)[0] for t in (*self.root.parameters(), *self.root.buffers())}
         exits = self.hold()
         for i, module in enumerate(self.modules):
-            exits.enter_context(module.register_forward_pre_hook(partial(self._push, i)))
-            exits.enter_context(module.register_forward_hook(partial(self._pop, i), always_call=True))
+            exits.enter_context(module.register_forward_pre_hook(module_hook(self._push, i)))
+            exits.enter_context(module.register_forward_hook(module_hook(self._pop, i), always_call=True))
         exits.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor))
 
     @override
