@@ -15,11 +15,12 @@ all-reduces. Every method defaults to doing nothing, and the recorder hands tens
 ``on_output`` / ``on_grad``: the default path pays nothing.
 
 Example:
+    >>> from lightning_hookdiag.hooks import module_hook  # a plain function: deepcopy(module) shares it
     >>> class Calls(Component):  # counts a module's forward calls in sampled micro-batches
     ...     def __init__(self, module): self.module, self.n = module, 0
     ...     def attach(self):
     ...         if not self.attached:
-    ...             self.hold().enter_context(self.module.register_forward_hook(self.count))
+    ...             self.hold().enter_context(self.module.register_forward_hook(module_hook(self.count)))
     ...     def count(self, module, args, output): self.n += 1
     >>> calls = Calls(nn.Linear(2, 2))
     >>> calls.attach(); calls.attach(); _ = calls.module(torch.ones(2)); calls.remove(); calls.remove()
