@@ -264,6 +264,13 @@ def histogram_series(
     """The step's ``act_hist`` and ``act_grad_hist``: ``act`` and ``grad`` hold ``len(inner) + 1`` counts per layer.
 
     The outer bins are open-ended; they get a finite edge a decade out for loggers that need one.
+
+    Args:
+        act: The outputs' counts, layer after layer.
+        grad: The output gradients' counts, layer after layer.
+        inner: The inner bin edges.
+        keys: The fit's keys, for each layer's histogram key.
+        layer_names: The layers, in the order of the counts.
     """
     bins = len(inner) + 1
     series = []

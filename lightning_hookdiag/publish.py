@@ -165,7 +165,13 @@ class FindingsWriter:
     ) -> list[BaseException]:
         """Write the ``findings`` and ``trips`` new at ``step``, and the count of ``active`` alerts, to ``loggers``.
 
-        ``active=None`` logs no count (a caller that logs it with its own scalars, in one row per step).
+        Args:
+            loggers: The Trainer's loggers; each gets its share even when another one fails.
+            step: The optimizer step the findings are about.
+            findings: The findings new at ``step`` (each is written once).
+            trips: The sentinel trips of ``step``.
+            active: The count of active alerts, as a scalar; ``None``: no count (for a caller that logs it with its
+                own scalars, in one row per step).
 
         Returns:
             The error of each logger that failed, after every other logger got the step.

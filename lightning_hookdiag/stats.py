@@ -187,6 +187,13 @@ def _finite_copy(
     and after NaN/Inf removal. Without ``signed_zeros`` the copy is ``x + 0.0``, which turns ``-0.0`` into ``0.0`` so
     that it counts as zero; with it ``-0.0`` counts as non-zero in both counts, which keeps their difference, the
     non-finite count, exact, and the copy is the NaN/Inf removal itself (one pass fewer).
+
+    Args:
+        x: One piece of at most :data:`CHUNK_ELEMENTS` elements.
+        wide: The dtype of the pair (``[value, value**2]``) the caller sums in.
+        workspace: The reused scratch buffers the copy and the pair are written into.
+        signed_zeros: Count ``-0.0`` as non-zero (see above).
+        dim: Keep ``x``'s shape (per-unit maxima read along it); ``None``: flat views.
     """
     if x.numel() > CHUNK_ELEMENTS:
         raise ValueError(
@@ -268,6 +275,15 @@ def reduce_tensor(
     ``row(n)`` is the caller's row for a piece of ``n`` elements, written by :func:`activation_row` (``grad``:
     :func:`gradient_row`). Returns ``(unit maxima, histogram counts)``: :func:`unit_maxima` with ``units``, counts of
     the finite elements in the ``len(edges) + 1`` bins with ``edges``, ``None`` where not asked for.
+
+    Args:
+        x: The output or output gradient, any size (reduced piece by piece).
+        row: The caller's row for a piece of ``n`` elements; ``None``: no row (only units or counts asked for).
+        workspace: The reused scratch buffers.
+        grad: ``x`` is a gradient (:func:`gradient_row`), else an output (:func:`activation_row`).
+        units: Also return the per-unit maxima along ``unit_dim``.
+        unit_dim: The axis of the units (``None``: the default for ``x``'s rank).
+        edges: The histogram's inner bin edges; ``None``: no histogram.
 
     Example:
         >>> table = torch.empty(1, ACT_ROW, dtype=torch.float64)

@@ -57,7 +57,17 @@ def _tick_positions(count: int, most: int) -> list[int]:
 def draw_heatmap(
     data: Any, mask: Any, names: Sequence[str], steps: Sequence[int], *, cmap: str, norm: Any, parameters: bool
 ) -> tuple[Any, Any, Any]:
-    """Draw a names x steps array, ``mask`` grey, on a new ``Figure`` sized to it; return the figure, axes and image."""
+    """Draw a names x steps array, ``mask`` grey, on a new ``Figure`` sized to it; return the figure, axes and image.
+
+    Args:
+        data: The values, one row per name and one column per step.
+        mask: Where a value is missing (drawn light grey).
+        names: The rows' layer or parameter names, in forward order.
+        steps: The columns' sampled steps.
+        cmap: A matplotlib colormap name.
+        norm: The colour normalisation (linear, log or symmetric log).
+        parameters: The rows are parameters (the axis label says so), else layers.
+    """
     mpl = load_matplotlib()
     width = min(16.0, max(6.0, 3.0 + 0.25 * len(steps)))
     height = min(40.0, max(3.0, 1.5 + 0.22 * len(names)))
