@@ -44,7 +44,15 @@ from lightning_hookdiag.replay import respond, sharded
 from lightning_hookdiag.rules import Finding, RuleConfig, format_error, values_from_metrics
 from lightning_hookdiag.rules.registry import any_reads
 from lightning_hookdiag.selection import import_types
-from lightning_hookdiag.sentinel import SENTINEL_MODES, LossSentinel, MicroBatch, SpikeDetector, capture_rng
+from lightning_hookdiag.sentinel import (
+    SENTINEL_MODES,
+    LossSentinel,
+    MicroBatch,
+    NoSentinel,
+    Sentinel,
+    SpikeDetector,
+    capture_rng,
+)
 from lightning_hookdiag.stats import resolve_stats
 from lightning_hookdiag.step_state import Trip
 from lightning_hookdiag.table import format_step_table, plural
@@ -345,7 +353,7 @@ class LayerHealthCallback(Callback):
         r = self.rule_config
         spikes = SpikeDetector(r.spike_window, r.spike_warmup, r.spike_zscore, r.spike_ratio, floor=r.spike_floor)
         # Created here, not when fit starts: a checkpoint's baseline is loaded before on_fit_start runs.
-        self._sentinel = LossSentinel(sentinel, spikes) if sentinel is not None else None
+        self._sentinel: Sentinel = LossSentinel(sentinel, spikes) if sentinel is not None else NoSentinel()
         self.layer_names: list[str] = []
         self._run: FitRun | None = None  # everything one fit creates, from on_fit_start to _release_fit
         self._stage: str | None = None  # the Trainer's stage: a checkpoint restores this state only in a fit
@@ -384,9 +392,9 @@ class LayerHealthCallback(Callback):
         self.layer_names = list(self._run.layer_names)
         self._note(opt_in_note(self._run.plan.note))
         self._note(no_logger_note(len(trainer.loggers)))
-        if self._sentinel is not None:  # every process must trip on the same steps
-            self._sentinel.reduce_max = all_reduce_max if trainer.world_size > 1 else None
-            self._sentinel.discard()
+        # Every process must trip on the same steps.
+        self._sentinel.reduce_max = all_reduce_max if trainer.world_size > 1 else None
+        self._sentinel.discard()
 
     @override
     def on_train_batch_start(
@@ -397,7 +405,7 @@ class LayerHealthCallback(Callback):
             return
         step, state = trainer.global_step, run.state
         self._close_past(trainer, run)  # its optimizer step happened without a batch end in between
-        if self._sentinel is not None:
+        if self._sentinel.keeps_batches:
             # A reference, not a copy; the RNG state is a 5 KB host copy (measured 1.5 us on the CPU).
             state.micro.keep(step, MicroBatch(batch, batch_idx, capture_rng(pl_module.device)))
         if not state.sampled(step):
@@ -412,8 +420,7 @@ class LayerHealthCallback(Callback):
         """Add the micro-batch's loss to the sentinel's total (on the device); end an observed step's forward."""
         if (run := self._run) is None:
             return
-        if self._sentinel is not None:
-            self._sentinel.observe_loss(loss)
+        self._sentinel.observe_loss(loss)
         if run.state.window is not None:  # an unsampled step pays for nothing below
             run.end_forward(loss)
             run.check_stale(len(trainer.optimizers))
@@ -528,7 +535,7 @@ class LayerHealthCallback(Callback):
             "alerts": diagnosis["alerts"],
             "findings": [vars(f) for f in self.findings],
             "trips": [vars(t) for t in self.trips],
-            "sentinel": self._sentinel.state_dict() if self._sentinel is not None else None,
+            "sentinel": self._sentinel.state_dict(),
             "last_finite": diagnosis["last_finite"],
             "history": diagnosis["history"],
         }
@@ -549,7 +556,7 @@ class LayerHealthCallback(Callback):
         self._diagnosis.load_state_dict(state_dict, self.prefix)
         self.findings = [Finding(**f) for f in state_dict.get("findings", [])]
         self.trips = [Trip(**t) for t in state_dict.get("trips", [])]
-        if self._sentinel is not None and state_dict.get("sentinel"):
+        if state_dict.get("sentinel"):
             self._sentinel.load_state_dict(state_dict["sentinel"])
 
     # ------------------------------------------------------------------------------------------------ internals
@@ -579,8 +586,7 @@ class LayerHealthCallback(Callback):
         # The heatmaps' columns, per statistic: (step, {layer: value}); not checkpointed (a resumed fit draws from
         # the steps it sampled).
         self._heatmap = {}
-        if self._sentinel is not None:  # no baseline, no trip (on_fit_start forgets what was observed)
-            self._sentinel.load_state_dict({})
+        self._sentinel.load_state_dict({})  # no baseline, no trip (on_fit_start forgets what was observed)
 
     def _close_past(self, trainer: pl.Trainer, run: FitRun) -> None:
         """Finish the window of an optimizer step that is over, and forget its micro-batches."""
@@ -598,15 +604,14 @@ class LayerHealthCallback(Callback):
             else:
                 run.state.micro.release()
         finally:
-            if self._sentinel is not None:
-                self._sentinel.discard()
+            self._sentinel.discard()
 
     def _check(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, run: FitRun, scale: Tensor | None
     ) -> Trip | None:
         """The sentinel's check of this optimizer step; a trip opens a window of the step, unless only recorded."""
         sentinel, step = self._sentinel, trainer.global_step
-        if sentinel is None or not run.state.first_check(step):
+        if not run.state.first_check(step):
             return None  # LBFGS evaluates its closure several times per step: the first evaluation is checked
         previous = sentinel.previous_trip
         # With a GradScaler, inf/NaN gradients are routine: the scaler skips that step and lowers its scale.
