@@ -1,7 +1,8 @@
 """``LayerHealthCallback``: when to observe, and where the results go.
 
-Its hook methods route the Trainer's events to the fit's :class:`~lightning_hookdiag.fit_run.FitRun`, and a trip to
-:mod:`lightning_hookdiag.replay`.
+Its hook methods translate the Trainer's events into calls of the fit's engine,
+:class:`~lightning_hookdiag.fit_run.FitRun` (handed :class:`~lightning_hookdiag.replay.LightningStep` for what only
+the Trainer can do), and log what comes back.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import torch
 from lightning.fabric.utilities.logger import _add_prefix
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
-from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
@@ -33,18 +33,14 @@ from lightning_hookdiag.logged_values import (
     Note,
     ObservedStep,
     histogram_note,
-    histogram_series,
-    late_note,
     no_logger_note,
-    opt_in_note,
 )
 from lightning_hookdiag.opt_in import resolve_targets
 from lightning_hookdiag.publish import FindingsWriter, write_all_clear, write_image
-from lightning_hookdiag.replay import respond, sharded
+from lightning_hookdiag.replay import LightningStep, sharded
 from lightning_hookdiag.rules import Finding, RuleConfig, format_error, values_from_metrics
-from lightning_hookdiag.rules.registry import any_reads
 from lightning_hookdiag.selection import import_types
-from lightning_hookdiag.sentinel import SENTINEL_MODES, LossSentinel, MicroBatch, SpikeDetector, capture_rng
+from lightning_hookdiag.sentinel import SENTINEL_MODES, LossSentinel, NoSentinel, Sentinel, SpikeDetector
 from lightning_hookdiag.stats import resolve_stats
 from lightning_hookdiag.step_state import Trip
 from lightning_hookdiag.table import format_step_table, plural
@@ -98,22 +94,6 @@ def _histogram_writer(logger: Logger) -> HistogramWriter | None:
 
         return wandb_histogram
     return None
-
-
-def _schedule(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-) -> tuple[str | None, int | None, int | None]:
-    """How the Trainer steps ``optimizer``'s LR scheduler (manual optimization: ``None``), how often it has, and when.
-
-    When: the Trainer's clock for that interval, the optimizer step (``"step"``) or the epoch (``"epoch"``).
-    """
-    for config in trainer.lr_scheduler_configs:
-        if getattr(config.scheduler, "optimizer", None) is optimizer:
-            steps = getattr(config.scheduler, "last_epoch", None)
-            interval = config.interval if pl_module.automatic_optimization else None
-            clock = trainer.current_epoch if interval == "epoch" else trainer.global_step
-            return interval, steps if isinstance(steps, int) else None, clock
-    return None, None, None
 
 
 def _stepping_optimizers(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[torch.optim.Optimizer]:
@@ -349,7 +329,7 @@ class LayerHealthCallback(Callback):
         r = self.rule_config
         spikes = SpikeDetector(r.spike_window, r.spike_warmup, r.spike_zscore, r.spike_ratio, floor=r.spike_floor)
         # Created here, not when fit starts: a checkpoint's baseline is loaded before on_fit_start runs.
-        self._sentinel = LossSentinel(sentinel, spikes) if sentinel is not None else None
+        self._sentinel: Sentinel = LossSentinel(sentinel, spikes) if sentinel is not None else NoSentinel()
         self.layer_names: list[str] = []
         self._run: FitRun | None = None  # everything one fit creates, from on_fit_start to _release_fit
         self._stage: str | None = None  # the Trainer's stage: a checkpoint restores this state only in a fit
@@ -384,13 +364,15 @@ class LayerHealthCallback(Callback):
         """Resolve the selection (errors for names that match nothing) and allocate the device state."""
         self._release_fit()  # a fit that ended without teardown (an interrupted one) leaves nothing behind
         _check_prefix_unique(trainer.callbacks)  # type: ignore[attr-defined]  # set by Lightning's CallbackConnector
-        self._run = FitRun(self._fit_config(), pl_module, trainer.precision, lambda params: sharded(trainer, params))
+        config, shards = self._fit_config(), lambda params: sharded(trainer, params)
+        self._run = FitRun(config, pl_module, trainer.precision, shards, self._sentinel)
         self.layer_names = list(self._run.layer_names)
-        self._note(opt_in_note(self._run.plan.note))
+        for note in self._run.fit_notes():
+            self._note(note)
         self._note(no_logger_note(len(trainer.loggers)))
-        if self._sentinel is not None:  # every process must trip on the same steps
-            self._sentinel.reduce_max = all_reduce_max if trainer.world_size > 1 else None
-            self._sentinel.discard()
+        # Every process must trip on the same steps.
+        self._sentinel.reduce_max = all_reduce_max if trainer.world_size > 1 else None
+        self._sentinel.discard()
 
     @override
     def on_train_batch_start(
@@ -399,28 +381,15 @@ class LayerHealthCallback(Callback):
         """Keep a reference to the micro-batch for the sentinel; attach hooks if its optimizer step is sampled."""
         if (run := self._run) is None:
             return
-        step, state = trainer.global_step, run.state
         self._close_past(trainer, run)  # its optimizer step happened without a batch end in between
-        if self._sentinel is not None:
-            # A reference, not a copy; the RNG state is a 5 KB host copy (measured 1.5 us on the CPU).
-            state.micro.keep(step, MicroBatch(batch, batch_idx, capture_rng(pl_module.device)))
-        if not state.sampled(step):
-            return
-        if state.window is None:
-            run.open_window(step, self.last_metrics)
-            self._note(late_note(state.late, step, self.every_n_steps))
-        run.attach(batch, _stepping_optimizers(trainer, pl_module))
+        optimizers = _stepping_optimizers(trainer, pl_module)
+        self._note(run.begin_micro_batch(trainer.global_step, batch, batch_idx, optimizers, self.last_metrics))
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         """Add the micro-batch's loss to the sentinel's total (on the device); end an observed step's forward."""
-        if (run := self._run) is None:
-            return
-        if self._sentinel is not None:
-            self._sentinel.observe_loss(loss)
-        if run.state.window is not None:  # an unsampled step pays for nothing below
-            run.end_forward(loss)
-            run.check_stale(len(trainer.optimizers))
+        if self._run is not None:
+            self._run.before_backward(loss, len(trainer.optimizers))
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -432,23 +401,22 @@ class LayerHealthCallback(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        """Run the sentinel's check; replay a tripped step; measure the weights and gradients of an observed step."""
+        """Run the sentinel's check; replay a tripped step; measure the weights and gradients of an observed step.
+
+        A trip is recorded; one without a window of its step (a failure that persists) is written at once.
+        """
         if (run := self._run) is None:
             return
-        scale = getattr(getattr(trainer.precision_plugin, "scaler", None), "_scale", None)
-        scale = scale if isinstance(scale, Tensor) else None
-        trip = self._check(trainer, pl_module, run, scale)
-        if run.state.window is None:  # unsampled and not tripped (a trip opens a window)
+        step, loop = trainer.global_step, LightningStep(trainer, pl_module)
+        checked = run.check_step(step, optimizer, loop, self._diagnosis.traces, self.last_metrics)
+        if checked is None:
             return
-        run.end_closure()
-        # DeepSpeed's optimizers hold copies of the parameters: membership says nothing there.
-        deepspeed = isinstance(trainer.strategy, DeepSpeedStrategy)
-        watch = any_reads("param_facts", self.rule_config.enabled or ()) and not deepspeed
-        run.before_optimizer_step(optimizer, trainer.optimizers, scale, watch, _schedule(trainer, pl_module, optimizer))
-        if trip is not None and self.on_anomaly == "raise":
-            run.end_micro_batch()  # finished before the update: its hooks must not see LBFGS's later closures
-            self._finish_window(trainer, run, before_update=True)  # raises on any finding, before the update
-        elif trip is not None and self.on_anomaly == "stop":
+        self.trips.append(checked.trip)
+        if not checked.observed:
+            self._raise_first(self._writer.write(trainer.loggers, step, [], [checked.trip]))
+        elif self.on_anomaly == "raise":  # raises on any finding, before the update
+            self._finish(trainer, run.collect_before_update(self.execution_order))
+        elif self.on_anomaly == "stop":
             trainer.should_stop = True
 
     @override
@@ -479,14 +447,14 @@ class LayerHealthCallback(Callback):
         Hooks still attached here mean Lightning skipped the rest of the epoch after they were attached; they must
         not see the module's own ``on_train_epoch_end`` (called after the callbacks') or anything later.
         """
-        if (run := self._run) is not None and run.hooks.attached:
-            self._end_step(run, drop=True)
+        if self._run is not None:
+            self._run.end_epoch()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A step left unfinished at the end of training is dropped, not logged; then the summary is printed."""
         if self._run is not None:
-            self._end_step(self._run, drop=True)
+            self._run.release()
         if self.summary and self.last_step is not None:
             rank_zero_info(self.summary_table())
         errors = self._draw_heatmaps(trainer)
@@ -514,7 +482,7 @@ class LayerHealthCallback(Callback):
         """Drop everything the fit created: the one place every exit goes through, so that no module or tensor stays."""
         run, self._run = self._run, None
         if run is not None:
-            self._end_step(run, drop=True)
+            run.release()
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle the configuration and results, not the LightningModule.
@@ -536,7 +504,7 @@ class LayerHealthCallback(Callback):
             "alerts": diagnosis["alerts"],
             "findings": [vars(f) for f in self.findings],
             "trips": [vars(t) for t in self.trips],
-            "sentinel": self._sentinel.state_dict() if self._sentinel is not None else None,
+            "sentinel": self._sentinel.state_dict(),
             "last_finite": diagnosis["last_finite"],
             "history": diagnosis["history"],
         }
@@ -557,7 +525,7 @@ class LayerHealthCallback(Callback):
         self._diagnosis.load_state_dict(state_dict, self.prefix)
         self.findings = [Finding(**f) for f in state_dict.get("findings", [])]
         self.trips = [Trip(**t) for t in state_dict.get("trips", [])]
-        if self._sentinel is not None and state_dict.get("sentinel"):
+        if state_dict.get("sentinel"):
             self._sentinel.load_state_dict(state_dict["sentinel"])
 
     # ------------------------------------------------------------------------------------------------ internals
@@ -587,49 +555,11 @@ class LayerHealthCallback(Callback):
         # The heatmaps' columns, per statistic: (step, {layer: value}); not checkpointed (a resumed fit draws from
         # the steps it sampled).
         self._heatmap = {}
-        if self._sentinel is not None:  # no baseline, no trip (on_fit_start forgets what was observed)
-            self._sentinel.load_state_dict({})
+        self._sentinel.load_state_dict({})  # no baseline, no trip (on_fit_start forgets what was observed)
 
     def _close_past(self, trainer: pl.Trainer, run: FitRun) -> None:
         """Finish the window of an optimizer step that is over, and forget its micro-batches."""
-        state, step = run.state, trainer.global_step
-        if state.window is not None and state.window.step != step:
-            self._finish_window(trainer, run)
-        if state.micro.step is not None and state.micro.step != step:
-            self._end_step(run)
-
-    def _end_step(self, run: FitRun, drop: bool = False) -> None:
-        """Forget the step's micro-batches and the sentinel's loss total; ``drop``: also its hooks and open window."""
-        try:
-            if drop:
-                run.release()  # with the micro-batches; the window is not logged
-            else:
-                run.state.micro.release()
-        finally:
-            if self._sentinel is not None:
-                self._sentinel.discard()
-
-    def _check(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, run: FitRun, scale: Tensor | None
-    ) -> Trip | None:
-        """The sentinel's check of this optimizer step; a trip opens a window of the step, unless only recorded."""
-        sentinel, step = self._sentinel, trainer.global_step
-        if sentinel is None or not run.state.first_check(step):
-            return None  # LBFGS evaluates its closure several times per step: the first evaluation is checked
-        previous = sentinel.previous_trip
-        # With a GradScaler, inf/NaN gradients are routine: the scaler skips that step and lowers its scale.
-        grads = [p.grad for p in run.sentinel_params if p.grad is not None] if scale is None else []
-        trip = sentinel.check(step, grads, scale)
-        if trip is None:
-            return None
-        trip = respond(trip, previous, self._diagnosis.traces(trip), trainer, pl_module, run, self.last_metrics)
-        self.trips.append(trip)
-        window = run.state.open_for(step)
-        if window is None:  # recorded only: a failure that persists is reported at its first step
-            self._raise_first(self._writer.write(trainer.loggers, step, [], [trip]))
-            return None
-        window.trip = trip
-        return trip
+        self._finish(trainer, run.close_past(trainer.global_step, self.execution_order))
 
     def _note(self, note: Note | None) -> None:
         """Give a one-time note (a warning, or an info line), once per key over the run and its checkpoints."""
@@ -641,14 +571,15 @@ class LayerHealthCallback(Callback):
         else:
             rank_zero_warn(note.message, category=LayerHealthWarning)
 
-    def _finish_window(self, trainer: pl.Trainer, run: FitRun, before_update: bool = False) -> None:
-        """Pool, diagnose and log the open window, then act as ``on_anomaly`` says; ``before_update``: no update yet.
+    def _finish(self, trainer: pl.Trainer, observed: ObservedStep | None) -> None:
+        """Diagnose and log the collected window ``observed`` (``None``: none closed), then act as ``on_anomaly`` says.
 
         The rules run before anything is logged, so that the step's scalars (with the count of its findings) are one
         row in every logger; what the rules found reaches the loggers before ``on_anomaly`` acts, so that a run stopped
         by a :class:`~lightning_hookdiag.LayerHealthError` shows why in its dashboard. A logger's error is raised last.
         """
-        observed = run.collect(self.execution_order, before_update)
+        if observed is None or (run := self._run) is None:
+            return
         self.execution_order = observed.forward_order
         metrics, values, notes = run.results(observed)
         for note in notes:
@@ -724,14 +655,12 @@ class LayerHealthCallback(Callback):
 
     def _log_histograms(self, trainer: pl.Trainer, observed: ObservedStep, run: FitRun) -> list[BaseException]:
         """Send the step's histograms to the loggers that store them; returns the loggers' errors."""
-        assert observed.histogram_edges is not None
         writers = [(logger, _histogram_writer(logger)) for logger in trainer.loggers]
         writes = [write for _, write in writers if write is not None]
         skipped = [type(logger).__name__ for logger, write in writers if write is None]
         errors: list[BaseException] = []
         if writes:  # cut into series only for a logger that stores them
-            act, grad, edges = observed.host["act_hist"], observed.host["grad_hist"], observed.histogram_edges
-            histograms = histogram_series(act, grad, edges, keys=run.keys, layer_names=run.layer_names)
+            histograms = run.histograms(observed)
             for write in writes:
                 try:
                     for key, counts in histograms.series:

@@ -1,8 +1,10 @@
-"""The per-fit state of the callback: everything one ``fit`` creates, in one object that is dropped in one place.
+"""The engine of one fit: everything one ``fit`` creates, in one object that is dropped in one place.
 
-:class:`FitRun`'s methods do the work of the callback's hook methods, on what the callback reads from the Trainer
-(nothing here knows Lightning). Dropping it drops every reference to the module and the device state, so the callback
-pickles after a fit, also a failed one.
+:class:`FitRun` owns the optimizer step: when it is observed, its window, the sentinel's check, a trip's plan and its
+replay or trace, and the collected results. Nothing here knows Lightning: the callback translates the Trainer's events
+into its calls, with a :class:`TrainingLoop` for what only the Trainer can do (the loss scale, whether a step can be
+replayed, running a micro-batch's ``training_step``). Dropping it drops every reference to the module and the device
+state, so the callback pickles after a fit, also a failed one.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -20,12 +23,18 @@ from torch.utils.hooks import RemovableHandle
 from lightning_hookdiag import batches, eval_mode, kurtosis, precision, precursor_probes, saved_memory, unregistered  # noqa: F401
 from lightning_hookdiag.aggregation import LayerOrders, LayerStatsAggregator, agreed_orders
 from lightning_hookdiag.components import FACTORIES, Component, FitConfig, Setup, WindowStart, call_all
+from lightning_hookdiag.distributed import all_reduce_max
 from lightning_hookdiag.hooks import HookSet
+from lightning_hookdiag.inplace import ReplayWriteLimit
 from lightning_hookdiag.logged_values import (
+    Histograms,
     KeyCache,
     Note,
     ObservedStep,
     StepFacts,
+    histogram_series,
+    late_note,
+    opt_in_note,
     step_notes,
     step_values,
     undefined_note,
@@ -39,10 +48,13 @@ from lightning_hookdiag.params import (
     owned_parameters,
     stale_gradient_squares,
 )
+from lightning_hookdiag.provenance import NonFiniteTrace, nonfinite_in_batch
 from lightning_hookdiag.recorder import StepRecorder
+from lightning_hookdiag.rules.registry import any_reads
 from lightning_hookdiag.selection import excluded_names, resolve_layers
+from lightning_hookdiag.sentinel import MicroBatch, NoSentinel, Sentinel, capture_rng, replay_step
 from lightning_hookdiag.stats import accumulation_dtype
-from lightning_hookdiag.step_state import StepState
+from lightning_hookdiag.step_state import StepState, Trip, plan_trip
 from lightning_hookdiag.vocabulary import (
     GRADIENT_STATS,
     LAYER_STATS,
@@ -52,7 +64,7 @@ from lightning_hookdiag.vocabulary import (
     ZERO_IN_HEALTH,
 )
 
-__all__ = ["FitRun"]
+__all__ = ["FitRun", "StepCheck", "TrainingLoop"]
 
 Sharded = Callable[[Mapping[str, nn.Parameter]], bool]  # whether the strategy shards them over processes
 
@@ -60,15 +72,64 @@ Sharded = Callable[[Mapping[str, nn.Parameter]], bool]  # whether the strategy s
 _ALWAYS_READ = ("count", "grad_count", "param_seen", "grad_norm_total", "stale_grad_sq")
 
 
+class TrainingLoop(Protocol):
+    """What the engine needs of the training loop at an optimizer step.
+
+    :class:`~lightning_hookdiag.replay.LightningStep` is Lightning's.
+    """
+
+    def loss_scale(self) -> Tensor | None:
+        """The ``GradScaler``'s scale the losses and gradients carry, or ``None``."""
+
+    def replay_blocker(self) -> str | None:
+        """Why the step cannot be re-run before the optimizer applies it, or ``None``."""
+
+    def micro_batch_loss(self, micro: MicroBatch) -> Tensor | None:
+        """Run ``training_step`` on ``micro`` again; the loss as the loop back-propagates it (``None``: skipped)."""
+
+    def optimizers(self) -> Sequence[torch.optim.Optimizer]:
+        """Every optimizer of the fit."""
+
+    def holds_parameters(self) -> bool:
+        """Whether the optimizers step the module's own parameters (not copies of them, as DeepSpeed's do)."""
+
+    def schedule(self, optimizer: torch.optim.Optimizer) -> Schedule:
+        """How the loop steps ``optimizer``'s LR scheduler, and how often it has."""
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """A trip of the sentinel, as the engine recorded it.
+
+    Attributes:
+        trip: The trip, with its replay's or trace's findings (replayed, reason, NaN/Inf origin, bad batch).
+        observed: A window of the step is open and logs the trip with its statistics; ``False``: the trip is only
+            recorded (a failure that persists is reported at its first step).
+    """
+
+    trip: Trip
+    observed: bool
+
+
 class FitRun:
-    """The run objects of one fit and its open-step state.
+    """The run objects of one fit, its open step and every transition of it (the module's docstring).
+
+    The callback drives a step with :meth:`close_past`, :meth:`begin_micro_batch`, :meth:`before_backward`,
+    :meth:`after_backward`, :meth:`check_step` and :meth:`end_micro_batch`; what a finished window observed comes back
+    as an :class:`~lightning_hookdiag.logged_values.ObservedStep`, which :meth:`results` and :meth:`histograms` turn
+    into what is logged. ``sentinel``: the fit's per-step check (the callback's, kept over fits and checkpoints).
 
     Raises:
         ValueError: A name of the selection matches nothing (:func:`~lightning_hookdiag.selection.resolve_layers`).
     """
 
     def __init__(
-        self, config: FitConfig, pl_module: nn.Module, trainer_precision: str | int | None, sharded: Sharded
+        self,
+        config: FitConfig,
+        pl_module: nn.Module,
+        trainer_precision: str | int | None,
+        sharded: Sharded,
+        sentinel: Sentinel | None = None,
     ) -> None:
         # None (no type filter) is the empty filter to resolve_layers.
         modules = resolve_layers(pl_module, config.layers, config.layer_types or (), config.exclude)
@@ -120,10 +181,191 @@ class FitRun:
         self.tracker = ParameterTracker(params, snapshot=snapshot, dtype=self.aggregator.acc_dtype) if params else None
         self.keys = KeyCache(config.prefix, len(modules))
         self.state = StepState(config.every_n_steps)
+        self.sentinel: Sentinel = sentinel if sentinel is not None else NoSentinel()
         self.watch = StepWatch()  # learning rates and applied steps of the open window, for not_updated
         self._step_handles: list[RemovableHandle] = []  # the optimizers' step hooks of a sampled micro-batch
         self._stepping = False  # inside one of their steps (set by the pre hook, cleared by the post hook)
 
+    # ------------------------------------------------------------------------------------------------ the step
+    def fit_notes(self) -> list[Note]:
+        """The one-time notes of the fit's start (opt-in statistics left out)."""
+        note = opt_in_note(self.plan.note)
+        return [note] if note is not None else []
+
+    def close_past(self, step: int, last_order: Sequence[str]) -> ObservedStep | None:
+        """Close what belongs to an optimizer step before ``step``: its window (returned, collected) and micro-batches.
+
+        ``last_order``: the forward order a window of parameters only keeps (:meth:`collect`).
+        """
+        window = self.state.window
+        observed = self.collect(last_order) if window is not None and window.step != step else None
+        if self.state.micro.step is not None and self.state.micro.step != step:
+            self.end_step()
+        return observed
+
+    def begin_micro_batch(
+        self,
+        step: int,
+        batch: Any,
+        batch_idx: int,
+        optimizers: Sequence[torch.optim.Optimizer],
+        last_metrics: Mapping[str, float],
+    ) -> Note | None:
+        """A micro-batch of optimizer step ``step`` starts: keep it for a replay; if the step is sampled, observe it.
+
+        A sampled step's window opens at its first micro-batch, after ``last_metrics`` (the last logged values);
+        ``optimizers``: see :meth:`attach`. Returns the note of a sampled step observed late (:func:`late_note`).
+        """
+        state = self.state
+        if self.sentinel.keeps_batches:
+            # A reference, not a copy; the RNG state is a 5 KB host copy (measured 1.5 us on the CPU).
+            state.micro.keep(step, MicroBatch(batch, batch_idx, capture_rng(self.device())))
+        if not state.sampled(step):
+            return None
+        note = None
+        if state.window is None:
+            self.open_window(step, last_metrics)
+            note = late_note(state.late, step, self.config.every_n_steps)
+        self.attach(batch, optimizers)
+        return note
+
+    def before_backward(self, loss: Tensor, n_optimizers: int) -> None:
+        """Add the micro-batch's ``loss`` to the sentinel's total; end an observed step's forward."""
+        self.sentinel.observe_loss(loss)
+        if self.state.window is not None:  # an unsampled step pays for nothing below
+            self.end_forward(loss)
+            self.check_stale(n_optimizers)
+
+    def check_step(
+        self,
+        step: int,
+        optimizer: torch.optim.Optimizer,
+        loop: TrainingLoop,
+        traces: Callable[[Trip], bool],
+        last_metrics: Mapping[str, float],
+    ) -> StepCheck | None:
+        """``optimizer`` is about to step: the sentinel's check, a trip's replay or trace, an observed step's weights.
+
+        ``traces``: whether the rules read where a trip's NaN/Inf was made; ``last_metrics``: the last logged values
+        (a replay's window opens after them). Returns the step's trip, if it tripped here.
+        """
+        scale = loop.loss_scale()
+        checked = self._check(step, scale, loop, traces, last_metrics)
+        if self.state.window is None:  # unsampled and not tripped (a trip opens a window)
+            return checked
+        self.end_closure()
+        # Membership says nothing where the optimizers hold copies of the parameters.
+        watch = any_reads("param_facts", self.config.rules) and loop.holds_parameters()
+        self.before_optimizer_step(optimizer, loop.optimizers(), scale, watch, loop.schedule(optimizer))
+        return checked
+
+    def collect_before_update(self, last_order: Sequence[str]) -> ObservedStep:
+        """End the micro-batch and collect the open window before the optimizer applies the step (:meth:`collect`).
+
+        Finished before the update: its hooks must not see LBFGS's later closures.
+        """
+        self.end_micro_batch()
+        return self.collect(last_order, before_update=True)
+
+    def end_epoch(self) -> None:
+        """Drop a window whose batch ended without its end (Lightning skipped the rest of the epoch): :meth:`release`.
+
+        Hooks still attached here must not see the module's own ``on_train_epoch_end`` or anything later.
+        """
+        if self.hooks.attached:
+            self.release()
+
+    def end_step(self) -> None:
+        """Forget the step's micro-batches and the sentinel's loss total (the step is over)."""
+        try:
+            self.state.micro.release()
+        finally:
+            self.sentinel.discard()
+
+    def histograms(self, observed: ObservedStep) -> Histograms:
+        """The step's histograms, one series per key (``observed`` has ``histogram_edges``)."""
+        assert observed.histogram_edges is not None
+        act, grad = observed.host["act_hist"], observed.host["grad_hist"]
+        return histogram_series(act, grad, observed.histogram_edges, keys=self.keys, layer_names=self.layer_names)
+
+    def device(self) -> torch.device:
+        """The module's device now (a LightningModule's; CPU for a plain module)."""
+        device = getattr(self.model, "device", None)
+        return device if isinstance(device, torch.device) else torch.device("cpu")
+
+    def _check(
+        self,
+        step: int,
+        scale: Tensor | None,
+        loop: TrainingLoop,
+        traces: Callable[[Trip], bool],
+        last_metrics: Mapping[str, float],
+    ) -> StepCheck | None:
+        """The sentinel's check of ``step``; a trip is planned once and carried out (:meth:`_respond`)."""
+        if not self.state.first_check(step):
+            return None  # LBFGS evaluates its closure several times per step: the first evaluation is checked
+        previous = self.sentinel.previous_trip
+        # With a GradScaler, inf/NaN gradients are routine: the scaler skips that step and lowers its scale.
+        grads = [p.grad for p in self.sentinel_params if p.grad is not None] if scale is None else []
+        trip = self.sentinel.check(step, grads, scale)
+        if trip is None:
+            return None
+        recorded = self._respond(trip, previous, traces(trip), loop, last_metrics)
+        window = self.state.open_for(step)
+        if window is None:  # recorded only: a failure that persists is reported at its first step
+            return StepCheck(recorded, observed=False)
+        window.trip = recorded
+        return StepCheck(recorded, observed=True)
+
+    def _respond(
+        self, trip: Trip, previous: int | None, traces: bool, loop: TrainingLoop, last_metrics: Mapping[str, float]
+    ) -> Trip:
+        """Carry out :func:`~lightning_hookdiag.step_state.plan_trip`'s plan for ``trip``; returns the trip to record.
+
+        Every plan but ``"record"`` leaves a window of the step open. ``previous``: the sentinel's trip before this one;
+        ``traces``: the rules read where its NaN/Inf was made.
+        """
+        step, micro = trip.step, self.state.micro
+        sampled = self.state.open_for(step) is not None
+        blocker = loop.replay_blocker()
+        plan = plan_trip(
+            trip, sampled=sampled, traces=traces, blocker=blocker, previous=previous, held=micro.holds(step)
+        )
+        trace = NonFiniteTrace(self.model) if plan.trace or plan.action == "trace" else None
+        if plan.action == "replay":  # into a new window; the hook set attaches the components that watch replays
+            self.open_window(step, last_metrics)
+            failure = self._rerun(loop, self.hooks, trace)
+            # Every process must agree, or the pooled statistics' collectives would not match.
+            if all_reduce_max(torch.tensor([float(failure is not None)], device=self.device())).item() > 0:
+                self.discard_window()
+                trace = None
+                plan = plan.failed(failure or "the replay failed on another process")
+        elif plan.action == "trace":
+            # The hooks saw the step as it happened but cannot see functional code between two layers; still attached
+            # (batch end removes them), they must not count the re-run through the trace alone.
+            self.end_micro_batch()
+            if self._rerun(loop, HookSet({}, None), trace) is not None:
+                trace = None  # the finding keeps what the hooks saw
+        if plan.action == "parameters":
+            self.open_window(step, last_metrics, layers=False)  # the parameters can still be measured
+            self.state.sample_next = step + 1
+        entry, origin = trace.origin(self.layer_names) if trace is not None else (None, None)
+        recorded = replace(plan.trip, nan_entry=entry, nan_origin=origin)
+        if plan.read_batch:  # data that arrives non-finite (a division by a zero std) is named as such; one read
+            recorded = replace(recorded, bad_batch=tuple(nonfinite_in_batch([m.batch for m in micro.batches])))
+        return recorded
+
+    def _rerun(self, loop: TrainingLoop, hooks: HookSet, trace: NonFiniteTrace | None) -> str | None:
+        """Run the step's micro-batches again through ``hooks`` and ``trace``; why it raised, or ``None``."""
+        try:
+            replay_step(self.state.micro.batches, loop.micro_batch_loss, self.model, hooks, self.device(), trace)
+        except ReplayWriteLimit as error:  # refused before the write; the writes before it were undone
+            return f"{error}; the replay stopped there and undid its earlier writes"
+        except Exception as error:  # reported in the finding; training goes on untouched
+            return f"the replay raised {type(error).__name__}: {error}"
+        return None
+
+    # ---------------------------------------------------------------------------------------------- the parts
     def attach(self, batch: Any, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
         """A sampled micro-batch starts with ``batch``: attach its hooks (the hook set's and every component's).
 
@@ -356,12 +598,14 @@ class FitRun:
         return observed
 
     def release(self) -> None:
-        """Remove every hook and drop the open window and the kept micro-batches (the fit is over, or the step)."""
+        """Remove every hook, drop the open window (not logged) and :meth:`end_step` (the fit is over, or the step)."""
         try:
             self.detach()
         finally:  # also when a component's remove raised: the window and the micro-batches go all the same
-            self.discard_window()
-            self.state.micro.release()
+            try:
+                self.discard_window()
+            finally:
+                self.end_step()
 
 
 def _homes(root: nn.Module, params: Sequence[nn.Parameter]) -> list[tuple[nn.Module, str]]:

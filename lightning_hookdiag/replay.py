@@ -1,15 +1,15 @@
-"""The Lightning side of a trip: whether the Trainer's step can be replayed, and the replay or trace of it.
+"""The Lightning side of an optimizer step: what the engine (:class:`~lightning_hookdiag.fit_run.FitRun`) asks of it.
 
-:func:`~lightning_hookdiag.step_state.plan_trip` decides what a trip calls for; :func:`respond` does it with the
-Trainer's own ``training_step``, precision context and gradient scaling, through
-:func:`~lightning_hookdiag.sentinel.replay_step`. With the callback, the only module that imports Lightning.
+:class:`LightningStep` answers with the Trainer's loss scale, whether its step can be replayed, and a micro-batch's
+``training_step`` run again under the Trainer's precision context and gradient scaling. With the callback and the
+logger writers, the only module that imports Lightning.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,15 +18,10 @@ from lightning.pytorch import strategies
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor, nn
 
-from lightning_hookdiag.distributed import all_reduce_max
-from lightning_hookdiag.fit_run import FitRun
-from lightning_hookdiag.hooks import HookSet
-from lightning_hookdiag.inplace import ReplayWriteLimit
-from lightning_hookdiag.provenance import NonFiniteTrace, nonfinite_in_batch
-from lightning_hookdiag.sentinel import MicroBatch, replay_step
-from lightning_hookdiag.step_state import Trip, plan_trip
+from lightning_hookdiag.optimizer_watch import Schedule
+from lightning_hookdiag.sentinel import MicroBatch
 
-__all__ = ["respond", "sharded"]
+__all__ = ["LightningStep", "sharded"]
 
 
 def sharded(trainer: pl.Trainer, params: Mapping[str, nn.Parameter]) -> bool:
@@ -84,71 +79,64 @@ def _logging_silenced(pl_module: pl.LightningModule) -> Iterator[None]:
                 pl_module.__dict__.pop(name, None)
 
 
-def respond(
-    trip: Trip,
-    previous: int | None,
-    traces: bool,
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
-    run: FitRun,
-    last_metrics: Mapping[str, float],
-) -> Trip:
-    """Carry out :func:`~lightning_hookdiag.step_state.plan_trip`'s plan for ``trip``; returns the trip to record.
+def _schedule(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+) -> tuple[str | None, int | None, int | None]:
+    """How the Trainer steps ``optimizer``'s LR scheduler (manual optimization: ``None``), how often it has, and when.
 
-    Every plan but ``"record"`` leaves a window of the step open. ``previous``: the sentinel's trip before this one;
-    ``traces``: the rules read where its NaN/Inf was made; ``last_metrics``: the last logged values (a new window's
-    kurtosis shift).
+    When: the Trainer's clock for that interval, the optimizer step (``"step"``) or the epoch (``"epoch"``).
     """
-    step, micro = trip.step, run.state.micro
-    sampled, blocker = run.state.open_for(step) is not None, _replay_blocker(trainer, pl_module)
-    plan = plan_trip(trip, sampled=sampled, traces=traces, blocker=blocker, previous=previous, held=micro.holds(step))
-    trace = NonFiniteTrace(pl_module) if plan.trace or plan.action == "trace" else None
-    if plan.action == "replay":  # into a new window; the hook set attaches the components that watch replays
-        run.open_window(step, last_metrics)
-        failure = _rerun(trainer, pl_module, run, run.hooks, trace)
-        # Every process must agree, or the pooled statistics' collectives would not match.
-        if all_reduce_max(torch.tensor([float(failure is not None)], device=pl_module.device)).item() > 0:
-            run.discard_window()
-            trace, failure = None, failure or "the replay failed on another process"
-            plan = plan_trip(trip, sampled=False, traces=traces, blocker=failure, previous=previous, held=True)
-    elif plan.action == "trace":
-        # The hooks saw the step as it happened but cannot see functional code between two layers; still attached
-        # (batch end removes them), they must not count the re-run through the trace alone.
-        run.end_micro_batch()
-        if _rerun(trainer, pl_module, run, HookSet({}, None), trace) is not None:
-            trace = None  # the finding keeps what the hooks saw
-    if plan.action == "parameters":
-        run.open_window(step, last_metrics, layers=False)  # the parameters can still be measured
-        run.state.sample_next = step + 1
-    entry, origin = trace.origin(run.layer_names) if trace is not None else (None, None)
-    recorded = replace(plan.trip, nan_entry=entry, nan_origin=origin)
-    if plan.read_batch:  # data that arrives non-finite (a division by a zero std) is named as such; one read
-        recorded = replace(recorded, bad_batch=tuple(nonfinite_in_batch([m.batch for m in micro.batches])))
-    return recorded
+    for config in trainer.lr_scheduler_configs:
+        if getattr(config.scheduler, "optimizer", None) is optimizer:
+            steps = getattr(config.scheduler, "last_epoch", None)
+            interval = config.interval if pl_module.automatic_optimization else None
+            clock = trainer.current_epoch if interval == "epoch" else trainer.global_step
+            return interval, steps if isinstance(steps, int) else None, clock
+    return None, None, None
 
 
-def _rerun(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, run: FitRun, hooks: HookSet, trace: NonFiniteTrace | None
-) -> str | None:
-    """Run the step's micro-batches again through ``hooks`` and ``trace``; why it raised, or ``None``."""
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    takes_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
+@dataclass(frozen=True)
+class LightningStep:
+    """The Trainer's side of an optimizer step, as :class:`~lightning_hookdiag.fit_run.TrainingLoop` asks for it."""
 
-    def loss(micro: MicroBatch) -> Tensor | None:  # as the automatic-optimization loop back-propagates it
+    trainer: pl.Trainer
+    pl_module: pl.LightningModule
+
+    def loss_scale(self) -> Tensor | None:
+        """The precision plugin's ``GradScaler`` scale, or ``None``."""
+        scale = getattr(getattr(self.trainer.precision_plugin, "scaler", None), "_scale", None)
+        return scale if isinstance(scale, Tensor) else None
+
+    def replay_blocker(self) -> str | None:
+        """Why the Trainer's step cannot be re-run before the optimizer applies it, or ``None``."""
+        return _replay_blocker(self.trainer, self.pl_module)
+
+    def micro_batch_loss(self, micro: MicroBatch) -> Tensor | None:
+        """``training_step`` on ``micro`` again, its loss as the automatic-optimization loop back-propagates it.
+
+        The LightningModule itself, not the DDP wrapper: DDP's reducer must not see this backward. What it logs is
+        dropped.
+        """
+        trainer, pl_module = self.trainer, self.pl_module
+        takes_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
         args = (micro.batch, micro.batch_idx) if takes_index else (micro.batch,)
-        # The LightningModule itself, not the DDP wrapper: DDP's reducer must not see this backward.
         with trainer.precision_plugin.train_step_context(), _logging_silenced(pl_module):
             output = pl_module.training_step(*args)
         value = output.get("loss") if isinstance(output, Mapping) else output
         if not isinstance(value, Tensor):
             return None
         value = value / trainer.accumulate_grad_batches
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
         return scaler.scale(value) if scaler is not None else value
 
-    try:
-        replay_step(run.state.micro.batches, loss, pl_module, hooks, pl_module.device, trace)
-    except ReplayWriteLimit as error:  # refused before the write; the writes before it were undone
-        return f"{error}; the replay stopped there and undid its earlier writes"
-    except Exception as error:  # reported in the finding; training goes on untouched
-        return f"the replay raised {type(error).__name__}: {error}"
-    return None
+    def optimizers(self) -> Sequence[torch.optim.Optimizer]:
+        """The Trainer's optimizers."""
+        return self.trainer.optimizers
+
+    def holds_parameters(self) -> bool:
+        """``False`` under DeepSpeed, whose optimizers hold copies of the parameters."""
+        return not isinstance(self.trainer.strategy, strategies.DeepSpeedStrategy)
+
+    def schedule(self, optimizer: torch.optim.Optimizer) -> Schedule:
+        """How the Trainer steps ``optimizer``'s LR scheduler and how often it has."""
+        return _schedule(self.trainer, self.pl_module, optimizer)

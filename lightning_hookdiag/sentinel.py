@@ -27,7 +27,7 @@ from lightning_hookdiag.stats import accumulation_dtype
 from lightning_hookdiag.step_state import Trip, TripKind
 from lightning_hookdiag.validation import choice
 
-__all__ = ["SENTINEL_MODES", "LossSentinel", "MicroBatch", "SpikeDetector", "replay_step"]
+__all__ = ["SENTINEL_MODES", "LossSentinel", "MicroBatch", "NoSentinel", "Sentinel", "SpikeDetector", "replay_step"]
 
 SENTINEL_MODES: tuple[str, ...] = ("loss", "loss+grads")
 """Values of the callback's ``sentinel`` argument besides ``None``."""
@@ -170,6 +170,9 @@ class LossSentinel:
     Call :meth:`observe_loss` with every micro-batch's loss and :meth:`check` once per optimizer step. ``reduce_max``
     reduces the packed per-step values over processes (``None``: a single process).
 
+    Attributes:
+        keeps_batches: The step's micro-batches are kept for a replay (:class:`NoSentinel`: never trips, keeps none).
+
     Example:
         >>> sentinel = LossSentinel("loss", SpikeDetector(warmup=2))
         >>> for step, loss in enumerate([1.0, 1.1, float("nan")]):
@@ -179,13 +182,15 @@ class LossSentinel:
         ('nonfinite_loss', 2, 1)
     """
 
+    keeps_batches = True
+
     def __init__(
         self,
         mode: str = "loss",
         detector: SpikeDetector | None = None,
         reduce_max: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
-        # None is the callback's "no sentinel" (checked there); a LossSentinel needs a mode.
+        # The callback's sentinel=None is a NoSentinel; a LossSentinel needs a mode.
         self.mode = choice("sentinel", mode, SENTINEL_MODES)
         self.detector = detector if detector is not None else SpikeDetector()
         self.reduce_max = reduce_max
@@ -271,6 +276,47 @@ class LossSentinel:
             self.detector.start = float(state["start"])
         self.last_finite_step = state.get("last_finite_step")
         self.previous_trip = state.get("previous_trip")
+
+
+class NoSentinel:
+    """The callback's ``sentinel=None``: the interface of :class:`LossSentinel`, checking nothing and holding nothing.
+
+    Its checkpoint entry is ``None``, as every checkpoint of a run without a sentinel has it.
+
+    Example:
+        >>> sentinel = NoSentinel()
+        >>> sentinel.observe_loss(torch.tensor(float("nan")))
+        >>> sentinel.check(0) is None, sentinel.state_dict() is None, sentinel.keeps_batches
+        (True, True, False)
+    """
+
+    keeps_batches = False
+    mode = None
+    last_finite_step = None
+    previous_trip = None
+
+    def __init__(self) -> None:
+        self.reduce_max: Callable[[Tensor], Tensor] | None = None  # set by the callback as for a LossSentinel; unused
+
+    def observe_loss(self, loss: Tensor) -> None:
+        """Ignore the loss: nothing is checked."""
+
+    def discard(self) -> None:
+        """Nothing is held."""
+
+    def check(self, step: int, grads: Sequence[Tensor] = (), scale: Tensor | None = None) -> Trip | None:
+        """Never trips."""
+        return None
+
+    def state_dict(self) -> None:
+        """``None``: the checkpoint entry of a run without a sentinel."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing to restore: a baseline from a run with a sentinel goes unused."""
+
+
+Sentinel = LossSentinel | NoSentinel
+"""What the callback checks each optimizer step with."""
 
 
 # ------------------------------------------------------------------------------------------------------- replay

@@ -72,6 +72,10 @@ class TripPlan:
     trace: bool = False  # a replay also traces the NaN/Inf to the module that made it
     read_batch: bool = False  # look for NaN/Inf in the step's batch (bad_batch)
 
+    def failed(self, reason: str) -> TripPlan:
+        """The plan once a replay failed for ``reason``: parameters only, the next step sampled, nothing traced."""
+        return TripPlan("parameters", replace(self.trip, replayed=False, reason=reason), read_batch=self.read_batch)
+
 
 def plan_trip(
     trip: Trip, *, sampled: bool, traces: bool, blocker: str | None, previous: int | None, held: bool

@@ -316,10 +316,13 @@ def run_lightning(out_dir: str, strategy: str, accelerator: str, devices: int) -
             super().on_fit_start(trainer, pl_module)
             self.sharded = sharded(trainer, dict(pl_module.named_parameters()))
 
-        def _finish_window(self, *args: Any, **kwargs: Any) -> None:
+        def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+            # Every step is sampled: its window is pooled and logged here, once its optimizer has stepped.
+            before = self.last_step
             with counted() as count:
-                super()._finish_window(*args, **kwargs)
+                super().on_train_batch_end(*args, **kwargs)
             assert self.last_step is not None
+            assert self.last_step != before
             self.pooled[self.last_step] = dict(self.last_metrics)
             self.collectives[self.last_step] = count["calls"]
 

@@ -155,6 +155,33 @@ def test_without_the_sentinel_the_failure_is_only_seen_at_the_next_sampled_step(
     assert "they were last observed finite at step 10" in callback.findings[0].message
 
 
+def test_a_checkpoint_moves_between_runs_with_and_without_the_sentinel(tmp_path):
+    # Without a sentinel the checkpoint's entry is None (as it always was); with one, its baseline. Each resumes the
+    # other: a baseline a run without a sentinel loads goes unused, and a sentinel resumed from None starts empty.
+    saved = {}
+    for sentinel in (None, "loss"):
+        trainer = make_trainer([LayerHealthCallback(every_n_steps=2, summary=False, sentinel=sentinel)], max_steps=4)
+        trainer.fit(TinyModule(), make_data())
+        saved[sentinel] = tmp_path / f"{sentinel}.ckpt"
+        trainer.save_checkpoint(saved[sentinel])
+    entries = {s: next(iter(torch.load(p, weights_only=False)["callbacks"].values())) for s, p in saved.items()}
+    assert entries[None]["sentinel"] is None
+    assert len(entries["loss"]["sentinel"]["losses"]) == 4
+    assert entries["loss"]["sentinel"]["last_finite_step"] == 3
+    for sentinel, other in ((None, "loss"), ("loss", None)):
+        callback = LayerHealthCallback(every_n_steps=2, summary=False, sentinel=sentinel)
+        trainer = make_trainer([callback], max_steps=6)
+        trainer.fit(TinyModule(), make_data(), ckpt_path=saved[other])
+        assert callback.trips == []
+        assert callback.last_step == 4
+        resumed = callback.state_dict()["sentinel"]
+        if sentinel is None:
+            assert resumed is None
+        else:  # steps 4 and 5 only: the checkpoint without a sentinel held no baseline
+            assert len(resumed["losses"]) == 2
+            assert resumed["last_finite_step"] == 5
+
+
 def test_stop_stops_after_the_tripped_step():
     module, _ = mlp_with(lambda clock: NaNAt(clock, step=13))
     trainer = make_trainer([LayerHealthCallback(every_n_steps=10, on_anomaly="stop")], max_steps=30)

@@ -20,9 +20,9 @@ from torch import nn
 
 from lightning_hookdiag import ALL_STATS, LayerHealthCallback
 from lightning_hookdiag.components import FACTORIES, Component, FitConfig, Setup, component
-from lightning_hookdiag.fit_run import FitRun
+from lightning_hookdiag.fit_run import FitRun, StepCheck
 from lightning_hookdiag.logged_values import ObservedStep
-from lightning_hookdiag.sentinel import MicroBatch, capture_rng
+from lightning_hookdiag.sentinel import LossSentinel, MicroBatch, SpikeDetector, capture_rng
 
 
 def config(**changes: object) -> FitConfig:
@@ -306,3 +306,138 @@ def test_release_drops_the_window_and_the_micro_batches_also_when_a_component_ra
     assert count_hooks(model) == 0
     assert run.state.window is None
     assert run.state.micro.batches == []
+
+
+# ----------------------------------------------------------------------------------- a trip through the engine
+class PlainLoop:
+    """A plain PyTorch loop (one optimizer, no scaler, loss = model(batch).sum()) as the engine's TrainingLoop."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, blocker: str | None = None) -> None:
+        self.model, self.opt, self.blocker = model, opt, blocker
+        self.replays = 0
+
+    def loss_scale(self) -> torch.Tensor | None:
+        return None
+
+    def replay_blocker(self) -> str | None:
+        return self.blocker
+
+    def micro_batch_loss(self, micro: MicroBatch) -> torch.Tensor | None:
+        self.replays += 1
+        return self.model(micro.batch).sum()
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.opt]
+
+    def holds_parameters(self) -> bool:
+        return True
+
+    def schedule(self, optimizer: torch.optim.Optimizer) -> tuple[str | None, int | None, int | None]:
+        return None, None, None
+
+
+def plain_step(run: FitRun, loop: PlainLoop, step: int, x: torch.Tensor) -> StepCheck | None:
+    """One optimizer step of ``loop`` driven through the engine's transitions, as the callback drives them."""
+    run.begin_micro_batch(step, x, step, loop.optimizers(), {})
+    loss = loop.model(x).sum()
+    run.before_backward(loss, 1)
+    loss.backward()
+    run.after_backward()
+    checked = run.check_step(step, loop.opt, loop, lambda trip: False, {})
+    if checked is None:  # a tripped step is skipped, as a GradScaler skips one with inf/NaN gradients
+        loop.opt.step()
+    loop.opt.zero_grad(set_to_none=True)
+    run.end_micro_batch()
+    return checked
+
+
+def sentinel_run(model: nn.Module) -> FitRun:
+    sentinel = LossSentinel("loss", SpikeDetector(warmup=1))
+    return FitRun(
+        config(every_n_steps=10, stats=("act_mean", "param_norm")), model, "32-true", lambda p: False, sentinel
+    )
+
+
+def test_a_trip_is_replayed_by_the_engine_into_a_window_of_its_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    loop = PlainLoop(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    run = sentinel_run(model)
+    x, bad = torch.ones(2, 4), torch.full((2, 4), float("nan"))
+    assert plain_step(run, loop, 0, x) is None  # sampled, not tripped
+    assert run.close_past(1, []) is not None  # step 0's window
+    before = model[0].weight.detach().clone()
+    checked = plain_step(run, loop, 1, bad)
+    assert checked is not None
+    assert checked.observed
+    assert (checked.trip.step, checked.trip.kind, checked.trip.replayed, checked.trip.reason) == (
+        1,
+        "nonfinite_loss",
+        True,
+        "",
+    )
+    assert checked.trip.bad_batch == (("batch", 8, 8),)  # the kept micro-batch was read once
+    assert loop.replays == 1
+    observed = run.close_past(2, [])
+    assert observed is not None
+    assert observed.step == 1
+    assert observed.trip == checked.trip
+    assert observed.layers
+    # The replay's forward, counted once: 2 rows of 3 NaN outputs; the weights before the update.
+    assert observed.host["count"] == [6.0]
+    assert math.isnan(observed.host["act_mean"][0])
+    assert observed.host["param_norm"][0] == pytest.approx(float(before.double().norm()), rel=1e-6)
+    assert count_hooks(model) == 0
+
+
+def test_a_replay_that_raises_leaves_a_window_of_the_parameters_and_samples_the_next_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    loop = PlainLoop(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    loop.micro_batch_loss = lambda micro: (_ for _ in ()).throw(ValueError("no data"))  # type: ignore[method-assign]
+    run = sentinel_run(model)
+    plain_step(run, loop, 0, torch.ones(2, 4))
+    run.close_past(1, [])
+    checked = plain_step(run, loop, 1, torch.full((2, 4), float("nan")))
+    assert checked is not None
+    assert checked.observed
+    assert not checked.trip.replayed
+    assert checked.trip.reason == "the replay raised ValueError: no data"
+    observed = run.close_past(2, ["0"])
+    assert observed is not None
+    assert observed.step == 1
+    assert not observed.layers
+    assert observed.forward_order == ["0"]
+    # Step 2 is not on the schedule (every 10) but is sampled: the step after a trip that was not replayed.
+    assert plain_step(run, loop, 2, torch.ones(2, 4)) is None
+    sampled = run.close_past(3, [])
+    assert sampled is not None
+    assert sampled.step == 2
+    assert sampled.layers
+    assert sampled.host["count"] == [6.0]
+
+
+def test_a_blocked_trip_of_a_persisting_failure_is_only_recorded():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    loop = PlainLoop(model, torch.optim.SGD(model.parameters(), lr=0.0), blocker="of manual optimization")
+    run = sentinel_run(model)
+    plain_step(run, loop, 0, torch.ones(2, 4))
+    run.close_past(1, [])
+    bad = torch.full((2, 4), float("nan"))
+    first = plain_step(run, loop, 1, bad)
+    assert first is not None
+    assert first.observed
+    assert first.trip.reason == "of manual optimization"
+    assert run.close_past(2, []) is not None  # step 1's parameters
+    second = plain_step(run, loop, 2, bad)  # step 2 is sampled (the step after), its hooks saw it
+    assert second is not None
+    assert second.observed
+    assert second.trip.replayed
+    assert run.close_past(3, []) is not None
+    third = plain_step(run, loop, 3, bad)
+    assert third is not None
+    assert not third.observed
+    assert third.trip.reason.startswith("the previous step tripped too")
+    assert run.close_past(4, []) is None
+    assert loop.replays == 0

@@ -150,3 +150,12 @@ def test_a_failure_that_persists_is_only_recorded(blocker):
     assert (got.action, got.trace, got.read_batch, got.trip.replayed) == ("record", False, False, False)
     assert "the previous step tripped too" in got.trip.reason
     assert plan(previous=5).action == "replay"  # an earlier trip, not the previous step's: reported again
+
+
+@pytest.mark.parametrize(("trip", "traces"), [(NAN, True), (NAN, False), (SPIKE, False)])
+def test_a_failed_replay_plans_what_a_step_blocked_for_that_reason_plans(trip, traces):
+    replay = plan(trip, traces=traces)
+    assert replay.action == "replay"
+    failed = replay.failed("the replay raised ValueError: x")
+    assert failed == plan(trip, traces=traces, blocker="the replay raised ValueError: x")
+    assert (failed.action, failed.trip.replayed, failed.trace) == ("parameters", False, False)
