@@ -25,7 +25,7 @@ from typing_extensions import override
 from lightning_hookdiag.components import FitConfig
 from lightning_hookdiag.diagnosis import Diagnosis
 from lightning_hookdiag.distributed import all_reduce_max
-from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
+from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning, MissingExtraError
 from lightning_hookdiag.fit_run import FitRun
 from lightning_hookdiag.heatmap_image import render
 from lightning_hookdiag.keys import ALERTS_ACTIVE, step_key
@@ -641,7 +641,11 @@ class LayerHealthCallback(Callback):
             image = render(matrix, scale=scale, cell=cell)
             step = columns[-1][0]
             errors += write_image(trainer.loggers, f"{self.prefix}_heatmap/{stat}", image, step)
-        return errors
+        # A logger whose images need a package that is missing (W&B without Pillow) is said once, not raised: the
+        # rest of its logs are whole, and the fit must not fail at its end for want of a picture.
+        for missing in [e for e in errors if isinstance(e, MissingExtraError)]:
+            self._note(Note(f"image:{missing}", f"LayerHealthCallback: the heatmap is not drawn there: {missing}"))
+        return [e for e in errors if not isinstance(e, MissingExtraError)]
 
     def _log(self, trainer: pl.Trainer, step: int, metrics: dict[str, float]) -> list[BaseException]:
         """Send the step's metrics to every logger; returns the loggers' errors, raised later."""

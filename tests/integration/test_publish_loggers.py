@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -170,3 +171,35 @@ def test_a_run_with_a_finding_gets_no_all_clear(tmp_path: Path) -> None:
     texts = [t.tensor_proto.string_val[0].decode() for t in acc.Tensors("layer_health_findings/text_summary")]
     assert texts
     assert not [t for t in texts if t.startswith("No findings")]
+
+
+def test_wandb_without_pillow_says_once_that_the_heatmap_is_not_drawn_and_the_fit_ends_well(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wandb = pytest.importorskip("wandb")
+    from lightning.pytorch.loggers import WandbLogger
+
+    from lightning_hookdiag import LayerHealthWarning
+
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setitem(sys.modules, "PIL", None)  # wandb.Image draws with Pillow: as if it were not installed
+    monkeypatch.setitem(sys.modules, "PIL.Image", None)
+    settings = wandb.Settings(
+        disable_git=True, disable_code=True, console="off", x_disable_stats=True, x_disable_meta=True
+    )
+    logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="hookdiag", settings=settings)
+    health = LayerHealthCallback(every_n_steps=2, summary=False, heatmap_every_n_steps=2)
+    module = TinyModule(data=make_data(n=64))
+    module.record_enabled = False
+    try:
+        with pytest.warns(LayerHealthWarning, match="heatmap is not drawn there.*pillow") as record:
+            make_trainer([health], max_steps=5, logger=[logger]).fit(module)
+    finally:
+        wandb.finish()
+        wandb.teardown()
+    notes = [w for w in record if "heatmap is not drawn" in str(w.message)]
+    assert len(notes) == 1  # drawn on steps 0, 2, 4 and at the end, for two statistics: said once
+    assert health.last_step == 4
