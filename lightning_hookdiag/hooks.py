@@ -44,6 +44,7 @@ def module_hook(method: Callable[..., Any], *args: Any) -> Callable[..., Any]:
     def hook(*hook_args: Any) -> Any:
         return method(*args, *hook_args)
 
+    hook.__wrapped__ = method  # type: ignore[attr-defined]  # as functools.wraps sets it: what the hook calls
     return hook
 
 

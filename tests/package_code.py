@@ -87,7 +87,7 @@ def package_code(callback: Any, scope: Scope) -> Iterator[None]:
                 hook = args[position]
                 # The output-logit probe's forward hooks (one per output-layer candidate) are not the statistics'
                 # hooks: counted apart, so that "per observed output" stays the cost of one observation.
-                bound = hook.func if isinstance(hook, functools.partial) else hook
+                bound = hook.func if isinstance(hook, functools.partial) else getattr(hook, "__wrapped__", hook)
                 probe = "PrecursorProbes._output_hook" in getattr(getattr(bound, "__code__", None), "co_qualname", "")
                 args[position] = _scoped(hook, scope, "hook:probe" if probe and kind == "hook:output" else kind)
             return original(*args, **kwargs)
