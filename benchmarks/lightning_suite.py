@@ -50,7 +50,7 @@ OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
 # keys that were logged: what the issue expects. Keyed by test function (parameters stripped): the reason, and a text
 # that the end of the failure must contain to show it is that assertion (the callback's keys or the callback itself).
 # Each was read and its failure checked; a listed test failing without that text is reported as a defect.
-LOGGED_CALLS = "layer_health/"
+LOGGED_CALLS = "layer_health"  # the summary group (layer_health/...) and the per-layer keys (layer_health.<stat>/...)
 CALLBACK_LIST = "LayerHealthCallback object"
 EXPECTED: dict[str, tuple[str, str]] = {
     "test_log_every_n_steps": (

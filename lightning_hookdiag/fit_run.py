@@ -484,7 +484,7 @@ class FitRun:
         optimizers: Sequence[torch.optim.Optimizer],
         scale: Tensor | None,
         watch_membership: bool,
-        schedule: Schedule = (None, None, None),
+        schedule: Schedule = (None, None, None, None),
     ) -> None:
         """Measure the weights and gradients before ``optimizer`` steps (a step's first call: docs/integrations.md).
 

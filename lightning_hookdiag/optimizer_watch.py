@@ -65,9 +65,10 @@ def held_by(optimizers: Iterable[Optimizer]) -> dict[int, tuple[int, ...]]:
     return {key: tuple(indices) for key, indices in holders.items()}
 
 
-Schedule = tuple["str | None", "int | None", "int | None"]
-"""How Lightning steps an optimizer's LR scheduler (``"step"``, ``"epoch"``), its ``last_epoch``, and Lightning's
-clock for that interval: the optimizer step (``"step"``) or the epoch (``"epoch"``); all ``None`` without one."""
+Schedule = tuple["str | None", "int | None", "int | None", "int | None"]
+"""How Lightning steps an optimizer's LR scheduler (``"step"``, ``"epoch"``), its ``last_epoch``, Lightning's clock for
+that interval (the optimizer step for ``"step"``, the epoch for ``"epoch"``) and the scheduler's identity (``id``: a
+callback such as ``StochasticWeightAveraging`` swaps in a scheduler of its own); all ``None`` without one."""
 
 
 def _holder(group: Mapping[str, Any], schedule: Schedule, advance: tuple[int, int, int] | None) -> ParamFacts:
@@ -111,10 +112,11 @@ class StepWatch:
         # Kept across windows: which tracked parameters no optimizer holds and which optimizers hold each parameter,
         # with the membership they were found for.
         self._outside: tuple[tuple[Any, ...], list[Tensor], dict[int, tuple[int, ...]]] | None = None
-        # Kept across windows: each scheduled optimizer's (Lightning clock, scheduler last_epoch) when last observed.
-        self._clocks: dict[int, tuple[int, int]] = {}
+        # Kept across windows: each scheduled optimizer's (Lightning clock, scheduler last_epoch, scheduler identity)
+        # when last observed.
+        self._clocks: dict[int, tuple[int, int, int | None]] = {}
 
-    def observe(self, optimizer: Optimizer, schedule: Schedule = (None, None, None)) -> None:
+    def observe(self, optimizer: Optimizer, schedule: Schedule = (None, None, None, None)) -> None:
         """Record the learning rates (and :data:`Schedule`) ``optimizer`` is about to step with; watch if it steps."""
         key = id(optimizer)
         if key in self._rates:
@@ -130,13 +132,15 @@ class StepWatch:
 
     def _advance(self, key: int, schedule: Schedule) -> tuple[int, int, int] | None:
         """How far the scheduler and Lightning's clock moved since ``key``'s last observation (and remember now's)."""
-        interval, steps, clock = schedule
+        interval, steps, clock, scheduler = schedule
         if interval is None or steps is None or clock is None:
             return None
         before = self._clocks.get(key)
-        self._clocks[key] = (clock, steps)
-        if before is None or clock < before[0] or steps < before[1]:
-            return None  # first seen, or the clock went back (a new fit, a scheduler reloaded): no span to compare
+        self._clocks[key] = (clock, steps, scheduler)
+        if before is None or clock < before[0] or steps < before[1] or scheduler != before[2]:
+            # First seen, the clock went back (a new fit, a scheduler reloaded), or another scheduler was swapped in
+            # (StochasticWeightAveraging's SWALR starts at its own last_epoch): no span to compare.
+            return None
         # Lightning steps a scheduler at most once per optimizer step ("step") or per epoch ("epoch").
         return steps - before[1], clock - before[0], before[0]
 

@@ -79,20 +79,19 @@ def _logging_silenced(pl_module: pl.LightningModule) -> Iterator[None]:
                 pl_module.__dict__.pop(name, None)
 
 
-def _schedule(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-) -> tuple[str | None, int | None, int | None]:
-    """How the Trainer steps ``optimizer``'s LR scheduler (manual optimization: ``None``), how often it has, and when.
+def _schedule(trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> Schedule:
+    """How the Trainer steps ``optimizer``'s LR scheduler (:data:`~lightning_hookdiag.optimizer_watch.Schedule`).
 
-    When: the Trainer's clock for that interval, the optimizer step (``"step"``) or the epoch (``"epoch"``).
+    Manual optimization: no interval. The clock is the Trainer's for that interval, the optimizer step (``"step"``)
+    or the epoch (``"epoch"``); the identity tells a scheduler swapped in by a callback (SWA) from the one before.
     """
     for config in trainer.lr_scheduler_configs:
         if getattr(config.scheduler, "optimizer", None) is optimizer:
             steps = getattr(config.scheduler, "last_epoch", None)
             interval = config.interval if pl_module.automatic_optimization else None
             clock = trainer.current_epoch if interval == "epoch" else trainer.global_step
-            return interval, steps if isinstance(steps, int) else None, clock
-    return None, None, None
+            return interval, steps if isinstance(steps, int) else None, clock, id(config.scheduler)
+    return None, None, None, None
 
 
 @dataclass(frozen=True)

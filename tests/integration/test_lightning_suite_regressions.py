@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 from unittest.mock import MagicMock, Mock
 
 import lightning.pytorch as pl
@@ -69,3 +70,42 @@ def test_a_stand_in_logger_gets_the_scalars_and_no_file_is_written_for_it(stand_
     steps = [call.kwargs.get("step") for call in calls if "layer_health/alerts_active" in call.args[0]]
     assert steps == [0, 2]
     assert list(Path(tmp_path).iterdir()) == []
+
+
+class ScheduledByEpoch(TinyModule):
+    """SGD with a StepLR stepped by Lightning once per epoch, as ``test_stochastic_weight_avg.py``'s models."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)}
+
+
+@pytest.mark.parametrize("annealing", ["cos", "linear"])
+def test_a_scheduler_swapped_in_by_stochastic_weight_averaging_is_not_overstepped(annealing):
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    module = ScheduledByEpoch(data=make_data(n=32))  # 4 batches of 8: 4 optimizer steps per epoch
+    module.record_enabled = False
+    swa = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2, annealing_strategy=annealing)
+    health = LayerHealthCallback(every_n_steps=1, summary=False, rules={"enabled": ["scheduler_overstepped"]})
+    make_trainer([health, swa], max_steps=-1, max_epochs=5).fit(module)
+    assert health.last_step == 19  # every step of 5 epochs was sampled, across the swap at epoch 2
+    assert health.findings == []
+
+
+class SteppedTwice(ScheduledByEpoch):
+    """The same schedule, also stepped by the user in ``training_step``: the rule's own case."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.lr_schedulers().step()
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_same_schedule_stepped_by_the_user_too_is_still_named():
+    module = SteppedTwice(data=make_data(n=32))
+    module.record_enabled = False
+    health = LayerHealthCallback(
+        every_n_steps=1, summary=False, on_anomaly="ignore", rules={"enabled": ["scheduler_overstepped"]}
+    )
+    make_trainer([health], max_steps=-1, max_epochs=2).fit(module)
+    assert [f.rule for f in health.findings][:1] == ["scheduler_overstepped"]

@@ -332,8 +332,8 @@ class PlainLoop:
     def holds_parameters(self) -> bool:
         return True
 
-    def schedule(self, optimizer: torch.optim.Optimizer) -> tuple[str | None, int | None, int | None]:
-        return None, None, None
+    def schedule(self, optimizer: torch.optim.Optimizer) -> tuple[str | None, int | None, int | None, int | None]:
+        return None, None, None, None
 
 
 def plain_step(run: FitRun, loop: PlainLoop, step: int, x: torch.Tensor) -> StepCheck | None:
