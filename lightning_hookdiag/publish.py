@@ -93,14 +93,24 @@ def _row(record: dict[str, Any]) -> list[Any]:
 
 
 def _markdown(rows: list[list[Any]]) -> str:
-    """Rows as a Markdown table (TensorBoard's text dashboard renders it); ``|`` in a cell escaped."""
+    """Rows as Markdown for TensorBoard's text dashboard: per row, a bold heading line, then its message.
 
-    def cell(value: Any) -> str:
+    A table would squeeze the seven columns into narrow ones beside a long message; a heading per finding reads as
+    "step 0 · dead_units · net.61" with the sentence below it. ``*`` is escaped (Markdown emphasis).
+    """
+
+    def text(value: Any) -> str:
         shown = format_value(value) if isinstance(value, float) else ("" if value is None else str(value))
-        return shown.replace("|", "\\|").replace("\n", " ")
+        return shown.replace("*", "\\*").replace("\n", " ")
 
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    return "\n".join([*lines, *("| " + " | ".join(cell(v) for v in row) + " |" for row in rows)])
+    blocks = []
+    for step, rule, layer, phase, value, threshold, message in (map(text, row) for row in rows):
+        where = f" · {layer}" if layer else ""
+        details = ", ".join(
+            part for part in (phase, f"value {value}", f"threshold {threshold}" if threshold else "") if part
+        )
+        blocks.append(f"**step {step} · {rule}{where}** ({details})\n\n{message}")
+    return "\n\n".join(blocks)
 
 
 def _prefixed(logger: Logger, key: str) -> str:

@@ -118,7 +118,7 @@ def test_a_fit_publishes_its_trip_finding_count_and_heatmap_to_csv_and_tensorboa
     acc.Reload()
     (text,) = acc.Tensors("layer_health_findings/text_summary")
     assert text.step == NAN_STEP
-    assert f"| {NAN_STEP} | nonfinite | {SICK} |" in text.tensor_proto.string_val[0].decode()
+    assert f"**step {NAN_STEP} · nonfinite · {SICK}** (forward, value " in text.tensor_proto.string_val[0].decode()
     assert [e.step for e in acc.Scalars("layer_health/alerts_active")] == evaluated
     (tb_image,) = acc.Images(f"layer_health_heatmap/{STAT}")
     pil = pytest.importorskip("PIL.Image")

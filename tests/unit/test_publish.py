@@ -11,6 +11,7 @@ import csv
 import io
 import json
 import math
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -122,14 +123,23 @@ def same(a: Any, b: Any) -> bool:
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
+HEADING = re.compile(r"^\*\*step (?P<step>\S+) · (?P<rule>[^·*]+?)(?: · (?P<layer>[^*]+))?\*\* \((?P<details>.*)\)$")
+
+
 def markdown_rows(text: str) -> list[list[str]]:
-    """The cells of a Markdown table's body rows, with ``\\|`` restored to ``|``."""
-    lines = text.splitlines()
-    assert lines[0] == "| step | rule | layer | phase | value | threshold | message |"
+    """``[step, rule, layer, phase, value, threshold, message]`` of each block of the findings text: a bold heading
+    line ``**step k · rule · layer** (phase, value v, threshold t)``, a blank line, the message."""
+    blocks = text.split("\n\n")
+    assert len(blocks) % 2 == 0, text
     rows = []
-    for line in lines[2:]:
-        cells = line.strip().removeprefix("|").removesuffix("|").replace("\\|", "\0").split("|")
-        rows.append([c.strip().replace("\0", "|") for c in cells])
+    for heading, message in zip(blocks[::2], blocks[1::2], strict=True):
+        match = HEADING.match(heading)
+        assert match is not None, heading
+        parts = match["details"].split(", ")
+        phase = "" if parts[0].startswith("value ") else parts[0]
+        value = next(p.removeprefix("value ") for p in parts if p.startswith("value "))
+        threshold = next((p.removeprefix("threshold ") for p in parts if p.startswith("threshold ")), "")
+        rows.append([match["step"], match["rule"], match["layer"] or "", phase, value, threshold, message])
     return rows
 
 
