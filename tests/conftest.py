@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import csv
 import importlib.util
 import os
 import sys
@@ -50,6 +51,18 @@ def by_name(metrics: dict[str, float]) -> dict[str, float]:
             out[f"{prefix}/{parsed.stat}/{parsed.name}"] = value
         else:
             out[key] = value
+    return out
+
+
+def csv_statistic(run_dir: Path, stat: str, prefix: str = "layer_health") -> dict[int, dict[str, float]]:
+    """``{step: {layer: value}}`` of one per-layer statistic, read back from a CSVLogger run's ``metrics.csv``."""
+    out: dict[int, dict[str, float]] = {}
+    with open(run_dir / "metrics.csv", newline="") as fh:
+        for row in csv.DictReader(fh):
+            for key, cell in row.items():
+                parsed = parse_key(key, prefix)
+                if parsed is not None and parsed.stat == stat and parsed.name is not None and cell != "":
+                    out.setdefault(int(row["step"]), {})[parsed.name] = float(cell)
     return out
 
 

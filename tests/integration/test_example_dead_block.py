@@ -18,6 +18,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from conftest import csv_statistic
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning
@@ -50,14 +51,7 @@ def csv_dir(log_dir: Path, name: str) -> Path:
 
 def logged(run: Path, stat: str) -> dict[int, dict[str, float]]:
     """``{step: {layer: value}}`` of one statistic, read back from ``metrics.csv``."""
-    out: dict[int, dict[str, float]] = {}
-    with open(run / "metrics.csv", newline="") as fh:
-        for row in csv.DictReader(fh):
-            for key, cell in row.items():
-                parsed = parse_key(key, PREFIX)
-                if parsed is not None and parsed.stat == stat and parsed.name is not None and cell != "":
-                    out.setdefault(int(row["step"]), {})[parsed.name] = float(cell)
-    return out
+    return csv_statistic(run, stat, PREFIX)
 
 
 def statistic_keys(run: Path) -> set[str]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from conftest import csv_statistic
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthError, LayerHealthWarning, RuleConfig
@@ -50,14 +51,7 @@ class Run:
 
     def logged(self, stat: str) -> dict[int, dict[str, float]]:
         """``{step: {layer: value}}`` of one statistic, read back from the CSV file."""
-        out: dict[int, dict[str, float]] = {}
-        with open(self.csv_dir / "metrics.csv", newline="") as fh:
-            for row in csv.DictReader(fh):
-                for key, cell in row.items():
-                    parsed = parse_key(key, PREFIX)
-                    if parsed is not None and parsed.stat == stat and parsed.name is not None and cell != "":
-                        out.setdefault(int(row["step"]), {})[parsed.name] = float(cell)
-        return out
+        return csv_statistic(self.csv_dir, stat, PREFIX)
 
     def totals(self, stat: str) -> dict[int, float]:
         """``{step: value}`` of one value of the summary group (``<prefix>/<stat>``), read back from the CSV file."""
