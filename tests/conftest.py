@@ -66,6 +66,33 @@ def csv_statistic(run_dir: Path, stat: str, prefix: str = "layer_health") -> dic
     return out
 
 
+def offline_wandb_logger(save_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A ``WandbLogger`` writing an offline run under ``save_dir``, with W&B's own folders there too, quietly.
+
+    End it with :func:`finish_wandb` before reading the run's files.
+    """
+    wandb = pytest.importorskip("wandb")
+    from lightning.pytorch.loggers import WandbLogger
+
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(var, str(save_dir / var.lower()))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    settings = wandb.Settings(
+        disable_git=True, disable_code=True, console="off", x_disable_stats=True, x_disable_meta=True
+    )
+    return WandbLogger(save_dir=str(save_dir), offline=True, project="hookdiag", settings=settings)
+
+
+def finish_wandb() -> None:
+    """End the W&B run and wait until its file is written: offline, ``finish()`` can return before the service
+    process has written it; ``teardown()`` waits for the service to shut down (it starts again on the next init)."""
+    import wandb
+
+    wandb.finish()
+    wandb.teardown()
+
+
 def depths(metrics: dict[str, float], prefix: str = "layer_health") -> dict[str, int]:
     """The depth (place in the forward order) that each layer's keys in ``metrics`` carry, read with the package's
     parser; parameters' keys (which carry their module's depth) are left out."""

@@ -20,7 +20,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
-from conftest import TinyModule, by_name, make_data, make_trainer
+from conftest import TinyModule, by_name, finish_wandb, make_data, make_trainer, offline_wandb_logger
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, Logger
 from torch import nn
@@ -222,25 +222,13 @@ def read_wandb_records(path: Path) -> list[bytes]:
 
 
 def test_wandb_offline_logger_stores_every_sampled_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    wandb = pytest.importorskip("wandb")
-    from lightning.pytorch.loggers import WandbLogger
+    logger = offline_wandb_logger(tmp_path, monkeypatch)
     from wandb.proto import wandb_internal_pb2
 
-    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
-        monkeypatch.setenv(var, str(tmp_path / var.lower()))
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    settings = wandb.Settings(
-        disable_git=True, disable_code=True, console="off", x_disable_stats=True, x_disable_meta=True
-    )
-    logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="hookdiag", settings=settings)
     try:
         expected = fit(logger)
     finally:
-        wandb.finish()
-        # Offline, finish() can return before the service process has written the run file; teardown() waits for
-        # the service to shut down (it starts again on the next wandb.init).
-        wandb.teardown()
+        finish_wandb()
 
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     stored: dict[int, dict[str, float]] = {}

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import RecordingLogger
+from conftest import RecordingLogger, finish_wandb, offline_wandb_logger
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from test_callback_loggers import read_wandb_records
@@ -290,24 +290,14 @@ def test_mlflow_without_pil_gets_the_heatmap_as_a_png_artifact(
 def test_wandb_gets_a_table_of_the_runs_findings_with_the_count_and_the_image(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    wandb = pytest.importorskip("wandb")
     pytest.importorskip("PIL")
-    from lightning.pytorch.loggers import WandbLogger
+    logger = offline_wandb_logger(tmp_path, monkeypatch)
     from wandb.proto import wandb_internal_pb2
 
-    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
-        monkeypatch.setenv(var, str(tmp_path / var.lower()))
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    settings = wandb.Settings(
-        disable_git=True, disable_code=True, console="off", x_disable_stats=True, x_disable_meta=True
-    )
-    logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="hookdiag", settings=settings)
     try:
         assert write_history([logger]) == []
     finally:
-        wandb.finish()
-        wandb.teardown()  # waits for the service to write the run file
+        finish_wandb()
 
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     files = run_file.parent / "files"
