@@ -457,7 +457,10 @@ class LayerHealthCallback(Callback):
             self._run.release()
         if self.summary and self.last_step is not None:
             rank_zero_info(self.summary_table())
-        errors = self._draw_heatmaps(trainer)
+        # Drawn at the end unless the schedule drew these very columns on the last sampled step.
+        every, last = self.heatmap_every_n_steps, self.last_step
+        drawn = every is not None and last is not None and last % every == 0
+        errors = [] if drawn else self._draw_heatmaps(trainer)
         if self.last_step is not None and not self.findings and not self.trips:
             text = f"No findings: every rule stayed silent on every sampled step up to step {self.last_step}."
             errors += write_all_clear(trainer.loggers, self.prefix, self.last_step, text)

@@ -19,7 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import pytest
-from conftest import TinyModule, make_data, make_trainer
+from conftest import TinyModule, finish_wandb, make_data, make_trainer, offline_wandb_logger
 from lightning.pytorch.loggers import CSVLogger
 from test_heatmap_image import decode_png
 from torch import nn
@@ -176,21 +176,11 @@ def test_a_run_with_a_finding_gets_no_all_clear(tmp_path: Path) -> None:
 def test_wandb_without_pillow_says_once_that_the_heatmap_is_not_drawn_and_the_fit_ends_well(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    wandb = pytest.importorskip("wandb")
-    from lightning.pytorch.loggers import WandbLogger
-
     from lightning_hookdiag import LayerHealthWarning
 
-    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
-        monkeypatch.setenv(var, str(tmp_path / var.lower()))
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = offline_wandb_logger(tmp_path, monkeypatch)
     monkeypatch.setitem(sys.modules, "PIL", None)  # wandb.Image draws with Pillow: as if it were not installed
     monkeypatch.setitem(sys.modules, "PIL.Image", None)
-    settings = wandb.Settings(
-        disable_git=True, disable_code=True, console="off", x_disable_stats=True, x_disable_meta=True
-    )
-    logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="hookdiag", settings=settings)
     health = LayerHealthCallback(every_n_steps=2, summary=False, heatmap_every_n_steps=2)
     module = TinyModule(data=make_data(n=64))
     module.record_enabled = False
@@ -198,8 +188,22 @@ def test_wandb_without_pillow_says_once_that_the_heatmap_is_not_drawn_and_the_fi
         with pytest.warns(LayerHealthWarning, match="heatmap is not drawn there.*pillow") as record:
             make_trainer([health], max_steps=5, logger=[logger]).fit(module)
     finally:
-        wandb.finish()
-        wandb.teardown()
+        finish_wandb()
     notes = [w for w in record if "heatmap is not drawn" in str(w.message)]
-    assert len(notes) == 1  # drawn on steps 0, 2, 4 and at the end, for two statistics: said once
+    assert len(notes) == 1  # drawn on steps 0, 2 and 4, for two statistics: said once
     assert health.last_step == 4
+
+
+def test_heatmaps_drawn_on_schedule_are_not_drawn_again_at_the_end(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb_logger = TensorBoardLogger(tmp_path, name="tb", default_hp_metric=False)
+    health = LayerHealthCallback(every_n_steps=2, summary=False, heatmap_stats=[STAT], heatmap_every_n_steps=2)
+    module = TinyModule(data=make_data(n=64))
+    module.record_enabled = False
+    make_trainer([health], max_steps=5, logger=[tb_logger]).fit(module)
+    acc = EventAccumulator(tb_logger.log_dir, size_guidance={"images": 0})
+    acc.Reload()
+    assert [image.step for image in acc.Images(f"layer_health_heatmap/{STAT}")] == [0, 2, 4]
