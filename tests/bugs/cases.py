@@ -26,7 +26,25 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hookdiag import LayerHealthCallback
 
-__all__ = ["CASES", "BugModule", "Case", "Fit", "run"]
+__all__ = ["CASES", "PRINCIPLES", "BugModule", "Case", "Fit", "run"]
+
+# The class of principle each case belongs to: issue 38's six principles, then the field's other classes.
+P1 = "1. parameter life accounted for"
+P2 = "2. a module's part in the run"
+P3 = "3. scale at both ends"
+P4 = "4. a symptom judged by its consequence"
+P5 = "5. the origin of growth"
+P6 = "6. the optimizers as a whole"
+NUMERICAL = "numerical errors (NaN/Inf)"
+UNITS = "dead or saturated units"
+GRADIENT = "vanishing or exploding gradient"
+UPDATES = "update size"
+LAYOUT = "preprocessing and layout"
+MODE = "train/eval mode"
+BOOKKEEPING = "gradient bookkeeping"
+DATA = "data pipeline"
+PRINCIPLES = (P1, P2, P3, P4, P5, P6, NUMERICAL, UNITS, GRADIENT, UPDATES, LAYOUT, MODE, BOOKKEEPING, DATA)
+"""Every class a case may name, in the order of the benchmark's table."""
 
 
 # ------------------------------------------------------------------------------------------------ the module
@@ -147,6 +165,11 @@ class Case:
             ``max(max_steps, 51)`` steps; ``None``: missed there (``default_note`` says what was measured).
         default_note: For a bug missed at the default interval: what the sentinel's every-step signals (the loss;
             the gradients with ``sentinel="loss+grads"``) show, measured, and why no cheap check was added.
+        principle: Its class of principle, one of :data:`PRINCIPLES`.
+        source: For a port of an external benchmark's bug (TrainCheck): the URL of the issue it reproduces.
+        today: For a blind spot or known miss: the ``(rule, layer)`` pairs the callback reports on the bug today
+            (empty: nothing); a rule that starts to see it changes them, and the case moves out of the misses.
+        twin_today: The ``(rule, layer)`` pairs the fixed twin raises today: a known false alarm, on record.
     """
 
     name: str
@@ -160,6 +183,10 @@ class Case:
     blind: str = ""
     default_step: int | None = None
     default_note: str = ""
+    principle: str = ""
+    source: str = ""
+    today: tuple[tuple[str, str], ...] = ()
+    twin_today: tuple[tuple[str, str], ...] = ()
 
 
 def run(case: Case, sick: bool, max_steps: int | None = None, **callback: Any) -> LayerHealthCallback:
@@ -580,6 +607,7 @@ CASES: tuple[Case, ...] = (
         "model.head",
         max_steps=4,
         default_step=0,
+        principle=P1,
     ),
     Case(
         "stray_detach",
@@ -589,6 +617,7 @@ CASES: tuple[Case, ...] = (
         "model.body.0",
         max_steps=4,
         default_step=0,
+        principle=P2,
     ),
     Case(
         "bf16_rounded_away",
@@ -598,6 +627,7 @@ CASES: tuple[Case, ...] = (
         "model.0",
         max_steps=4,
         default_step=0,
+        principle=P1,
     ),
     Case(
         "sgd_lr_too_high",
@@ -607,6 +637,7 @@ CASES: tuple[Case, ...] = (
         "model.5",
         step=4,
         default_note=DEFAULT_NOTES["sgd_lr_too_high"],
+        principle=UNITS,
     ),
     Case(
         "unnormalised_batch",
@@ -618,6 +649,7 @@ CASES: tuple[Case, ...] = (
         callback={"every_n_steps": 50},
         step=26,
         default_step=26,
+        principle=DATA,
     ),
     Case(
         "wrong_label_batch",
@@ -629,6 +661,7 @@ CASES: tuple[Case, ...] = (
         callback={"every_n_steps": 50},
         step=56,
         default_step=56,
+        principle=DATA,
     ),
     Case(
         "nan_log_in_wrapper",
@@ -639,6 +672,7 @@ CASES: tuple[Case, ...] = (
         max_steps=12,
         callback={"every_n_steps": 50},
         default_step=0,
+        principle=NUMERICAL,
     ),
     Case(
         "exploding_relu_rnn",
@@ -648,6 +682,7 @@ CASES: tuple[Case, ...] = (
         "model.rnn",
         max_steps=3,
         default_step=0,
+        principle=GRADIENT,
     ),
     Case(
         "lr_too_low",
@@ -658,6 +693,7 @@ CASES: tuple[Case, ...] = (
         max_steps=4,
         step=1,
         default_step=50,
+        principle=UPDATES,
     ),
     Case(
         "zero_init",
@@ -668,6 +704,7 @@ CASES: tuple[Case, ...] = (
         max_steps=3,
         step=0,
         default_step=0,
+        principle=UNITS,
     ),
     Case(
         "missing_activation",
@@ -678,6 +715,7 @@ CASES: tuple[Case, ...] = (
         max_steps=4,
         blind="a stack of Linear layers is numerically healthy: every statistic is in range (after 60 steps the"
         " output gradient norms are 0.92, 0.56, 0.51 from the output end), only capacity is lost",
+        principle=LAYOUT,
     ),
     Case(
         "raw_pixels",
@@ -688,6 +726,7 @@ CASES: tuple[Case, ...] = (
         max_steps=3,
         step=0,
         default_step=0,
+        principle=P3,
     ),
     Case(
         "double_softmax",
@@ -699,6 +738,7 @@ CASES: tuple[Case, ...] = (
         blind="softmax outputs in [0, 1] into a second log_softmax only compress the loss's range: after 60 steps"
         " the Softmax passes back 1/5.6 of its output gradient (0.26 -> 0.046), far from vanishing_ratio=1e-3, and"
         " no other statistic is out of range",
+        principle=P4,
     ),
     Case(
         "dying_relus",
@@ -707,6 +747,7 @@ CASES: tuple[Case, ...] = (
         "dead_units",
         "model.3",
         default_step=50,
+        principle=UNITS,
     ),
     Case(
         "saturating_tanh",
@@ -717,6 +758,7 @@ CASES: tuple[Case, ...] = (
         max_steps=3,
         step=0,
         default_step=0,
+        principle=UNITS,
     ),
     Case(
         "exploding_no_clipping",
@@ -727,6 +769,7 @@ CASES: tuple[Case, ...] = (
         max_steps=3,
         step=0,
         default_step=0,
+        principle=P5,
     ),
     Case(
         "nan_from_sqrt",
@@ -737,6 +780,7 @@ CASES: tuple[Case, ...] = (
         max_steps=3,
         step=0,
         default_step=0,
+        principle=NUMERICAL,
     ),
     Case(
         "grads_never_zeroed",
@@ -747,6 +791,7 @@ CASES: tuple[Case, ...] = (
         max_steps=4,
         step=1,
         default_step=50,
+        principle=BOOKKEEPING,
     ),
     Case(
         "eval_mode_left_on",
@@ -756,6 +801,7 @@ CASES: tuple[Case, ...] = (
         "model.1",
         max_steps=5,
         default_step=50,
+        principle=MODE,
     ),
     # --- issue 28 ---------------------------------------------------------------------------------------------
     Case(
@@ -767,6 +813,7 @@ CASES: tuple[Case, ...] = (
         max_steps=3,
         step=0,
         default_step=0,
+        principle=P1,
     ),
     Case(
         "repeated_sample_batch",
@@ -777,6 +824,7 @@ CASES: tuple[Case, ...] = (
         max_steps=3,
         step=0,
         default_step=0,
+        principle=DATA,
     ),
     Case(
         "eval_before_forward",
@@ -786,6 +834,7 @@ CASES: tuple[Case, ...] = (
         "model.1",
         max_steps=4,
         default_step=50,
+        principle=MODE,
     ),
     Case(
         "deep_sigmoid",
@@ -796,6 +845,7 @@ CASES: tuple[Case, ...] = (
         max_steps=3,
         step=0,
         default_step=0,
+        principle=GRADIENT,
     ),
     Case(
         "relu_on_the_output",
@@ -805,6 +855,7 @@ CASES: tuple[Case, ...] = (
         "model.5",
         max_steps=4,
         default_step=50,
+        principle=UNITS,
     ),
     Case(
         "tiny_gradient_clip",
@@ -815,6 +866,7 @@ CASES: tuple[Case, ...] = (
         max_steps=4,
         step=1,
         default_step=50,
+        principle=UPDATES,
     ),
     Case(
         "step_lr_every_step",
@@ -824,6 +876,7 @@ CASES: tuple[Case, ...] = (
         "model.0",
         max_steps=10,
         default_note=DEFAULT_NOTES["step_lr_every_step"],
+        principle=P6,
     ),
     Case(
         "loss_summed_not_averaged",
@@ -833,6 +886,7 @@ CASES: tuple[Case, ...] = (
         "model.4",
         max_steps=8,
         default_note=DEFAULT_NOTES["loss_summed_not_averaged"],
+        principle=GRADIENT,
     ),
     Case(
         "one_feature_in_raw_units",
@@ -843,6 +897,7 @@ CASES: tuple[Case, ...] = (
         max_steps=3,
         step=0,
         default_step=0,
+        principle=P3,
     ),
     Case(
         "no_grad_body",
@@ -852,6 +907,7 @@ CASES: tuple[Case, ...] = (
         None,
         max_steps=4,
         blind=BLIND_NOTES["no_grad_body"],
+        principle=P1,
     ),
     Case(
         "sigmoid_into_bce_with_logits",
@@ -861,13 +917,16 @@ CASES: tuple[Case, ...] = (
         None,
         max_steps=8,
         blind=BLIND_NOTES["sigmoid_into_bce_with_logits"],
+        principle=P4,
     ),
 )
 
 """Every bug of the benchmark, in the order of the table in ``docs/bugs.md``."""
 
 from misses import MISSES  # noqa: E402  (the held-out misses of issue 28 build on BugModule above)
+from principles import PRINCIPLE_CASES  # noqa: E402  (issue 38's types, on BugModule too)
+from traincheck import PORTS  # noqa: E402  (TrainCheck's bugs ported, counted apart: Case.source is set)
 
-CASES += MISSES
+CASES += MISSES + PRINCIPLE_CASES + PORTS
 
 BY_NAME: dict[str, Case] = {case.name: case for case in CASES}

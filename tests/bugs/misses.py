@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from cases import BugModule, Case, Fit, _data, _mlp
+from cases import BOOKKEEPING, DATA, NUMERICAL, P3, P6, BugModule, Case, Fit, _data, _mlp
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
@@ -158,6 +158,7 @@ MISSES: tuple[Case, ...] = (
         "model.0",
         max_steps=60,
         default_step=50,
+        principle=P6,
     ),
     Case(
         "grads_zeroed_before_step",
@@ -168,6 +169,7 @@ MISSES: tuple[Case, ...] = (
         max_steps=4,
         step=0,
         default_step=0,
+        principle=BOOKKEEPING,
     ),
     Case(
         "nonfinite_batch",
@@ -178,6 +180,7 @@ MISSES: tuple[Case, ...] = (
         max_steps=3,
         step=0,
         default_step=0,
+        principle=NUMERICAL,
     ),
     Case(
         "fp16_adam_eps",
@@ -189,6 +192,7 @@ MISSES: tuple[Case, ...] = (
         max_steps=4,
         step=0,
         default_step=0,
+        principle=NUMERICAL,
     ),
     Case(
         "uint8_masks",
@@ -201,6 +205,7 @@ MISSES: tuple[Case, ...] = (
         default_note="unbounded_loss needs 8 sampled steps of a falling negative loss and a growing head (about"
         " 350 steps at every_n_steps=50); the every-step loss falls smoothly through zero (no spike, no NaN), so the"
         " sentinel has nothing to trip on, and a loss below zero is not a fault in general (likelihoods)",
+        principle=P3,
     ),
     Case(
         "hard_batch_vs_wrong_labels",
@@ -213,6 +218,7 @@ MISSES: tuple[Case, ...] = (
         callback={"every_n_steps": 50},
         step=80,
         default_step=80,
+        principle=DATA,
     ),
 )
 """The held-out misses, in the order of issue 28."""
