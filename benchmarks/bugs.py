@@ -1,12 +1,14 @@
 """The bug benchmark as a table: what the callback says on each ordinary training bug, and on its fixed twin.
 
-Runs every case of ``tests/bugs/cases.py`` (the bug and its twin, with the case's settings, then the bug again with
-the default ``every_n_steps=50``) and the healthy zoo of ``tests/zoo.py`` (every step sampled), and prints a
-markdown table with totals next to DeepDiagnosis's figures. The output is kept in ``docs/bugs.md``:
+Runs every case of ``tests/bugs/`` (the bug and its twin, with the case's settings, then the bug again with the
+default ``every_n_steps=50``) and the healthy zoo of ``tests/zoo.py`` (every step sampled), and prints, per class of
+principle, how many bugs are named at the right layer at both intervals (TrainCheck's ports apart), the twins that
+are not silent, one row per case, and the totals next to DeepDiagnosis's figures. The output is kept in
+``docs/bugs.md``:
 
     PYTHONPATH=$PWD python benchmarks/bugs.py > docs/bugs.md
 
-About 10 seconds on 2 CPU cores.
+About a minute on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,7 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "bugs"), str(ROOT / "tests")]
 
-from cases import CASES, Case, run  # noqa: E402
+from cases import CASES, PRINCIPLES, Case, run  # noqa: E402
+from traincheck import NOT_PORTED  # noqa: E402
 
 from lightning_hookdiag import LayerHealthCallback  # noqa: E402
 from lightning_hookdiag.rules import Finding  # noqa: E402
@@ -119,67 +123,162 @@ def _zoo_false_alarms() -> tuple[int, int, list[str]]:
     return len(flagged), len(ZOO), flagged
 
 
+@dataclass
+class Result:
+    """What the callback said on one case: the bug, its twin, and the bug at the default interval."""
+
+    case: Case
+    sick: list[Finding]
+    twin: list[Finding]
+    default: list[Finding] | None
+    default_steps: int
+
+    @property
+    def named(self) -> bool:
+        """Named by its rule at the right layer within the fit (``every_n_steps=1`` unless the case sets it)."""
+        return self.case.rule is not None and _first_step(self.case, self.sick) is not None
+
+    @property
+    def named_default(self) -> bool:
+        """Named by its rule at the right layer with ``every_n_steps=50``, within ``default_steps``."""
+        return self.default is not None and _first_step(self.case, self.default) is not None
+
+
+def _measure(case: Case) -> Result:
+    steps = max(case.max_steps, DEFAULT_EVERY + 1)
+    sick = run(case, sick=True).findings
+    twin = run(case, sick=False).findings
+    default = run(case, sick=True, max_steps=steps, every_n_steps=DEFAULT_EVERY).findings if case.rule else None
+    return Result(case, sick, twin, default, steps)
+
+
+def _row(r: Result) -> str:
+    case = r.case
+    expected = (
+        f"`{case.rule}` on `{case.layer}`"
+        if case.rule
+        else "(known miss" + (f": `{case.layer}`)" if case.layer else ")")
+    )
+    at = None if r.default is None else _first_step(case, r.default)
+    if r.default is None:
+        default_cell = "-"
+    elif at is None:
+        first = r.default[0] if r.default else None
+        default_cell = "missed" + (f" (`{first.rule}` on `{first.layer}` at step {first.step})" if first else "")
+    else:
+        default_cell = f"step {at} of {r.default_steps}"
+    found = case.rule is not None and any(f.rule == case.rule for f in r.sick)
+    twin = "yes" if not r.twin else "NO: " + _said(case, r.twin)
+    return (
+        f"| {case.name} | {case.principle} | {case.bug} | {expected} | {_said(case, r.sick)} |"
+        f" {'yes' if found else 'no'} | {'yes' if r.named else 'no'} | {twin} | {default_cell} |"
+    )
+
+
+def _table(results: list[Result]) -> list[str]:
+    return [
+        "| bug | principle | how it arises | expected (a known miss: where a right diagnosis points) |"
+        f" what the callback says (first finding) | detected? | named at the right layer? | twin silent? |"
+        f" with every_n_steps={DEFAULT_EVERY} |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *[_row(r) for r in results],
+    ]
+
+
+def _by_principle(results: list[Result]) -> list[str]:
+    out = [
+        f"| principle | types | named at the right layer, every_n_steps=1 | named, every_n_steps={DEFAULT_EVERY} |"
+        " twins silent | missed |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    totals = [0, 0, 0, 0]
+    for principle in PRINCIPLES:
+        group = [r for r in results if r.case.principle == principle]
+        if not group:
+            continue
+        named = sum(r.named for r in group)
+        named_default = sum(r.named_default for r in group)
+        quiet = sum(not r.twin for r in group)
+        missed = ", ".join(f"`{r.case.name}`" for r in group if not r.named) or "-"
+        out.append(f"| {principle} | {len(group)} | {named} | {named_default} | {quiet} | {missed} |")
+        for i, v in enumerate((len(group), named, named_default, quiet)):
+            totals[i] += v
+    n, named, named_default, quiet = totals
+    out.append(
+        f"| **all** | **{n}** | **{named} ({100 * named / n:.0f} %)** |"
+        f" **{named_default} ({100 * named_default / n:.0f} %)** | **{quiet}** | |"
+    )
+    return out
+
+
 def main() -> None:
-    """Run every case and the zoo; print the markdown table."""
+    """Run every case, the ports and the zoo; print the markdown tables."""
     start = time.perf_counter()
-    rows, detected, localised, twins_loud, blind = [], 0, 0, 0, []
-    countable = [c for c in CASES if c.rule is not None]
-    for case in CASES:
-        sick = run(case, sick=True)
-        twin = run(case, sick=False)
-        steps = max(case.max_steps, DEFAULT_EVERY + 1)
-        default = run(case, sick=True, max_steps=steps, every_n_steps=DEFAULT_EVERY) if case.rule else None
-        found = case.rule is not None and any(f.rule == case.rule for f in sick.findings)
-        placed = _first_step(case, sick.findings) is not None
-        detected += found
-        localised += placed
-        twins_loud += bool(twin.findings)
-        if case.rule is None:
-            blind.append(case)
-        name = case.name
-        expected = f"`{case.rule}` on `{case.layer}`" if case.rule else "(blind spot)"
-        at = None if default is None else _first_step(case, default.findings)
-        if default is None:
-            default_cell = "-"
-        elif at is None:
-            first = default.findings[0] if default.findings else None
-            default_cell = "missed" + (f" (`{first.rule}` on `{first.layer}` at step {first.step})" if first else "")
-        else:
-            default_cell = f"step {at} of {steps}"
-        rows.append(
-            f"| {name} | {case.bug} | {expected} | {_said(case, sick.findings)} | {'yes' if found else 'no'} |"
-            f" {'yes' if placed else 'no'} | {'yes' if not twin.findings else 'NO: ' + _said(case, twin.findings)} |"
-            f" {default_cell} |"
-        )
+    results = [_measure(case) for case in CASES]
+    types = [r for r in results if not r.case.source]
+    ports = [r for r in results if r.case.source]
     zoo_flagged, zoo_total, zoo_messages = _zoo_false_alarms()
-    n = len(countable)
+    countable = [r for r in types if r.case.rule is not None]
+    detected = sum(any(f.rule == r.case.rule for f in r.sick) for r in countable)
+    named = sum(r.named for r in types)
+    twins_loud = sum(bool(r.twin) for r in results)
+    n, n_rule = len(types), len(countable)
     out = [
         "# The bug benchmark",
         "",
-        "Generated by `benchmarks/bugs.py` from the cases of `tests/bugs/cases.py`: each bug is a small real Lightning",
-        "fit in which the bug arises as it does for users, next to its fixed twin. Settings: `every_n_steps=1` unless",
-        "the case sets otherwise (the spike cases run with 50, as the sentinel catches them between sampled steps);",
-        f"the last column reruns the bug with the default `every_n_steps={DEFAULT_EVERY}` for at least"
-        f" {DEFAULT_EVERY + 1} steps. What each rule measures and cannot see: [rules.md](rules.md).",
+        "Generated by `benchmarks/bugs.py` from the cases of `tests/bugs/` (`cases.py`, `misses.py`,",
+        "`principles.py`, and TrainCheck's bugs ported in `traincheck.py`): each bug is a small real Lightning fit in",
+        "which the bug arises as it does for users, next to its fixed twin. Settings: `every_n_steps=1` unless the",
+        "case sets otherwise (the spike cases run with 50, as the sentinel catches them between sampled steps); the",
+        "deadline is the case's own `max_steps`. The default-interval column reruns the bug with",
+        f"`every_n_steps={DEFAULT_EVERY}` for at least {DEFAULT_EVERY + 1} steps.",
+        "Each type names its class of principle: issue 38's six principles (1-6), then the field's other classes. A",
+        "known miss (no rule yet) names where a right diagnosis points and says what the callback reports today.",
+        "What each rule measures and cannot see: [rules.md](rules.md).",
         "",
-        "| bug | how it arises | expected | what the callback says (first finding) | detected? | localised? |"
-        f" twin silent? | with every_n_steps={DEFAULT_EVERY} |",
-        "|---|---|---|---|---|---|---|---|",
-        *rows,
+        "## By principle",
         "",
-        f"**Totals:** detected {detected}/{n}, localised to the right layer {localised}/{n} (of the {n} bugs a rule"
-        f" is meant to see; {len(blind)} more are blind spots), false alarms on {twins_loud}/{len(CASES)} fixed twins"
-        f" and on {zoo_flagged}/{zoo_total} healthy zoo models ({ZOO_STEPS} steps, every step sampled).",
+        f"{n} bug types (TrainCheck's ports apart, below):",
+        "",
+        *_by_principle(types),
+        "",
+        f"TrainCheck's bugs: {len(ports)} ported of {len(ports) + len(NOT_PORTED)} entries (its artifact publishes 18",
+        "bugs; `tc_pytorch_84803` also stands for baichuan2-86 and pytorch-96600, which TrainCheck reproduces the same",
+        "way):",
+        "",
+        *_by_principle(ports),
+        "",
+        f"**Totals:** of {n} bug types, {named} are named at the right layer ({100 * named / n:.0f} %); the rules"
+        f" detect {detected}/{n_rule} and name {sum(r.named for r in countable)}/{n_rule} of the bugs a rule is meant"
+        f" to see; {n - n_rule} are known misses or blind spots. False alarms on {twins_loud}/{len(results)} fixed"
+        f" twins (ports included) and on {zoo_flagged}/{zoo_total} healthy zoo models ({ZOO_STEPS} steps, every step"
+        " sampled).",
         "",
         "| | this benchmark | DeepDiagnosis (ICSE 2022) |",
         "|---|---|---|",
         f"| bugs identified | {detected}/{n} | {DEEPDIAGNOSIS['identified'][0]}/{DEEPDIAGNOSIS['identified'][1]} |",
-        f"| bugs localised | {localised}/{n} | {DEEPDIAGNOSIS['localised'][0]}/{DEEPDIAGNOSIS['localised'][1]} |",
-        f"| healthy models flagged | {zoo_flagged}/{zoo_total} zoo, {twins_loud}/{len(CASES)} twins |"
+        f"| bugs localised | {named}/{n} | {DEEPDIAGNOSIS['localised'][0]}/{DEEPDIAGNOSIS['localised'][1]} |",
+        f"| healthy models flagged | {zoo_flagged}/{zoo_total} zoo, {twins_loud}/{len(results)} twins |"
         f" {DEEPDIAGNOSIS['healthy flagged'][0]}/{DEEPDIAGNOSIS['healthy flagged'][1]} |",
         "",
         "The benchmarks differ (DeepDiagnosis's 53 Keras models from Stack Overflow and GitHub against these small",
         "Lightning fits), so the comparison is of rates, not of bugs.",
+        "",
+        "## Every bug type",
+        "",
+        *_table(types),
+        "",
+        "## TrainCheck's bugs (OSDI 2025), ported",
+        "",
+        *_table(ports),
+        "",
+        "Sources: " + ", ".join(f"`{r.case.name}` <{r.case.source}>" for r in ports) + ".",
+        "",
+        "Not ported, and why:",
+        "",
+        "| TrainCheck bug | source | why not |",
+        "|---|---|---|",
+        *[f"| {bug} | <{url}> | {why} |" for bug, url, why in NOT_PORTED],
     ]
     out += ["", "## Categories", "", "| category | what | cases |", "|---|---|---|"]
     out += [f"| {cat} | {what} | {', '.join(f'`{n}`' for n in names)} |" for cat, what, names in CATEGORIES]
@@ -187,8 +286,10 @@ def main() -> None:
     if missed:
         out += ["", f"## Missed at every_n_steps={DEFAULT_EVERY}, and what the sentinel's every-step signals show", ""]
         out += [f"- `{c.name}`: {c.default_note}." for c in missed]
-    out += ["", "## Blind spots", ""]
-    out += [f"- `{c.name}` ({c.bug}): {c.blind}." for c in blind]
+    out += ["", "## Known misses and blind spots, by principle", ""]
+    for principle in PRINCIPLES:
+        for c in (r.case for r in results if r.case.rule is None and r.case.principle == principle):
+            out.append(f"- {principle}: `{c.name}` ({c.bug}): {c.blind}.")
     out += [f"- {what}: {where}." for what, where in ELSEWHERE]
     if zoo_messages:
         out += ["", "## False alarms on the zoo", "", *[f"- {m}" for m in zoo_messages]]
