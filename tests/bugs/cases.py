@@ -8,7 +8,10 @@ The bugs come from the issue that asked for them (issue 20) and from the fault t
 (ICSE 2020), DeepDiagnosis (ICSE 2022), AUTOTRAINER (ICSE 2021) and TrainCheck (OSDI 2025), restricted to what a
 monitor of layer activations, gradients and parameters can see.
 
-A case with ``rule=None`` is a blind spot, with the reason in ``blind``.
+A case with ``rule=None`` is a blind spot or a known miss, with the reason in ``blind``, what the callback reports on
+it today in ``today`` and, when one layer is where a right diagnosis points, that layer in ``layer``. Every case
+names its class of principle (:data:`PRINCIPLES`); ``principles.py`` adds issue 38's types and ``traincheck.py`` the
+ports of TrainCheck's bugs (counted apart).
 """
 
 from __future__ import annotations
@@ -764,12 +767,22 @@ CASES: tuple[Case, ...] = (
         "exploding_no_clipping",
         "an 8-block ReLU MLP initialised with std 0.5, trained without gradient clipping: the loss turns to Inf",
         _exploding_no_clipping,
-        "exploding_gradient",
-        "model.3",
+        None,
+        "model.0",
         max_steps=3,
-        step=0,
-        default_step=0,
         principle=P5,
+        today=(
+            ("exploding_gradient", "model.16"),
+            ("exploding_gradient", "model.3"),
+            ("nonfinite", "model.0"),
+            ("nonfinite", "model.16"),
+            ("nonfinite", "model.9"),
+        ),
+        blind="named in the middle of the stack (issue 38, principle 5): exploding_gradient names model.3 at step 0,"
+        " where the output-gradient ratio first crosses exploding_ratio=1000 ('every layer from model.3 to the input"
+        " end'), then non-finite gradients from step 1; every block amplifies from the first Linear on (init std 0.5"
+        " on every layer), so the growth starts at model.0, which principle 5 would name. Until issue 38 this case"
+        " counted as named on model.3",
     ),
     Case(
         "nan_from_sqrt",

@@ -558,7 +558,7 @@ PRINCIPLE_CASES: tuple[Case, ...] = (
             ("nonfinite", "model.2"),
         ),
         blind="named one layer off: exploding_gradient names model.1 (the ReLU after the first Linear, where"
-        " the ratio first crosses exploding_ratio=1000) at step 0, then the non-finite weights from step 3; the"
+        " the ratio first crosses exploding_ratio=1000) at step 0, then a non-finite loss from step 1; the"
         " growth starts at model.0, which principle 5 would name",
     ),
     # --- 6. the optimizers as a whole
