@@ -8,7 +8,7 @@ are not silent, one row per case, and the totals next to DeepDiagnosis's figures
 
     PYTHONPATH=$PWD python benchmarks/bugs.py > docs/bugs.md
 
-About 40 seconds on one thread (it sets one: the models are tiny).
+40-60 seconds on one thread (it sets one: the models are tiny), depending on the load.
 """
 
 from __future__ import annotations
