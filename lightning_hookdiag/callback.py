@@ -17,7 +17,7 @@ import torch
 from lightning.fabric.utilities.logger import _add_prefix
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_deprecation, rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -275,7 +275,9 @@ class LayerHealthCallback(Callback):
         )
         self.on_anomaly = choice("on_anomaly", on_anomaly, ON_ANOMALY)
         self.layers = module_names("layers", layers)
-        groups = regroup(deprecated, {"measure": measure, "output": output})
+        groups, messages = regroup(deprecated, {"measure": measure, "output": output})
+        for message in messages:
+            rank_zero_deprecation(message, stacklevel=6)  # names the line that built the callback
         self.measure_config = coerce(MeasureConfig, groups["measure"], "measure")
         self.output_config = coerce(OutputConfig, groups["output"], "output")
         self.rule_config = rules if isinstance(rules, RuleConfig) else RuleConfig.from_mapping(rules)

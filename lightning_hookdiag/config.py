@@ -15,7 +15,6 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal, TypeVar
 
 import torch
-from lightning.pytorch.utilities import rank_zero_deprecation
 from torch import nn
 
 from lightning_hookdiag.opt_in import resolve_targets
@@ -285,8 +284,11 @@ OLD_KEYWORDS = {f.name: group for group, kind in GROUPS.items() for f in fields(
 """The callback's keywords of earlier releases, each the field of the same name of a group (the argument)."""
 
 
-def regroup(old: Mapping[str, Any], groups: dict[str, Any]) -> dict[str, Any]:
-    """Move the deprecated keywords ``old`` into the callback's ``groups`` (argument name to value), warning for each.
+def regroup(old: Mapping[str, Any], groups: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Move the deprecated keywords ``old`` into the callback's ``groups`` (argument name to value).
+
+    Returns the groups and one deprecation message per keyword (the callback warns with them: this module stays
+    free of Lightning).
 
     A keyword joins its group's mapping (``None``: an empty one); a keyword whose field the group also sets, or any
     beside a configuration object, is an error: which of the two values was meant is not known.
@@ -301,14 +303,13 @@ def regroup(old: Mapping[str, Any], groups: dict[str, Any]) -> dict[str, Any]:
             f"LayerHealthCallback() got unexpected keyword argument(s) {unknown}; valid: every_n_steps, layers, stats,"
             f" prefix, on_anomaly, {', '.join(GROUPS)}, sentinel, rules (and, deprecated, {sorted(OLD_KEYWORDS)})"
         )
-    merged = dict(groups)
+    merged, messages = dict(groups), []
     for name, value in old.items():
         group = OLD_KEYWORDS[name]
         kind = GROUPS[group].__name__
-        rank_zero_deprecation(
+        messages.append(
             f"LayerHealthCallback({name}=...) is deprecated and will be removed in the next release; use"
-            f" LayerHealthCallback({group}={{'{name}': ...}}) or {group}={kind}({name}=...)",
-            stacklevel=7,  # the caller of LayerHealthCallback(...), through regroup and __init__
+            f" LayerHealthCallback({group}={{'{name}': ...}}) or {group}={kind}({name}=...)"
         )
         given = merged[group] if merged[group] is not None else {}
         if not isinstance(given, Mapping):
@@ -321,7 +322,7 @@ def regroup(old: Mapping[str, Any], groups: dict[str, Any]) -> dict[str, Any]:
                 f" {kind}.{name}; keep only {group}="
             )
         merged[group] = {**given, name: value}
-    return merged
+    return merged, messages
 
 
 def sentinel_config(value: SentinelConfig | Mapping[str, Any] | str | None, moved: Mapping[str, Any]) -> SentinelConfig:
@@ -333,7 +334,12 @@ def sentinel_config(value: SentinelConfig | Mapping[str, Any] | str | None, move
         ValueError: For an invalid value, or a setting given both in ``rules=`` (deprecated) and in ``sentinel=``.
     """
     if value is None or isinstance(value, str):
-        value = {"mode": value}
+        value = {"mode": choice("sentinel", value, [*SENTINEL_MODES, None])}
+    if not isinstance(value, (SentinelConfig, Mapping)):
+        raise ValueError(
+            f"sentinel: expected one of {[*SENTINEL_MODES, None]}, a SentinelConfig or a mapping of its fields,"
+            f" got {value!r}"
+        )
     if isinstance(value, SentinelConfig) and moved:
         raise ValueError(
             f"LayerHealthCallback: rules= sets the sentinel's {sorted(moved)} (deprecated) beside sentinel={value!r};"
