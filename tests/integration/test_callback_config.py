@@ -22,7 +22,7 @@ from lightning_hookdiag import (
 from lightning_hookdiag.sentinel import SpikeDetector
 
 P = "layer_health"
-CHECKPOINT = Path(__file__).resolve().parents[1] / "data" / "callback_before_config.ckpt"
+CHECKPOINT = Path(__file__).resolve().parent / "callback_before_config.ckpt"
 
 # Every keyword of the flat constructor, a valid value for it, and the group that holds it now.
 OLD = {
