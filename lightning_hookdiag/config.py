@@ -43,14 +43,17 @@ class MeasureConfig:
             4-D/5-D outputs, the last dim for 1-D to 3-D outputs.
         precision_targets: Target dtypes of the precision headroom statistics (``act_underflow_frac`` and friends):
             ``"float16"``, ``"bfloat16"``, ``"float8_e4m3fn"``, ``"float8_e5m2"`` or torch dtypes. ``None`` derives
-            one from the Trainer's ``precision`` (``16-*``: float16, ``bf16-*``: bfloat16; full precision: none).
+            one from the Trainer's ``precision`` (``16-*``: float16, ``bf16-*``: bfloat16; full precision: none, unless
+            named here to plan a switch to lower precision).
         output_layer: The module whose output is the model's logits, for ``logit_lse_mean`` / ``logit_absmax`` (a
             dotted name as :func:`~lightning_hookdiag.list_layers` prints it). ``None``: the last selected module to
             run in each micro-batch's forward. Naming one without either statistic in ``stats`` is an error.
-        histogram_every_n_steps: Also log histograms of every selected layer's output and output gradient on steps
-            divisible by this, to the loggers that store histograms (TensorBoard, W&B). Must be a multiple of the
-            callback's ``every_n_steps``. ``None``: no histograms.
-        histogram_bins: Number of fixed, symmetric log-spaced bins (``±1e-6`` to ``±1e4`` and 0); an even integer
+        histogram_every_n_steps: Also log histograms of every selected layer's output and output gradient
+            (``<prefix>.act_hist/<depth>_<layer>``, ``<prefix>.act_grad_hist/<depth>_<layer>``) on steps divisible by
+            this, to the loggers that store histograms (TensorBoard, W&B); other loggers are skipped with a one-time
+            note. Must be a multiple of the callback's ``every_n_steps``. ``None``: no histograms.
+        histogram_bins: Number of fixed, symmetric log-spaced bins (``±1e-6`` to ``±1e4`` and 0), computed on the
+            device; fixed edges make histograms pool exactly over micro-batches and processes. An even integer
             ``>= 4``.
 
     Raises:
@@ -204,10 +207,13 @@ class OutputConfig:
             order, with the rules that fired marked.
         charts: ``"default"``: the summary group and every per-layer chart, except that the per-layer non-finite
             counts (``act_nonfinite``, ``act_grad_nonfinite``: 0 in a healthy run) are logged only on the steps where
-            a layer's is not 0. ``"all"``: every per-layer value on every sampled step as well.
+            a layer's is not 0 (their ``_max`` summary is logged on every sampled step). ``"all"``: every per-layer
+            value on every sampled step as well.
         heatmap_stats: Statistics drawn as a layers-by-sampled-steps heatmap image into every logger that stores
-            images (``<prefix>_heatmap/<stat>``), at the end of the fit and every ``heatmap_every_n_steps``.
-            Statistics not in the callback's ``stats`` are left out.
+            images (``<prefix>_heatmap/<stat>``; log colour scale, zero black, missing grey, NaN/Inf red), at the end
+            of the fit and every ``heatmap_every_n_steps``. The default shows a vanishing or blocked gradient
+            (``act_grad_norm``) and a dead block (``act_std`` of 0). Statistics not in the callback's ``stats`` are
+            left out.
         heatmap_every_n_steps: Also draw the heatmaps on sampled steps divisible by this (a multiple of the callback's
             ``every_n_steps``); ``None``: only at the end of the fit.
 
