@@ -43,6 +43,16 @@ _UNIT_LOWER = ("a number in [0, 1)", lambda v, _: 0.0 <= v < 1.0)
 _POSITIVE = ("a finite number > 0", lambda v, _: 0.0 < v < math.inf)
 _ABOVE_1 = ("a finite number > 1", lambda v, _: 1.0 < v < math.inf)
 
+# The deprecated names' checks, as RuleConfig made them (the second argument is spike_window): a value given by its old
+# name fails here, under that name, as it did; SentinelConfig checks the same bounds under the new names.
+_SPIKE_CHECKS: dict[str, tuple[Callable[..., Any], str, Callable[[Any, int], bool]]] = {
+    "spike_window": (integer, "an integer >= 3", lambda v, _: v >= 3),
+    "spike_warmup": (integer, "an integer in [3, spike_window={window}]", lambda v, window: 3 <= v <= window),
+    "spike_zscore": (number, *_POSITIVE),
+    "spike_ratio": (number, *_ABOVE_1),
+    "spike_floor": (number, *_UNIT_LOWER),
+}
+
 
 @dataclass(frozen=True)
 class RuleConfig:
@@ -139,8 +149,12 @@ class RuleConfig:
         spike_floor: float | None,
     ) -> None:
         values = (spike_window, spike_warmup, spike_zscore, spike_ratio, spike_floor)
-        old = zip(DEPRECATED_SPIKE_SETTINGS, values, strict=True)
-        moved = {DEPRECATED_SPIKE_SETTINGS[name]: value for name, value in old if value is not None}
+        old = {name: value for name, value in zip(DEPRECATED_SPIKE_SETTINGS, values, strict=True) if value is not None}
+        window = 50 if spike_window is None else spike_window
+        for name, value in old.items():
+            check, valid, ok = _SPIKE_CHECKS[name]
+            old[name] = check(name, value, valid.format(window=window), lambda v, ok=ok: ok(v, window))
+        moved = {DEPRECATED_SPIKE_SETTINGS[name]: value for name, value in old.items()}
         for new in moved:
             warnings.warn(
                 f"RuleConfig's {_old_name(new)} is deprecated and will be removed in the next release; use"
