@@ -8,6 +8,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -19,9 +20,9 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_hookdiag import SentinelConfig
 from lightning_hookdiag.keys import ALERTS_ACTIVE, parse_key, step_key
-from lightning_hookdiag.sentinel import LossSentinel
-from lightning_hookdiag.step_state import Trip
+from lightning_hookdiag.sentinel import SpikeDetector
 from lightning_hookdiag.vocabulary import PER_PARAMETER_STATS
 
 
@@ -240,18 +241,24 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
-def force_trips(monkeypatch, steps: set[int]) -> None:
-    """Make the sentinel trip on ``steps`` (a loss spike) without changing what training computes."""
-    original = LossSentinel.check
+@dataclass(eq=False)
+class ForcedSpikes(SpikeDetector):
+    """The sentinel's spike test with its defaults, which also calls a spike on ``steps`` (their losses stay healthy).
 
-    def check(self, step, *args, **kwargs):
-        trip = original(self, step, *args, **kwargs)
-        if step not in steps:
-            return trip
-        self.previous_trip = step
-        return Trip(step=step, kind="loss_spike", loss=1.0, baseline=1.0)
+    A trip injected through the public detector seam (``SentinelConfig(detector=...)``): the losses still enter the
+    baseline as they would without it, so that what the rest of the fit computes is unchanged.
+    """
 
-    monkeypatch.setattr(LossSentinel, "check", check)
+    steps: frozenset[int] = frozenset()
+
+    def observe(self, loss: float, step: int | None = None) -> bool:
+        spike = super().observe(loss, step)
+        return spike or step in self.steps
+
+
+def force_trips(steps: set[int], mode: str = "loss") -> SentinelConfig:
+    """A ``sentinel=`` that trips (a loss spike) on ``steps`` without changing what training computes."""
+    return SentinelConfig(mode=mode, detector=ForcedSpikes(steps=frozenset(steps)))
 
 
 def load_benchmark(name: str) -> ModuleType:

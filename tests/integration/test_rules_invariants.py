@@ -163,7 +163,7 @@ class _Gan(pl.LightningModule):
 
 def _fit(module: pl.LightningModule, steps: int, **callback: Any) -> LayerHealthCallback:
     torch.manual_seed(0)
-    cb = LayerHealthCallback(**{"every_n_steps": 1, "on_anomaly": "ignore", "summary": False, **callback})
+    cb = LayerHealthCallback(**{"every_n_steps": 1, "on_anomaly": "ignore", "output": {"summary": False}, **callback})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         make_trainer([cb], max_steps=steps).fit(module)

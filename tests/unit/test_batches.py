@@ -55,7 +55,7 @@ class _Repeat(TensorDataset):
 def _fit(data: TensorDataset, batch_size: int, **callback) -> LayerHealthCallback:
     module = TinyModule(data=data, batch_size=batch_size)
     module.record_enabled = False
-    health = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False, **callback)
+    health = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", **callback, output={"summary": False})
     make_trainer([health], max_steps=2).fit(module)
     return health
 

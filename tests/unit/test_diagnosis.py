@@ -285,7 +285,7 @@ def test_end_of_fit_summary_in_depth_order_with_findings(caplog):
     rows = [line.split() for line in callback.summary_table().splitlines()[2:]]
     assert [r[1] for r in rows] == [f"model.{i}" for i in range(5)]
     assert rows[3][-1] == "nonfinite"
-    quiet = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
+    quiet = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False})
     caplog.clear()
     with caplog.at_level(logging.INFO):
         make_trainer([quiet], max_steps=1).fit(sick_module())
@@ -298,8 +298,8 @@ def test_a_spike_right_after_a_resume_is_compared_with_the_layers_before_the_che
     make_trainer([LayerHealthCallback(every_n_steps=5), checkpoint], max_steps=3, enable_checkpointing=True).fit(
         TinyModule(data=make_data(n=64))
     )
-    force_trips(monkeypatch, {4})  # step 4: not sampled, replayed
-    resumed = LayerHealthCallback(every_n_steps=5, on_anomaly="ignore")
+    # A trip on step 4: not sampled, replayed.
+    resumed = LayerHealthCallback(every_n_steps=5, on_anomaly="ignore", sentinel=force_trips({4}))
     torch.manual_seed(0)
     make_trainer([resumed], max_steps=5).fit(TinyModule(data=make_data(n=64)), ckpt_path=tmp_path / "last.ckpt")
     (finding,) = [f for f in resumed.findings if f.rule == "loss_spike"]

@@ -221,7 +221,6 @@ def test_a_component_is_attached_once_per_micro_batch_and_sees_a_replay_only_if_
 ):
     from conftest import force_trips
 
-    force_trips(monkeypatch, {3})  # step 3 is not sampled (every 4): the trip replays it
     trainer = make_trainer([], max_steps=5)
     watch = Watch(replays, lambda: trainer.global_step)
 
@@ -231,7 +230,11 @@ def test_a_component_is_attached_once_per_micro_batch_and_sees_a_replay_only_if_
     component(factory)
     try:
         module = TinyModule()
-        trainer.callbacks.append(callback := LayerHealthCallback(every_n_steps=4, on_anomaly="ignore", summary=False))
+        # Step 3 is not sampled (every 4): the trip replays it.
+        callback = LayerHealthCallback(
+            every_n_steps=4, on_anomaly="ignore", sentinel=force_trips({3}), output={"summary": False}
+        )
+        trainer.callbacks.append(callback)
         trainer.fit(module)
     finally:
         FACTORIES.remove(factory)

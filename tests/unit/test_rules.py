@@ -703,9 +703,8 @@ def test_from_mapping_rejects_unknown_keys_listing_valid_ones_sorted():
         " 'drift_loss_tolerance', 'effective_lr_low', 'enabled', 'exploding_ratio', 'input_scale_floor',"
         " 'input_scale_limit',"
         " 'logit_drift_nats', 'moved_mass_threshold', 'overflow_frac_threshold', 'replica_rtol',"
-        " 'saturation_frac', 'saturation_level', 'spike_floor', 'spike_growth', 'spike_ratio', 'spike_warmup',"
-        " 'spike_window', 'spike_zscore', 'trend_window', 'unbounded_growth', 'update_jump_ratio', 'update_ratio_low',"
-        " 'vanishing_ratio']"
+        " 'saturation_frac', 'saturation_level', 'spike_growth', 'trend_window', 'unbounded_growth',"
+        " 'update_jump_ratio', 'update_ratio_low', 'vanishing_ratio']"  # the sentinel's spike_* moved: SentinelConfig
     )
     with pytest.raises(ValueError, match=r"unknown rule setting\(s\) \['vanish', 'zzz'\]; valid keys: ") as info:
         RuleConfig.from_mapping({"zzz": 1, "vanish": 0.1, "exploding_ratio": 10})

@@ -295,7 +295,7 @@ class HeadLeftOut(TinyModule):
 
 def fit(module: TinyModule, steps: int = 3, **kwargs) -> tuple[LayerHealthCallback, RecordingLogger]:
     logger = RecordingLogger()
-    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False})
     make_trainer([callback], max_steps=steps, logger=logger, **kwargs).fit(module)
     return callback, logger
 
@@ -436,7 +436,7 @@ class SkippedByTheScaler(TinyModule):
 def test_a_step_the_fp16_grad_scaler_skips_is_silent():
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     logger = RecordingLogger()
-    callback = LayerHealthCallback(every_n_steps=1, layers=["model.*"], on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=1, layers=["model.*"], on_anomaly="ignore", output={"summary": False})
     plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
     make_trainer([callback], max_steps=3, logger=logger, plugins=[plugin]).fit(SkippedByTheScaler())
     assert callback.findings == []
@@ -459,7 +459,9 @@ def test_output_gradients_are_unscaled_by_the_scale_they_were_made_with_not_the_
             module.spare = nn.Parameter(torch.zeros(3))  # the same parameter, without the Inf hook
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
         logger = RecordingLogger()
-        callback = LayerHealthCallback(every_n_steps=1, layers=["model.*"], on_anomaly="ignore", summary=False)
+        callback = LayerHealthCallback(
+            every_n_steps=1, layers=["model.*"], on_anomaly="ignore", output={"summary": False}
+        )
         plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
         make_trainer([callback], max_steps=2, logger=logger, plugins=[plugin]).fit(module)
         return dict(logger.ours()), scaler.get_scale()
@@ -478,7 +480,7 @@ def test_measuring_parameters_no_optimizer_holds_keeps_one_host_transfer_per_sam
             return torch.optim.SGD(self.model[0].parameters(), lr=self.lr)
 
     counter = {"active": False, "calls": 0}
-    callback = CountingCallback(counter, every_n_steps=2, on_anomaly="ignore", summary=False, sentinel=None)
+    callback = CountingCallback(counter, every_n_steps=2, on_anomaly="ignore", output={"summary": False}, sentinel=None)
     with count_host_transfers(counter):
         make_trainer([callback], max_steps=5).fit(SyncFreeHeadLeftOut())
     assert callback.per_step == {0: 1, 1: 0, 2: 1, 3: 0, 4: 1}

@@ -196,7 +196,7 @@ class Manual(pl.LightningModule):
 
 
 def _fit(module: pl.LightningModule, every: int = 1, steps: int = 3, **trainer) -> LayerHealthCallback:
-    callback = LayerHealthCallback(every_n_steps=every, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=every, on_anomaly="ignore", output={"summary": False})
     make_trainer([callback], max_steps=steps, **trainer).fit(module)
     return callback
 
@@ -233,7 +233,7 @@ def test_the_check_leaves_training_bit_identical():
     for callback in (True, False):
         torch.manual_seed(0)
         module = Manual(zero="never")
-        cbs = [LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)] if callback else []
+        cbs = [LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False})] if callback else []
         make_trainer(cbs, max_steps=4).fit(module)
         weights.append([p.detach().clone() for p in module.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
