@@ -245,7 +245,7 @@ def test_a_bounded_negative_likelihood_that_falls_through_zero_is_silent():
 
     torch.manual_seed(0)
     fit = build(False)
-    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False, **PRECURSORS)
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False}, **PRECURSORS)
     trainer = pl.Trainer(
         callbacks=[callback, Losses()],
         max_steps=case.max_steps,
@@ -318,7 +318,7 @@ def test_the_zoo_is_silent_with_the_output_layers_statistics_on(name):
     transformers.logging.set_verbosity_error()
     steps = 42
     module = zoo_module(name, n=8 * steps)
-    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False, **PRECURSORS)
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False}, **PRECURSORS)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         make_trainer([callback], max_steps=steps).fit(module)
