@@ -8,7 +8,7 @@ the Trainer can do), and log what comes back.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields
 from typing import Any, Literal
 
@@ -22,7 +22,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_hookdiag.components import FitConfig
+from lightning_hookdiag.builtins import every_rule, split_extensions
+from lightning_hookdiag.components import ComponentFactory, FitConfig
 from lightning_hookdiag.diagnosis import Diagnosis
 from lightning_hookdiag.distributed import all_reduce_max
 from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning, MissingExtraError
@@ -38,7 +39,7 @@ from lightning_hookdiag.logged_values import (
 from lightning_hookdiag.opt_in import resolve_targets
 from lightning_hookdiag.publish import FindingsWriter, write_all_clear, write_image
 from lightning_hookdiag.replay import LightningStep, sharded
-from lightning_hookdiag.rules import Finding, RuleConfig, format_error, values_from_metrics
+from lightning_hookdiag.rules import Finding, Rule, RuleConfig, format_error, values_from_metrics
 from lightning_hookdiag.selection import import_types
 from lightning_hookdiag.sentinel import SENTINEL_MODES, LossSentinel, NoSentinel, Sentinel, SpikeDetector
 from lightning_hookdiag.stats import resolve_stats
@@ -211,6 +212,10 @@ class LayerHealthCallback(Callback):
             counts (``act_nonfinite``, ``act_grad_nonfinite``: 0 in a healthy run) are logged only on the steps where
             a layer's is not 0 (their ``_max`` summary is logged on every sampled step). ``"all"``: every per-layer
             value on every sampled step as well.
+        extensions: This callback's own rules (functions decorated with :func:`~lightning_hookdiag.rules.rule`) and
+            component factories (decorated with :func:`~lightning_hookdiag.components.component`), run beside the
+            built-in ones (:mod:`lightning_hookdiag.builtins`) in this callback's fits only; ``rules={"enabled":
+            [...]}`` may name its rules (``docs/extending.md``).
 
     Attributes:
         last_metrics: The statistics logged on the most recent sampled step (pooled over processes, on every process):
@@ -276,6 +281,7 @@ class LayerHealthCallback(Callback):
         heatmap_stats: Sequence[str] = ("act_grad_norm", "act_std"),
         heatmap_every_n_steps: int | None = None,
         charts: Literal["default", "all"] = "default",
+        extensions: Sequence[Rule | ComponentFactory] = (),
     ) -> None:
         self.every_n_steps: int = integer("every_n_steps", every_n_steps, "an integer >= 1", lambda v: v >= 1)
         self.prefix: str = check(
@@ -333,6 +339,7 @@ class LayerHealthCallback(Callback):
         self.layer_names: list[str] = []
         self._run: FitRun | None = None  # everything one fit creates, from on_fit_start to _release_fit
         self._stage: str | None = None  # the Trainer's stage: a checkpoint restores this state only in a fit
+        self.extensions = split_extensions(extensions)  # checked here; with rule_config, by _start_fresh's Diagnosis
         self._start_fresh()
 
     @property
@@ -365,7 +372,7 @@ class LayerHealthCallback(Callback):
         self._release_fit()  # a fit that ended without teardown (an interrupted one) leaves nothing behind
         _check_prefix_unique(trainer.callbacks)  # type: ignore[attr-defined]  # set by Lightning's CallbackConnector
         config, shards = self._fit_config(), lambda params: sharded(trainer, params)
-        self._run = FitRun(config, pl_module, trainer.precision, shards, self._sentinel)
+        self._run = FitRun(config, pl_module, trainer.precision, shards, self._sentinel, self.extensions)
         self.layer_names = list(self._run.layer_names)
         for note in self._run.fit_notes():
             self._note(note)
@@ -536,7 +543,7 @@ class LayerHealthCallback(Callback):
         """What this fit starts from: the attributes as they are now, so that a change made after construction holds."""
         derived: dict[str, Any] = {
             "sentinel_grads": self.sentinel == "loss+grads",
-            "rules": frozenset(self.rule_config.enabled or ()),
+            "rules": frozenset(r.name for r in self._diagnosis.enabled),  # extension rules included
         }
         settings: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(FitConfig) if f.name not in derived}
         return FitConfig(**derived, **settings)
@@ -553,7 +560,8 @@ class LayerHealthCallback(Callback):
         self.last_findings = []
         self.trips = []
         self._warned = set()  # the keys of the one-time notes already given
-        self._diagnosis = Diagnosis(self.rule_config)  # the rules' memory between sampled steps; checkpointed
+        # The rules' memory between sampled steps; checkpointed.
+        self._diagnosis = Diagnosis(self.rule_config, every_rule(self.extensions))
         self._writer = FindingsWriter(self.prefix)  # findings and trips into the loggers, once each
         # The heatmaps' columns, per statistic: (step, {layer: value}); not checkpointed (a resumed fit draws from
         # the steps it sampled).
@@ -584,10 +592,10 @@ class LayerHealthCallback(Callback):
         if observed is None or (run := self._run) is None:
             return
         self.execution_order = observed.forward_order
-        metrics, values, notes = run.results(observed)
+        metrics, step, notes = run.results(observed)
         for note in notes:
             self._note(note)
-        findings, new = self._diagnosis.step(values, observed, run.layer_types)
+        findings, new = self._diagnosis.step(step)
         self.last_findings = findings
         self.findings.extend(new)
         self.last_metrics, self.last_step = metrics, observed.step
@@ -599,7 +607,7 @@ class LayerHealthCallback(Callback):
             errors += self._log_histograms(trainer, observed, run)
         trips = [observed.trip] if observed.trip is not None else []  # with the findings of its window
         errors += self._writer.write(trainer.loggers, observed.step, new, trips)
-        self._remember_heatmap_column(observed.step, values)
+        self._remember_heatmap_column(observed.step, step.values)
         if self.heatmap_every_n_steps is not None and observed.step % self.heatmap_every_n_steps == 0:
             errors += self._draw_heatmaps(trainer)
         try:
@@ -619,7 +627,7 @@ class LayerHealthCallback(Callback):
         if errors:
             raise errors[0]
 
-    def _remember_heatmap_column(self, step: int, values: dict[str, dict[str, float]]) -> None:
+    def _remember_heatmap_column(self, step: int, values: Mapping[str, Mapping[str, float]]) -> None:
         """Keep the step's values of the heatmap statistics (the latest ``HEATMAP_COLUMNS`` sampled steps)."""
         for stat in self.heatmap_stats:
             if stat in values:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TinyModule, make_trainer
+from conftest import TinyModule, make_trainer, run_rules
 from torch.utils.data import TensorDataset
 
 from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.batches import MIN_ROWS, ROW_SAMPLE, repeated_rows
-from lightning_hookdiag.rules import BATCH, evaluate
+from lightning_hookdiag.rules import BATCH
 
 
 def test_every_counted_tensor_must_repeat_one_row():
@@ -40,11 +40,11 @@ def test_rows_are_compared_at_evenly_strided_elements_over_the_whole_row():
 
 def test_the_rule_reads_the_fact_and_names_the_batch_before_any_layer():
     values = {"batch_repeated": {BATCH: 1.0}, "act_dead_frac": {"relu": 1.0}}
-    findings = evaluate(values, ["lin", "relu"], [], step=4)
+    findings = run_rules(values, ["lin", "relu"], [], step=4)
     assert [(f.rule, f.layer) for f in findings] == [("repeated_batch", BATCH), ("dead_units", "relu")]
     assert "every row of the training batch is the same sample" in findings[0].message
     assert "step 4" in findings[0].message
-    assert evaluate({"batch_repeated": {BATCH: 0.0}}, ["lin"], [], step=4) == []
+    assert run_rules({"batch_repeated": {BATCH: 0.0}}, ["lin"], [], step=4) == []
 
 
 class _Repeat(TensorDataset):
