@@ -7,9 +7,10 @@ objects, the one place a finding is built. Nothing is registered: the built-in r
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, SupportsIndex
 
 from lightning_hookdiag.rules.findings import Finding
 
@@ -44,6 +45,12 @@ class Rule:
     event: bool
     uses: tuple[str, ...] = ()
 
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
+        """Pickle a rule made with ``@rule`` by where it lives: its module attribute is the rule, not the function."""
+        if _named(self.check.__module__, self.check.__qualname__) is self:
+            return (_named, (self.check.__module__, self.check.__qualname__))
+        return super().__reduce_ex__(protocol)
+
     def run(self, ctx: Any) -> list[Finding]:
         """The rule's findings on ``ctx``; none when a fact it reads is absent or empty."""
         if not all(ctx.has(part) for part in self.reads):
@@ -53,6 +60,14 @@ class Rule:
             Finding(self.name, f.layer, step, float(f.value), f.threshold, f.message, f.phase or phase, f.stat or stat)
             for f in self.check(ctx)
         ]
+
+
+def _named(module: str, qualname: str) -> Any:
+    """The object ``qualname`` of ``module`` (``None`` if there is none): what a pickled rule is loaded from."""
+    found: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    return found
 
 
 def rule(

@@ -303,6 +303,7 @@ CONFIG = {
     "heatmap_stats",
     "heatmap_every_n_steps",
     "charts",
+    "extensions",  # split into component factories and rules
 }
 RESULTS = {"last_metrics", "last_step", "layer_names", "execution_order", "findings", "last_findings", "trips"}
 

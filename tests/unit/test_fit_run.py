@@ -108,10 +108,10 @@ def test_a_discarded_window_leaves_nothing_in_the_next_one():
 
     assert got.forward_order == ["0", "1"] == want.forward_order
     assert got.backward_order == want.backward_order
-    assert got.missing_grads == [] == want.missing_grads
-    assert got.eval_mode == {} == want.eval_mode
-    assert got.facts == want.facts
-    assert not got.facts.empty
+    assert got.facts["missing_grads"] == [] == want.facts["missing_grads"]
+    assert got.facts["eval_mode"] == {} == want.facts["eval_mode"]
+    assert got.unobserved == want.unobserved
+    assert not got.unobserved.empty
     assert exact(got.host) == exact(want.host)  # NaN: a layer that did not run
     # By hand: 2 x 3 outputs per layer, none of the ReLU's; the first layer's mean; SGD's update ratio.
     assert got.host["count"] == [6.0, 6.0, 0.0]
