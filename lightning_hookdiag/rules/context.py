@@ -217,11 +217,13 @@ class Context:
         observed: The step.
         memory: What earlier steps left.
         config: The thresholds.
+        enabled: The names of the rules that run on the step.
     """
 
-    def __init__(self, observed: Observed, memory: Memory, config: RuleConfig) -> None:
+    def __init__(self, observed: Observed, memory: Memory, config: RuleConfig, enabled: Iterable[str] = ()) -> None:
         self.step = observed.step
         self.config = config
+        self.enabled = frozenset(enabled)
         self.memory = memory
         self.values: Mapping[str, Mapping[str, float]] = MappingProxyType(dict(observed.values))
         self.facts: Mapping[str, Any] = MappingProxyType(dict(observed.facts))

@@ -50,7 +50,7 @@ def evaluate(
     """
     config = RuleConfig() if config is None else config
     chosen = config.select(rules)
-    ctx = Context(observed, Memory() if memory is None else memory, config)
+    ctx = Context(observed, Memory() if memory is None else memory, config, (r.name for r in chosen))
     findings = [f for r in chosen for f in r.run(ctx)]
     rank = {r.name: i for i, r in enumerate(chosen)}
 

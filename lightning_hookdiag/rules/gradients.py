@@ -192,7 +192,7 @@ def stopped_by_dead(ctx: Context) -> InputSide | None:
 
 def _folded(ctx: Context, side: InputSide) -> bool:
     # With either rule off, nothing folds: the vanishing gradient keeps its own finding, or the dead units say nothing.
-    enabled = ctx.config.rule_names
+    enabled = ctx.enabled
     return "dead_units" in enabled and "vanishing_gradient" in enabled and is_dead(ctx, side.above)
 
 

@@ -86,7 +86,7 @@ def stale_gradients(ctx: Context) -> list[Found]:
     """Parameters that held a gradient at the step's first backward."""
     # A parameter that no optimizer holds keeps its gradient because zero_grad() never clears it: not_updated names
     # that cause exactly, so it is left to that rule when it runs.
-    facts = ctx.fact("param_facts", {}) if "not_updated" in ctx.config.rule_names else {}
+    facts = ctx.fact("param_facts", {}) if "not_updated" in ctx.enabled else {}
     stale = {
         p: norm
         for p, norm in ctx.stat("param_stale_grad_norm").items()
