@@ -592,10 +592,10 @@ class LayerHealthCallback(Callback):
         if observed is None or (run := self._run) is None:
             return
         self.execution_order = observed.forward_order
-        metrics, step, notes = run.results(observed)
+        metrics, seen, notes = run.results(observed)
         for note in notes:
             self._note(note)
-        findings, new = self._diagnosis.step(step)
+        findings, new = self._diagnosis.step(seen)
         self.last_findings = findings
         self.findings.extend(new)
         self.last_metrics, self.last_step = metrics, observed.step
@@ -607,7 +607,7 @@ class LayerHealthCallback(Callback):
             errors += self._log_histograms(trainer, observed, run)
         trips = [observed.trip] if observed.trip is not None else []  # with the findings of its window
         errors += self._writer.write(trainer.loggers, observed.step, new, trips)
-        self._remember_heatmap_column(observed.step, step.values)
+        self._remember_heatmap_column(observed.step, seen.values)
         if self.heatmap_every_n_steps is not None and observed.step % self.heatmap_every_n_steps == 0:
             errors += self._draw_heatmaps(trainer)
         try:
