@@ -8,7 +8,7 @@ the Trainer can do), and log what comes back.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -21,7 +21,8 @@ from lightning.pytorch.utilities import rank_zero_deprecation, rank_zero_info, r
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_hookdiag.components import FitConfig
+from lightning_hookdiag.builtins import every_rule, split_extensions
+from lightning_hookdiag.components import ComponentFactory, FitConfig
 from lightning_hookdiag.config import (
     MeasureConfig,
     OutputConfig,
@@ -46,7 +47,7 @@ from lightning_hookdiag.logged_values import (
 from lightning_hookdiag.opt_in import resolve_targets
 from lightning_hookdiag.publish import FindingsWriter, write_all_clear, write_image
 from lightning_hookdiag.replay import LightningStep, sharded
-from lightning_hookdiag.rules import Finding, RuleConfig, format_error, values_from_metrics
+from lightning_hookdiag.rules import Finding, Rule, RuleConfig, format_error, values_from_metrics
 from lightning_hookdiag.selection import import_types
 from lightning_hookdiag.sentinel import LossSentinel, NoSentinel, Sentinel
 from lightning_hookdiag.stats import resolve_stats
@@ -194,6 +195,10 @@ class LayerHealthCallback(Callback):
         output: What is written besides each sampled step's values: an :class:`~lightning_hookdiag.OutputConfig` or a
             mapping of its fields (``summary``, ``charts``, ``heatmap_stats``, ``heatmap_every_n_steps``); ``None``:
             its defaults.
+        extensions: This callback's own rules (functions decorated with :func:`~lightning_hookdiag.rules.rule`) and
+            component factories (decorated with :func:`~lightning_hookdiag.components.component`), run beside the
+            built-in ones (:mod:`lightning_hookdiag.builtins`) in this callback's fits only; ``rules={"enabled":
+            [...]}`` may name its rules (``docs/extending.md``).
         **deprecated: The flat keywords of earlier releases (``layer_types=``, ``summary=``, ...: every field of
             ``MeasureConfig`` and ``OutputConfig``), accepted for one release with a ``DeprecationWarning`` naming the
             new spelling. Setting one beside the same field of its group is a ``ValueError``.
@@ -264,6 +269,7 @@ class LayerHealthCallback(Callback):
         sentinel: SentinelConfig | Literal["loss", "loss+grads"] | dict[str, Any] | None = "loss",
         rules: RuleConfig | dict[str, Any] | None = None,
         output: OutputConfig | dict[str, Any] | None = None,
+        extensions: Sequence[Rule | ComponentFactory] = (),
         **deprecated: Any,
     ) -> None:
         self.every_n_steps: int = integer("every_n_steps", every_n_steps, "an integer >= 1", lambda v: v >= 1)
@@ -291,6 +297,7 @@ class LayerHealthCallback(Callback):
         self.layer_names: list[str] = []
         self._run: FitRun | None = None  # everything one fit creates, from on_fit_start to _release_fit
         self._stage: str | None = None  # the Trainer's stage: a checkpoint restores this state only in a fit
+        self.extensions = split_extensions(extensions)  # checked here; with rule_config, by _start_fresh's Diagnosis
         self._start_fresh()
 
     def _check_against_each_other(self) -> None:
@@ -357,7 +364,7 @@ class LayerHealthCallback(Callback):
         self._release_fit()  # a fit that ended without teardown (an interrupted one) leaves nothing behind
         _check_prefix_unique(trainer.callbacks)  # type: ignore[attr-defined]  # set by Lightning's CallbackConnector
         config, shards = self._fit_config(), lambda params: sharded(trainer, params)
-        self._run = FitRun(config, pl_module, trainer.precision, shards, self._sentinel)
+        self._run = FitRun(config, pl_module, trainer.precision, shards, self._sentinel, self.extensions)
         self.layer_names = list(self._run.layer_names)
         for note in self._run.fit_notes():
             self._note(note)
@@ -544,7 +551,7 @@ class LayerHealthCallback(Callback):
             precision_targets=resolve_targets(measure.precision_targets),
             output_layer=measure.output_layer,
             sentinel_grads=self.sentinel_config.mode == "loss+grads",
-            rules=frozenset(self.rule_config.rule_names),
+            rules=frozenset(r.name for r in self._diagnosis.enabled),  # extension rules included
             charts=self.output_config.charts,
         )
 
@@ -560,7 +567,8 @@ class LayerHealthCallback(Callback):
         self.last_findings = []
         self.trips = []
         self._warned = set()  # the keys of the one-time notes already given
-        self._diagnosis = Diagnosis(self.rule_config)  # the rules' memory between sampled steps; checkpointed
+        # The rules' memory between sampled steps; checkpointed.
+        self._diagnosis = Diagnosis(self.rule_config, every_rule(self.extensions))
         self._writer = FindingsWriter(self.prefix)  # findings and trips into the loggers, once each
         # The heatmaps' columns, per statistic: (step, {layer: value}); not checkpointed (a resumed fit draws from
         # the steps it sampled).
@@ -591,10 +599,10 @@ class LayerHealthCallback(Callback):
         if observed is None or (run := self._run) is None:
             return
         self.execution_order = observed.forward_order
-        metrics, values, notes = run.results(observed)
+        metrics, seen, notes = run.results(observed)
         for note in notes:
             self._note(note)
-        findings, new = self._diagnosis.step(values, observed, run.layer_types)
+        findings, new = self._diagnosis.step(seen)
         self.last_findings = findings
         self.findings.extend(new)
         self.last_metrics, self.last_step = metrics, observed.step
@@ -606,7 +614,7 @@ class LayerHealthCallback(Callback):
             errors += self._log_histograms(trainer, observed, run)
         trips = [observed.trip] if observed.trip is not None else []  # with the findings of its window
         errors += self._writer.write(trainer.loggers, observed.step, new, trips)
-        self._remember_heatmap_column(observed.step, values)
+        self._remember_heatmap_column(observed.step, seen.values)
         every = self.output_config.heatmap_every_n_steps
         if every is not None and observed.step % every == 0:
             errors += self._draw_heatmaps(trainer)
@@ -627,7 +635,7 @@ class LayerHealthCallback(Callback):
         if errors:
             raise errors[0]
 
-    def _remember_heatmap_column(self, step: int, values: dict[str, dict[str, float]]) -> None:
+    def _remember_heatmap_column(self, step: int, values: Mapping[str, Mapping[str, float]]) -> None:
         """Keep the step's values of the heatmap statistics (the latest ``HEATMAP_COLUMNS`` sampled steps)."""
         for stat in self.output_config.heatmap_stats:
             if stat in values:

@@ -7,7 +7,7 @@ import csv
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -22,8 +22,38 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hookdiag import SentinelConfig
 from lightning_hookdiag.keys import ALERTS_ACTIVE, parse_key, step_key
+from lightning_hookdiag.rules import (
+    BUILTIN_RULES,
+    Baseline,
+    Finding,
+    Memory,
+    Observed,
+    Rule,
+    RuleConfig,
+    evaluate,
+)
 from lightning_hookdiag.sentinel import SpikeDetector
+from lightning_hookdiag.trends import History
 from lightning_hookdiag.vocabulary import PER_PARAMETER_STATS
+
+
+def run_rules(
+    values: Mapping[str, Mapping[str, float]],
+    forward_order: Sequence[str] = (),
+    backward_order: Sequence[str] = (),
+    step: int = 0,
+    config: RuleConfig | None = None,
+    *,
+    baseline: Baseline | None = None,
+    last_finite: Mapping[str, int] | None = None,
+    history: History | None = None,
+    rules: Sequence[Rule] = BUILTIN_RULES,
+    **facts: Any,
+) -> list[Finding]:
+    """``evaluate`` on a step made of ``values``, its orders and ``facts`` (by name), with the memory given."""
+    observed = Observed(step, values, {"forward_order": forward_order, "backward_order": backward_order, **facts})
+    memory = Memory(baseline, last_finite or {}, history)
+    return evaluate(observed, memory, config, rules=rules)
 
 
 def count_hooks(root: nn.Module) -> int:

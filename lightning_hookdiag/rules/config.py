@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import InitVar, dataclass, field, fields
 from typing import Any
 
-from lightning_hookdiag.rules.registry import registered
+from lightning_hookdiag.rules.registry import Rule, by_order
 from lightning_hookdiag.validation import integer, number
 
 __all__ = ["DEPRECATED_SPIKE_SETTINGS", "RuleConfig"]
@@ -62,9 +62,10 @@ class RuleConfig:
     it is: ``docs/rules.md#why-these-defaults``.
 
     Attributes:
-        enabled: Names of registered rules to evaluate (one name or any iterable, stored as a tuple in rule order).
-            ``None`` (default): every rule registered when the configuration is built, i.e. ``RULES`` and any rule
-            registered since with :func:`~lightning_hookdiag.rules.registry.rule`. Empty: no rule runs.
+        enabled: Names of the rules to evaluate (one name or any iterable, stored as a sorted tuple; they run in rule
+            order). ``None`` (default): every rule of the callback, i.e. ``RULES`` and the rules passed in its
+            ``extensions=``. Empty: no rule runs. Each name must be a built-in rule or one of the callback's extension
+            rules: the callback checks them when it is built (:meth:`select`), listing the valid names.
         dead_frac_threshold: ``dead_units`` fires at ``act_dead_frac >=`` this; in ``(0, 1]``.
         vanishing_ratio: ``vanishing_gradient``'s bound on gradient norm over the output end's; in ``(0, 1)``.
         exploding_ratio: ``exploding_gradient``'s bound on that ratio; finite, ``> 1``.
@@ -163,19 +164,19 @@ class RuleConfig:
                 stacklevel=3,
             )
         object.__setattr__(self, "_moved", moved)
-        known = tuple(r.name for r in registered())
         given: Any = self.enabled  # as the caller passed it, validated here: None, one name or an iterable of them
-        enabled = known if given is None else (given,) if isinstance(given, str) else given
-        try:
-            items = list(enabled)
-        except TypeError:
-            raise ValueError(f"enabled: expected rule names from {list(known)}, got {self.enabled!r}") from None
-        if unknown := sorted({repr(r) for r in items if r not in known}):
-            raise ValueError(f"enabled: unknown rule(s) {', '.join(unknown)}; expected names from {list(known)}")
+        if given is not None:
+            try:
+                items = [given] if isinstance(given, str) else list(given)
+            except TypeError:
+                raise ValueError(f"enabled: expected None or rule names, got {given!r}") from None
+            if wrong := [r for r in items if not isinstance(r, str)]:
+                raise ValueError(f"enabled: expected rule names (strings), got {wrong!r}")
+            # Which rules the names name is the callback's to check (select): its extension rules count too.
+            object.__setattr__(self, "enabled", tuple(sorted(set(items))))
         # frozen: normalised through object.__setattr__ so that equal configurations compare and hash equal; the
         # numbers are stored as float and int, so that a numpy scalar from a config leaks into neither arithmetic
         # nor checkpoints.
-        object.__setattr__(self, "enabled", tuple(r for r in known if r in items))
         for f in fields(self)[1:]:
             valid, ok = f.metadata["valid"].format(**vars(self)), f.metadata["ok"]
             object.__setattr__(
@@ -187,13 +188,20 @@ class RuleConfig:
         moved: dict[str, Any] = getattr(self, "_moved", {})
         return dict(moved)
 
-    @property
-    def rule_names(self) -> tuple[str, ...]:
-        """``enabled`` as stored: the enabled rules' names in rule order (never ``None`` once built)."""
-        names = self.enabled
-        if names is None:  # unreachable: __post_init__ stores a tuple
-            raise RuntimeError("RuleConfig.enabled is None after __post_init__")
-        return names
+    def select(self, rules: Sequence[Rule]) -> list[Rule]:
+        """The rules of ``rules`` (a callback's: the built-ins, then its extensions) that run, in rule order.
+
+        ``enabled=None`` runs every one of them; a name that none of them has is an error.
+
+        Raises:
+            ValueError: If ``enabled`` names a rule not in ``rules``; the message lists the valid names.
+        """
+        if self.enabled is None:
+            return by_order(rules)
+        names = [r.name for r in rules]
+        if unknown := sorted(repr(n) for n in self.enabled if n not in names):
+            raise ValueError(f"enabled: unknown rule(s) {', '.join(unknown)}; expected names from {names}")
+        return by_order(r for r in rules if r.name in self.enabled)
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any] | None) -> RuleConfig:

@@ -323,7 +323,7 @@ def name_cases() -> dict[str, Any]:
     """What each consumer calls each module and parameter, per wrapper."""
     from lightning_hookdiag.params import named_parameters_of
     from lightning_hookdiag.report.health_log import Scalar, build_health_log
-    from lightning_hookdiag.rules import RuleConfig, evaluate
+    from lightning_hookdiag.rules import Observed, RuleConfig, evaluate
     from lightning_hookdiag.selection import resolve_layers
 
     out = {}
@@ -335,7 +335,8 @@ def name_cases() -> dict[str, Any]:
         config = RuleConfig(enabled=("nonfinite",))
         rule_owner = {}
         for param in params:
-            (finding,) = evaluate({"param_grad_norm": {param: float("nan")}}, layers, [], 0, config)
+            step = Observed(0, {"param_grad_norm": {param: float("nan")}}, {"forward_order": layers})
+            (finding,) = evaluate(step, None, config)
             rule_owner[param] = finding.layer
         scalars = [Scalar(f"layer_health/depth/{name}", 0, float(i)) for i, name in enumerate(layers)]
         scalars += [Scalar(f"layer_health/param_norm/{param}", 0, 1.0) for param in params]

@@ -291,6 +291,7 @@ CONFIG = {
     "sentinel_config",
     "rule_config",
     "output_config",
+    "extensions",  # split into component factories and rules
 }
 RESULTS = {"last_metrics", "last_step", "layer_names", "execution_order", "findings", "last_findings", "trips"}
 

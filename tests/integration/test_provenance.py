@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer
+from conftest import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer, run_rules
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthError, replay
 from lightning_hookdiag import sentinel as SN
 from lightning_hookdiag.provenance import NonFiniteTrace
-from lightning_hookdiag.rules import LOSS, ROOT, evaluate
+from lightning_hookdiag.rules import LOSS, ROOT
 from lightning_hookdiag.step_state import Trip
 
 BAD_STEP = 13
@@ -285,7 +285,7 @@ def test_the_trace_prefers_a_nan_and_ignores_keyword_masks():
 def test_the_rule_names_the_origin_and_sorts_it_where_the_nan_entered():
     values = {"act_nonfinite": {"enc": 0.0, "mid": 6.0, "head": 6.0}, "act_dead_frac": {"head": 1.0}}
     trip = Trip(step=4, kind="nonfinite_loss", loss=float("nan"), replayed=True, nan_entry="mid", nan_origin="block")
-    findings = evaluate(values, ["enc", "mid", "head"], [], step=4, trip=trip)
+    findings = run_rules(values, ["enc", "mid", "head"], [], step=4, trip=trip)
     assert [(f.rule, f.layer, f.stat) for f in findings] == [
         ("nonfinite", "block", "act_nonfinite"),
         ("dead_units", "head", "act_dead_frac"),
@@ -298,7 +298,7 @@ def test_the_rule_names_the_origin_and_sorts_it_where_the_nan_entered():
     )
     # An entry that is not the first non-finite layer (another process saw it elsewhere): today's finding.
     other = Trip(step=4, kind="nonfinite_loss", loss=float("nan"), replayed=True, nan_entry="head", nan_origin="x")
-    assert evaluate(values, ["enc", "mid", "head"], [], step=4, trip=other)[0].layer == "mid"
+    assert run_rules(values, ["enc", "mid", "head"], [], step=4, trip=other)[0].layer == "mid"
 
 
 def test_a_compiled_model_is_traced_like_eager():

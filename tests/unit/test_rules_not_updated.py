@@ -13,13 +13,13 @@ import re
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, make_data, make_trainer
+from conftest import RecordingLogger, TinyModule, make_data, make_trainer, run_rules
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.optimizer_watch import StepWatch, held_by_none
-from lightning_hookdiag.rules import ParamFacts, RuleConfig, evaluate, moved_mass_bound
+from lightning_hookdiag.rules import ParamFacts, RuleConfig, moved_mass_bound
 
 P = "layer_health"
 LAYERS = ["net.stem", "net.act", "net.head"]
@@ -97,7 +97,7 @@ def values(grad: float = 0.5, ratio: float = 0.0, names: tuple[str, ...] = ("net
 
 def run(vals: dict, facts: dict[str, ParamFacts] | None, config: RuleConfig | None = None) -> list:
     config = config or RuleConfig(enabled=["not_updated"])
-    return evaluate(vals, LAYERS, BACKWARD, step=3, config=config, param_facts=facts)
+    return run_rules(vals, LAYERS, BACKWARD, step=3, config=config, param_facts=facts)
 
 
 def test_a_parameter_no_optimizer_holds_is_named_with_its_gradient_norm():
@@ -197,7 +197,7 @@ def test_silent_without_a_finite_gradient_a_ratio_an_applied_step_or_facts(grad,
 
 
 def test_silent_without_facts_and_when_disabled():
-    assert evaluate(values(), LAYERS, BACKWARD, step=0) == []  # values of a logger: no host facts
+    assert run_rules(values(), LAYERS, BACKWARD, step=0) == []  # values of a logger: no host facts
     config = RuleConfig(enabled=["nonfinite"])
     assert run(values(), {"net.head.weight": ParamFacts(held=False)}, config) == []
 

@@ -12,12 +12,12 @@ import math
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import by_name, make_data, make_trainer
+from conftest import by_name, make_data, make_trainer, run_rules
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.rules import Baseline, RuleConfig, evaluate
+from lightning_hookdiag.rules import Baseline, RuleConfig
 
 ORDER = ["fc1", "act", "fc2"]
 
@@ -32,7 +32,7 @@ def _ratios(r1: float, r2: float, grad: float = 1.0) -> dict[str, dict[str, floa
 
 def _run(values, baseline=None, **config):
     cfg = RuleConfig(enabled=["update_ratio", "stale_gradients", "input_scale"], **config)
-    return evaluate(values, ORDER, ORDER[::-1], step=5, config=cfg, baseline=baseline)
+    return run_rules(values, ORDER, ORDER[::-1], step=5, config=cfg, baseline=baseline)
 
 
 # ----------------------------------------------------------------------------------------------- update_ratio
