@@ -150,6 +150,8 @@ class FitRun:
         )
         device = getattr(pl_module, "device", None)
         device = device if isinstance(device, torch.device) else torch.device("cpu")
+        dead_unit_layers = [i for i, m in enumerate(modules.values()) if isinstance(m, config.dead_unit_types)]
+        unit_layers = frozenset(dead_unit_layers if "act_dead_frac" in wanted else ())
         self.plan: OptInPlan = plan_opt_in(config.stats, config.precision_targets, trainer_precision)
         self.aggregator = LayerStatsAggregator(
             len(modules),
@@ -157,6 +159,7 @@ class FitRun:
             dtype=accumulation_dtype(device),
             sharded_params=sharded(params),
             histogram_bins=config.histogram_bins if config.histogram_every_n_steps else 0,
+            unit_layers=unit_layers,
         ).to(device)
         setup = Setup(config=config, model=pl_module, modules=modules, plan=self.plan, aggregator=self.aggregator)
         self.components: list[Component] = [c for factory in FACTORIES if (c := factory(setup)) is not None]
@@ -164,15 +167,17 @@ class FitRun:
         self.unreplayed = [c for c in self.components if not c.replays]  # attached and removed by the run itself
         self.logged = (*self.plan.logged, *(s for c in self.components for s in c.logged if s not in self.plan.logged))
         """Per-layer statistics beyond the default ones: the plan's, then those components declare."""
-        dead_unit_layers = [i for i, m in enumerate(modules.values()) if isinstance(m, config.dead_unit_types)]
         self.recorder = StepRecorder(
-            self.aggregator,
+            len(modules),
             moments=bool(wanted & set(MOMENT_STATS)),
-            unit_layers=frozenset(dead_unit_layers if "act_dead_frac" in wanted else ()),
+            unit_layers=unit_layers,
             unit_dim=config.unit_dim,
             names=self.layer_names,
             stack_small=True,
             components=self.components,
+            histogram_bins=config.histogram_bins if config.histogram_every_n_steps else 0,
+            dtype=self.aggregator.acc_dtype,
+            device=device,
         )
         grads = wanted & set(GRADIENT_STATS) or any(c.on_grad is not None for c in self.components)
         on_grad = self.recorder.on_grad if grads else None
@@ -543,8 +548,8 @@ class FitRun:
         updated = None if self.tracker is None or before_update else self.tracker.after_step()
         for c in self.components:
             c.fold()
-        recorder.flush()  # the stacked small outputs and gradients, before the fold
-        agg.update(params=None if updated is None else (updated[0], updated[1], P_UPDATE_SQ))
+        # The recorder's rows of the step, handed down: one update per window.
+        agg.update(recorder.take(), params=None if updated is None else (updated[0], updated[1], P_UPDATE_SQ))
         own = LayerOrders(hooks.fired_order, hooks.grad_order, hooks.missing_grad_layers())
         agg.agree_orders(own)  # every process must hold the same orders, so the same depths and findings
         values = agg.pooled()  # reduced over processes: one SUM and one MAX all-reduce (aggregation.py)
@@ -591,7 +596,7 @@ class FitRun:
             # The whole window's, replays included (rule no_gradient); missed on any process.
             missing_grads=[hooks.names[i] for i in orders.missing_grads],
             param_facts=self.watch.facts(self.param_names, self.tracker.params) if self.tracker is not None else {},
-            histogram_edges=agg.histogram_edges_host if recorder.histograms else None,
+            histogram_edges=recorder.histogram_edges_host if recorder.histograms else None,
             **found,
         )
         self.discard_window()  # the window is closed and read: this resets what it leaves behind
