@@ -54,10 +54,10 @@ def _stackable(tensor: Tensor) -> bool:
 class _CallTable:
     """The rows of one kind of observation in the open step, one per reduced piece, with their layers and counts.
 
-    Rows are handed out in blocks that are never reallocated: a view handed out stays this table's until :meth:`take`,
-    whatever is reserved after it. A step that outgrew its block leaves one block of the total size for the next, so
-    a step like the previous one folds its rows in one op per state. The layer index and counts are host lists whose
-    device copies are cached by value: a step repeating the previous one's calls copies nothing.
+    Rows are handed out from blocks that are never reallocated: a view handed out stays valid until :meth:`take`,
+    whatever is reserved after it. A step that outgrew its block has its blocks merged at :meth:`take` into one of the
+    total size, which the next steps reuse. The layer index and counts are host lists whose device copies are cached
+    by value: a step repeating the previous one's calls copies nothing.
     """
 
     __slots__ = ("_blocks", "_patterns", "dtype", "width")
@@ -72,21 +72,30 @@ class _CallTable:
         k = len(layers)
         if not self._blocks or len(self._blocks[-1][1]) + k > self._blocks[-1][0].shape[0]:
             held = sum(block.shape[0] for block, _, _ in self._blocks)
-            size = max(16, held, k)
-            self._blocks.append((torch.empty(size, self.width, dtype=self.dtype, device=device), [], []))
+            self._blocks.append((self._block(max(16, held, k), device), [], []))
         block, held_layers, held_counts = self._blocks[-1]
         i = len(held_layers)
         held_layers.extend(layers)
         held_counts.extend(counts)
         return block[i : i + k]
 
-    def take(self) -> list[tuple[Tensor, Tensor, Tensor]]:
-        """``(rows, layer index, counts)`` of each block written since the last take; the table starts over."""
-        taken = [self._indexed(block, layers, counts) for block, layers, counts in self._blocks if layers]
-        self.clear()
-        return taken
+    def _block(self, rows: int, device: torch.device) -> Tensor:
+        return torch.empty(rows, self.width, dtype=self.dtype, device=device)
 
-    def _indexed(self, block: Tensor, layers: list[int], counts: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+    def take(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """``(rows, layer index, counts)`` of the calls since the last take, or ``None``; the table starts over.
+
+        The rows are read before anything is reserved again (their block is reused).
+        """
+        layers = [layer for _, held, _ in self._blocks for layer in held]
+        if not layers:
+            return None
+        counts = [count for _, _, held in self._blocks for count in held]
+        block = self._blocks[0][0]
+        if len(self._blocks) > 1:  # outgrown: one block of the total size from now on
+            block = self._block(sum(b.shape[0] for b, _, _ in self._blocks), block.device)
+            torch.cat([b[: len(held)] for b, held, _ in self._blocks], out=block[: len(layers)])
+        self._blocks = [(block, [], [])]
         key = (tuple(layers), tuple(counts))
         cached = self._patterns.get(key)
         if cached is None or cached[0].device != block.device:
@@ -99,11 +108,9 @@ class _CallTable:
         return block[: len(layers)], *cached
 
     def clear(self) -> None:
-        """Forget the rows; one block of the capacity used is kept (none was handed out that outlives this)."""
-        if len(self._blocks) > 1:
-            size = sum(block.shape[0] for block, _, _ in self._blocks)
-            self._blocks = [(torch.empty(size, self.width, dtype=self.dtype, device=self._blocks[0][0].device), [], [])]
-        elif self._blocks:
+        """Forget the rows (of a discarded window)."""
+        self._blocks = self._blocks[-1:]
+        if self._blocks:
             self._blocks = [(self._blocks[0][0], [], [])]
 
 
@@ -339,14 +346,19 @@ class StepRecorder:
             stacks.flush(self.workspace)
         act = torch.zeros(self.n_layers, ACT_SLOTS, dtype=self.dtype, device=self.device)
         absmax = torch.zeros(self.n_layers, device=self.device)
-        for rows, index, counts in self._tables["act"].take():
-            moments, block_absmax = moments_from_rows(rows, counts)
-            act.index_add_(0, index, moments)
-            absmax.scatter_reduce_(0, index, block_absmax.to(absmax.dtype), "amax")
-        for _, index, counts in self._counts.take():
-            act[:, ACT_COUNT].index_add_(0, index, counts)
         grad = torch.zeros(self.n_layers, GRAD_SLOTS, dtype=self.dtype, device=self.device)
-        for rows, index, counts in self._tables["grad"].take():
+        taken_act = self._tables["act"].take()
+        if taken_act is not None:
+            rows, index, counts = taken_act
+            moments, row_absmax = moments_from_rows(rows, counts)
+            act.index_add_(0, index, moments)
+            absmax.scatter_reduce_(0, index, row_absmax.to(absmax.dtype), "amax")
+        taken_counts = self._counts.take()
+        if taken_counts is not None:
+            act[:, ACT_COUNT].index_add_(0, taken_counts[1], taken_counts[2])
+        taken_grad = self._tables["grad"].take()
+        if taken_grad is not None:
+            rows, index, counts = taken_grad
             grad.index_add_(0, index, gradient_moments_from_rows(rows, counts))
         taken = LayerRows(
             act_moments=act,
