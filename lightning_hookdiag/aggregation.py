@@ -171,6 +171,7 @@ class LayerStatsAggregator(Metric):
         """AMP loss scale of the step's gradients, divided out of ``act_grad_norm`` at ``compute``."""
         self._synced = False  # the states of this compute were reduced over processes (torchmetrics does not say)
         self._pending: dict[int, Tensor] = {}  # units of layers without an agreed count, until the next sync
+        self._unit_fill = torch.empty(0)  # -inf in the agreed layout
         self._flags: tuple[frozenset[int], Tensor] | None = None  # unit_bad's value for unit_mismatch, kept
 
     @property
@@ -204,25 +205,31 @@ class LayerStatsAggregator(Metric):
             if hist is not None:
                 self.pool(name, hist)
         self.unit_mismatch |= rows.unit_mismatch
-        self._pending = {}  # one step's rows: what a discarded step left aside is not this one's
-        for layer, units in rows.units.items():
-            self._add_units(layer, units)
+        self._pending = {}  # one step's: what a discarded step left aside is not this one's
+        if rows.units:
+            self._add_units(rows.units)
         if self.unit_layers:
             self.pool("unit_bad", self._mismatch_flags())
 
-    def _add_units(self, layer: int, units: Tensor) -> None:
-        if layer not in self.unit_layers:
-            raise ValueError(f"units: layer {layer} is not one of unit_layers ({sorted(self.unit_layers)})")
-        if layer in self.unit_mismatch:
-            return
-        size = self.layout.sizes[layer]
-        if not size:  # not agreed yet: keep this process's maxima aside until the next sync (or compute) lays it out
-            self._pending[layer] = units
-        elif units.numel() != size:  # another process saw another count first
-            self.unit_mismatch.add(layer)
-        else:
-            target = self.unit_max[self.layout.offsets[layer] : self.layout.offsets[layer] + size]
-            torch.fmax(target, units, out=target)
+    def _add_units(self, units: dict[int, Tensor]) -> None:
+        """Pool per-unit maxima into their agreed slots in two ops, whatever the number of layers; keep the others."""
+        if bad := sorted(set(units) - self.unit_layers):
+            raise ValueError(f"units: layer {bad[0]} is not one of unit_layers ({sorted(self.unit_layers)})")
+        # Layers laid out take their slots (-inf, the reset value, for those that did not run); one without an
+        # agreed count waits for the next sync (or compute), aside.
+        parts = []
+        for layer in self.layout.laid_out():
+            size, offset = self.layout.sizes[layer], self.layout.offsets[layer]
+            held = units.get(layer)
+            if held is not None and held.numel() != size and layer not in self.unit_mismatch:
+                self.unit_mismatch.add(layer)  # another process saw another count first
+            if held is None or layer in self.unit_mismatch:
+                held = self._unit_fill[offset : offset + size]
+            parts.append(held)
+        if parts:
+            torch.fmax(self.unit_max, torch.cat(parts), out=self.unit_max)
+        sizes, mismatch = self.layout.sizes, self.unit_mismatch
+        self._pending = {i: held for i, held in units.items() if not sizes[i] and i not in mismatch}
 
     def _mismatch_flags(self) -> Tensor:
         # Built again only when the set changes, so that no step copies host memory to the device.
@@ -280,6 +287,7 @@ class LayerStatsAggregator(Metric):
         # The new default is what reset() copies into the state from the next step on.
         self.add_state("unit_max", default, dist_reduce_fx="max")
         self.unit_max = kept
+        self._unit_fill = default.clone()  # read-only slots of the layers that did not run, in _add_units
 
     def _sync_dist(self, dist_sync_fn: Any = None, process_group: Any = None) -> None:
         # One SUM and one MAX all_reduce over process_group (default: the metric's); every process must call it, also
@@ -385,6 +393,10 @@ class UnitLayout:
             elif seen:
                 differ.append(layer)
         return agreed, differ
+
+    def laid_out(self) -> list[int]:
+        """The layers with an agreed count, in layer order (the order of their slots)."""
+        return [layer for layer, size in enumerate(self.sizes) if size]
 
     def extend(self, sizes: dict[int, int], held: Tensor, pending: dict[int, Tensor]) -> Tensor:
         """Lay out the layers of ``sizes`` too; returns ``held`` (in the old layout) moved to the new one.

@@ -126,7 +126,7 @@ class _Stacks:
     def __init__(self, grad: bool, table: _CallTable, device: torch.device) -> None:
         self._reduce = gradient_row if grad else activation_row
         self._table = table
-        self._device = device
+        self._rows_device = device
         self._buffers: dict[tuple[torch.dtype, int, torch.device], Tensor] = {}
         self._layers: dict[tuple[torch.dtype, int, torch.device], list[int]] = {}
 
@@ -150,7 +150,7 @@ class _Stacks:
         for key in list(self._layers) if keys is None else keys:
             layers = self._layers[key]
             if layers:
-                out = self._table.reserve(layers, [key[1]] * len(layers), self._device)
+                out = self._table.reserve(layers, [key[1]] * len(layers), self._rows_device)
                 self._reduce(self._buffers[key][: len(layers)], out, workspace, dim=1)
                 self._layers[key] = []
 

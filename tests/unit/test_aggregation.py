@@ -143,7 +143,10 @@ def test_units_of_an_undeclared_layer_are_an_error():
         agg.update(rec.take())
     assert "layer 0" in str(error.value)  # the bad layer
     assert "[1]" in str(error.value)  # the declared ones
-    for make in (lambda: LayerStatsAggregator(2, unit_layers=[0, 2, 5]), lambda: StepRecorder(2, unit_layers={0, 2, 5})):
+    for make in (
+        lambda: LayerStatsAggregator(2, unit_layers=[0, 2, 5]),
+        lambda: StepRecorder(2, unit_layers={0, 2, 5}),
+    ):
         with pytest.raises(ValueError, match="unit_layers") as error:
             make()
         assert "[2, 5]" in str(error.value)  # the bad indices
