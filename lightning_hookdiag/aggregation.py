@@ -208,7 +208,7 @@ class LayerStatsAggregator(Metric):
         self._pending = {}  # one step's: what a discarded step left aside is not this one's
         if rows.units:
             self._add_units(rows.units)
-        if self.unit_layers:
+        if self.unit_mismatch:  # no flag set: the reset value already says so, without an op
             self.pool("unit_bad", self._mismatch_flags())
 
     def _add_units(self, units: dict[int, Tensor]) -> None:
