@@ -205,7 +205,6 @@ class LayerStatsAggregator(Metric):
             if hist is not None:
                 self.pool(name, hist)
         self.unit_mismatch |= rows.unit_mismatch
-        self._pending = {}  # one step's: what a discarded step left aside is not this one's
         if rows.units:
             self._add_units(rows.units)
         if self.unit_mismatch:  # no flag set: the reset value already says so, without an op
@@ -228,8 +227,17 @@ class LayerStatsAggregator(Metric):
             parts.append(held)
         if parts:
             torch.fmax(self.unit_max, torch.cat(parts), out=self.unit_max)
-        sizes, mismatch = self.layout.sizes, self.unit_mismatch
-        self._pending = {i: held for i, held in units.items() if not sizes[i] and i not in mismatch}
+        for layer, held in units.items():
+            if self.layout.sizes[layer] or layer in self.unit_mismatch:
+                continue
+            pending = self._pending.get(layer)
+            if pending is None:
+                self._pending[layer] = held
+            elif pending.numel() != held.numel():
+                self.unit_mismatch.add(layer)
+                del self._pending[layer]
+            else:
+                self._pending[layer] = torch.fmax(pending, held)  # a new tensor: the rows stay as handed over
 
     def _mismatch_flags(self) -> Tensor:
         # Built again only when the set changes, so that no step copies host memory to the device.
@@ -239,6 +247,11 @@ class LayerStatsAggregator(Metric):
             flags[list(key)] = 1.0
             self._flags = (key, flags.to(self.unit_bad.device))
         return self._flags[1]
+
+    def reset(self) -> None:
+        """Clear the states for the next sampled step, and the per-unit maxima still waiting for their layout."""
+        super().reset()
+        self._pending = {}
 
     def add_state(self, name: str, default: Tensor, dist_reduce_fx: str) -> None:  # type: ignore[override]
         """Register a state reduced by ``"sum"`` or ``"max"``: the one place its reduction is declared.

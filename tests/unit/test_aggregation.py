@@ -242,3 +242,29 @@ def test_orders_agreed_by_their_maxima_keep_a_one_rank_layer_where_it_ran_and_ev
     rank0 = order_positions(LayerOrders([0, 2, 1], [], []), 4)
     rank1 = order_positions(LayerOrders([0, 1, 3], [], []), 4)
     assert agreed_orders([max(a, b) for a, b in zip(rank0, rank1, strict=True)], 4).forward == [0, 2, 1, 3]
+
+
+def test_rows_built_by_hand_pool_to_their_statistics_over_two_steps_of_rows():
+    # The pooled state receives finished per-layer tensors, whoever made them: here written by hand for layer 0's
+    # outputs [1, -2, 0, 4] then [3] (two updates, as two processes' rows would add), gradient [3, 4], units [1, -1].
+    from lightning_hookdiag.stats import LayerRows
+
+    def rows(act: list[float], absmax: float, units: dict[int, torch.Tensor]) -> LayerRows:
+        moments = torch.zeros(2, S.ACT_SLOTS, dtype=torch.float64)
+        moments[0] = torch.tensor(act, dtype=torch.float64)
+        grad = torch.zeros(2, S.GRAD_SLOTS, dtype=torch.float64)
+        grad[0] = torch.tensor([2.0, 25.0, 0.0], dtype=torch.float64)
+        return LayerRows(moments, torch.tensor([absmax, 0.0]), grad, units, frozenset())
+
+    agg = LayerStatsAggregator(n_layers=2, unit_layers={0})
+    agg.update(rows([4.0, 3.0, 3.0, 3.0, 21.0], 4.0, {0: torch.tensor([1.0, -1.0])}))
+    agg.update(rows([1.0, 1.0, 1.0, 3.0, 9.0], 3.0, {}))
+    out = agg.compute()
+    values = torch.tensor([1.0, -2.0, 0.0, 4.0, 3.0], dtype=torch.float64)
+    assert out["act_mean"][0].item() == pytest.approx(values.mean().item(), rel=1e-12)
+    assert out["act_std"][0].item() == pytest.approx(values.std(correction=0).item(), rel=1e-12)
+    assert out["act_absmax"][0].item() == 4.0
+    assert out["act_zero_frac"][0].item() == pytest.approx(1 / 5)
+    assert out["act_grad_norm"][0].item() == pytest.approx(50**0.5)  # two steps of rows: 25 + 25
+    assert out["act_dead_frac"][0].item() == 0.5
+    assert out["count"].tolist() == [5.0, 0.0]
