@@ -107,6 +107,10 @@ class _CallTable:
             )
         return block[: len(layers)], *cached
 
+    def holds_rows(self) -> bool:
+        """Whether any row was reserved since the last take."""
+        return any(held for _, held, _ in self._blocks)
+
     def clear(self) -> None:
         """Forget the rows (of a discarded window)."""
         self._blocks = self._blocks[-1:]
@@ -336,14 +340,17 @@ class StepRecorder:
             return False
         return True
 
-    def take(self) -> LayerRows:
+    def take(self) -> LayerRows | None:
         """This step's statistics of every layer as finished per-layer tensors; the recorder starts the next step empty.
 
-        Reduces what is still stacked, then folds the call rows in a constant number of ops per block (one block for
-        a step like the previous one). A layer that did not run has zero counts.
+        Reduces what is still stacked, then folds the call rows in a constant number of ops. A layer that did not run
+        has zero counts; ``None`` when nothing at all was observed (a window of parameters only): no op at all.
         """
         for stacks in self._stacks.values():
             stacks.flush(self.workspace)
+        tables = (*self._tables.values(), self._counts)
+        if not (self._units or self._hist or any(table.holds_rows() for table in tables)):
+            return None
         act = torch.zeros(self.n_layers, ACT_SLOTS, dtype=self.dtype, device=self.device)
         absmax = torch.zeros(self.n_layers, device=self.device)
         grad = torch.zeros(self.n_layers, GRAD_SLOTS, dtype=self.dtype, device=self.device)
