@@ -227,8 +227,9 @@ class OnePass:
             examples = [
                 ("act", torch.ones(64, dtype=dtype, device=device)),
                 ("grad", torch.ones(64, dtype=dtype, device=device)),
-                ("units", torch.ones(8, 8, 1, dtype=dtype, device=device)),
-                ("units", torch.ones(4, 4, 4, dtype=dtype, device=device)),
+                # Distinct sizes: dynamo gives equal sizes one symbol, and the graph would hold for equal ones only.
+                ("units", torch.ones(7, 6, 1, dtype=dtype, device=device)),
+                ("units", torch.ones(3, 6, 5, dtype=dtype, device=device)),
             ]
             for kind, example in examples:
                 key = self._key(kind, example)
