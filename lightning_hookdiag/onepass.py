@@ -53,7 +53,8 @@ the same on this CPU (``benchmarks/onepass.py``), from 256 K on the compiled one
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 """The dtypes the compiled reduction reads; others (float8, ...) take today's path with a note."""
 
-_KINDS = ("act", "grad", "units")
+_UNIT_DTYPES = (torch.float32,)
+# Outputs with per-unit maxima on the fast path: inductor's per-unit pass over bf16 was 5-8x slower than today's.
 
 
 class _RanEagerly(RuntimeError):
@@ -115,22 +116,7 @@ def _act_units(x: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
     return _act_row(parts, x.shape[0] * x.shape[1] * x.shape[2], shift), maxima
 
 
-def _grad_flat(g: Tensor) -> Tensor:
-    """One gradient, flat: the ``[GRAD_ROW]`` float64 row (``-0.0`` counts as non-zero, as gradient_row's bits do)."""
-    _require_compiled()
-    finite = torch.isfinite(g)
-    nonzero = (g != 0) | torch.signbit(g)
-    wide = torch.where(finite, g.to(torch.float64), 0.0)
-    return torch.stack(
-        [
-            nonzero.sum().to(torch.float64),
-            (nonzero & finite).sum().to(torch.float64),
-            (wide * wide).sum(),
-        ]
-    )
-
-
-_BODIES: dict[str, Callable[..., Any]] = {"act": _act_flat, "grad": _grad_flat, "units": _act_units}
+_BODIES: dict[str, Callable[..., Any]] = {"act": _act_flat, "units": _act_units}
 
 
 def has_cxx_compiler() -> bool:
@@ -208,8 +194,8 @@ class OnePass:
     ) -> float | None:
         """Compile every reduction for ``dtypes`` on ``device`` before the first sampled step; its seconds, once.
 
-        Compiles the flat output and gradient reductions and the per-unit reduction for the two common unit layouts
-        (units last: ``[batch, units]``; units between: ``[batch, channels, pixels]``). Returns the seconds spent
+        Compiles the flat output reduction and, for float32, the per-unit one for the two common unit layouts (units
+        last: ``[batch, units]``; units between: ``[batch, channels, pixels]``). Returns the seconds spent
         (and notes them once), ``None`` when the fast path is off (no compiler, a failed compile: noted), ``0.0`` when
         everything asked for was already warm.
         """
@@ -224,13 +210,13 @@ class OnePass:
         start = time.perf_counter()
         compiled = 0
         for dtype in dtypes:
-            examples = [
-                ("act", torch.ones(64, dtype=dtype, device=device)),
-                ("grad", torch.ones(64, dtype=dtype, device=device)),
+            examples = [("act", torch.ones(64, dtype=dtype, device=device))]
+            if dtype in _UNIT_DTYPES:
                 # Distinct sizes: dynamo gives equal sizes one symbol, and the graph would hold for equal ones only.
-                ("units", torch.ones(7, 6, 1, dtype=dtype, device=device)),
-                ("units", torch.ones(3, 6, 5, dtype=dtype, device=device)),
-            ]
+                examples += [
+                    ("units", torch.ones(7, 6, 1, dtype=dtype, device=device)),
+                    ("units", torch.ones(3, 6, 5, dtype=dtype, device=device)),
+                ]
             for kind, example in examples:
                 key = self._key(kind, example)
                 if key in self._warmed:
@@ -259,10 +245,9 @@ class OnePass:
     def _call(self, kind: str, view: Tensor, shift: Tensor) -> Any:
         """Run the compiled reduction; ``None`` (with a note) when it failed or would have run eagerly."""
         compiled = self._compiled[kind]
-        args = (view,) if kind == "grad" else (view, shift)
         try:
             with torch.no_grad():
-                return compiled(*args)
+                return compiled(view, shift)
         except _RanEagerly:
             self._failure = "eager"
             self._note(
@@ -276,8 +261,10 @@ class OnePass:
             self._disable("compile_failed", f"compiling the reduction failed ({type(error).__name__}: {error})"[:300])
         return None
 
-    def _why_not(self, x: Tensor, shift: float | Tensor | None) -> str | None:
+    def _why_not(self, x: Tensor, grad: bool, units: bool, shift: float | Tensor | None) -> str | None:
         """Why ``x`` takes today's path (with its note where it is not a routine choice), ``None`` for the fast one."""
+        if grad:
+            return "gradient"  # today's 6 ops with a BLAS dot were 1.7-3.7x faster than a compiled pass (CPU)
         if self._disabled is not None:
             return self._disabled
         if x.numel() < self.min_elements:
@@ -287,6 +274,8 @@ class OnePass:
         if x.dtype not in FAST_DTYPES:
             self._note(f"dtype:{x.dtype}", f"{x.dtype} is not read by the fast path: today's path for it")
             return "dtype"
+        if units and x.dtype not in _UNIT_DTYPES:
+            return "units_dtype"  # inductor's per-unit pass over bf16 was 5-8x slower than today's (CPU)
         if not x.is_contiguous():
             return "not_contiguous"
         if torch.compiler.is_compiling():
@@ -324,14 +313,14 @@ class OnePass:
                 sums are taken around; ``None`` (nothing pooled yet) takes today's path. Gradients ignore it.
         """
         view = None
-        why = self._why_not(x, 0.0 if grad else shift)
+        why = self._why_not(x, grad, units, shift)
         if why is None:
-            view = self._view(x, grad, units, unit_dim)
-            if self._key(self._kind(grad, units), view) not in self._warmed:
+            view = self._view(x, units, unit_dim)
+            if self._key(self._kind(units), view) not in self._warmed:
                 why = "not_warmed"
         maxima = None
         if why is None and view is not None:
-            done, maxima = self._fast(view, row, grad, units, shift)
+            done, maxima = self._fast(view, row, units, shift)
             why = None if done else self._failure
         if why is not None:
             self.paths[f"today: {why}"] += 1
@@ -343,22 +332,22 @@ class OnePass:
         return maxima, counts
 
     @staticmethod
-    def _kind(grad: bool, units: bool) -> str:
-        return "grad" if grad else "units" if units else "act"
+    def _kind(units: bool) -> str:
+        return "units" if units else "act"
 
-    def _view(self, x: Tensor, grad: bool, units: bool, unit_dim: int | None) -> Tensor:
+    def _view(self, x: Tensor, units: bool, unit_dim: int | None) -> Tensor:
         x = x.detach()
-        return _unit_view(x, unit_dim) if units and not grad else x.view(-1)
+        return _unit_view(x, unit_dim) if units else x.view(-1)
 
     def _fast(
-        self, view: Tensor, row: Callable[[int], Tensor] | None, grad: bool, units: bool, shift: float | Tensor | None
+        self, view: Tensor, row: Callable[[int], Tensor] | None, units: bool, shift: float | Tensor | None
     ) -> tuple[bool, Tensor | None]:
         """Write the row; ``(done, per-unit maxima with units)``, ``done`` false when it fell back (noted)."""
         if isinstance(shift, Tensor):
             shift_tensor = shift.detach().to(device=view.device, dtype=torch.float64).reshape(())
         else:
             shift_tensor = torch.tensor(0.0 if shift is None else shift, dtype=torch.float64, device=view.device)
-        kind = self._kind(grad, units)
+        kind = self._kind(units)
         out = self._call(kind, view, shift_tensor)
         if out is None:
             return False, None

@@ -29,7 +29,7 @@ def fast():
     seconds = fast.warm(DTYPES)
     assert seconds is not None, fast.notes
     assert seconds > 0
-    assert fast.notes == [f"onepass: compiled 8 reductions in {seconds:.1f} s"]
+    assert fast.notes == [f"onepass: compiled 4 reductions in {seconds:.1f} s"]
     assert fast.warm(DTYPES) == 0.0
     assert len(fast.notes) == 1
     return fast
@@ -100,8 +100,10 @@ def test_fast_path_writes_todays_row_and_unit_maxima(fast, name, dtype, kind):
     with torch.compiler.set_stance("fail_on_recompile"):  # what warm() compiled serves every shape
         got, got_units, _ = _rows(fast.reduce_tensor, x, grad, units, shift=1.5)
     expected, expected_units, _ = _today(x, grad, units)
-    one_unit_per_element = units and x.ndim == 1  # [1, n, 1]: a layout warm() does not compile
-    assert fast.paths["fast"] == before + (not one_unit_per_element), fast.paths
+    # Today's path by design: gradients (today's BLAS dot is faster), per-unit maxima of bf16 (inductor's pass is
+    # slower), and [1, n, 1] (one unit per element: a layout warm() does not compile).
+    todays = grad or (units and (dtype != torch.float32 or x.ndim == 1))
+    assert fast.paths["fast"] == before + (not todays), fast.paths
     _assert_same_row(got, expected, grad)
     if units:
         assert got_units.dtype == expected_units.dtype == dtype
@@ -147,9 +149,6 @@ def test_numeric_contract_against_float64(fast, name, first_zero):
     got = _finalized(_rows(fast.reduce_tensor, x, shift=shift)[0], x.numel())
     for stat, value in reference.items():
         assert math.isclose(got[stat], value, rel_tol=1e-5, abs_tol=1e-300 if value == 0 else 0), (stat, got, value)
-    g_row = _rows(fast.reduce_tensor, x, grad=True)[0]
-    norm = x.double().square().sum().sqrt().item()
-    assert math.isclose(math.sqrt(g_row[S.GROW_SUMSQ].item()), norm, rel_tol=1e-5)
 
 
 def test_shift_as_a_device_tensor_and_a_non_finite_shift(fast):
@@ -169,8 +168,8 @@ def _assert_todays_values(instance: OnePass, x: torch.Tensor, grad: bool = False
 
 
 def _fall_back_twice(instance: OnePass, x: torch.Tensor, reason: str, with_units: bool = True) -> None:
-    for grad, units in [(False, with_units), (True, False)]:
-        _assert_todays_values(instance, x, grad, units)
+    for units in (with_units, False):
+        _assert_todays_values(instance, x, units=units)
     assert instance.paths == {f"today: {reason}": 2}, instance.paths
 
 
