@@ -1,8 +1,9 @@
 """The one-pass fast path (issue 39 item 1) against today's per-piece path, per tensor, side by side.
 
 Method: one thread. ``onepass_path`` says which path ``OnePass`` took (gradients and bf16 per-unit maxima stay on
-today's path: the first run of this script, with both compiled, measured them slower, see benchmarks/README.md). For each size (64 K - 16 M elements), dtype (float32, bf16) and kind (an output, an output with
-per-unit maxima, a gradient), both paths reduce the same tensor into a row the way the recorder asks for it
+today's path: the first run of this script, with both compiled, measured them slower, see benchmarks/README.md).
+For each size (64 K - 16 M elements), dtype (float32, bf16) and kind (an output, an output with per-unit maxima, a
+gradient), both paths reduce the same tensor into a row the way the recorder asks for it
 (``lightning_hookdiag.stats.reduce_tensor`` vs ``OnePass.reduce_tensor``), interleaved: each round times both, in
 alternating order, as the best of ``--reps`` calls; the figure is the median over ``--rounds`` rounds.
 

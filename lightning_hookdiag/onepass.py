@@ -53,9 +53,6 @@ the same on this CPU (``benchmarks/onepass.py``), from 256 K on the compiled one
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 """The dtypes the compiled reduction reads; others (float8, ...) take today's path with a note."""
 
-_UNIT_DTYPES = (torch.float32,)
-# Outputs with per-unit maxima on the fast path: inductor's per-unit pass over bf16 was 5-8x slower than today's.
-
 
 class _RanEagerly(RuntimeError):
     """The compiled function was about to run its own (slow, op-by-op) body instead of the compiled one."""
@@ -98,21 +95,27 @@ def _safe_shift(shift: Tensor) -> Tensor:
     return torch.where(torch.isfinite(shift), shift, 0.0)
 
 
+def _widen(x: Tensor) -> Tensor:
+    # fp16/bf16 read as float32 in registers (exact): inductor's per-unit pass over bf16 itself was 6x slower.
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 def _act_flat(x: Tensor, shift: Tensor) -> Tensor:
     """One output, flat: the ``[ACT_ROW]`` float64 row."""
     _require_compiled()
     shift = _safe_shift(shift)
-    return _act_row(_act_parts(x, shift, [0]), x.shape[0], shift)
+    return _act_row(_act_parts(_widen(x), shift, [0]), x.shape[0], shift)
 
 
 def _act_units(x: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
     """One output viewed ``[before, units, after]``: the row and the per-unit maxima, from one read of ``x``."""
     _require_compiled()
     shift = _safe_shift(shift)
-    nonzero, nonzero_finite, s1, s2, low, high = _act_parts(x, shift, [0, 2])  # per-unit partials
+    wide = _widen(x)
+    nonzero, nonzero_finite, s1, s2, low, high = _act_parts(wide, shift, [0, 2])  # per-unit partials
     parts = (nonzero.sum(), nonzero_finite.sum(), s1.sum(), s2.sum(), low.amin(), high.amax())
-    units = x.amax([0, 2])  # NaN propagates, and becomes +inf below (stats.unit_maxima)
-    maxima = torch.nan_to_num(units, nan=math.inf, posinf=math.inf, neginf=-math.inf)
+    units = wide.amax([0, 2])  # NaN propagates, and becomes +inf below (stats.unit_maxima)
+    maxima = torch.nan_to_num(units, nan=math.inf, posinf=math.inf, neginf=-math.inf).to(x.dtype)
     return _act_row(parts, x.shape[0] * x.shape[1] * x.shape[2], shift), maxima
 
 
@@ -194,8 +197,8 @@ class OnePass:
     ) -> float | None:
         """Compile every reduction for ``dtypes`` on ``device`` before the first sampled step; its seconds, once.
 
-        Compiles the flat output reduction and, for float32, the per-unit one for the two common unit layouts (units
-        last: ``[batch, units]``; units between: ``[batch, channels, pixels]``). Returns the seconds spent
+        Compiles the flat output reduction and the per-unit one for the two common unit layouts (units last:
+        ``[batch, units]``; units between: ``[batch, channels, pixels]``). Returns the seconds spent
         (and notes them once), ``None`` when the fast path is off (no compiler, a failed compile: noted), ``0.0`` when
         everything asked for was already warm.
         """
@@ -210,13 +213,12 @@ class OnePass:
         start = time.perf_counter()
         compiled = 0
         for dtype in dtypes:
-            examples = [("act", torch.ones(64, dtype=dtype, device=device))]
-            if dtype in _UNIT_DTYPES:
+            examples = [
+                ("act", torch.ones(64, dtype=dtype, device=device)),
                 # Distinct sizes: dynamo gives equal sizes one symbol, and the graph would hold for equal ones only.
-                examples += [
-                    ("units", torch.ones(7, 6, 1, dtype=dtype, device=device)),
-                    ("units", torch.ones(3, 6, 5, dtype=dtype, device=device)),
-                ]
+                ("units", torch.ones(7, 6, 1, dtype=dtype, device=device)),
+                ("units", torch.ones(3, 6, 5, dtype=dtype, device=device)),
+            ]
             for kind, example in examples:
                 key = self._key(kind, example)
                 if key in self._warmed:
@@ -274,8 +276,6 @@ class OnePass:
         if x.dtype not in FAST_DTYPES:
             self._note(f"dtype:{x.dtype}", f"{x.dtype} is not read by the fast path: today's path for it")
             return "dtype"
-        if units and x.dtype not in _UNIT_DTYPES:
-            return "units_dtype"  # inductor's per-unit pass over bf16 was 5-8x slower than today's (CPU)
         if not x.is_contiguous():
             return "not_contiguous"
         if torch.compiler.is_compiling():
