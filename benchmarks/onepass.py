@@ -1,6 +1,6 @@
 """The one-pass fast path (issue 39 item 1) against today's per-piece path, per tensor, side by side.
 
-Method: one thread. ``onepass_path`` says which path ``OnePass`` took (gradients and bf16 per-unit maxima stay on
+Method: one thread. ``onepass_path`` says which path ``OnePass`` took (gradients stay on
 today's path: the first run of this script, with both compiled, measured them slower, see benchmarks/README.md).
 For each size (64 K - 16 M elements), dtype (float32, bf16) and kind (an output, an output with per-unit maxima, a
 gradient), both paths reduce the same tensor into a row the way the recorder asks for it
@@ -9,7 +9,7 @@ alternating order, as the best of ``--reps`` calls; the figure is the median ove
 
 Also measured, each in a fresh process:
 
-* compile time of ``OnePass.warm`` (float32 and bf16: 4 graphs): cold (empty inductor cache) and warm (cache filled);
+* compile time of ``OnePass.warm`` (float32 and bf16: 6 graphs): cold (empty inductor cache) and warm (cache filled);
 * peak extra resident memory of one call on a 16 M-element float32 tensor (64 MiB), per path (``ru_maxrss``);
 * the numeric contract without a shift: the error of ``act_std`` at a mean 1e4 times the spread with ``shift=0``.
 

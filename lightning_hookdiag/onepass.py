@@ -1,12 +1,16 @@
-"""The one-pass fast path for one tensor's statistics: every output and gradient statistic from one compiled reduction.
+"""The one-pass fast path for one tensor's statistics: an output's row and per-unit maxima from one compiled reduction.
 
-:func:`~lightning_hookdiag.stats.reduce_tensor` reduces a tensor in 9 (output) or 6 (gradient) tensor ops per piece of
+:func:`~lightning_hookdiag.stats.reduce_tensor` reduces an output in 9 tensor ops per piece of
 :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS`, plus 2 for the per-unit maxima. :class:`OnePass` writes the same
-row (:func:`~lightning_hookdiag.stats.activation_row` / :func:`~lightning_hookdiag.stats.gradient_row`, one row for the
-whole tensor) and the same per-unit maxima from one ``torch.compile``'d function that reads the tensor once: one
-generated loop (inductor) that keeps every accumulator in registers, so nothing is allocated in proportion to the
-tensor. Per-unit maxima come from the same loop: the tensor is viewed as ``[before, units, after]`` and every
-statistic is reduced over the outer axes into per-unit partials, which a second, unit-sized reduction adds up.
+row (:func:`~lightning_hookdiag.stats.activation_row`, one row for the whole tensor) and the same per-unit maxima from
+one ``torch.compile``'d function that reads the tensor once: one generated loop (inductor) that keeps every
+accumulator in registers, so nothing is allocated in proportion to the tensor. Per-unit maxima come from the same
+loop: the tensor is viewed as ``[before, units, after]`` and every statistic is reduced over the outer axes into
+per-unit partials, which a second, unit-sized reduction adds up.
+
+Gradients stay on today's path (:func:`~lightning_hookdiag.stats.gradient_row`: 6 ops ending in a BLAS ``dot``): a
+compiled pass was measured no faster for float32 (0.98-1.15x) and slower for bf16 (1.2-1.8x; 1.7-3.7x for a first
+version that counted ``-0.0`` by ``signbit``), see ``benchmarks/README.md``.
 
 **The numeric contract** (``docs/statistics.md#the-numeric-contract``): inductor's float64 sums accumulate
 sequentially per vector lane, not in cascade as torch's own sums do, so a plain sum of squares of values of mean
@@ -142,7 +146,7 @@ def _variant(view: Tensor) -> tuple[bool, ...]:
 
 
 class OnePass:
-    """The one-pass reduction of an output or gradient, with today's path as the fallback for everything else.
+    """The one-pass reduction of an output, with today's path for gradients and as the fallback for everything else.
 
     Args:
         has_compiler: Whether a C++ compiler is available for CPU kernels; ``None``: look for one
