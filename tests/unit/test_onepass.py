@@ -193,10 +193,11 @@ def test_failed_compile_falls_back_with_one_note(fast):
 
 
 def test_recompile_limit_falls_back_with_one_note(fast):
-    instance = OnePass(min_elements=SMALL)
-    with torch._dynamo.config.patch(recompile_limit=1):  # the module's warm-up already holds graphs of each function
-        assert instance.warm([torch.float16]) is None
-    _fall_back_twice(instance, torch.randn(64, 200, dtype=torch.float16), "recompile_limit")
+    # Another backend is another graph of the same functions, of which the module's warm-up already holds several.
+    instance = OnePass(backend="eager", min_elements=SMALL)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        assert instance.warm(DTYPES) is None
+    _fall_back_twice(instance, torch.randn(64, 200), "recompile_limit")
     assert instance.notes == ["onepass: torch._dynamo's recompile limit was reached: today's path from now on"]
 
 
@@ -235,27 +236,34 @@ def test_force_eager_stance_falls_back_without_running_the_eager_body(fast):
 
 def test_unsupported_dtype_falls_back_with_one_note(fast):
     instance = _warmed()
-    x = torch.randn(64, 200).to(torch.float8_e4m3fn)
-    _fall_back_twice(instance, x, "dtype", with_units=False)  # today's unit_maxima has no float8 amax on the CPU
-    assert instance.notes == ["onepass: torch.float8_e4m3fn is not read by the fast path: today's path for it"]
-    with pytest.raises(ValueError, match=r"dtypes: \[torch.float8_e4m3fn\] are not read by the fast path"):
-        instance.warm([torch.float8_e4m3fn])
+    for dtype in (torch.float8_e4m3fn, torch.float16, torch.float64):
+        instance.paths.clear()
+        # today's unit_maxima has no float8 amax on the CPU
+        _fall_back_twice(instance, torch.randn(64, 200).to(dtype), "dtype", with_units=dtype != torch.float8_e4m3fn)
+    assert instance.notes == [
+        f"onepass: {dtype} is not read by the fast path: today's path for it"
+        for dtype in ("torch.float8_e4m3fn", "torch.float16", "torch.float64")
+    ]
+    with pytest.raises(ValueError, match=r"dtypes: \[torch.float16\] are not read by the fast path"):
+        instance.warm([torch.float16])
 
 
 @pytest.mark.parametrize(
-    ("x", "shift", "reason"),
+    ("x", "shift", "units", "reason"),
     [
-        (torch.randn(100), 0.0, "small"),  # below min_elements: stays stacked / per piece
-        (torch.randn(64, 200), None, "no_shift"),  # no pooled mean yet
-        (torch.randn(200, 64).t(), 0.0, "not_contiguous"),
-        (torch.randn(64, 200, dtype=torch.float16), 0.0, "not_warmed"),  # never compiled mid-run
+        (torch.randn(100), 0.0, False, "small"),  # below min_elements: stays stacked / per piece
+        (torch.randn(64, 200), None, False, "no_shift"),  # no pooled mean yet
+        (torch.randn(200, 64).t(), 0.0, False, "not_contiguous"),
+        (torch.randn(9000), 0.0, True, "not_warmed"),  # one unit per element, [1, n, 1]: never compiled mid-run
     ],
-    ids=["small", "no shift", "not contiguous", "dtype not warmed"],
+    ids=["small", "no shift", "not contiguous", "layout not warmed"],
 )
-def test_routine_choices_take_todays_path_without_a_note(fast, x, shift, reason):
+def test_routine_choices_take_todays_path_without_a_note(fast, x, shift, units, reason):
     instance = _warmed()
-    got, _, _ = _rows(instance.reduce_tensor, x, shift=shift)
-    assert torch.equal(got, _today(x)[0])
+    got, got_units, _ = _rows(instance.reduce_tensor, x, units=units, shift=shift)
+    expected, expected_units, _ = _today(x, units=units)
+    assert torch.equal(got, expected)
+    assert (got_units is None and expected_units is None) or torch.equal(got_units, expected_units)
     assert instance.paths == {f"today: {reason}": 1}
     assert instance.notes == []
 
