@@ -22,7 +22,8 @@ moved by many spreads since it was last pooled) brings the error back, as ``((me
 
 **It never makes a run worse.** It runs only after :meth:`OnePass.warm` compiled it, for the dtypes and shapes warmed,
 with a shift, on tensors of at least :data:`FAST_MIN_ELEMENTS`; anything else takes today's path. No C++ compiler, a
-failed compile, the recompile limit, an active ``TorchDispatchMode``, an unsupported dtype, or a compiled function
+failed compile, the recompile limit, an active ``TorchDispatchMode`` or ``TorchFunctionMode``, an unsupported dtype,
+or a compiled function
 that would run eagerly (``torch.compiler.set_stance("force_eager")``, dynamo disabled) takes today's path too, with
 one note per reason in :attr:`OnePass.notes` for the caller to log. The compiled function's eager body is never run:
 its first statement raises when it is not being compiled.
@@ -125,6 +126,12 @@ def _act_units(x: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
 
 
 _BODIES: dict[str, Callable[..., Any]] = {"act": _act_flat, "units": _act_units}
+
+
+def _function_modes() -> list[Any]:
+    # Private, and no public API tells whether a torch-function mode is active (torch.overrides has none).
+    modes: list[Any] = torch.overrides._get_current_function_mode_stack()
+    return modes
 
 
 def has_cxx_compiler() -> bool:
@@ -290,6 +297,9 @@ class OnePass:
         if is_in_torch_dispatch_mode():
             self._note("dispatch_mode", "a TorchDispatchMode is active: today's path while it is")
             return "dispatch_mode"
+        if _function_modes():  # dynamo guards on the mode stack: the call would compile again, mid-step (3 s)
+            self._note("function_mode", "a TorchFunctionMode is active: today's path while it is")
+            return "function_mode"
         return None
 
     def reduce_tensor(

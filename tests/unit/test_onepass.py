@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from reference import activation_stats_float64
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -221,6 +222,29 @@ def test_active_dispatch_mode_falls_back_with_one_note(fast, mode):
     assert instance.notes == ["onepass: a TorchDispatchMode is active: today's path while it is"]
     _rows(instance.reduce_tensor, x, shift=0.0)  # the mode is gone: the fast path again
     assert instance.paths["fast"] == 1
+
+
+class _FunctionMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_active_function_mode_falls_back_with_one_note(fast):
+    instance = _warmed()
+    x = torch.randn(64, 200)
+    with _FunctionMode(), torch.compiler.set_stance("fail_on_recompile"):  # it would compile again: it must not
+        _fall_back_twice(instance, x, "function_mode")
+    assert instance.notes == ["onepass: a TorchFunctionMode is active: today's path while it is"]
+
+
+def test_callers_own_force_eager_stance_is_lifted_around_the_call(fast):
+    # What the callback's hooks will do: they hold force_eager for the user's compiled model, not for this reduction.
+    instance = _warmed()
+    x = torch.randn(64, 200)
+    with torch.compiler.set_stance("force_eager"), torch.compiler.set_stance("default"):
+        got = _rows(instance.reduce_tensor, x, shift=0.0)[0]
+    assert instance.paths == {"fast": 1}
+    _assert_same_row(got, _today(x)[0], grad=False)
 
 
 def test_force_eager_stance_falls_back_without_running_the_eager_body(fast):
