@@ -177,7 +177,6 @@ class OnePass:
         if not isinstance(min_elements, int) or min_elements < 2:
             raise ValueError(f"min_elements: expected an int >= 2, got {min_elements!r}")
         self._has_compiler = has_compiler
-        self._backend = backend
         self.min_elements = min_elements
         self._compiled = {
             kind: torch.compile(body, fullgraph=True, dynamic=True, backend=backend) for kind, body in _BODIES.items()
