@@ -463,7 +463,7 @@ class ParameterTracker:
             return None
         local = [real_view(local_tensor(self.params[i]).detach()) for i in positions]  # complex: its real view
         grads: list[Tensor] = [self.params[i].grad for i in positions]  # type: ignore[misc]
-        squares = self._squared_norms([*local, *grads])
+        squares = self._squared_norms(local, grads)
         weight_sq, grad_sq = squares[: len(local)], squares[len(local) :]
         pattern = self._pattern(tuple(positions), local, squares.device)
         if pattern.share is not None:
@@ -476,10 +476,13 @@ class ParameterTracker:
             self._snapshots.append((pattern, current, self._copy([p for part in current for p in part])))
         return pattern.index, values
 
-    def _squared_norms(self, tensors: list[Tensor]) -> Tensor:
-        # squared_norms, with the scratch kept in the workspace.
-        local = [real_view(stored_values(local_tensor(t).detach())) for t in tensors]
-        return _sum_squares([[(piece,) for piece in chunks(t)] for t in local], self.dtype, self._workspace)
+    def _squared_norms(self, local: list[Tensor], grads: list[Tensor]) -> Tensor:
+        # squared_norms of the weights' local parts (already read as such) and of the gradients, with the scratch kept
+        # in the workspace. A tensor of one piece (every one of a model of small layers) skips the generator.
+        readable = [*local, *(real_view(stored_values(local_tensor(g).detach())) for g in grads)]
+        limit = stats.CHUNK_ELEMENTS
+        parts = [[(t,)] if t.numel() <= limit else [(piece,) for piece in chunks(t)] for t in readable]
+        return _sum_squares(parts, self.dtype, self._workspace)
 
     def _copy(self, pieces: list[Tensor]) -> list[Tensor]:
         """Copies of ``pieces`` in the workspace's snapshot buffers: one per dtype and device, per snapshot open."""
