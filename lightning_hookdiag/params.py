@@ -217,21 +217,26 @@ def _norms(
         cached = _Workspace()  # views of this call's buffer only
     else:
         scratch, cached = workspace.scratch(first.device, dtype), workspace
-    norms: list[Tensor] = []
+    # Smallest first: the small pieces (biases, norms' weights) share buffer-fulls instead of each taking one after a
+    # piece that filled the buffer (a 512 x 512 weight is one whole piece): about half the batches on the MLP.
+    order = sorted(range(len(pieces)), key=numels.__getitem__)
+    norms: list[Tensor] = list(pieces)
     start = 0
-    while start < len(pieces):
-        end, used = start + 1, numels[start]
-        while end < len(pieces) and used + numels[end] <= scratch.shape[1]:
-            end, used = end + 1, used + numels[end]
-        batch = pieces[start:end]
+    while start < len(order):
+        end, used = start + 1, numels[order[start]]
+        while end < len(order) and used + numels[order[end]] <= scratch.shape[1]:
+            end, used = end + 1, used + numels[order[end]]
+        members = order[start:end]
+        batch = [pieces[i] for i in members]
         shapes = tuple(p.shape for p in batch)
         views = cached.views(scratch, 0, shapes)
         torch._foreach_copy_(views, batch)
         if minus:
             subtrahends = cached.views(scratch, 1, shapes)
-            torch._foreach_copy_(subtrahends, minus[start:end])
+            torch._foreach_copy_(subtrahends, [minus[i] for i in members])
             torch._foreach_sub_(views, subtrahends)
-        norms += torch._foreach_norm(views, 2)
+        for i, norm in zip(members, torch._foreach_norm(views, 2), strict=True):
+            norms[i] = norm
         start = end
     return norms
 

@@ -320,3 +320,22 @@ def test_later_sampled_steps_reuse_the_snapshot_and_scratch(dtype):
         weights = dict(zip(index.tolist(), values[:, P.P_WEIGHT_SQ].tolist(), strict=True))
         for i, b in enumerate(before):
             assert weights[i] == pytest.approx((b**2).sum().item(), rel=1e-12)
+
+
+def test_small_pieces_share_a_buffer_full_after_full_ones():
+    # Issue 39: a 512 x 512 weight fills the CPU's float64 scratch (CHUNK_ELEMENTS) on its own; its bias used to take
+    # a buffer-full of its own after it. Smallest first, the 8 biases and bias gradients share one: 4 + 4 + 1 norms.
+    assert CHUNK_ELEMENTS == 512 * 512
+    ps = [nn.Parameter(torch.randn(512, 512) if i % 2 == 0 else torch.randn(512)) for i in range(8)]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    tracker = P.ParameterTracker({f"p{i}": p for i, p in enumerate(ps)}, snapshot=False)
+    opt = torch.optim.SGD(ps, lr=0.1)
+    tracker.before_step(opt.param_groups)
+    with _Launches() as counter:
+        index, values = tracker.before_step(opt.param_groups)
+    assert counter.ops.count("_foreach_copy_") == counter.ops.count("_foreach_norm") == 9
+    got = dict(zip(index.tolist(), values.tolist(), strict=True))
+    for i, p in enumerate(ps):
+        assert got[i][P.P_WEIGHT_SQ] == pytest.approx((p.detach().double() ** 2).sum().item(), rel=1e-12)
+        assert got[i][P.P_GRAD_SQ] == pytest.approx((p.grad.double() ** 2).sum().item(), rel=1e-12)
