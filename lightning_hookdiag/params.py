@@ -466,7 +466,8 @@ class ParameterTracker:
         positions = [pos for pos, p in found if pos is not None and p.requires_grad and p.grad is not None]
         if not positions:
             return None
-        local = [real_view(local_tensor(self.params[i]).detach()) for i in positions]  # complex: its real view
+        # Under no_grad, read as they are (a detach per tensor is a view op each: 196 on a model of 98 parameters).
+        local = [real_view(local_tensor(self.params[i])) for i in positions]  # complex: its real view
         grads: list[Tensor] = [self.params[i].grad for i in positions]  # type: ignore[misc]
         squares = self._squared_norms(local, grads)
         weight_sq, grad_sq = squares[: len(local)], squares[len(local) :]
@@ -484,7 +485,7 @@ class ParameterTracker:
     def _squared_norms(self, local: list[Tensor], grads: list[Tensor]) -> Tensor:
         # squared_norms of the weights' local parts (already read as such) and of the gradients, with the scratch kept
         # in the workspace. A tensor of one piece (every one of a model of small layers) skips the generator.
-        readable = [*local, *(real_view(stored_values(local_tensor(g).detach())) for g in grads)]
+        readable = [*local, *(real_view(stored_values(local_tensor(g))) for g in grads)]
         limit = stats.CHUNK_ELEMENTS
         parts = [[(t,)] if t.numel() <= limit else [(piece,) for piece in chunks(t)] for t in readable]
         return _sum_squares(parts, self.dtype, self._workspace)
