@@ -275,7 +275,7 @@ def run_torch(out_dir: str) -> None:
 def run_lightning(out_dir: str, strategy: str, accelerator: str, devices: int) -> None:
     """``Trainer.fit`` with the callback under FSDP2 (``model_parallel``) or FSDP (``fsdp``)."""
     import lightning.pytorch as pl
-    from conftest import make_trainer
+    from helpers import make_trainer
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -372,5 +372,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for conftest
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for the helpers package
     main(sys.argv[1:])

@@ -15,15 +15,15 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for conftest
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for the helpers package
 
 SICK_STEP = 3
 
 
 def main(out_dir: str, mode: str) -> None:
     import lightning.pytorch as pl
-    from conftest import RecordingLogger, make_trainer
     from fsdp_worker import count_collectives, counted
+    from helpers import RecordingLogger, make_trainer
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 

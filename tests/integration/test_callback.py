@@ -9,9 +9,9 @@ import weakref
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, by_name, count_hooks, depths, make_data, make_trainer
+from helpers import RecordingLogger, TinyModule, by_name, count_hooks, depths, make_data, make_trainer
+from helpers.reference import activation_stats, dead_fraction, flat, l2, replay_sequential, weights_after
 from lightning.pytorch.loggers import CSVLogger
-from reference import activation_stats, dead_fraction, flat, l2, replay_sequential, weights_after
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning

@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from conftest import TinyModule, count_hooks, force_trips, make_data, make_trainer
+from helpers import TinyModule, count_hooks, force_trips, make_data, make_trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn

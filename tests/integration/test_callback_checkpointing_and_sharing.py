@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, make_data, make_trainer
-from reference import activation_stats, l2
+from helpers import RecordingLogger, TinyModule, make_data, make_trainer
+from helpers.reference import activation_stats, l2
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 

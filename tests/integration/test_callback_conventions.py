@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import RecordingLogger, TinyModule, make_data, make_trainer
+from helpers import RecordingLogger, TinyModule, make_data, make_trainer
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy

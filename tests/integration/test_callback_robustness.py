@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, by_name, count_hooks, force_trips, make_trainer
+from helpers import RecordingLogger, TinyModule, by_name, count_hooks, force_trips, make_trainer
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 

@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, by_name, count_hooks, force_trips, make_data, make_trainer
+from helpers import RecordingLogger, TinyModule, by_name, count_hooks, force_trips, make_data, make_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelPruning
 from torch import nn
 from torch.nn.utils import parametrize

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer, run_rules
+from helpers import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer, run_rules
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthError, replay

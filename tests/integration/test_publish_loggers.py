@@ -19,9 +19,9 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import pytest
-from conftest import TinyModule, finish_wandb, make_data, make_trainer, offline_wandb_logger
+from helpers import TinyModule, finish_wandb, make_data, make_trainer, offline_wandb_logger
+from helpers.png import decode_png
 from lightning.pytorch.loggers import CSVLogger
-from test_heatmap_image import decode_png
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, make_data, make_trainer
+from helpers import RecordingLogger, TinyModule, make_data, make_trainer
 from torch import nn
 from torch.utils.data import TensorDataset
 

@@ -10,10 +10,10 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer
+from helpers import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer
+from helpers.dropping import fit_dropping
 from lightning.pytorch import Callback
 from torch import nn
-from torchmetrics import MeanMetric
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthError, LayerHealthWarning
 from lightning_hookdiag import sentinel as SN
@@ -194,39 +194,6 @@ def test_stop_stops_after_the_tripped_step():
 
 
 # ------------------------------------------------------------------------------------------------ replay fidelity
-class Dropping(TinyModule):
-    """Dropout and BatchNorm in the model, a torchmetrics metric and self.log in training_step, Python RNG too."""
-
-    def __init__(self) -> None:
-        model = nn.Sequential(
-            nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 16), nn.ReLU(),
-            nn.Dropout(0.2), nn.Linear(16, 1),
-        )  # fmt: skip
-        super().__init__(model=model, data=make_data(n=64), optimizer="adam", lr=1e-2)
-        self.record_enabled = False
-        self.mean_out = MeanMetric()
-        self.steps_seen: list[int] = []
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        self.steps_seen.append(self.global_step)
-        out = self(x)
-        loss = self.loss(out, y)
-        self.mean_out(out.detach().mean())
-        self.log("user/loss", loss)
-        self.log("user/noise", torch.rand(()) + random.random())  # the RNG streams training continues with
-        self.log("user/mean_out", self.mean_out, on_step=False, on_epoch=True)
-        return loss
-
-
-def fit_dropping(callbacks, logger, max_steps=8, **kwargs) -> Dropping:
-    torch.manual_seed(0)
-    random.seed(0)
-    module = Dropping()
-    make_trainer(callbacks, max_steps=max_steps, logger=logger, **kwargs).fit(module)
-    return module
-
-
 @pytest.mark.parametrize(("precision", "accumulate"), [("32-true", 1), ("32-true", 2), ("bf16-mixed", 2)])
 def test_a_replay_logs_the_values_a_regular_sampled_step_logs(monkeypatch, precision, accumulate):
     regular_log = RecordingLogger()

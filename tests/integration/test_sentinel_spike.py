@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, make_trainer
+from helpers import RecordingLogger, TinyModule, make_trainer
 from lightning.pytorch import Callback
 from torch import nn
 from torch.utils.data import TensorDataset
