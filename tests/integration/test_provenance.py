@@ -7,11 +7,8 @@ import torch
 from helpers import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer, run_rules
 from torch import nn
 
-from lightning_hookdiag import LayerHealthCallback, LayerHealthError
-from lightning_hookdiag import sentinel as SN
-from lightning_hookdiag.provenance import NonFiniteTrace
+from lightning_hookdiag import LayerHealthCallback, LayerHealthError, Trip
 from lightning_hookdiag.rules import LOSS, ROOT
-from lightning_hookdiag.step_state import Trip
 
 BAD_STEP = 13
 
@@ -265,54 +262,6 @@ def test_the_trace_runs_only_in_the_replay_of_a_nonfinite_trip():
     assert nan == [*plain, (BAD_STEP, plain[BAD_STEP][1] + 1)]  # the NaN's replay, traced once
 
 
-def test_the_global_hook_is_removed_when_the_replay_raises():
-    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
-    hooks = SN.HookSet({"0": net[0]}, lambda i, out: None)
-    trace = NonFiniteTrace(net)
-    micro = SN.MicroBatch(torch.randn(5, 3), 0, SN.capture_rng(torch.device("cpu")))
-
-    def run(m):
-        net(m.batch)
-        assert len(torch.nn.modules.module._global_forward_hooks) == 1
-        raise RuntimeError("boom")
-
-    with pytest.raises(RuntimeError, match="boom"):
-        SN.replay_step([micro], run, net, hooks, torch.device("cpu"), trace)
-    assert count_hooks(net) == 0
-    assert len(torch.nn.modules.module._global_forward_hooks) == 0
-
-
-def test_the_trace_prefers_a_nan_and_ignores_keyword_masks():
-    class Mask(nn.Module):  # builds a -inf mask from finite inputs, on purpose
-        def forward(self, x):
-            return torch.full_like(x, float("-inf")).triu(1)
-
-    class Attend(nn.Module):
-        def forward(self, x, mask=None):
-            return x + mask.nan_to_num(neginf=0.0)
-
-    class Sqrt(nn.Module):
-        def forward(self, x):
-            return torch.sqrt(x - 10.0)
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.mask, self.attend, self.sqrt, self.head = Mask(), Attend(), Sqrt(), nn.Linear(3, 3)
-
-        def forward(self, x):
-            return self.head(self.sqrt(self.attend(x, mask=self.mask(x))))
-
-    model = Model()
-    trace = NonFiniteTrace(model)
-    trace.attach()
-    model(torch.ones(3, 3))
-    trace.remove()
-    # attend got a -inf mask by keyword: its input counts as finite; mask's -inf is not the NaN sqrt made.
-    assert trace.origin(["attend", "head"]) == ("head", "sqrt")
-    assert trace.origin(["head"]) == (None, None)  # one read: the record is consumed
-
-
 # ------------------------------------------------------------------------------------------------------ rule
 def test_the_rule_names_the_origin_and_sorts_it_where_the_nan_entered():
     values = {"act_nonfinite": {"enc": 0.0, "mid": 6.0, "head": 6.0}, "act_dead_frac": {"head": 1.0}}
@@ -347,26 +296,3 @@ def test_a_compiled_model_is_traced_like_eager():
     assert (callback.trips[0].nan_entry, callback.trips[0].nan_origin) == ("model.out", "model.scale")
     assert callback.findings[0].layer == "model.scale"
     assert count_hooks(module) == 0
-
-
-def test_the_trace_formats_no_path_for_a_module_call():
-    class Key(str):
-        formatted = 0
-
-        def __repr__(self) -> str:
-            Key.formatted += 1
-            return super().__repr__()
-
-    class Named(nn.Module):
-        def forward(self, x):
-            return {Key("y"): x * float("nan")}
-
-    model = nn.Sequential(Named())
-    trace = NonFiniteTrace(model)
-    trace.attach()
-    try:
-        model(torch.ones(2))
-    finally:
-        trace.remove()
-    assert trace.origin(["0"]) == (None, None)  # the layer made it itself
-    assert Key.formatted == 0  # the replay's hook runs on every module call: it builds no throw-away strings
