@@ -143,3 +143,27 @@ def test_the_global_hook_is_removed_when_the_replay_raises():
         SN.replay_step([micro], run, net, hooks, torch.device("cpu"), trace)
     assert count_hooks(net) == 0
     assert len(torch.nn.modules.module._global_forward_hooks) == 0
+
+
+def test_float64_losses_keep_their_range_in_the_packed_read():
+    sentinel = LossSentinel("loss", SpikeDetector(warmup=3))
+    trips = []
+    for step, loss in enumerate([1.0, 1.1, 0.9, 1.0, 1e300, 1.0, math.inf]):
+        # Two micro-batches per step: their float64 sum must not overflow either.
+        sentinel.observe_loss(torch.tensor(loss / 2, dtype=torch.float64))
+        sentinel.observe_loss(torch.tensor(loss / 2, dtype=torch.float64))
+        trip = sentinel.check(step)
+        trips.append(None if trip is None else (trip.kind, trip.loss))
+    assert trips == [None, None, None, None, ("loss_spike", 1e300), None, ("nonfinite_loss", trips[-1][1])]
+    assert math.isnan(trips[-1][1])
+
+
+def test_a_checkpoint_of_the_old_format_loads_the_same_window():
+    # The state is the raw window of losses, as before; zeros and negatives among them keep their scale.
+    sentinel = LossSentinel("loss", SpikeDetector(warmup=3))
+    sentinel.load_state_dict({"losses": [1.0, 0.0, 2.0, 0.5, 1.5], "last_finite_step": 4, "previous_trip": None})
+    assert list(sentinel.detector.losses) == [1.0, 0.0, 2.0, 0.5, 1.5]
+    assert sentinel.detector.median() == 1.0  # lower median of the positive 1, 2, 0.5, 1.5
+    assert sentinel.state_dict()["losses"] == [1.0, 0.0, 2.0, 0.5, 1.5]
+    assert sentinel.detector.is_spike(1e6)
+    assert not sentinel.detector.is_spike(5.0)
