@@ -15,7 +15,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hookdiag import SentinelConfig
-from lightning_hookdiag.keys import ALERTS_ACTIVE, step_key
 from lightning_hookdiag.sentinel import SpikeDetector
 
 from .keys import by_name
@@ -68,7 +67,7 @@ class RecordingLogger(Logger):
         key but the count of active alerts logged in the same call (``<prefix>/alerts_active``), which the tests of
         the findings read from :attr:`calls` or :attr:`raw`.
         """
-        head, count = prefix + "/", step_key(prefix, ALERTS_ACTIVE)
+        head, count = prefix + "/", prefix + "/alerts_active"  # the count of active alerts (docs: #keys)
         out = []
         for step, metrics in self.calls:
             kept = {k: v for k, v in metrics.items() if k.startswith(head) and k != count}

@@ -11,12 +11,12 @@ import weakref
 import pytest
 import torch
 from helpers import RecordingLogger, TinyModule, by_name, count_hooks, depths, make_data, make_trainer
+from helpers.keys import parse_key
 from helpers.reference import activation_stats, dead_fraction, flat, l2, replay_sequential, weights_after
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning
-from lightning_hookdiag.keys import parse_key
 
 P = "layer_health"
 

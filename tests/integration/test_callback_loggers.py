@@ -20,13 +20,13 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 from helpers import TinyModule, by_name, finish_wandb, make_data, make_trainer, offline_wandb_logger
+from helpers.keys import parse_key
 from helpers.offline_wandb import read_wandb_records
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, Logger
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.keys import parse_key
 
 EVERY = 2
 MAX_STEPS = 5
