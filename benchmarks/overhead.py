@@ -936,7 +936,7 @@ def profile_model(spec: ModelSpec, batches: list[tuple[Tensor, Tensor]], steps: 
         (stats, "gradient_row", "  stats.gradient_row"),
         (recorder, "gradient_row", "  stats.gradient_row"),
         (aggregation.LayerStatsAggregator, "update", "  LayerStatsAggregator.update body (no torchmetrics wrapper)"),
-        (aggregation.LayerStatsAggregator, "_fold", "    LayerStatsAggregator._fold (the step's call rows)"),
+        (recorder.StepRecorder, "take", "  StepRecorder.take (the step's call rows to per-layer rows)"),
         (hooks, "first_floating_tensor", "hooks.first_floating_tensor (in the forward hook)"),
         (hooks.HookSet, "attach", "HookSet.attach"),
         (hooks.HookSet, "remove", "HookSet.remove"),

@@ -151,6 +151,8 @@ class FitRun:
         )
         device = getattr(pl_module, "device", None)
         device = device if isinstance(device, torch.device) else torch.device("cpu")
+        dead_unit_layers = [i for i, m in enumerate(modules.values()) if isinstance(m, config.dead_unit_types)]
+        unit_layers = frozenset(dead_unit_layers if "act_dead_frac" in wanted else ())
         self.plan: OptInPlan = plan_opt_in(config.stats, config.precision_targets, trainer_precision)
         self.aggregator = LayerStatsAggregator(
             len(modules),
@@ -158,6 +160,7 @@ class FitRun:
             dtype=accumulation_dtype(device),
             sharded_params=sharded(params),
             histogram_bins=config.histogram_bins if config.histogram_every_n_steps else 0,
+            unit_layers=unit_layers,
         ).to(device)
         setup = Setup(config=config, model=pl_module, modules=modules, plan=self.plan, aggregator=self.aggregator)
         made = [factory(setup) for factory in (*COMPONENTS, *extensions.components)]
@@ -169,15 +172,17 @@ class FitRun:
         _check_reads(self.rules, self.parts.provides)
         self.logged = (*self.plan.logged, *(s for s in self.parts.logged if s not in self.plan.logged))
         """Per-layer statistics beyond the default ones: the plan's, then those components declare."""
-        dead_unit_layers = [i for i, m in enumerate(modules.values()) if isinstance(m, config.dead_unit_types)]
         self.recorder = StepRecorder(
-            self.aggregator,
+            len(modules),
             moments=bool(wanted & set(MOMENT_STATS)),
-            unit_layers=frozenset(dead_unit_layers if "act_dead_frac" in wanted else ()),
+            unit_layers=unit_layers,
             unit_dim=config.unit_dim,
             names=self.layer_names,
             stack_small=True,
             components=self.components,
+            histogram_bins=config.histogram_bins if config.histogram_every_n_steps else 0,
+            dtype=self.aggregator.acc_dtype,
+            device=device,
         )
         grads = wanted & set(GRADIENT_STATS) or self.parts.wants_grads
         on_grad = self.recorder.on_grad if grads else None
@@ -552,8 +557,8 @@ class FitRun:
         agg, recorder, hooks = self.aggregator, self.recorder, self.hooks
         updated = None if self.tracker is None or before_update else self.tracker.after_step()
         self.parts.fold()
-        recorder.flush()  # the stacked small outputs and gradients, before the fold
-        agg.update(params=None if updated is None else (updated[0], updated[1], P_UPDATE_SQ))
+        # The recorder's rows of the step, handed down: one update per window.
+        agg.update(recorder.take(), params=None if updated is None else (updated[0], updated[1], P_UPDATE_SQ))
         own = LayerOrders(hooks.fired_order, hooks.grad_order, hooks.missing_grad_layers())
         agg.agree_orders(own)  # every process must hold the same orders, so the same depths and findings
         values = agg.pooled()  # reduced over processes: one SUM and one MAX all-reduce (aggregation.py)
@@ -604,7 +609,7 @@ class FitRun:
                 **parameter_facts(host, self.param_names),
                 **self.parts.facts(host),
             },
-            histogram_edges=agg.histogram_edges_host if recorder.histograms else None,
+            histogram_edges=recorder.histogram_edges_host if recorder.histograms else None,
         )
         self.discard_window()  # the window is closed and read: this resets what it leaves behind
         return observed

@@ -72,7 +72,7 @@ def sink_mode() -> Iterator[None]:
     """What a sink runs under: no grad, and never inference mode.
 
     A module may run under ``torch.inference_mode()`` in a sampled step (a target computed inside ``training_step``);
-    scratch a sink keeps across calls (the aggregator's call table) must not become an inference tensor there (reading
+    scratch a sink keeps across calls (the recorder's call table) must not become an inference tensor there (reading
     one outside inference mode is allowed).
     """
     # Entered only when needed: inference_mode(False) also resets the forward-AD and multithreading modes.
