@@ -232,7 +232,6 @@ def torch_case(rank: int, depth: int, layout: str) -> dict[str, Any]:
         "param_types": sorted({type(p).__name__ for p in params.values()}),
         "local_numel": [local_tensor(p).numel() for p in params.values()],
         "numel": [p.numel() for p in params.values()],
-        "n_states": len(aggregator._reductions),
     }
 
 
