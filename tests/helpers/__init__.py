@@ -9,6 +9,7 @@ test imports ``from helpers import TinyModule`` or ``from helpers.reference impo
 - ``reference``: hand-written reference computations the statistics are checked against.
 - ``zoo``: healthy and sick networks for the rules; ``dropping``: a module a replay must restore exactly.
 - ``cost``: host-transfer counting; ``package_code``: what the package itself runs, told apart from the model.
+- ``observe``: what the callback observes, through a component passed in ``extensions=``; ``stance``: compile's.
 - ``offline_wandb``, ``png``: W&B runs and PNG images read back without their libraries; ``scripts``: benchmarks.
 """
 
