@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cases import BY_NAME, CASES, PRINCIPLES, BugModule, Case, Fit, _mlp, run
-from conftest import by_name
+from helpers import by_name
 from torch.utils.data import TensorDataset
 
 from lightning_hookdiag.rules import RULES

@@ -15,12 +15,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from cases import BY_NAME, BugModule, Case, Fit, _data, _mlp, run
-from conftest import by_name, count_hooks, make_trainer, run_rules
+from helpers import by_name, count_hooks, make_trainer, run_rules
+from helpers.zoo import ZOO, zoo_module
 from misses import _WarmupModule, _ZeroAfterBackward
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
-from zoo import ZOO, zoo_module
 
 from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.provenance import nonfinite_in_batch

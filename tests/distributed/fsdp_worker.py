@@ -232,7 +232,6 @@ def torch_case(rank: int, depth: int, layout: str) -> dict[str, Any]:
         "param_types": sorted({type(p).__name__ for p in params.values()}),
         "local_numel": [local_tensor(p).numel() for p in params.values()],
         "numel": [p.numel() for p in params.values()],
-        "n_states": len(aggregator._reductions),
     }
 
 
@@ -275,7 +274,7 @@ def run_torch(out_dir: str) -> None:
 def run_lightning(out_dir: str, strategy: str, accelerator: str, devices: int) -> None:
     """``Trainer.fit`` with the callback under FSDP2 (``model_parallel``) or FSDP (``fsdp``)."""
     import lightning.pytorch as pl
-    from conftest import make_trainer
+    from helpers import make_trainer
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -372,5 +371,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for conftest
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for the helpers package
     main(sys.argv[1:])

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import by_name
+from helpers import by_name
 
 from lightning_hookdiag import params as package_params
 

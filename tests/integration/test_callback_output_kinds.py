@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, count_hooks, make_trainer
-from reference import activation_stats, flat, l2
+from helpers import RecordingLogger, TinyModule, count_hooks, make_trainer
+from helpers.reference import activation_stats, flat, l2
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import TinyModule, by_name, count_hooks, make_data, make_trainer
+from helpers import TinyModule, by_name, count_hooks, make_data, make_trainer
 
 from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.rules import BATCH

@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, make_data, make_trainer
+from helpers import RecordingLogger, TinyModule, make_data, make_trainer
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback

@@ -10,12 +10,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import TinyModule, make_data, make_trainer
+from helpers import TinyModule, make_data, make_trainer
+from helpers.keys import parse_key
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 import lightning_hookdiag
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.keys import parse_key
 from lightning_hookdiag.report import ReportError, ReportWarning, Scalar, build_health_log, read_health_log
 from lightning_hookdiag.report.cli import build_parser, main
 from lightning_hookdiag.report.health_log import stat_order_key

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TinyModule, make_trainer
+from helpers import TinyModule, make_trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch import nn
 

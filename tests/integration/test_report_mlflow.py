@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TinyModule, make_trainer
+from helpers import TinyModule, make_trainer
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 

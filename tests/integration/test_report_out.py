@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TinyModule, make_trainer
+from helpers import TinyModule, make_trainer
 from lightning.pytorch.loggers import CSVLogger
 from matplotlib.backend_bases import FigureCanvasBase
 

@@ -10,7 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import RecordingLogger, by_name, make_trainer
+from helpers import RecordingLogger, by_name, make_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_benchmark
+from helpers import load_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "overhead.py"
 

@@ -2,7 +2,7 @@ import collections
 
 import pytest
 import torch
-from reference import record
+from helpers.reference import record
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_hookdiag import stats as S

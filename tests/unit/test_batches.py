@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TinyModule, make_trainer, run_rules
+from helpers import TinyModule, make_trainer, run_rules
 from torch.utils.data import TensorDataset
 
 from lightning_hookdiag import LayerHealthCallback

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer
+from helpers import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 

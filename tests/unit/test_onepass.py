@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from reference import activation_stats_float64
+from helpers.reference import activation_stats_float64
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode

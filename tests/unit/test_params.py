@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from reference import tracker_held
+from helpers.reference import tracker_held
 from torch import nn
 
 from lightning_hookdiag import params as P

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 import torch
-from conftest import by_name, count_hooks, make_trainer
+from helpers import by_name, count_hooks, make_trainer
+from helpers.zoo import ZooModule, _tokens, hf_model, zoo_module
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
-from zoo import ZooModule, _tokens, hf_model, zoo_module
 
 from lightning_hookdiag import ALL_STATS, LayerHealthCallback, torch_internals
 from lightning_hookdiag.aggregation import LayerStatsAggregator
@@ -321,7 +321,9 @@ def test_without_attention_modules_the_probe_watches_the_whole_sampled_forward()
     x = _tokens(8 * 2, 0, vocab=50)
     net = Inline()
     module = ZooModule(net, "classify", TensorDataset(x, x[:, 0] % 4))
-    callback = LayerHealthCallback(every_n_steps=1, stats=["attn_logit_max"], on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(
+        every_n_steps=1, stats=["attn_logit_max"], on_anomaly="ignore", output={"summary": False}
+    )
     make_trainer([callback], max_steps=1).fit(module)
     values = {k: v for k, v in by_name(callback.last_metrics).items() if "attn_logit_max" in k}
     assert len(values) == 1
@@ -438,7 +440,7 @@ class _StudentTeacher(nn.Module):
 
 
 def test_the_output_layer_is_the_last_module_whose_output_can_be_logits():
-    from conftest import TinyModule
+    from helpers import TinyModule
 
     seen: list[torch.Tensor] = []
     net = _StudentTeacher()
@@ -462,7 +464,7 @@ def test_the_output_layer_is_the_last_module_whose_output_can_be_logits():
 
 
 def test_a_one_wide_output_gets_its_largest_logit_but_no_log_z():
-    from conftest import TinyModule
+    from helpers import TinyModule
 
     seen: list[torch.Tensor] = []
     module = TinyModule()  # Linear(4, 8), ReLU, Linear(8, 1): a regression head
@@ -477,7 +479,7 @@ def test_a_one_wide_output_gets_its_largest_logit_but_no_log_z():
 
 
 def test_a_model_without_attention_stops_paying_for_the_mode_after_its_first_sampled_step():
-    from conftest import TinyModule
+    from helpers import TinyModule
 
     def stack_sizes(module) -> list[int]:
         sizes: list[int] = []

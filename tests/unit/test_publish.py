@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import RecordingLogger, finish_wandb, offline_wandb_logger
+from helpers import RecordingLogger, finish_wandb, offline_wandb_logger
+from helpers.offline_wandb import read_wandb_records
+from helpers.png import decode_png
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from test_callback_loggers import read_wandb_records
-from test_heatmap_image import decode_png
 
 from lightning_hookdiag.heatmap_image import render
 from lightning_hookdiag.publish import FindingsWriter, trip_message, write_image

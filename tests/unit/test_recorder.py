@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from reference import activation_stats_float64, pending_rows, record, recorder_held, workspace_held
+from helpers.reference import activation_stats_float64, pending_rows, record, recorder_held, workspace_held
 
 from lightning_hookdiag import stats as S
 from lightning_hookdiag.aggregation import LayerStatsAggregator

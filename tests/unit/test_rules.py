@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from conftest import TinyModule, make_trainer, run_rules
+from helpers import TinyModule, make_trainer, run_rules
 
 from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.rules import (

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import run_rules
+from helpers import run_rules
 
 from lightning_hookdiag.rules import RuleConfig
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, by_name, count_hooks, make_data, make_trainer
+from helpers import RecordingLogger, TinyModule, by_name, count_hooks, make_data, make_trainer
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback

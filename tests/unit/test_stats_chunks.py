@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from reference import activation_stats_float64, histogram_counts, pending_rows, tracker_held, workspace_held
+from helpers.reference import activation_stats_float64, histogram_counts, pending_rows, tracker_held, workspace_held
 from torch import nn
 
 from lightning_hookdiag import kurtosis as O

@@ -7,7 +7,7 @@ import math
 import pickle
 
 import pytest
-from conftest import run_rules
+from helpers import run_rules
 
 from lightning_hookdiag.rules import RuleConfig
 from lightning_hookdiag.trends import History, crossing_step, log_slope, rising_share

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TinyModule, count_hooks, make_trainer
+from helpers import TinyModule, count_hooks, make_trainer
 from torch import nn
 from torch.nn import functional as F
 

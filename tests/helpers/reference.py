@@ -11,6 +11,7 @@ that read its private fields (``pending_rows``, ``recorder_held``, ``workspace_h
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import defaultdict
 from collections.abc import Callable
@@ -234,3 +235,36 @@ def workspace_held(workspace: Workspace) -> dict[tuple[str, torch.dtype], int]:
 def tracker_held(tracker: Any) -> tuple[int, int]:
     """``(weight elements in snapshots, parameter sets cached)`` of a ``ParameterTracker``: both must stay bounded."""
     return sum(b.numel() for _, _, before in tracker._snapshots for b in before), len(tracker._patterns)
+
+
+def precision_counts(values: list[float], target: torch.dtype) -> tuple[int, int, int]:
+    """Non-zero (non-NaN), underflow and overflow-risk counts by float comparison in Python (float64)."""
+    info = torch.finfo(target)
+    tiny, half_max = float(info.tiny), float(info.max) / 2
+    nonzero = [v for v in values if v == v and v != 0]
+    return (
+        len(nonzero),
+        sum(1 for v in nonzero if abs(v) < tiny),
+        sum(1 for v in nonzero if abs(v) >= half_max),
+    )
+
+
+def outlier_reference(chunks: list[torch.Tensor]) -> dict[str, float]:
+    """Kurtosis and absmax/std of the finite elements of all chunks together, in float64, two-pass."""
+    values = torch.cat([c.reshape(-1).double() for c in chunks])
+    values = values[torch.isfinite(values)]
+    centred = values - values.mean()
+    m2 = (centred**2).mean()
+    return {
+        "act_kurtosis": ((centred**4).mean() / m2**2).item(),
+        "act_absmax_over_std": (values.abs().max() / m2.sqrt()).item(),
+    }
+
+
+def bin_counts(values: list[float], edges: list[float]) -> list[float]:
+    """Per-bin counts of the finite ``values`` by bisection, in Python floats."""
+    counts = [0.0] * (len(edges) + 1)
+    for v in values:
+        if math.isfinite(v):
+            counts[bisect.bisect_left(edges, v)] += 1  # bin i holds edges[i-1] < v <= edges[i]
+    return counts
