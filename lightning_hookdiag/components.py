@@ -33,10 +33,11 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, SupportsIndex
 
 import torch
 from torch import Tensor, nn
@@ -281,6 +282,25 @@ class ComponentFactory:
     def __call__(self, setup: Setup) -> Component | None:
         """The fit's component, or ``None``."""
         return self.make(setup)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
+        """Pickle a factory made with ``@component`` by where it lives.
+
+        Its module attribute is this object, not the function, so pickle could not find the function by its name: a
+        callback holding such an extension (a deep copy, a checkpointed Trainer, DDP spawn) could not be pickled.
+        """
+        module, qualname = getattr(self.make, "__module__", None), getattr(self.make, "__qualname__", None)
+        if module is not None and qualname is not None and _lookup(module, qualname) is self:
+            return (_lookup, (module, qualname))
+        return super().__reduce_ex__(protocol)
+
+
+def _lookup(module: str, qualname: str) -> Any:
+    """The object ``qualname`` of ``module`` (``None`` if there is none): what a pickled factory is loaded from."""
+    found: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    return found
 
 
 def component(factory: Factory) -> ComponentFactory:
