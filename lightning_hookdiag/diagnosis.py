@@ -64,6 +64,7 @@ class Diagnosis:
             param_facts=observed.param_facts,
             history=self.history,
             unregistered=observed.unregistered,
+            participation=observed.participation,
         )
         self.history.push(step, values)
         self.last_finite |= {name: step for name, norm in values.get("param_norm", {}).items() if math.isfinite(norm)}

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 # The optional parts register their components when imported.
-from lightning_hookdiag import batches, eval_mode, kurtosis, precision, precursor_probes, saved_memory, unregistered  # noqa: F401
+from lightning_hookdiag import batches, eval_mode, kurtosis, participation, precision, precursor_probes, saved_memory, unregistered  # noqa: F401, E501
 from lightning_hookdiag.aggregation import LayerOrders, LayerStatsAggregator, agreed_orders
 from lightning_hookdiag.components import FACTORIES, Component, FitConfig, Setup, WindowStart, call_all
 from lightning_hookdiag.distributed import all_reduce_max

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lightning_hookdiag.keys import depth_of, name_key, step_key, tag, tag_width
 from lightning_hookdiag.names import BATCH
@@ -131,6 +131,7 @@ class ObservedStep:
     precursors: dict[str, list[str]] = field(default_factory=dict)  # statistic to the names of its values
     eval_mode: dict[str, str] = field(default_factory=dict)
     unregistered: dict[str, list[str]] = field(default_factory=dict)
+    participation: dict[str, Any] = field(default_factory=dict)  # participation.py's facts
 
 
 def step_values(

@@ -24,6 +24,7 @@ from lightning_hookdiag.rules import (  # noqa: F401
     nonfinite,
     optimizers,
     parameters,
+    participation,
     precursors,
     spike,
 )

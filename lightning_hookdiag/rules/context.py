@@ -156,10 +156,11 @@ class Context:
     unregistered: Mapping[str, Sequence[str]] = field(default_factory=dict)
     param_facts: Mapping[str, ParamFacts] = field(default_factory=dict)
     history: trends.History | None = None
+    participation: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # frozen: the read-only views are set through object.__setattr__, once.
-        for name in ("values", "layer_types", "last_finite", "eval_mode", "unregistered", "param_facts"):
+        for name in ("values", "layer_types", "last_finite", "eval_mode", "unregistered", "param_facts", "participation"):
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name) or {})))
         object.__setattr__(self, "missing_grads", frozenset(self.missing_grads))
 

@@ -35,6 +35,7 @@ def evaluate(
     param_facts: Mapping[str, ParamFacts] | None = None,
     history: trends.History | None = None,
     unregistered: Mapping[str, Sequence[str]] | None = None,
+    participation: Mapping[str, object] | None = None,
 ) -> list[Finding]:
     """Apply the enabled rules to one sampled (or sentinel-tripped) step's statistics.
 
@@ -64,6 +65,8 @@ def evaluate(
         unregistered: Registered module to the modules with trainable parameters of their own that its forward ran
             without their being submodules, for ``unregistered_module`` (see
             :class:`~lightning_hookdiag.unregistered.UnregisteredWatch`).
+        participation: What is read of the model at the step (``stopped_layers``, ``trainable``, ``shadowed``), for
+            the participation rules (see :class:`~lightning_hookdiag.participation.Participation`).
 
     Returns:
         Findings with forward ones (in forward order) before backward ones (in backward order); the first is the
@@ -97,6 +100,7 @@ def evaluate(
         unregistered or {},
         param_facts or {},
         history,
+        participation or {},
     )
     findings = [f for name in config.rule_names for f in REGISTRY[name].run(ctx)]
     rank = {r.name: i for i, r in enumerate(registered())}
