@@ -26,7 +26,15 @@ from typing_extensions import override
 from lightning_hookdiag.components import Component, Setup, component
 from lightning_hookdiag.params import owned_parameters
 
-__all__ = ["STOP_AFTER", "STOPPED_FOR", "Participation", "RunRecord", "TENSOR_ATTRIBUTES", "shadowed_attributes"]
+__all__ = [
+    "STOPPED_FOR",
+    "STOP_AFTER",
+    "TENSOR_ATTRIBUTES",
+    "Participation",
+    "RunRecord",
+    "model_picture",
+    "shadowed_attributes",
+]
 
 STOP_AFTER = 3
 """A layer must have run on at least this many sampled steps, each of them, before its stop is a finding."""
@@ -36,6 +44,22 @@ STOPPED_FOR = 3
 
 TENSOR_ATTRIBUTES = frozenset(name for name in dir(torch.Tensor) if not name.startswith("__"))
 """The names of ``torch.Tensor``'s methods and properties: an instance attribute of a parameter under one hides it."""
+
+
+def model_picture(model: nn.Module) -> tuple[int, ...]:
+    """The identities of ``model``'s modules, in order: it changes when a module is added, removed or replaced.
+
+    The callback reads the model when the fit starts, before the LightningModule's own ``setup`` and
+    ``on_fit_start`` run; a head replaced there (or later) is read again at the next sampled step when this changes.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        >>> before = model_picture(net)
+        >>> net[1] = nn.Tanh()
+        >>> model_picture(net) == before
+        False
+    """
+    return tuple(id(m) for m in model.modules())
 
 
 def shadowed_attributes(params: Mapping[str, Tensor]) -> dict[str, tuple[str, ...]]:

@@ -173,6 +173,7 @@ class Case:
         today: For a blind spot or known miss: the ``(rule, layer)`` pairs the callback reports on the bug today
             (empty: nothing); a rule that starts to see it changes them, and the case moves out of the misses.
         twin_today: The ``(rule, layer)`` pairs the fixed twin raises today: a known false alarm, on record.
+        twin_note: For a named bug whose twin raises ``twin_today``: why (``blind`` says it for a known miss).
     """
 
     name: str
@@ -190,6 +191,7 @@ class Case:
     source: str = ""
     today: tuple[tuple[str, str], ...] = ()
     twin_today: tuple[tuple[str, str], ...] = ()
+    twin_note: str = ""
 
 
 def run(case: Case, sick: bool, max_steps: int | None = None, **callback: Any) -> LayerHealthCallback:
