@@ -20,7 +20,8 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 # The optional parts register their components when imported.
-from lightning_hookdiag import batches, eval_mode, kurtosis, participation, precision, precursor_probes, saved_memory, unregistered  # noqa: F401, E501
+from lightning_hookdiag import batches, eval_mode, kurtosis, precision, precursor_probes, saved_memory, unregistered  # noqa: F401
+from lightning_hookdiag import participation as _participation  # noqa: F401  (issue 38's facts read at the step)
 from lightning_hookdiag.aggregation import LayerOrders, LayerStatsAggregator, agreed_orders
 from lightning_hookdiag.components import FACTORIES, Component, FitConfig, Setup, WindowStart, call_all
 from lightning_hookdiag.distributed import all_reduce_max
@@ -41,7 +42,6 @@ from lightning_hookdiag.logged_values import (
 )
 from lightning_hookdiag.opt_in import OptInPlan, plan_opt_in
 from lightning_hookdiag.optimizer_watch import Schedule, StepWatch
-from lightning_hookdiag.participation import model_picture
 from lightning_hookdiag.params import (
     P_UPDATE_SQ,
     ParameterTracker,
@@ -49,6 +49,7 @@ from lightning_hookdiag.params import (
     owned_parameters,
     stale_gradient_squares,
 )
+from lightning_hookdiag.participation import model_picture
 from lightning_hookdiag.provenance import NonFiniteTrace, nonfinite_in_batch
 from lightning_hookdiag.recorder import StepRecorder
 from lightning_hookdiag.rules.registry import any_reads

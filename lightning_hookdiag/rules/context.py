@@ -160,7 +160,15 @@ class Context:
 
     def __post_init__(self) -> None:
         # frozen: the read-only views are set through object.__setattr__, once.
-        for name in ("values", "layer_types", "last_finite", "eval_mode", "unregistered", "param_facts", "participation"):
+        for name in (
+            "values",
+            "layer_types",
+            "last_finite",
+            "eval_mode",
+            "unregistered",
+            "param_facts",
+            "participation",
+        ):
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name) or {})))
         object.__setattr__(self, "missing_grads", frozenset(self.missing_grads))
 
