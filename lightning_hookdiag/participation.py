@@ -1,6 +1,7 @@
 """What the model is at the sampled step, read then and not at fit start: the facts of the participation rules.
 
-Issue 38's principles 1 and 2, as host facts of each sampled step (``docs/rules.md#what-is-read-at-the-step``):
+Issue 38's principles 1 and 2, as host facts of each sampled step
+(``docs/rules.md#parameters-and-modules-read-at-the-step``):
 
 - ``stopped_layers``: selected layers that ran on every sampled step from the first one, then on none of the last
   ones (a branch gated on the wrong clock): ``stopped_running``.

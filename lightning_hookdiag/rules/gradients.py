@@ -86,7 +86,7 @@ def _amplifier(ref_layer: str, upto: Sequence[tuple[str, float]], input_end: str
     ``upto``: the other layers' ratios to the output end (``ref_layer``), in backward order, up to the layer from which
     the rule fired (the last): only the growth up to it made the rule fire, so only it is measured. ``input_end``: the
     side's layer nearest the input, named when no layer holds most of the growth (the origin of a stack that
-    amplifies everywhere, ``docs/rules.md#exploding_gradient-the-origin-of-the-growth``).
+    amplifies everywhere, ``docs/rules.md#where-an-explosion-is-made``).
     """
     fired = upto[-1][0]
     # Ratios to the output end give the same gains as the norms (zeros skipped). In a chain, the next layer's output
