@@ -87,7 +87,8 @@ def output_unused(ctx: Context) -> Iterator[Found]:
     message = (
         f"output_unused at step {ctx.step}: {first} ran in the training forward and its output required grad, but no"
         f" gradient came back to it: its output never reaches the loss. Its trainable parameters ({listing(params)})"
-        " are held by an optimizer and never get a gradient, so they never learn"
+        " are held by an optimizer and never get a gradient, so they never learn (DistributedDataParallel refuses"
+        " such parameters unless find_unused_parameters=True)"
         f"{_others_unused(unused[1:])}. An auxiliary head whose loss is not added to the total, or an output"
         " computed and dropped; if it is meant to run without training, run it under torch.no_grad() or freeze it"
     )
