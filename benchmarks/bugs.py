@@ -106,7 +106,7 @@ def _zoo_false_alarms() -> tuple[int, int, list[str]]:
     for name in ZOO:
         torch.manual_seed(0)
         module = zoo_module(name, n=8 * ZOO_STEPS)
-        callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
+        callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False})
         trainer = pl.Trainer(
             callbacks=[callback],
             max_steps=ZOO_STEPS,

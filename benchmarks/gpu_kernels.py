@@ -106,7 +106,9 @@ def count_kernels(spec: Any, device: str, steps: int, observed: bool) -> dict[st
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     prof = profile(activities=activities)
     window = _Window(prof, 2, 2 + steps)
-    callback = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", summary=False) if observed else None
+    callback = (
+        LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", output={"summary": False}) if observed else None
+    )
     callbacks = [window] + ([callback] if callback is not None else [])
     scoped = package_code(callback, _scope) if callback is not None else contextlib.nullcontext()
     with overhead.quiet(), scoped:
@@ -206,7 +208,9 @@ def count_syncs(spec: Any, device: str, steps: int, observed: bool) -> _Syncs:
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, b: Any, batch_idx: int) -> None:
             watch.end()
 
-    callback = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", summary=False) if observed else None
+    callback = (
+        LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", output={"summary": False}) if observed else None
+    )
     callbacks = [watch, *([callback] if callback is not None else []), Last()]
     reads = _host_reads_as_warnings() if device == "cpu" else contextlib.nullcontext()
     with overhead.quiet(), reads:

@@ -185,7 +185,7 @@ def make_callback(variant: str) -> Any:
     if variant == "callback":
         from lightning_hookdiag import LayerHealthCallback
 
-        return LayerHealthCallback(every_n_steps=1, summary=False)
+        return LayerHealthCallback(every_n_steps=1, output={"summary": False})
     if variant == "tutorial":
         sys.path.insert(0, str(HERE))
         import overhead

@@ -466,7 +466,7 @@ class ReplayEveryStep(LayerHealthCallback):
     """The sentinel trips on every step and replays it (no step is sampled): what one replay costs."""
 
     def __init__(self) -> None:
-        super().__init__(every_n_steps=NEVER, on_anomaly="ignore", summary=False)
+        super().__init__(every_n_steps=NEVER, on_anomaly="ignore", output={"summary": False})
         assert self._sentinel is not None
         check = self._sentinel.check
 
@@ -502,7 +502,9 @@ def make_callback(variant: str, every_n_steps: int = 1) -> Callback | None:
         return ReplayEveryStep()
     if variant == "opt_in":  # every statistic, the opt-in ones included, two precision targets
         stats = [*ALL_STATS, *OPT_IN_STATS]
-        return LayerHealthCallback(every_n_steps=1, stats=stats, precision_targets=["float16", "float8_e4m3fn"])
+        return LayerHealthCallback(
+            every_n_steps=1, stats=stats, measure={"precision_targets": ["float16", "float8_e4m3fn"]}
+        )
     if variant == "precursors":  # every_step plus the attention and output-logit probes
         return LayerHealthCallback(every_n_steps=1, stats=[*ALL_STATS, *PRECURSOR_STATS])
     families = {"acts_only": ACTIVATION_STATS, "grads_only": GRADIENT_STATS, "params_only": PARAMETER_STATS}
@@ -934,7 +936,7 @@ def profile_model(spec: ModelSpec, batches: list[tuple[Tensor, Tensor]], steps: 
         (stats, "gradient_row", "  stats.gradient_row"),
         (recorder, "gradient_row", "  stats.gradient_row"),
         (aggregation.LayerStatsAggregator, "update", "  LayerStatsAggregator.update body (no torchmetrics wrapper)"),
-        (aggregation.LayerStatsAggregator, "_fold", "    LayerStatsAggregator._fold (the step's call rows)"),
+        (recorder.StepRecorder, "take", "  StepRecorder.take (the step's call rows to per-layer rows)"),
         (hooks, "first_floating_tensor", "hooks.first_floating_tensor (in the forward hook)"),
         (hooks.HookSet, "attach", "HookSet.attach"),
         (hooks.HookSet, "remove", "HookSet.remove"),

@@ -26,6 +26,9 @@ _EXPORTS = {
     "Trip": "lightning_hookdiag.step_state",
     "capture_activations": "lightning_hookdiag.capture",
     "list_layers": "lightning_hookdiag.selection",
+    "MeasureConfig": "lightning_hookdiag.config",
+    "OutputConfig": "lightning_hookdiag.config",
+    "SentinelConfig": "lightning_hookdiag.config",
 }
 
 # A literal list, so that linters and type checkers see the lazy exports.
@@ -36,9 +39,12 @@ __all__ = [
     "LayerHealthError",
     "LayerHealthWarning",
     "LayerInfo",
+    "MeasureConfig",
     "OPT_IN_STATS",
+    "OutputConfig",
     "PRECURSOR_STATS",
     "RuleConfig",
+    "SentinelConfig",
     "Trip",
     "__version__",
     "capture_activations",
@@ -48,6 +54,7 @@ __all__ = [
 if TYPE_CHECKING:
     from lightning_hookdiag.callback import LayerHealthCallback
     from lightning_hookdiag.capture import capture_activations
+    from lightning_hookdiag.config import MeasureConfig, OutputConfig, SentinelConfig
     from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
     from lightning_hookdiag.rules import Finding, RuleConfig
     from lightning_hookdiag.selection import LayerInfo, list_layers

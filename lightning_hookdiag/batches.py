@@ -16,8 +16,9 @@ from typing_extensions import override
 from lightning_hookdiag.aggregation import LayerStatsAggregator
 from lightning_hookdiag.components import Component, Setup, component
 from lightning_hookdiag.hooks import tensors
+from lightning_hookdiag.names import BATCH
 
-__all__ = ["MIN_ROWS", "ROW_SAMPLE", "BatchRows", "repeated_rows"]
+__all__ = ["MIN_ROWS", "ROW_SAMPLE", "BatchRows", "batch_rows", "repeated_rows"]
 
 MIN_ROWS = 8
 """Batches with fewer rows are not judged: small batches of a dataset with few distinct rows repeat by chance."""
@@ -50,6 +51,7 @@ class BatchRows(Component):
     """
 
     replays = False
+    provides = ("batch_repeated",)
 
     def __init__(self, aggregator: LayerStatsAggregator) -> None:
         self._aggregator = aggregator
@@ -68,7 +70,14 @@ class BatchRows(Component):
     def finalize(self, pooled: Mapping[str, Tensor]) -> dict[str, Tensor]:
         return {"batch_rows": pooled["batch_rows"]}
 
+    @override
+    def facts(self, host: Mapping[str, list[float]]) -> dict[str, Any]:
+        """``batch_repeated``: ``{BATCH: 1.0}`` if a judged batch repeated one row on every process, else ``0.0``."""
+        judged, differs = host["batch_rows"]
+        return {"batch_repeated": {BATCH: 1.0 if differs == 0 else 0.0}} if judged > 0 else {}
+
 
 @component
-def _batch_rows(setup: Setup) -> BatchRows | None:
+def batch_rows(setup: Setup) -> BatchRows | None:
+    """The fit's :class:`BatchRows`, when rule ``repeated_batch`` is enabled."""
     return BatchRows(setup.aggregator) if "repeated_batch" in setup.config.rules else None

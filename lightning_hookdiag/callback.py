@@ -8,8 +8,7 @@ the Trainer can do), and log what comes back.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import fields
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -18,11 +17,21 @@ import torch
 from lightning.fabric.utilities.logger import _add_prefix
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch import Tensor, nn
+from lightning.pytorch.utilities import rank_zero_deprecation, rank_zero_info, rank_zero_warn
+from torch import Tensor
 from typing_extensions import override
 
-from lightning_hookdiag.components import FitConfig
+from lightning_hookdiag.builtins import every_rule, split_extensions
+from lightning_hookdiag.components import ComponentFactory, FitConfig
+from lightning_hookdiag.config import (
+    MeasureConfig,
+    OutputConfig,
+    SentinelConfig,
+    coerce,
+    delegate,
+    regroup,
+    sentinel_config,
+)
 from lightning_hookdiag.diagnosis import Diagnosis
 from lightning_hookdiag.distributed import all_reduce_max
 from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning, MissingExtraError
@@ -38,19 +47,18 @@ from lightning_hookdiag.logged_values import (
 from lightning_hookdiag.opt_in import resolve_targets
 from lightning_hookdiag.publish import FindingsWriter, write_all_clear, write_image
 from lightning_hookdiag.replay import LightningStep, sharded
-from lightning_hookdiag.rules import Finding, RuleConfig, format_error, values_from_metrics
+from lightning_hookdiag.rules import Finding, Rule, RuleConfig, format_error, values_from_metrics
 from lightning_hookdiag.selection import import_types
-from lightning_hookdiag.sentinel import SENTINEL_MODES, LossSentinel, NoSentinel, Sentinel, SpikeDetector
+from lightning_hookdiag.sentinel import LossSentinel, NoSentinel, Sentinel
 from lightning_hookdiag.stats import resolve_stats
 from lightning_hookdiag.step_state import Trip
 from lightning_hookdiag.table import format_step_table, plural
-from lightning_hookdiag.validation import boolean, check, choice, integer, module_names, names
-from lightning_hookdiag.vocabulary import ALL_STATS, OPT_IN_STATS, OUTPUT_LAYER_STATS
+from lightning_hookdiag.validation import check, choice, integer, module_names
+from lightning_hookdiag.vocabulary import OUTPUT_LAYER_STATS
 
 __all__ = ["LayerHealthCallback"]
 
 ON_ANOMALY = ("warn", "raise", "stop", "ignore")
-CHARTS = ("default", "all")
 
 # The heatmap's columns: the latest sampled steps kept for it (a bound on what the callback holds, whatever the run's
 # length; 256 columns of 8 pixels are wider than any dashboard shows).
@@ -159,58 +167,41 @@ class LayerHealthCallback(Callback):
         layers: Dotted module names or fnmatch globs (``*`` also crosses dots), relative to the LightningModule,
             as listed by :func:`~lightning_hookdiag.list_layers`. ``None`` selects every leaf module and every
             module that computes with parameters it owns, such as ``nn.MultiheadAttention``, except loss modules
-            and torchmetrics metrics (or, with ``layer_types``, every module of those types), and tracks every
-            parameter of the LightningModule.
-        layer_types: Keep only instances of these classes, given as classes or import strings such as
-            ``"torch.nn.Linear"``.
-        exclude: Globs of module names to leave out.
+            and torchmetrics metrics (or, with ``MeasureConfig.layer_types``, every module of those types), and
+            tracks every parameter of the LightningModule.
         stats: Names of the statistics to compute and log, the full list; ``None`` for the default set
             (:data:`~lightning_hookdiag.ALL_STATS`). Work for statistics not asked for is skipped (e.g. without
             ``"param_update_ratio"`` no weight copy is made). The names of
-            :data:`~lightning_hookdiag.OPT_IN_STATS` are computed only when listed here or in ``extra_stats``.
-        extra_stats: Names added to ``stats`` (to the default set when ``stats=None``), e.g.
-            ``["act_kurtosis"]`` for the defaults plus kurtosis.
+            :data:`~lightning_hookdiag.OPT_IN_STATS` are computed only when listed here or in
+            ``MeasureConfig.extra_stats``.
         prefix: First segment of every logged key; two callbacks on one Trainer need distinct ones.
-        dead_unit_types: Module classes (or import strings) whose outputs get ``act_dead_frac``.
-        unit_dim: Axis of the output that indexes units for ``act_dead_frac``. ``None``: dim 1 (channels) for
-            4-D/5-D outputs, the last dim for 1-D to 3-D outputs.
         on_anomaly: What to do when a health rule fires on a sampled step (see :mod:`lightning_hookdiag.rules`):
             ``"warn"`` (a :class:`~lightning_hookdiag.LayerHealthWarning` naming the rule and the layer, once per rule
             and layer until it clears), ``"raise"`` (:class:`~lightning_hookdiag.LayerHealthError` naming the origin
             of the earliest problem), ``"stop"`` (warn, then stop training gracefully) or ``"ignore"`` (findings are
             still recorded in :attr:`findings`).
+        measure: What else is measured: a :class:`~lightning_hookdiag.MeasureConfig` or a mapping of its fields
+            (``layer_types``, ``exclude``, ``extra_stats``, ``dead_unit_types``, ``unit_dim``,
+            ``precision_targets``, ``output_layer``, ``histogram_every_n_steps``, ``histogram_bins``); ``None``: its
+            defaults.
+        sentinel: What is checked on *every* optimizer step (``docs/sentinel.md``): ``"loss"`` (default; NaN/Inf
+            or a spike in the loss), ``"loss+grads"`` (also NaN/Inf in the selected parameters' gradients),
+            ``None``, or a :class:`~lightning_hookdiag.SentinelConfig` (or a mapping of its fields) with the spike
+            test's settings or a detector of your own. A step that trips is replayed with hooks before the optimizer
+            applies it, without side effects, and logged at ``step=k``; where it cannot be, the finding says why and
+            the next step is sampled.
         rules: Rule settings: a :class:`~lightning_hookdiag.RuleConfig`, or a mapping of its fields, e.g.
             ``{"dead_frac_threshold": 0.5, "enabled": ["nonfinite", "dead_units"]}`` (from YAML).
-        summary: At the end of fit, print (rank zero) a table of the last sampled step's values per layer in depth
-            order, with the rules that fired marked.
-        histogram_every_n_steps: Also log histograms of every selected layer's output and output gradient
-            (``<prefix>.act_hist/<depth>_<layer>``, ``<prefix>.act_grad_hist/<depth>_<layer>``) on steps divisible
-            by this, to the loggers that support histograms (TensorBoard, W&B); other loggers are skipped with a
-            one-time note. Must be a multiple of ``every_n_steps``. ``None`` (default): no histograms.
-        histogram_bins: Number of fixed, symmetric log-spaced bins (``±1e-6`` to ``±1e4`` and 0), computed on the
-            device; fixed edges make histograms pool exactly over micro-batches and processes.
-        sentinel: What is checked on *every* optimizer step (``docs/sentinel.md``): ``"loss"`` (default; NaN/Inf
-            or a spike in the loss), ``"loss+grads"`` (also NaN/Inf in the selected parameters' gradients) or
-            ``None``. A step that trips is replayed with hooks before the optimizer applies it, without side effects,
-            and logged at ``step=k``; where it cannot be, the finding says why and the next step is sampled.
-        precision_targets: Target dtypes of the precision headroom statistics (``act_underflow_frac`` and friends in
-            ``stats=``): ``"float16"``, ``"bfloat16"``, ``"float8_e4m3fn"``, ``"float8_e5m2"`` or torch dtypes.
-            ``None`` derives one from the Trainer's ``precision`` (``16-*``: float16, ``bf16-*``: bfloat16; full
-            precision: none, unless named here to plan a switch to lower precision).
-        output_layer: The module whose output is the model's logits, for ``logit_lse_mean`` / ``logit_absmax``
-            (a dotted name as :func:`~lightning_hookdiag.list_layers` prints it). ``None``: the last selected module
-            to run in each micro-batch's forward. Naming one without either statistic in ``stats=`` is an error.
-
-        heatmap_stats: Statistics drawn as a layers-by-sampled-steps heatmap image into every logger that stores
-            images (``<prefix>_heatmap/<stat>``; log colour scale, zero black, missing grey, NaN/Inf red), at the end
-            of the fit and every ``heatmap_every_n_steps``. The default shows a vanishing or blocked gradient
-            (``act_grad_norm``) and a dead block (``act_std`` of 0). Statistics not in ``stats=`` are left out.
-        heatmap_every_n_steps: Also draw the heatmaps on sampled steps divisible by this (a multiple of
-            ``every_n_steps``); ``None``: only at the end of the fit.
-        charts: ``"default"``: the summary group and every per-layer chart, except that the per-layer non-finite
-            counts (``act_nonfinite``, ``act_grad_nonfinite``: 0 in a healthy run) are logged only on the steps where
-            a layer's is not 0 (their ``_max`` summary is logged on every sampled step). ``"all"``: every per-layer
-            value on every sampled step as well.
+        output: What is written besides each sampled step's values: an :class:`~lightning_hookdiag.OutputConfig` or a
+            mapping of its fields (``summary``, ``charts``, ``heatmap_stats``, ``heatmap_every_n_steps``); ``None``:
+            its defaults.
+        extensions: This callback's own rules (functions decorated with :func:`~lightning_hookdiag.rules.rule`) and
+            component factories (decorated with :func:`~lightning_hookdiag.components.component`), run beside the
+            built-in ones (:mod:`lightning_hookdiag.builtins`) in this callback's fits only; ``rules={"enabled":
+            [...]}`` may name its rules (``docs/extending.md``).
+        **deprecated: The flat keywords of earlier releases (``layer_types=``, ``summary=``, ...: every field of
+            ``MeasureConfig`` and ``OutputConfig``), accepted for one release with a ``DeprecationWarning`` naming the
+            new spelling. Setting one beside the same field of its group is a ``ValueError``.
 
     Attributes:
         last_metrics: The statistics logged on the most recent sampled step (pooled over processes, on every process):
@@ -223,6 +214,10 @@ class LayerHealthCallback(Callback):
         last_findings: All findings of the most recent sampled step, earliest origin first.
         trips: Every optimizer step the sentinel tripped on, with whether it was replayed and, if not, why.
         alert_counts: Rule name to its number of findings, alerted or not, since the results were last reset.
+        measure_config: ``measure=`` as a validated :class:`~lightning_hookdiag.MeasureConfig`.
+        sentinel_config: ``sentinel=`` as a validated :class:`~lightning_hookdiag.SentinelConfig`.
+        rule_config: ``rules=`` as a validated :class:`~lightning_hookdiag.RuleConfig`.
+        output_config: ``output=`` as a validated :class:`~lightning_hookdiag.OutputConfig`.
 
     Raises:
         ValueError: At construction, for any invalid argument (the message names it and the valid values); when
@@ -232,7 +227,15 @@ class LayerHealthCallback(Callback):
     Example:
         >>> import lightning.pytorch as pl
         >>> from lightning.pytorch.demos.boring_classes import BoringModel
-        >>> callback = LayerHealthCallback(every_n_steps=2, stats=["act_mean", "act_std"])
+        >>> from lightning_hookdiag import MeasureConfig, SentinelConfig
+        >>> callback = LayerHealthCallback(
+        ...     every_n_steps=2,
+        ...     stats=["act_mean", "act_std"],
+        ...     measure=MeasureConfig(dead_unit_types=["torch.nn.ReLU"]),
+        ...     sentinel=SentinelConfig(mode="loss+grads", warmup=5),
+        ...     rules={"dead_frac_threshold": 0.5},
+        ...     output={"summary": False},  # a mapping of OutputConfig's fields, as YAML gives it
+        ... )
         >>> trainer = pl.Trainer(max_steps=3, callbacks=[callback], logger=False, enable_progress_bar=False,
         ...                      enable_model_summary=False, enable_checkpointing=False)
         >>> trainer.fit(BoringModel())
@@ -258,24 +261,16 @@ class LayerHealthCallback(Callback):
         self,
         every_n_steps: int = 50,
         layers: Sequence[str] | None = None,
-        layer_types: Sequence[str | type[nn.Module]] | None = None,
-        exclude: Sequence[str] = (),
+        *,
         stats: Sequence[str] | None = None,
-        extra_stats: Sequence[str] | None = None,
         prefix: str = "layer_health",
-        dead_unit_types: Sequence[str | type[nn.Module]] = ("torch.nn.ReLU", "torch.nn.ReLU6"),
-        unit_dim: int | None = None,
         on_anomaly: Literal["warn", "raise", "stop", "ignore"] = "warn",
-        rules: dict[str, Any] | RuleConfig | None = None,
-        summary: bool = True,
-        histogram_every_n_steps: int | None = None,
-        histogram_bins: int = 64,
-        sentinel: Literal["loss", "loss+grads"] | None = "loss",
-        precision_targets: str | torch.dtype | Sequence[str | torch.dtype] | None = None,
-        output_layer: str | None = None,
-        heatmap_stats: Sequence[str] = ("act_grad_norm", "act_std"),
-        heatmap_every_n_steps: int | None = None,
-        charts: Literal["default", "all"] = "default",
+        measure: MeasureConfig | dict[str, Any] | None = None,
+        sentinel: SentinelConfig | Literal["loss", "loss+grads"] | dict[str, Any] | None = "loss",
+        rules: RuleConfig | dict[str, Any] | None = None,
+        output: OutputConfig | dict[str, Any] | None = None,
+        extensions: Sequence[Rule | ComponentFactory] = (),
+        **deprecated: Any,
     ) -> None:
         self.every_n_steps: int = integer("every_n_steps", every_n_steps, "an integer >= 1", lambda v: v >= 1)
         self.prefix: str = check(
@@ -284,56 +279,60 @@ class LayerHealthCallback(Callback):
             "a non-empty key segment without leading/trailing '/'",
             lambda p: isinstance(p, str) and bool(p.strip("/")) and p == p.strip("/"),
         )
-        self.unit_dim: int | None = integer("unit_dim", unit_dim, "an integer axis or None", optional=True)
-        self.summary = boolean("summary", summary)
         self.on_anomaly = choice("on_anomaly", on_anomaly, ON_ANOMALY)
-        self.charts = choice("charts", charts, CHARTS)
-        self.sentinel = choice("sentinel", sentinel, [*SENTINEL_MODES, None])
-        self.output_layer = check(
-            "output_layer",
-            output_layer,
-            "None or a non-empty module name",
-            lambda o: o is None or (isinstance(o, str) and bool(o)),
-        )
-        self.histogram_every_n_steps: int | None = integer(
-            "histogram_every_n_steps",
-            histogram_every_n_steps,
-            f"None or a positive multiple of every_n_steps={self.every_n_steps}",
-            lambda v: v >= 1 and v % self.every_n_steps == 0,
-            optional=True,
-        )
-        self.histogram_bins: int = integer(
-            "histogram_bins", histogram_bins, "an even integer >= 4", lambda v: v >= 4 and v % 2 == 0
-        )
-        self.rule_config = rules if isinstance(rules, RuleConfig) else RuleConfig.from_mapping(rules)
         self.layers = module_names("layers", layers)
-        self.layer_types = import_types(layer_types, "layer_types")
-        self.exclude = module_names("exclude", exclude) or []
-        extra = names("extra_stats", extra_stats, ALL_STATS + OPT_IN_STATS, "statistic")
-        self.stats = resolve_stats([*resolve_stats(stats), *extra])
-        if output_layer is not None and not set(OUTPUT_LAYER_STATS) & set(self.stats):
-            raise ValueError(
-                f"output_layer={output_layer!r} names the layer of logit_lse_mean / logit_absmax, but stats= includes"
-                " neither; add them to stats= or leave output_layer=None"
-            )
-        self.precision_targets = resolve_targets(precision_targets)
-        self.heatmap_stats = names("heatmap_stats", heatmap_stats, ALL_STATS + OPT_IN_STATS, "statistic") or []
-        self.heatmap_every_n_steps: int | None = integer(
-            "heatmap_every_n_steps",
-            heatmap_every_n_steps,
-            f"None or a positive multiple of every_n_steps={self.every_n_steps}",
-            lambda v: v >= 1 and v % self.every_n_steps == 0,
-            optional=True,
-        )
-        self.dead_unit_types = import_types(dead_unit_types, "dead_unit_types")
-        r = self.rule_config
-        spikes = SpikeDetector(r.spike_window, r.spike_warmup, r.spike_zscore, r.spike_ratio, floor=r.spike_floor)
+        groups, messages = regroup(deprecated, {"measure": measure, "output": output})
+        for message in messages:
+            rank_zero_deprecation(message, stacklevel=6)  # names the line that built the callback
+        self.measure_config = coerce(MeasureConfig, groups["measure"], "measure")
+        self.output_config = coerce(OutputConfig, groups["output"], "output")
+        self.rule_config = rules if isinstance(rules, RuleConfig) else RuleConfig.from_mapping(rules)
+        self.sentinel_config = sentinel_config(sentinel, self.rule_config.deprecated_sentinel_settings())
+        self.stats = resolve_stats([*resolve_stats(stats), *self.measure_config.extra_stats])
+        self._check_against_each_other()
         # Created here, not when fit starts: a checkpoint's baseline is loaded before on_fit_start runs.
-        self._sentinel: Sentinel = LossSentinel(sentinel, spikes) if sentinel is not None else NoSentinel()
+        self._sentinel: Sentinel = NoSentinel()
+        if self.sentinel_config.mode is not None:
+            self._sentinel = LossSentinel(self.sentinel_config.mode, self.sentinel_config.build_detector())
         self.layer_names: list[str] = []
         self._run: FitRun | None = None  # everything one fit creates, from on_fit_start to _release_fit
         self._stage: str | None = None  # the Trainer's stage: a checkpoint restores this state only in a fit
+        self.extensions = split_extensions(extensions)  # checked here; with rule_config, by _start_fresh's Diagnosis
         self._start_fresh()
+
+    def _check_against_each_other(self) -> None:
+        """The settings of one group that are valid only with those of another (each group checked itself)."""
+        measure, output, every = self.measure_config, self.output_config, self.every_n_steps
+        for field, value in (
+            ("MeasureConfig.histogram_every_n_steps", measure.histogram_every_n_steps),
+            ("OutputConfig.heatmap_every_n_steps", output.heatmap_every_n_steps),
+        ):
+            if value is not None and value % every != 0:
+                raise ValueError(f"{field}: expected None or a positive multiple of every_n_steps={every}, got {value}")
+        if measure.output_layer is not None and not set(OUTPUT_LAYER_STATS) & set(self.stats):
+            raise ValueError(
+                f"MeasureConfig.output_layer={measure.output_layer!r} names the layer of logit_lse_mean /"
+                " logit_absmax, but stats= includes neither; add them to stats= or leave output_layer=None"
+            )
+
+    # The flat names of earlier releases, read-only: each reads its group's field.
+    layer_types = delegate("measure_config", "layer_types")
+    dead_unit_types = delegate("measure_config", "dead_unit_types")
+    unit_dim = delegate("measure_config", "unit_dim")
+    precision_targets = delegate("measure_config", "precision_targets")
+    output_layer = delegate("measure_config", "output_layer")
+    histogram_every_n_steps = delegate("measure_config", "histogram_every_n_steps")
+    histogram_bins = delegate("measure_config", "histogram_bins")
+    summary = delegate("output_config", "summary")
+    charts = delegate("output_config", "charts")
+    heatmap_stats = delegate("output_config", "heatmap_stats")
+    heatmap_every_n_steps = delegate("output_config", "heatmap_every_n_steps")
+    sentinel = delegate("sentinel_config", "mode")
+
+    @property
+    def exclude(self) -> list[str]:
+        """``MeasureConfig.exclude`` as a list, as earlier releases kept it (and as :attr:`state_key` names it)."""
+        return list(self.measure_config.exclude)
 
     @property
     def alert_counts(self) -> dict[str, int]:
@@ -377,7 +376,7 @@ class LayerHealthCallback(Callback):
         """Read the model: resolve the selection and build the fit's run objects (again, after the model changed)."""
         self._release_fit()
         config, shards = self._fit_config(), lambda params: sharded(trainer, params)
-        self._run = FitRun(config, pl_module, trainer.precision, shards, self._sentinel)
+        self._run = FitRun(config, pl_module, trainer.precision, shards, self._sentinel, self.extensions)
         self.layer_names = list(self._run.layer_names)
 
     @override
@@ -465,10 +464,10 @@ class LayerHealthCallback(Callback):
         """A step left unfinished at the end of training is dropped, not logged; then the summary is printed."""
         if self._run is not None:
             self._run.release()
-        if self.summary and self.last_step is not None:
+        if self.output_config.summary and self.last_step is not None:
             rank_zero_info(self.summary_table())
         # Drawn at the end unless the schedule drew these very columns on the last sampled step.
-        every, last = self.heatmap_every_n_steps, self.last_step
+        every, last = self.output_config.heatmap_every_n_steps, self.last_step
         drawn = every is not None and last is not None and last % every == 0
         errors = [] if drawn else self._draw_heatmaps(trainer)
         if self.last_step is not None and not self.findings and not self.trips:
@@ -543,13 +542,28 @@ class LayerHealthCallback(Callback):
 
     # ------------------------------------------------------------------------------------------------ internals
     def _fit_config(self) -> FitConfig:
-        """What this fit starts from: the attributes as they are now, so that a change made after construction holds."""
-        derived: dict[str, Any] = {
-            "sentinel_grads": self.sentinel == "loss+grads",
-            "rules": frozenset(self.rule_config.enabled or ()),
-        }
-        settings: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(FitConfig) if f.name not in derived}
-        return FitConfig(**derived, **settings)
+        """What this fit starts from: the settings as they are now, so that a change made after construction holds.
+
+        The groups' fields are stored resolved; resolving them again is what gives them their resolved types.
+        """
+        measure = self.measure_config
+        return FitConfig(
+            every_n_steps=self.every_n_steps,
+            layers=self.layers,
+            layer_types=import_types(measure.layer_types, "MeasureConfig.layer_types"),
+            exclude=self.exclude,
+            stats=self.stats,
+            prefix=self.prefix,
+            dead_unit_types=import_types(measure.dead_unit_types, "MeasureConfig.dead_unit_types"),
+            unit_dim=measure.unit_dim,
+            histogram_every_n_steps=measure.histogram_every_n_steps,
+            histogram_bins=measure.histogram_bins,
+            precision_targets=resolve_targets(measure.precision_targets),
+            output_layer=measure.output_layer,
+            sentinel_grads=self.sentinel_config.mode == "loss+grads",
+            rules=frozenset(r.name for r in self._diagnosis.enabled),  # extension rules included
+            charts=self.output_config.charts,
+        )
 
     def _start_fresh(self) -> None:
         """Forget earlier fits' results and memory: a new model with the same bug is warned about again.
@@ -563,7 +577,8 @@ class LayerHealthCallback(Callback):
         self.last_findings = []
         self.trips = []
         self._warned = set()  # the keys of the one-time notes already given
-        self._diagnosis = Diagnosis(self.rule_config)  # the rules' memory between sampled steps; checkpointed
+        # The rules' memory between sampled steps; checkpointed.
+        self._diagnosis = Diagnosis(self.rule_config, every_rule(self.extensions))
         self._writer = FindingsWriter(self.prefix)  # findings and trips into the loggers, once each
         # The heatmaps' columns, per statistic: (step, {layer: value}); not checkpointed (a resumed fit draws from
         # the steps it sampled).
@@ -594,10 +609,10 @@ class LayerHealthCallback(Callback):
         if observed is None or (run := self._run) is None:
             return
         self.execution_order = observed.forward_order
-        metrics, values, notes = run.results(observed)
+        metrics, seen, notes = run.results(observed)
         for note in notes:
             self._note(note)
-        findings, new = self._diagnosis.step(values, observed, run.layer_types)
+        findings, new = self._diagnosis.step(seen)
         self.last_findings = findings
         self.findings.extend(new)
         self.last_metrics, self.last_step = metrics, observed.step
@@ -609,8 +624,9 @@ class LayerHealthCallback(Callback):
             errors += self._log_histograms(trainer, observed, run)
         trips = [observed.trip] if observed.trip is not None else []  # with the findings of its window
         errors += self._writer.write(trainer.loggers, observed.step, new, trips)
-        self._remember_heatmap_column(observed.step, values)
-        if self.heatmap_every_n_steps is not None and observed.step % self.heatmap_every_n_steps == 0:
+        self._remember_heatmap_column(observed.step, seen.values)
+        every = self.output_config.heatmap_every_n_steps
+        if every is not None and observed.step % every == 0:
             errors += self._draw_heatmaps(trainer)
         try:
             if self.on_anomaly == "raise" and findings:
@@ -629,9 +645,9 @@ class LayerHealthCallback(Callback):
         if errors:
             raise errors[0]
 
-    def _remember_heatmap_column(self, step: int, values: dict[str, dict[str, float]]) -> None:
+    def _remember_heatmap_column(self, step: int, values: Mapping[str, Mapping[str, float]]) -> None:
         """Keep the step's values of the heatmap statistics (the latest ``HEATMAP_COLUMNS`` sampled steps)."""
-        for stat in self.heatmap_stats:
+        for stat in self.output_config.heatmap_stats:
             if stat in values:
                 column = self._heatmap.setdefault(stat, deque(maxlen=HEATMAP_COLUMNS))
                 column.append((step, dict(values[stat])))

@@ -1,12 +1,14 @@
 """The one extension interface of a fit: every optional part is a :class:`Component`.
 
-:class:`~lightning_hookdiag.fit_run.FitRun` builds each from a factory registered with :func:`component` (``None``:
-not configured) and drives every one through the same calls, in this order within a window:
+:class:`~lightning_hookdiag.fit_run.FitRun` builds each from a factory marked with :func:`component` (``None``: not
+configured): the built-in ones listed in :mod:`lightning_hookdiag.builtins`, then those passed in the callback's
+``extensions=``. One :class:`Parts` drives every one through the same calls, in training and in a replay alike, in
+this order within a window:
 
 ``reset`` (a window opens) → per micro-batch ``observe_batch``, ``attach``, ``on_output`` / ``on_grad`` (per hooked
 tensor), ``end_forward``, ``end_micro_batch``, ``remove`` → ``fold`` (pool into the aggregator's states) →
-``finalize`` (pooled device values that join the one host transfer) → ``facts`` (host facts for the
-:class:`~lightning_hookdiag.logged_values.ObservedStep`).
+``finalize`` (pooled device values that join the one host transfer) → ``facts`` (the step's facts for the rules, by
+name: :class:`~lightning_hookdiag.rules.Observed`).
 
 A component that pools declares its states in its factory
 (:meth:`~lightning_hookdiag.aggregation.LayerStatsAggregator.add_state`) and adds into them with
@@ -31,8 +33,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -42,7 +44,7 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from lightning_hookdiag.aggregation import LayerStatsAggregator
 
-__all__ = ["FACTORIES", "Component", "FitConfig", "Setup", "WindowStart", "call_all", "component"]
+__all__ = ["Component", "ComponentFactory", "FitConfig", "Parts", "Setup", "WindowStart", "call_all", "component"]
 
 TensorSink = Callable[[int, Tensor], None]
 
@@ -116,6 +118,8 @@ class Component:
     logged: ClassVar[tuple[str, ...]] = ()
     """Per-layer statistics :meth:`finalize` returns that are logged like the opt-in ones (``<prefix>/<stat>/<layer>``,
     in windows that observe layers; NaN: undefined, not logged). Those of ``stats=`` are named by the plan."""
+    provides: ClassVar[tuple[str, ...]] = ()
+    """The names of the facts :meth:`facts` returns: what a rule's ``reads`` may name besides the engine's."""
     _exits: ExitStack | None = None
 
     def reset(self, window: WindowStart) -> None:
@@ -170,23 +174,124 @@ class Component:
         return {}
 
     def facts(self, host: Mapping[str, list[float]]) -> dict[str, Any]:
-        """:class:`~lightning_hookdiag.logged_values.ObservedStep` fields this component fills, from the host values."""
+        """The step's facts this component gathers, by the names in :attr:`provides`, from the host values.
+
+        A rule reads them by name (``ctx.fact(name)``, or ``ctx.stat(name)`` for a per-name number it does not log).
+        """
         return {}
+
+
+class Parts:
+    """Drives a fit's components through the whole protocol: the one place each call is made, replays included.
+
+    The hook set holds it as its one companion, so it attaches, ends micro-batches and removes with the hook set's
+    own hooks; :meth:`replaying` narrows those three calls to the components that watch replays (:attr:`replays`)
+    while a tripped step is replayed. Calls that remove hooks are made on every component, also after one raised.
+
+    Args:
+        components: The fit's components, in the order of their factories.
+    """
+
+    def __init__(self, components: Sequence[Component]) -> None:
+        self.all = tuple(components)
+        # Those that watch replays attach first: the order the hook set and the run attached them in before.
+        self._training = (*(c for c in self.all if c.replays), *(c for c in self.all if not c.replays))
+        self._replaying = tuple(c for c in self.all if c.replays)
+        self._live = self._training
+
+    @contextmanager
+    def replaying(self) -> Iterator[None]:
+        """Within the block, attach, end and remove only the components that watch replays."""
+        self._live = self._replaying
+        try:
+            yield
+        finally:
+            self._live = self._training
+
+    @property
+    def logged(self) -> tuple[str, ...]:
+        """The per-layer statistics the components declare (:attr:`Component.logged`), each once."""
+        return tuple(dict.fromkeys(s for c in self.all for s in c.logged))
+
+    @property
+    def provides(self) -> frozenset[str]:
+        """The names of the facts the components gather (:attr:`Component.provides`)."""
+        return frozenset(name for c in self.all for name in c.provides)
+
+    @property
+    def wants_grads(self) -> bool:
+        """Whether a component takes output gradients (the hook set then hooks them)."""
+        return any(c.on_grad is not None for c in self.all)
+
+    def reset(self, window: WindowStart) -> None:
+        """A window opens."""
+        for c in self.all:
+            c.reset(window)
+
+    def observe_batch(self, batch: Any) -> None:
+        """A sampled training micro-batch starts with ``batch``."""
+        for c in self.all:
+            c.observe_batch(batch)
+
+    def attach(self) -> None:
+        """Attach the live components (after the hook set's hooks)."""
+        for c in self._live:
+            c.attach()
+
+    def end_forward(self, loss: Tensor | None) -> None:
+        """The micro-batch's forward is over."""
+        for c in self.all:
+            c.end_forward(loss)
+
+    def end_micro_batch(self) -> None:
+        """The micro-batch (or an optimizer closure) ran to its end: the live components keep what it measured."""
+        call_all([c.end_micro_batch for c in self._live])
+
+    def remove(self) -> None:
+        """Remove the live components' hooks, all also after an error; an unfinished measurement is dropped."""
+        call_all([c.remove for c in self._live])
+
+    def fold(self) -> None:
+        """Pool this process's window into the registered states."""
+        for c in self.all:
+            c.fold()
+
+    def finalize(self, pooled: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Every component's device values, by name."""
+        return {k: v for c in self.all for k, v in c.finalize(pooled).items()}
+
+    def facts(self, host: Mapping[str, list[float]]) -> dict[str, Any]:
+        """Every component's facts of the step, by name."""
+        return {k: v for c in self.all for k, v in c.facts(host).items()}
 
 
 Factory = Callable[[Setup], Component | None]
 
-FACTORIES: list[Factory] = []
-"""The registered factories, in registration order (the order components are driven in)."""
 
+@dataclass(frozen=True)
+class ComponentFactory:
+    """A factory marked with :func:`component`: each fit calls it once with its :class:`Setup` and drives the result.
 
-def component(factory: Factory) -> Factory:
-    """Register ``factory`` (a decorator): every fit calls it once and drives what it returns, unless ``None``.
-
-    Remove it again with ``FACTORIES.remove(factory)``.
+    Attributes:
+        make: Returns the fit's component, or ``None`` when the fit's configuration does not ask for it.
     """
-    FACTORIES.append(factory)
-    return factory
+
+    make: Factory
+
+    def __call__(self, setup: Setup) -> Component | None:
+        """The fit's component, or ``None``."""
+        return self.make(setup)
+
+
+def component(factory: Factory) -> ComponentFactory:
+    """Mark ``factory`` as a component factory (a decorator); it registers nothing.
+
+    The built-in factories are listed in :mod:`lightning_hookdiag.builtins`; a user's is passed to the callback in
+    ``extensions=`` and runs in that callback's fits only.
+    """
+    if not callable(factory):
+        raise TypeError(f"component: expected a factory (a callable taking a Setup), got {factory!r}")
+    return ComponentFactory(factory)
 
 
 def call_all(calls: Iterable[Callable[[], object]]) -> None:

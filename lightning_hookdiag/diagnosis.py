@@ -7,14 +7,24 @@ callback routes what it gets back (keeps the findings, warns, raises or stops). 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from lightning_hookdiag.rules import AlertState, Baseline, Finding, RuleConfig, evaluate, values_from_metrics
+from lightning_hookdiag.rules import (
+    BUILTIN_RULES,
+    AlertState,
+    Baseline,
+    Finding,
+    Memory,
+    Observed,
+    Rule,
+    RuleConfig,
+    evaluate,
+    values_from_metrics,
+)
 from lightning_hookdiag.trends import History
 
 if TYPE_CHECKING:
-    from lightning_hookdiag.logged_values import ObservedStep
     from lightning_hookdiag.step_state import Trip
 
 __all__ = ["Diagnosed", "Diagnosis"]
@@ -28,53 +38,43 @@ class Diagnosed(NamedTuple):
 
 
 class Diagnosis:
-    """Evaluate the rules (``config``) on each sampled (or tripped) step, with what earlier steps left behind."""
+    """Evaluate the rules (``config``) on each sampled (or tripped) step, with what earlier steps left behind.
 
-    def __init__(self, config: RuleConfig) -> None:
+    Args:
+        config: Which rules run, and their thresholds.
+        rules: Every rule of the callback: the built-ins, then its extension rules.
+
+    Raises:
+        ValueError: If ``config.enabled`` names a rule not in ``rules`` (:meth:`RuleConfig.select`).
+    """
+
+    def __init__(self, config: RuleConfig, rules: Sequence[Rule] = BUILTIN_RULES) -> None:
         self.config = config
-        self.alerts = AlertState()  # the active (rule, layer) pairs, and every rule's finding count
+        self.rules = tuple(rules)
+        self.enabled = config.select(self.rules)  # checked here: an unknown name fails when the callback is built
+        self.alerts = AlertState(self.rules)  # the active (rule, layer) pairs, and every rule's finding count
         self.baseline: Baseline | None = None  # the last step evaluated without a trip: what loss_spike compares with
         self.last_finite: dict[str, int] = {}  # parameter name to the last evaluated step its param_norm was finite
         self.history = History(4 * config.trend_window)  # for the trend rules: logit_drift looks back 4 windows
 
-    def step(
-        self,
-        values: Mapping[str, Mapping[str, float]],
-        observed: ObservedStep,
-        layer_types: Mapping[str, str] | None = None,
-    ) -> Diagnosed:
-        """Evaluate ``values`` with the orders and facts of ``observed`` (:func:`~lightning_hookdiag.rules.evaluate`).
+    def step(self, observed: Observed) -> Diagnosed:
+        """Evaluate ``observed`` with this object's memory (:func:`~lightning_hookdiag.rules.evaluate`).
 
         Call it once per evaluated step. Its values become the :attr:`baseline` unless the sentinel tripped on it (a
-        spike is not compared with itself next time); this class supplies the rest of ``evaluate``'s memory.
+        spike is not compared with itself next time).
         """
-        step, trip = observed.step, observed.trip
-        findings = evaluate(
-            values,
-            observed.forward_order,
-            observed.backward_order,
-            step,
-            self.config,
-            layer_types,
-            trip=trip,
-            baseline=self.baseline,
-            last_finite=self.last_finite,
-            missing_grads=observed.missing_grads,
-            eval_mode=observed.eval_mode,
-            param_facts=observed.param_facts,
-            history=self.history,
-            unregistered=observed.unregistered,
-            participation=observed.participation,
-        )
+        step, values = observed.step, observed.values
+        memory = Memory(self.baseline, self.last_finite, self.history)
+        findings = evaluate(observed, memory, self.config, rules=self.rules)
         self.history.push(step, values)
         self.last_finite |= {name: step for name, norm in values.get("param_norm", {}).items() if math.isfinite(norm)}
-        if trip is None:
+        if observed.facts.get("trip") is None:
             self.baseline = Baseline(step, values)
         return Diagnosed(findings, self.alerts.update(findings))
 
     def traces(self, trip: Trip) -> bool:
         """Whether to trace a tripped step's NaN/Inf to the module that made it (only rule ``nonfinite`` reads it)."""
-        return trip.kind != "loss_spike" and "nonfinite" in self.config.rule_names
+        return trip.kind != "loss_spike" and any(r.name == "nonfinite" for r in self.enabled)
 
     def state_dict(self) -> dict[str, Any]:
         """``{"alerts": ..., "last_finite": ..., "history": ...}``, JSON types only: the keys of the callback's state.

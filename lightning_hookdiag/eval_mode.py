@@ -18,7 +18,7 @@ from lightning_hookdiag.components import Component, Setup, WindowStart, compone
 from lightning_hookdiag.selection import named_modules
 from lightning_hookdiag.torch_internals import DROPOUT_BASE, MODE_DEPENDENT
 
-__all__ = ["EvalModeWatch", "eval_mode_modules", "mode_dependent_modules"]
+__all__ = ["EvalModeWatch", "eval_mode_modules", "eval_mode_watch", "mode_dependent_modules"]
 
 
 def mode_dependent_modules(root: nn.Module) -> dict[str, tuple[nn.Module, nn.Module]]:
@@ -62,6 +62,7 @@ class EvalModeWatch(Component):
     """
 
     replays = False
+    provides = ("eval_mode",)
 
     def __init__(self, root: nn.Module) -> None:
         self._candidates = mode_dependent_modules(root)
@@ -92,5 +93,6 @@ class EvalModeWatch(Component):
 
 
 @component
-def _eval_mode(setup: Setup) -> EvalModeWatch | None:
+def eval_mode_watch(setup: Setup) -> EvalModeWatch | None:
+    """The fit's :class:`EvalModeWatch`, when rule ``eval_mode`` is enabled."""
     return EvalModeWatch(setup.model) if "eval_mode" in setup.config.rules else None

@@ -9,7 +9,6 @@ state, so the callback pickles after a fit, also a failed one.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -19,11 +18,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-# The optional parts register their components when imported.
-from lightning_hookdiag import batches, eval_mode, kurtosis, precision, precursor_probes, saved_memory, unregistered  # noqa: F401
-from lightning_hookdiag import participation as _participation  # noqa: F401  (issue 38's facts read at the step)
 from lightning_hookdiag.aggregation import LayerOrders, LayerStatsAggregator, agreed_orders
-from lightning_hookdiag.components import FACTORIES, Component, FitConfig, Setup, WindowStart, call_all
+from lightning_hookdiag.builtins import COMPONENTS, NO_EXTENSIONS, Extensions, every_rule
+from lightning_hookdiag.components import Component, FitConfig, Parts, Setup, WindowStart, call_all
 from lightning_hookdiag.distributed import all_reduce_max
 from lightning_hookdiag.hooks import HookSet
 from lightning_hookdiag.inplace import ReplayWriteLimit
@@ -36,6 +33,7 @@ from lightning_hookdiag.logged_values import (
     histogram_series,
     late_note,
     opt_in_note,
+    parameter_facts,
     step_notes,
     step_values,
     undefined_note,
@@ -52,7 +50,8 @@ from lightning_hookdiag.params import (
 from lightning_hookdiag.participation import model_picture
 from lightning_hookdiag.provenance import NonFiniteTrace, nonfinite_in_batch
 from lightning_hookdiag.recorder import StepRecorder
-from lightning_hookdiag.rules.registry import any_reads
+from lightning_hookdiag.rules.context import CORE_FACTS, MEMORY, Observed
+from lightning_hookdiag.rules.registry import Rule, reads_any
 from lightning_hookdiag.selection import excluded_names, resolve_layers
 from lightning_hookdiag.sentinel import MicroBatch, NoSentinel, Sentinel, capture_rng, replay_step
 from lightning_hookdiag.stats import accumulation_dtype
@@ -132,6 +131,7 @@ class FitRun:
         trainer_precision: str | int | None,
         sharded: Sharded,
         sentinel: Sentinel | None = None,
+        extensions: Extensions = NO_EXTENSIONS,
     ) -> None:
         # None (no type filter) is the empty filter to resolve_layers.
         modules = resolve_layers(pl_module, config.layers, config.layer_types or (), config.exclude)
@@ -152,6 +152,8 @@ class FitRun:
         )
         device = getattr(pl_module, "device", None)
         device = device if isinstance(device, torch.device) else torch.device("cpu")
+        dead_unit_layers = [i for i, m in enumerate(modules.values()) if isinstance(m, config.dead_unit_types)]
+        unit_layers = frozenset(dead_unit_layers if "act_dead_frac" in wanted else ())
         self.plan: OptInPlan = plan_opt_in(config.stats, config.precision_targets, trainer_precision)
         self.aggregator = LayerStatsAggregator(
             len(modules),
@@ -159,26 +161,33 @@ class FitRun:
             dtype=accumulation_dtype(device),
             sharded_params=sharded(params),
             histogram_bins=config.histogram_bins if config.histogram_every_n_steps else 0,
+            unit_layers=unit_layers,
         ).to(device)
         setup = Setup(config=config, model=pl_module, modules=modules, plan=self.plan, aggregator=self.aggregator)
-        self.components: list[Component] = [c for factory in FACTORIES if (c := factory(setup)) is not None]
-        """Every configured optional part; those that watch replays are the hook set's companions."""
-        self.unreplayed = [c for c in self.components if not c.replays]  # attached and removed by the run itself
-        self.logged = (*self.plan.logged, *(s for c in self.components for s in c.logged if s not in self.plan.logged))
+        made = [factory(setup) for factory in (*COMPONENTS, *extensions.components)]
+        self.components: list[Component] = [c for c in made if c is not None]
+        """Every configured optional part: the built-in ones, then the extensions'."""
+        self.parts = Parts(self.components)  # drives them all; the hook set's one companion
+        self.rules: list[Rule] = [r for r in every_rule(extensions) if r.name in config.rules]
+        """The enabled rules: the facts are gathered for them."""
+        _check_reads(self.rules, self.parts.provides)
+        self.logged = (*self.plan.logged, *(s for s in self.parts.logged if s not in self.plan.logged))
         """Per-layer statistics beyond the default ones: the plan's, then those components declare."""
-        dead_unit_layers = [i for i, m in enumerate(modules.values()) if isinstance(m, config.dead_unit_types)]
         self.recorder = StepRecorder(
-            self.aggregator,
+            len(modules),
             moments=bool(wanted & set(MOMENT_STATS)),
-            unit_layers=frozenset(dead_unit_layers if "act_dead_frac" in wanted else ()),
+            unit_layers=unit_layers,
             unit_dim=config.unit_dim,
             names=self.layer_names,
             stack_small=True,
             components=self.components,
+            histogram_bins=config.histogram_bins if config.histogram_every_n_steps else 0,
+            dtype=self.aggregator.acc_dtype,
+            device=device,
         )
-        grads = wanted & set(GRADIENT_STATS) or any(c.on_grad is not None for c in self.components)
+        grads = wanted & set(GRADIENT_STATS) or self.parts.wants_grads
         on_grad = self.recorder.on_grad if grads else None
-        self.hooks = HookSet(modules, None, on_grad, self.recorder.on_tensor, [c for c in self.components if c.replays])
+        self.hooks = HookSet(modules, None, on_grad, self.recorder.on_tensor, [self.parts])
         snapshot = "param_update_ratio" in wanted
         self.tracker = ParameterTracker(params, snapshot=snapshot, dtype=self.aggregator.acc_dtype) if params else None
         self.keys = KeyCache(config.prefix, len(modules))
@@ -267,7 +276,7 @@ class FitRun:
             return checked
         self.end_closure()
         # Membership says nothing where the optimizers hold copies of the parameters.
-        watch = any_reads("param_facts", self.config.rules) and loop.holds_parameters()
+        watch = reads_any("param_facts", self.rules) and loop.holds_parameters()
         self.before_optimizer_step(optimizer, loop.optimizers(), scale, watch, loop.schedule(optimizer))
         return checked
 
@@ -346,7 +355,8 @@ class FitRun:
         trace = NonFiniteTrace(self.model) if plan.trace or plan.action == "trace" else None
         if plan.action == "replay":  # into a new window; the hook set attaches the components that watch replays
             self.open_window(step, last_metrics)
-            failure = self._rerun(loop, self.hooks, trace)
+            with self.parts.replaying():
+                failure = self._rerun(loop, self.hooks, trace)
             # Every process must agree, or the pooled statistics' collectives would not match.
             if all_reduce_max(torch.tensor([float(failure is not None)], device=self.device())).item() > 0:
                 self.discard_window()
@@ -384,11 +394,8 @@ class FitRun:
         They record until one of ``optimizers`` has stepped, or :meth:`after_backward` outside a step; without
         ``optimizers`` (manual optimization), until :meth:`end_micro_batch` (``docs/integrations.md``).
         """
-        for c in self.components:
-            c.observe_batch(batch)
-        self.hooks.attach()
-        for c in self.unreplayed:
-            c.attach()
+        self.parts.observe_batch(batch)
+        self.hooks.attach()  # and the components (its companion)
         self._stepping = False
         for optimizer in optimizers:
             self._step_handles.append(optimizer.register_step_pre_hook(self._step_starts))
@@ -411,14 +418,12 @@ class FitRun:
 
     def end_forward(self, loss: Tensor | None = None) -> None:
         """The micro-batch's forward is over (``loss``: what is back-propagated); forward watchers leave."""
-        for c in self.components:
-            c.end_forward(loss)
+        self.parts.end_forward(loss)
 
     def stop_recording(self) -> None:
         """Remove the micro-batch's hooks, all of them also after an error; the components keep what they measured."""
         if self.hooks.attached:  # a sampled micro-batch (an unsampled step pays for nothing below)
-            ends = [call for c in self.unreplayed for call in (c.end_micro_batch, c.remove)]
-            call_all([functools.partial(self.hooks.remove, finished=True), *ends])
+            self.hooks.remove(finished=True)
 
     def end_micro_batch(self) -> None:
         """The micro-batch is over: :meth:`stop_recording`; remove the optimizers' step hooks, even after an error."""
@@ -439,7 +444,7 @@ class FitRun:
 
     def detach(self) -> None:
         """Remove every hook, also after an error; an interrupted micro-batch's measurements are dropped. Idempotent."""
-        call_all([self.hooks.remove, self._remove_step_handles, *(c.remove for c in self.unreplayed)])
+        call_all([self.hooks.remove, self._remove_step_handles])
 
     def open_window(self, step: int, last_metrics: Mapping[str, float], layers: bool = True) -> None:
         """Open the window of ``step`` (``layers=False``: parameters only) after ``last_metrics``, the last logged."""
@@ -452,9 +457,7 @@ class FitRun:
         def previous(stat: str) -> list[float]:
             return [last_metrics.get(key, 0.0) for key in self.keys.keys(stat, self.layer_names)]
 
-        start = WindowStart(self.aggregator.act_moments.device, previous)
-        for c in self.components:
-            c.reset(start)
+        self.parts.reset(WindowStart(self.aggregator.act_moments.device, previous))
 
     def follow_names(self) -> None:
         """Name each tracked parameter as its module names it now, after a reparametrisation (docs/statistics.md#names).
@@ -524,8 +527,8 @@ class FitRun:
         if measured is not None:
             self.aggregator.update(params=(measured[0], measured[1], slice(None)))
 
-    def results(self, observed: ObservedStep) -> tuple[dict[str, float], dict[str, dict[str, float]], list[Note]]:
-        """The step's logged metrics, the rules' values and its one-time notes (``step_values``, ``step_notes``)."""
+    def results(self, observed: ObservedStep) -> tuple[dict[str, float], Observed, list[Note]]:
+        """The step's logged metrics, the step as the rules read it and its one-time notes (``step_values``, ...)."""
         metrics, values = step_values(
             observed,
             keys=self.keys,
@@ -540,7 +543,18 @@ class FitRun:
         default = self.config.layers is None
         notes = step_notes(observed, self.layer_names, default_selection=default, quiet_not_run=self.quiet_not_run)
         undefined = undefined_note(observed, self.param_names)
-        return metrics, values, [*notes, *([undefined] if undefined is not None else [])]
+        facts = {
+            **observed.facts,
+            "forward_order": observed.forward_order,
+            "backward_order": observed.backward_order,
+            "trip": observed.trip,
+            "layer_types": self.layer_types,
+        }
+        return (
+            metrics,
+            Observed(observed.step, values, facts),
+            [*notes, *([undefined] if undefined is not None else [])],
+        )
 
     def collect(self, last_order: Sequence[str] = (), before_update: bool = False) -> ObservedStep:
         """Close the open window: pool it, reduce it over processes and read it back in one host transfer.
@@ -553,10 +567,9 @@ class FitRun:
         assert window is not None, "collect() needs an open window"
         agg, recorder, hooks = self.aggregator, self.recorder, self.hooks
         updated = None if self.tracker is None or before_update else self.tracker.after_step()
-        for c in self.components:
-            c.fold()
-        recorder.flush()  # the stacked small outputs and gradients, before the fold
-        agg.update(params=None if updated is None else (updated[0], updated[1], P_UPDATE_SQ))
+        self.parts.fold()
+        # The recorder's rows of the step, handed down: one update per window.
+        agg.update(recorder.take(), params=None if updated is None else (updated[0], updated[1], P_UPDATE_SQ))
         own = LayerOrders(hooks.fired_order, hooks.grad_order, hooks.missing_grad_layers())
         agg.agree_orders(own)  # every process must hold the same orders, so the same depths and findings
         values = agg.pooled()  # reduced over processes: one SUM and one MAX all-reduce (aggregation.py)
@@ -575,7 +588,7 @@ class FitRun:
             names += ["act_hist", "grad_hist"]
         if "layer_orders" in values:  # agreed over processes
             names.append("layer_orders")
-        finalized = {k: v for c in self.components for k, v in c.finalize(values).items()}
+        finalized = self.parts.finalize(values)
         values.update(finalized)
         # An opt-in statistic is read back only where it is logged (not in a parameter-only window).
         names += [name for name in finalized if name not in names and name not in self.logged]
@@ -583,14 +596,14 @@ class FitRun:
         flat = iter(torch.cat(parts).tolist())  # the one host transfer
         host = {name: list(itertools.islice(flat, part.numel())) for name, part in zip(names, parts, strict=True)}
         orders = agreed_orders(host.pop("layer_orders"), len(self.layer_names)) if "layer_orders" in host else own
-        found = {k: v for c in self.components for k, v in c.facts(host).items()}
+        param_facts = self.watch.facts(self.param_names, self.tracker.params) if self.tracker is not None else {}
         observed = ObservedStep(
             step=window.step,
             layers=window.layers,
             trip=window.trip,
             host=host,
             wanted=wanted,
-            facts=StepFacts(
+            unobserved=StepFacts(
                 unit_mismatch=frozenset(agg.unit_mismatch),
                 no_float=frozenset(recorder.no_float_output),
                 sparse=frozenset(recorder.sparse_output),
@@ -600,11 +613,14 @@ class FitRun:
             ),
             forward_order=[hooks.names[i] for i in orders.forward] if window.layers else list(last_order),
             backward_order=[hooks.names[i] for i in orders.backward],
-            # The whole window's, replays included (rule no_gradient); missed on any process.
-            missing_grads=[hooks.names[i] for i in orders.missing_grads],
-            param_facts=self.watch.facts(self.param_names, self.tracker.params) if self.tracker is not None else {},
-            histogram_edges=agg.histogram_edges_host if recorder.histograms else None,
-            **found,
+            facts={
+                # The whole window's, replays included (rule no_gradient); missed on any process.
+                "missing_grads": [hooks.names[i] for i in orders.missing_grads],
+                "param_facts": param_facts,
+                **parameter_facts(host, self.param_names),
+                **self.parts.facts(host),
+            },
+            histogram_edges=recorder.histogram_edges_host if recorder.histograms else None,
         )
         self.discard_window()  # the window is closed and read: this resets what it leaves behind
         return observed
@@ -618,6 +634,14 @@ class FitRun:
                 self.discard_window()
             finally:
                 self.end_step()
+
+
+def _check_reads(rules: Sequence[Rule], provided: frozenset[str]) -> None:
+    """Raise for a fact an enabled rule reads that neither the engine nor a component gathers (a misspelt name)."""
+    known = CORE_FACTS | MEMORY | provided
+    for r in rules:
+        if unknown := sorted({*r.reads, *r.uses} - known):
+            raise ValueError(f"rule {r.name!r}: reads={unknown} names no fact of the step; facts: {sorted(known)}")
 
 
 def _homes(root: nn.Module, params: Sequence[nn.Parameter]) -> list[tuple[nn.Module, str]]:

@@ -10,16 +10,16 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_hookdiag.components import Component, call_all
+from lightning_hookdiag.components import call_all
 from lightning_hookdiag.torch_internals import in_backward
 
-__all__ = ["HookSet", "first_floating_tensor", "module_hook", "tensors"]
+__all__ = ["Companion", "HookSet", "first_floating_tensor", "module_hook", "tensors"]
 
 
 def module_hook(method: Callable[..., Any], *args: Any) -> Callable[..., Any]:
@@ -72,7 +72,7 @@ def sink_mode() -> Iterator[None]:
     """What a sink runs under: no grad, and never inference mode.
 
     A module may run under ``torch.inference_mode()`` in a sampled step (a target computed inside ``training_step``);
-    scratch a sink keeps across calls (the aggregator's call table) must not become an inference tensor there (reading
+    scratch a sink keeps across calls (the recorder's call table) must not become an inference tensor there (reading
     one outside inference mode is allowed).
     """
     # Entered only when needed: inference_mode(False) also resets the forward-AD and multithreading modes.
@@ -107,6 +107,19 @@ def _exit_eager() -> None:
             restore.__exit__(None, None, None)
 
 
+class Companion(Protocol):
+    """What a hook set drives beside its own hooks (a :class:`~lightning_hookdiag.components.Component` is one)."""
+
+    def attach(self) -> None:
+        """Install its hooks."""
+
+    def end_micro_batch(self) -> None:
+        """Keep what the micro-batch measured."""
+
+    def remove(self) -> None:
+        """Remove its hooks; idempotent."""
+
+
 class HookSet:
     """Forward hooks (and optional output-gradient hooks) on a fixed, ordered set of modules.
 
@@ -121,7 +134,8 @@ class HookSet:
             requires grad.
         on_tensor: Like ``on_output``, with the output's first floating-point tensor (``None``: it has none).
         companions: Attached after this set's hooks, told the end of each micro-batch and removed with them: one
-            lifecycle covers every hook of a sampled micro-batch, replays included.
+            lifecycle covers every hook of a sampled micro-batch, replays included (a fit's one companion is its
+            :class:`~lightning_hookdiag.components.Parts`).
 
     Example:
         >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
@@ -145,11 +159,11 @@ class HookSet:
         on_output: Callable[[int, Any], None] | None,
         on_grad: Callable[[int, Tensor], None] | None = None,
         on_tensor: Callable[[int, Tensor | None], None] | None = None,
-        companions: Sequence[Component] = (),
+        companions: Sequence[Companion] = (),
     ) -> None:
         self.names: list[str] = list(modules)
         self.modules: list[nn.Module] = list(modules.values())
-        self.companions: tuple[Component, ...] = tuple(companions)
+        self.companions: tuple[Companion, ...] = tuple(companions)
         self._on_output, self._on_grad, self._on_tensor = on_output, on_grad, on_tensor
         self.attached = False
         """Whether hooks are registered (between :meth:`attach` and :meth:`remove`, also for no module)."""

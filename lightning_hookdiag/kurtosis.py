@@ -21,7 +21,7 @@ from lightning_hookdiag.components import Component, Setup, WindowStart, compone
 from lightning_hookdiag.opt_in import layer_sums
 from lightning_hookdiag.stats import chunked_sum
 
-__all__ = ["POWER_SLOTS", "Outliers", "finalize_kurtosis", "power_sums"]
+__all__ = ["POWER_SLOTS", "Outliers", "finalize_kurtosis", "outliers", "power_sums"]
 
 POWER_SLOTS = 5
 """Length of a :func:`power_sums` vector: ``[count, S1, S2, S3, S4]``."""
@@ -103,6 +103,7 @@ class Outliers(Component):
 
 
 @component
-def _outliers(setup: Setup) -> Outliers | None:
+def outliers(setup: Setup) -> Outliers | None:
+    """The fit's :class:`Outliers`, when ``act_kurtosis`` or ``act_absmax_over_std`` is in ``stats=``."""
     kurtosis, ratio = ("act_kurtosis" in setup.config.stats), ("act_absmax_over_std" in setup.config.stats)
     return Outliers(setup.aggregator, kurtosis, ratio) if kurtosis or ratio else None

@@ -12,11 +12,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lightning_hookdiag.keys import depth_of, name_key, step_key, tag, tag_width
-from lightning_hookdiag.names import BATCH
 from lightning_hookdiag.vocabulary import PER_PARAMETER_STATS, PRECURSOR_STATS, SUMMARIES, counted_by_gradient
 
 if TYPE_CHECKING:
-    from lightning_hookdiag.rules import ParamFacts
     from lightning_hookdiag.step_state import Trip
 
 __all__ = [
@@ -30,6 +28,7 @@ __all__ = [
     "late_note",
     "no_logger_note",
     "opt_in_note",
+    "parameter_facts",
     "step_notes",
     "step_values",
     "undefined_note",
@@ -113,8 +112,8 @@ class StepFacts(NamedTuple):
 class ObservedStep:
     """One finished window, read back to the host: what the callback logs and the rules read.
 
-    ``step``, ``trip`` and the orders and facts the rules read are the arguments of
-    :func:`~lightning_hookdiag.rules.evaluate` of the same names.
+    ``facts`` is the step's one mapping of facts by name (:attr:`~lightning_hookdiag.rules.Observed.facts`): the
+    engine's (``missing_grads``, ``param_facts``, the rules' per-name numbers) and every component's.
     """
 
     step: int
@@ -122,16 +121,11 @@ class ObservedStep:
     trip: Trip | None
     host: dict[str, list[float]]  # the pooled values by name, one list per statistic (step_values)
     wanted: list[str]  # the statistics to log, in order
-    facts: StepFacts  # what the step could not observe
+    unobserved: StepFacts  # what the step could not observe
     forward_order: list[str]
     backward_order: list[str]
-    missing_grads: list[str]
-    param_facts: dict[str, ParamFacts]
+    facts: dict[str, Any] = field(default_factory=dict)
     histogram_edges: list[float] | None = None  # the inner bin edges, when the step logs histograms
-    precursors: dict[str, list[str]] = field(default_factory=dict)  # statistic to the names of its values
-    eval_mode: dict[str, str] = field(default_factory=dict)
-    unregistered: dict[str, list[str]] = field(default_factory=dict)
-    participation: dict[str, Any] = field(default_factory=dict)  # participation.py's facts
 
 
 def step_values(
@@ -154,9 +148,8 @@ def step_values(
 
     Args:
         observed: Its ``host`` holds every name of ``wanted``, ``count``, ``grad_count``, ``param_seen`` and
-            ``grad_norm_total`` (and ``param_norm`` when ``param_update_ratio`` is wanted); optionally what only the
-            rules read (``stale_grad_sq``, ``batch_rows``, ``param_norm_min``) and the precursors (a NaN value: not
-            seen; an owner ``""``: no module).
+            ``grad_norm_total`` (and ``param_norm`` when ``param_update_ratio`` is wanted), and the precursors its
+            fact ``precursors`` names (a NaN value: not seen; an owner ``""``: no module).
         keys: Formats the keys.
         layer_names: The observed modules, in the order of the per-layer rows.
         param_names: The tracked parameters, in the order of the per-parameter rows.
@@ -196,7 +189,8 @@ def step_values(
         metrics.update(_summaries(keys, stat, shown.values()))
         if stat not in zero_quiet or any(v != 0 for v in shown.values()):
             metrics.update(shown)
-    for stat, owners in observed.precursors.items():
+    precursors: Mapping[str, list[str]] = observed.facts.get("precursors", {})
+    for stat, owners in precursors.items():
         group = {n: v for n, v in zip(owners, host[stat], strict=True) if n and v == v}  # NaN: not observed
         if group:
             values[stat] = group
@@ -204,15 +198,24 @@ def step_values(
                 metrics.update({keys.key(stat, n): v for n, v in group.items()})
     if total and any(s > 0 for s in seen):
         metrics[keys.key("grad_norm_total")] = host["grad_norm_total"][0]
-    if "stale_grad_sq" in host:  # passed to the rules, not logged: it is 0 on every healthy step
-        held = zip(param_names, host["stale_grad_sq"], strict=True)
-        values["param_stale_grad_norm"] = {name: math.sqrt(sq) for name, sq in held if sq != 0}
-    if "batch_rows" in host and host["batch_rows"][0] > 0:  # for the rules, not logged: a fact of the batch
-        values["batch_repeated"] = {BATCH: 1.0 if host["batch_rows"][1] == 0 else 0.0}
-    if "param_norm_min" in host:  # not logged: what replica_divergence compares param_norm with
-        present_min = zip(param_names, host["param_norm_min"], seen, strict=True)
-        values["param_norm_min"] = {name: low for name, low, s in present_min if s > 0}
     return metrics, values
+
+
+def parameter_facts(host: Mapping[str, list[float]], param_names: Sequence[str]) -> dict[str, dict[str, float]]:
+    """The per-parameter numbers the rules read but the step does not log, from the host values where present.
+
+    ``param_stale_grad_norm`` (from ``stale_grad_sq``: 0 on every healthy step, so only the others) and
+    ``param_norm_min`` (the smallest ``param_norm`` over processes, of the parameters measured), which
+    ``replica_divergence`` compares ``param_norm`` with.
+    """
+    facts: dict[str, dict[str, float]] = {}
+    if "stale_grad_sq" in host:
+        held = zip(param_names, host["stale_grad_sq"], strict=True)
+        facts["param_stale_grad_norm"] = {name: math.sqrt(sq) for name, sq in held if sq != 0}
+    if "param_norm_min" in host:
+        present_min = zip(param_names, host["param_norm_min"], host["param_seen"], strict=True)
+        facts["param_norm_min"] = {name: low for name, low, s in present_min if s > 0}
+    return facts
 
 
 def _logged(stat: str, host: Mapping[str, list[float]], present: Sequence[bool]) -> list[bool]:
@@ -331,7 +334,7 @@ def step_notes(
             that it did not run is an info note, not a warning.
         quiet_not_run: Modules whose not running is a note, not a warning (no parameters of their own).
     """
-    step, host, facts = observed.step, observed.host, observed.facts
+    step, host, facts = observed.step, observed.host, observed.unobserved
     kinds = ("unit_mismatch", "no_float", "sparse", "nested")
     unobservable = {kind: [layer_names[i] for i in sorted(getattr(facts, kind))] for kind in kinds}
     unobservable["sparse"].sort()  # by name, as the sparse notes always were; the others in layer order
@@ -351,7 +354,7 @@ def step_notes(
             notes.append(_layer_note("not_run", name, step, info=covered or name in quiet_not_run))
     # A note, not a warning: rule no_gradient reports the outputs that cut the network off from the gradient; the
     # others (a pooler under a token-level head) do not reach the loss by design.
-    notes += [_layer_note("no_grad", name, info=True) for name in observed.missing_grads]
+    notes += [_layer_note("no_grad", name, info=True) for name in observed.facts.get("missing_grads", ())]
     # A statistic that is not finite although its tensor held only finite values overflowed what it is held in
     # (docs/statistics.md#the-numeric-contract); NaN statistics of a layer that observed nothing are no overflow.
     for count_key, nonfinite_key, stats, what in _OVERFLOW_CHECKS:

@@ -34,6 +34,7 @@ __all__ = [
     "Participation",
     "RunRecord",
     "model_picture",
+    "participation_watch",
     "shadowed_attributes",
 ]
 
@@ -126,6 +127,7 @@ class Participation(Component):
     """
 
     replays = False
+    provides = ("stopped_layers", "trainable", "shadowed")
 
     def __init__(self, model: nn.Module, layers: list[str]) -> None:
         self.model = model
@@ -147,11 +149,9 @@ class Participation(Component):
         }
         params = owned_parameters(self.model)
         return {
-            "participation": {
-                "stopped_layers": stopped,
-                "trainable": frozenset(name for name, p in params.items() if p.requires_grad),
-                "shadowed": shadowed_attributes(params),
-            }
+            "stopped_layers": stopped,
+            "trainable": frozenset(name for name, p in params.items() if p.requires_grad),
+            "shadowed": shadowed_attributes(params),
         }
 
 
@@ -159,7 +159,8 @@ _RULES = frozenset({"stopped_running", "output_unused", "idle_optimizer", "shado
 
 
 @component
-def _participation(setup: Setup) -> Participation | None:
+def participation_watch(setup: Setup) -> Participation | None:
+    """The fit's :class:`Participation`, when one of the rules that read its facts is enabled."""
     if not _RULES & setup.config.rules:
         return None
     return Participation(setup.model, list(setup.modules))

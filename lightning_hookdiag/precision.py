@@ -24,7 +24,7 @@ from lightning_hookdiag.components import Component, Setup, TensorSink, componen
 from lightning_hookdiag.opt_in import PRECISION_TARGETS, layer_sums
 from lightning_hookdiag.stats import chunked_sum
 
-__all__ = ["PrecisionHeadroom", "finalize_precision", "precision_counts"]
+__all__ = ["PrecisionHeadroom", "finalize_precision", "precision_counts", "precision_headroom"]
 
 # Widened dtype -> (bit-pattern dtype, sign-clearing mask, pattern of +Inf).
 _BITS = {
@@ -118,6 +118,7 @@ class PrecisionHeadroom(Component):
 
 
 @component
-def _headroom(setup: Setup) -> PrecisionHeadroom | None:
+def precision_headroom(setup: Setup) -> PrecisionHeadroom | None:
+    """The fit's :class:`PrecisionHeadroom`, when the plan has precision targets."""
     act, grad = setup.plan.act_targets, setup.plan.grad_targets
     return PrecisionHeadroom(setup.aggregator, act, grad) if act or grad else None

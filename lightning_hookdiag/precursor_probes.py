@@ -36,6 +36,7 @@ __all__ = [
     "attention_scope",
     "eager_logit_absmax",
     "output_link",
+    "probes",
     "sdpa_logit_absmax",
 ]
 
@@ -239,6 +240,8 @@ class PrecursorProbes(Component):
         aggregator: Where the states are registered.
     """
 
+    provides = ("precursors",)
+
     def __init__(
         self,
         stats: Sequence[str],
@@ -411,7 +414,8 @@ class PrecursorProbes(Component):
 
 
 @component
-def _precursor_probes(setup: Setup) -> PrecursorProbes | None:
+def probes(setup: Setup) -> PrecursorProbes | None:
+    """The fit's :class:`PrecursorProbes`, when a precursor statistic is in ``stats=``."""
     config = setup.config
     if not set(PRECURSOR_STATS) & set(config.stats):
         return None

@@ -21,7 +21,7 @@ from lightning_hookdiag.components import Component, Setup, WindowStart, compone
 from lightning_hookdiag.hooks import module_hook
 from lightning_hookdiag.torch_internals import in_backward
 
-__all__ = ["SavedMemoryTracker"]
+__all__ = ["SavedMemoryTracker", "saved_bytes"]
 
 
 class SavedMemoryTracker(Component):
@@ -103,7 +103,8 @@ class SavedMemoryTracker(Component):
 
 
 @component
-def _saved_bytes(setup: Setup) -> SavedMemoryTracker | None:
+def saved_bytes(setup: Setup) -> SavedMemoryTracker | None:
+    """The fit's :class:`SavedMemoryTracker`, when ``act_saved_bytes`` is in ``stats=``."""
     wanted = "act_saved_bytes" in setup.config.stats
     return SavedMemoryTracker(setup.modules, setup.model, setup.aggregator) if wanted else None
 

@@ -146,8 +146,12 @@ class SpikeDetector:
             return self.start
         return statistics.median_low(self._early) if self._early else None
 
-    def observe(self, loss: float) -> bool:
-        """Test ``loss`` and record it as healthy if it did not trip; returns whether it tripped."""
+    def observe(self, loss: float, step: int | None = None) -> bool:
+        """Test ``loss`` and record it as healthy if it did not trip; returns whether it tripped.
+
+        ``step`` is the optimizer step the loss ends (``None`` outside a fit): this test does not need it; a subclass
+        passed as ``SentinelConfig(detector=...)`` may (a test that trips on chosen steps).
+        """
         spike = self.is_spike(loss)
         if not spike:
             self.record(loss)
@@ -233,7 +237,7 @@ class LossSentinel:
             kind, value = "nonfinite_loss", math.nan
         elif bad_grad:
             kind = "nonfinite_grad"
-        elif self.detector.observe(value):
+        elif self.detector.observe(value, step):
             kind = "loss_spike"
         if kind is None:
             self.last_finite_step = step

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -26,6 +27,7 @@ from lightning_hookdiag.vocabulary import ALL_STATS, OPT_IN_STATS
 
 __all__ = [
     "CHUNK_ELEMENTS",
+    "LayerRows",
     "Workspace",
     "accumulation_dtype",
     "activation_row",
@@ -37,7 +39,9 @@ __all__ = [
     "gradient_moments_from_rows",
     "gradient_row",
     "histogram_edges",
+    "host_values",
     "moments_from_rows",
+    "piece_sizes",
     "reduce_tensor",
     "resolve_names",
     "resolve_stats",
@@ -62,6 +66,44 @@ A piece costs a few kernel launches on an accelerator (a 64 M-element logits ten
 sampled step); on a CPU the passes after the first read it from cache (a 2 M-element output reduced 1.7x faster in
 pieces of 256 K than of 1 M).
 """
+
+
+class LayerRows(NamedTuple):
+    """One sampled step's statistics of every layer, as a recorder hands them to the pooled state.
+
+    Finished per-layer tensors, summed over every call, micro-batch and replay of the step on this process; the
+    pooled state adds them up (``act_moments``, ``grad_moments``, the histograms) or takes their maxima, then over
+    processes.
+    """
+
+    act_moments: Tensor
+    """``[n_layers, ACT_SLOTS]``: element count, non-zero, non-zero finite, sum, sum of squares (finite elements)."""
+    act_absmax: Tensor
+    """``[n_layers]`` float32: the largest finite ``|x|`` (0 where nothing ran)."""
+    grad_moments: Tensor
+    """``[n_layers, GRAD_SLOTS]``: element count, sum of squares (finite elements), non-finite count."""
+    units: dict[int, Tensor]
+    """Per-unit maxima (float32, :func:`unit_maxima`) of each unit layer that ran, by layer index."""
+    unit_mismatch: frozenset[int]
+    """Layers whose unit count changed on this process: their units are no longer recorded."""
+    act_hist: Tensor | None = None
+    """``[n_layers, bins]`` float32 counts of the outputs' finite values; ``None``: the step did not bin."""
+    grad_hist: Tensor | None = None
+    """The same, of the output gradients."""
+
+
+def host_values(values: Iterable[float], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 1-D tensor of host ``values`` on ``device``, without a stream synchronisation on CUDA.
+
+    A copy from pageable memory makes the host wait for the device's queue; a pinned one sent with ``non_blocking``
+    is queued like a kernel (torch keeps the pinned block alive until it is done).
+    """
+    host = torch.tensor(list(values), dtype=dtype)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def chunks(x: Tensor, limit: int | None = None) -> Iterator[Tensor]:
@@ -261,9 +303,21 @@ def gradient_row(g: Tensor, out: Tensor, workspace: Workspace | None = None, dim
     return torch.stack([nonzero, nonzero_finite, square_total], dim=-1, out=out)
 
 
+def piece_sizes(x: Tensor) -> list[int]:
+    """The element counts of :func:`chunks`' pieces of ``x``: the counts of the rows :func:`reduce_tensor` writes.
+
+    Example:
+        >>> piece_sizes(torch.zeros(10)), piece_sizes(torch.zeros(CHUNK_ELEMENTS + 1))
+        ([10], [262144, 1])
+    """
+    if x.numel() <= CHUNK_ELEMENTS:
+        return [x.numel()]  # the common case: no views made to count
+    return [piece.numel() for piece in chunks(x)]
+
+
 def reduce_tensor(
     x: Tensor,
-    row: Callable[[int], Tensor] | None,
+    out: Tensor | None,
     workspace: Workspace,
     grad: bool = False,
     units: bool = False,
@@ -272,13 +326,14 @@ def reduce_tensor(
 ) -> tuple[Tensor | None, Tensor | None]:
     """Every per-tensor reduction of one output (or gradient), in one pass over its pieces (:func:`chunks`).
 
-    ``row(n)`` is the caller's row for a piece of ``n`` elements, written by :func:`activation_row` (``grad``:
-    :func:`gradient_row`). Returns ``(unit maxima, histogram counts)``: :func:`unit_maxima` with ``units``, counts of
-    the finite elements in the ``len(edges) + 1`` bins with ``edges``, ``None`` where not asked for.
+    The one entry point from a tensor to its statistics: the recorder calls it and keeps what it writes and returns.
+    Row ``i`` of ``out`` receives piece ``i``'s :func:`activation_row` (``grad``: :func:`gradient_row`); the caller
+    sizes ``out`` with :func:`piece_sizes`. Returns ``(unit maxima, histogram counts)``: :func:`unit_maxima` with
+    ``units``, counts of the finite elements in the ``len(edges) + 1`` bins with ``edges``; ``None`` where not asked.
 
     Args:
         x: The output or output gradient, any size (reduced piece by piece).
-        row: The caller's row for a piece of ``n`` elements; ``None``: no row (only units or counts asked for).
+        out: ``[len(piece_sizes(x)), ACT_ROW or GRAD_ROW]`` rows to write; ``None``: no rows (only units or counts).
         workspace: The reused scratch buffers.
         grad: ``x`` is a gradient (:func:`gradient_row`), else an output (:func:`activation_row`).
         units: Also return the per-unit maxima along ``unit_dim``.
@@ -287,28 +342,32 @@ def reduce_tensor(
 
     Example:
         >>> table = torch.empty(1, ACT_ROW, dtype=torch.float64)
-        >>> units, hist = reduce_tensor(torch.tensor([[1.0, -2.0]]), lambda n: table[0], Workspace(), units=True)
+        >>> units, hist = reduce_tensor(torch.tensor([[1.0, -2.0]]), table, Workspace(), units=True)
         >>> table.tolist(), units.tolist(), hist
         ([[2.0, 2.0, -1.0, 5.0, -2.0, 1.0]], [1.0, -2.0], None)
     """
     reduce_row = gradient_row if grad else activation_row
     counts = None
-    if edges is not None:  # .to: a no-op for the aggregator's edges, which live on the statistics' device
+    if edges is not None:  # .to: a no-op for the recorder's edges, which live on the statistics' device
         edges, counts = edges.to(x.device), torch.zeros(edges.numel() + 1, dtype=torch.float32, device=x.device)
-    if row is not None or counts is not None:
-        for piece in chunks(x):
-            if row is not None:
-                reduce_row(piece, row(piece.numel()), workspace)
+    if out is not None or counts is not None:
+        for i, piece in enumerate(chunks(x)):
+            if out is not None:
+                reduce_row(piece, out[i], workspace)
             # counts exists exactly when edges does; testing both narrows both for the type checker.
             if counts is not None and edges is not None:
-                # Bin i counts the finite edges[i-1] < x <= edges[i]; with scatter_add, as bincount's output size
-                # depends on the data, which forces a host synchronisation.
-                flat = piece.detach()
-                flat = (flat if flat.dtype in (torch.float32, torch.float64) else flat.float()).reshape(-1)
-                finite = torch.isfinite(flat)
-                index = torch.bucketize(torch.where(finite, flat, 0.0), edges)
-                counts.scatter_add_(0, index, finite.to(torch.float32))
+                _bin(piece, edges, counts)
     return unit_maxima(x, unit_dim) if units else None, counts
+
+
+def _bin(piece: Tensor, edges: Tensor, counts: Tensor) -> None:
+    # Bin i counts the finite edges[i-1] < x <= edges[i]; with scatter_add, as bincount's output size depends on the
+    # data, which forces a host synchronisation.
+    flat = piece.detach()
+    flat = (flat if flat.dtype in (torch.float32, torch.float64) else flat.float()).reshape(-1)
+    finite = torch.isfinite(flat)
+    index = torch.bucketize(torch.where(finite, flat, 0.0), edges)
+    counts.scatter_add_(0, index, finite.to(torch.float32))
 
 
 def moments_from_rows(rows: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:

@@ -18,7 +18,7 @@ from lightning_hookdiag.names import ROOT
 from lightning_hookdiag.selection import named_modules
 from lightning_hookdiag.torch_internals import calling_modules, in_backward
 
-__all__ = ["UnregisteredWatch", "where_held"]
+__all__ = ["UnregisteredWatch", "unregistered_watch", "where_held"]
 
 
 def where_held(parent: nn.Module, module: nn.Module) -> str:
@@ -44,6 +44,7 @@ class UnregisteredWatch(Component):
     """
 
     replays = False
+    provides = ("unregistered",)
 
     def __init__(self, root: nn.Module) -> None:
         self._names = {id(m): name for name, m in named_modules(root).items()}
@@ -96,5 +97,6 @@ class UnregisteredWatch(Component):
 
 
 @component
-def _unregistered(setup: Setup) -> UnregisteredWatch | None:
+def unregistered_watch(setup: Setup) -> UnregisteredWatch | None:
+    """The fit's :class:`UnregisteredWatch`, when rule ``unregistered_module`` is enabled."""
     return UnregisteredWatch(setup.model) if "unregistered_module" in setup.config.rules else None

@@ -7,7 +7,8 @@ import csv
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -19,10 +20,40 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_hookdiag import SentinelConfig
 from lightning_hookdiag.keys import ALERTS_ACTIVE, parse_key, step_key
-from lightning_hookdiag.sentinel import LossSentinel
-from lightning_hookdiag.step_state import Trip
+from lightning_hookdiag.rules import (
+    BUILTIN_RULES,
+    Baseline,
+    Finding,
+    Memory,
+    Observed,
+    Rule,
+    RuleConfig,
+    evaluate,
+)
+from lightning_hookdiag.sentinel import SpikeDetector
+from lightning_hookdiag.trends import History
 from lightning_hookdiag.vocabulary import PER_PARAMETER_STATS
+
+
+def run_rules(
+    values: Mapping[str, Mapping[str, float]],
+    forward_order: Sequence[str] = (),
+    backward_order: Sequence[str] = (),
+    step: int = 0,
+    config: RuleConfig | None = None,
+    *,
+    baseline: Baseline | None = None,
+    last_finite: Mapping[str, int] | None = None,
+    history: History | None = None,
+    rules: Sequence[Rule] = BUILTIN_RULES,
+    **facts: Any,
+) -> list[Finding]:
+    """``evaluate`` on a step made of ``values``, its orders and ``facts`` (by name), with the memory given."""
+    observed = Observed(step, values, {"forward_order": forward_order, "backward_order": backward_order, **facts})
+    memory = Memory(baseline, last_finite or {}, history)
+    return evaluate(observed, memory, config, rules=rules)
 
 
 def count_hooks(root: nn.Module) -> int:
@@ -240,18 +271,24 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
-def force_trips(monkeypatch, steps: set[int]) -> None:
-    """Make the sentinel trip on ``steps`` (a loss spike) without changing what training computes."""
-    original = LossSentinel.check
+@dataclass(eq=False)
+class ForcedSpikes(SpikeDetector):
+    """The sentinel's spike test with its defaults, which also calls a spike on ``steps`` (their losses stay healthy).
 
-    def check(self, step, *args, **kwargs):
-        trip = original(self, step, *args, **kwargs)
-        if step not in steps:
-            return trip
-        self.previous_trip = step
-        return Trip(step=step, kind="loss_spike", loss=1.0, baseline=1.0)
+    A trip injected through the public detector seam (``SentinelConfig(detector=...)``): the losses still enter the
+    baseline as they would without it, so that what the rest of the fit computes is unchanged.
+    """
 
-    monkeypatch.setattr(LossSentinel, "check", check)
+    steps: frozenset[int] = frozenset()
+
+    def observe(self, loss: float, step: int | None = None) -> bool:
+        spike = super().observe(loss, step)
+        return spike or step in self.steps
+
+
+def force_trips(steps: set[int], mode: str = "loss") -> SentinelConfig:
+    """A ``sentinel=`` that trips (a loss spike) on ``steps`` without changing what training computes."""
+    return SentinelConfig(mode=mode, detector=ForcedSpikes(steps=frozenset(steps)))
 
 
 def load_benchmark(name: str) -> ModuleType:

@@ -6,7 +6,7 @@ are then taken element by element in Python floats.
 
 Not references, and named here only so that tests share them: drivers of the package's own path
 (``activation_moments``, ``gradient_moments``, ``square_sum``, ``histogram_counts``, ``record``) and structural probes
-that read its private fields (``pending_rows``, ``aggregator_held``, ``workspace_held``, ``tracker_held``).
+that read its private fields (``pending_rows``, ``recorder_held``, ``workspace_held``, ``tracker_held``).
 """
 
 from __future__ import annotations
@@ -39,14 +39,15 @@ def record(recorder: Any, layer: int, output: Any) -> None:
     recorder.on_tensor(layer, first_floating_tensor(output))
 
 
-def pending_rows(agg: Any) -> tuple[int, int]:
-    """Output and gradient rows an aggregator was handed since its last fold."""
-    return len(agg._calls["act"].layers), len(agg._calls["grad"].layers)
+def pending_rows(recorder: Any) -> tuple[int, int]:
+    """Output and gradient rows a recorder's call tables hold since its last take."""
+    return tuple(sum(len(held) for _, held, _ in recorder._tables[kind]._blocks) for kind in ("act", "grad"))
 
 
-def aggregator_held(agg: Any) -> tuple[int, int]:
-    """``(rows of an aggregator's output call table, call patterns whose device copies it caches)``: both bounded."""
-    return agg._calls["act"].table.shape[0], len(agg._calls["act"]._patterns)
+def recorder_held(recorder: Any) -> tuple[int, int]:
+    """``(rows of a recorder's output call table, call patterns whose device copies it caches)``: both bounded."""
+    table = recorder._tables["act"]
+    return sum(block.shape[0] for block, _, _ in table._blocks), len(table._patterns)
 
 
 def activation_stats(values: list[float]) -> dict[str, float]:

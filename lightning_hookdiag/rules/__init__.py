@@ -4,42 +4,34 @@ Pure Python on plain floats (no torch, no Lightning), so the rules can be unit-t
 of any logger. Every rule reads only the statistics it needs and does nothing when one is absent (the user chose a
 subset) or not finite where a finite value is required.
 
-Import from ``lightning_hookdiag.rules``. Each rule is one function registered where it is written
-(:func:`~lightning_hookdiag.rules.registry.rule`), in one module per family; ``context`` is what a rule reads,
-``evaluation`` runs the enabled rules and sorts their findings, ``alerts`` decides which are new.
+Import from ``lightning_hookdiag.rules``. Each rule is one function made a rule where it is written
+(:func:`~lightning_hookdiag.rules.registry.rule`), in one module per family, and listed in ``builtin``; ``context`` is
+what a rule reads (the step's facts by name), ``evaluation`` runs the enabled rules and sorts their findings,
+``alerts`` decides which are new.
 
 The rules, their :class:`RuleConfig` fields and defaults, what each finding names, the rationale of every default
 threshold, and the blind spots: ``docs/rules.md`` (the sentinel's fields: ``docs/sentinel.md``).
 
 Example:
     >>> values = {"act_nonfinite": {"enc": 0.0, "mid": 12.0, "head": 40.0}}
-    >>> [f.message for f in evaluate(values, ["enc", "mid", "head"], ["head", "mid", "enc"], step=7)]
+    >>> orders = {"forward_order": ["enc", "mid", "head"], "backward_order": ["head", "mid", "enc"]}
+    >>> [f.message for f in evaluate(Observed(7, values, orders))]
     ['nonfinite: 12 NaN/Inf output elements in mid at step 7 (the first non-finite layer in forward order; 1 more layer after it is also non-finite: head)']
 """  # noqa: E501
 
 from lightning_hookdiag.names import BATCH, LOSS, ROOT
-from lightning_hookdiag.rules import (  # noqa: F401
-    activations,
-    gradients,
-    nonfinite,
-    optimizers,
-    parameters,
-    participation,
-    precursors,
-    spike,
-)
 from lightning_hookdiag.rules.activations import SATURATING_TYPES
 from lightning_hookdiag.rules.alerts import AlertState
+from lightning_hookdiag.rules.builtin import RULES as BUILTIN_RULES
 from lightning_hookdiag.rules.config import RuleConfig
-from lightning_hookdiag.rules.context import Baseline, ParamFacts
+from lightning_hookdiag.rules.context import Baseline, Memory, Observed, ParamFacts
 from lightning_hookdiag.rules.evaluation import evaluate, format_error, values_from_metrics
 from lightning_hookdiag.rules.findings import Finding
 from lightning_hookdiag.rules.gradients import cut_off
 from lightning_hookdiag.rules.parameters import moved_mass_bound
-from lightning_hookdiag.rules.registry import registered
+from lightning_hookdiag.rules.registry import Found, Rule, rule
 
-# Importing the families above registered the built-in rules.
-RULES: tuple[str, ...] = tuple(r.name for r in registered())
+RULES: tuple[str, ...] = tuple(r.name for r in BUILTIN_RULES)
 """Names of the built-in rules, in the order findings of the same layer are listed."""
 
 __all__ = [
@@ -48,14 +40,20 @@ __all__ = [
     "ROOT",
     "RULES",
     "SATURATING_TYPES",
+    "BUILTIN_RULES",
     "AlertState",
     "Baseline",
     "Finding",
+    "Found",
+    "Memory",
+    "Observed",
     "ParamFacts",
+    "Rule",
     "RuleConfig",
     "cut_off",
     "evaluate",
     "format_error",
     "moved_mass_bound",
+    "rule",
     "values_from_metrics",
 ]

@@ -25,14 +25,14 @@ SATURATING_TYPES: tuple[str, ...] = ("Tanh", "Sigmoid")
 def eval_mode(ctx: Context) -> Iterator[Found]:
     """The first module, in forward order, that ran in eval mode in a training step."""
     # A stable sort: modules of unknown position stay in the order they were given.
-    names = sorted(ctx.eval_mode, key=lambda n: ctx.orders.forward_key(n)[:2])
-    first, kind = names[0], ctx.eval_mode[names[0]]
+    names = sorted(ctx.fact("eval_mode", {}), key=lambda n: ctx.orders.forward_key(n)[:2])
+    first, kind = names[0], ctx.fact("eval_mode", {})[names[0]]
     effect = (
         "drops nothing, so the regularisation the model was built with is off"
         if "Dropout" in kind
         else "normalises with its running statistics instead of the batch's and stops updating them"
     )
-    others = [f"{n} ({ctx.eval_mode[n]})" for n in names[1:]]
+    others = [f"{n} ({ctx.fact('eval_mode', {})[n]})" for n in names[1:]]
     verb = "is" if len(others) == 1 else "are"
     also = f"; {plural(len(others), 'more module')} {verb} in eval mode too: {listing(others)}" if others else ""
     message = (
@@ -105,7 +105,7 @@ def saturation(ctx: Context) -> Iterator[Found]:
     """Every Tanh/Sigmoid layer whose proven saturated share reaches ``saturation_frac``."""
     level, frac = ctx.config.saturation_level, ctx.config.saturation_frac
     means, stds = ctx.stat("act_mean"), ctx.stat("act_std")
-    for layer, kind in ctx.layer_types.items():
+    for layer, kind in ctx.fact("layer_types", {}).items():
         kind = kind.rpartition(".")[2]  # accept "torch.nn.Tanh" as well as "Tanh"
         mean, std = means.get(layer, math.nan), stds.get(layer, math.nan)
         if kind not in SATURATING_TYPES or not (finite(mean) and finite(std)):
@@ -201,12 +201,12 @@ def _first_weighted(ctx: Context) -> str | None:
     ``None`` when another layer comes first: one whose parameters are not tracked (a frozen stem, a body behind a
     stray ``.detach()``) makes what the next layer reads no longer the inputs.
     """
-    params = set(ctx.stat("param_norm")) | set(ctx.param_facts)
+    params = set(ctx.stat("param_norm")) | set(ctx.fact("param_facts", {}))
     owners = {ctx.orders.owner(p) for p in params}
     for layer in ctx.orders.forward_layers:
         if layer in owners:
             return layer
-        if ctx.layer_types.get(layer, "").rpartition(".")[2] not in PASS_THROUGH_TYPES:
+        if ctx.fact("layer_types", {}).get(layer, "").rpartition(".")[2] not in PASS_THROUGH_TYPES:
             return None
     return None
 
@@ -221,10 +221,10 @@ def _inputs_too_small(ctx: Context) -> Iterator[Found]:
     """
     floor = ctx.config.input_scale_floor
     layer = _first_weighted(ctx)
-    if layer is None or ctx.layer_types.get(layer, "").rpartition(".")[2] not in SCALED_TYPES:
+    if layer is None or ctx.fact("layer_types", {}).get(layer, "").rpartition(".")[2] not in SCALED_TYPES:
         return  # an Embedding reads indices, a norm layer rescales its inputs itself: no input scale to check
     weight = f"{layer}.weight"
-    fact = ctx.param_facts.get(weight)
+    fact = ctx.fact("param_facts", {}).get(weight)
     g_weight = ctx.stat("param_grad_norm").get(weight, math.nan)
     g_out = ctx.stat("act_grad_norm").get(layer, math.nan)
     if fact is None or len(fact.shape) < 2 or not (finite(g_weight) and finite(g_out) and g_out > 0):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from lightning_hookdiag.rules.builtin import RULES
 from lightning_hookdiag.rules.findings import Finding
-from lightning_hookdiag.rules.registry import REGISTRY, registered
+from lightning_hookdiag.rules.registry import Rule
 
 __all__ = ["AlertState"]
 
@@ -20,13 +21,16 @@ class AlertState:
     between them, alert twice). The state is plain Python, so it pickles, and :meth:`state_dict` holds only JSON
     types for checkpoints.
 
+    Args:
+        rules: Every rule of the callback (the built-ins, then its extensions): each gets a count.
+
     Attributes:
         counts: Rule name to the number of findings seen (alerted or not) since the state was created.
 
     Example:
-        >>> from lightning_hookdiag.rules import evaluate
+        >>> from lightning_hookdiag.rules import Observed, evaluate
         >>> state = AlertState()
-        >>> dead = evaluate({"act_dead_frac": {"relu": 1.0}}, ["relu"], [], step=0)
+        >>> dead = evaluate(Observed(0, {"act_dead_frac": {"relu": 1.0}}, {"forward_order": ["relu"]}))
         >>> len(state.update(dead)), len(state.update(dead)), len(state.update([])), len(state.update(dead))
         (1, 0, 0, 1)
         >>> state.counts["dead_units"]
@@ -35,9 +39,11 @@ class AlertState:
         {'active': [['dead_units', 'relu']], 'counts': {'nonfinite': 0, 'loss_spike': 0, 'eval_mode': 0, 'dead_units': 3, 'no_gradient': 0, 'vanishing_gradient': 0, 'exploding_gradient': 0, 'saturation': 0, 'precision_headroom': 0, 'update_ratio': 0, 'warmup_stuck': 0, 'stale_gradients': 0, 'zeroed_gradients': 0, 'input_scale': 0, 'not_updated': 0, 'replica_divergence': 0, 'attention_logits': 0, 'logit_drift': 0, 'unbounded_loss': 0, 'update_jump': 0, 'repeated_batch': 0, 'unregistered_module': 0, 'shared_parameters': 0, 'scheduler_overstepped': 0}}
     """  # noqa: E501
 
-    def __init__(self) -> None:
+    def __init__(self, rules: Sequence[Rule] = RULES) -> None:
+        self._names = tuple(r.name for r in rules)
+        self._events = frozenset(r.name for r in rules if r.event)
         self._active: set[tuple[str, str]] = set()
-        self.counts: dict[str, int] = dict.fromkeys((r.name for r in registered()), 0)
+        self.counts: dict[str, int] = dict.fromkeys(self._names, 0)
 
     @property
     def active(self) -> frozenset[tuple[str, str]]:
@@ -53,7 +59,7 @@ class AlertState:
         active: set[tuple[str, str]] = set()
         for f in findings:
             self.counts[f.rule] = self.counts.get(f.rule, 0) + 1
-            if f.rule in REGISTRY and REGISTRY[f.rule].event:
+            if f.rule in self._events:
                 new.append(f)
                 continue
             pair = (f.rule, f.layer)
@@ -83,4 +89,4 @@ class AlertState:
         ):
             raise ValueError(f"AlertState.load_state_dict: 'counts' expects {{rule: count >= 0}}, got {counts!r}")
         self._active = {(rule, layer) for rule, layer in active}
-        self.counts = dict.fromkeys((r.name for r in registered()), 0) | dict(counts)
+        self.counts = dict.fromkeys(self._names, 0) | dict(counts)

@@ -1,19 +1,31 @@
-"""What a rule reads on one step, gathered in one immutable :class:`Context`."""
+"""What a rule reads on one step: the :class:`Observed` facts and the rules' :class:`Memory`, in a :class:`Context`."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 from lightning_hookdiag import trends
 from lightning_hookdiag.names import BATCH, ROOT, owning_layer
 from lightning_hookdiag.rules.config import RuleConfig
 from lightning_hookdiag.step_state import Trip
 
-__all__ = ["Baseline", "Context", "Orders", "ParamFacts", "finite", "first_positions", "stat"]
+__all__ = [
+    "CORE_FACTS",
+    "MEMORY",
+    "Baseline",
+    "Context",
+    "Memory",
+    "Observed",
+    "Orders",
+    "ParamFacts",
+    "finite",
+    "first_positions",
+    "stat",
+]
 
 
 class Orders:
@@ -132,49 +144,128 @@ class Baseline:
 
     Attributes:
         step: The optimizer step the values describe.
-        values: As the ``values`` argument of :func:`~lightning_hookdiag.rules.evaluate`.
+        values: As :attr:`Observed.values`.
     """
 
     step: int
     values: Mapping[str, Mapping[str, float]]
 
 
-@dataclass(frozen=True)
-class Context:
-    """What every rule reads: the arguments of :func:`~lightning_hookdiag.rules.evaluate`, read-only."""
+CORE_FACTS = frozenset(
+    {
+        "forward_order",
+        "backward_order",
+        "trip",
+        "layer_types",
+        "missing_grads",
+        "param_facts",
+        "param_stale_grad_norm",
+        "param_norm_min",
+    }
+)
+"""The facts the engine itself gathers (the rest come from the components that the enabled rules need)."""
 
-    values: Mapping[str, Mapping[str, float]]
-    orders: Orders
+MEMORY = frozenset({"baseline", "last_finite", "history"})
+"""The parts of :class:`Memory` a rule may name in ``reads``."""
+
+
+@dataclass(frozen=True)
+class Observed:
+    """One step as the rules read it: its logged statistics and every other fact, each by name.
+
+    Attributes:
+        step: The optimizer step, copied into each finding.
+        values: Statistic name to ``{layer or parameter name: value}``; any statistic may be absent.
+        facts: Everything else the rules read, by name; any fact may be absent. The engine's (:data:`CORE_FACTS`):
+            ``forward_order`` and ``backward_order`` (layers in the order their forward first ran, and their output
+            gradient arrived), ``trip`` (the sentinel's :class:`~lightning_hookdiag.step_state.Trip` when it tripped
+            on this step), ``layer_types`` (layer to module class name), ``missing_grads`` (layers whose output
+            required grad but got none), ``param_facts`` (parameter name to :class:`ParamFacts`), and the per-name
+            numbers the rules read but the step does not log (``param_stale_grad_norm``, ``param_norm_min``). The
+            components' (``eval_mode``, ``unregistered``, ``batch_repeated``, a user component's) by the names their
+            ``facts`` return.
+
+    Example:
+        >>> Observed(3, {"act_std": {"fc": 0.5}}, {"forward_order": ["fc"]}).facts["forward_order"]
+        ['fc']
+    """
+
     step: int
-    config: RuleConfig
-    layer_types: Mapping[str, str] = field(default_factory=dict)
-    trip: Trip | None = None
+    values: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    facts: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What the rules remember of earlier evaluated steps (:class:`~lightning_hookdiag.diagnosis.Diagnosis` keeps it).
+
+    Attributes:
+        baseline: The last step evaluated without a trip: what ``loss_spike`` and ``update_ratio`` compare with.
+        last_finite: Parameter name to the last evaluated step its ``param_norm`` was finite.
+        history: The recent sampled steps' values, for the trend rules.
+    """
+
     baseline: Baseline | None = None
     last_finite: Mapping[str, int] = field(default_factory=dict)
-    missing_grads: Collection[str] = ()
-    eval_mode: Mapping[str, str] = field(default_factory=dict)
-    unregistered: Mapping[str, Sequence[str]] = field(default_factory=dict)
-    param_facts: Mapping[str, ParamFacts] = field(default_factory=dict)
     history: trends.History | None = None
-    participation: Mapping[str, object] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        # frozen: the read-only views are set through object.__setattr__, once.
-        for name in (
-            "values",
-            "layer_types",
-            "last_finite",
-            "eval_mode",
-            "unregistered",
-            "param_facts",
-            "participation",
-        ):
-            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name) or {})))
-        object.__setattr__(self, "missing_grads", frozenset(self.missing_grads))
+
+class Context:
+    """What every rule reads on one step: its facts by name, the rules' memory and the configuration; read-only.
+
+    Args:
+        observed: The step.
+        memory: What earlier steps left.
+        config: The thresholds.
+        enabled: The names of the rules that run on the step.
+    """
+
+    def __init__(self, observed: Observed, memory: Memory, config: RuleConfig, enabled: Iterable[str] = ()) -> None:
+        self.step = observed.step
+        self.config = config
+        self.enabled = frozenset(enabled)
+        self.memory = memory
+        self.values: Mapping[str, Mapping[str, float]] = MappingProxyType(dict(observed.values))
+        self.facts: Mapping[str, Any] = MappingProxyType(dict(observed.facts))
+        self.orders = Orders(self.fact("forward_order", ()), self.fact("backward_order", ()), self.trip)
+
+    @property
+    def trip(self) -> Trip | None:
+        """What the sentinel saw, when it tripped on this step (the fact ``trip``)."""
+        found: Trip | None = self.facts.get("trip")
+        return found
+
+    @property
+    def baseline(self) -> Baseline | None:
+        """The memory's baseline (:class:`Memory`)."""
+        return self.memory.baseline
+
+    @property
+    def last_finite(self) -> Mapping[str, int]:
+        """The memory's last finite steps (:class:`Memory`)."""
+        return self.memory.last_finite
+
+    @property
+    def history(self) -> trends.History | None:
+        """The memory's history (:class:`Memory`)."""
+        return self.memory.history
+
+    def fact(self, name: str, default: Any = None) -> Any:
+        """The fact ``name`` of the step, or ``default`` when it is absent."""
+        return self.facts.get(name, default)
+
+    def has(self, name: str) -> bool:
+        """Whether the fact or memory part ``name`` is present and not empty (what a rule's ``reads`` asks)."""
+        if name in MEMORY:
+            return bool(getattr(self.memory, name))
+        return bool(self.facts.get(name))
 
     def stat(self, name: str) -> Mapping[str, float]:
-        """The values of statistic ``name`` per layer or parameter; empty when it is absent."""
-        return stat(self.values, name)
+        """The values of statistic ``name`` per layer or parameter; empty when it is absent.
+
+        A per-name number the step does not log (``param_stale_grad_norm``) is read from the facts of that name.
+        """
+        return stat(self.values, name) or self.facts.get(name) or {}
 
     def positive(self, name: str) -> dict[str, float]:
         """The finite values of statistic ``name`` that are ``> 0``."""

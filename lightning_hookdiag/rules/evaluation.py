@@ -2,108 +2,57 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lightning_hookdiag import trends
 from lightning_hookdiag.keys import LEGACY_DEPTH, parse_key
+from lightning_hookdiag.rules.builtin import RULES
 from lightning_hookdiag.rules.config import RuleConfig
-from lightning_hookdiag.rules.context import Baseline, Context, Orders, ParamFacts
+from lightning_hookdiag.rules.context import Context, Memory, Observed
 from lightning_hookdiag.rules.findings import PHASES, Finding, plural
-from lightning_hookdiag.rules.registry import REGISTRY, registered
-from lightning_hookdiag.step_state import Trip
+from lightning_hookdiag.rules.registry import Rule
 
 __all__ = ["evaluate", "format_error", "values_from_metrics"]
 
-_PARTS = frozenset(f.name for f in dataclasses.fields(Context))
-
 
 def evaluate(
-    values: Mapping[str, Mapping[str, float]],
-    forward_order: Sequence[str],
-    backward_order: Sequence[str],
-    step: int,
+    observed: Observed,
+    memory: Memory | None = None,
     config: RuleConfig | None = None,
-    layer_types: Mapping[str, str] | None = None,
-    trip: Trip | None = None,
-    baseline: Baseline | None = None,
-    last_finite: Mapping[str, int] | None = None,
-    missing_grads: Collection[str] = (),
-    eval_mode: Mapping[str, str] | None = None,
-    param_facts: Mapping[str, ParamFacts] | None = None,
-    history: trends.History | None = None,
-    unregistered: Mapping[str, Sequence[str]] | None = None,
-    participation: Mapping[str, object] | None = None,
+    *,
+    rules: Sequence[Rule] = RULES,
 ) -> list[Finding]:
-    """Apply the enabled rules to one sampled (or sentinel-tripped) step's statistics.
+    """Apply the enabled rules to one sampled (or sentinel-tripped) step.
 
     Args:
-        values: Statistic name to ``{layer or parameter name: value}``; any statistic may be absent. Besides the
-            logged statistics, ``param_norm_min`` (the smallest ``param_norm`` over processes, where ``param_norm``
-            is the largest; replicated parameters of a distributed run) feeds ``replica_divergence``.
-        forward_order: Layers in the order their forward first ran (input end first).
-        backward_order: Layers in the order their output gradient arrived (output end first). Layers missing from
-            it (e.g. no gradient statistics were recorded) are placed after it in reversed forward order.
-        step: The optimizer step, copied into each finding.
-        config: Rules and thresholds; ``None`` for :class:`RuleConfig` defaults.
-        layer_types: Layer to module class name (``"Tanh"``), for ``saturation``; without it that rule is silent.
-        trip: What the sentinel saw, when it tripped on this step (``loss_spike`` needs it; ``nonfinite`` uses it).
-        baseline: The last regular sampled step's values, which ``loss_spike`` compares against.
-        last_finite: Parameter name to the last step its ``param_norm`` was observed finite, for the message about
-            non-finite weights.
-        missing_grads: Layers whose output required grad but received no gradient on the step, for
-            ``no_gradient`` (see :func:`~lightning_hookdiag.rules.cut_off`).
-        eval_mode: BatchNorm and Dropout modules that ran in eval mode in the training step while what they train
-            requires grad, to their class names, for ``eval_mode`` (see
-            :func:`~lightning_hookdiag.eval_mode.eval_mode_modules`).
-        param_facts: Parameter name to what the host knows about its optimizer step, for ``not_updated``; without
-            it that rule is silent.
-        history: The earlier sampled steps' values, for the trend rules (``attention_logits``' trend,
-            ``logit_drift``, ``update_jump``); without it they compare levels only.
-        unregistered: Registered module to the modules with trainable parameters of their own that its forward ran
-            without their being submodules, for ``unregistered_module`` (see
-            :class:`~lightning_hookdiag.unregistered.UnregisteredWatch`).
-        participation: What is read of the model at the step (``stopped_layers``, ``trainable``, ``shadowed``), for
-            the participation rules (see :class:`~lightning_hookdiag.participation.Participation`).
+        observed: The step's statistics and facts, by name (:class:`~lightning_hookdiag.rules.context.Observed`).
+            Layers missing from its ``backward_order`` (no gradient statistics were recorded) are placed after it in
+            reversed forward order.
+        memory: What earlier steps left (:class:`~lightning_hookdiag.rules.context.Memory`); ``None``: nothing.
+        config: Which rules run, and their thresholds; ``None`` for :class:`RuleConfig` defaults.
+        rules: The rules ``config.enabled`` names: the built-ins, and a callback's extension rules after them.
 
     Returns:
         Findings with forward ones (in forward order) before backward ones (in backward order); the first is the
         origin of the earliest problem. Findings of the same layer follow rule order.
 
     Raises:
-        ValueError: If an enabled rule ``reads`` a part the context does not have (a misspelt name).
+        ValueError: If ``config.enabled`` names a rule that is not in ``rules`` (the message lists those that are).
 
     Example:
         >>> values = {"act_grad_norm": {"fc3": 1.0, "fc2": 0.5, "fc1": 2e-4}, "act_dead_frac": {"relu1": 0.95}}
-        >>> for f in evaluate(values, ["fc1", "relu1", "fc2", "fc3"], ["fc3", "fc2", "fc1"], step=3):
+        >>> orders = {"forward_order": ["fc1", "relu1", "fc2", "fc3"], "backward_order": ["fc3", "fc2", "fc1"]}
+        >>> for f in evaluate(Observed(3, values, orders)):
         ...     print(f.rule, f.layer, f.value)
         dead_units relu1 0.95
         vanishing_gradient fc1 0.0002
     """
     config = RuleConfig() if config is None else config
-    for name in config.rule_names:  # here, not at registration: the registry cannot import Context without a cycle
-        if unknown := sorted(set(REGISTRY[name].reads) - _PARTS):
-            raise ValueError(f"rule {name!r}: reads={unknown} names no part of the Context; parts: {sorted(_PARTS)}")
-    ctx = Context(
-        values,
-        Orders(forward_order, backward_order, trip),
-        step,
-        config,
-        layer_types or {},
-        trip,
-        baseline,
-        last_finite or {},
-        missing_grads,
-        eval_mode or {},
-        unregistered or {},
-        param_facts or {},
-        history,
-        participation or {},
-    )
-    findings = [f for name in config.rule_names for f in REGISTRY[name].run(ctx)]
-    rank = {r.name: i for i, r in enumerate(registered())}
+    chosen = config.select(rules)
+    ctx = Context(observed, Memory() if memory is None else memory, config, (r.name for r in chosen))
+    findings = [f for r in chosen for f in r.run(ctx)]
+    rank = {r.name: i for i, r in enumerate(chosen)}
 
     def key(f: Finding) -> tuple[Any, ...]:
         position = ctx.orders.forward_key if f.phase == "forward" else ctx.orders.backward_key
@@ -123,7 +72,7 @@ def format_error(findings: Sequence[Finding]) -> str:
 
     Example:
         >>> values = {"act_nonfinite": {"b": 3.0}, "act_dead_frac": {"c": 1.0}}
-        >>> print(format_error(evaluate(values, ["a", "b", "c"], [], step=5)))
+        >>> print(format_error(evaluate(Observed(5, values, {"forward_order": ["a", "b", "c"]}))))
         layer health check failed at step 5 in b (rule nonfinite): nonfinite: 3 NaN/Inf output elements in b at step 5 (the first non-finite layer in forward order)
         1 more finding:
           - dead_units: 100.0% of the units of c were <= 0 for every sample of step 5 (dead_frac_threshold=0.9)
@@ -139,7 +88,7 @@ def format_error(findings: Sequence[Finding]) -> str:
 
 
 def values_from_metrics(metrics: Mapping[str, float], prefix: str = "layer_health") -> dict[str, dict[str, float]]:
-    """Regroup logged keys into the ``values`` argument of :func:`evaluate`.
+    """Regroup logged keys into the statistics of an :class:`~lightning_hookdiag.rules.context.Observed` step.
 
     Keys ``<prefix>.<stat>/<depth>_<name>`` (:mod:`lightning_hookdiag.keys`) and ``<prefix>/<stat>/<name>`` of
     older logs and checkpoints are read. Keys without a name (the summary group, ``<prefix>/grad_norm_total``),

@@ -56,7 +56,7 @@ def cut_off(
 def no_gradient(ctx: Context) -> Iterator[Found]:
     """The layers before the point the gradient never crossed (:func:`cut_off`)."""
     backward = ctx.orders.backward_layers
-    if cut := cut_off(ctx.missing_grads, ctx.orders.forward_layers, backward, ctx.stat("param_grad_norm")):
+    if cut := cut_off(ctx.fact("missing_grads", ()), ctx.orders.forward_layers, backward, ctx.stat("param_grad_norm")):
         first, last = cut[0], cut[-1]
         reached = min((n for n in backward if n in ctx.orders.forward), key=ctx.orders.forward.__getitem__)
         message = (
@@ -205,7 +205,7 @@ def stopped_by_dead(ctx: Context) -> InputSide | None:
 
 def _folded(ctx: Context, side: InputSide) -> bool:
     # With either rule off, nothing folds: the vanishing gradient keeps its own finding, or the dead units say nothing.
-    enabled = ctx.config.rule_names
+    enabled = ctx.enabled
     return "dead_units" in enabled and "vanishing_gradient" in enabled and is_dead(ctx, side.above)
 
 

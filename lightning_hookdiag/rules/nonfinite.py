@@ -91,7 +91,7 @@ def _with_broken_by_step(ctx: Context, found: list[Found]) -> list[Found]:
         message = (
             f"nonfinite: the optimizer update of step {ctx.step} wrote NaN/Inf into finite weights from finite"
             f" gradients: {listing(bad)} ({spread(bad, owners)}) were finite with finite gradients before the step and"
-            f" are not after it. {_step_cause(ctx.param_facts.get(bad[0]))}"
+            f" are not after it. {_step_cause(ctx.fact('param_facts', {}).get(bad[0]))}"
         )
         return [*found, Found(owners[0], len(bad), message, phase="backward", stat="param_update_ratio")]
     if origin is None:  # a non-finite gradient that no observed layer shows: the loss finding says so

@@ -36,7 +36,7 @@ def _holds_every(facts: dict[str, ParamFacts]) -> list[int]:
 @rule(order=22, phase="backward", stat="optimizers", reads=["param_facts"])
 def shared_parameters(ctx: Context) -> Iterator[Found]:
     """Parameters that two optimizers hold, or one optimizer twice: each update is applied more than once."""
-    facts = dict(ctx.param_facts)
+    facts = dict(ctx.fact("param_facts", {}))
     shared = {p: f.optimizers for p, f in facts.items() if len(f.optimizers) > 1}
     if not shared:
         return
@@ -75,7 +75,7 @@ def scheduler_overstepped(ctx: Context) -> Iterator[Found]:
     """An LR scheduler that advanced further than Lightning stepped it since the previous sampled step."""
     fast = {
         p: f.scheduler_advance
-        for p, f in ctx.param_facts.items()
+        for p, f in ctx.fact("param_facts", {}).items()
         if f.held and f.scheduler_advance is not None and f.scheduler_advance[0] > f.scheduler_advance[1]
     }
     if not fast:
@@ -83,7 +83,7 @@ def scheduler_overstepped(ctx: Context) -> Iterator[Found]:
     owners = ctx.orders.owners(fast)
     first = next(p for p in fast if ctx.orders.owner(p) == owners[0])
     stepped, most, since = fast[first]
-    interval = ctx.param_facts[first].interval
+    interval = ctx.fact("param_facts", {})[first].interval
     if interval == "epoch":
         span = f"since epoch {since}, over {plural(most, 'epoch')}" if most else f"within epoch {since}"
         per = "once per epoch"

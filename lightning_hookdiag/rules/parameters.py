@@ -57,7 +57,7 @@ def update_ratio(ctx: Context) -> list[Found]:
     # A scheduler holding the lr low while it rises (or stays: a warm-up that has not stepped yet) is a warm-up; one
     # whose lr fell more than 2x since the last sampled step (a decay stepped far too often: 10x a step) is what this
     # rule is for. The effective lr wobbles with Adam's moments, hence the factor.
-    stepped = [f for f in ctx.param_facts.values() if f.held and f.applied]
+    stepped = [f for f in ctx.fact("param_facts", {}).values() if f.held and f.applied]
     if (
         stepped
         and all(_held_low(f) for f in stepped)
@@ -86,7 +86,7 @@ def stale_gradients(ctx: Context) -> list[Found]:
     """Parameters that held a gradient at the step's first backward."""
     # A parameter that no optimizer holds keeps its gradient because zero_grad() never clears it: not_updated names
     # that cause exactly, so it is left to that rule when it runs.
-    facts = ctx.param_facts if "not_updated" in ctx.config.rule_names else {}
+    facts = ctx.fact("param_facts", {}) if "not_updated" in ctx.enabled else {}
     stale = {
         p: norm
         for p, norm in ctx.stat("param_stale_grad_norm").items()
@@ -116,13 +116,13 @@ def warmup_stuck(ctx: Context) -> list[Found]:
     # "step" is not this mistake.
     stuck = [
         p
-        for p, f in ctx.param_facts.items()
+        for p, f in ctx.fact("param_facts", {}).items()
         if f.held and f.applied and f.scheduler_steps == 0 and f.interval != "step" and _held_low(f)
     ]
     if ctx.step < 1 or not stuck:
         return []
     owners = ctx.orders.owners(stuck)
-    fact = ctx.param_facts[stuck[0]]
+    fact = ctx.fact("param_facts", {})[stuck[0]]
     assert fact.base_lr is not None
     share = fact.lr / fact.base_lr
     how = (
@@ -142,7 +142,7 @@ def warmup_stuck(ctx: Context) -> list[Found]:
 @rule(order=12, phase="backward", stat="param_grad_norm", reads=["param_facts"])
 def zeroed_gradients(ctx: Context) -> list[Found]:
     """Gradients reached the layers' outputs, yet no parameter held one at the step."""
-    facts = ctx.param_facts
+    facts = ctx.fact("param_facts", {})
     if not any(f.held and f.applied for f in facts.values()):
         return []
     # Measured parameters are those an optimizer stepped with a gradient; an exact 0 is zero_grad(set_to_none=False).
@@ -217,7 +217,7 @@ def _stuck(facts: ParamFacts, bound: float | None, intended: float, threshold: f
 @rule(order=14, phase="backward", stat="param_update_ratio", reads=["param_facts"])
 def not_updated(ctx: Context) -> Iterator[Found]:
     """Per module, parameters with a gradient whose weights did not move, and why."""
-    facts = ctx.param_facts
+    facts = ctx.fact("param_facts", {})
     threshold = ctx.config.moved_mass_threshold
     ratios, norms = ctx.stat("param_update_ratio"), ctx.positive("param_norm")
     stuck: dict[str, dict[str, list[tuple[str, float]]]] = {}  # owner -> cause -> [(parameter, value)]
@@ -254,7 +254,7 @@ def _stuck_sentence(ctx: Context, cause: str, found: list[tuple[str, float]]) ->
             " param group is 0 and no LR scheduler raises it, so no change was applied"
         )
     first, bound = max(found, key=lambda item: item[1])
-    fact = ctx.param_facts[first]
+    fact = ctx.fact("param_facts", {})[first]
     what = (
         f"did not change at all although the learning rate is {fact.lr:.3g}"
         if bound == 0.0
@@ -295,7 +295,7 @@ def replica_divergence(ctx: Context) -> Iterator[Found]:
 @rule(order=21, phase="forward", stat="registration", reads=["unregistered"])
 def unregistered_module(ctx: Context) -> Iterator[Found]:
     """Layers with trainable parameters ran in the forward without being submodules."""
-    for parent, modules in ctx.unregistered.items():
+    for parent, modules in ctx.fact("unregistered", {}).items():
         message = (
             f"unregistered_module at step {ctx.step}: the forward of {parent} ran {plural(len(modules), 'module')} with"
             f" trainable parameters outside its registered submodules: {listing(list(modules))}. self.parameters()"

@@ -14,7 +14,6 @@ step's orders and missing gradients, and the optimizer facts (:class:`~lightning
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
 
 from lightning_hookdiag.rules.context import Context, finite
 from lightning_hookdiag.rules.findings import listing, plural
@@ -24,15 +23,10 @@ from lightning_hookdiag.rules.registry import Found, rule
 __all__: list[str] = []
 
 
-def _fact(ctx: Context, name: str) -> Any:
-    """The participation fact ``name`` of the step, or ``None`` when it was not gathered."""
-    return ctx.participation.get(name)
-
-
-@rule(order=3.5, phase="forward", stat="count", reads=["participation"])
+@rule(order=3.5, phase="forward", stat="count", reads=["stopped_layers"])
 def stopped_running(ctx: Context) -> Iterator[Found]:
     """Layers that ran on every sampled step from the first, then stopped running."""
-    stopped: Mapping[str, tuple[int, int]] = _fact(ctx, "stopped_layers") or {}
+    stopped: Mapping[str, tuple[int, int]] = ctx.fact("stopped_layers", {})
     if not stopped:
         return
     first = next(iter(stopped))  # in the selection's order: the branch's first layer
@@ -58,27 +52,25 @@ def _grads(ctx: Context) -> set[str]:
     return {p for p, g in ctx.stat("param_grad_norm").items() if not finite(g) or g > 0}
 
 
-@rule(order=4.5, phase="backward", stat="act_grad_norm", reads=["participation", "param_facts"])
+@rule(order=4.5, phase="backward", stat="act_grad_norm", reads=["missing_grads", "param_facts", "trainable"])
 def output_unused(ctx: Context) -> Iterator[Found]:
     """Layers that ran, whose trainable parameters an optimizer holds, whose output never reached the loss."""
-    trainable = _fact(ctx, "trainable") or frozenset()
+    trainable = ctx.fact("trainable", frozenset())
+    missing = ctx.fact("missing_grads", ())
     grads = _grads(ctx)
     if not grads:  # no backward reached any parameter: another rule's business (zeroed_gradients, nonfinite)
         return
     held: dict[str, list[str]] = {}
-    for param, fact in ctx.param_facts.items():
+    for param, fact in ctx.fact("param_facts", {}).items():
         if fact.held and param in trainable:
             held.setdefault(ctx.orders.owner(param), []).append(param)
     forward, backward = ctx.orders.forward_layers, ctx.orders.backward_layers
     # Layers before the point the gradient never crossed are no_gradient's: a cut, not an output left out.
-    cut = set(cut_off(ctx.missing_grads, forward, backward, ctx.stat("param_grad_norm")))
+    cut = set(cut_off(missing, forward, backward, ctx.stat("param_grad_norm")))
     unused = [
         layer
         for layer in forward
-        if layer in ctx.missing_grads
-        and layer not in cut
-        and layer in held
-        and not any(p in grads for p in held[layer])
+        if layer in missing and layer not in cut and layer in held and not any(p in grads for p in held[layer])
     ]
     if not unused:
         return
@@ -101,14 +93,14 @@ def _others_unused(names: list[str]) -> str:
     return f"; {plural(len(names), 'more layer')} likewise: {listing(names)}"
 
 
-@rule(order=13.5, phase="backward", stat="param_grad_norm", reads=["param_facts"], uses=["participation"])
+@rule(order=13.5, phase="backward", stat="param_grad_norm", reads=["param_facts"], uses=["trainable"])
 def idle_optimizer(ctx: Context) -> Iterator[Found]:
     """An optimizer that stepped although none of the parameters it holds received a gradient."""
     grads = _grads(ctx)
     if not grads:  # nothing got a gradient at all: zeroed_gradients says why
         return
     held: dict[int, list[str]] = {}
-    for param, fact in ctx.param_facts.items():
+    for param, fact in ctx.fact("param_facts", {}).items():
         if fact.held and fact.applied:
             for index in set(fact.optimizers):
                 held.setdefault(index, []).append(param)
@@ -116,7 +108,7 @@ def idle_optimizer(ctx: Context) -> Iterator[Found]:
         if any(p in grads for p in params):
             continue
         owners = ctx.orders.owners(params)
-        trainable = _fact(ctx, "trainable")
+        trainable = ctx.fact("trainable")
         frozen = [] if trainable is None else [p for p in params if p not in trainable]
         why = (
             f"{'all of them have' if len(frozen) == len(params) else plural(len(frozen), 'of them has')}"
@@ -133,10 +125,10 @@ def idle_optimizer(ctx: Context) -> Iterator[Found]:
         yield Found(owners[0], float(len(params)), message)
 
 
-@rule(order=13.6, phase="backward", stat="param_grad_norm", reads=["participation"])
+@rule(order=13.6, phase="backward", stat="param_grad_norm", reads=["shadowed"])
 def shadowed_method(ctx: Context) -> Iterator[Found]:
     """Parameters whose Tensor method or property an attribute set on them hides (``p.requires_grad_ = True``)."""
-    shadowed: Mapping[str, tuple[str, ...]] = _fact(ctx, "shadowed") or {}
+    shadowed: Mapping[str, tuple[str, ...]] = ctx.fact("shadowed", {})
     if not shadowed:
         return
     owners = ctx.orders.owners(shadowed)

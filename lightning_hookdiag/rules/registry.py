@@ -1,18 +1,20 @@
-"""Which rules exist: adding one is one function, registered by :func:`rule` where it is written.
+"""What a rule is: a function of a :class:`~lightning_hookdiag.rules.context.Context` made a :class:`Rule`.
 
-A rule is a function of a :class:`~lightning_hookdiag.rules.context.Context` that yields :class:`Found` tuples; the
-registry turns them into :class:`~lightning_hookdiag.rules.Finding` objects, the one place a finding is built.
+A rule yields :class:`Found` tuples; :meth:`Rule.run` turns them into :class:`~lightning_hookdiag.rules.Finding`
+objects, the one place a finding is built. Nothing is registered: the built-in rules are listed in
+:mod:`lightning_hookdiag.rules.builtin`, and a user's rules are passed to the callback (``extensions=``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import importlib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, SupportsIndex
 
 from lightning_hookdiag.rules.findings import Finding
 
-__all__ = ["REGISTRY", "Found", "Rule", "registered", "rule"]
+__all__ = ["Found", "Rule", "by_order", "rule"]
 
 
 class Found(NamedTuple):
@@ -26,13 +28,13 @@ class Found(NamedTuple):
     stat: str | None = None
 
 
-# Of a Context, which is not named here: it imports the configuration, which reads this registry.
+# Of a Context, which is not named here: it imports the configuration, which reads the rule type.
 Check = Callable[[Any], Iterable[Found]]
 
 
 @dataclass(frozen=True)
 class Rule:
-    """A registered rule (see :func:`rule` for the fields)."""
+    """A rule (see :func:`rule` for the fields)."""
 
     name: str
     check: Check
@@ -43,9 +45,15 @@ class Rule:
     event: bool
     uses: tuple[str, ...] = ()
 
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
+        """Pickle a rule made with ``@rule`` by where it lives: its module attribute is the rule, not the function."""
+        if _named(self.check.__module__, self.check.__qualname__) is self:
+            return (_named, (self.check.__module__, self.check.__qualname__))
+        return super().__reduce_ex__(protocol)
+
     def run(self, ctx: Any) -> list[Finding]:
-        """The rule's findings on ``ctx``; none when a part of the context it reads is absent or empty."""
-        if not all(getattr(ctx, part) for part in self.reads):
+        """The rule's findings on ``ctx``; none when a fact it reads is absent or empty."""
+        if not all(ctx.has(part) for part in self.reads):
             return []
         step, phase, stat = ctx.step, self.phase, self.stat
         return [
@@ -54,8 +62,12 @@ class Rule:
         ]
 
 
-REGISTRY: dict[str, Rule] = {}
-"""Rule name to :class:`Rule`, filled by :func:`rule` as the rule modules are imported."""
+def _named(module: str, qualname: str) -> Any:
+    """The object ``qualname`` of ``module`` (``None`` if there is none): what a pickled rule is loaded from."""
+    found: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    return found
 
 
 def rule(
@@ -67,47 +79,43 @@ def rule(
     reads: Iterable[str] = (),
     event: bool = False,
     uses: Iterable[str] = (),
-) -> Callable[[Check], Check]:
-    """Register the decorated function as a rule, under its own name unless ``name`` is given.
+) -> Callable[[Check], Rule]:
+    """Make the decorated function a :class:`Rule`, named after the function unless ``name`` is given.
+
+    The rule runs where it is listed: the built-ins in :mod:`lightning_hookdiag.rules.builtin`, a user's in the
+    callback's ``extensions=``. Nothing is registered process-wide.
 
     Args:
         order: Where the rule's findings sort among those of the same layer (lower first).
         phase: Its findings' default phase: ``"forward"`` (about activations) or ``"backward"`` (about gradients).
         stat: Its findings' default statistic.
         name: The rule's name; by default the function's.
-        reads: Parts of the context (``"trip"``, ``"param_facts"``) without which the rule says nothing.
+        reads: Facts of the step (``"trip"``, ``"param_facts"``) or parts of the rules' memory (``"baseline"``)
+            without which the rule says nothing.
         event: Whether each finding is an event of one step that alerts every time (``loss_spike``), not a
             condition that persists until it clears.
-        uses: Parts of the context the rule reads where present, without needing them for all it says: gathered
-            for it like ``reads`` (``input_scale`` reads the weights' shapes in ``"param_facts"`` for its small side).
-
-    Raises:
-        ValueError: If a rule of that name is registered already.
+        uses: Facts the rule reads where present, without needing them for all it says: gathered for it like
+            ``reads`` (``input_scale`` reads the weights' shapes in ``"param_facts"`` for its small side).
 
     Example:
         >>> @rule(order=99, phase="forward", stat="act_std", name="doc_quiet")
         ... def quiet(ctx):
         ...     return []
-        >>> REGISTRY["doc_quiet"].phase, [r.name for r in registered()][-1]
-        ('forward', 'doc_quiet')
-        >>> del REGISTRY["doc_quiet"]
+        >>> quiet.name, quiet.phase
+        ('doc_quiet', 'forward')
     """
 
-    def register(check: Check) -> Check:
-        key = name or check.__name__
-        if key in REGISTRY:
-            raise ValueError(f"rule: {key!r} is registered already (by {REGISTRY[key].check.__module__})")
-        REGISTRY[key] = Rule(key, check, order, phase, stat, tuple(reads), event, tuple(uses))
-        return check
+    def make(check: Check) -> Rule:
+        return Rule(name or check.__name__, check, order, phase, stat, tuple(reads), event, tuple(uses))
 
-    return register
+    return make
 
 
-def any_reads(part: str, names: Iterable[str]) -> bool:
-    """Whether any of the rules ``names`` reads or uses ``part`` of the context (asked live: extension rules count)."""
-    return any(n in REGISTRY and (part in REGISTRY[n].reads or part in REGISTRY[n].uses) for n in names)
+def by_order(rules: Iterable[Rule]) -> list[Rule]:
+    """``rules`` in the order findings of the same layer are listed (by :attr:`Rule.order`, stable)."""
+    return sorted(rules, key=lambda r: r.order)
 
 
-def registered() -> list[Rule]:
-    """Every registered rule, in the order findings of the same layer are listed."""
-    return sorted(REGISTRY.values(), key=lambda r: r.order)
+def reads_any(part: str, rules: Sequence[Rule]) -> bool:
+    """Whether any of ``rules`` reads or uses the fact ``part``."""
+    return any(part in r.reads or part in r.uses for r in rules)

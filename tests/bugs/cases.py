@@ -201,7 +201,7 @@ def run(case: Case, sick: bool, max_steps: int | None = None, **callback: Any) -
     """
     torch.manual_seed(0)
     fit = case.build(sick)
-    settings: dict[str, Any] = {"every_n_steps": 1, "on_anomaly": "ignore", "summary": False}
+    settings: dict[str, Any] = {"every_n_steps": 1, "on_anomaly": "ignore", "output": {"summary": False}}
     settings.update(case.callback)
     settings.update(callback)
     cb = LayerHealthCallback(**settings)

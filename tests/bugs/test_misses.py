@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from cases import BY_NAME, BugModule, Case, Fit, _data, _mlp, run
-from conftest import by_name, count_hooks, make_trainer
+from conftest import by_name, count_hooks, make_trainer, run_rules
 from misses import _WarmupModule, _ZeroAfterBackward
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -24,7 +24,7 @@ from zoo import ZOO, zoo_module
 
 from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.provenance import nonfinite_in_batch
-from lightning_hookdiag.rules import BATCH, RuleConfig, evaluate
+from lightning_hookdiag.rules import BATCH, RuleConfig
 from lightning_hookdiag.sentinel import LossSentinel, SpikeDetector
 from lightning_hookdiag.trends import History
 from lightning_hookdiag.vocabulary import ALL_STATS, OUTPUT_LAYER_STATS
@@ -180,9 +180,9 @@ def test_weights_broken_by_step_0s_update_are_named_at_step_0_with_the_eps_below
 
 def test_weights_last_finite_on_the_step_before_are_blamed_on_that_steps_update():
     values = {"param_norm": {"fc.weight": math.nan, "fc.bias": 1.0}}
-    (f,) = evaluate(values, ["fc"], ["fc"], step=5, last_finite={"fc.weight": 4}, config=RuleConfig(["nonfinite"]))
+    (f,) = run_rules(values, ["fc"], ["fc"], step=5, last_finite={"fc.weight": 4}, config=RuleConfig(["nonfinite"]))
     assert "last observed finite at step 4, before its optimizer step: step 4's update made them" in f.message
-    (g,) = evaluate(values, ["fc"], ["fc"], step=5, last_finite={"fc.weight": 2}, config=RuleConfig(["nonfinite"]))
+    (g,) = run_rules(values, ["fc"], ["fc"], step=5, last_finite={"fc.weight": 2}, config=RuleConfig(["nonfinite"]))
     assert "update made them" not in g.message
 
 
@@ -245,7 +245,7 @@ def test_a_bounded_negative_likelihood_that_falls_through_zero_is_silent():
 
     torch.manual_seed(0)
     fit = build(False)
-    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False, **PRECURSORS)
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False}, **PRECURSORS)
     trainer = pl.Trainer(
         callbacks=[callback, Losses()],
         max_steps=case.max_steps,
@@ -318,7 +318,7 @@ def test_the_zoo_is_silent_with_the_output_layers_statistics_on(name):
     transformers.logging.set_verbosity_error()
     steps = 42
     module = zoo_module(name, n=8 * steps)
-    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False, **PRECURSORS)
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False}, **PRECURSORS)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         make_trainer([callback], max_steps=steps).fit(module)

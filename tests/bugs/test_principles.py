@@ -36,7 +36,7 @@ def _only(callback: LayerHealthCallback, rule: str) -> list:
 
 def _fit(module: pl.LightningModule, steps: int, **callback: Any) -> LayerHealthCallback:
     torch.manual_seed(0)
-    cb = LayerHealthCallback(**{"every_n_steps": 1, "on_anomaly": "ignore", "summary": False, **callback})
+    cb = LayerHealthCallback(**{"every_n_steps": 1, "on_anomaly": "ignore", "output": {"summary": False}, **callback})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's notes on tiny runs
         make_trainer([cb], max_steps=steps).fit(module)

@@ -88,10 +88,14 @@ def main(out_dir: str) -> None:
         module = PerRankData(model=model, lr=0.01)
         callback = (
             CountingCallback(
-                every_n_steps=2, stats=[*OPT_IN_STATS, *PRECURSOR_STATS], precision_targets=["float16", "float8_e5m2"]
+                every_n_steps=2,
+                stats=[*OPT_IN_STATS, *PRECURSOR_STATS],
+                measure={"precision_targets": ["float16", "float8_e5m2"]},
             )
             if opt_in
-            else CountingCallback(every_n_steps=2, charts="all")  # every statistic is compared with a reference
+            else CountingCallback(
+                every_n_steps=2, output={"charts": "all"}
+            )  # every statistic is compared with a reference
         )
         trainer = make_trainer(
             [callback],
@@ -155,7 +159,7 @@ def branch_run(callback_class: type) -> dict:
             return DataLoader(data, batch_size=4)
 
     module = Branchy()
-    callback = callback_class(every_n_steps=2, summary=False, on_anomaly="ignore")
+    callback = callback_class(every_n_steps=2, output={"summary": False}, on_anomaly="ignore")
     trainer = make_trainer([callback], max_steps=4, devices=2, strategy="ddp", use_distributed_sampler=False)
     trainer.fit(module)
     return {
@@ -185,7 +189,7 @@ def diverge_run(callback_class: type) -> dict:
     for perturbed in (False, True):
         torch.manual_seed(0)
         module = TinyModule(lr=0.01)
-        callback = callback_class(every_n_steps=2, summary=False, on_anomaly="ignore")
+        callback = callback_class(every_n_steps=2, output={"summary": False}, on_anomaly="ignore")
         extra = [Perturb()] if perturbed else []
         make_trainer([callback, *extra], max_steps=5, devices=2, strategy="ddp").fit(module)
         out["perturbed" if perturbed else "healthy"] = {

@@ -327,7 +327,7 @@ def run_lightning(out_dir: str, strategy: str, accelerator: str, devices: int) -
             self.collectives[self.last_step] = count["calls"]
 
     module = Module()
-    callback = Recording(every_n_steps=1, on_anomaly="ignore", summary=False)
+    callback = Recording(every_n_steps=1, on_anomaly="ignore", output={"summary": False})
     kind: Any = (
         ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
         if strategy == "model_parallel"

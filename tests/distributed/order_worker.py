@@ -71,7 +71,7 @@ def main(out_dir: str) -> None:
                     "findings": [(f.rule, f.layer, f.stat) for f in self.last_findings],
                 }
 
-    callback = Keeping(every_n_steps=2, summary=False, on_anomaly="ignore", sentinel=None)
+    callback = Keeping(every_n_steps=2, output={"summary": False}, on_anomaly="ignore", sentinel=None)
     trainer = make_trainer(
         [callback], max_steps=3, devices=2, strategy="ddp_find_unused_parameters_true", use_distributed_sampler=False
     )

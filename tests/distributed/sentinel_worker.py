@@ -110,7 +110,7 @@ def main(out_dir: str, mode: str) -> None:
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
         max_steps = 3
 
-    callback = Recording(every_n_steps=10, on_anomaly="ignore", summary=False)
+    callback = Recording(every_n_steps=10, on_anomaly="ignore", output={"summary": False})
     logger = RecordingLogger()  # its log_metrics is not rank-zero-only: every rank records what it logged
     trainer = make_trainer(
         [callback], max_steps=max_steps, devices=2, strategy=strategy, use_distributed_sampler=False, logger=[logger]

@@ -125,8 +125,11 @@ def pooled_case(rank: int, world: int, n_layers: int, sharded: bool) -> list[dic
     from lightning_hookdiag.aggregation import LayerStatsAggregator
     from lightning_hookdiag.recorder import StepRecorder
 
-    agg = LayerStatsAggregator(n_layers, n_params=n_layers, sharded_params=sharded, histogram_bins=BINS)
-    rec = StepRecorder(agg, unit_layers=frozenset(range(1, n_layers, 2)))
+    units = frozenset(range(1, n_layers, 2))
+    agg = LayerStatsAggregator(
+        n_layers, n_params=n_layers, sharded_params=sharded, histogram_bins=BINS, unit_layers=units
+    )
+    rec = StepRecorder(n_layers, unit_layers=units, histogram_bins=BINS)
     rec.histograms = True
     steps = []
     for step in range(STEPS):
@@ -134,7 +137,7 @@ def pooled_case(rank: int, world: int, n_layers: int, sharded: bool) -> list[dic
             rec.on_tensor(layer, x)
             rec.on_grad(layer, grad)
         index = torch.arange(n_layers)
-        agg.update(params=(index, param_values(rank, n_layers, step, sharded), slice(None)))
+        agg.update(rec.take(), params=(index, param_values(rank, n_layers, step, sharded), slice(None)))
         with recorded() as log:
             values = {k: v.detach().clone() for k, v in agg.compute().items()}
         steps.append(
@@ -157,15 +160,15 @@ def mismatch_case(rank: int, world: int) -> list[dict[str, Any]]:
     from lightning_hookdiag.aggregation import LayerStatsAggregator
     from lightning_hookdiag.recorder import StepRecorder
 
-    agg = LayerStatsAggregator(3)
-    rec = StepRecorder(agg, moments=False, unit_layers=frozenset({0, 1, 2}))
+    agg = LayerStatsAggregator(3, unit_layers={0, 1, 2})
+    rec = StepRecorder(3, moments=False, unit_layers=frozenset({0, 1, 2}))
     last = rank == world - 1
     steps = []
     for step in range(2):
         rec.on_tensor(0, -torch.ones(2, 4 if last else 3))
         rec.on_tensor(1, -torch.ones(2, 6 if last and step == 1 else 5))
         rec.on_tensor(2, torch.tensor([[1.0 if last else -1.0, -1.0]]))
-        agg.update()
+        agg.update(rec.take())
         steps.append({"dead": agg.compute()["act_dead_frac"].tolist(), "mismatch": sorted(agg.unit_mismatch)})
         agg.reset()
     return steps
@@ -323,7 +326,7 @@ def name_cases() -> dict[str, Any]:
     """What each consumer calls each module and parameter, per wrapper."""
     from lightning_hookdiag.params import named_parameters_of
     from lightning_hookdiag.report.health_log import Scalar, build_health_log
-    from lightning_hookdiag.rules import RuleConfig, evaluate
+    from lightning_hookdiag.rules import Observed, RuleConfig, evaluate
     from lightning_hookdiag.selection import resolve_layers
 
     out = {}
@@ -335,7 +338,8 @@ def name_cases() -> dict[str, Any]:
         config = RuleConfig(enabled=("nonfinite",))
         rule_owner = {}
         for param in params:
-            (finding,) = evaluate({"param_grad_norm": {param: float("nan")}}, layers, [], 0, config)
+            step = Observed(0, {"param_grad_norm": {param: float("nan")}}, {"forward_order": layers})
+            (finding,) = evaluate(step, None, config)
             rule_owner[param] = finding.layer
         scalars = [Scalar(f"layer_health/depth/{name}", 0, float(i)) for i, name in enumerate(layers)]
         scalars += [Scalar(f"layer_health/param_norm/{param}", 0, 1.0) for param in params]

@@ -138,6 +138,7 @@ def _expected_bytes(n_layers: int, sharded: bool, step: int) -> list[int]:
         sums += 3 * len(unit_layers)  # the unit-count agreement, until every dead-unit layer ran somewhere
     # Replicated parameters: their 4 columns and minus each weight sum of squares (the smallest over processes).
     maxima = n_layers + (0 if sharded else 5 * n_layers) + sum(W.units_of(i) for i in unit_layers) + n_layers
+    maxima += 5 * n_layers  # the layer orders (five numbers per layer), a state: the callback agrees them every sync
     return [8 * sums, (4 if sharded else 8) * maxima]
 
 

@@ -45,7 +45,9 @@ def assert_forward_matches(metrics, module, step, accumulate, layers):
 def test_forward_statistics_and_schedule_under_accumulation():
     module = TinyModule(data=make_data(n=96), batch_size=4)
     logger = RecordingLogger()
-    callback = LayerHealthCallback(every_n_steps=2, charts="all")  # every statistic, the non-finite counts too
+    callback = LayerHealthCallback(
+        every_n_steps=2, output={"charts": "all"}
+    )  # every statistic, the non-finite counts too
     make_trainer([callback], max_steps=5, accumulate_grad_batches=3, logger=logger).fit(module)
 
     logged = by_step(logger)
@@ -87,7 +89,7 @@ def test_gradient_and_parameter_statistics_match_reference(accumulate, clip):
     module = TinyModule(model=model, data=make_data(n=64), batch_size=4)
     logger = RecordingLogger()
     make_trainer(
-        [LayerHealthCallback(every_n_steps=1, charts="all")],  # the gradients' non-finite counts (0) too
+        [LayerHealthCallback(every_n_steps=1, output={"charts": "all"})],  # the gradients' non-finite counts (0) too
         max_steps=3,
         accumulate_grad_batches=accumulate,
         gradient_clip_val=clip,
@@ -395,10 +397,10 @@ def assert_names(error: pytest.ExceptionInfo, facts: list[str]) -> None:
         ({"stats": ["act_mean", "act_meen"]}, ["['act_meen']", "act_mean", "act_std"]),
         ({"prefix": ""}, ["prefix", "non-empty", "got ''"]),
         ({"prefix": "/health"}, ["prefix", "'/'", "got '/health'"]),
-        ({"layer_types": ["torch.nn.Lineer"]}, ["layer_types", "'torch.nn.Lineer'"]),
-        ({"dead_unit_types": ["relu"]}, ["dead_unit_types", "'relu'"]),
+        ({"measure": {"layer_types": ["torch.nn.Lineer"]}}, ["MeasureConfig.layer_types", "'torch.nn.Lineer'"]),
+        ({"measure": {"dead_unit_types": ["relu"]}}, ["MeasureConfig.dead_unit_types", "'relu'"]),
         ({"layers": ["model.0", ""]}, ["layers", "non-empty", "['']"]),
-        ({"unit_dim": "last"}, ["unit_dim", "integer axis or None", "got 'last'"]),
+        ({"measure": {"unit_dim": "last"}}, ["MeasureConfig.unit_dim", "integer axis or None", "got 'last'"]),
     ],
 )
 def test_invalid_configuration_raises_at_construction(kwargs, facts):
@@ -427,7 +429,9 @@ def test_state_dict_round_trip():
 def test_pickling_before_and_after_fit():
     import pickle
 
-    callback = LayerHealthCallback(every_n_steps=1, layer_types=["torch.nn.Linear"], rules={"dead_frac_threshold": 0.5})
+    callback = LayerHealthCallback(
+        every_n_steps=1, rules={"dead_frac_threshold": 0.5}, measure={"layer_types": ["torch.nn.Linear"]}
+    )
     restored = pickle.loads(pickle.dumps(callback))
     assert restored.layer_types == (nn.Linear,)
     assert restored.rule_config == callback.rule_config
@@ -487,7 +491,7 @@ def test_only_the_callback_the_replay_and_the_logger_writer_import_lightning():
 
 # ------------------------------------------------------------------------------------------ settings and loggers
 def test_settings_changed_after_construction_hold_for_the_next_fit():
-    callback = LayerHealthCallback(every_n_steps=50, summary=False)
+    callback = LayerHealthCallback(every_n_steps=50, output={"summary": False})
     callback.every_n_steps, callback.stats = 2, ("act_mean",)
     logger = RecordingLogger()
     make_trainer([callback], max_steps=5, logger=logger).fit(TinyModule())
@@ -506,6 +510,8 @@ def test_each_logger_is_asked_once_per_histogram_step_whether_it_stores_histogra
     writer = callback_module._histogram_writer
     monkeypatch.setattr(callback_module, "_histogram_writer", lambda logger: asked.append(logger) or writer(logger))
     loggers = [RecordingLogger(), TensorBoardLogger(tmp_path)]
-    callback = LayerHealthCallback(every_n_steps=2, histogram_every_n_steps=2, histogram_bins=8, summary=False)
+    callback = LayerHealthCallback(
+        every_n_steps=2, measure={"histogram_every_n_steps": 2, "histogram_bins": 8}, output={"summary": False}
+    )
     make_trainer([callback], max_steps=3, logger=loggers).fit(TinyModule())
     assert asked == loggers * 2  # steps 0 and 2

@@ -68,7 +68,7 @@ def module() -> TinyModule:
 
 def test_after_a_fit_the_callback_holds_no_module_and_no_tensor():
     m = module()
-    callback = LayerHealthCallback(every_n_steps=2, stats=EVERY_STAT, summary=False, on_anomaly="ignore")
+    callback = LayerHealthCallback(every_n_steps=2, stats=EVERY_STAT, on_anomaly="ignore", output={"summary": False})
     make_trainer([callback], max_steps=5).fit(m)
     assert callback.last_step == 4  # guards the test: the statistics were computed
     assert held(callback) == []
@@ -89,7 +89,7 @@ def test_after_a_fit_the_callback_holds_no_module_and_no_tensor():
 )
 def test_after_an_exception_at_any_stage_the_callback_holds_no_module_and_no_tensor(hook, step):
     m = module()
-    callback = LayerHealthCallback(every_n_steps=2, stats=EVERY_STAT, summary=False, on_anomaly="ignore")
+    callback = LayerHealthCallback(every_n_steps=2, stats=EVERY_STAT, on_anomaly="ignore", output={"summary": False})
     # The failing callback comes after ours: ours has already done its part of the hook when it raises.
     with pytest.raises(RuntimeError, match=f"boom in {hook}"):
         make_trainer([callback, Boom(hook, step)], max_steps=5).fit(m)
@@ -99,7 +99,7 @@ def test_after_an_exception_at_any_stage_the_callback_holds_no_module_and_no_ten
 
 
 def test_a_second_fit_starts_a_fresh_trend_history():
-    callback = LayerHealthCallback(every_n_steps=2, summary=False, on_anomaly="ignore")
+    callback = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", output={"summary": False})
 
     def steps() -> list[int]:  # the trend history as checkpointed
         return [s for s, _ in callback.state_dict()["history"]["points"]["param_norm"]["model.0.weight"]]
@@ -114,10 +114,9 @@ def test_a_second_fit_starts_a_fresh_trend_history():
 FULL = {
     "every_n_steps": 2,
     "stats": EVERY_STAT,
-    "precision_targets": "float16",
-    "histogram_every_n_steps": 2,
+    "measure": {"precision_targets": "float16", "histogram_every_n_steps": 2},
     "sentinel": "loss+grads",
-    "summary": False,
+    "output": {"summary": False},
     "on_anomaly": "ignore",
 }
 
@@ -262,9 +261,8 @@ def test_after_an_exception_at_any_stage_with_every_opt_in_statistic_nothing_is_
 
 @pytest.mark.parametrize("fail", [False, True], ids=["replayed", "replay_failed"])
 def test_after_an_exception_just_after_a_replay_nothing_is_held(monkeypatch, fail):
-    force_trips(monkeypatch, {1})
     m = attention_module(fail_replays=fail)
-    callback = LayerHealthCallback(**FULL)
+    callback = LayerHealthCallback(**{**FULL, "sentinel": force_trips({1}, mode="loss+grads")})
     with pytest.raises(RuntimeError, match="boom in on_before_optimizer_step"):
         make_trainer([callback, Boom("on_before_optimizer_step", 1)], max_steps=5).fit(m)
     ((trip_step, replayed),) = [(t.step, t.replayed) for t in callback.trips]
@@ -273,9 +271,8 @@ def test_after_an_exception_just_after_a_replay_nothing_is_held(monkeypatch, fai
 
 
 def test_after_on_anomaly_raise_on_a_replayed_step_nothing_is_held(monkeypatch):
-    force_trips(monkeypatch, {1})
     m = attention_module()
-    callback = LayerHealthCallback(**{**FULL, "on_anomaly": "raise"})
+    callback = LayerHealthCallback(**{**FULL, "on_anomaly": "raise", "sentinel": force_trips({1}, mode="loss+grads")})
     with pytest.raises(LayerHealthError, match="loss_spike"):
         make_trainer([callback], max_steps=5).fit(m)
     assert callback.last_step == 1  # the replayed step was logged before the error
@@ -283,26 +280,18 @@ def test_after_on_anomaly_raise_on_a_replayed_step_nothing_is_held(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------- the callback's own shape
+# The top-level settings, and each group as its validated configuration object (rules= is rule_config, ...).
 CONFIG = {
     "every_n_steps",
     "layers",
-    "layer_types",
-    "exclude",
     "stats",
     "prefix",
-    "dead_unit_types",
-    "unit_dim",
     "on_anomaly",
-    "rule_config",  # from rules=
-    "summary",
-    "histogram_every_n_steps",
-    "histogram_bins",
-    "sentinel",
-    "precision_targets",
-    "output_layer",
-    "heatmap_stats",
-    "heatmap_every_n_steps",
-    "charts",
+    "measure_config",
+    "sentinel_config",
+    "rule_config",
+    "output_config",
+    "extensions",  # split into component factories and rules
 }
 RESULTS = {"last_metrics", "last_step", "layer_names", "execution_order", "findings", "last_findings", "trips"}
 
@@ -316,8 +305,9 @@ def test_the_callback_holds_its_configuration_its_results_and_one_run_slot():
     callback = LayerHealthCallback(rules={"trend_window": 7})
     assert public(callback) == CONFIG | RESULTS
     parameters = set(inspect.signature(LayerHealthCallback.__init__).parameters) - {"self"}
-    # One attribute per argument; extra_stats is folded into stats.
-    assert (parameters - {"rules", "extra_stats"}) | {"rule_config"} == CONFIG
+    # One attribute per argument (a group's is its configuration object); **deprecated holds none.
+    groups = {"measure", "sentinel", "rules", "output"}
+    assert (parameters - groups - {"deprecated"}) | {f"{g.removesuffix('s')}_config" for g in groups} == CONFIG
     # The rules' memory is empty before the first fit, and sized by the callback's rule settings.
     state = callback.state_dict()
     assert {k: state[k] for k in ("alerts", "last_finite", "history")} == Diagnosis(callback.rule_config).state_dict()
@@ -332,7 +322,7 @@ def test_the_run_is_one_object_from_fit_start_to_the_end_of_fit():
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             runs.append(trainer.callbacks[0]._run)
 
-    callback, model = LayerHealthCallback(every_n_steps=2, summary=False), module()
+    callback, model = LayerHealthCallback(every_n_steps=2, output={"summary": False}), module()
     make_trainer([callback, Look()], max_steps=3).fit(model)
     assert isinstance(runs[0], FitRun)
     assert all(run is runs[0] for run in runs)

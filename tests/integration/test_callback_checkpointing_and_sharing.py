@@ -74,7 +74,9 @@ class Shared(nn.Module):
 def test_shared_module_pools_all_its_calls():
     module = TinyModule(model=Shared(), data=make_data(n=16))
     logger = RecordingLogger()
-    make_trainer([LayerHealthCallback(every_n_steps=1, charts="all")], max_steps=1, logger=logger).fit(module)
+    make_trainer([LayerHealthCallback(every_n_steps=1, output={"charts": "all"})], max_steps=1, logger=logger).fit(
+        module
+    )
     metrics = logger.ours()[0][1]
 
     _, x, y, weights = module.record[0]

@@ -75,7 +75,9 @@ def test_compiled_model_gets_the_same_opt_in_statistics_as_eager():
         logger = RecordingLogger()
         module = TinyModule(model=model, data=make_data(n=256), optimizer="adam", lr=0.01)
         module.record_enabled = False
-        callback = LayerHealthCallback(every_n_steps=2, stats=list(OPT_IN_STATS), precision_targets="float8_e5m2")
+        callback = LayerHealthCallback(
+            every_n_steps=2, stats=list(OPT_IN_STATS), measure={"precision_targets": "float8_e5m2"}
+        )
         make_trainer([callback], max_steps=5, logger=logger).fit(module)
         assert count_hooks(module) == 0
         return dict(logger.ours())
@@ -92,13 +94,13 @@ def test_compiled_model_gets_the_same_opt_in_statistics_as_eager():
 
 
 def test_a_replay_of_a_compiled_model_observes_every_layer_like_eager(monkeypatch):
-    force_trips(monkeypatch, {3})
-
     def replayed(model: nn.Module) -> tuple[dict[str, float], TinyModule]:
         logger = RecordingLogger()
         module = TinyModule(model=model, data=make_data(n=256), optimizer="adam", lr=0.01)
         module.record_enabled = False
-        callback = LayerHealthCallback(every_n_steps=100, on_anomaly="ignore", summary=False)
+        callback = LayerHealthCallback(
+            every_n_steps=100, on_anomaly="ignore", sentinel=force_trips({3}), output={"summary": False}
+        )
         make_trainer([callback], max_steps=5, logger=logger).fit(module)
         assert [(t.step, t.replayed) for t in callback.trips] == [(3, True)]
         return dict(logger.ours())[3], module

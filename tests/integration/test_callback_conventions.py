@@ -86,7 +86,9 @@ def test_tensorboard_histograms_carry_the_logger_prefix_like_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb = TensorBoardLogger(tmp_path, name="tb", prefix="exp")
-    callback = LayerHealthCallback(every_n_steps=2, histogram_every_n_steps=2, histogram_bins=8, summary=False)
+    callback = LayerHealthCallback(
+        every_n_steps=2, measure={"histogram_every_n_steps": 2, "histogram_bins": 8}, output={"summary": False}
+    )
     make_trainer([callback], max_steps=1, logger=[tb]).fit(TinyModule(data=make_data(n=16)))
     accumulator = EventAccumulator(tb.log_dir, size_guidance={"histograms": 0, "scalars": 0})
     accumulator.Reload()

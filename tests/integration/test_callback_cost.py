@@ -133,7 +133,7 @@ class Probe(Callback):
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc to read resident memory")
 def test_memory_and_live_tensors_stay_flat_over_thousands_of_sampled_steps():
     probe = Probe(at=(200, 2000))
-    callback = LayerHealthCallback(every_n_steps=1, summary=False)
+    callback = LayerHealthCallback(every_n_steps=1, output={"summary": False})
     module = TinyModule(model=deep_mlp(3), data=make_data(n=64), batch_size=64, optimizer="adam", lr=1e-3)
     module.record_enabled = False
     make_trainer([callback, probe], max_steps=2001, max_epochs=-1).fit(module)
@@ -278,7 +278,11 @@ def host_copies_of_a_fit() -> tuple[HostDataWatch, LayerHealthCallback]:
 
     stats = [*ALL_STATS, *OPT_IN_STATS]
     callback = LayerHealthCallback(
-        every_n_steps=1, stats=stats, histogram_every_n_steps=1, on_anomaly="ignore", summary=False
+        every_n_steps=1,
+        stats=stats,
+        on_anomaly="ignore",
+        measure={"histogram_every_n_steps": 1},
+        output={"summary": False},
     )
     with watch, package_code(callback, watch.scope):
         make_trainer([Steps(), callback], max_steps=4, accumulate_grad_batches=2).fit(VaryingLengths())

@@ -51,7 +51,7 @@ class SyncWatch:
 def cuda_syncs(blocks: int, observed: bool, sentinel: str | None = None) -> dict[int, int]:
     torch.manual_seed(0)
     watch = SyncWatch()
-    callback = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", summary=False, sentinel=sentinel)
+    callback = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", sentinel=sentinel, output={"summary": False})
     middle = [callback] if observed else []
     module = SyncFreeModule(model=deep_mlp(blocks), data=make_data(n=64))
     module.record_enabled = False

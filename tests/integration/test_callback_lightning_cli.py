@@ -59,11 +59,19 @@ def misspelt_rule(config: dict[str, Any]) -> None:
 
 
 def bad_layer_type(config: dict[str, Any]) -> None:
-    health_args(config)["layer_types"] = ["torch.nn.Linear", "torch.nn.Relu"]
+    health_args(config)["measure"]["layer_types"] = ["torch.nn.Linear", "torch.nn.Relu"]
 
 
 def bad_extra_stat(config: dict[str, Any]) -> None:
-    health_args(config)["extra_stats"] = ["act_kurtosis", "act_kurt"]
+    health_args(config)["measure"]["extra_stats"] = ["act_kurtosis", "act_kurt"]
+
+
+def bad_warmup(config: dict[str, Any]) -> None:
+    health_args(config)["sentinel"]["warmup"] = 60
+
+
+def bad_heatmap_stat(config: dict[str, Any]) -> None:
+    health_args(config)["output"]["heatmap_stats"] = ["act_stdd"]
 
 
 # Each invalid configuration and the text its error message must contain.
@@ -71,8 +79,10 @@ BAD = {
     "bad_stat": (bad_stat, ["stats", "act_meen"]),
     "zero_interval": (zero_interval, ["every_n_steps", "got 0"]),
     "misspelt_rule": (misspelt_rule, ["dead_frac_treshold", "dead_frac_threshold"]),
-    "bad_layer_type": (bad_layer_type, ["layer_types", "torch.nn.Relu"]),
-    "bad_extra_stat": (bad_extra_stat, ["extra_stats", "act_kurt"]),
+    "bad_layer_type": (bad_layer_type, ["MeasureConfig.layer_types", "torch.nn.Relu"]),
+    "bad_extra_stat": (bad_extra_stat, ["MeasureConfig.extra_stats", "act_kurt"]),
+    "bad_warmup": (bad_warmup, ["SentinelConfig.warmup", "[3, window=30]", "got 60"]),
+    "bad_heatmap_stat": (bad_heatmap_stat, ["OutputConfig.heatmap_stats", "act_stdd"]),
 }
 SUBPROCESS_BAD_CASE = "zero_interval"
 # Where the callback's arguments are in the configuration, as the one error line names it.
@@ -155,8 +165,10 @@ def test_config_matches_this_test() -> None:
     assert args["every_n_steps"] == EVERY_N_STEPS
     assert config["trainer"]["max_steps"] == MAX_STEPS
     assert args["stats"] == STATS
-    assert args["layer_types"] == ["torch.nn.Linear", "torch.nn.ReLU"]  # import strings, not classes
-    assert {"layers", "exclude", "on_anomaly", "rules"} <= set(args)
+    assert args["measure"]["layer_types"] == ["torch.nn.Linear", "torch.nn.ReLU"]  # import strings, not classes
+    assert {"layers", "on_anomaly", "measure", "sentinel", "rules", "output"} <= set(args)
+    assert args["measure"]["exclude"] == ["encoder.0"]
+    assert args["sentinel"] == {"mode": "loss+grads", "window": 30}
     assert "dead_frac_threshold" in args["rules"]
 
 
@@ -187,7 +199,7 @@ def test_cli_run_logs_exactly_the_configured_layers_and_stats(runs: dict[str, An
         assert all(row[k] != "" for k in expected), row  # every key on every sampled step
     # LightningCLI saved the configuration it ran with, callback arguments included.
     saved = yaml.safe_load((metrics_csv.parent / "config.yaml").read_text())
-    assert health_args(saved)["layer_types"] == ["torch.nn.Linear", "torch.nn.ReLU"]
+    assert health_args(saved)["measure"]["layer_types"] == ["torch.nn.Linear", "torch.nn.ReLU"]
 
 
 def test_cli_process_exits_with_one_error_line_naming_the_key(runs: dict[str, Any]) -> None:
@@ -223,3 +235,24 @@ def test_cli_rejects_an_invalid_callback_argument(
     for text in BAD[case][1]:
         assert text in line, f"{text!r} not in the error: {line}"
     assert not list(tmp_path.glob("**/metrics.csv")), "training must not start"
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # jsonargparse APIs Lightning 2.6 calls, as above
+def test_the_yaml_sections_fill_the_nested_configurations(
+    cli_train: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_hookdiag import LayerHealthCallback, MeasureConfig, OutputConfig, SentinelConfig
+
+    args = ["fit", "--config", str(CONFIG), "--trainer.default_root_dir", str(tmp_path), "--seed_everything", "false"]
+    args += ["--trainer.logger.init_args.save_dir", str(tmp_path / "logs"), "--trainer.max_steps", "1"]
+    # A nested field from the command line, as LightningCLI offers for any argument.
+    args += ["--trainer.callbacks.init_args.sentinel.warmup", "7"]
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT)])
+    cli = cli_train.main(args)
+    (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, LayerHealthCallback)]
+    expected_measure = MeasureConfig(layer_types=["torch.nn.Linear", "torch.nn.ReLU"], exclude=["encoder.0"])
+    assert callback.measure_config == expected_measure
+    assert callback.sentinel_config == SentinelConfig(mode="loss+grads", window=30, warmup=7)
+    assert callback.output_config == OutputConfig(summary=True)
+    assert (callback.rule_config.dead_frac_threshold, callback.rule_config.vanishing_ratio) == (0.5, 1e-4)
+    assert callback.layer_names == LAYERS  # the nested selection took effect

@@ -169,7 +169,9 @@ def _reference(module: TinyModule, step: int) -> dict[str, float]:
 
 @pytest.mark.parametrize("kind", [*SKIPPED, *MEASURED])
 def test_every_output_kind_leaves_the_fit_and_the_other_layers_intact(kind: str) -> None:
-    module, logger, messages = _fit(kind, LayerHealthCallback(every_n_steps=1, charts="all"))  # every statistic
+    module, logger, messages = _fit(
+        kind, LayerHealthCallback(every_n_steps=1, output={"charts": "all"})
+    )  # every statistic
     assert count_hooks(module) == 0
     steps = [step for step, metrics in logger.ours()]
     assert steps == [0, 1, 2]
@@ -201,10 +203,8 @@ def test_opt_in_statistics_histograms_and_accumulation_skip_them_too(kind: str) 
     """Every sink an output reaches (kurtosis, precision headroom, saved bytes, histograms) is spared it."""
     callback = LayerHealthCallback(
         every_n_steps=1,
-        extra_stats=list(OPT_IN_STATS),
-        histogram_every_n_steps=1,
-        precision_targets=["bfloat16"],
         sentinel="loss+grads",
+        measure={"extra_stats": list(OPT_IN_STATS), "histogram_every_n_steps": 1, "precision_targets": ["bfloat16"]},
     )
     torch.manual_seed(0)
     module = TinyModule(model=Net(kind))
@@ -274,7 +274,9 @@ def test_a_frozen_transformer_encoder_in_a_training_step_is_skipped_as_nested() 
     logger = RecordingLogger()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        callback = LayerHealthCallback(layers=LAYERS, every_n_steps=1, charts="all")  # every statistic, compared
+        callback = LayerHealthCallback(
+            layers=LAYERS, every_n_steps=1, output={"charts": "all"}
+        )  # every statistic, compared
         make_trainer([callback], max_steps=2, logger=logger).fit(module)
     messages = [str(w.message) for w in caught if issubclass(w.category, LayerHealthWarning)]
     for name in LAYERS[:2]:

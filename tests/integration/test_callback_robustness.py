@@ -61,7 +61,7 @@ def test_huge_finite_activations_give_finite_exact_statistics(factor):
     module = TinyModule(model=model)
     logger = RecordingLogger()
     # charts="all": the non-finite count is logged although it is 0.
-    callback = LayerHealthCallback(every_n_steps=1, layers=["model.1"], on_anomaly="ignore", charts="all")
+    callback = LayerHealthCallback(every_n_steps=1, layers=["model.1"], on_anomaly="ignore", output={"charts": "all"})
     make_trainer([callback], max_steps=1, logger=logger).fit(module)
     metrics = by_step(logger)[0]
     _, x, _, weights = module.record[0]
@@ -88,7 +88,7 @@ def test_finite_exploding_gradients_fire_exploding_not_nonfinite():
     module = TinyModule(model=model)
     logger = RecordingLogger()
     recorder = GradRecorder()
-    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", charts="all")  # the 0 counts too
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"charts": "all"})  # the 0 counts too
     make_trainer([recorder, callback], max_steps=1, logger=logger).fit(module)
     metrics = by_step(logger)[0]
     assert all(math.isfinite(v) for v in metrics.values()), metrics
@@ -214,11 +214,15 @@ def test_a_step_finished_before_its_update_is_not_pooled_into_the_next_sampled_s
     # goes on. LBFGS then evaluates the closure again: those forwards and backwards were pooled into the next sampled
     # step (step 2 here), and their saved bytes too.
     def fit(trips: set[int]) -> dict[int, dict[str, float]]:
-        force_trips(monkeypatch, trips)
         logger = RecordingLogger()
         stats = ["act_mean", "act_std", "act_grad_norm", "act_saved_bytes", "param_norm"]
         callback = LayerHealthCallback(
-            every_n_steps=2, stats=stats, on_anomaly="raise", rules={"enabled": ["saturation"]}, summary=False
+            every_n_steps=2,
+            stats=stats,
+            on_anomaly="raise",
+            sentinel=force_trips(trips),
+            rules={"enabled": ["saturation"]},
+            output={"summary": False},
         )
         torch.manual_seed(0)
         module = LBFGSModule()
@@ -410,13 +414,15 @@ def test_callback_pickles_deep_copies_and_refits_after_a_failed_fit():
     ("kwargs", "facts"),
     [
         ({"layers": 5}, ["layers", "module name or glob", "got 5"]),
-        ({"exclude": 5}, ["exclude", "module name or glob", "got 5"]),
-        ({"layer_types": 5}, ["layer_types", "nn.Module subclass", "import string", "5"]),
-        ({"dead_unit_types": 5}, ["dead_unit_types", "nn.Module subclass", "import string", "5"]),
+        ({"measure": {"exclude": 5}}, ["MeasureConfig.exclude", "module name or glob", "got 5"]),
+        ({"measure": {"layer_types": 5}}, ["MeasureConfig.layer_types", "nn.Module subclass", "import string", "5"]),
+        ({"measure": {"dead_unit_types": 5}}, ["MeasureConfig.dead_unit_types", "nn.Module subclass", "5"]),
         ({"stats": 5}, ["stats", "statistic name", "got 5"]),
         ({"stats": [["act_mean"]]}, ["stats", "statistic name", "got [['act_mean']]"]),
-        ({"summary": "false"}, ["summary", "True or False", "got 'false'"]),
-        ({"summary": 1}, ["summary", "True or False", "got 1"]),
+        ({"output": {"summary": "false"}}, ["OutputConfig.summary", "True or False", "got 'false'"]),
+        ({"output": {"summary": 1}}, ["OutputConfig.summary", "True or False", "got 1"]),
+        ({"measure": 5}, ["measure", "MeasureConfig, a mapping of its fields or None", "got 5"]),
+        ({"output": {"sumary": False}}, ["output", "unknown OutputConfig field(s) ['sumary']", "'summary'"]),
     ],
 )
 def test_wrongly_typed_arguments_name_the_argument(kwargs, facts):
@@ -427,14 +433,16 @@ def test_wrongly_typed_arguments_name_the_argument(kwargs, facts):
 
 def test_unit_dim_out_of_range_raises_naming_it_and_the_layer():
     module = TinyModule()
-    callback = LayerHealthCallback(every_n_steps=1, unit_dim=5)
+    callback = LayerHealthCallback(every_n_steps=1, measure={"unit_dim": 5})
     with pytest.raises(ValueError, match="unit_dim") as error:
         make_trainer([callback], max_steps=1).fit(module)
     facts = ["unit_dim", "5", "'model.1'", "(8, 8)", "[-2, 1]"]  # the value, the layer, its shape, the valid axes
     assert all(fact in str(error.value) for fact in facts), str(error.value)
     assert count_hooks(module) == 0
     logger = RecordingLogger()
-    make_trainer([LayerHealthCallback(every_n_steps=1, unit_dim=-1)], max_steps=1, logger=logger).fit(TinyModule())
+    make_trainer([LayerHealthCallback(every_n_steps=1, measure={"unit_dim": -1})], max_steps=1, logger=logger).fit(
+        TinyModule()
+    )
     assert f"{P}/act_dead_frac/model.1" in by_step(logger)[0]
 
 
@@ -501,7 +509,7 @@ def test_layers_that_also_run_under_inference_mode_are_observed_without_breaking
 # ------------------------------------------------------------------------------------------ what a window logs
 def test_only_the_requested_statistics_are_logged():
     logger = RecordingLogger()
-    callback = LayerHealthCallback(every_n_steps=1, stats=["act_mean", "param_norm"], summary=False)
+    callback = LayerHealthCallback(every_n_steps=1, stats=["act_mean", "param_norm"], output={"summary": False})
     make_trainer([callback], max_steps=2, logger=logger).fit(TinyModule())
     for _, metrics in logger.ours():
         # grad_norm_total is a statistic of its own: not logged unless asked for.
@@ -511,10 +519,13 @@ def test_only_the_requested_statistics_are_logged():
 
 def test_a_step_finished_before_its_update_logs_no_update_ratio(monkeypatch):
     # on_anomaly="raise" on a tripped step measures before the optimizer steps: there is no update to divide.
-    force_trips(monkeypatch, {0})
     logger = RecordingLogger()
     callback = LayerHealthCallback(
-        every_n_steps=1, on_anomaly="raise", rules={"enabled": ["saturation"]}, summary=False
+        every_n_steps=1,
+        on_anomaly="raise",
+        sentinel=force_trips({0}),
+        rules={"enabled": ["saturation"]},
+        output={"summary": False},
     )
     make_trainer([callback], max_steps=2, logger=logger).fit(TinyModule())
     logged = dict(logger.ours())
@@ -526,7 +537,7 @@ def test_a_step_finished_before_its_update_logs_no_update_ratio(monkeypatch):
 def test_gradient_accumulation_is_not_taken_for_stale_gradients():
     # The second micro-batch's backward finds the first one's gradients in .grad: that is accumulation, measured once
     # per window at its first backward, where zero_grad left none.
-    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False})
     module = TinyModule()
     make_trainer([callback], max_steps=3, accumulate_grad_batches=2).fit(module)
     assert callback.last_step == 2
@@ -535,7 +546,9 @@ def test_gradient_accumulation_is_not_taken_for_stale_gradients():
 
 def test_a_layer_type_selection_tracks_only_the_parameters_of_the_selected_layers():
     model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 1))
-    callback = LayerHealthCallback(every_n_steps=1, layer_types=["torch.nn.Linear"], summary=False)
+    callback = LayerHealthCallback(
+        every_n_steps=1, measure={"layer_types": ["torch.nn.Linear"]}, output={"summary": False}
+    )
     make_trainer([callback], max_steps=1).fit(TinyModule(model=model))
     tracked = {key.rsplit("/", 1)[1] for key in by_name(callback.last_metrics) if "/param_norm/" in key}
     assert tracked == {"model.0.weight", "model.0.bias", "model.2.weight", "model.2.bias"}

@@ -34,7 +34,7 @@ for per-unit state; a quarter of what one whole-tensor float32 copy adds between
 
 def scratch_peak(model: nn.Module, data: TensorDataset, batch_size: int, device: str = "cpu") -> ScratchMeter:
     torch.manual_seed(0)
-    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False})
     module = TinyModule(model=model, data=data, batch_size=batch_size)
     module.record_enabled = False
     meter = ScratchMeter()

@@ -52,7 +52,9 @@ def fit(order: str, hook: str, accumulate: int) -> tuple[dict[int, dict[str, flo
     module = TinyModule()
     logger = RecordingLogger()
     probe = Probe(hook)
-    ours = LayerHealthCallback(every_n_steps=1, stats=["act_absmax", "act_mean"], summary=False, on_anomaly="ignore")
+    ours = LayerHealthCallback(
+        every_n_steps=1, stats=["act_absmax", "act_mean"], on_anomaly="ignore", output={"summary": False}
+    )
     callbacks = [probe, ours] if order == "before" else [ours, probe]
     make_trainer(callbacks, max_steps=3, logger=logger, accumulate_grad_batches=accumulate).fit(module)
     assert count_hooks(module) == 0
@@ -112,7 +114,9 @@ class ProbeInTrainingStep(TinyModule):
 def test_manual_optimization_counts_the_training_steps_forwards_after_its_optimizer_step():
     module = ProbeInTrainingStep()
     logger = RecordingLogger()
-    callback = LayerHealthCallback(every_n_steps=1, stats=["act_absmax"], summary=False, on_anomaly="ignore")
+    callback = LayerHealthCallback(
+        every_n_steps=1, stats=["act_absmax"], on_anomaly="ignore", output={"summary": False}
+    )
     make_trainer([callback], max_steps=2, logger=logger).fit(module)
     metrics = dict(logger.ours())
     for step, x, _, weights in module.record:
@@ -139,9 +143,9 @@ def test_two_callbacks_with_the_same_prefix_are_an_error_at_fit_start_naming_bot
 def test_two_callbacks_with_distinct_prefixes_log_apart_with_their_own_depths():
     module = TinyModule(model=nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
     logger = RecordingLogger()
-    first = LayerHealthCallback(every_n_steps=1, layers=["model.0"], summary=False, on_anomaly="ignore")
+    first = LayerHealthCallback(every_n_steps=1, layers=["model.0"], on_anomaly="ignore", output={"summary": False})
     second = LayerHealthCallback(
-        every_n_steps=1, layers=["model.2"], prefix="head_health", summary=False, on_anomaly="ignore"
+        every_n_steps=1, layers=["model.2"], prefix="head_health", on_anomaly="ignore", output={"summary": False}
     )
     make_trainer([first, second], max_steps=1, logger=logger).fit(module)
     merged: dict[str, float] = {}

@@ -95,7 +95,7 @@ class GAN(pl.LightningModule):
 def test_a_gan_with_two_optimizer_steps_per_batch_is_sampled_once_every_n_optimizer_steps(caplog):
     logger = RecordingLogger()
     module = GAN()
-    callback = LayerHealthCallback(every_n_steps=3, summary=False)
+    callback = LayerHealthCallback(every_n_steps=3, output={"summary": False})
     with caplog.at_level(logging.INFO):
         make_trainer([callback], max_steps=24, logger=logger).fit(module)
     # Batches start at steps 0, 2, 4, ...: steps 0, 6, 12, 18 start one; 3, 9, 15, 21 fall inside the one before
@@ -116,9 +116,9 @@ def test_a_gan_with_two_optimizer_steps_per_batch_is_sampled_once_every_n_optimi
 def test_one_optimizer_step_per_batch_never_catches_up(caplog):
     logger = RecordingLogger()
     with caplog.at_level(logging.INFO):
-        make_trainer([LayerHealthCallback(every_n_steps=3, summary=False)], max_steps=10, logger=logger).fit(
-            TinyModule(data=make_data(n=80))
-        )
+        make_trainer(
+            [LayerHealthCallback(every_n_steps=3, output={"summary": False})], max_steps=10, logger=logger
+        ).fit(TinyModule(data=make_data(n=80)))
     assert [s for s, _ in logger.ours()] == [0, 3, 6, 9]
     assert "fell inside a training batch" not in caplog.text
 
@@ -156,8 +156,10 @@ class GoesSick(TinyModule):
 
 
 def fit_until_sick(tmp_path, monkeypatch) -> tuple[LayerHealthCallback, pl.Trainer, GoesSick]:
-    force_trips(monkeypatch, {1})  # a trip early, to be found in the best checkpoint as well
-    callback = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", summary=False)
+    # A trip early (step 1), to be found in the best checkpoint as well.
+    callback = LayerHealthCallback(
+        every_n_steps=2, on_anomaly="ignore", sentinel=force_trips({1}), output={"summary": False}
+    )
     best = ModelCheckpoint(dirpath=tmp_path, monitor="score", mode="min")
     module = GoesSick()
     trainer = make_trainer(
@@ -202,7 +204,7 @@ def test_a_fit_resumed_from_the_best_checkpoint_still_restores_its_state(tmp_pat
     path = trainer.checkpoint_callback.best_model_path
     saved = torch.load(path, weights_only=False)["callbacks"][callback.state_key]
     # The same object rolls back to the checkpoint like a new one: its later findings (step 8) are not this run's
-    resumed = callback if same else LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", summary=False)
+    resumed = callback if same else LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", output={"summary": False})
     logger = RecordingLogger()
     # Resumed at step 4 and stopped at 6, before the model goes sick: what it holds of steps 0-3 is the checkpoint's.
     make_trainer([resumed], max_steps=6, logger=logger).fit(GoesSick(), ckpt_path=path)
@@ -221,7 +223,7 @@ def dead_module() -> TinyModule:
 
 
 def test_a_callback_reused_for_a_second_fresh_fit_warns_again_and_keeps_only_that_fits_results():
-    callback = LayerHealthCallback(every_n_steps=2, summary=False)
+    callback = LayerHealthCallback(every_n_steps=2, output={"summary": False})
     with pytest.warns(LayerHealthWarning) as first:
         make_trainer([callback], max_steps=3).fit(dead_module())
     first_findings = callback.findings
@@ -242,7 +244,7 @@ def test_a_callback_reused_for_a_second_fresh_fit_warns_again_and_keeps_only_tha
 
 
 def test_a_second_fit_of_the_same_trainer_goes_on_and_keeps_the_memory():
-    callback = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", output={"summary": False})
     module = dead_module()
     trainer = make_trainer([callback], max_steps=3)
     trainer.fit(module)
@@ -255,7 +257,7 @@ def test_a_second_fit_of_the_same_trainer_goes_on_and_keeps_the_memory():
 # ----------------------------------------------------------------------------------------- no logger at all
 @pytest.mark.parametrize("trainer_kwargs", [{"logger": False}, {"barebones": True}], ids=["logger=False", "barebones"])
 def test_without_a_logger_the_callback_says_so_once_and_keeps_its_findings(caplog, trainer_kwargs):
-    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False})
     with caplog.at_level(logging.INFO):
         make_trainer([callback], max_steps=3, **trainer_kwargs).fit(dead_module())
     notes = [r.getMessage() for r in caplog.records if "has no logger" in r.getMessage()]
@@ -269,16 +271,16 @@ def test_without_a_logger_the_callback_says_so_once_and_keeps_its_findings(caplo
 
 def test_with_a_logger_nothing_is_said_about_loggers(caplog):
     with caplog.at_level(logging.INFO):
-        make_trainer([LayerHealthCallback(every_n_steps=1, summary=False)], max_steps=2, logger=RecordingLogger()).fit(
-            TinyModule()
-        )
+        make_trainer(
+            [LayerHealthCallback(every_n_steps=1, output={"summary": False})], max_steps=2, logger=RecordingLogger()
+        ).fit(TinyModule())
     assert "has no logger" not in caplog.text
 
 
 # -------------------------------------------------------------------------------- the configuration a user writes
 def test_rules_take_a_rule_config_as_well_as_a_mapping():
     config = RuleConfig(enabled=["dead_units"], dead_frac_threshold=0.5)
-    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False, rules=config)
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", rules=config, output={"summary": False})
     assert callback.rule_config is config
     assert LayerHealthCallback(rules={"enabled": ["dead_units"], "dead_frac_threshold": 0.5}).rule_config == config
     module = TinyModule(data=make_data(n=32))
@@ -292,7 +294,9 @@ def test_extra_stats_add_to_the_default_set_and_are_measured():
     logger = RecordingLogger()
     module = TinyModule(data=make_data(n=32))
     # charts="all": the per-layer non-finite counts of ALL_STATS are logged although they are 0.
-    callback = LayerHealthCallback(every_n_steps=4, extra_stats=["act_kurtosis"], summary=False, charts="all")
+    callback = LayerHealthCallback(
+        every_n_steps=4, measure={"extra_stats": ["act_kurtosis"]}, output={"summary": False, "charts": "all"}
+    )
     assert callback.stats == (*lightning_hookdiag.ALL_STATS, "act_kurtosis")
     make_trainer([callback], max_steps=1, logger=logger).fit(module)
     ((step, metrics),) = logger.ours()
@@ -308,7 +312,7 @@ def test_extra_stats_add_to_the_default_set_and_are_measured():
     kurtosis = (centred**4).mean() / (centred**2).mean() ** 2
     assert metrics[f"{P}/act_kurtosis/model.0"] == pytest.approx(kurtosis.item(), rel=1e-5)
     # stats= stays the whole list; extra_stats adds to it.
-    both = LayerHealthCallback(stats=["act_mean"], extra_stats=["act_kurtosis", "act_mean"])
+    both = LayerHealthCallback(stats=["act_mean"], measure={"extra_stats": ["act_kurtosis", "act_mean"]})
     assert both.stats == ("act_mean", "act_kurtosis")
 
 
@@ -316,12 +320,12 @@ def test_extra_stats_add_to_the_default_set_and_are_measured():
     ("kwargs", "facts"),
     [
         (
-            {"extra_stats": ["act_kurtosis", "act_kurt"]},
-            ["extra_stats", "unknown statistic(s) ['act_kurt']", "act_absmax"],
+            {"measure": {"extra_stats": ["act_kurtosis", "act_kurt"]}},
+            ["MeasureConfig.extra_stats", "unknown statistic(s) ['act_kurt']", "act_absmax"],
         ),
-        ({"extra_stats": 3}, ["extra_stats", "got 3"]),
-        ({"extra_stats": [None]}, ["extra_stats", "got [None]"]),
-        ({"stats": ["act_meen"], "extra_stats": ["act_kurtosis"]}, ["stats", "act_meen", "act_kurtosis"]),
+        ({"measure": {"extra_stats": 3}}, ["MeasureConfig.extra_stats", "got 3"]),
+        ({"measure": {"extra_stats": [None]}}, ["MeasureConfig.extra_stats", "got [None]"]),
+        ({"stats": ["act_meen"], "measure": {"extra_stats": ["act_kurtosis"]}}, ["stats", "act_meen", "act_kurtosis"]),
         ({"rules": RuleConfig}, ["rule settings", "RuleConfig"]),
     ],
 )
@@ -341,8 +345,9 @@ def test_the_documented_names_are_exported():
 
 
 def test_the_elements_of_trips_are_the_exported_type(monkeypatch):
-    force_trips(monkeypatch, {1})
-    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(
+        every_n_steps=10, on_anomaly="ignore", sentinel=force_trips({1}), output={"summary": False}
+    )
     make_trainer([callback], max_steps=3).fit(TinyModule())
     assert [type(t) for t in callback.trips] == [lightning_hookdiag.Trip]
 
@@ -351,14 +356,13 @@ def test_numpy_integers_are_accepted_wherever_an_integer_is():
     logger = RecordingLogger()
     callback = LayerHealthCallback(
         every_n_steps=np.int64(3),
-        histogram_every_n_steps=np.int32(6),
-        histogram_bins=np.int64(8),
-        unit_dim=np.int64(-1),
-        rules={"spike_window": np.int64(30), "dead_frac_threshold": np.float32(0.5)},
-        summary=False,
+        rules={"dead_frac_threshold": np.float32(0.5)},
+        sentinel={"window": np.int64(30)},
+        measure={"histogram_every_n_steps": np.int32(6), "histogram_bins": np.int64(8), "unit_dim": np.int64(-1)},
+        output={"summary": False},
     )
     assert (type(callback.every_n_steps), type(callback.histogram_bins), type(callback.unit_dim)) == (int, int, int)
-    assert type(callback.rule_config.spike_window) is int
+    assert type(callback.sentinel_config.window) is int
     make_trainer([callback], max_steps=7, logger=logger).fit(TinyModule(data=make_data(n=64)))
     assert [s for s, _ in logger.ours()] == [0, 3, 6]
 
@@ -391,7 +395,9 @@ def test_pruned_weights_are_logged_under_the_name_of_the_parameter_measured():
     logger = RecordingLogger()
     module = TinyModule(data=make_data(n=32))  # 4 batches an epoch; ModelPruning prunes when epoch 0 ends
     prune = ModelPruning("l1_unstructured", amount=0.5, make_pruning_permanent=False, verbose=0)
-    make_trainer([prune, LayerHealthCallback(every_n_steps=1, summary=False)], max_steps=6, logger=logger).fit(module)
+    make_trainer(
+        [prune, LayerHealthCallback(every_n_steps=1, output={"summary": False})], max_steps=6, logger=logger
+    ).fit(module)
     by_step = dict(logger.ours())
     records = {step: weights for step, _, _, weights in module.record}
     for step in (0, 3):  # before pruning: the layer computes with model.0.weight itself
@@ -409,7 +415,7 @@ def test_a_parametrized_layer_is_observed_as_the_layer_and_its_parameter_under_i
     logger = RecordingLogger()
     module = TinyModule(data=make_data(n=32))
     parametrize.register_parametrization(module.model[0], "weight", Double())
-    callback = LayerHealthCallback(every_n_steps=2, summary=False)
+    callback = LayerHealthCallback(every_n_steps=2, output={"summary": False})
     make_trainer([callback], max_steps=1, logger=logger).fit(module)
     # The parametrization computes the weight; it is no layer of the network (before: it replaced model.0).
     assert callback.layer_names == ["model.0", "model.1", "model.2"]
@@ -434,7 +440,7 @@ def test_a_parametrization_registered_during_the_fit_renames_the_key_from_the_ne
     module = TinyModule(data=make_data(n=32))
     weight = module.model[0].weight
     make_trainer(
-        [Reparametrize(), LayerHealthCallback(every_n_steps=1, summary=False)], max_steps=6, logger=logger
+        [Reparametrize(), LayerHealthCallback(every_n_steps=1, output={"summary": False})], max_steps=6, logger=logger
     ).fit(module)
     assert module.model[0].parametrizations.weight.original is weight  # the same parameter, moved
     names = {s: {k.split("/")[2] for k in m if k.startswith(f"{P}/param_norm/model.0.")} for s, m in logger.ours()}

@@ -37,7 +37,9 @@ def test_tensorboard_histograms_read_back(tmp_path, caplog):
     tb = TensorBoardLogger(tmp_path, name="tb")
     csv_logger = CSVLogger(tmp_path, name="csv")
     module = TinyModule(data=make_data(n=64))
-    callback = LayerHealthCallback(every_n_steps=2, histogram_every_n_steps=4, histogram_bins=16, summary=False)
+    callback = LayerHealthCallback(
+        every_n_steps=2, measure={"histogram_every_n_steps": 4, "histogram_bins": 16}, output={"summary": False}
+    )
     with caplog.at_level(logging.INFO):
         make_trainer([callback], max_steps=6, accumulate_grad_batches=2, logger=[tb, csv_logger]).fit(module)
     assert sum("CSVLogger cannot store histograms" in r.message for r in caplog.records) == 1
@@ -62,9 +64,12 @@ def test_tensorboard_histograms_read_back(tmp_path, caplog):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"every_n_steps": 5, "histogram_every_n_steps": 7}, r"positive multiple of every_n_steps=5, got 7"),
-        ({"histogram_every_n_steps": 0}, r"histogram_every_n_steps: .*got 0"),
-        ({"histogram_bins": 7}, r"histogram_bins: expected an even integer >= 4, got 7"),
+        (
+            {"every_n_steps": 5, "measure": {"histogram_every_n_steps": 7}},
+            r"MeasureConfig\.histogram_every_n_steps: expected None or a positive multiple of every_n_steps=5, got 7",
+        ),
+        ({"measure": {"histogram_every_n_steps": 0}}, r"MeasureConfig\.histogram_every_n_steps: .*got 0"),
+        ({"measure": {"histogram_bins": 7}}, r"MeasureConfig\.histogram_bins: expected an even integer >= 4, got 7"),
     ],
 )
 def test_histogram_configuration_errors(kwargs, message):

@@ -63,7 +63,7 @@ def fitted(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tb = loggers.TensorBoardLogger(str(root), name="tb", version=0)
     ml = loggers.MLFlowLogger(experiment_name="keys", tracking_uri=f"file:{root / 'mlruns'}")
     csv_logger = loggers.CSVLogger(str(root), name="csv", version=0)
-    callback = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", summary=False, heatmap_stats=())
+    callback = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", output={"summary": False, "heatmap_stats": ()})
     module = TinyModule(Deep(), make_data(32, 4, 1), lr=0.05)
     make_trainer([callback], max_steps=6, logger=[tb, ml, csv_logger]).fit(module)
     run = mlflow_tracking.MlflowClient(tracking_uri=f"file:{root / 'mlruns'}").get_run(ml.run_id)
@@ -185,7 +185,9 @@ def test_charts_all_logs_every_per_layer_count_and_a_nan_weight_is_still_nan() -
     with torch.no_grad():
         model.net[0].weight[0, 0] = math.nan
     logger = RecordingLogger()
-    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False, charts="all", heatmap_stats=())
+    callback = LayerHealthCallback(
+        every_n_steps=1, on_anomaly="ignore", output={"summary": False, "charts": "all", "heatmap_stats": ()}
+    )
     make_trainer([callback], max_steps=1, logger=logger).fit(TinyModule(model, make_data(32, 4, 1)))
     (step, metrics), *_ = [(s, m) for s, m in logger.raw if any(k.startswith(P) for k in m)]
     assert math.isnan(metrics[f"{P}.param_norm/00_model.net.0.weight"])
@@ -197,4 +199,4 @@ def test_charts_all_logs_every_per_layer_count_and_a_nan_weight_is_still_nan() -
 
 def test_charts_is_checked() -> None:
     with pytest.raises(ValueError, match=r"charts.*'default'.*'all'"):
-        LayerHealthCallback(charts="some")  # type: ignore[arg-type]
+        LayerHealthCallback(output={"charts": "some"})  # type: ignore[arg-type]

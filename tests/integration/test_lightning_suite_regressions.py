@@ -46,7 +46,7 @@ class SnapshotInTrainingStep(pl.LightningModule):
 def test_a_module_deep_copied_during_a_sampled_step_does_not_drag_our_state_along(stats):
     module = SnapshotInTrainingStep()
     data = torch.utils.data.TensorDataset(torch.randn(4, 3), torch.randint(0, 2, (4, 1)).float())
-    callback = LayerHealthCallback(every_n_steps=1, stats=stats, summary=False)
+    callback = LayerHealthCallback(every_n_steps=1, stats=stats, output={"summary": False})
     trainer = make_trainer([callback], max_steps=3)
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=1))
     assert len(module.snapshots) == 3
@@ -62,7 +62,7 @@ def test_a_stand_in_logger_gets_the_scalars_and_no_file_is_written_for_it(stand_
     logger = stand_in(name="logger")  # as the mock loggers of Lightning's test_hparams.py and throughput tests
     if stand_in is MagicMock:
         del logger.__iter__  # else Lightning takes it for a list of loggers (an empty one)
-    callback = LayerHealthCallback(every_n_steps=2, summary=False)
+    callback = LayerHealthCallback(every_n_steps=2, output={"summary": False})
     module = TinyModule(data=make_data(n=32))
     module.record_enabled = False
     make_trainer([callback], max_steps=4, logger=logger).fit(module)
@@ -87,7 +87,9 @@ def test_a_scheduler_swapped_in_by_stochastic_weight_averaging_is_not_oversteppe
     module = ScheduledByEpoch(data=make_data(n=32))  # 4 batches of 8: 4 optimizer steps per epoch
     module.record_enabled = False
     swa = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2, annealing_strategy=annealing)
-    health = LayerHealthCallback(every_n_steps=1, summary=False, rules={"enabled": ["scheduler_overstepped"]})
+    health = LayerHealthCallback(
+        every_n_steps=1, rules={"enabled": ["scheduler_overstepped"]}, output={"summary": False}
+    )
     make_trainer([health, swa], max_steps=-1, max_epochs=5).fit(module)
     assert health.last_step == 19  # every step of 5 epochs was sampled, across the swap at epoch 2
     assert health.findings == []
@@ -105,7 +107,7 @@ def test_the_same_schedule_stepped_by_the_user_too_is_still_named():
     module = SteppedTwice(data=make_data(n=32))
     module.record_enabled = False
     health = LayerHealthCallback(
-        every_n_steps=1, summary=False, on_anomaly="ignore", rules={"enabled": ["scheduler_overstepped"]}
+        every_n_steps=1, on_anomaly="ignore", rules={"enabled": ["scheduler_overstepped"]}, output={"summary": False}
     )
     make_trainer([health], max_steps=-1, max_epochs=2).fit(module)
     assert [f.rule for f in health.findings][:1] == ["scheduler_overstepped"]

@@ -34,7 +34,7 @@ def loud_module() -> TinyModule:
 def test_every_opt_in_statistic_read_back_from_csv_matches_float64(tmp_path):
     module = loud_module()
     callback = LayerHealthCallback(
-        every_n_steps=2, stats=list(OPT_IN_STATS), precision_targets=list(TARGETS), on_anomaly="ignore"
+        every_n_steps=2, stats=list(OPT_IN_STATS), on_anomaly="ignore", measure={"precision_targets": list(TARGETS)}
     )
     trainer = make_trainer([callback], max_steps=3, accumulate_grad_batches=2, logger=CSVLogger(tmp_path))
     trainer.fit(module)
@@ -71,7 +71,9 @@ def test_every_opt_in_statistic_read_back_from_csv_matches_float64(tmp_path):
 
 
 def test_precision_headroom_warns_naming_layer_and_target():
-    callback = LayerHealthCallback(every_n_steps=1, stats=["act_overflow_frac"], precision_targets="float8_e4m3fn")
+    callback = LayerHealthCallback(
+        every_n_steps=1, stats=["act_overflow_frac"], measure={"precision_targets": "float8_e4m3fn"}
+    )
     with pytest.warns(UserWarning, match=r"precision_headroom: .* of the non-zero outputs of model\.0 at step 0 would"
                       r" overflow float8_e4m3fn"):  # fmt: skip
         make_trainer([callback], max_steps=1).fit(loud_module())
@@ -100,7 +102,7 @@ def test_full_precision_without_targets_computes_nothing_and_says_how(caplog):
 
 def test_bad_precision_targets_fail_at_construction():
     with pytest.raises(ValueError, match=r"precision_targets: unknown target\(s\) \['int8'\]"):
-        LayerHealthCallback(stats=["act_overflow_frac"], precision_targets=["int8"])
+        LayerHealthCallback(stats=["act_overflow_frac"], measure={"precision_targets": ["int8"]})
     with pytest.raises(ValueError, match=r"stats: unknown statistic\(s\) \['act_kurt'\]; expected names from"):
         LayerHealthCallback(stats=["act_kurt"])
 
@@ -109,7 +111,7 @@ def test_training_is_bit_identical_with_every_opt_in_statistic():
     final = []
     for callbacks in (
         [],
-        [LayerHealthCallback(every_n_steps=1, stats=list(OPT_IN_STATS), precision_targets="float16")],
+        [LayerHealthCallback(every_n_steps=1, stats=list(OPT_IN_STATS), measure={"precision_targets": "float16"})],
     ):
         torch.manual_seed(0)
         module = TinyModule(model=nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 1)))
@@ -146,14 +148,15 @@ def test_a_replayed_step_logs_the_opt_in_values_a_sampled_step_logs(monkeypatch,
 
     def opt_in(every: int, **kwargs) -> LayerHealthCallback:
         stats = list(OPT_IN_STATS)
-        return LayerHealthCallback(every_n_steps=every, stats=stats, precision_targets="float16", on_anomaly="ignore",
-                                   summary=False, **kwargs)  # fmt: skip
+        measure, output = {"precision_targets": "float16"}, {"summary": False}
+        return LayerHealthCallback(
+            every_n_steps=every, stats=stats, on_anomaly="ignore", measure=measure, output=output, **kwargs
+        )
 
     regular_log = RecordingLogger()
     fit_dropping([opt_in(3, sentinel=None)], regular_log, accumulate_grad_batches=accumulate)
-    force_trips(monkeypatch, {3})
     replay_log = RecordingLogger()
-    callback = opt_in(100)
+    callback = opt_in(100, sentinel=force_trips({3}))
     fit_dropping([callback], replay_log, accumulate_grad_batches=accumulate)
     regular, replayed = dict(regular_log.ours())[3], dict(replay_log.ours())[3]
     assert callback.trips[0].replayed

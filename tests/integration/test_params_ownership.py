@@ -118,7 +118,7 @@ def test_exclude_drops_the_excluded_module_s_own_parameters_only():
     module.record_enabled = False
     # Without the excluded MultiheadAttention, nothing observes its out_proj, whose parameters do train.
     with pytest.warns(LayerHealthWarning, match="'model.attn.out_proj' did not run"):
-        logged, _ = _fit(module, LayerHealthCallback(every_n_steps=1, exclude=["model.attn"]), steps=1)
+        logged, _ = _fit(module, LayerHealthCallback(every_n_steps=1, measure={"exclude": ["model.attn"]}), steps=1)
     keys = {k.rsplit("/", 1)[1] for k in logged[0] if "/param_grad_norm/" in k}
     assert "model.attn.in_proj_weight" not in keys
     assert {"model.attn.out_proj.weight", "model.embed.weight", "model.head.bias"} <= keys

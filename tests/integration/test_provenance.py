@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer
+from conftest import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer, run_rules
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthError, replay
 from lightning_hookdiag import sentinel as SN
 from lightning_hookdiag.provenance import NonFiniteTrace
-from lightning_hookdiag.rules import LOSS, ROOT, evaluate
+from lightning_hookdiag.rules import LOSS, ROOT
 from lightning_hookdiag.step_state import Trip
 
 BAD_STEP = 13
@@ -68,7 +68,7 @@ def assert_says(message: str, *facts: str) -> None:
 
 def test_a_nan_made_inside_a_wrappers_forward_is_named_at_the_wrapper():
     module = wrapped_module()
-    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", output={"summary": False})
     make_trainer([callback], max_steps=BAD_STEP + 1).fit(module)
 
     assert callback.layer_names == ["model.scale.lin", "model.out"]  # the wrapper owns no parameter: not selected
@@ -93,7 +93,7 @@ def test_a_nan_made_on_a_sampled_step_is_traced_by_a_re_run_that_adds_nothing_to
             monkeypatch.setattr(replay.LightningStep, "micro_batch_loss", lambda self, micro: None)
         module = wrapped_module()
         logger = RecordingLogger()
-        callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
+        callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False})
         make_trainer([callback], max_steps=BAD_STEP + 1, logger=logger).fit(module)
         (trip,) = callback.trips
         assert (trip.step, trip.kind, trip.replayed) == (BAD_STEP, "nonfinite_loss", True)
@@ -136,7 +136,7 @@ class RootLog(TinyModule):
 
 def test_a_nan_made_in_the_lightning_modules_own_forward_is_named_root():
     module = RootLog()
-    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", output={"summary": False})
     make_trainer([callback], max_steps=BAD_STEP + 1).fit(module)
     assert (callback.trips[0].nan_entry, callback.trips[0].nan_origin) == ("out", ROOT)
     first = callback.findings[0]
@@ -157,7 +157,7 @@ class StepLog(RootLog):
 
 def test_a_nan_made_in_training_step_between_two_modules_is_named_outside_every_forward():
     module = StepLog()
-    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", output={"summary": False})
     make_trainer([callback], max_steps=BAD_STEP + 1).fit(module)
     assert (callback.trips[0].nan_entry, callback.trips[0].nan_origin) == ("out", None)
     first = callback.findings[0]
@@ -180,7 +180,7 @@ class LossLog(TinyModule):
 
 def test_a_nan_made_in_the_loss_function_keeps_the_outside_the_observed_layers_message():
     module = LossLog()
-    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", output={"summary": False})
     make_trainer([callback], max_steps=BAD_STEP + 1).fit(module)
     trip = callback.trips[0]
     assert (trip.step, trip.replayed, trip.nan_entry, trip.nan_origin) == (BAD_STEP, True, None, None)
@@ -202,7 +202,7 @@ def test_a_nan_made_by_a_selected_layer_itself_keeps_todays_message():
     module = TinyModule(data=make_data(n=256), lr=0.01)
     module.model = nn.Sequential(nn.Linear(4, 8), NaNAt(clocked(module)), nn.Linear(8, 1))
     module.record_enabled = False
-    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", output={"summary": False})
     make_trainer([callback], max_steps=BAD_STEP + 1).fit(module)
     assert (callback.trips[0].nan_entry, callback.trips[0].nan_origin) == (None, None)
     first = callback.findings[0]
@@ -220,13 +220,15 @@ def test_the_trace_runs_only_in_the_replay_of_a_nonfinite_trip(monkeypatch):
         original(self)
 
     monkeypatch.setattr(NonFiniteTrace, "attach", counting)
-    force_trips(monkeypatch, {4})  # a loss spike: replayed, not traced
-    callback = LayerHealthCallback(every_n_steps=3, on_anomaly="ignore", summary=False)
+    # a loss spike on step 4: replayed, not traced
+    callback = LayerHealthCallback(
+        every_n_steps=3, on_anomaly="ignore", sentinel=force_trips({4}), output={"summary": False}
+    )
     make_trainer([callback], max_steps=8).fit(TinyModule(data=make_data(n=256)))
     assert [t.step for t in callback.trips if t.replayed] == [4]
     assert attached == []  # sampled steps 0, 3, 6 and the spike's replay: no trace
 
-    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", output={"summary": False})
     make_trainer([callback], max_steps=BAD_STEP + 1).fit(wrapped_module())
     assert attached == [1]
 
@@ -283,7 +285,7 @@ def test_the_trace_prefers_a_nan_and_ignores_keyword_masks():
 def test_the_rule_names_the_origin_and_sorts_it_where_the_nan_entered():
     values = {"act_nonfinite": {"enc": 0.0, "mid": 6.0, "head": 6.0}, "act_dead_frac": {"head": 1.0}}
     trip = Trip(step=4, kind="nonfinite_loss", loss=float("nan"), replayed=True, nan_entry="mid", nan_origin="block")
-    findings = evaluate(values, ["enc", "mid", "head"], [], step=4, trip=trip)
+    findings = run_rules(values, ["enc", "mid", "head"], [], step=4, trip=trip)
     assert [(f.rule, f.layer, f.stat) for f in findings] == [
         ("nonfinite", "block", "act_nonfinite"),
         ("dead_units", "head", "act_dead_frac"),
@@ -296,7 +298,7 @@ def test_the_rule_names_the_origin_and_sorts_it_where_the_nan_entered():
     )
     # An entry that is not the first non-finite layer (another process saw it elsewhere): today's finding.
     other = Trip(step=4, kind="nonfinite_loss", loss=float("nan"), replayed=True, nan_entry="head", nan_origin="x")
-    assert evaluate(values, ["enc", "mid", "head"], [], step=4, trip=other)[0].layer == "mid"
+    assert run_rules(values, ["enc", "mid", "head"], [], step=4, trip=other)[0].layer == "mid"
 
 
 def test_a_compiled_model_is_traced_like_eager():
@@ -305,7 +307,7 @@ def test_a_compiled_model_is_traced_like_eager():
     torch._dynamo.reset()
     module = wrapped_module()
     module.model = torch.compile(module.model, backend="eager")
-    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", output={"summary": False})
     try:
         make_trainer([callback], max_steps=BAD_STEP + 1).fit(module)
     finally:

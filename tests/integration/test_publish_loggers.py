@@ -74,7 +74,9 @@ def test_a_fit_publishes_its_trip_finding_count_and_heatmap_to_csv_and_tensorboa
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    health = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", summary=False, heatmap_stats=[STAT])
+    health = LayerHealthCallback(
+        every_n_steps=2, on_anomaly="ignore", output={"summary": False, "heatmap_stats": [STAT]}
+    )
     csv_logger = CSVLogger(tmp_path, name="csv")
     tb_logger = TensorBoardLogger(tmp_path, name="tb", default_hp_metric=False)
     make_trainer([health], max_steps=NAN_STEP + 1, logger=[csv_logger, tb_logger]).fit(sick_module())
@@ -142,7 +144,7 @@ def test_a_healthy_fit_says_in_tensorboard_and_mlflow_that_nothing_was_found(tmp
         patch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3.7+ refuses a file store without it
         tb_logger = TensorBoardLogger(tmp_path, name="tb", default_hp_metric=False)
         mlflow_logger = MLFlowLogger(experiment_name="healthy", tracking_uri=uri)
-        health = LayerHealthCallback(every_n_steps=2, summary=False)
+        health = LayerHealthCallback(every_n_steps=2, output={"summary": False})
         module = TinyModule(data=make_data(n=64))
         module.record_enabled = False
         make_trainer([health], max_steps=5, logger=[tb_logger, mlflow_logger]).fit(module)
@@ -164,7 +166,7 @@ def test_a_run_with_a_finding_gets_no_all_clear(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb_logger = TensorBoardLogger(tmp_path, name="tb", default_hp_metric=False)
-    health = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", summary=False)
+    health = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", output={"summary": False})
     make_trainer([health], max_steps=NAN_STEP + 1, logger=[tb_logger]).fit(sick_module())
     acc = EventAccumulator(tb_logger.log_dir, size_guidance={"tensors": 0})
     acc.Reload()
@@ -181,7 +183,7 @@ def test_wandb_without_pillow_says_once_that_the_heatmap_is_not_drawn_and_the_fi
     logger = offline_wandb_logger(tmp_path, monkeypatch)
     monkeypatch.setitem(sys.modules, "PIL", None)  # wandb.Image draws with Pillow: as if it were not installed
     monkeypatch.setitem(sys.modules, "PIL.Image", None)
-    health = LayerHealthCallback(every_n_steps=2, summary=False, heatmap_every_n_steps=2)
+    health = LayerHealthCallback(every_n_steps=2, output={"summary": False, "heatmap_every_n_steps": 2})
     module = TinyModule(data=make_data(n=64))
     module.record_enabled = False
     try:
@@ -200,7 +202,9 @@ def test_heatmaps_drawn_on_schedule_are_not_drawn_again_at_the_end(tmp_path: Pat
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb_logger = TensorBoardLogger(tmp_path, name="tb", default_hp_metric=False)
-    health = LayerHealthCallback(every_n_steps=2, summary=False, heatmap_stats=[STAT], heatmap_every_n_steps=2)
+    health = LayerHealthCallback(
+        every_n_steps=2, output={"summary": False, "heatmap_stats": [STAT], "heatmap_every_n_steps": 2}
+    )
     module = TinyModule(data=make_data(n=64))
     module.record_enabled = False
     make_trainer([health], max_steps=5, logger=[tb_logger]).fit(module)

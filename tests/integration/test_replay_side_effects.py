@@ -22,7 +22,7 @@ from lightning_hookdiag.sentinel import MicroBatch, capture_rng, replay_step
 from lightning_hookdiag.torch_internals import DispatchMode, version, written_tensors
 
 SPIKE = 8
-RULES = {"spike_warmup": 5}
+SENTINEL = {"warmup": 5}
 
 
 def spiked(n_steps: int, d_in: int = 4, batch_size: int = 8) -> TensorDataset:
@@ -44,7 +44,7 @@ def fit(make: Callable[[], TinyModule], callback: LayerHealthCallback | None, st
 
 
 def callback() -> LayerHealthCallback:
-    return LayerHealthCallback(every_n_steps=100, on_anomaly="ignore", summary=False, rules=RULES)
+    return LayerHealthCallback(every_n_steps=100, on_anomaly="ignore", sentinel=SENTINEL, output={"summary": False})
 
 
 # ------------------------------------------------------------------------------------------- in-place writes

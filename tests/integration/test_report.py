@@ -447,7 +447,7 @@ def test_report_of_a_real_training_run(tmp_path: Path, capsys: pytest.CaptureFix
 def test_a_csv_still_being_written_leaves_out_its_cut_last_row_and_says_so(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], cut: str
 ) -> None:
-    callback = LayerHealthCallback(every_n_steps=1, summary=False)
+    callback = LayerHealthCallback(every_n_steps=1, output={"summary": False})
     trainer = make_trainer([callback], max_steps=12, logger=CSVLogger(tmp_path, name="fit"), log_every_n_steps=50)
     trainer.fit(TinyModule(data=make_data(n=96)))
     log_dir = Path(trainer.logger.log_dir)

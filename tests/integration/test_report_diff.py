@@ -26,7 +26,9 @@ def train(root: Path, scale: float, logger_cls: type = CSVLogger) -> Path:
     with torch.no_grad():
         model[2].weight.mul_(scale)
     logger = logger_cls(root)
-    callback = LayerHealthCallback(every_n_steps=2, charts="all")  # every statistic compared, the 0 counts too
+    callback = LayerHealthCallback(
+        every_n_steps=2, output={"charts": "all"}
+    )  # every statistic compared, the 0 counts too
     make_trainer([callback], max_steps=5, logger=logger).fit(TinyModule(model=model))
     return Path(logger.log_dir)
 

@@ -42,7 +42,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, Path]:
         patch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3.7+ refuses a file store without it
         mlflow_logger = MLFlowLogger(experiment_name="report", tracking_uri=uri)
         csv_logger = CSVLogger(tmp, name="csv")
-        callback = LayerHealthCallback(every_n_steps=2, summary=False, on_anomaly="ignore")
+        callback = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", output={"summary": False})
         make_trainer([callback], max_steps=5, logger=[mlflow_logger, csv_logger]).fit(dead_relu_module())
     assert [f.rule for f in callback.findings] == ["dead_units"]
     return uri, f"mlflow:{mlflow_logger.run_id}", Path(csv_logger.log_dir)

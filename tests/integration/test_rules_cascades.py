@@ -46,7 +46,9 @@ class Stack(nn.Module):
 
 def fit(biases: dict[int, float], base: float = 0.0, **rules: object) -> tuple[LayerHealthCallback, TinyModule]:
     module = TinyModule(Stack(biases, base), data=make_data(n=64, d_in=WIDTH), batch_size=16, lr=0.01)
-    callback = LayerHealthCallback(every_n_steps=EVERY, on_anomaly="ignore", summary=False, rules=rules or None)
+    callback = LayerHealthCallback(
+        every_n_steps=EVERY, on_anomaly="ignore", rules=rules or None, output={"summary": False}
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's notes on tiny runs; the findings are read below
         make_trainer([callback], max_steps=STEPS).fit(module)
@@ -166,7 +168,7 @@ def test_a_vanishing_gradient_with_a_cause_of_its_own_stays_its_own_finding():
             return self.net(x)
 
     module = TinyModule(DefaultInit(), data=make_data(n=64, d_in=WIDTH), batch_size=16, lr=0.01)
-    callback = LayerHealthCallback(every_n_steps=EVERY, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=EVERY, on_anomaly="ignore", output={"summary": False})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         make_trainer([callback], max_steps=1).fit(module)

@@ -15,14 +15,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from cases import BugModule, Case, Fit, _data, _mlp, run
-from conftest import make_trainer
+from conftest import make_trainer, run_rules
 from lightning.pytorch.demos.transformer import LightningTransformer
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.rules import ParamFacts, RuleConfig, evaluate, values_from_metrics
+from lightning_hookdiag.rules import ParamFacts, RuleConfig, values_from_metrics
 
 NEW_RULES = ("input_scale", "shared_parameters", "scheduler_overstepped")
 
@@ -163,7 +163,7 @@ class _Gan(pl.LightningModule):
 
 def _fit(module: pl.LightningModule, steps: int, **callback: Any) -> LayerHealthCallback:
     torch.manual_seed(0)
-    cb = LayerHealthCallback(**{"every_n_steps": 1, "on_anomaly": "ignore", "summary": False, **callback})
+    cb = LayerHealthCallback(**{"every_n_steps": 1, "on_anomaly": "ignore", "output": {"summary": False}, **callback})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         make_trainer([cb], max_steps=steps).fit(module)
@@ -298,7 +298,7 @@ def test_a_layer_after_a_frozen_first_layer_is_not_checked_for_input_scale():
 def _shared(held: dict[str, tuple[int, ...]]) -> list[Any]:
     facts = {p: ParamFacts(held=True, optimizers=indices) for p, indices in held.items()}
     config = RuleConfig(enabled=["shared_parameters"])
-    return evaluate({}, ["g", "d"], [], step=3, config=config, param_facts=facts)
+    return run_rules({}, ["g", "d"], [], step=3, config=config, param_facts=facts)
 
 
 def test_two_optimizers_over_the_whole_model_are_not_called_a_part_and_a_whole():

@@ -23,7 +23,7 @@ def _fit(
     module: pl.LightningModule, steps: int, trainer_args: dict[str, Any] | None = None, **callback_args: Any
 ) -> tuple[LayerHealthCallback, list[str]]:
     """Fit with every step sampled; the callback and the messages of every LayerHealthWarning."""
-    callback = LayerHealthCallback(every_n_steps=1, summary=False, **callback_args)
+    callback = LayerHealthCallback(every_n_steps=1, **callback_args, output={"summary": False})
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         make_trainer([callback], max_steps=steps, logger=RecordingLogger(), **(trainer_args or {})).fit(module)
@@ -278,7 +278,7 @@ class _Classifier(pl.LightningModule):
 
 def _fit_classifier(variant: str, validate: bool = False) -> tuple[_Classifier, LayerHealthCallback, list[str]]:
     module = _Classifier(variant, validate)
-    callback = LayerHealthCallback(every_n_steps=1, summary=False, on_anomaly="ignore")
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False})
     extra: dict[str, Any] = {"limit_val_batches": 0}
     if validate:
         extra = {"val_check_interval": 2, "limit_val_batches": 1, "num_sanity_val_steps": 1}

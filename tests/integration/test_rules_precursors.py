@@ -50,7 +50,9 @@ class _Watch(pl.Callback):
 
 
 def _health(**rules) -> LayerHealthCallback:
-    return LayerHealthCallback(every_n_steps=1, stats=STATS, on_anomaly="ignore", summary=False, rules=rules or None)
+    return LayerHealthCallback(
+        every_n_steps=1, stats=STATS, on_anomaly="ignore", rules=rules or None, output={"summary": False}
+    )
 
 
 class _GrowQK(pl.Callback):
@@ -213,16 +215,21 @@ def test_history_goes_into_the_checkpoint_state_and_comes_back():
 def test_a_replayed_step_is_probed_like_a_sampled_one(monkeypatch):
     from conftest import RecordingLogger, force_trips
 
-    def run(every: int) -> dict[str, float]:
+    def run(every: int, trips: set[int]) -> dict[str, float]:
         module = zoo_module("vit", n=8 * 4)
         logger = RecordingLogger()
-        health = LayerHealthCallback(every_n_steps=every, stats=STATS, on_anomaly="ignore", summary=False)
+        health = LayerHealthCallback(
+            every_n_steps=every,
+            stats=STATS,
+            on_anomaly="ignore",
+            sentinel=force_trips(trips),
+            output={"summary": False},
+        )
         make_trainer([health], max_steps=4, logger=logger).fit(module)
         return dict(logger.ours())[3]
 
-    regular = run(3)
-    force_trips(monkeypatch, {3})
-    replayed = run(100)
+    regular = run(3, set())
+    replayed = run(100, {3})
     keys = [k for k in regular if "/attn_logit_max/" in k or "/logit_" in k]
     assert len(keys) == 6
     assert {k: replayed[k] for k in keys} == {k: regular[k] for k in keys}
@@ -296,7 +303,7 @@ def _copy_run(qk_norm: bool, steps: int = 120) -> tuple[_CopyLM, LayerHealthCall
     health = LayerHealthCallback(  # the default statistics: the precursors are among them
         every_n_steps=2,
         on_anomaly="ignore",
-        summary=False,
+        output={"summary": False},
         rules={"enabled": PRECURSOR_RULES},
     )
     watch = _Watch(health, "layer_health/attn_logit_max/blocks.0.attn")

@@ -86,7 +86,9 @@ def _nan_in_backward_fit(bad_step: int, clip: float | None) -> tuple[LayerHealth
         return loss
 
     module.training_step = training_step
-    callback = LayerHealthCallback(every_n_steps=5, sentinel="loss+grads", on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(
+        every_n_steps=5, sentinel="loss+grads", on_anomaly="ignore", output={"summary": False}
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         make_trainer([callback], max_steps=bad_step + 2, gradient_clip_val=clip).fit(module)
@@ -128,7 +130,7 @@ def test_resnet18_with_zero_init_last_at_timms_widths_raises_no_update_jump():
     module = ZooModule(ResNet18(width=64), "classify", data)
     assert all(float(b.bn2.weight.abs().sum()) == 0.0 for b in module.model.layer4)
     logger = RecordingLogger()
-    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         make_trainer([callback], max_steps=12, logger=logger).fit(module)
@@ -164,7 +166,7 @@ class _Boring(BoringModel):
 
 
 def _boring_fit(module: BoringModel, steps: int = 40) -> LayerHealthCallback:
-    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         make_trainer([callback], max_steps=steps).fit(module)
@@ -205,7 +207,7 @@ class _DemoTransformer(LightningTransformer):
 
 
 def test_attention_logits_one_hot_from_initialisation_point_at_the_inputs_scale_not_the_learning_rate():
-    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         make_trainer([callback], max_steps=2).fit(_DemoTransformer(vocab_size=100))

@@ -48,12 +48,13 @@ def _quiet_transformers() -> None:
 @pytest.mark.parametrize("name", ZOO)
 def test_healthy_zoo_raises_no_finding_on_any_step(name):
     module = zoo_module(name, n=8 * STEPS)
-    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's note that the 105 steps run over more than one epoch
         make_trainer([callback], max_steps=STEPS).fit(module)
     assert callback.last_step == STEPS - 1
-    assert callback.rule_config.enabled == RULES  # every rule was on
+    assert callback.rule_config.enabled is None  # every rule was on
+    assert tuple(callback.alert_counts) == RULES
     assert set(PRECURSOR_STATS) <= set(callback.stats)  # and every default statistic
     assert any("/logit_lse_mean/" in k for k in by_name(callback.last_metrics))
     assert torch._C._len_torch_function_stack() == 0
@@ -109,7 +110,7 @@ def _sick_module(net: nn.Module, width: int = 32):
 def test_sick_networks_are_flagged_within_five_sampled_steps(build, rule, stat):
     torch.manual_seed(0)
     module = _sick_module(build())
-    callback = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", output={"summary": False})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # NaN losses make Lightning warn
         make_trainer([callback], max_steps=9).fit(module)  # sampled steps 0, 2, 4, 6, 8
@@ -123,7 +124,7 @@ def test_vanishing_sigmoid_stack_names_the_layer_where_the_signal_is_lost():
     torch.manual_seed(0)
     module = _sick_module(sigmoid_stack())
     callback = LayerHealthCallback(
-        every_n_steps=1, on_anomaly="ignore", summary=False, rules={"enabled": ["vanishing_gradient"]}
+        every_n_steps=1, on_anomaly="ignore", rules={"enabled": ["vanishing_gradient"]}, output={"summary": False}
     )
     make_trainer([callback], max_steps=1).fit(module)
     (finding,) = callback.findings

@@ -111,7 +111,7 @@ def params_finite(module: nn.Module) -> bool:
 def test_a_forward_nan_between_sampled_steps_is_named_on_its_own_step_at_its_module():
     module, _ = mlp_with(lambda clock: NaNAt(clock, step=13))
     logger = RecordingLogger()
-    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", output={"summary": False})
     make_trainer([callback], max_steps=16, logger=logger).fit(module)
 
     first = callback.findings[0]
@@ -147,7 +147,7 @@ def test_raise_stops_before_the_optimizer_step_so_every_weight_stays_finite():
 
 def test_without_the_sentinel_the_failure_is_only_seen_at_the_next_sampled_step():
     module, _ = mlp_with(lambda clock: NaNAt(clock, step=13))
-    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", summary=False, sentinel=None)
+    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", sentinel=None, output={"summary": False})
     make_trainer([callback], max_steps=21).fit(module)
     assert callback.trips == []
     assert [f.step for f in callback.findings] == [20]
@@ -160,7 +160,9 @@ def test_a_checkpoint_moves_between_runs_with_and_without_the_sentinel(tmp_path)
     # other: a baseline a run without a sentinel loads goes unused, and a sentinel resumed from None starts empty.
     saved = {}
     for sentinel in (None, "loss"):
-        trainer = make_trainer([LayerHealthCallback(every_n_steps=2, summary=False, sentinel=sentinel)], max_steps=4)
+        trainer = make_trainer(
+            [LayerHealthCallback(every_n_steps=2, sentinel=sentinel, output={"summary": False})], max_steps=4
+        )
         trainer.fit(TinyModule(), make_data())
         saved[sentinel] = tmp_path / f"{sentinel}.ckpt"
         trainer.save_checkpoint(saved[sentinel])
@@ -169,7 +171,7 @@ def test_a_checkpoint_moves_between_runs_with_and_without_the_sentinel(tmp_path)
     assert len(entries["loss"]["sentinel"]["losses"]) == 4
     assert entries["loss"]["sentinel"]["last_finite_step"] == 3
     for sentinel, other in ((None, "loss"), ("loss", None)):
-        callback = LayerHealthCallback(every_n_steps=2, summary=False, sentinel=sentinel)
+        callback = LayerHealthCallback(every_n_steps=2, sentinel=sentinel, output={"summary": False})
         trainer = make_trainer([callback], max_steps=6)
         trainer.fit(TinyModule(), make_data(), ckpt_path=saved[other])
         assert callback.trips == []
@@ -228,11 +230,12 @@ def fit_dropping(callbacks, logger, max_steps=8, **kwargs) -> Dropping:
 @pytest.mark.parametrize(("precision", "accumulate"), [("32-true", 1), ("32-true", 2), ("bf16-mixed", 2)])
 def test_a_replay_logs_the_values_a_regular_sampled_step_logs(monkeypatch, precision, accumulate):
     regular_log = RecordingLogger()
-    fit_dropping([LayerHealthCallback(every_n_steps=3, on_anomaly="ignore", summary=False, sentinel=None)],
+    fit_dropping([LayerHealthCallback(every_n_steps=3, on_anomaly="ignore", sentinel=None, output={"summary": False})],
                  regular_log, precision=precision, accumulate_grad_batches=accumulate)  # fmt: skip
-    force_trips(monkeypatch, {3})
     replay_log = RecordingLogger()
-    callback = LayerHealthCallback(every_n_steps=100, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(
+        every_n_steps=100, on_anomaly="ignore", sentinel=force_trips({3}), output={"summary": False}
+    )
     module = fit_dropping([callback], replay_log, precision=precision, accumulate_grad_batches=accumulate)
 
     regular, replayed = dict(regular_log.ours())[3], dict(replay_log.ours())[3]
@@ -249,9 +252,10 @@ def test_training_and_the_users_logged_values_are_bit_identical_with_replays(mon
     plain_log = RecordingLogger()
     plain = fit_dropping([], plain_log, accumulate_grad_batches=2)
     plain_rng = torch.get_rng_state()
-    force_trips(monkeypatch, {2, 5})
     replay_log = RecordingLogger()
-    callback = LayerHealthCallback(every_n_steps=100, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(
+        every_n_steps=100, on_anomaly="ignore", sentinel=force_trips({2, 5}), output={"summary": False}
+    )
     replayed = fit_dropping([callback], replay_log, accumulate_grad_batches=2)
 
     assert [t.step for t in callback.trips] == [2, 5]
@@ -283,9 +287,10 @@ class HooksChecked(Callback):
 
 
 def test_no_hook_is_left_after_any_replay(monkeypatch):
-    force_trips(monkeypatch, {1, 2, 4, 6})
     checker = HooksChecked()
-    callback = LayerHealthCallback(every_n_steps=100, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(
+        every_n_steps=100, on_anomaly="ignore", sentinel=force_trips({1, 2, 4, 6}), output={"summary": False}
+    )
     module = fit_dropping([callback, checker], RecordingLogger())
     # Steps 1 and 2 are one persisting failure: only its first step is replayed.
     assert [(t.step, t.replayed) for t in callback.trips] == [(1, True), (2, False), (4, True), (6, True)]
@@ -298,7 +303,9 @@ def test_no_hook_is_left_after_any_replay(monkeypatch):
 # ------------------------------------------------------------------------------------------------ loss spikes
 def test_a_planted_activation_blow_up_is_named_by_loss_spike_at_its_module():
     module, _ = mlp_with(lambda clock: ScaleAt(clock, step=17, factor=1e4))
-    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", summary=False, rules={"spike_warmup": 5})
+    callback = LayerHealthCallback(
+        every_n_steps=10, on_anomaly="ignore", sentinel={"warmup": 5}, output={"summary": False}
+    )
     make_trainer([callback], max_steps=18).fit(module)
     assert [(t.step, t.kind, t.replayed) for t in callback.trips] == [(17, "loss_spike", True)]
     spike = [f for f in callback.findings if f.rule == "loss_spike"]
@@ -330,7 +337,9 @@ def test_a_long_healthy_run_never_trips():
         model=nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1)), data=data, batch_size=4
     )
     module.record_enabled = False
-    callback = LayerHealthCallback(every_n_steps=50, on_anomaly="raise", summary=False, sentinel="loss+grads")
+    callback = LayerHealthCallback(
+        every_n_steps=50, on_anomaly="raise", sentinel="loss+grads", output={"summary": False}
+    )
     make_trainer([callback], max_steps=400).fit(module)
     assert callback.trips == []
 
@@ -377,7 +386,7 @@ class ManualModule(TinyModule):
 
 def test_manual_optimization_is_not_replayed_and_the_next_step_is_sampled():
     logger = RecordingLogger()
-    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", output={"summary": False})
     module = ManualModule(clock_step=3)
     make_trainer([callback], max_steps=6, logger=logger).fit(module)
     # Step 3's NaN loss is stepped into the weights by the user's own optimizer.step(): steps 4 and 5 trip too.
@@ -400,7 +409,7 @@ def test_manual_optimization_is_not_replayed_and_the_next_step_is_sampled():
 def test_a_step_marked_for_sampling_at_the_end_of_a_fit_is_not_sampled_in_the_next_fit():
     # Step 3, the last of the first fit, trips and cannot be replayed: its next step would be sampled. The next fit
     # (a new Trainer, steps from 0) has its own schedule: before the per-fit state it sampled its step 4 too.
-    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", output={"summary": False})
     make_trainer([callback], max_steps=4).fit(ManualModule(clock_step=3))
     assert [(t.step, t.replayed) for t in callback.trips] == [(3, False)]
     logger = RecordingLogger()
@@ -417,10 +426,13 @@ def test_a_step_marked_for_sampling_at_the_end_of_a_fit_is_not_sampled_in_the_ne
     [
         ({"sentinel": "grads"}, ["sentinel", "['loss', 'loss+grads', None]", "got 'grads'"]),
         ({"sentinel": True}, ["sentinel", "['loss', 'loss+grads', None]", "got True"]),
-        ({"rules": {"spike_window": 2}}, ["spike_window", ">= 3", "got 2"]),
-        ({"rules": {"spike_warmup": 60}}, ["spike_warmup", "[3, spike_window=50]", "got 60"]),
-        ({"rules": {"spike_zscore": 0}}, ["spike_zscore", "> 0", "got 0"]),
-        ({"rules": {"spike_ratio": 1.0}}, ["spike_ratio", "> 1", "got 1.0"]),
+        ({"sentinel": {"window": 2}}, ["SentinelConfig.window", ">= 3", "got 2"]),
+        ({"sentinel": {"warmup": 60}}, ["SentinelConfig.warmup", "[3, window=50]", "got 60"]),
+        ({"sentinel": {"zscore": 0}}, ["SentinelConfig.zscore", "> 0", "got 0"]),
+        ({"sentinel": {"ratio": 1.0}}, ["SentinelConfig.ratio", "> 1", "got 1.0"]),
+        ({"sentinel": {"floor": 1.0}}, ["SentinelConfig.floor", "[0, 1)", "got 1.0"]),
+        ({"sentinel": {"mode": "grads"}}, ["SentinelConfig.mode", "['loss', 'loss+grads', None]", "got 'grads'"]),
+        ({"sentinel": {"detector": "spikes"}}, ["SentinelConfig.detector", "SpikeDetector", "got 'spikes'"]),
         ({"rules": {"spike_growth": math.inf}}, ["spike_growth", "> 1", "got inf"]),
     ],
 )
@@ -441,7 +453,7 @@ def test_a_loss_sentinel_needs_one_of_its_modes(mode):
 
 
 def test_the_sentinel_state_survives_a_checkpoint_round_trip():
-    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", output={"summary": False})
     module, _ = mlp_with(lambda clock: NaNAt(clock, step=25))
     make_trainer([callback], max_steps=27).fit(module)
     state = callback.state_dict()
@@ -523,7 +535,9 @@ def test_the_random_streams_and_a_buffer_the_step_resized_are_put_back():
 
 
 def test_a_second_fit_starts_from_a_fresh_baseline():
-    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="raise", summary=False, rules={"spike_warmup": 3})
+    callback = LayerHealthCallback(
+        every_n_steps=10, on_anomaly="raise", sentinel={"warmup": 3}, output={"summary": False}
+    )
     module, _ = mlp_with(lambda clock: nn.Identity())
     make_trainer([callback], max_steps=30).fit(module)
     assert len(callback.state_dict()["sentinel"]["losses"]) == 30
@@ -641,10 +655,11 @@ class _DetachedSideFrom(nn.Module):
 def test_a_replayed_step_names_an_output_that_got_no_gradient(monkeypatch):
     # The replay attaches and removes its own hooks, so the batch end finds none attached; what the hooks saw of
     # the missing gradient must come from the replay itself.
-    force_trips(monkeypatch, {2})
     module = TinyModule(model=_DetachedSideFrom(start=1))
     module.on_step = lambda m, i: setattr(m.model, "step", m.global_step)
-    callback = LayerHealthCallback(every_n_steps=100, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(
+        every_n_steps=100, on_anomaly="ignore", sentinel=force_trips({2}), output={"summary": False}
+    )
     make_trainer([callback], max_steps=4, logger=RecordingLogger()).fit(module)
     assert [trip.step for trip in callback.trips] == [2]
     assert callback.trips[0].replayed

@@ -83,7 +83,7 @@ def test_wrong_labels_on_a_classifier_still_descending_fast_trip_on_their_step_a
     torch.manual_seed(0)
     module = Classifier(batch_size=256, steps=60, lr=0.02, wrong=(54,))
     losses = LossLog()
-    callback = LayerHealthCallback(on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(on_anomaly="ignore", output={"summary": False})
     make_trainer([callback, losses], max_steps=57).fit(module)
 
     healthy = losses.losses[:54]
@@ -112,7 +112,7 @@ def _hinge_module(steps: int) -> TinyModule:
 def test_a_hinge_loss_that_is_zero_on_most_batches_never_trips_on_its_positive_batches():
     module = _hinge_module(steps=300)
     losses = LossLog()
-    callback = LayerHealthCallback(on_anomaly="raise", summary=False)
+    callback = LayerHealthCallback(on_anomaly="raise", output={"summary": False})
     make_trainer([callback, losses], max_steps=300).fit(module)
     later = losses.losses[50:]
     zeros, positive = sum(v == 0 for v in later), [v for v in later if v > 0]
@@ -143,7 +143,7 @@ def test_two_spikes_four_steps_apart_each_get_a_finding_and_a_warning():
         y[step * 8 : (step + 1) * 8] *= 1e3
     module = TinyModule(data=TensorDataset(x, y), lr=0.01)
     module.record_enabled = False
-    callback = LayerHealthCallback(summary=False)
+    callback = LayerHealthCallback(output={"summary": False})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         make_trainer([callback], max_steps=35, logger=RecordingLogger(), gradient_clip_val=0.5).fit(module)
@@ -171,7 +171,9 @@ def test_a_finite_float64_loss_of_1e300_is_not_reported_as_nonfinite():
     module = Huge()
     module.record_enabled = False
     losses = LossLog()
-    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="raise", summary=False, sentinel="loss+grads")
+    callback = LayerHealthCallback(
+        every_n_steps=10, on_anomaly="raise", sentinel="loss+grads", output={"summary": False}
+    )
     make_trainer([callback, losses], max_steps=12, precision="64-true").fit(module)
     assert all(1e299 < v < math.inf for v in losses.losses)
     assert callback.trips == []
@@ -200,7 +202,7 @@ def test_a_noisy_regression_with_batch_size_2_and_heavy_tailed_targets_never_tri
                         batch_size=2, lr=0.01)  # fmt: skip
     module.record_enabled = False
     losses = LossLog()
-    callback = LayerHealthCallback(on_anomaly="raise", summary=False)
+    callback = LayerHealthCallback(on_anomaly="raise", output={"summary": False})
     make_trainer([callback, losses], max_steps=400).fit(module)
     spread = sorted(losses.losses)
     assert spread[-1] / spread[len(spread) // 2] > 30  # the case: batches far apart
@@ -232,7 +234,7 @@ def test_cosine_warm_restarts_never_trip():
 
     module.configure_optimizers = configure_optimizers
     losses = LossLog()
-    callback = LayerHealthCallback(on_anomaly="raise", summary=False)
+    callback = LayerHealthCallback(on_anomaly="raise", output={"summary": False})
     make_trainer([callback, losses], max_steps=400).fit(module)
     # The restarts are visible: the loss just after each restart is above the loss just before it.
     before = [sorted(losses.losses[s - 5 : s])[2] for s in (100, 150, 200, 250)]
@@ -258,7 +260,7 @@ class GaussianLikelihood(TinyModule):
 
 def test_a_negative_log_likelihood_never_trips_and_still_trips_on_a_real_spike():
     losses = LossLog()
-    callback = LayerHealthCallback(on_anomaly="raise", summary=False)
+    callback = LayerHealthCallback(on_anomaly="raise", output={"summary": False})
     make_trainer([callback, losses], max_steps=300).fit(GaussianLikelihood())
     assert losses.losses[0] > 0 > max(losses.losses[-100:])  # it crosses zero and stays negative
     assert callback.trips == []
@@ -276,7 +278,7 @@ def test_a_loss_that_drops_1000x_within_one_epoch_never_trips():
     module = TinyModule(model=nn.Linear(4, 1), data=TensorDataset(x, y), lr=0.05, optimizer="adam")
     module.record_enabled = False
     losses = LossLog()
-    callback = LayerHealthCallback(on_anomaly="raise", summary=False)
+    callback = LayerHealthCallback(on_anomaly="raise", output={"summary": False})
     make_trainer([callback, losses], max_epochs=1, max_steps=-1).fit(module)
     assert len(losses.losses) == 200
     assert losses.losses[0] / min(losses.losses) > 1e3

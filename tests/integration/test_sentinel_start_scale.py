@@ -83,7 +83,7 @@ def _check_the_case(losses: list[float], callback: LayerHealthCallback) -> None:
 def test_a_harder_batch_after_a_fast_collapse_is_no_spike_and_wrong_labels_are():
     torch.manual_seed(0)
     losses = LossLog()
-    callback = LayerHealthCallback(on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(on_anomaly="ignore", output={"summary": False})
     make_trainer([callback, losses], max_steps=STEPS).fit(Blobs())
     _check_the_case(losses.losses, callback)
 
@@ -92,15 +92,15 @@ def test_the_start_scale_survives_a_checkpoint_after_the_early_steps_left_the_wi
     # A window of 10: when training resumes at step 15, the restored window holds steps 5-14 only, all collapsed.
     # The dataloader is not resumable: Lightning resumes the epoch at batch 15 with the loader started over, so the
     # resumed fit's dataset starts with step 15's batch.
-    rules = {"spike_window": 10, "spike_warmup": 10}
+    sentinel = {"window": 10, "warmup": 10}
     torch.manual_seed(0)
-    first = LayerHealthCallback(on_anomaly="ignore", summary=False, rules=rules)
+    first = LayerHealthCallback(on_anomaly="ignore", sentinel=sentinel, output={"summary": False})
     trainer = make_trainer([first, LossLog()], max_steps=15)
     trainer.fit(Blobs())
     path = tmp_path / "resume.ckpt"
     trainer.save_checkpoint(path)
 
-    resumed = LayerHealthCallback(on_anomaly="ignore", summary=False, rules=rules)
+    resumed = LayerHealthCallback(on_anomaly="ignore", sentinel=sentinel, output={"summary": False})
     losses = LossLog()
     make_trainer([resumed, losses], max_steps=STEPS).fit(Blobs(first=15), ckpt_path=path)
     assert len(losses.losses) == STEPS - 15

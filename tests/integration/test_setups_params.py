@@ -210,7 +210,7 @@ def test_a_module_with_only_its_own_parameters_is_tracked_with_one_note():
 def test_an_exclude_that_removes_every_layer_is_still_an_error():
     module = TinyModule()
     with pytest.raises(ValueError, match=r"no module left to observe after exclude=\['model\.\*'\]"):
-        make_trainer([LayerHealthCallback(exclude=["model.*"])], max_steps=1).fit(module)
+        make_trainer([LayerHealthCallback(measure={"exclude": ["model.*"]})], max_steps=1).fit(module)
 
 
 # ------------------------------------------------------------------------------------------ item 4: TorchScript

@@ -30,7 +30,9 @@ def test_a_float64_output_beyond_1e154_is_logged_non_finite_with_a_note():
     module = TinyModule(model=model, data=torch.utils.data.TensorDataset(*(t.double() for t in data.tensors)))
     first = copy.deepcopy(model[0])  # the weights the sampled step 0 ran with
     logger = RecordingLogger()
-    callback = LayerHealthCallback(every_n_steps=1, layers=["model.1"], sentinel=None, charts="all")  # the 0 count
+    callback = LayerHealthCallback(
+        every_n_steps=1, layers=["model.1"], sentinel=None, output={"charts": "all"}
+    )  # the 0 count
     trainer = make_trainer([callback], max_steps=1, logger=logger)
     with pytest.warns(LayerHealthWarning) as caught:
         trainer.fit(module)

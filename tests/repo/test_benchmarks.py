@@ -33,13 +33,19 @@ def test_sync_cost_models_the_buffers_the_aggregator_really_packs():
 
     from lightning_hookdiag.aggregation import LayerStatsAggregator
     from lightning_hookdiag.distributed import pack
+    from lightning_hookdiag.recorder import StepRecorder
 
     cost = load_benchmark("sync_cost")
     model = cost.Model(units=16, dead_unit_share=0.5)
     layers = 10
-    agg = LayerStatsAggregator(layers, n_params=layers)
-    agg.track_units(range(0, layers, 2))
-    agg._relayout(dict.fromkeys(range(0, layers, 2), 16))  # the layout once every ReLU ran
+    relus = frozenset(range(0, layers, 2))
+    agg = LayerStatsAggregator(layers, n_params=layers, unit_layers=relus)
+    recorder = StepRecorder(layers, unit_layers=relus)
+    for layer in relus:
+        recorder.on_tensor(layer, torch.ones(2, 16))
+    agg.update(recorder.take())
+    agg.compute()  # the layout once every ReLU ran
+    agg.reset()
     flags = torch.zeros(layers)
     sums = pack([agg.act_moments, agg.grad_moments])
     maxima = pack([agg.act_absmax, agg.param_stats, agg.unit_max, flags])

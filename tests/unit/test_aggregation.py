@@ -10,16 +10,22 @@ from lightning_hookdiag.aggregation import LayerStatsAggregator, host_values
 from lightning_hookdiag.recorder import StepRecorder
 
 
+def pool(agg: LayerStatsAggregator, rec: StepRecorder) -> dict[str, torch.Tensor]:
+    """Hand the recorder's step to the aggregator and pool it, as the run does at the end of a window."""
+    agg.update(rec.take())
+    return agg.compute()
+
+
 def test_micro_batches_pool_exactly_and_reset_clears():
-    agg = LayerStatsAggregator(n_layers=2)
-    rec = StepRecorder(agg, unit_layers=frozenset({1}))
+    agg = LayerStatsAggregator(n_layers=2, unit_layers={1})
+    rec = StepRecorder(2, unit_layers=frozenset({1}))
     a = torch.tensor([[1.0, -2.0], [0.0, 4.0]])
     b = torch.tensor([[3.0, -1.0], [-5.0, -1.0]])
     record(rec, 0, a)
     record(rec, 0, b)
     record(rec, 1, a)
     record(rec, 1, b)
-    out = agg.compute()
+    out = pool(agg, rec)
     union = torch.cat([a.reshape(-1), b.reshape(-1)]).double()
     assert out["act_mean"][0].item() == pytest.approx(union.mean().item())
     assert out["act_std"][0].item() == pytest.approx(union.std(correction=0).item())
@@ -31,16 +37,16 @@ def test_micro_batches_pool_exactly_and_reset_clears():
     assert out["count"].tolist() == [8.0, 8.0]
     agg.reset()
     record(rec, 1, b)
-    assert agg.compute()["act_dead_frac"][1].item() == 0.5
+    assert pool(agg, rec)["act_dead_frac"][1].item() == 0.5
     assert agg.compute()["count"].tolist() == [0.0, 4.0]
 
 
 def test_unit_layout_is_layer_ordered_whatever_the_firing_order():
-    agg = LayerStatsAggregator(n_layers=3)
-    rec = StepRecorder(agg, moments=False, unit_layers=frozenset({0, 2}))
+    agg = LayerStatsAggregator(n_layers=3, unit_layers={0, 2})
+    rec = StepRecorder(3, moments=False, unit_layers=frozenset({0, 2}))
     record(rec, 2, torch.tensor([[1.0, -1.0, -1.0]]))  # layer 2 learned first
     record(rec, 0, torch.tensor([[-1.0, 1.0]]))
-    out = agg.compute()
+    out = pool(agg, rec)
     assert agg.unit_sizes == [2, 0, 3]
     assert out["act_dead_frac"][0].item() == 0.5
     assert out["act_dead_frac"][2].item() == pytest.approx(2 / 3)
@@ -51,30 +57,31 @@ def test_unit_layout_is_layer_ordered_whatever_the_firing_order():
 
 
 def test_changed_unit_count_is_flagged_not_mixed():
-    agg = LayerStatsAggregator(n_layers=1)
-    rec = StepRecorder(agg, unit_layers=frozenset({0}))
+    agg = LayerStatsAggregator(n_layers=1, unit_layers={0})
+    rec = StepRecorder(1, unit_layers=frozenset({0}))
     record(rec, 0, torch.ones(2, 3))
     record(rec, 0, torch.ones(2, 4))
-    agg.update()  # small host outputs are reduced in batches when the aggregator folds them
+    out = pool(agg, rec)
+    assert rec.unit_mismatch == {0}  # seen by the recorder, handed down with the rows
     assert agg.unit_mismatch == {0}
+    assert torch.isnan(out["act_dead_frac"]).all()
 
 
 def test_outputs_without_float_tensor_are_recorded():
     agg = LayerStatsAggregator(n_layers=1)
-    rec = StepRecorder(agg)
+    rec = StepRecorder(1)
     record(rec, 0, (torch.tensor([1, 2]),))
     assert rec.no_float_output == {0}
-    agg.update()  # as the callback does, so every process takes part in compute
-    assert agg.compute()["count"].reshape(-1).tolist() == [0.0]
+    assert pool(agg, rec)["count"].reshape(-1).tolist() == [0.0]
 
 
 def test_gradient_pooling_and_scale():
     agg = LayerStatsAggregator(n_layers=1)
-    rec = StepRecorder(agg)
+    rec = StepRecorder(1)
     rec.on_grad(0, torch.tensor([6.0, 0.0]))
     rec.on_grad(0, torch.tensor([8.0, float("nan")]))
     agg.grad_scale = torch.tensor(2.0)
-    out = agg.compute()
+    out = pool(agg, rec)
     assert out["act_grad_norm"].item() == pytest.approx(5.0)
     assert out["act_grad_nonfinite"].item() == 1
     assert out["grad_count"].item() == 4
@@ -103,16 +110,15 @@ def test_host_and_device_observations_of_one_layer_pool_together():
     # Micro-batch a is finite (host fast path), b holds a NaN (exact device path): the layer's statistics are those
     # of the union of their finite values, whichever path each took.
     agg = LayerStatsAggregator(n_layers=1)
-    rec = StepRecorder(agg)
+    rec = StepRecorder(1)
     a = torch.tensor([1.0, -2.0, 0.0, 4.0])
     b = torch.tensor([3.0, float("nan"), -6.0])
     record(rec, 0, a)
     rec.on_grad(0, a)
-    assert agg.act_moments.sum().item() == 0  # pending in Python floats until update()
+    assert agg.act_moments.sum().item() == 0  # the recorder's until the step's rows are handed down
     record(rec, 0, b)
     rec.on_grad(0, b)
-    agg.update()
-    out = agg.compute()
+    out = pool(agg, rec)
     finite = torch.tensor([1.0, -2.0, 0.0, 4.0, 3.0, -6.0], dtype=torch.float64)
     assert out["act_mean"].item() == pytest.approx(finite.mean().item())
     assert out["act_std"].item() == pytest.approx(finite.std(correction=0).item())
@@ -122,38 +128,44 @@ def test_host_and_device_observations_of_one_layer_pool_together():
     assert out["act_grad_norm"].item() == pytest.approx(finite.norm().item())
     assert out["act_grad_nonfinite"].item() == 1
     assert out["count"].item() == 7
-    # reset drops pending host observations too
+    # a discarded window: the recorder drops its rows
     record(rec, 0, a)
+    rec.release()
     agg.reset()
-    agg.update()
-    assert agg.compute()["count"].item() == 0
+    assert pool(agg, rec)["count"].item() == 0
 
 
 def test_units_of_an_undeclared_layer_are_an_error():
-    agg = LayerStatsAggregator(n_layers=2)
-    agg.track_units([1])
-    with pytest.raises(ValueError, match="track_units") as error:
-        agg.add(0, units=torch.ones(3))
+    agg = LayerStatsAggregator(n_layers=2, unit_layers={1})
+    rec = StepRecorder(2, unit_layers=frozenset({0}))  # disagrees with the aggregator
+    record(rec, 0, torch.ones(2, 3))
+    with pytest.raises(ValueError, match="unit_layers") as error:
+        agg.update(rec.take())
     assert "layer 0" in str(error.value)  # the bad layer
     assert "[1]" in str(error.value)  # the declared ones
-    with pytest.raises(ValueError, match="track_units") as error:
-        agg.track_units([0, 2, 5])
-    assert "[2, 5]" in str(error.value)  # the bad indices
-    assert "[0, 2)" in str(error.value)  # the valid range
+    for make in (
+        lambda: LayerStatsAggregator(2, unit_layers=[0, 2, 5]),
+        lambda: StepRecorder(2, unit_layers={0, 2, 5}),
+    ):
+        with pytest.raises(ValueError, match="unit_layers") as error:
+            make()
+        assert "[2, 5]" in str(error.value)  # the bad indices
+        assert "[0, 2)" in str(error.value)  # the valid range
 
 
 def test_units_wait_for_their_layout_then_keep_it_across_steps():
-    agg = LayerStatsAggregator(n_layers=2)
-    rec = StepRecorder(agg, moments=False, unit_layers=frozenset({0, 1}))
+    agg = LayerStatsAggregator(n_layers=2, unit_layers={0, 1})
+    rec = StepRecorder(2, moments=False, unit_layers=frozenset({0, 1}))
     record(rec, 1, torch.tensor([[-1.0, 2.0, -3.0]]))
     record(rec, 1, torch.tensor([[-1.0, -2.0, 3.0]]))
+    agg.update(rec.take())
     assert agg.unit_sizes == [0, 0]  # pending until compute (or a sync) lays the layer out
     assert agg.compute()["act_dead_frac"][1].item() == pytest.approx(1 / 3)
     assert agg.unit_sizes == [0, 3]
     agg.reset()
     record(rec, 0, torch.tensor([[5.0, -5.0]]))  # a layer laid out later goes before it, in layer order
     record(rec, 1, torch.tensor([[1.0, 1.0, -1.0]]))
-    out = agg.compute()
+    out = pool(agg, rec)
     assert agg.unit_sizes == [2, 3]
     assert out["act_dead_frac"].tolist() == pytest.approx([0.5, 1 / 3])
     assert agg.unit_max.tolist() == [5.0, -5.0, 1.0, 1.0, -1.0]
@@ -171,10 +183,11 @@ class _Ops(TorchDispatchMode):
 
 def test_the_step_path_pays_no_copy_of_its_results():
     agg = LayerStatsAggregator(n_layers=3, n_params=2, histogram_bins=8)
-    rec = StepRecorder(agg)
+    rec = StepRecorder(3, histogram_bins=8)
+    rec.histograms = True
     for layer in range(3):
         rec.on_tensor(layer, torch.randn(4, 5))
-    agg.update()
+    agg.update(rec.take())
     with _Ops() as counted:
         pooled = agg.pooled()
     assert counted.ops["clone"] == 0
@@ -192,7 +205,9 @@ def test_each_state_is_reduced_as_declared_and_nothing_else_is_accepted():
         "act_absmax": "max",
         "grad_moments": "sum",
         "unit_max": "max",
+        "layer_orders": "max",  # agreed with the states: no collective of their own
     }
+    assert LayerStatsAggregator(n_layers=2, unit_layers={0}).reduce_of["unit_bad"] == "max"
     assert LayerStatsAggregator(n_layers=1, n_params=1, sharded_params=True).reduce_of["param_stats"] == "sum"
     agg.add_state("extra", torch.zeros(2), "max")
     agg.pool("extra", torch.tensor([1.0, -1.0]))
@@ -227,3 +242,29 @@ def test_orders_agreed_by_their_maxima_keep_a_one_rank_layer_where_it_ran_and_ev
     rank0 = order_positions(LayerOrders([0, 2, 1], [], []), 4)
     rank1 = order_positions(LayerOrders([0, 1, 3], [], []), 4)
     assert agreed_orders([max(a, b) for a, b in zip(rank0, rank1, strict=True)], 4).forward == [0, 2, 1, 3]
+
+
+def test_rows_built_by_hand_pool_to_their_statistics_over_two_steps_of_rows():
+    # The pooled state receives finished per-layer tensors, whoever made them: here written by hand for layer 0's
+    # outputs [1, -2, 0, 4] then [3] (two updates, as two processes' rows would add), gradient [3, 4], units [1, -1].
+    from lightning_hookdiag.stats import LayerRows
+
+    def rows(act: list[float], absmax: float, units: dict[int, torch.Tensor]) -> LayerRows:
+        moments = torch.zeros(2, S.ACT_SLOTS, dtype=torch.float64)
+        moments[0] = torch.tensor(act, dtype=torch.float64)
+        grad = torch.zeros(2, S.GRAD_SLOTS, dtype=torch.float64)
+        grad[0] = torch.tensor([2.0, 25.0, 0.0], dtype=torch.float64)
+        return LayerRows(moments, torch.tensor([absmax, 0.0]), grad, units, frozenset())
+
+    agg = LayerStatsAggregator(n_layers=2, unit_layers={0})
+    agg.update(rows([4.0, 3.0, 3.0, 3.0, 21.0], 4.0, {0: torch.tensor([1.0, -1.0])}))
+    agg.update(rows([1.0, 1.0, 1.0, 3.0, 9.0], 3.0, {}))
+    out = agg.compute()
+    values = torch.tensor([1.0, -2.0, 0.0, 4.0, 3.0], dtype=torch.float64)
+    assert out["act_mean"][0].item() == pytest.approx(values.mean().item(), rel=1e-12)
+    assert out["act_std"][0].item() == pytest.approx(values.std(correction=0).item(), rel=1e-12)
+    assert out["act_absmax"][0].item() == 4.0
+    assert out["act_zero_frac"][0].item() == pytest.approx(1 / 5)
+    assert out["act_grad_norm"][0].item() == pytest.approx(50**0.5)  # two steps of rows: 25 + 25
+    assert out["act_dead_frac"][0].item() == 0.5
+    assert out["count"].tolist() == [5.0, 0.0]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TinyModule, make_trainer
+from conftest import TinyModule, make_trainer, run_rules
 from torch.utils.data import TensorDataset
 
 from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.batches import MIN_ROWS, ROW_SAMPLE, repeated_rows
-from lightning_hookdiag.rules import BATCH, evaluate
+from lightning_hookdiag.rules import BATCH, RULES
 
 
 def test_every_counted_tensor_must_repeat_one_row():
@@ -40,11 +40,11 @@ def test_rows_are_compared_at_evenly_strided_elements_over_the_whole_row():
 
 def test_the_rule_reads_the_fact_and_names_the_batch_before_any_layer():
     values = {"batch_repeated": {BATCH: 1.0}, "act_dead_frac": {"relu": 1.0}}
-    findings = evaluate(values, ["lin", "relu"], [], step=4)
+    findings = run_rules(values, ["lin", "relu"], [], step=4)
     assert [(f.rule, f.layer) for f in findings] == [("repeated_batch", BATCH), ("dead_units", "relu")]
     assert "every row of the training batch is the same sample" in findings[0].message
     assert "step 4" in findings[0].message
-    assert evaluate({"batch_repeated": {BATCH: 0.0}}, ["lin"], [], step=4) == []
+    assert run_rules({"batch_repeated": {BATCH: 0.0}}, ["lin"], [], step=4) == []
 
 
 class _Repeat(TensorDataset):
@@ -55,7 +55,7 @@ class _Repeat(TensorDataset):
 def _fit(data: TensorDataset, batch_size: int, **callback) -> LayerHealthCallback:
     module = TinyModule(data=data, batch_size=batch_size)
     module.record_enabled = False
-    health = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False, **callback)
+    health = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", **callback, output={"summary": False})
     make_trainer([health], max_steps=2).fit(module)
     return health
 
@@ -74,5 +74,5 @@ def test_a_dataset_with_duplicate_rows_in_a_batch_is_silent_and_the_rule_can_be_
     x[1:4] = x[0]  # four equal rows out of eight: not the whole batch
     assert [f.rule for f in _fit(TensorDataset(x, torch.randn(32, 1, generator=g)), 8).findings] == []
     data = _Repeat(x, torch.randn(32, 1, generator=g))
-    enabled = [r for r in LayerHealthCallback().rule_config.enabled if r != "repeated_batch"]
+    enabled = [r for r in RULES if r != "repeated_batch"]
     assert _fit(data, 8, rules={"enabled": enabled}).findings == []

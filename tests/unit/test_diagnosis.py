@@ -19,8 +19,7 @@ from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthError, LayerHealthWarning
 from lightning_hookdiag.diagnosis import Diagnosis
-from lightning_hookdiag.logged_values import ObservedStep, StepFacts
-from lightning_hookdiag.rules import LOSS, RuleConfig
+from lightning_hookdiag.rules import LOSS, Observed, RuleConfig
 from lightning_hookdiag.step_state import Trip
 
 # ------------------------------------------------------------------------------------ the Diagnosis, by hand
@@ -33,33 +32,26 @@ def spike(step: int) -> Trip:
     return Trip(step=step, kind="loss_spike", loss=40.0, baseline=1.0, replayed=True)
 
 
-def observed(step: int, forward: list[str], trip: Trip | None = None, **facts: Any) -> ObservedStep:
-    """Step ``step`` as the callback hands it over, with what only the rules read."""
-    empty = {
-        "host": {},
-        "wanted": [],
-        "facts": StepFacts(),
-        "backward_order": [],
-        "missing_grads": [],
-        "param_facts": {},
-    }
-    return ObservedStep(step=step, layers=True, trip=trip, forward_order=forward, **(empty | facts))
+def observed(step: int, forward: list[str], trip: Trip | None = None, values: Any = None, **facts: Any) -> Observed:
+    """Step ``step`` as the callback hands it over: its values, and its facts by name."""
+    return Observed(step, values or {}, {"forward_order": forward, "trip": trip, **facts})
 
 
-def test_step_takes_the_steps_own_parts_as_one_typed_observed_step():
-    assert inspect.signature(Diagnosis.step).parameters["observed"].annotation == "ObservedStep"
+def test_step_takes_the_step_as_one_typed_observed_step():
+    assert list(inspect.signature(Diagnosis.step).parameters) == ["self", "observed"]
+    assert inspect.signature(Diagnosis.step).parameters["observed"].annotation == "Observed"
     with pytest.raises(TypeError, match="history"):  # the memory is the Diagnosis's own, not the caller's
-        Diagnosis(RuleConfig()).step(DEAD, observed(0, ["relu"]), history=None)
+        Diagnosis(RuleConfig()).step(observed(0, ["relu"], values=DEAD), history=None)  # type: ignore[call-arg]
     # The facts of the step reach the rules: a BatchNorm in eval mode, an output cut off from the gradient.
     facts = {"eval_mode": {"bn": "BatchNorm1d"}, "missing_grads": ["fc"], "backward_order": ["relu"]}
-    found = Diagnosis(RuleConfig()).step(ALIVE, observed(0, ["fc", "bn", "relu"], **facts)).findings
+    found = Diagnosis(RuleConfig()).step(observed(0, ["fc", "bn", "relu"], **facts, values=ALIVE)).findings
     assert {(f.rule, f.layer) for f in found} == {("eval_mode", "bn"), ("no_gradient", "fc")}
 
 
 def test_a_finding_is_new_once_while_it_persists_and_again_after_it_clears():
     diagnosis = Diagnosis(RuleConfig())
     steps = [(0, DEAD), (2, DEAD), (4, ALIVE), (6, DEAD)]
-    seen = [diagnosis.step(values, observed(step, ["relu"])) for step, values in steps]
+    seen = [diagnosis.step(observed(step, ["relu"], values=values)) for step, values in steps]
     assert [[(f.rule, f.layer, f.step) for f in d.findings] for d in seen] == [
         [("dead_units", "relu", 0)],
         [("dead_units", "relu", 2)],
@@ -75,7 +67,7 @@ def test_a_finding_is_new_once_while_it_persists_and_again_after_it_clears():
 def test_every_loss_spike_is_new():
     diagnosis = Diagnosis(RuleConfig())
     values = {"act_absmax": {"fc": 1.0}}
-    news = [diagnosis.step(values, observed(s, ["fc"], spike(s))).new for s in (3, 4)]
+    news = [diagnosis.step(observed(s, ["fc"], spike(s), values=values)).new for s in (3, 4)]
     assert [[(f.rule, f.layer, f.step) for f in new] for new in news] == [
         [("loss_spike", LOSS, 3)],
         [("loss_spike", LOSS, 4)],
@@ -85,26 +77,26 @@ def test_every_loss_spike_is_new():
 def test_the_baseline_is_the_last_step_without_a_trip():
     diagnosis = Diagnosis(RuleConfig())
     regular = {"act_absmax": {"fc": 1.0}}
-    assert diagnosis.step(regular, observed(0, ["fc"])).findings == []
+    assert diagnosis.step(observed(0, ["fc"], values=regular)).findings == []
     assert diagnosis.baseline.step == 0
     assert diagnosis.baseline.values is regular
-    diagnosis.step({"act_absmax": {"fc": 100.0}}, observed(2, ["fc"], spike(2)))
+    diagnosis.step(observed(2, ["fc"], spike(2), values={"act_absmax": {"fc": 100.0}}))
     assert diagnosis.baseline.step == 0  # a tripped step is no baseline
     # Compared with step 0 (1.0), not with the tripped step 2 (100.0): a 50x growth names the layer.
-    (finding,) = diagnosis.step({"act_absmax": {"fc": 50.0}}, observed(4, ["fc"], spike(4))).findings
+    (finding,) = diagnosis.step(observed(4, ["fc"], spike(4), values={"act_absmax": {"fc": 50.0}})).findings
     assert (finding.rule, finding.layer, finding.value, finding.stat) == ("loss_spike", "fc", 50.0, "act_absmax")
     assert "grew 50x since step 0" in finding.message
-    diagnosis.step({"act_absmax": {"fc": 2.0}}, observed(6, ["fc"]))
+    diagnosis.step(observed(6, ["fc"], values={"act_absmax": {"fc": 2.0}}))
     assert diagnosis.baseline.step == 6
 
 
 def test_last_finite_follows_only_finite_weight_norms():
     diagnosis = Diagnosis(RuleConfig())
-    diagnosis.step({"param_norm": {"fc.weight": 1.0, "fc.bias": 2.0}}, observed(1, ["fc"]))
-    diagnosis.step({"param_norm": {"fc.weight": math.nan, "fc.bias": 2.0}}, observed(3, ["fc"]))
+    diagnosis.step(observed(1, ["fc"], values={"param_norm": {"fc.weight": 1.0, "fc.bias": 2.0}}))
+    diagnosis.step(observed(3, ["fc"], values={"param_norm": {"fc.weight": math.nan, "fc.bias": 2.0}}))
     assert diagnosis.last_finite == {"fc.weight": 1, "fc.bias": 3}
     (finding,) = diagnosis.step(
-        {"param_norm": {"fc.weight": math.inf, "fc.bias": math.nan}}, observed(5, ["fc"])
+        observed(5, ["fc"], values={"param_norm": {"fc.weight": math.inf, "fc.bias": math.nan}})
     ).findings
     assert diagnosis.last_finite == {"fc.weight": 1, "fc.bias": 3}
     assert (finding.rule, finding.layer, finding.value) == ("nonfinite", "fc", 2.0)
@@ -115,14 +107,14 @@ def test_each_step_goes_into_the_history_after_the_rules_ran():
     diagnosis = Diagnosis(RuleConfig(trend_window=5))
     assert diagnosis.history.window == 20  # logit_drift looks back 4 trend windows
     for step, norm in [(0, 1.0), (2, math.nan), (4, 3.0)]:
-        diagnosis.step({"param_norm": {"w": norm}}, observed(step, ["fc"]))
+        diagnosis.step(observed(step, ["fc"], values={"param_norm": {"w": norm}}))
     assert diagnosis.history.points("param_norm", "w") == [(0, 1.0), (4, 3.0)]
 
 
 def test_the_state_dict_round_trips_through_json_without_the_baseline():
     diagnosis = Diagnosis(RuleConfig())
-    diagnosis.step({**DEAD, "param_norm": {"w": 1.0}}, observed(0, ["relu"]))
-    diagnosis.step({**DEAD, "param_norm": {"w": math.nan}}, observed(2, ["relu"]))
+    diagnosis.step(observed(0, ["relu"], values={**DEAD, "param_norm": {"w": 1.0}}))
+    diagnosis.step(observed(2, ["relu"], values={**DEAD, "param_norm": {"w": math.nan}}))
     state = diagnosis.state_dict()
     assert list(state) == ["alerts", "last_finite", "history"]
     # The NaN norm of w (a parameter of no known layer: its own owner) is a nonfinite finding too.
@@ -134,7 +126,7 @@ def test_the_state_dict_round_trips_through_json_without_the_baseline():
     restored.load_state_dict({**json.loads(json.dumps(state)), "trips": []})  # the callback's other keys are ignored
     assert restored.state_dict() == state
     assert restored.baseline is None
-    assert restored.step(DEAD, observed(4, ["relu"])).new == []  # restored as active: no repeated alert
+    assert restored.step(observed(4, ["relu"], values=DEAD)).new == []  # restored as active: no repeated alert
     empty = Diagnosis(RuleConfig())
     empty.load_state_dict({})
     assert empty.state_dict() == Diagnosis(RuleConfig()).state_dict()
@@ -146,7 +138,7 @@ def test_a_resumed_baseline_is_the_last_logged_step_unless_it_tripped():
     restored.load_state_dict({"last_step": 6, "last_metrics": metrics, "trips": [{"step": 3}]})
     assert restored.baseline.step == 6
     assert restored.baseline.values["act_absmax"] == {"fc": 2.0}
-    (finding,) = restored.step({"act_absmax": {"fc": 100.0}}, observed(8, ["fc"], spike(8))).findings
+    (finding,) = restored.step(observed(8, ["fc"], spike(8), values={"act_absmax": {"fc": 100.0}})).findings
     assert "grew 50x since step 6" in finding.message
     tripped = Diagnosis(RuleConfig())
     tripped.load_state_dict({"last_step": 6, "last_metrics": metrics, "trips": [{"step": 6}]})
@@ -178,10 +170,9 @@ def test_the_diagnosis_runs_without_importing_torch_or_lightning(tmp_path):
         parent.__path__ = [{str(REPO / "lightning_hookdiag")!r}]
         sys.modules["lightning_hookdiag"] = parent
         from lightning_hookdiag.diagnosis import Diagnosis
-        from lightning_hookdiag.logged_values import ObservedStep, StepFacts
-        from lightning_hookdiag.rules import RuleConfig
-        step = ObservedStep(0, True, None, {{}}, [], StepFacts(), ["relu"], [], [], {{}})
-        found = Diagnosis(RuleConfig()).step({{"act_dead_frac": {{"relu": 1.0}}}}, step)
+        from lightning_hookdiag.rules import Observed, RuleConfig
+        step = Observed(0, {{"act_dead_frac": {{"relu": 1.0}}}}, {{"forward_order": ["relu"]}})
+        found = Diagnosis(RuleConfig()).step(step)
         heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "lightning", "lightning_fabric"))
         print("RESULT", [f.rule for f in found.new], heavy)
         """
@@ -285,7 +276,7 @@ def test_end_of_fit_summary_in_depth_order_with_findings(caplog):
     rows = [line.split() for line in callback.summary_table().splitlines()[2:]]
     assert [r[1] for r in rows] == [f"model.{i}" for i in range(5)]
     assert rows[3][-1] == "nonfinite"
-    quiet = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
+    quiet = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False})
     caplog.clear()
     with caplog.at_level(logging.INFO):
         make_trainer([quiet], max_steps=1).fit(sick_module())
@@ -298,8 +289,8 @@ def test_a_spike_right_after_a_resume_is_compared_with_the_layers_before_the_che
     make_trainer([LayerHealthCallback(every_n_steps=5), checkpoint], max_steps=3, enable_checkpointing=True).fit(
         TinyModule(data=make_data(n=64))
     )
-    force_trips(monkeypatch, {4})  # step 4: not sampled, replayed
-    resumed = LayerHealthCallback(every_n_steps=5, on_anomaly="ignore")
+    # A trip on step 4: not sampled, replayed.
+    resumed = LayerHealthCallback(every_n_steps=5, on_anomaly="ignore", sentinel=force_trips({4}))
     torch.manual_seed(0)
     make_trainer([resumed], max_steps=5).fit(TinyModule(data=make_data(n=64)), ckpt_path=tmp_path / "last.ckpt")
     (finding,) = [f for f in resumed.findings if f.rule == "loss_spike"]

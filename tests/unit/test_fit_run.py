@@ -19,7 +19,8 @@ from conftest import TinyModule, by_name, count_hooks, make_trainer
 from torch import nn
 
 from lightning_hookdiag import ALL_STATS, LayerHealthCallback
-from lightning_hookdiag.components import FACTORIES, Component, FitConfig, Setup, component
+from lightning_hookdiag.builtins import split_extensions
+from lightning_hookdiag.components import Component, FitConfig, Setup, component
 from lightning_hookdiag.fit_run import FitRun, StepCheck
 from lightning_hookdiag.logged_values import ObservedStep
 from lightning_hookdiag.sentinel import LossSentinel, MicroBatch, SpikeDetector, capture_rng
@@ -51,8 +52,8 @@ def net() -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 3), nn.Dropout(0.5), nn.ReLU())
 
 
-def start(model: nn.Module, **changes: object) -> FitRun:
-    return FitRun(config(**changes), model, "32-true", lambda params: False)
+def start(model: nn.Module, extensions: list[Any] | None = None, **changes: object) -> FitRun:
+    return FitRun(config(**changes), model, "32-true", lambda params: False, None, split_extensions(extensions or []))
 
 
 def window_b(run: FitRun, model: nn.Sequential, opt: torch.optim.Optimizer, x: torch.Tensor) -> ObservedStep:
@@ -107,10 +108,10 @@ def test_a_discarded_window_leaves_nothing_in_the_next_one():
 
     assert got.forward_order == ["0", "1"] == want.forward_order
     assert got.backward_order == want.backward_order
-    assert got.missing_grads == [] == want.missing_grads
-    assert got.eval_mode == {} == want.eval_mode
-    assert got.facts == want.facts
-    assert not got.facts.empty
+    assert got.facts["missing_grads"] == [] == want.facts["missing_grads"]
+    assert got.facts["eval_mode"] == {} == want.facts["eval_mode"]
+    assert got.unobserved == want.unobserved
+    assert not got.unobserved.empty
     assert exact(got.host) == exact(want.host)  # NaN: a layer that did not run
     # By hand: 2 x 3 outputs per layer, none of the ReLU's; the first layer's mean; SGD's update ratio.
     assert got.host["count"] == [6.0, 6.0, 0.0]
@@ -172,33 +173,31 @@ class AbsSum(Component):
 
 
 def test_a_new_statistic_is_one_component_logged_through_a_real_trainer():
+    @component
     def factory(setup: Setup) -> AbsSum:
         return AbsSum(setup.aggregator)
 
-    component(factory)
-    try:
-        module = TinyModule()
-        seen: dict[str, float] = {}
+    module = TinyModule()
+    seen: dict[str, float] = {}
 
-        def hand(name: str) -> Callable[..., None]:
-            def hook(mod: nn.Module, args: Any, out: torch.Tensor) -> None:
-                seen[name] = seen.get(name, 0.0) + sum(abs(v) for v in out.detach().double().reshape(-1).tolist())
+    def hand(name: str) -> Callable[..., None]:
+        def hook(mod: nn.Module, args: Any, out: torch.Tensor) -> None:
+            seen[name] = seen.get(name, 0.0) + sum(abs(v) for v in out.detach().double().reshape(-1).tolist())
 
-            return hook
+        return hook
 
-        handles = [layer.register_forward_hook(hand(f"model.{n}")) for n, layer in module.model.named_children()]
-        callback = LayerHealthCallback(every_n_steps=10)
-        make_trainer([callback], max_steps=1, accumulate_grad_batches=2).fit(module)
-        for handle in handles:
-            handle.remove()
-    finally:
-        FACTORIES.remove(factory)
+    handles = [layer.register_forward_hook(hand(f"model.{n}")) for n, layer in module.model.named_children()]
+    callback = LayerHealthCallback(every_n_steps=10, extensions=[factory])
+    other = LayerHealthCallback(every_n_steps=10, prefix="plain")
+    make_trainer([callback, other], max_steps=1, accumulate_grad_batches=2).fit(module)
+    for handle in handles:
+        handle.remove()
     logged = {k.split("/")[-1]: v for k, v in by_name(callback.last_metrics).items() if "/act_abs_sum/" in k}
     assert logged.keys() == seen.keys() == {"model.0", "model.1", "model.2"}
     for name, value in seen.items():  # two micro-batches pooled
         assert logged[name] == pytest.approx(value, rel=1e-9), name
     assert count_hooks(module) == 0
-    assert factory not in FACTORIES
+    assert not [k for k in other.last_metrics if "act_abs_sum" in k]  # the other callback's fit did not build it
 
 
 class Watch(Component):
@@ -216,25 +215,27 @@ class Watch(Component):
 
 
 @pytest.mark.parametrize("replays", [True, False])
-def test_a_component_is_attached_once_per_micro_batch_and_sees_a_replay_only_if_it_watches_replays(
-    monkeypatch, replays
-):
+def test_a_component_is_attached_once_per_micro_batch_and_sees_a_replay_only_if_it_watches_replays(replays):
     from conftest import force_trips
 
-    force_trips(monkeypatch, {3})  # step 3 is not sampled (every 4): the trip replays it
     trainer = make_trainer([], max_steps=5)
     watch = Watch(replays, lambda: trainer.global_step)
 
+    @component
     def factory(setup: Setup) -> Watch:
         return watch
 
-    component(factory)
-    try:
-        module = TinyModule()
-        trainer.callbacks.append(callback := LayerHealthCallback(every_n_steps=4, on_anomaly="ignore", summary=False))
-        trainer.fit(module)
-    finally:
-        FACTORIES.remove(factory)
+    module = TinyModule()
+    # Step 3 is not sampled (every 4): the trip replays it.
+    callback = LayerHealthCallback(
+        every_n_steps=4,
+        on_anomaly="ignore",
+        sentinel=force_trips({3}),
+        output={"summary": False},
+        extensions=[factory],
+    )
+    trainer.callbacks.append(callback)
+    trainer.fit(module)
     assert [t.step for t in callback.trips] == [3]
     attaches = [step for kind, step in watch.seen if kind == "attach"]
     outputs = {step: sum(1 for kind, s in watch.seen if kind == "output" and s == step) for step in (0, 3, 4)}
@@ -272,14 +273,8 @@ def test_a_component_that_raises_leaves_no_hook_of_any_other_behind(end, fail, r
     model = net()
     failing = Hooked(model[0], replays, fail)
     others = [Hooked(model[2], False), Hooked(model[2], True)]
-    factories = [lambda setup, c=c: c for c in (failing, *others)]
-    for factory in factories:
-        component(factory)
-    try:
-        run = start(model)
-    finally:
-        for factory in factories:
-            FACTORIES.remove(factory)
+    factories = [component(lambda setup, c=c: c) for c in (failing, *others)]
+    run = start(model, factories)
     run.open_window(0, {})
     run.attach(None)
     assert all(c.attached for c in (failing, *others))
@@ -293,11 +288,7 @@ def test_a_component_that_raises_leaves_no_hook_of_any_other_behind(end, fail, r
 def test_release_drops_the_window_and_the_micro_batches_also_when_a_component_raises():
     model = net()
     failing = Hooked(model[0], False, "remove")
-    factory = component(lambda setup: failing)
-    try:
-        run = start(model)
-    finally:
-        FACTORIES.remove(factory)
+    run = start(model, [component(lambda setup: failing)])
     run.open_window(0, {})
     run.state.micro.keep(0, MicroBatch(torch.ones(2, 4), 0, capture_rng(torch.device("cpu"))))
     run.attach(None)

@@ -31,10 +31,11 @@ def pooled(chunks: list[torch.Tensor]) -> dict[str, float]:
     """Pool ``chunks`` as micro-batch outputs of layer 0 through the recorder the callback uses."""
     agg = LayerStatsAggregator(1)
     outliers = O.Outliers(agg, kurtosis=True, absmax_over_std=True)
-    recorder = StepRecorder(agg, components=[outliers])
+    recorder = StepRecorder(1, components=[outliers])
     outliers.attach()  # as in a sampled micro-batch: the recorder hands tensors to attached components
     for chunk in chunks:
         recorder.on_tensor(0, chunk)
+    agg.update(recorder.take())
     out = agg.pooled()
     out.update(outliers.finalize(out))
     return {k: out[k].reshape(-1)[0].item() for k in ("act_kurtosis", "act_absmax_over_std")}

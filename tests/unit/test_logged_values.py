@@ -17,6 +17,7 @@ from lightning_hookdiag.logged_values import (
     late_note,
     no_logger_note,
     opt_in_note,
+    parameter_facts,
     step_notes,
     step_values,
 )
@@ -38,20 +39,23 @@ def host(**extra):
     return {**base, **extra}
 
 
-def observed(**fields) -> ObservedStep:
-    """A step with ``fields`` and nothing else: no facts, no missing gradient."""
-    empty = {"step": 0, "layers": True, "trip": None, "host": {}, "wanted": [], "facts": StepFacts()}
-    lists = {"forward_order": [], "backward_order": [], "missing_grads": [], "param_facts": {}}
-    return ObservedStep(**{**empty, **lists, **fields})
+def observed(facts=None, **fields) -> ObservedStep:
+    """A step with ``fields`` and ``facts`` (by name) and nothing else: nothing unobserved, no missing gradient."""
+    empty = {"step": 0, "layers": True, "trip": None, "host": {}, "wanted": [], "unobserved": StepFacts()}
+    lists = {"forward_order": [], "backward_order": []}
+    return ObservedStep(**{**empty, **lists, **fields}, facts=facts or {})
 
 
 def build(values, wanted, precursors=None, **kwargs):
-    step = observed(host=values, wanted=wanted, forward_order=["head", "enc", "enc.inner"], precursors=precursors or {})
+    forward = ["head", "enc", "enc.inner"]
+    step = observed(host=values, wanted=wanted, forward_order=forward, facts={"precursors": precursors or {}})
     return step_values(step, **{"keys": KeyCache("p"), "layer_names": LAYERS, "param_names": PARAMS, **kwargs})
 
 
 def layer_notes(step, names, count, facts, layers_observed=True, **kwargs):
-    return step_notes(observed(step=step, host={"count": count}, facts=facts, layers=layers_observed), names, **kwargs)
+    return step_notes(
+        observed(step=step, host={"count": count}, unobserved=facts, layers=layers_observed), names, **kwargs
+    )
 
 
 def test_layer_statistics_exist_where_the_layer_ran_and_gradient_ones_where_a_gradient_arrived():
@@ -121,11 +125,13 @@ def test_a_value_with_no_owner_is_dropped_and_step_loss_reaches_only_the_rules()
     assert not [key for key in parsed if key is None or key.stat in ("logit_lse_mean", "step_loss")]
 
 
-def test_stale_gradients_and_replica_minima_reach_the_rules_but_are_not_logged():
+def test_stale_gradients_and_replica_minima_reach_the_rules_as_facts_but_are_not_logged():
     values = host(stale_grad_sq=[9.0, 0.0], param_norm_min=[1.5, 7.0], param_norm=[2.0, 9.0])
     metrics, by_stat = build(values, ["param_norm"])
-    assert by_stat["param_stale_grad_norm"] == {"enc.weight": 3.0}  # sqrt(9); a zero is no stale gradient
-    assert by_stat["param_norm_min"] == {"enc.weight": 1.5}  # only the parameters that were measured
+    facts = parameter_facts(values, PARAMS)
+    assert facts["param_stale_grad_norm"] == {"enc.weight": 3.0}  # sqrt(9); a zero is no stale gradient
+    assert facts["param_norm_min"] == {"enc.weight": 1.5}  # only the parameters that were measured
+    assert by_stat.keys() == {"param_norm"}
     assert not [k for k in metrics if "stale" in k or "min" in k]
 
 
@@ -202,7 +208,7 @@ def test_a_parameter_window_says_nothing_about_layers_that_did_not_run():
 
 
 def test_missing_gradient_histogram_and_opt_in_notes():
-    (note,) = step_notes(observed(host={"count": []}, missing_grads=["pooler"]), [])
+    (note,) = step_notes(observed(host={"count": []}, facts={"missing_grads": ["pooler"]}), [])
     assert (note.key, note.info) == ("no_grad:pooler", True)
     for fact in ("'pooler'", "required grad but received no gradient", "no act_grad statistics"):
         assert fact in note.message
@@ -286,5 +292,5 @@ def test_a_statistic_of_the_output_gradient_is_counted_where_a_gradient_arrived(
 
 def test_step_notes_are_the_layer_notes_then_the_missing_gradients_then_the_overflows():
     host = {"count": [4.0, 0.0], "act_nonfinite": [0.0, 0.0], "act_mean": [INF, NAN]}
-    notes = step_notes(observed(host=host, missing_grads=["a"]), ["a", "b"])
+    notes = step_notes(observed(host=host, facts={"missing_grads": ["a"]}), ["a", "b"])
     assert [n.key for n in notes] == ["not_run:b", "no_grad:a", "overflow:act_mean:a"]

@@ -208,7 +208,7 @@ def _head_outputs(module) -> dict[str, list[torch.Tensor]]:
 def test_callback_logs_vit_attention_and_output_logits_equal_to_references():
     module = zoo_module("vit", n=8 * 3)
     seen = _head_outputs(module)
-    callback = LayerHealthCallback(every_n_steps=1, stats=STATS, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=1, stats=STATS, on_anomaly="ignore", output={"summary": False})
     make_trainer([callback], max_steps=3).fit(module)
     metrics = by_name(callback.last_metrics)
     assert {k for k in metrics if "/attn_logit_max/" in k} == {
@@ -233,7 +233,7 @@ def test_callback_attention_value_matches_the_qk_of_the_step_it_describes():
             refs.append(_reference(qkv[0], qkv[1], 1 / math.sqrt(c // mod.heads)))
 
     module.model.blocks[2].attn.register_forward_hook(reference)
-    callback = LayerHealthCallback(every_n_steps=1, stats=STATS, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=1, stats=STATS, on_anomaly="ignore", output={"summary": False})
     make_trainer([callback], max_steps=2).fit(module)
     assert by_name(callback.last_metrics)["layer_health/attn_logit_max/model.blocks.2.attn"] == pytest.approx(
         refs[-1], rel=1e-5
@@ -243,18 +243,25 @@ def test_callback_attention_value_matches_the_qk_of_the_step_it_describes():
 def test_output_layer_named_by_the_user_and_its_errors():
     module = zoo_module("gpt2", n=8 * 2)
     callback = LayerHealthCallback(
-        every_n_steps=1, stats=["logit_lse_mean"], output_layer="model.transformer.ln_f", summary=False
+        every_n_steps=1,
+        stats=["logit_lse_mean"],
+        measure={"output_layer": "model.transformer.ln_f"},
+        output={"summary": False},
     )
     make_trainer([callback], max_steps=1).fit(module)
     named = by_name(callback.last_metrics)
     assert [k for k in named if "logit_" in k] == ["layer_health/logit_lse_mean/model.transformer.ln_f"]
     with pytest.raises(ValueError, match=r"output_layer: .*got 3"):
-        LayerHealthCallback(output_layer=3)
+        LayerHealthCallback(measure={"output_layer": 3})
     with pytest.raises(ValueError, match=r"output_layer: .*got ''"):
-        LayerHealthCallback(output_layer="")
+        LayerHealthCallback(measure={"output_layer": ""})
     with pytest.raises(ValueError, match=r"output_layer='model.lm_head' names the layer of logit_lse_mean"):
-        LayerHealthCallback(stats=["act_mean", "attn_logit_max"], output_layer="model.lm_head")  # no output logits
-    bad = LayerHealthCallback(stats=["logit_absmax"], output_layer="model.lm_haed", summary=False)
+        LayerHealthCallback(
+            stats=["act_mean", "attn_logit_max"], measure={"output_layer": "model.lm_head"}
+        )  # no output logits
+    bad = LayerHealthCallback(
+        stats=["logit_absmax"], measure={"output_layer": "model.lm_haed"}, output={"summary": False}
+    )
     with pytest.raises(ValueError, match=r"output_layer.*model\.lm_haed.*model\.lm_head"):
         make_trainer([bad], max_steps=1).fit(zoo_module("gpt2", n=8))
 
@@ -271,7 +278,7 @@ def test_probes_exist_only_during_sampled_forwards_and_leave_after_an_exception(
         return original(batch, batch_idx)
 
     module.training_step = training_step
-    callback = LayerHealthCallback(every_n_steps=2, stats=STATS, summary=False)
+    callback = LayerHealthCallback(every_n_steps=2, stats=STATS, output={"summary": False})
     with pytest.raises(RuntimeError, match="boom"):
         make_trainer([callback], max_steps=4).fit(module)
     assert stack_sizes == [1, 0, 1]  # sampled steps 0 and 2 only
@@ -286,7 +293,7 @@ def test_training_is_bit_identical_with_the_precursor_probes():
         return {k: v.clone() for k, v in module.state_dict().items()}
 
     plain = train([])
-    probed = train([LayerHealthCallback(every_n_steps=1, stats=STATS, on_anomaly="ignore", summary=False)])
+    probed = train([LayerHealthCallback(every_n_steps=1, stats=STATS, on_anomaly="ignore", output={"summary": False})])
     assert plain.keys() == probed.keys()
     assert all(torch.equal(plain[k], probed[k]) for k in plain)
 
@@ -297,7 +304,9 @@ def test_a_compiled_model_gets_the_same_precursor_statistics_as_eager():
         module = zoo_module("vit", n=8 * 3)
         if compiled:
             module.model = torch.compile(module.model, backend="eager")
-        callback = LayerHealthCallback(every_n_steps=1, stats=list(PRECURSOR_STATS), on_anomaly="ignore", summary=False)
+        callback = LayerHealthCallback(
+            every_n_steps=1, stats=list(PRECURSOR_STATS), on_anomaly="ignore", output={"summary": False}
+        )
         make_trainer([callback], max_steps=3).fit(module)
         return {k: v for k, v in by_name(callback.last_metrics).items() if "logit" in k}
 
@@ -396,7 +405,7 @@ def test_the_output_layer_is_the_last_module_whose_output_can_be_logits():
     data = TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 6, generator=g))
     module = TinyModule(model=net, data=data)
     module.record_enabled = False
-    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)  # the default set
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False})  # the default set
     make_trainer([callback], max_steps=2).fit(module)
     metrics = by_name(callback.last_metrics)
     assert sorted(k for k in metrics if "/logit_" in k) == [
@@ -417,7 +426,7 @@ def test_a_one_wide_output_gets_its_largest_logit_but_no_log_z():
     module = TinyModule()  # Linear(4, 8), ReLU, Linear(8, 1): a regression head
     module.record_enabled = False
     module.model[2].register_forward_hook(lambda m, a, out: seen.append(out.detach().double()))
-    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False})
     make_trainer([callback], max_steps=2).fit(module)
     assert [k for k in by_name(callback.last_metrics) if "/logit_" in k] == ["layer_health/logit_absmax/model.2"]
     assert by_name(callback.last_metrics)["layer_health/logit_absmax/model.2"] == pytest.approx(
@@ -437,7 +446,7 @@ def test_a_model_without_attention_stops_paying_for_the_mode_after_its_first_sam
                 return x
 
         module.model.insert(0, Look())
-        callback = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", summary=False)
+        callback = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", output={"summary": False})
         make_trainer([callback], max_steps=6).fit(module)
         return sizes
 

@@ -1,4 +1,5 @@
-"""StepRecorder: every output and gradient reduced into the step's call table, against a float64 reference."""
+"""StepRecorder: every output and gradient reduced into the recorder's own call table, then handed to the pooled state
+as one step's rows, against a float64 reference."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import math
 
 import pytest
 import torch
-from reference import activation_stats_float64, aggregator_held, pending_rows, record, workspace_held
+from reference import activation_stats_float64, pending_rows, record, recorder_held, workspace_held
 
 from lightning_hookdiag import stats as S
 from lightning_hookdiag.aggregation import LayerStatsAggregator
@@ -38,14 +39,15 @@ def layer_outputs() -> dict[int, list[torch.Tensor]]:
 
 
 def recorded(outputs: dict[int, list[torch.Tensor]], unit_layers: frozenset[int] = frozenset()):
-    agg = LayerStatsAggregator(n_layers=len(outputs))
-    recorder = StepRecorder(agg, unit_layers=unit_layers)
+    agg = LayerStatsAggregator(n_layers=len(outputs), unit_layers=unit_layers)
+    recorder = StepRecorder(len(outputs), unit_layers=unit_layers)
     for layer, calls in outputs.items():
         for output in calls:
             record(recorder, layer, output)
             recorder.on_grad(layer, output)
-    assert pending_rows(agg)[0] == sum(len(calls) for calls in outputs.values())  # one row per call
-    agg.update()
+    assert pending_rows(recorder)[0] == sum(len(calls) for calls in outputs.values())  # one row per call
+    agg.update(recorder.take())
+    assert pending_rows(recorder) == (0, 0)  # handed over: the recorder starts the next step empty
     return agg.compute()
 
 
@@ -82,23 +84,24 @@ def test_a_unit_that_produced_a_nan_is_not_dead():
 
 def test_an_output_is_reduced_in_its_hook_so_a_later_in_place_op_does_not_change_what_was_seen():
     agg = LayerStatsAggregator(n_layers=1)
-    recorder = StepRecorder(agg)
+    recorder = StepRecorder(1)
     x = torch.tensor([[-1.0, 2.0], [3.0, -4.0]])
     record(recorder, 0, x)
     x.relu_()  # what nn.ReLU(inplace=True) after the module does
-    agg.update()
+    agg.update(recorder.take())
     assert agg.compute()["act_mean"].item() == pytest.approx(0.0)
 
 
 def test_reset_drops_the_rows_of_a_discarded_step():
     agg = LayerStatsAggregator(n_layers=1)
-    recorder = StepRecorder(agg)
+    recorder = StepRecorder(1)
     record(recorder, 0, torch.full((2,), 7.0))
     recorder.on_grad(0, torch.full((2,), 7.0))
-    agg.reset()  # a discarded step
-    assert pending_rows(agg) == (0, 0)
+    recorder.release()  # a discarded step
+    agg.reset()
+    assert pending_rows(recorder) == (0, 0)
     record(recorder, 0, torch.full((3,), 2.0))
-    agg.update()
+    agg.update(recorder.take())
     out = agg.compute()
     assert out["act_mean"].item() == 2.0
     assert out["count"].item() == 3.0
@@ -106,11 +109,12 @@ def test_reset_drops_the_rows_of_a_discarded_step():
 
 
 def test_many_calls_over_several_steps_reuse_the_call_table_and_copy_no_index_again():
-    # 40 calls outgrow the first 16 rows of the table (twice); a second step with the same calls reuses the grown
-    # table and the cached device copies of its layer index and counts.
+    # 40 calls outgrow the first block of 16 rows (twice: blocks of 16, 16 and 32, none reallocated while its rows
+    # are handed out), merged into one of 64 at the take; a second step with the same calls reuses it and the cached
+    # device copies of its layer index and counts.
     g = torch.Generator().manual_seed(4)
     agg = LayerStatsAggregator(n_layers=40)
-    recorder = StepRecorder(agg)
+    recorder = StepRecorder(40)
     made = []
 
     class Made(torch.overrides.TorchFunctionMode):  # tables grown (rows of a call's width), host lists copied
@@ -126,7 +130,7 @@ def test_many_calls_over_several_steps_reuse_the_call_table_and_copy_no_index_ag
             for layer, output in enumerate(outputs):
                 record(recorder, layer, output)
                 recorder.on_grad(layer, output * 2)
-            agg.update()
+            agg.update(recorder.take())
         out = agg.compute()
         agg.reset()
         recorder.release()
@@ -136,32 +140,32 @@ def test_many_calls_over_several_steps_reuse_the_call_table_and_copy_no_index_ag
                 assert out[stat][layer].item() == pytest.approx(value, rel=1e-6, abs=1e-12), (step, layer, stat)
             norm = (output.double() * 2).square().sum().sqrt().item()
             assert out["act_grad_norm"][layer].item() == pytest.approx(norm, rel=1e-6)
-    assert sorted(made[0]) == ["empty"] * 6 + ["tensor"] * 4  # 16 -> 32 -> 64 rows, twice; index and counts, twice
+    assert sorted(made[0]) == ["empty"] * 8 + ["tensor"] * 4  # 16, 16, 32, then 64 rows, twice; index and counts
     assert made[1] == []  # the same calls again: nothing grown, nothing copied
-    assert aggregator_held(agg) == (64, 1)
+    assert recorder_held(recorder) == (64, 1)
 
 
 def test_varying_calls_keep_only_a_few_cached_patterns():
     # A sequence length that changes from step to step changes the counts: the cache must not grow without bound.
     agg = LayerStatsAggregator(n_layers=1)
-    recorder = StepRecorder(agg)
+    recorder = StepRecorder(1)
     for length in range(1, 30):
         output = torch.randn(2, length, 4)
         record(recorder, 0, output)
-        agg.update()
+        agg.update(recorder.take())
         assert agg.compute()["count"].item() == output.numel()
         agg.reset()
-        assert aggregator_held(agg)[1] <= 8
+        assert recorder_held(recorder)[1] <= 8
     recorder.release()
     assert not workspace_held(recorder.workspace)
 
 
 def test_moments_off_still_counts_the_elements():
-    agg = LayerStatsAggregator(n_layers=2)
-    recorder = StepRecorder(agg, moments=False, unit_layers=frozenset({1}))
+    agg = LayerStatsAggregator(n_layers=2, unit_layers={1})
+    recorder = StepRecorder(2, moments=False, unit_layers=frozenset({1}))
     record(recorder, 0, torch.ones(3, 2))
     record(recorder, 1, torch.tensor([[-1.0, 2.0], [-3.0, 0.0]]))
-    agg.update()
+    agg.update(recorder.take())
     out = agg.compute()
     assert out["count"].tolist() == [6.0, 4.0]
     assert out["act_dead_frac"][1].item() == 0.5
@@ -173,13 +177,12 @@ def _stacked_and_single(outputs: dict[int, list[torch.Tensor]], monkeypatch=None
     results = []
     for stack_small in (True, False):
         agg = LayerStatsAggregator(n_layers=len(outputs))
-        recorder = StepRecorder(agg, stack_small=stack_small)
+        recorder = StepRecorder(len(outputs), stack_small=stack_small)
         for layer, calls in outputs.items():
             for output in calls:
                 record(recorder, layer, output)
                 recorder.on_grad(layer, output * 3)
-        recorder.flush()
-        agg.update()
+        agg.update(recorder.take())  # reduces what is still stacked first
         results.append(agg.compute())
         recorder.release()
     return results
@@ -213,14 +216,12 @@ def test_a_full_stack_is_reduced_at_once_and_the_copies_stay_bounded(monkeypatch
     monkeypatch.setattr(S, "CHUNK_ELEMENTS", 64)  # a stack of 16-element outputs holds 4 of them
     outputs = {i: [torch.randn(4, 4) + i] for i in range(10)}
     agg = LayerStatsAggregator(n_layers=10)
-    recorder = StepRecorder(agg, stack_small=True)
+    recorder = StepRecorder(10, stack_small=True)
     for layer, calls in outputs.items():
         record(recorder, layer, calls[0])
-    assert pending_rows(agg)[0] == 8  # two full stacks reduced, the last two outputs still held
+    assert pending_rows(recorder)[0] == 8  # two full stacks reduced, the last two outputs still held
     assert all(n <= 64 for n in _stack_sizes(recorder))
-    recorder.flush()
-    assert pending_rows(agg)[0] == 10
-    agg.update()
+    agg.update(recorder.take())
     out = agg.compute()
     for layer, calls in outputs.items():
         assert out["act_mean"][layer].item() == pytest.approx(calls[0].double().mean().item(), rel=1e-9)
@@ -228,20 +229,18 @@ def test_a_full_stack_is_reduced_at_once_and_the_copies_stay_bounded(monkeypatch
 
 def test_an_output_changed_in_place_after_its_hook_is_measured_as_it_was():
     agg = LayerStatsAggregator(n_layers=1)
-    recorder = StepRecorder(agg, stack_small=True)
+    recorder = StepRecorder(1, stack_small=True)
     x = torch.tensor([[-1.0, 2.0], [3.0, -4.0]])
     record(recorder, 0, x)
     torch.relu_(x)  # what ReLU(inplace=True) after the layer does
-    recorder.flush()
-    agg.update()
+    agg.update(recorder.take())
     assert agg.compute()["act_mean"].item() == 0.0  # (-1 + 2 + 3 - 4) / 4, not the ReLU's 5 / 4
 
 
 def test_release_drops_what_the_stacks_hold():
-    agg = LayerStatsAggregator(n_layers=1)
-    recorder = StepRecorder(agg, stack_small=True)
+    recorder = StepRecorder(1, stack_small=True)
     record(recorder, 0, torch.ones(3))
     recorder.release()
-    recorder.flush()
-    assert pending_rows(agg) == (0, 0)
+    assert pending_rows(recorder) == (0, 0)
     assert _stack_sizes(recorder) == []
+    assert recorder.take() is None  # nothing left to hand down

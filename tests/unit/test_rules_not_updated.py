@@ -13,13 +13,13 @@ import re
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, make_data, make_trainer
+from conftest import RecordingLogger, TinyModule, make_data, make_trainer, run_rules
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.optimizer_watch import StepWatch, held_by_none
-from lightning_hookdiag.rules import ParamFacts, RuleConfig, evaluate, moved_mass_bound
+from lightning_hookdiag.rules import ParamFacts, RuleConfig, moved_mass_bound
 
 P = "layer_health"
 LAYERS = ["net.stem", "net.act", "net.head"]
@@ -97,7 +97,7 @@ def values(grad: float = 0.5, ratio: float = 0.0, names: tuple[str, ...] = ("net
 
 def run(vals: dict, facts: dict[str, ParamFacts] | None, config: RuleConfig | None = None) -> list:
     config = config or RuleConfig(enabled=["not_updated"])
-    return evaluate(vals, LAYERS, BACKWARD, step=3, config=config, param_facts=facts)
+    return run_rules(vals, LAYERS, BACKWARD, step=3, config=config, param_facts=facts)
 
 
 def test_a_parameter_no_optimizer_holds_is_named_with_its_gradient_norm():
@@ -197,7 +197,7 @@ def test_silent_without_a_finite_gradient_a_ratio_an_applied_step_or_facts(grad,
 
 
 def test_silent_without_facts_and_when_disabled():
-    assert evaluate(values(), LAYERS, BACKWARD, step=0) == []  # values of a logger: no host facts
+    assert run_rules(values(), LAYERS, BACKWARD, step=0) == []  # values of a logger: no host facts
     config = RuleConfig(enabled=["nonfinite"])
     assert run(values(), {"net.head.weight": ParamFacts(held=False)}, config) == []
 
@@ -295,7 +295,7 @@ class HeadLeftOut(TinyModule):
 
 def fit(module: TinyModule, steps: int = 3, **kwargs) -> tuple[LayerHealthCallback, RecordingLogger]:
     logger = RecordingLogger()
-    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False})
     make_trainer([callback], max_steps=steps, logger=logger, **kwargs).fit(module)
     return callback, logger
 
@@ -436,7 +436,7 @@ class SkippedByTheScaler(TinyModule):
 def test_a_step_the_fp16_grad_scaler_skips_is_silent():
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     logger = RecordingLogger()
-    callback = LayerHealthCallback(every_n_steps=1, layers=["model.*"], on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=1, layers=["model.*"], on_anomaly="ignore", output={"summary": False})
     plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
     make_trainer([callback], max_steps=3, logger=logger, plugins=[plugin]).fit(SkippedByTheScaler())
     assert callback.findings == []
@@ -459,7 +459,9 @@ def test_output_gradients_are_unscaled_by_the_scale_they_were_made_with_not_the_
             module.spare = nn.Parameter(torch.zeros(3))  # the same parameter, without the Inf hook
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
         logger = RecordingLogger()
-        callback = LayerHealthCallback(every_n_steps=1, layers=["model.*"], on_anomaly="ignore", summary=False)
+        callback = LayerHealthCallback(
+            every_n_steps=1, layers=["model.*"], on_anomaly="ignore", output={"summary": False}
+        )
         plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
         make_trainer([callback], max_steps=2, logger=logger, plugins=[plugin]).fit(module)
         return dict(logger.ours()), scaler.get_scale()
@@ -478,7 +480,7 @@ def test_measuring_parameters_no_optimizer_holds_keeps_one_host_transfer_per_sam
             return torch.optim.SGD(self.model[0].parameters(), lr=self.lr)
 
     counter = {"active": False, "calls": 0}
-    callback = CountingCallback(counter, every_n_steps=2, on_anomaly="ignore", summary=False, sentinel=None)
+    callback = CountingCallback(counter, every_n_steps=2, on_anomaly="ignore", output={"summary": False}, sentinel=None)
     with count_host_transfers(counter):
         make_trainer([callback], max_steps=5).fit(SyncFreeHeadLeftOut())
     assert callback.per_step == {0: 1, 1: 0, 2: 1, 3: 0, 4: 1}

@@ -12,12 +12,12 @@ import math
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import by_name, make_data, make_trainer
+from conftest import by_name, make_data, make_trainer, run_rules
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.rules import Baseline, RuleConfig, evaluate
+from lightning_hookdiag.rules import Baseline, RuleConfig
 
 ORDER = ["fc1", "act", "fc2"]
 
@@ -32,7 +32,7 @@ def _ratios(r1: float, r2: float, grad: float = 1.0) -> dict[str, dict[str, floa
 
 def _run(values, baseline=None, **config):
     cfg = RuleConfig(enabled=["update_ratio", "stale_gradients", "input_scale"], **config)
-    return evaluate(values, ORDER, ORDER[::-1], step=5, config=cfg, baseline=baseline)
+    return run_rules(values, ORDER, ORDER[::-1], step=5, config=cfg, baseline=baseline)
 
 
 # ----------------------------------------------------------------------------------------------- update_ratio
@@ -196,7 +196,7 @@ class Manual(pl.LightningModule):
 
 
 def _fit(module: pl.LightningModule, every: int = 1, steps: int = 3, **trainer) -> LayerHealthCallback:
-    callback = LayerHealthCallback(every_n_steps=every, on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(every_n_steps=every, on_anomaly="ignore", output={"summary": False})
     make_trainer([callback], max_steps=steps, **trainer).fit(module)
     return callback
 
@@ -233,7 +233,7 @@ def test_the_check_leaves_training_bit_identical():
     for callback in (True, False):
         torch.manual_seed(0)
         module = Manual(zero="never")
-        cbs = [LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)] if callback else []
+        cbs = [LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False})] if callback else []
         make_trainer(cbs, max_steps=4).fit(module)
         weights.append([p.detach().clone() for p in module.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*weights, strict=True))

@@ -9,8 +9,9 @@ from __future__ import annotations
 import math
 
 import pytest
+from conftest import run_rules
 
-from lightning_hookdiag.rules import RuleConfig, evaluate
+from lightning_hookdiag.rules import RuleConfig
 
 LAYERS = ["net.stem", "net.act", "net.head"]
 CONFIG = RuleConfig(enabled=["replica_divergence"])
@@ -18,7 +19,7 @@ CONFIG = RuleConfig(enabled=["replica_divergence"])
 
 def run(high: dict[str, float], low: dict[str, float], config: RuleConfig = CONFIG) -> list:
     values = {"param_norm": high, "param_norm_min": low}
-    return evaluate(values, LAYERS, list(reversed(LAYERS)), step=6, config=config)
+    return run_rules(values, LAYERS, list(reversed(LAYERS)), step=6, config=config)
 
 
 def test_replicas_that_differ_are_named_by_owning_module_in_forward_order():
@@ -74,7 +75,7 @@ def test_parameters_not_measured_or_not_finite_are_skipped(low):
 
 def test_silent_without_the_smallest_norm():
     # One process, sharded parameters, or values read back from a logger: nothing to compare.
-    assert evaluate({"param_norm": {"net.head.weight": 1.0}}, LAYERS, [], step=0) == []
+    assert run_rules({"param_norm": {"net.head.weight": 1.0}}, LAYERS, [], step=0) == []
     assert run({"net.head.weight": 1.0}, {"net.head.weight": 0.5}, RuleConfig(enabled=["nonfinite"])) == []
 
 

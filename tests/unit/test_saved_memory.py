@@ -185,7 +185,7 @@ def test_lbfgs_closures_are_one_measurement_each_not_a_sum():
     # Every closure evaluation runs a forward that saves for its own backward; before, the evaluations of a step were
     # added up wherever the allocator gave a saved tensor a new address (1x-3x the bytes of one forward, by run).
     module = LBFGSModule(model=nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), data=make_data(n=8))
-    callback = LayerHealthCallback(every_n_steps=1, stats=["act_mean", "act_saved_bytes"], summary=False)
+    callback = LayerHealthCallback(every_n_steps=1, stats=["act_mean", "act_saved_bytes"], output={"summary": False})
     make_trainer([callback], max_steps=2).fit(module)
     steps = [step for step, *_ in module.record]
     assert steps.count(0) > 1  # several closure evaluations per step

@@ -7,8 +7,9 @@ import math
 import pickle
 
 import pytest
+from conftest import run_rules
 
-from lightning_hookdiag.rules import RuleConfig, evaluate
+from lightning_hookdiag.rules import RuleConfig
 from lightning_hookdiag.trends import History, crossing_step, log_slope, rising_share
 
 
@@ -93,7 +94,7 @@ def test_precursor_settings_are_validated(field, value, message):
 
 def _attention(step: int, value: float, history: History, **config) -> list:
     values = {"attn_logit_max": {"attn": value}}
-    return evaluate(values, ["attn"], [], step, RuleConfig(**config), history=history)
+    return run_rules(values, ["attn"], [], step, RuleConfig(**config), history=history)
 
 
 def test_attention_level_fires_without_history_and_trend_waits_for_the_window():
@@ -131,7 +132,7 @@ def _drift(lse: list[float], loss: list[float], link: float = 2.0, **config) -> 
         }
     )
     values = {"logit_lse_mean": {"head": now_lse}, "step_loss": {"loss": now_loss}, "output_link": {"head": link}}
-    return evaluate(values, ["head"], [], len(lse) - 1, RuleConfig(**config), history=history)
+    return run_rules(values, ["head"], [], len(lse) - 1, RuleConfig(**config), history=history)
 
 
 def test_logit_drift_needs_a_flat_loss_a_large_move_and_enough_history():
@@ -160,7 +161,7 @@ def _updates(history_norms: dict[str, list[float]], now: dict[str, float]) -> li
     step = len(next(iter(history_norms.values())))
     values = {"param_update_ratio": now, "param_norm": dict.fromkeys(now, 1.0)}
     layers = sorted({p.rsplit(".", 1)[0] for p in now})
-    return evaluate(values, layers, [], step, RuleConfig(), history=_history(points))
+    return run_rules(values, layers, [], step, RuleConfig(), history=_history(points))
 
 
 def test_update_jump_per_layer_against_its_median_and_the_median_layer():

@@ -108,7 +108,7 @@ class _ListModule(TinyModule):
 @pytest.mark.parametrize("registered", [False, True])
 def test_a_fit_names_layers_kept_in_a_list_and_its_fix_is_silent(registered):
     module = _ListModule(registered)
-    health = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", summary=False)
+    health = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False})
     make_trainer([health], max_steps=2).fit(module)
     found = [f for f in health.findings if f.rule == "unregistered_module"]
     if registered:
