@@ -106,25 +106,92 @@ def real_view(t: Tensor) -> Tensor:
     return torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
 
 
-def _sum_squares(parts: Sequence[Sequence[tuple[Tensor, ...]]], dtype: torch.dtype) -> Tensor:
+def _sum_squares(
+    parts: Sequence[Sequence[tuple[Tensor, ...]]], dtype: torch.dtype, workspace: _Workspace | None = None
+) -> Tensor:
     # parts[i]: the pieces of tensor i, each (piece,) or (before, after) to subtract; one _norms per dtype and device.
     pieces = [piece for part in parts for piece in part]
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, piece in enumerate(pieces):
         groups.setdefault((piece[0].dtype, piece[0].device), []).append(i)
-    norms: list[Tensor] = [pieces[0][0]] * len(pieces)
-    for members in groups.values():
-        found = _norms(*zip(*(pieces[i] for i in members), strict=True), dtype=dtype)
-        for i, norm in zip(members, found, strict=True):
-            norms[i] = norm
-    squares = torch.stack([norm.to(pieces[0][0].device) for norm in norms]).square()
+    if len(groups) == 1:  # the usual case: one dtype on one device, no reordering
+        norms = _norms(*zip(*pieces, strict=True), dtype=dtype, workspace=workspace)
+    else:
+        norms = [pieces[0][0]] * len(pieces)
+        first = pieces[0][0].device
+        for members in groups.values():
+            found = _norms(*zip(*(pieces[i] for i in members), strict=True), dtype=dtype, workspace=workspace)
+            for i, norm in zip(members, found, strict=True):
+                norms[i] = norm.to(first)
+    squares = torch.stack(norms).square()
     if len(pieces) == len(parts):
         return squares
     per_tensor = squares.split([len(part) for part in parts])
     return torch.stack([part[0] if len(part) == 1 else part.sum() for part in per_tensor])
 
 
-def _norms(pieces: tuple[Tensor, ...], minus: tuple[Tensor, ...] = (), *, dtype: torch.dtype) -> list[Tensor]:
+class _Workspace:
+    """Buffers a :class:`ParameterTracker` keeps across sampled steps, so that none is allocated (page-faulted) again.
+
+    The float64 scratch :func:`_norms` casts pieces into (``[2, CHUNK_ELEMENTS]`` per device, 4 MiB) with its views
+    per batch of piece shapes, and the update snapshot (at most ``snapshot_elements`` entries per optimizer stepped in
+    one window, in the weights' own dtype: 16 MiB of float32) with its views per parameter set.
+    """
+
+    def __init__(self) -> None:
+        self._scratch: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        self._views: dict[tuple[Any, ...], list[Tensor]] = {}
+        self._snapshots: dict[tuple[int, torch.dtype, torch.device], Tensor | None] = {}
+
+    def scratch(self, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """The ``[2, CHUNK_ELEMENTS]`` scratch of ``dtype`` on ``device`` (allocated again if the limit changed)."""
+        buffer = self._scratch.get((device, dtype))
+        if buffer is None or buffer.shape[1] != stats.CHUNK_ELEMENTS:
+            with torch.inference_mode(False):  # a buffer made in inference mode could not be written outside it
+                buffer = torch.empty(2, stats.CHUNK_ELEMENTS, dtype=dtype, device=device)
+            self._scratch[(device, dtype)] = buffer
+            self._views = {}
+        return buffer
+
+    def views(self, buffer: Tensor, row: int, shapes: tuple[torch.Size, ...]) -> list[Tensor]:
+        """Views of ``buffer[row]``, one per shape, packed from its start (kept: built once per batch layout)."""
+        key = (id(buffer), row, shapes)
+        found = self._views.get(key)
+        if found is None:
+            if len(self._views) >= 256:  # a bound: layouts change only with the parameter set
+                self._views = {}
+            numels = [math.prod(shape) for shape in shapes]
+            places = buffer[row, : sum(numels)].split(numels)
+            found = [place.view(shape) for place, shape in zip(places, shapes, strict=True)]
+            self._views[key] = found
+        return found
+
+    def snapshot(self, slot: int, like: Sequence[Tensor]) -> list[Tensor]:
+        """Places for copies of ``like`` in the ``slot``-th snapshot buffer of their dtype and device.
+
+        The buffer is grown when a set does not fit, never allocated afresh for one that does.
+        """
+        first = like[0]
+        key = (slot, first.dtype, first.device)
+        shapes = tuple(t.shape for t in like)
+        total = sum(t.numel() for t in like)
+        buffer = self._snapshots.get(key)
+        if buffer is None or buffer.shape[1] < total:
+            self._snapshots[key] = None  # the old buffer goes before the new one comes
+            self._views = {}
+            with torch.inference_mode(False):
+                buffer = torch.empty(1, total, dtype=first.dtype, device=first.device)
+            self._snapshots[key] = buffer
+        return self.views(buffer, 0, shapes)
+
+
+def _norms(
+    pieces: tuple[Tensor, ...],
+    minus: tuple[Tensor, ...] = (),
+    *,
+    dtype: torch.dtype,
+    workspace: _Workspace | None = None,
+) -> list[Tensor]:
     """The norms of ``pieces`` (of one dtype and device; minus ``minus``, if given) in ``dtype``, in bounded scratch.
 
     CUDA's fused kernel reads each piece in its own dtype; the CPU's casts every piece into a new buffer, which glibc's
@@ -134,7 +201,8 @@ def _norms(pieces: tuple[Tensor, ...], minus: tuple[Tensor, ...] = (), *, dtype:
     time as fit, and measured in it; the sums then run over each piece in its logical order, which can differ from
     the kernel's in the last bits for a non-contiguous piece. Other pieces take the kernel's own path. A difference
     is taken in ``dtype`` (in their own, bf16 weights' would be rounded to 8 bits): on every device in two such
-    buffers, or in ``pieces`` themselves if they are in ``dtype`` already.
+    buffers, or in ``pieces`` themselves if they are in ``dtype`` already. With a ``workspace`` the buffer and its
+    views are the ones kept there, not allocated again.
     """
     first = pieces[0]
     widens = first.is_floating_point() and dtype.is_floating_point and first.dtype.itemsize < dtype.itemsize
@@ -143,22 +211,32 @@ def _norms(pieces: tuple[Tensor, ...], minus: tuple[Tensor, ...] = (), *, dtype:
     if not widens or (first.device.type != "cpu" and not minus):
         return list(torch._foreach_norm(pieces, 2, dtype=dtype))
     numels = [p.numel() for p in pieces]  # each at most CHUNK_ELEMENTS (stats.chunks)
-    scratch = torch.empty(2 if minus else 1, min(sum(numels), stats.CHUNK_ELEMENTS), dtype=dtype, device=first.device)
-    norms: list[Tensor] = []
+    if workspace is None:
+        rows = 2 if minus else 1
+        scratch = torch.empty(rows, min(sum(numels), stats.CHUNK_ELEMENTS), dtype=dtype, device=first.device)
+        cached = _Workspace()  # views of this call's buffer only
+    else:
+        scratch, cached = workspace.scratch(first.device, dtype), workspace
+    # Smallest first: the small pieces (biases, norms' weights) share buffer-fulls instead of each taking one after a
+    # piece that filled the buffer (a 512 x 512 weight is one whole piece): about half the batches on the MLP.
+    order = sorted(range(len(pieces)), key=numels.__getitem__)
+    norms: list[Tensor] = list(pieces)
     start = 0
-    while start < len(pieces):
-        end, used = start + 1, numels[start]
-        while end < len(pieces) and used + numels[end] <= scratch.shape[1]:
-            end, used = end + 1, used + numels[end]
-        batch = pieces[start:end]
-        places = scratch[:, :used].split(numels[start:end], dim=1)  # each [1 or 2, numel of a piece]
-        views = [place[0].view(p.shape) for place, p in zip(places, batch, strict=True)]
+    while start < len(order):
+        end, used = start + 1, numels[order[start]]
+        while end < len(order) and used + numels[order[end]] <= scratch.shape[1]:
+            end, used = end + 1, used + numels[order[end]]
+        members = order[start:end]
+        batch = [pieces[i] for i in members]
+        shapes = tuple(p.shape for p in batch)
+        views = cached.views(scratch, 0, shapes)
         torch._foreach_copy_(views, batch)
         if minus:
-            subtrahends = [place[1].view(p.shape) for place, p in zip(places, batch, strict=True)]
-            torch._foreach_copy_(subtrahends, minus[start:end])
+            subtrahends = cached.views(scratch, 1, shapes)
+            torch._foreach_copy_(subtrahends, [minus[i] for i in members])
             torch._foreach_sub_(views, subtrahends)
-        norms += torch._foreach_norm(views, 2)
+        for i, norm in zip(members, torch._foreach_norm(views, 2), strict=True):
+            norms[i] = norm
         start = end
     return norms
 
@@ -349,6 +427,8 @@ class ParameterTracker:
         self._snapshot_elements = snapshot_elements
         self._phase = 0
         """Where the strided samples start, advanced every snapshot: over steps they visit every entry."""
+        self._workspace = _Workspace()
+        """Scratch and snapshot buffers kept across sampled steps: allocated (page-faulted) once, not every step."""
 
     def _pattern(self, positions: tuple[int, ...], local: list[Tensor], device: torch.device) -> _Pattern:
         # One host-to-device copy per distinct parameter set and sizes (a resized embedding), not per step. A few
@@ -386,9 +466,10 @@ class ParameterTracker:
         positions = [pos for pos, p in found if pos is not None and p.requires_grad and p.grad is not None]
         if not positions:
             return None
-        local = [real_view(local_tensor(self.params[i]).detach()) for i in positions]  # complex: its real view
+        # Under no_grad, read as they are (a detach per tensor is a view op each: 196 on a model of 98 parameters).
+        local = [real_view(local_tensor(self.params[i])) for i in positions]  # complex: its real view
         grads: list[Tensor] = [self.params[i].grad for i in positions]  # type: ignore[misc]
-        squares = squared_norms([*local, *grads], self.dtype)
+        squares = self._squared_norms(local, grads)
         weight_sq, grad_sq = squares[: len(local)], squares[len(local) :]
         pattern = self._pattern(tuple(positions), local, squares.device)
         if pattern.share is not None:
@@ -398,8 +479,31 @@ class ParameterTracker:
             phase, self._phase = self._phase, self._phase + 1
             kept = [_sample_view(t, size, phase) for t, size in zip(local, pattern.sizes, strict=True)]
             current = [list(chunks(t)) for t in kept]  # copied in pieces: each pairs with its view after the step
-            self._snapshots.append((pattern, current, torch._foreach_mul([p for part in current for p in part], 1.0)))
+            self._snapshots.append((pattern, current, self._copy([p for part in current for p in part])))
         return pattern.index, values
+
+    def _squared_norms(self, local: list[Tensor], grads: list[Tensor]) -> Tensor:
+        # squared_norms of the weights' local parts (already read as such) and of the gradients, with the scratch kept
+        # in the workspace. A tensor of one piece (every one of a model of small layers) skips the generator.
+        readable = [*local, *(real_view(stored_values(local_tensor(g))) for g in grads)]
+        limit = stats.CHUNK_ELEMENTS
+        parts = [[(t,)] if t.numel() <= limit else [(piece,) for piece in chunks(t)] for t in readable]
+        return _sum_squares(parts, self.dtype, self._workspace)
+
+    def _copy(self, pieces: list[Tensor]) -> list[Tensor]:
+        """Copies of ``pieces`` in the workspace's snapshot buffers: one per dtype and device, per snapshot open."""
+        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for i, piece in enumerate(pieces):
+            groups.setdefault((piece.dtype, piece.device), []).append(i)
+        copies: list[Tensor] = list(pieces)
+        slot = len(self._snapshots)  # another optimizer stepped in the same window: a buffer of its own
+        for members in groups.values():
+            sources = [pieces[i] for i in members]
+            places = self._workspace.snapshot(slot, sources)
+            torch._foreach_copy_(places, sources)
+            for i, place in zip(members, places, strict=True):
+                copies[i] = place
+        return copies
 
     @torch.no_grad()
     def after_step(self) -> tuple[Tensor, Tensor] | None:
@@ -416,7 +520,7 @@ class ParameterTracker:
             indices.append(pattern.index)
             copies = iter(before)  # not read again: the difference may be taken in place in them
             pairs = [[(next(copies), piece) for piece in part] for part in current]
-            update_sq = _sum_squares(pairs, self.dtype).to(pattern.index.device)
+            update_sq = _sum_squares(pairs, self.dtype, self._workspace).to(pattern.index.device)
             updates.append(update_sq if pattern.snapshot_share is None else update_sq * pattern.snapshot_share)
         self._snapshots = []
         if len(indices) == 1:

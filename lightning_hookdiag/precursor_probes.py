@@ -2,10 +2,11 @@
 
 :class:`AttentionProbe`, a torch-function mode entered only during a sampled training forward, measures the attention
 calls of the modules in scope; :class:`PrecursorProbes`, the component, runs it and measures the output layer
-(definitions, bounds and blind spots: ``docs/statistics.md#instability-precursors``). The mode sees every training
-call: ``nn.MultiheadAttention``'s fused fast path runs only in eval mode without grad and refuses inputs with a
-torch-function handler (the mode gives every tensor one), so the Python path runs; compiled models run sampled
-batches eagerly (``force_eager``).
+(definitions, bounds and blind spots: ``docs/statistics.md#instability-precursors``). The mode is entered while the
+attention modules in scope run (:func:`attention_modules`), or for the whole forward in a model without any such
+module, and sees every call made there: ``nn.MultiheadAttention``'s fused fast path runs only in eval mode without
+grad and refuses inputs with a torch-function handler (the mode gives every tensor one), so the Python path runs;
+compiled models run sampled batches eagerly (``force_eager``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from lightning_hookdiag.vocabulary import OUTPUT_LAYER_STATS, PRECURSOR_STATS
 __all__ = [
     "AttentionProbe",
     "PrecursorProbes",
+    "attention_modules",
     "attention_scope",
     "eager_logit_absmax",
     "output_link",
@@ -233,6 +235,11 @@ class PrecursorProbes(Component):
     of them measured), the :func:`output_link` of the loss to that output (the largest seen), then the attention
     maxima (``-1``: no call seen).
 
+    The attention probe's mode is entered only while an attention module of the scope runs (:func:`attention_modules`;
+    a Python handler on every torch call of the rest of the forward and of the statistics' hooks cost the transformer
+    benchmark milliseconds per sampled step). A scope without one (attention written inline in a block) has the mode
+    entered for the whole sampled forward, until a sampled forward that reached its loss made no attention call.
+
     Args:
         stats: The resolved ``stats=`` names; only those of :data:`~lightning_hookdiag.PRECURSOR_STATS` matter.
         attention_scope: ``{name: module}`` calls may be attributed to (selected modules and their ancestors).
@@ -260,6 +267,10 @@ class PrecursorProbes(Component):
         self.attention_on = self.attention is not None
         """Whether the mode is entered on sampled forwards: off once a sampled step's forward made no attention call
         in scope (a model without attention pays for no handler on its later sampled steps)."""
+        self._attention_modules = attention_modules(attention_scope) if self.attention is not None else []
+        """The attention modules of the scope: where there are some, the mode is entered only while one of them
+        runs, so that the rest of the forward and the statistics' own torch calls pass no Python handler."""
+        self._inside = 0  # attention modules running (nested ones count too)
         self._forwards = 0
         self._loss: Tensor | None = None
         self._owners: dict[str, list[str]] = {}
@@ -281,13 +292,37 @@ class PrecursorProbes(Component):
         if self.attached:
             return
         if self.attention_on and self.attention is not None:  # attention_on implies a probe
-            # TorchFunctionMode.__enter__ is unannotated; untyped_calls_exclude matches the receiver's class (ours).
-            self.attention.__enter__()  # type: ignore[no-untyped-call]
-            self.hold().callback(exit_mode, self.attention)
+            self._attach_attention(self.attention)
         if self.output_stats:
             exits = self.hold()
             for i, module in enumerate(self._outputs.values()):
                 exits.enter_context(module.register_forward_hook(module_hook(self._output_hook, i)))
+
+    def _attach_attention(self, probe: AttentionProbe) -> None:
+        """Enter the mode for the whole forward, or, where the scope has attention modules, only while one runs."""
+        exits = self.hold()
+        self._inside = 0
+        exits.callback(exit_mode, probe)
+        if not self._attention_modules:
+            # TorchFunctionMode.__enter__ is unannotated; untyped_calls_exclude matches the receiver's class (ours).
+            probe.__enter__()  # type: ignore[no-untyped-call]
+            return
+        for module in self._attention_modules:
+            exits.enter_context(module.register_forward_pre_hook(module_hook(self._enter_attention, probe)))
+            # First among the module's forward hooks, and also when its forward raises: the other hooks (its
+            # statistics) run outside the mode.
+            leave = module_hook(self._leave_attention, probe)
+            exits.enter_context(module.register_forward_hook(leave, prepend=True, always_call=True))
+
+    def _enter_attention(self, probe: AttentionProbe, module: nn.Module, args: Any) -> None:
+        if self._inside == 0:
+            probe.__enter__()  # type: ignore[no-untyped-call]
+        self._inside += 1
+
+    def _leave_attention(self, probe: AttentionProbe, module: nn.Module, args: Any, output: Any) -> None:
+        self._inside -= 1
+        if self._inside == 0:
+            exit_mode(probe)
 
     def _output_hook(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         if in_backward():
@@ -426,6 +461,23 @@ def probes(setup: Setup) -> PrecursorProbes | None:
             raise unmatched_error(config.output_layer, "output_layer", list(every))
         output = {config.output_layer: every[config.output_layer]}
     return PrecursorProbes(config.stats, attention_scope(every, list(setup.modules)), output, setup.aggregator)
+
+
+def attention_modules(scope: Mapping[str, nn.Module]) -> list[nn.Module]:
+    """The modules of ``scope`` that are attention modules: ``nn.MultiheadAttention`` or a class named ``*Attention*``.
+
+    Hugging Face's (``LlamaAttention``, ``GPT2Attention``, ``BertSelfAttention``), timm's ``Attention`` and nanoGPT's
+    ``CausalSelfAttention`` are; an attention written inline in a block's ``forward`` is not (the probe then watches
+    the whole forward, see :class:`PrecursorProbes`).
+
+    Example:
+        >>> layer = nn.TransformerEncoderLayer(8, 2)
+        >>> [type(m).__name__ for m in attention_modules(dict(layer.named_modules()))]
+        ['MultiheadAttention']
+    """
+    return [
+        m for m in scope.values() if isinstance(m, nn.MultiheadAttention) or "attention" in type(m).__name__.lower()
+    ]
 
 
 def attention_scope(modules: Mapping[str, nn.Module], selected: Sequence[str]) -> dict[str, nn.Module]:
