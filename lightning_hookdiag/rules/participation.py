@@ -13,7 +13,7 @@ step's orders and missing gradients, and the optimizer facts (:class:`~lightning
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 
 from lightning_hookdiag.rules.context import Context, finite
 from lightning_hookdiag.rules.findings import listing, plural
@@ -21,6 +21,9 @@ from lightning_hookdiag.rules.gradients import cut_off
 from lightning_hookdiag.rules.registry import Found, rule
 
 __all__: list[str] = []
+
+_SETTERS = frozenset({"requires_grad_"})
+"""Tensor methods that set the property of their name less ``_``: ``p.requires_grad_ = True`` meant the property."""
 
 
 @rule(order=3.5, phase="forward", stat="count", reads=["stopped_layers"])
@@ -108,14 +111,7 @@ def idle_optimizer(ctx: Context) -> Iterator[Found]:
         if any(p in grads for p in params):
             continue
         owners = ctx.orders.owners(params)
-        trainable = ctx.fact("trainable")
-        frozen = [] if trainable is None else [p for p in params if p not in trainable]
-        why = (
-            f"{'all of them have' if len(frozen) == len(params) else plural(len(frozen), 'of them has')}"
-            " requires_grad=False"
-            if frozen
-            else "their modules' outputs do not reach the loss, or ran under torch.no_grad()"
-        )
+        why = _why_idle(params, ctx.fact("trainable"))
         message = (
             f"idle_optimizer at step {ctx.step}: optimizer {index} stepped, but none of the"
             f" {plural(len(params), 'parameter')} it holds ({listing(params)}, in {listing(owners)}) received a"
@@ -123,6 +119,24 @@ def idle_optimizer(ctx: Context) -> Iterator[Found]:
             " Unfreeze what it is meant to train (requires_grad=True), or build it from the parameters that learn"
         )
         yield Found(owners[0], float(len(params)), message)
+
+
+def _why_idle(params: list[str], trainable: Collection[str] | None) -> str:
+    """Why none of an optimizer's ``params`` got a gradient, as far as ``trainable`` (``None``: unknown) tells."""
+    frozen = [] if trainable is None else [p for p in params if p not in trainable]
+    if not frozen:
+        return "their modules' outputs do not reach the loss, or ran under torch.no_grad()"
+    if len(frozen) == len(params):
+        return "all of them have requires_grad=False"
+    return f"{len(frozen)} of them have requires_grad=False ({listing(frozen)})"
+
+
+def _fix(attr: str) -> str:
+    """What to write instead of assigning to the Tensor attribute ``attr``."""
+    meant = attr.removesuffix("_")
+    if attr in _SETTERS:
+        return f"set the property it stands for (`p.{meant} = True`) or call the method (`p.{attr}(True)`)"
+    return f"remove the attribute (`del p.{attr}`) and call or read the Tensor's own"
 
 
 @rule(order=13.6, phase="backward", stat="param_grad_norm", reads=["shadowed"])
@@ -134,13 +148,11 @@ def shadowed_method(ctx: Context) -> Iterator[Found]:
     owners = ctx.orders.owners(shadowed)
     first = next(p for p in shadowed if ctx.orders.owner(p) == owners[0])
     attr = shadowed[first][0]
-    meant = attr.removesuffix("_") if attr.endswith("_") else attr
-    example = f"p.{attr} = ..." if attr.endswith("_") else f"p.{attr} = ... on a Parameter"
+    still = " (the parameter is still frozen)" if attr == "requires_grad_" else ""
     message = (
         f"shadowed_method at step {ctx.step}: {plural(len(shadowed), 'parameter')} ({listing(list(shadowed))}, in"
         f" {listing(owners)}) carry an attribute that hides the Tensor's own {attr!r}: an assignment such as"
-        f" `{example}` stored a value on the parameter and called nothing, so what it was meant to do did not happen"
-        f" (for requires_grad_: the parameter is still frozen). Call the method, or set the property it stands for"
-        f" (`p.{meant} = True`)"
+        f" `p.{attr} = ...` stored a value on the parameter and called nothing, so what it was meant to do did not"
+        f" happen{still}. Instead, {_fix(attr)}"
     )
     yield Found(owners[0], float(len(shadowed)), message)

@@ -155,7 +155,8 @@ def test_an_unfreeze_typo_is_named_on_the_step_it_runs_with_the_fix():
     (f,) = callback.findings
     assert (f.rule, f.layer, f.step, f.value) == ("shadowed_method", "model.body.0", 8, 2.0)
     assert "hides the Tensor's own 'requires_grad_'" in f.message
-    assert "`p.requires_grad = True`" in f.message
+    assert "set the property it stands for (`p.requires_grad = True`)" in f.message
+    assert "(the parameter is still frozen)" in f.message
 
 
 def test_attributes_of_one_s_own_on_a_parameter_are_silent():
