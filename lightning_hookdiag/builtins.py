@@ -14,6 +14,7 @@ from lightning_hookdiag.batches import batch_rows
 from lightning_hookdiag.components import ComponentFactory
 from lightning_hookdiag.eval_mode import eval_mode_watch
 from lightning_hookdiag.kurtosis import outliers
+from lightning_hookdiag.participation import participation_watch
 from lightning_hookdiag.precision import precision_headroom
 from lightning_hookdiag.precursor_probes import probes
 from lightning_hookdiag.rules.builtin import RULES
@@ -31,6 +32,7 @@ COMPONENTS: tuple[ComponentFactory, ...] = (
     probes,  # the precursor statistics
     saved_bytes,  # act_saved_bytes
     unregistered_watch,  # unregistered_module's facts
+    participation_watch,  # the participation rules' facts, read at the step (issue 38)
 )
 """The built-in component factories, in the order their components are driven."""
 

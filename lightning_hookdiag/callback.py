@@ -363,15 +363,21 @@ class LayerHealthCallback(Callback):
         """Resolve the selection (errors for names that match nothing) and allocate the device state."""
         self._release_fit()  # a fit that ended without teardown (an interrupted one) leaves nothing behind
         _check_prefix_unique(trainer.callbacks)  # type: ignore[attr-defined]  # set by Lightning's CallbackConnector
-        config, shards = self._fit_config(), lambda params: sharded(trainer, params)
-        self._run = FitRun(config, pl_module, trainer.precision, shards, self._sentinel, self.extensions)
-        self.layer_names = list(self._run.layer_names)
+        self._build_run(trainer, pl_module)
+        assert self._run is not None
         for note in self._run.fit_notes():
             self._note(note)
         self._note(no_logger_note(len(trainer.loggers)))
         # Every process must trip on the same steps.
         self._sentinel.reduce_max = all_reduce_max if trainer.world_size > 1 else None
         self._sentinel.discard()
+
+    def _build_run(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Read the model: resolve the selection and build the fit's run objects (again, after the model changed)."""
+        self._release_fit()
+        config, shards = self._fit_config(), lambda params: sharded(trainer, params)
+        self._run = FitRun(config, pl_module, trainer.precision, shards, self._sentinel, self.extensions)
+        self.layer_names = list(self._run.layer_names)
 
     @override
     def on_train_batch_start(
@@ -381,6 +387,10 @@ class LayerHealthCallback(Callback):
         if (run := self._run) is None:
             return
         self._close_past(trainer, run)  # its optimizer step happened without a batch end in between
+        if run.read_again(trainer.global_step):  # the module replaced a layer after the callback read it
+            self._build_run(trainer, pl_module)
+            assert self._run is not None
+            run = self._run
         optimizers = _stepping_optimizers(trainer, pl_module)
         self._note(run.begin_micro_batch(trainer.global_step, batch, batch_idx, optimizers, self.last_metrics))
 

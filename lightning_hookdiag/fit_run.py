@@ -47,6 +47,7 @@ from lightning_hookdiag.params import (
     owned_parameters,
     stale_gradient_squares,
 )
+from lightning_hookdiag.participation import model_picture
 from lightning_hookdiag.provenance import NonFiniteTrace, nonfinite_in_batch
 from lightning_hookdiag.recorder import StepRecorder
 from lightning_hookdiag.rules.context import CORE_FACTS, MEMORY, Observed
@@ -193,10 +194,20 @@ class FitRun:
         self.state = StepState(config.every_n_steps)
         self.sentinel: Sentinel = sentinel if sentinel is not None else NoSentinel()
         self.watch = StepWatch()  # learning rates and applied steps of the open window, for not_updated
+        self.picture = model_picture(pl_module)  # the modules it was built on (read_again)
         self._step_handles: list[RemovableHandle] = []  # the optimizers' step hooks of a sampled micro-batch
         self._stepping = False  # inside one of their steps (set by the pre hook, cleared by the post hook)
 
     # ------------------------------------------------------------------------------------------------ the step
+    def read_again(self, step: int) -> bool:
+        """Whether ``step`` is sampled, no window is open, and the model's modules are no longer those read at start.
+
+        Then the callback builds the fit's run objects again from the model as it is now (a head replaced in the
+        module's own ``on_fit_start``, which runs after the callback's): the selection, the tracked parameters and
+        every component are read at the step, not only at fit start.
+        """
+        return self.state.window is None and self.state.sampled(step) and model_picture(self.model) != self.picture
+
     def fit_notes(self) -> list[Note]:
         """The one-time notes of the fit's start (opt-in statistics left out)."""
         note = opt_in_note(self.plan.note)

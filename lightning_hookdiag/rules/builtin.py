@@ -7,7 +7,16 @@ callback only. The built-in components that gather the facts some of these rules
 
 from __future__ import annotations
 
-from lightning_hookdiag.rules import activations, gradients, nonfinite, optimizers, parameters, precursors, spike
+from lightning_hookdiag.rules import (
+    activations,
+    gradients,
+    nonfinite,
+    optimizers,
+    parameters,
+    participation,
+    precursors,
+    spike,
+)
 from lightning_hookdiag.rules.registry import Rule, by_order
 
 __all__ = ["RULES"]
@@ -39,6 +48,10 @@ RULES: tuple[Rule, ...] = tuple(
             parameters.unregistered_module,
             optimizers.shared_parameters,
             optimizers.scheduler_overstepped,
+            participation.stopped_running,
+            participation.output_unused,
+            participation.idle_optimizer,
+            participation.shadowed_method,
         ]
     )
 )

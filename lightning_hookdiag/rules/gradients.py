@@ -80,11 +80,13 @@ def _gradient_ratios(ctx: Context) -> tuple[str, float, list[tuple[str, float]]]
     return None
 
 
-def _amplifier(ref_layer: str, upto: Sequence[tuple[str, float]]) -> tuple[str, str]:
+def _amplifier(ref_layer: str, upto: Sequence[tuple[str, float]], input_end: str) -> tuple[str, str]:
     """``exploding_gradient``'s layer and the sentence saying where and how much the gradient grows.
 
     ``upto``: the other layers' ratios to the output end (``ref_layer``), in backward order, up to the layer from which
-    the rule fired (the last): only the growth up to it made the rule fire, so only it is measured.
+    the rule fired (the last): only the growth up to it made the rule fire, so only it is measured. ``input_end``: the
+    side's layer nearest the input, named when no layer holds most of the growth (the origin of a stack that
+    amplifies everywhere, ``docs/rules.md#where-an-explosion-is-made``).
     """
     fired = upto[-1][0]
     # Ratios to the output end give the same gains as the norms (zeros skipped). In a chain, the next layer's output
@@ -108,7 +110,15 @@ def _amplifier(ref_layer: str, upto: Sequence[tuple[str, float]]) -> tuple[str, 
     )
     if finite(share) and share >= 0.5:
         return layer, f". The gradient grows most in the backward of {layer}: {most}"
-    return fired, f". The growth is spread over the layers up to {fired}, none holding most of it; the largest: {most}"
+    # Every layer amplifies a little and the threshold is crossed where depth made the product large enough: the
+    # crossing says how deep the stack is, not where the growth starts. It starts at the input end, where the
+    # exploded gradient is largest and the forward's amplification begins (an initialisation or a learning rate
+    # that scales every layer).
+    return input_end, (
+        f". The growth is spread over the layers up to {fired}, none holding most of it (the largest: {most}): the"
+        f" whole stack amplifies, so the growth starts at its input end, {input_end}, not where the threshold is"
+        " first crossed"
+    )
 
 
 @rule(order=5, phase="backward", stat="act_grad_norm")
@@ -135,6 +145,7 @@ class InputSide(NamedTuple):
         above: The observed layer just before ``layer`` in backward order (``ref_layer`` when there is none): the
             one whose backward took the gradient past the threshold.
         upto: The other layers' ratios to the output end, in backward order, up to ``layer``.
+        input_end: The side's layer nearest the input end (the last in backward order with a positive ratio).
     """
 
     ref_layer: str
@@ -145,6 +156,7 @@ class InputSide(NamedTuple):
     extreme: str
     above: str
     upto: list[tuple[str, float]]
+    input_end: str = ""
 
 
 def input_side(ctx: Context, vanishing: bool) -> InputSide | None:
@@ -169,7 +181,8 @@ def input_side(ctx: Context, vanishing: bool) -> InputSide | None:
     observed = sorted(ctx.stat("act_grad_norm"), key=ctx.orders.backward_key)
     at = observed.index(rest[i][0])
     above = observed[at - 1] if at > 0 else ref_layer
-    return InputSide(ref_layer, ref_norm, rest[i][0], len(rest) - i, ratio, extreme, above, rest[: i + 1])
+    input_end = side[0][1]  # side runs from the input end
+    return InputSide(ref_layer, ref_norm, rest[i][0], len(rest) - i, ratio, extreme, above, rest[: i + 1], input_end)
 
 
 def is_dead(ctx: Context, layer: str) -> bool:
@@ -209,7 +222,7 @@ def _gradient_scale(ctx: Context, vanishing: bool) -> list[Found]:
             f" end ({side.ref_layer}, {side.ref_norm:.3g}); the largest is {side.ratio:.3g} times, at {side.extreme}"
         )
     else:  # named where the gradient grows, not where the growth is first seen
-        title, (named, where) = "exploding_gradient", _amplifier(side.ref_layer, side.upto)
+        title, (named, where) = "exploding_gradient", _amplifier(side.ref_layer, side.upto, side.input_end)
         what = (
             f"every layer {span} receives an output gradient more than exploding_ratio={threshold:g} times that of"
             f" the output end ({side.ref_layer}, {side.ref_norm:.3g}); the smallest is {side.ratio:.3g} times, at"

@@ -338,13 +338,15 @@ def test_output_cut_off_from_the_gradient_is_named_once():
     assert f"{P}/act_mean/model.side" in metrics
 
 
-def test_output_that_runs_after_every_gradient_and_gets_none_is_a_note(caplog):
-    # side runs last: an output that does not reach the loss, like a pooler nothing reads; a note, no warning.
+def test_output_that_runs_after_every_gradient_and_gets_none_is_a_note_and_output_unused(caplog):
+    # side runs last: an output that does not reach the loss, like a pooler nothing reads: not a cut (no_gradient is
+    # silent), a note; its parameters are in the optimizer and never get a gradient, which output_unused names (issue
+    # 38, principle 2).
     module = TinyModule(model=DetachedSide(side_first=False))
     callback = LayerHealthCallback(every_n_steps=1)
-    with caplog.at_level("INFO"):
-        make_trainer([callback], max_steps=3).fit(module)  # a LayerHealthWarning would fail the test
-    assert callback.findings == []
+    with caplog.at_level("INFO"), pytest.warns(LayerHealthWarning, match=r"output_unused at step 0: model\.side ran"):
+        make_trainer([callback], max_steps=3).fit(module)
+    assert {(f.rule, f.layer) for f in callback.findings} == {("output_unused", "model.side")}
     note = "'model.side' required grad but received no gradient"
     assert len([r for r in caplog.records if note in r.getMessage()]) == 1
 
