@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from cases import BY_NAME, BugModule, _body_head, _data, _mlp, run
-from conftest import count_hooks, make_trainer
+from helpers import count_hooks, make_trainer
 from lightning.pytorch.demos.transformer import LightningTransformer
 from principles import _classes, _WithAux
 from torch import Tensor, nn
