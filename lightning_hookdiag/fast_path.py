@@ -76,7 +76,7 @@ class FastPath:
         self.dtypes = fast_dtypes(precision)
         self._warmed = False
         self._given = 0  # how many of the reduction's notes were turned into the callback's
-        self._warm_notes = 0  # how many of them the warm-up wrote: its time (an info line) or why it failed
+        self._warm_note = -1  # the index of the note of the warm-up's time (an info line)
         self._seen: Counter[str] = Counter()  # the paths counted up to the last window
         self._ran = False  # the fast path's first window was said
 
@@ -86,9 +86,11 @@ class FastPath:
             return
         recorder.set_shifts(means, [count > 0 for count in counts])
         if not self._warmed:
-            self._warmed = True
-            self.onepass.warm(self.dtypes, device)  # its time, or why it cannot run, in its notes
-            self._warm_notes = len(self.onepass.notes)
+            # Its time, or why it cannot run, in its notes; under a mode it cannot compile in: again next window.
+            seconds = self.onepass.warm(self.dtypes, device)
+            self._warmed = seconds is not None or self.onepass.disabled is not None
+            if seconds:  # compiled: its time is the note it wrote last
+                self._warm_note = len(self.onepass.notes) - 1
 
     def notes(self) -> list[Note]:
         """The reduction's notes since the last call, as one-time notes: its warm-up time, each reason it fell back.
@@ -103,7 +105,7 @@ class FastPath:
         first = self._given
         self._given = len(self.onepass.notes)
         for i, text in enumerate(new, start=first):
-            timing = i < self._warm_notes and self.onepass.warm_seconds is not None
+            timing = i == self._warm_note
             key = "fast_path:warm" if timing else f"fast_path:{text}"
             info = timing or self.setting != "on"
             notes.append(Note(key, f"LayerHealthCallback: fast path: {text.removeprefix('onepass: ')}", info=info))

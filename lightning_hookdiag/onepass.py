@@ -222,8 +222,9 @@ class OnePass:
 
         Compiles the flat output reduction and the per-unit one for the two common unit layouts (units last:
         ``[batch, units]``; units between: ``[batch, channels, pixels]``). Returns the seconds spent
-        (and notes them once), ``None`` when the fast path is off (no compiler, a failed compile: noted), ``0.0`` when
-        everything asked for was already warm.
+        (and notes them once), ``None`` when the fast path is off (no compiler, a failed compile: noted) or cannot be
+        compiled now (an active mode that is not the caller's ``lift`` to leave: noted; warm again later), ``0.0``
+        when everything asked for was already warm.
         """
         device = torch.device(device)
         unsupported = [d for d in dtypes if d not in FAST_DTYPES]
@@ -233,6 +234,17 @@ class OnePass:
             self._disable("no_compiler", _NO_COMPILER[device.type == "cpu"])
         if self._disabled is not None:
             return None
+        with self._lift():
+            if self._why_not_now() is not None:
+                return None
+            return self._compile(dtypes, device)
+
+    @property
+    def disabled(self) -> str | None:
+        """Why the fast path is off for good (``"no_compiler"``, ``"compile_failed"``, ``"recompile_limit"``)."""
+        return self._disabled
+
+    def _compile(self, dtypes: Sequence[torch.dtype], device: torch.device) -> float | None:
         start = time.perf_counter()
         compiled = 0
         for dtype in dtypes:

@@ -19,7 +19,9 @@
   of ``out=`` arguments and of ops called from C++), and the version counter is the witness of a write it missed.
 
 * :func:`in_dispatch_mode`, :func:`function_modes`, :func:`left_modes`: whether a ``TorchDispatchMode`` or a
-  ``TorchFunctionMode`` is active (``torch.utils._python_dispatch.is_in_torch_dispatch_mode``,
+  ``TorchFunctionMode`` is active (``torch.utils._python_dispatch.any_torch_dispatch_mode_on_stack``, what dynamo
+  reads to run a compiled function eagerly: the stack, not the flag ``is_in_torch_dispatch_mode`` that a mode sets
+  on entry and that stays set while it is left;
   ``torch.overrides._get_current_function_mode_stack``), and leaving the package's own for one call
   (``torch.utils._python_dispatch._get_current_dispatch_mode_stack``, ``_pop_mode``, ``_push_mode``, and for
   function modes the stack calls of :func:`exit_mode`): no public API lists the active modes, and a compiled
@@ -152,8 +154,8 @@ def version(tensor: torch.Tensor) -> int:
 
 
 def in_dispatch_mode() -> bool:
-    """Whether a ``TorchDispatchMode`` is active on this thread."""
-    return bool(_python_dispatch.is_in_torch_dispatch_mode())
+    """Whether a ``TorchDispatchMode`` on this thread's stack would make dynamo run a compiled function eagerly."""
+    return bool(_python_dispatch.any_torch_dispatch_mode_on_stack())
 
 
 def function_modes() -> list[Any]:
@@ -196,7 +198,7 @@ def recompile_limit_error() -> type[Exception]:
 
 
 CHECKED = (
-    "torch.utils._python_dispatch.is_in_torch_dispatch_mode",
+    "torch.utils._python_dispatch.any_torch_dispatch_mode_on_stack",
     "torch.utils._python_dispatch._get_current_dispatch_mode_stack",
     "torch.utils._python_dispatch._pop_mode",
     "torch.utils._python_dispatch._push_mode",
