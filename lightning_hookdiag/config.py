@@ -56,10 +56,10 @@ class MeasureConfig:
             device; fixed edges make histograms pool exactly over micro-batches and processes. An even integer
             ``>= 4``.
         fast_path: Reduce each output of at least 256 K elements in one compiled pass
-            (:class:`~lightning_hookdiag.onepass.OnePass`, ``docs/statistics.md#which-path-ran-and-why``). ``"auto"``:
-            on for CUDA devices when Triton is installed, off on the CPU (compiling costs 7-76 s there, a sampled step
-            gains milliseconds); ``"on"``: also on the CPU (needs a C++ compiler), and where it cannot run, today's
-            path with one note; ``"off"``: never.
+            (:class:`~lightning_hookdiag.onepass.OnePass`; ``docs/statistics.md``, "Which path ran and why").
+            ``"auto"``: on for CUDA devices when Triton is installed, off on the CPU (compiling costs 3-76 s there, a
+            sampled step gains milliseconds); ``"on"``: also on the CPU (needs a C++ compiler), and where it cannot
+            run, today's path with one note; ``"off"``: never.
 
     Raises:
         ValueError: For an invalid field; the message names ``MeasureConfig.<field>``, the value and what is valid.
