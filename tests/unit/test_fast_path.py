@@ -76,15 +76,30 @@ def _attention_model() -> nn.Module:
     return nn.Sequential(model[0], Attend(), *model[1:])
 
 
-def _fit(fast_path: str, around: contextlib.AbstractContextManager | None = None, model=_model, **kwargs):
+def _fit(fast_path: str, around: contextlib.AbstractContextManager | None = None, model=_model, precision=32, **kwargs):
     """Fit with ``fast_path``: ``(logged values per step, the module with its record, the fast-path notes)``."""
     module = TinyModule(model(), make_data(n=BATCH * STEPS, d_in=D_IN), batch_size=BATCH, lr=1e-6)
     logger = RecordingLogger()
     measure = MeasureConfig(fast_path=fast_path)
     callback = LayerHealthCallback(**{"every_n_steps": 1, "stats": STATS, **kwargs}, measure=measure)
     with _notes() as notes, around or contextlib.nullcontext():
-        make_trainer([callback], max_steps=STEPS, logger=logger).fit(module)
+        make_trainer([callback], max_steps=STEPS, logger=logger, precision=precision).fit(module)
     return logger.ours(), module, notes
+
+
+def _assert_within_contract(got, expected) -> None:
+    """The same steps and keys, and every value within 1e-9 relative (the contract allows 1e-5; NaN where NaN)."""
+    assert [step for step, _ in got] == [step for step, _ in expected]
+    for (step, values), (_, reference) in zip(got, expected, strict=True):
+        assert values.keys() == reference.keys()
+        for key, value in reference.items():
+            same = math.isnan(value) and math.isnan(values[key])
+            assert same or math.isclose(values[key], value, rel_tol=1e-9, abs_tol=1e-12), (
+                step,
+                key,
+                values[key],
+                value,
+            )
 
 
 def _identical(got, expected) -> bool:
@@ -113,12 +128,8 @@ def test_on_logs_todays_values_within_the_numeric_contract(off, on):
     off_values, _, off_notes = off
     on_values, _, _ = on
     assert off_notes == []  # "off": no fast path, no note
-    assert [step for step, _ in on_values] == [step for step, _ in off_values] == list(range(STEPS))
-    for (step, got), (_, expected) in zip(on_values, off_values, strict=True):
-        assert got.keys() == expected.keys()
-        for key, value in expected.items():
-            same = math.isnan(value) and math.isnan(got[key])
-            assert same or math.isclose(got[key], value, rel_tol=1e-9, abs_tol=1e-12), (step, key, got[key], value)
+    assert [step for step, _ in off_values] == list(range(STEPS))
+    _assert_within_contract(on_values, off_values)
 
 
 def test_on_matches_a_float64_reference_on_the_fast_steps(on):
@@ -201,12 +212,17 @@ def test_the_attention_probe_and_a_replays_in_place_guard_are_left_for_the_compi
     on_values, _, notes = _fit("on", **kwargs)
     assert [kind for kind, _ in notes] == ["info", "info"], notes
     assert "3 outputs reduced in one pass on this step; today's path for: gradient 4, small 1" in notes[1][1]
-    assert [step for step, _ in on_values] == [step for step, _ in off_values]
-    for (step, got), (_, expected) in zip(on_values, off_values, strict=True):
-        assert got.keys() == expected.keys()
-        for key, value in expected.items():
-            same = math.isnan(value) and math.isnan(got[key])
-            assert same or math.isclose(got[key], value, rel_tol=1e-9, abs_tol=1e-12), (step, key, got[key], value)
+    _assert_within_contract(on_values, off_values)
+
+
+def test_bf16_mixed_warms_bf16_too_and_logs_todays_values():
+    # Under bf16 autocast the Linear outputs are bf16: the fit warms both dtypes (6 reductions) and reads them.
+    off_values, _, _ = _fit("off", precision="bf16-mixed")
+    on_values, _, notes = _fit("on", precision="bf16-mixed")
+    assert [kind for kind, _ in notes] == ["info", "info"], notes
+    assert notes[0][1].startswith("LayerHealthCallback: fast path: compiled 6 reductions in ")
+    assert "2 outputs reduced in one pass on this step" in notes[1][1]
+    _assert_within_contract(on_values, off_values)
 
 
 def test_the_torch_internals_of_the_fast_path_exist():
