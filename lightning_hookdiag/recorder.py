@@ -36,7 +36,7 @@ from lightning_hookdiag.stats import (
     reduce_tensor,
 )
 
-if TYPE_CHECKING:  # imported by the owner only when the fast path is on: onepass imports torch._dynamo (~2 s)
+if TYPE_CHECKING:  # a type only: the owner builds the reduction and hands it in
     from lightning_hookdiag.onepass import OnePass
 
 __all__ = ["SMALL_ELEMENTS", "StepRecorder"]
