@@ -261,8 +261,8 @@ class StepRecorder:
 
         The fast path takes each output's sums around its layer's shift; a layer with none yet takes today's path.
         """
-        means = means.detach().to(torch.float64)
-        self._shifts = [means[i] if seen else None for i, seen in enumerate(pooled)]
+        views = means.detach().to(torch.float64).unbind()  # 0-d views, in one call
+        self._shifts = [view if seen else None for view, seen in zip(views, pooled, strict=True)]
 
     def _check_unit_dim(self, layer: int, tensor: Tensor) -> None:
         unit_dim = self.unit_dim
