@@ -215,6 +215,20 @@ def test_the_attention_probe_and_a_replays_in_place_guard_are_left_for_the_compi
     _assert_within_contract(on_values, off_values)
 
 
+def test_a_compiled_model_runs_its_sampled_steps_eagerly_and_the_reduction_compiled():
+    # The hooks hold force_eager over the sampled steps (so that the compiled model runs them); each reduction call
+    # lifts it for itself only. Unsampled steps (every_n_steps=2) run the compiled model.
+    def compiled() -> nn.Module:
+        return torch.compile(_model())
+
+    off_values, _, _ = _fit("off", model=compiled, every_n_steps=2)
+    on_values, _, notes = _fit("on", model=compiled, every_n_steps=2)
+    assert [kind for kind, _ in notes] == ["info", "info"], notes
+    assert "2 outputs reduced in one pass on this step" in notes[1][1]
+    assert [step for step, _ in on_values] == [0, 2]
+    _assert_within_contract(on_values, off_values)
+
+
 def test_bf16_mixed_warms_bf16_too_and_logs_todays_values():
     # Under bf16 autocast the Linear outputs are bf16: the fit warms both dtypes (6 reductions) and reads them.
     off_values, _, _ = _fit("off", precision="bf16-mixed")
