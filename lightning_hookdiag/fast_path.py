@@ -122,7 +122,3 @@ class FastPath:
         others = ", ".join(f"{why.removeprefix('today: ')} {n}" for why, n in sorted(window.items()) if why != "fast")
         text = f"{window['fast']} outputs reduced in one pass on this step; today's path for: {others or 'none'}"
         return [Note("fast_path:ran", f"LayerHealthCallback: fast path: {text}", info=True)]
-
-    def paths(self) -> Counter[str]:
-        """How many tensors took each path so far (:attr:`.OnePass.paths`); empty when the fit does not use it."""
-        return Counter() if self.onepass is None else Counter(self.onepass.paths)

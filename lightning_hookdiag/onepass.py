@@ -27,6 +27,9 @@ or a compiled function
 that would run eagerly (``torch.compiler.set_stance("force_eager")``, dynamo disabled) takes today's path too, with
 one note per reason in :attr:`OnePass.notes` for the caller to log. The compiled function's eager body is never run:
 its first statement raises when it is not being compiled.
+
+The callback builds one per fit where ``MeasureConfig.fast_path`` says so (:mod:`lightning_hookdiag.fast_path`), and the
+recorder calls it in place of :func:`~lightning_hookdiag.stats.reduce_tensor`.
 """
 
 from __future__ import annotations

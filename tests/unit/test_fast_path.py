@@ -8,6 +8,7 @@ fits share dynamo's cache of the compiled functions: only the first fit with the
 """
 
 import contextlib
+import importlib.util
 import logging
 import math
 import warnings
@@ -21,7 +22,8 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning, MeasureConfig, torch_internals
-from lightning_hookdiag.onepass import FAST_MIN_ELEMENTS
+from lightning_hookdiag.fast_path import fast_dtypes, uses_fast_path
+from lightning_hookdiag.onepass import FAST_MIN_ELEMENTS, has_compiler
 
 pytestmark = pytest.mark.slow  # compile tests (pyproject's marker)
 
@@ -237,6 +239,21 @@ def test_bf16_mixed_warms_bf16_too_and_logs_todays_values():
     assert notes[0][1].startswith("LayerHealthCallback: fast path: compiled 6 reductions in ")
     assert "2 outputs reduced in one pass on this step" in notes[1][1]
     _assert_within_contract(on_values, off_values)
+
+
+def test_where_each_setting_uses_the_fast_path():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [uses_fast_path(s, cpu) for s in ("auto", "on", "off")] == [False, True, False]
+    # CUDA kernels come from Triton: "auto" uses the fast path there exactly when it is installed.
+    triton = importlib.util.find_spec("triton") is not None
+    assert has_compiler(cuda) is triton
+    assert [uses_fast_path(s, cuda) for s in ("auto", "on", "off")] == [triton, True, False]
+    assert uses_fast_path("auto", torch.device("mps")) is False
+
+
+def test_warmed_dtypes_follow_the_precision():
+    assert fast_dtypes("bf16-mixed") == fast_dtypes("bf16-true") == (torch.float32, torch.bfloat16)
+    assert fast_dtypes("32-true") == fast_dtypes("16-mixed") == fast_dtypes(32) == (torch.float32,)
 
 
 def test_the_torch_internals_of_the_fast_path_exist():
