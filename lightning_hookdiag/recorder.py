@@ -286,27 +286,41 @@ class StepRecorder:
         else:
             rows = True
         edges = self._edges if self.histograms else None
-        grad = kind == "grad"
-        if self.fast is not None:
-            table = self._tables[kind]
-
-            def reserve(sizes: list[int]) -> Tensor:
-                return table.reserve([layer] * len(sizes), sizes, self.device)
-
-            shift = None if grad else self._shifts[layer]
-            maxima, hist = self.fast.reduce_tensor(
-                tensor, reserve if rows else None, self.workspace, grad, units, self.unit_dim, edges, shift=shift
-            )
-        else:
-            out = None
-            if rows:
-                sizes = piece_sizes(tensor)
-                out = self._tables[kind].reserve([layer] * len(sizes), sizes, self.device)
-            maxima, hist = reduce_tensor(tensor, out, self.workspace, grad, units, self.unit_dim, edges)
+        maxima, hist = self._reduce_tensor(kind, layer, tensor, rows, units, edges)
         if maxima is not None:
             self._keep_units(layer, maxima)
         if hist is not None:
             self._histogram(kind)[layer].add_(hist)
+
+    def _reduce_tensor(
+        self, kind: str, layer: int, tensor: Tensor, rows: bool, units: bool, edges: Tensor | None
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """Every reduction of one tensor, on the fast path where it applies: ``(unit maxima, histogram counts)``.
+
+        Args:
+            kind: ``"act"`` or ``"grad"``.
+            layer: The layer's index.
+            tensor: The output or gradient.
+            rows: Its rows go to the call table (it is neither stacked nor only counted).
+            units: Also its per-unit maxima.
+            edges: The histogram's inner edges, ``None``: no histogram.
+        """
+        grad = kind == "grad"
+        table = self._tables[kind]
+        if self.fast is None:
+            out = None
+            if rows:
+                sizes = piece_sizes(tensor)
+                out = table.reserve([layer] * len(sizes), sizes, self.device)
+            return reduce_tensor(tensor, out, self.workspace, grad, units, self.unit_dim, edges)
+
+        def reserve(sizes: list[int]) -> Tensor:  # asked once, with the pieces of the path taken
+            return table.reserve([layer] * len(sizes), sizes, self.device)
+
+        shift = None if grad else self._shifts[layer]
+        return self.fast.reduce_tensor(
+            tensor, reserve if rows else None, self.workspace, grad, units, self.unit_dim, edges, shift=shift
+        )
 
     def _histogram(self, kind: str) -> Tensor:
         hist = self._hist.get(kind)
