@@ -106,7 +106,13 @@ def _act_row(parts: tuple[Tensor, ...], numel: int, shift: Tensor) -> Tensor:
 
 
 def _safe_shift(shift: Tensor) -> Tensor:
-    # A NaN/Inf pooled mean would poison every sum: read it as 0 (accuracy as without a shift, never a wrong NaN).
+    """The ``[1]`` shift as a 0-d tensor, a NaN/Inf pooled mean read as 0 (it would poison every sum).
+
+    Read as 0, the accuracy is that of no shift, never a wrong NaN. A ``[1]`` tensor, not a 0-d one: dynamo reads a
+    0-d CPU tensor as a scalar, guarded by ``not isnan(shift.item())`` (a host read on every call, and a recompile
+    for a NaN mean).
+    """
+    shift = shift.reshape(())
     return torch.where(torch.isfinite(shift), shift, 0.0)
 
 
@@ -263,7 +269,7 @@ class OnePass:
                 key = self._key(kind, example)
                 if key in self._warmed:
                     continue
-                if self._call(kind, example, torch.zeros((), dtype=torch.float64, device=device)) is None:
+                if self._call(kind, example, torch.zeros(1, dtype=torch.float64, device=device)) is None:
                     return None
                 self._warmed.add(key)
                 compiled += 1
@@ -398,9 +404,9 @@ class OnePass:
     ) -> tuple[bool, Tensor | None]:
         """Write the row; ``(done, per-unit maxima with units)``, ``done`` false when it fell back (noted)."""
         if isinstance(shift, Tensor):
-            shift_tensor = shift.detach().to(device=view.device, dtype=torch.float64).reshape(())
+            shift_tensor = shift.detach().to(device=view.device, dtype=torch.float64).reshape(1)  # see _safe_shift
         else:
-            shift_tensor = torch.tensor(0.0 if shift is None else shift, dtype=torch.float64, device=view.device)
+            shift_tensor = torch.tensor([0.0 if shift is None else shift], dtype=torch.float64, device=view.device)
         kind = self._kind(units)
         out = self._call(kind, view, shift_tensor)
         if out is None:

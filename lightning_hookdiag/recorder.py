@@ -254,14 +254,14 @@ class StepRecorder:
         self.workspace = Workspace()
         """Scratch memory of the reductions; the owner releases it at the end of each sampled step."""
         self.fast = fast
-        self._shifts: list[Tensor | None] = [None] * n_layers  # each layer's last pooled mean, a 0-d device view
+        self._shifts: list[Tensor | None] = [None] * n_layers  # each layer's last pooled mean, a [1] device view
 
     def set_shifts(self, means: Tensor, pooled: Sequence[bool]) -> None:
         """The layers' last pooled ``act_mean`` (``[n_layers]``, on the device), for the layers where ``pooled``.
 
         The fast path takes each output's sums around its layer's shift; a layer with none yet takes today's path.
         """
-        views = means.detach().to(torch.float64).unbind()  # 0-d views, in one call
+        views = means.detach().to(torch.float64).view(-1, 1).unbind()  # [1] views (OnePass reads them), in one call
         self._shifts = [view if seen else None for view, seen in zip(views, pooled, strict=True)]
 
     def _check_unit_dim(self, layer: int, tensor: Tensor) -> None:

@@ -19,11 +19,13 @@ import torch
 from conftest import RecordingLogger, TinyModule, force_trips, make_data, make_trainer
 from torch import nn
 from torch.nn import functional as F
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning, MeasureConfig, torch_internals
 from lightning_hookdiag.fast_path import fast_dtypes, uses_fast_path
-from lightning_hookdiag.onepass import FAST_MIN_ELEMENTS, has_compiler
+from lightning_hookdiag.onepass import FAST_MIN_ELEMENTS, OnePass, has_compiler
+from lightning_hookdiag.stats import ACT_ROW, Workspace
 
 pytestmark = pytest.mark.slow  # compile tests (pyproject's marker)
 
@@ -239,6 +241,22 @@ def test_bf16_mixed_warms_bf16_too_and_logs_todays_values():
     assert notes[0][1].startswith("LayerHealthCallback: fast path: compiled 6 reductions in ")
     assert "2 outputs reduced in one pass on this step" in notes[1][1]
     _assert_within_contract(on_values, off_values)
+
+
+def test_a_fast_call_reads_nothing_back_to_the_host():
+    # A 0-d CPU shift made dynamo guard on `not isnan(shift.item())`: a host read per call (a sync on a GPU) and a
+    # recompile for a NaN mean. The recorder's shifts are views of the pooled means, like these.
+    fast = OnePass()
+    assert fast.warm([torch.float32]) is not None, fast.notes
+    x = torch.randn(FAST_MIN_ELEMENTS) + 3
+    means = torch.tensor([3.0, float("nan")], dtype=torch.float64)
+    table = torch.empty(1, ACT_ROW, dtype=torch.float64)
+    for shift in means.view(-1, 1).unbind():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fast.reduce_tensor(x, lambda sizes: table[: len(sizes)], Workspace(), shift=shift)
+        names = {event.name for event in prof.events()}
+        assert not names & {"aten::item", "aten::_local_scalar_dense"}, names
+    assert fast.paths == {"fast": 2}
 
 
 def test_where_each_setting_uses_the_fast_path():
