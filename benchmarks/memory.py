@@ -43,6 +43,7 @@ Usage::
     python benchmarks/memory.py --device cuda        # the same on a CUDA device (max_memory_allocated)
     python benchmarks/memory.py --quick              # tiny models: checks that the script works (seconds)
     python benchmarks/memory.py --models lm_head --precision bf16-mixed --device cuda
+    python benchmarks/memory.py --step 1             # a later sampled step: the reused buffers are held before it
 """
 
 from __future__ import annotations
@@ -164,16 +165,18 @@ class _Meter:
         self.peak, self.end = status["VmHWM"], status["VmRSS"]
 
 
-def _probes(meter: _Meter) -> tuple[Any, Any]:
+def _probes(meter: _Meter, step: int = 0) -> tuple[Any, Any]:
     from lightning.pytorch import Callback
 
     class Start(Callback):
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            meter.mark_start()
+            if batch_idx == step:
+                meter.mark_start()
 
     class End(Callback):
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            meter.mark_end()
+            if batch_idx == step:
+                meter.mark_end()
 
     return Start(), End()
 
@@ -208,8 +211,12 @@ def _quiet() -> Iterator[None]:
             lightning_logger.setLevel(level)
 
 
-def measure(spec: Spec, variant: str, device: str = "cpu", precision: str = "32-true") -> dict[str, Any]:
-    """Peak and retained memory of one training step of ``spec`` under ``variant`` in this process (bytes)."""
+def measure(spec: Spec, variant: str, device: str = "cpu", precision: str = "32-true", step: int = 0) -> dict[str, Any]:
+    """Peak and retained memory of training step ``step`` of ``spec`` under ``variant`` in this process (bytes).
+
+    ``step`` > 0 trains that many steps first (each one sampled): what the callback keeps across sampled steps (its
+    reused buffers) is then in the state before the measured step, not in its peak; ``start`` tells it.
+    """
     import lightning.pytorch as pl
     import torch
     import torch.nn.functional as F  # noqa: N812
@@ -232,18 +239,18 @@ def measure(spec: Spec, variant: str, device: str = "cpu", precision: str = "32-
             return torch.optim.SGD(self.parameters(), lr=1e-3)
 
         def train_dataloader(self) -> Any:
-            return DataLoader([batch], batch_size=None)
+            return DataLoader([batch] * (step + 1), batch_size=None)
 
     meter = _Meter(device)
-    start, end = _probes(meter)
+    start, end = _probes(meter, step)
     extra = make_callback(variant)
     callbacks = [start, *([extra] if extra is not None else []), end]
     trainer = pl.Trainer(
         accelerator="gpu" if device == "cuda" else "cpu",
         devices=1,
         precision=precision,
-        max_steps=1,
-        limit_train_batches=1,
+        max_steps=step + 1,
+        limit_train_batches=step + 1,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -265,10 +272,12 @@ def measure(spec: Spec, variant: str, device: str = "cpu", precision: str = "32-
 
 
 # ------------------------------------------------------------------------------------------------------ driving
-def run_worker(model: str, variant: str, device: str, precision: str, quick: bool, timeout: float) -> dict[str, Any]:
+def run_worker(
+    model: str, variant: str, device: str, precision: str, quick: bool, timeout: float, step: int = 0
+) -> dict[str, Any]:
     """:func:`measure` in a fresh process; its result (bytes) or ``{"error": ...}``."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", model, variant, "--device", device]
-    cmd += ["--precision", precision] + (["--quick"] if quick else [])
+    cmd += ["--precision", precision, "--step", str(step)] + (["--quick"] if quick else [])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
@@ -348,7 +357,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=str(HERE / "results_memory.json"), help="where to write the results")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per worker process")
     p.add_argument("--worker", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
+    p.add_argument("--step", type=int, default=0, help="measure this step (earlier ones sampled too): 1 = a later one")
     args = p.parse_args(argv)
+    if args.step < 0:
+        p.error(f"--step: the step to measure, 0 or later; got {args.step}")
     for name, valid in (("models", MODELS), ("variants", VARIANTS)):
         chosen = getattr(args, name).split(",")
         bad = [c for c in chosen if c not in valid]
@@ -363,13 +375,14 @@ def main(argv: list[str] | None = None, run: Callable[..., dict[str, Any]] = run
     specs = QUICK_SPECS if args.quick else SPECS
     if args.worker:
         model, variant = args.worker
-        print(json.dumps(measure(specs[model], variant, args.device, args.precision)))
+        print(json.dumps(measure(specs[model], variant, args.device, args.precision, args.step)))
         return {}
     results: dict[str, dict[str, Any]] = {}
     for model in args.models:
         per_variant = {}
         for variant in args.variants:
-            per_variant[variant] = run(model, variant, args.device, args.precision, args.quick, args.timeout)
+            later = {"step": args.step} if args.step else {}
+            per_variant[variant] = run(model, variant, args.device, args.precision, args.quick, args.timeout, **later)
             print(f"  {model} {variant}: {per_variant[variant]}", file=sys.stderr, flush=True)
         results[model] = _row(specs[model], model, per_variant)
     table = format_table(results, args.device)
@@ -377,6 +390,7 @@ def main(argv: list[str] | None = None, run: Callable[..., dict[str, Any]] = run
     written = {
         "device": args.device,
         "precision": args.precision,
+        "step": args.step,
         "quick": args.quick,
         "unit": "bytes",
         "method": "fresh process per variant; one Trainer step; peak over the state right before the step",

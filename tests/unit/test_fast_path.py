@@ -16,16 +16,17 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, force_trips, make_data, make_trainer
+from helpers import RecordingLogger, TinyModule, force_trips, make_data, make_trainer
 from torch import nn
 from torch.nn import functional as F
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning, MeasureConfig, torch_internals
-from lightning_hookdiag.fast_path import fast_dtypes, uses_fast_path
-from lightning_hookdiag.onepass import FAST_MIN_ELEMENTS, OnePass, has_compiler
-from lightning_hookdiag.stats import ACT_ROW, Workspace
+from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning, MeasureConfig
+from lightning_hookdiag import _torch_internals as torch_internals
+from lightning_hookdiag._fast_path import fast_dtypes, uses_fast_path
+from lightning_hookdiag._onepass import FAST_MIN_ELEMENTS, OnePass, has_compiler
+from lightning_hookdiag._stats import ACT_ROW, Workspace
 
 pytestmark = pytest.mark.slow  # compile tests (pyproject's marker)
 

@@ -4,11 +4,11 @@ import math
 
 import pytest
 import torch
-from reference import tracker_held
+from helpers.reference import tracker_held
 from torch import nn
 
-from lightning_hookdiag import params as P
-from lightning_hookdiag.stats import CHUNK_ELEMENTS
+from lightning_hookdiag import _params as P
+from lightning_hookdiag._stats import CHUNK_ELEMENTS
 
 
 def sq(t: torch.Tensor) -> float:
@@ -228,8 +228,9 @@ def test_parameter_statistics_cost_a_constant_number_of_fused_ops(dtypes):
     assert few == many, (few, many)
     assert few.count("_foreach_norm") == 2 * len(dtypes)  # before the step (weights and grads), after (updates)
     # On the CPU each _foreach_norm reads the pieces cast into one float64 buffer by a _foreach_copy_ (params._norms);
-    # the update's reads their difference, taken in float64 after a second _foreach_copy_ (the weights after the step).
-    assert few.count("_foreach_copy_") == few.count("_foreach_norm") + len(dtypes)
+    # the update's reads their difference, taken in float64 after a second _foreach_copy_ (the weights after the step);
+    # the snapshot is one more _foreach_copy_ per dtype, into the buffer kept across sampled steps.
+    assert few.count("_foreach_copy_") == few.count("_foreach_norm") + 2 * len(dtypes)
     # Per dtype: the two norms and the update's _foreach_sub_ (one per dtype since the difference is taken in float64).
     assert len(few) - few.count("_foreach_copy_") <= 7 + 3 * len(dtypes), few
 
@@ -276,3 +277,65 @@ def test_complex_parameters_are_measured_by_their_magnitudes():
     assert grad == pytest.approx(w.grad.to(torch.complex128).abs().square().sum().item(), rel=1e-12)
     update = (w.detach().to(torch.complex128) - before).abs().square().sum().item()
     assert update_sq[row].item() == pytest.approx(update, rel=1e-12)
+
+
+class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in ("empty", "empty_strided", "empty_like", "clone", "mul", "_foreach_mul"):
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                self.sizes.append(t.numel())
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_later_sampled_steps_reuse_the_snapshot_and_scratch(dtype):
+    # Issue 39: the update snapshot and the float64 scratch are allocated (page-faulted) on the first sampled step
+    # only; every later one writes into the same buffers, and its values still equal the float64 reference.
+    g = torch.Generator().manual_seed(3)
+    ps = [
+        nn.Parameter(torch.randn(300, 200, generator=g).to(dtype)),
+        nn.Parameter(torch.randn(7, generator=g).to(dtype)),
+    ]
+    tracker = P.ParameterTracker({"w": ps[0], "b": ps[1]})
+    opt = torch.optim.Adam(ps, lr=0.05)
+    for step in range(3):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g).to(dtype)
+        before = [p.detach().double().clone() for p in ps]
+        with _Allocations() as allocations:
+            index, values = tracker.before_step(opt.param_groups)
+            opt.step()
+            update_index, update_sq = tracker.after_step()
+        big = [n for n in allocations.sizes if n >= 7 * 300]  # a snapshot (60_007 entries) or scratch-sized buffer
+        assert (big != []) == (step == 0), (step, big)
+        expected = [((p.detach().double() - b) ** 2).sum().item() for p, b in zip(ps, before, strict=True)]
+        got = dict(zip(update_index.tolist(), update_sq.tolist(), strict=True))
+        for i, value in enumerate(expected):
+            assert got[i] == pytest.approx(value, rel=1e-12)
+        weights = dict(zip(index.tolist(), values[:, P.P_WEIGHT_SQ].tolist(), strict=True))
+        for i, b in enumerate(before):
+            assert weights[i] == pytest.approx((b**2).sum().item(), rel=1e-12)
+
+
+def test_small_pieces_share_a_buffer_full_after_full_ones():
+    # Issue 39: a 512 x 512 weight fills the CPU's float64 scratch (CHUNK_ELEMENTS) on its own; its bias used to take
+    # a buffer-full of its own after it. Smallest first, the 8 biases and bias gradients share one: 4 + 4 + 1 norms.
+    assert CHUNK_ELEMENTS == 512 * 512
+    ps = [nn.Parameter(torch.randn(512, 512) if i % 2 == 0 else torch.randn(512)) for i in range(8)]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    tracker = P.ParameterTracker({f"p{i}": p for i, p in enumerate(ps)}, snapshot=False)
+    opt = torch.optim.SGD(ps, lr=0.1)
+    tracker.before_step(opt.param_groups)
+    with _Launches() as counter:
+        index, values = tracker.before_step(opt.param_groups)
+    assert counter.ops.count("_foreach_copy_") == counter.ops.count("_foreach_norm") == 9
+    got = dict(zip(index.tolist(), values.tolist(), strict=True))
+    for i, p in enumerate(ps):
+        assert got[i][P.P_WEIGHT_SQ] == pytest.approx((p.detach().double() ** 2).sum().item(), rel=1e-12)
+        assert got[i][P.P_GRAD_SQ] == pytest.approx((p.grad.double() ** 2).sum().item(), rel=1e-12)

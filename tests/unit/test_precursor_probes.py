@@ -9,23 +9,24 @@ import sys
 
 import pytest
 import torch
-from conftest import by_name, count_hooks, make_trainer
+from helpers import by_name, count_hooks, make_trainer
+from helpers.zoo import ZooModule, _tokens, hf_model, zoo_module
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
-from zoo import _tokens, hf_model, zoo_module
 
-from lightning_hookdiag import ALL_STATS, LayerHealthCallback, torch_internals
-from lightning_hookdiag.aggregation import LayerStatsAggregator
-from lightning_hookdiag.components import WindowStart
-from lightning_hookdiag.precursor_probes import (
+from lightning_hookdiag import ALL_STATS, LayerHealthCallback
+from lightning_hookdiag import _torch_internals as torch_internals
+from lightning_hookdiag._aggregation import LayerStatsAggregator
+from lightning_hookdiag._precursor_probes import (
     AttentionProbe,
     attention_scope,
     eager_logit_absmax,
     sdpa_logit_absmax,
 )
-from lightning_hookdiag.selection import named_modules
-from lightning_hookdiag.vocabulary import PRECURSOR_STATS
+from lightning_hookdiag._selection import named_modules
+from lightning_hookdiag._vocabulary import PRECURSOR_STATS
+from lightning_hookdiag.components import WindowStart
 
 STATS = [*ALL_STATS, *PRECURSOR_STATS]
 
@@ -266,24 +267,68 @@ def test_output_layer_named_by_the_user_and_its_errors():
         make_trainer([bad], max_steps=1).fit(zoo_module("gpt2", n=8))
 
 
-def test_probes_exist_only_during_sampled_forwards_and_leave_after_an_exception():
+def test_probes_exist_only_inside_attention_modules_of_sampled_forwards_and_leave_after_an_exception():
+    # Issue 39: the mode is entered only while an attention module runs, so the rest of the forward (and the
+    # statistics' hooks) pass no Python handler; it is left when the attention's forward raises.
     module = zoo_module("vit", n=8 * 4)
-    stack_sizes: list[int] = []
+    block = module.model.blocks[0]
+    inside, outside, in_step = [], [], []
+
+    def attention_child(mod, args):
+        inside.append(torch._C._len_torch_function_stack())
+        if len(inside) == 3:  # step 2, sampled: raise inside the attention module
+            raise RuntimeError("boom")
+
+    handles = [
+        block.attn.qkv.register_forward_pre_hook(attention_child),
+        block.mlp.fc1.register_forward_pre_hook(lambda mod, args: outside.append(torch._C._len_torch_function_stack())),
+    ]
     original = module.training_step
 
     def training_step(batch, batch_idx):
-        stack_sizes.append(torch._C._len_torch_function_stack())
-        if batch_idx == 2:
-            raise RuntimeError("boom")
+        in_step.append(torch._C._len_torch_function_stack())
         return original(batch, batch_idx)
 
     module.training_step = training_step
     callback = LayerHealthCallback(every_n_steps=2, stats=STATS, output={"summary": False})
     with pytest.raises(RuntimeError, match="boom"):
         make_trainer([callback], max_steps=4).fit(module)
-    assert stack_sizes == [1, 0, 1]  # sampled steps 0 and 2 only
+    assert inside == [1, 0, 1]  # sampled steps 0 and 2 only
+    assert outside == [0, 0]  # never outside an attention module (step 2 raised before its MLP)
+    assert in_step == [0, 0, 0]
     assert torch._C._len_torch_function_stack() == 0
+    for handle in handles:
+        handle.remove()
     assert count_hooks(module) == 0
+
+
+def test_without_attention_modules_the_probe_watches_the_whole_sampled_forward():
+    # Attention written inline in a block's forward (no module named like attention): the mode covers the forward,
+    # and its statistic is still measured, within 1e-5 of the scores' own largest entry.
+    class Inline(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(50, 16)
+            self.qk = nn.Linear(16, 32)
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            q, k = self.qk(x).chunk(2, dim=-1)
+            scores = (q @ k.transpose(-1, -2)).unsqueeze(1) / 4.0  # [batch, 1 head, queries, keys]
+            self.seen = scores.detach().abs().amax().item()
+            return self.head(scores.softmax(-1).squeeze(1) @ x).mean(1)
+
+    x = _tokens(8 * 2, 0, vocab=50)
+    net = Inline()
+    module = ZooModule(net, "classify", TensorDataset(x, x[:, 0] % 4))
+    callback = LayerHealthCallback(
+        every_n_steps=1, stats=["attn_logit_max"], on_anomaly="ignore", output={"summary": False}
+    )
+    make_trainer([callback], max_steps=1).fit(module)
+    values = {k: v for k, v in by_name(callback.last_metrics).items() if "attn_logit_max" in k}
+    assert len(values) == 1
+    assert next(iter(values.values())) == pytest.approx(net.seen, rel=1e-5)
 
 
 def test_training_is_bit_identical_with_the_precursor_probes():
@@ -316,7 +361,7 @@ def test_a_compiled_model_gets_the_same_precursor_statistics_as_eager():
 
 
 def test_removing_the_probe_leaves_a_mode_entered_after_it_in_place():
-    from lightning_hookdiag.precursor_probes import PrecursorProbes
+    from lightning_hookdiag._precursor_probes import PrecursorProbes
 
     class Other(torch.overrides.TorchFunctionMode):
         pass
@@ -396,7 +441,7 @@ class _StudentTeacher(nn.Module):
 
 
 def test_the_output_layer_is_the_last_module_whose_output_can_be_logits():
-    from conftest import TinyModule
+    from helpers import TinyModule
 
     seen: list[torch.Tensor] = []
     net = _StudentTeacher()
@@ -420,7 +465,7 @@ def test_the_output_layer_is_the_last_module_whose_output_can_be_logits():
 
 
 def test_a_one_wide_output_gets_its_largest_logit_but_no_log_z():
-    from conftest import TinyModule
+    from helpers import TinyModule
 
     seen: list[torch.Tensor] = []
     module = TinyModule()  # Linear(4, 8), ReLU, Linear(8, 1): a regression head
@@ -435,7 +480,7 @@ def test_a_one_wide_output_gets_its_largest_logit_but_no_log_z():
 
 
 def test_a_model_without_attention_stops_paying_for_the_mode_after_its_first_sampled_step():
-    from conftest import TinyModule
+    from helpers import TinyModule
 
     def stack_sizes(module) -> list[int]:
         sizes: list[int] = []
@@ -455,6 +500,7 @@ def test_a_model_without_attention_stops_paying_for_the_mode_after_its_first_sam
     assert stack_sizes(mlp) == [1, 0, 0, 0, 0, 0]  # step 0 probed, no attention call: never again
 
     attn = nn.MultiheadAttention(4, 2, batch_first=True)
+    inside: list[int] = []
 
     class SelfAttention(nn.Module):
         def __init__(self) -> None:
@@ -462,12 +508,15 @@ def test_a_model_without_attention_stops_paying_for_the_mode_after_its_first_sam
             self.attn = attn
 
         def forward(self, x):
+            inside.append(torch._C._len_torch_function_stack())
             return self.attn(x, x, x, need_weights=False)[0]
 
     net = nn.Sequential(nn.Unflatten(1, (1, 4)), SelfAttention(), nn.Flatten(), nn.Linear(4, 1))
     module = TinyModule(model=net)
     module.record_enabled = False
-    assert stack_sizes(module) == [1, 0, 1, 0, 1, 0]  # sampled steps 0, 2, 4
+    # An attention module: the mode is entered while it runs (sampled steps 0, 2, 4), never outside it.
+    assert stack_sizes(module) == [0, 0, 0, 0, 0, 0]
+    assert inside == [1, 0, 1, 0, 1, 0]
 
 
 def test_the_probes_copy_no_host_data_to_the_device_in_a_micro_batch():
@@ -475,7 +524,7 @@ def test_the_probes_copy_no_host_data_to_the_device_in_a_micro_batch():
     # on an accelerator is a host-to-device copy and a sync.
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lightning_hookdiag.precursor_probes import PrecursorProbes
+    from lightning_hookdiag._precursor_probes import PrecursorProbes
 
     class Fresh(TorchDispatchMode):
         def __init__(self) -> None:
@@ -523,7 +572,7 @@ TORCH_INTERNALS = (
     "torch.nn.modules.batchnorm._BatchNorm",
     "torch.nn.modules.dropout._DropoutNd",
 )
-"""Every internal that lightning_hookdiag/torch_internals.py reads."""
+"""Every internal that lightning_hookdiag/_torch_internals.py reads."""
 
 
 def missing_torch_internals() -> list[str]:
