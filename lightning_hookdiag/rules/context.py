@@ -47,10 +47,14 @@ class Orders:
         self.backward: Mapping[str, int] = MappingProxyType(backward)
         self.forward_layers = tuple(sorted(forward, key=forward.__getitem__))
         self.backward_layers = tuple(sorted(backward, key=backward.__getitem__))
+        self._owners: dict[str, str] = {}  # several rules ask for the owner of every parameter on a step
 
     def owner(self, param: str) -> str:
         """The observed layer that owns parameter ``param`` (see :func:`~lightning_hookdiag.names.owning_layer`)."""
-        return owning_layer(param, self.layers)
+        found = self._owners.get(param)
+        if found is None:
+            found = self._owners[param] = owning_layer(param, self.layers)
+        return found
 
     def owners(self, params: Iterable[str]) -> list[str]:
         """The layers that own ``params``, each once, in forward order."""
