@@ -19,8 +19,9 @@ __all__: list[str] = []
 
 def _points(ctx: Context, stat: str, name: str, value: float, windows: int = 1) -> list[tuple[int, float]]:
     """The last ``windows * trend_window`` kept points of ``stat`` at ``name``, the current ``value`` last."""
-    earlier = [] if ctx.history is None else [p for p in ctx.history.points(stat, name) if p[0] < ctx.step]
-    return [*earlier, (ctx.step, value)][-windows * ctx.config.trend_window :]
+    step = ctx.step  # a local in the comprehension: update_jump asks twice per parameter on every step
+    earlier = [] if ctx.history is None else [p for p in ctx.history.points(stat, name) if p[0] < step]
+    return [*earlier, (step, value)][-windows * ctx.config.trend_window :]
 
 
 @rule(order=16, phase="forward", stat="attn_logit_max")
