@@ -355,21 +355,3 @@ def test_the_private_torchmetrics_names_used_are_exactly_the_listed_ones():
     source = "\n".join(p.read_text() for p in (root / "lightning_hookdiag").rglob("*.py"))
     used = {f"Metric.{n}" for n in private if re.search(rf"\.{n}\b|def {n}\(self", source)}  # read or overridden
     assert used == set(listed["torchmetrics"])
-
-
-def test_a_sampled_step_hooks_each_selected_module_once_with_the_output_layer_found_among_them():
-    # With output_layer=None every selected module is an output-layer candidate: the default statistics (the output
-    # logits' among them) still need one forward hook per selected module, not one per module and statistic family.
-    seen: dict[int, int] = {}
-    module = TinyModule(data=make_data(n=64))
-    module.record_enabled = False
-
-    def forward_hooks(m: TinyModule, batch_idx: int) -> None:
-        seen.setdefault(m.global_step, sum(len(layer._forward_hooks) for layer in m.modules()))
-
-    module.on_step = forward_hooks
-    callback = LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", output={"summary": False})
-    make_trainer([callback], max_steps=4).fit(module)
-    assert seen == {0: 3, 1: 0, 2: 3, 3: 0}  # three selected layers on sampled steps, nothing on the others
-    assert count_hooks(module) == 0
-    assert "layer_health/logit_absmax/model.2" in by_name(callback.last_metrics)
