@@ -1,9 +1,9 @@
 """The bug benchmark as a table: what the callback says on each ordinary training bug, and on its fixed twin.
 
 Runs every case of ``tests/bugs/`` (the bug and its twin, with the case's settings, then the bug again with the
-default ``every_n_steps=50``) and the healthy zoo of ``tests/zoo.py`` (every step sampled), and prints, per class of
-principle, how many bugs are named at the right layer at both intervals (TrainCheck's ports apart), the twins that
-are not silent, one row per case, and the totals next to DeepDiagnosis's figures. The output is kept in
+default ``every_n_steps=50``) and the healthy zoo of ``tests/helpers/zoo.py`` (every step sampled), and prints, per
+class of principle, how many bugs are named at the right layer at both intervals (TrainCheck's ports apart), the twins
+that are not silent, one row per case, and the totals next to DeepDiagnosis's figures. The output is kept in
 ``docs/bugs.md``:
 
     PYTHONPATH=$PWD python benchmarks/bugs.py > docs/bugs.md
@@ -99,7 +99,7 @@ def _first_step(case: Case, findings: list[Finding]) -> int | None:
 def _zoo_false_alarms() -> tuple[int, int, list[str]]:
     import lightning.pytorch as pl
     import transformers
-    from zoo import ZOO, zoo_module
+    from helpers.zoo import ZOO, zoo_module
 
     transformers.logging.set_verbosity_error()
     flagged = []

@@ -3,7 +3,7 @@
 Method
 ------
 Kernels: each model of ``overhead.py`` trains with a real Trainer, ``every_n_steps=2``, default statistics.
-``tests/package_code.py`` runs every call of the package's code (its forward hooks, its output-gradient tensor
+``tests/helpers/package_code.py`` runs every call of the package's code (its forward hooks, its output-gradient tensor
 hooks, the callback's Lightning methods) inside a ``torch.profiler.record_function`` range named after what it is;
 ``torch.profiler`` records steps ``2..2+steps`` (steps 0 and 1, with their one-time caches, are not recorded). For
 each kind of range, the kernels launched inside it are counted, as the profiler links them to the CPU op that
@@ -46,8 +46,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 import overhead  # noqa: E402
+from helpers.package_code import PACKAGE_DIR, package_code  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
-from package_code import PACKAGE_DIR, package_code  # noqa: E402
 
 from lightning_hookdiag import LayerHealthCallback  # noqa: E402
 

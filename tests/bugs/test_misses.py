@@ -15,19 +15,19 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from cases import BY_NAME, BugModule, Case, Fit, _data, _mlp, run
-from conftest import by_name, count_hooks, make_trainer, run_rules
+from helpers import by_name, count_hooks, make_trainer, run_rules
+from helpers.zoo import ZOO, zoo_module
 from misses import _WarmupModule, _ZeroAfterBackward
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
-from zoo import ZOO, zoo_module
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.provenance import nonfinite_in_batch
+from lightning_hookdiag._provenance import nonfinite_in_batch
+from lightning_hookdiag._sentinel import LossSentinel, SpikeDetector
+from lightning_hookdiag._trends import History
+from lightning_hookdiag._vocabulary import ALL_STATS, OUTPUT_LAYER_STATS
 from lightning_hookdiag.rules import BATCH, RuleConfig
-from lightning_hookdiag.sentinel import LossSentinel, SpikeDetector
-from lightning_hookdiag.trends import History
-from lightning_hookdiag.vocabulary import ALL_STATS, OUTPUT_LAYER_STATS
 
 pytestmark = pytest.mark.slow
 

@@ -215,18 +215,17 @@ PORTS: tuple[Case, ...] = (
         "EfficientNet fine-tuning: every parameter without 'bn' in its name frozen, the new `_fc` head frozen"
         " too, and Adam built over `_fc` only: nothing the optimizer holds gets a gradient (the fix unfreezes `_fc`)",
         _only_bn_trains,
-        None,
+        "idle_optimizer",
         "model._fc",
         max_steps=4,
+        step=0,
+        default_step=0,
         principle=P1,
         source="https://discuss.pytorch.org/t/obtaining-abnormal-changes-in-loss-and-accuracy/84911",
-        today=(("not_updated", "model._bn1"), ("not_updated", "model._bn0")),
         twin_today=(("not_updated", "model._bn1"), ("not_updated", "model._bn0")),
-        blind="named at the wrong layers, and the same on the fix: the BatchNorms keep requires_grad=True and get"
-        " gradients that no optimizer applies (not_updated on model._bn1 and model._bn0, true on both sides: the"
-        " forum's fix still leaves them out of Adam); what the fix changes is model._fc, the only layer the optimizer"
-        " holds, which gets no gradient: principle 1 (a parameter in an optimizer whose module takes part in the loss"
-        " gets a gradient) would name it",
+        twin_note="true on both sides, kept: the BatchNorms keep requires_grad=True and get gradients that no"
+        " optimizer applies (the forum's fix unfreezes `_fc` and still leaves them out of Adam), so not_updated names"
+        " them on the bug and on the fix alike; the twin counts as not silent",
     ),
     Case(
         "tc_stackoverflow_60335387",

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for conftest
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for the helpers package
 
 COLLECTIVES = (
     "all_gather",
@@ -31,7 +31,7 @@ COLLECTIVES = (
 
 def main(out_dir: str) -> None:
     import torch.distributed as dist
-    from conftest import TinyModule, make_trainer
+    from helpers import TinyModule, make_trainer
     from torch import nn
     from torch.utils.data import TensorDataset
 
@@ -124,7 +124,7 @@ def branch_run(callback_class: type) -> dict:
     Returns the pooled values per sampled step and the branch ReLU's outputs this rank saw, per step.
     """
     import lightning.pytorch as pl
-    from conftest import make_data, make_trainer
+    from helpers import make_data, make_trainer
     from torch import nn
     from torch.utils.data import DataLoader
 
@@ -177,7 +177,7 @@ def diverge_run(callback_class: type) -> dict:
     saw on this rank.
     """
     import lightning.pytorch as pl
-    from conftest import TinyModule, make_trainer
+    from helpers import TinyModule, make_trainer
 
     class Perturb(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):

@@ -5,8 +5,8 @@ Two modes, each saving one file per rank under ``OUT``:
 ``python fsdp_worker.py OUT torch``
     Spawns 2 CPU processes (gloo). On each, the same small MLP (layer sizes that do not divide by 2, so shards are
     uneven and some are empty) is sharded, trained for ``STEPS`` steps on very different per-rank data, and
-    measured with :class:`~lightning_hookdiag.params.ParameterTracker` and
-    :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator` exactly as the callback does. An unsharded deep
+    measured with :class:`~lightning_hookdiag._params.ParameterTracker` and
+    :class:`~lightning_hookdiag._aggregation.LayerStatsAggregator` exactly as the callback does. An unsharded deep
     copy replays both ranks' batches (FSDP averages gradients over ranks) and gives the expected values. Also saved:
     two deliberately wrong variants (the local shard's norm as is; shards reduced with ``max`` as for replicated
     parameters) and the number of ``torch.distributed`` collectives issued by ``compute()``. Cases (layout, depth):
@@ -153,9 +153,9 @@ def torch_case(rank: int, depth: int, layout: str) -> dict[str, Any]:
     """Train a sharded model and its unsharded reference for ``STEPS`` steps and measure every step."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_hookdiag import params as P
-    from lightning_hookdiag.aggregation import LayerStatsAggregator
-    from lightning_hookdiag.params import ParameterTracker, local_tensor, named_parameters_of
+    from lightning_hookdiag import _params as P
+    from lightning_hookdiag._aggregation import LayerStatsAggregator
+    from lightning_hookdiag._params import ParameterTracker, local_tensor, named_parameters_of
 
     model = make_model(depth)
     ref = copy.deepcopy(model)
@@ -232,7 +232,6 @@ def torch_case(rank: int, depth: int, layout: str) -> dict[str, Any]:
         "param_types": sorted({type(p).__name__ for p in params.values()}),
         "local_numel": [local_tensor(p).numel() for p in params.values()],
         "numel": [p.numel() for p in params.values()],
-        "n_states": len(aggregator._reductions),
     }
 
 
@@ -275,12 +274,12 @@ def run_torch(out_dir: str) -> None:
 def run_lightning(out_dir: str, strategy: str, accelerator: str, devices: int) -> None:
     """``Trainer.fit`` with the callback under FSDP2 (``model_parallel``) or FSDP (``fsdp``)."""
     import lightning.pytorch as pl
-    from conftest import make_trainer
+    from helpers import make_trainer
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_hookdiag import LayerHealthCallback
-    from lightning_hookdiag.replay import sharded
+    from lightning_hookdiag._replay import sharded
 
     count_collectives()
 
@@ -372,5 +371,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for conftest
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for the helpers package
     main(sys.argv[1:])

@@ -11,12 +11,12 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for conftest
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for the helpers package
 
 
 def main(out_dir: str) -> None:
     import lightning.pytorch as pl
-    from conftest import make_data, make_trainer
+    from helpers import make_data, make_trainer
     from torch import nn
     from torch.utils.data import DataLoader
 

@@ -15,15 +15,16 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for conftest
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for the helpers package
 
 SICK_STEP = 3
 
 
 def main(out_dir: str, mode: str) -> None:
     import lightning.pytorch as pl
-    from conftest import RecordingLogger, make_trainer
     from fsdp_worker import count_collectives, counted
+    from helpers import RecordingLogger, make_trainer
+    from helpers.cost import count_host_transfers
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -35,19 +36,14 @@ def main(out_dir: str, mode: str) -> None:
         def __init__(self, **kwargs: Any) -> None:
             super().__init__(**kwargs)
             self.collectives: dict[int, int] = {}
-            self.reads = 0  # the sentinel's packed host reads (one per optimizer step)
-            read = self._sentinel._read
-
-            def counted_read(*args: Any) -> Any:
-                self.reads += 1
-                return read(*args)
-
-            self._sentinel._read = counted_read
+            self.reads: dict[int, int] = {}  # host transfers (Tensor.tolist, .item, ...) in the sentinel's hook
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-            with counted() as count:
+            transfers = {"active": True, "calls": 0}
+            with counted() as count, count_host_transfers(transfers):
                 super().on_before_optimizer_step(trainer, pl_module, optimizer)
             self.collectives[trainer.global_step] = count["calls"]
+            self.reads[trainer.global_step] = transfers["calls"]
 
     class NaNOnRank1(nn.Module):
         def __init__(self) -> None:

@@ -17,10 +17,9 @@ from typing import Any
 import pytest
 import sync_worker as W
 import torch
-from reference import activation_stats, dead_fraction, flat, l2
-from test_histograms import reference_counts
+from helpers.reference import activation_stats, bin_counts, dead_fraction, flat, l2
 
-from lightning_hookdiag import stats as S
+from lightning_hookdiag import _stats as S
 
 pytestmark = pytest.mark.slow
 
@@ -84,8 +83,8 @@ def test_pooled_values_equal_float64_statistics_of_the_union(worlds, world, case
                 assert values[stat][layer].item() == pytest.approx(want, rel=1e-6, abs=1e-12), (step, layer, stat)
             assert values["act_grad_norm"][layer].item() == pytest.approx(l2(flat(grads[layer])), rel=1e-6)
             assert values["count"][layer].item() == len(flat(outputs[layer]))
-            assert values["act_hist"][layer].tolist() == reference_counts(flat(outputs[layer]), edges)
-            assert values["grad_hist"][layer].tolist() == reference_counts(flat(grads[layer]), edges)
+            assert values["act_hist"][layer].tolist() == bin_counts(flat(outputs[layer]), edges)
+            assert values["grad_hist"][layer].tolist() == bin_counts(flat(grads[layer]), edges)
             dead = values["act_dead_frac"][layer].item()
             if layer % 2:
                 assert dead == pytest.approx(dead_fraction(outputs[layer]), abs=1e-12), (step, layer)

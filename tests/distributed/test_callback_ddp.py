@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TinyModule, by_name, depths
-from reference import activation_stats, dead_fraction, flat, l2, replay_sequential
+from helpers import TinyModule, by_name, depths
+from helpers.reference import activation_stats, dead_fraction, flat, l2, replay_sequential
 from torch import nn
 
 pytestmark = pytest.mark.slow  # multi-process: left out of the fast loop, pytest -m "not slow"
@@ -112,8 +112,7 @@ def test_a_relu_branch_first_run_on_one_rank_gets_the_same_layout_everywhere(ran
 
 
 def test_opt_in_statistics_pool_over_processes(ranks):
-    from test_kurtosis import reference as outlier_reference
-    from test_precision import reference_counts
+    from helpers.reference import outlier_reference, precision_counts
 
     assert ranks[0]["opt_in"]["pooled"] == ranks[1]["opt_in"]["pooled"]
     # The opt-in states ride in the same packed SUM and MAX all-reduces.
@@ -128,7 +127,7 @@ def test_opt_in_statistics_pool_over_processes(ranks):
                 assert metrics[f"{P}/{stat}/model.{i}"] == pytest.approx(value, rel=1e-6), (step, i, stat)
             for kind, tensors in (("act", outputs[i]), ("act_grad", grads[i])):
                 for name, dtype in targets.items():
-                    nonzero, under, over = reference_counts(flat(tensors), dtype)
+                    nonzero, under, over = precision_counts(flat(tensors), dtype)
                     assert metrics[f"{P}/{kind}_underflow_frac_{name}/model.{i}"] == pytest.approx(under / nonzero)
                     assert metrics[f"{P}/{kind}_overflow_frac_{name}/model.{i}"] == pytest.approx(over / nonzero)
             # Every micro-batch of both processes has 4 rows: Linear saves its input, ReLU its output.

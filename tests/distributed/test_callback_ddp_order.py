@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import depths
+from helpers import depths
 
 pytestmark = pytest.mark.slow  # multi-process: left out of the fast loop, pytest -m "not slow"
 

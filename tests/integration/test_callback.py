@@ -2,6 +2,7 @@
 
 import csv
 import gc
+import logging
 import math
 import re
 import warnings
@@ -9,13 +10,13 @@ import weakref
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, by_name, count_hooks, depths, make_data, make_trainer
+from helpers import RecordingLogger, TinyModule, by_name, count_hooks, depths, make_data, make_trainer
+from helpers.keys import parse_key
+from helpers.reference import activation_stats, dead_fraction, flat, l2, replay_sequential, weights_after
 from lightning.pytorch.loggers import CSVLogger
-from reference import activation_stats, dead_fraction, flat, l2, replay_sequential, weights_after
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning
-from lightning_hookdiag.keys import parse_key
 
 P = "layer_health"
 
@@ -501,17 +502,24 @@ def test_settings_changed_after_construction_hold_for_the_next_fit():
     assert "'every_n_steps': 2" in callback.state_key  # the checkpoint key agrees with the schedule
 
 
-def test_each_logger_is_asked_once_per_histogram_step_whether_it_stores_histograms(monkeypatch, tmp_path):
+def test_each_logger_is_written_once_per_histogram_step_and_only_if_it_stores_histograms(tmp_path, caplog):
     from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    import lightning_hookdiag.callback as callback_module
-
-    asked = []
-    writer = callback_module._histogram_writer
-    monkeypatch.setattr(callback_module, "_histogram_writer", lambda logger: asked.append(logger) or writer(logger))
-    loggers = [RecordingLogger(), TensorBoardLogger(tmp_path)]
+    recording, tensorboard = RecordingLogger(), TensorBoardLogger(tmp_path)
     callback = LayerHealthCallback(
         every_n_steps=2, measure={"histogram_every_n_steps": 2, "histogram_bins": 8}, output={"summary": False}
     )
-    make_trainer([callback], max_steps=3, logger=loggers).fit(TinyModule())
-    assert asked == loggers * 2  # steps 0 and 2
+    with caplog.at_level(logging.INFO):
+        make_trainer([callback], max_steps=3, logger=[recording, tensorboard]).fit(TinyModule())
+    # TensorBoard stores them: one histogram per series on each histogram step (steps 0 and 2), none twice.
+    accumulator = EventAccumulator(tensorboard.log_dir, size_guidance={"histograms": 0}, purge_orphaned_data=False)
+    accumulator.Reload()
+    tags = accumulator.Tags()["histograms"]
+    assert {tag.partition("/")[0] for tag in tags} == {f"{P}.act_hist", f"{P}.act_grad_hist"}
+    assert len(tags) == 2 * 3  # outputs and their gradients, of the 3 layers
+    for tag in tags:
+        assert [event.step for event in accumulator.Histograms(tag)] == [0, 2], tag
+    # The recording logger does not: no histogram reaches it, and it is named once in the whole fit.
+    assert not [key for _, metrics in recording.raw for key in metrics if "_hist" in key]
+    assert sum("RecordingLogger cannot store histograms" in r.message for r in caplog.records) == 1

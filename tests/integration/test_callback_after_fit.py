@@ -11,14 +11,14 @@ import types
 
 import pytest
 import torch
-from conftest import TinyModule, count_hooks, force_trips, make_data, make_trainer
+from helpers import TinyModule, count_hooks, force_trips, make_data, make_trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
 from lightning_hookdiag import ALL_STATS, OPT_IN_STATS, LayerHealthCallback, LayerHealthError
-from lightning_hookdiag.diagnosis import Diagnosis
-from lightning_hookdiag.fit_run import FitRun
+from lightning_hookdiag.components import Setup, component
+from lightning_hookdiag.rules import BUILTIN_RULES
 
 EVERY_STAT = [*ALL_STATS, *OPT_IN_STATS]
 
@@ -310,21 +310,34 @@ def test_the_callback_holds_its_configuration_its_results_and_one_run_slot():
     assert (parameters - groups - {"deprecated"}) | {f"{g.removesuffix('s')}_config" for g in groups} == CONFIG
     # The rules' memory is empty before the first fit, and sized by the callback's rule settings.
     state = callback.state_dict()
-    assert {k: state[k] for k in ("alerts", "last_finite", "history")} == Diagnosis(callback.rule_config).state_dict()
+    assert state["alerts"] == {"active": [], "counts": {rule.name: 0 for rule in BUILTIN_RULES}}
+    assert state["last_finite"] == {}
     assert state["history"] == {"window": 28, "points": {}}  # 4 * trend_window: logit_drift looks back this far
     assert set(callback.alert_counts.values()) == {0}
 
 
+FIT_PARTS_BUILT: list[int] = []  # a count only: a Setup holds the model, which the callback must not keep
+
+
+def _count_parts_built(setup: Setup) -> None:
+    """Counts the fits that built their parts; builds nothing. Module-level and marked without the decorator's
+    syntax, so that pickle finds the function by its name (the callback must stay picklable)."""
+    FIT_PARTS_BUILT.append(1)
+
+
+count_parts_built = component(_count_parts_built)
+
+
 def test_the_run_is_one_object_from_fit_start_to_the_end_of_fit():
-    runs = []
-
-    class Look(Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            runs.append(trainer.callbacks[0]._run)
-
-    callback, model = LayerHealthCallback(every_n_steps=2, output={"summary": False}), module()
-    make_trainer([callback, Look()], max_steps=3).fit(model)
-    assert isinstance(runs[0], FitRun)
-    assert all(run is runs[0] for run in runs)
+    # A fit builds its parts once, at its start: a component factory passed in extensions= is called once per fit
+    # (with that fit's Setup), never per step or per sampled step.
+    setups = FIT_PARTS_BUILT
+    setups.clear()
+    extensions = [count_parts_built]
+    callback, model = LayerHealthCallback(every_n_steps=2, output={"summary": False}, extensions=extensions), module()
+    make_trainer([callback], max_steps=3).fit(model)
+    assert len(setups) == 1
     assert public(callback) - {"log", "log_dict"} == CONFIG | RESULTS
     assert_released(callback, model)
+    make_trainer([callback], max_steps=3).fit(module())
+    assert len(setups) == 2  # the next fit: a run of its own

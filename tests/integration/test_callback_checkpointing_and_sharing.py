@@ -2,8 +2,9 @@
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, make_data, make_trainer
-from reference import activation_stats, l2
+from helpers import RecordingLogger, TinyModule, make_data, make_trainer
+from helpers.observe import observed_outputs
+from helpers.reference import activation_stats, l2
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -24,32 +25,27 @@ class Checkpointed(nn.Module):
         return self.head(h)
 
 
-def logged(model: nn.Module, accumulate: int = 1) -> dict[str, float]:
+def logged(model: nn.Module, accumulate: int = 1, observed: list[int] | None = None) -> dict[str, float]:
+    """The values logged on step 0; ``observed`` receives the layer index of every output the callback observed."""
     logger = RecordingLogger()
     module = TinyModule(model=model, data=make_data(n=32))
-    make_trainer(
-        [LayerHealthCallback(every_n_steps=1)], max_steps=1, accumulate_grad_batches=accumulate, logger=logger
-    ).fit(module)
+    extensions = [observed_outputs(observed)] if observed is not None else []
+    callback = LayerHealthCallback(every_n_steps=1, extensions=extensions)
+    make_trainer([callback], max_steps=1, accumulate_grad_batches=accumulate, logger=logger).fit(module)
     return logger.ours()[0][1]
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_checkpointed_block_statistics_equal_the_plain_block(accumulate, monkeypatch):
-    import lightning_hookdiag.recorder as recorder
-
-    observed: list[int] = []
-    original = recorder.StepRecorder.on_tensor
-    monkeypatch.setattr(
-        recorder.StepRecorder, "on_tensor", lambda self, i, o: observed.append(i) or original(self, i, o)
-    )
+def test_checkpointed_block_statistics_equal_the_plain_block(accumulate):
+    observed: list[int] = []  # one layer index per output the callback observes
     torch.manual_seed(0)
     plain = Checkpointed(use_checkpoint=False)
     wrapped = Checkpointed(use_checkpoint=True)
     wrapped.load_state_dict(plain.state_dict())
-    expected = logged(plain, accumulate)
+    expected = logged(plain, accumulate, observed)
     plain_calls = sorted(observed)
     observed.clear()
-    got = logged(wrapped, accumulate)
+    got = logged(wrapped, accumulate, observed)
     # Recomputation inside backward re-runs the block's forward hooks: they must not be observed again.
     assert sorted(observed) == plain_calls
     assert len(plain_calls) == 4 * accumulate

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer
+from helpers import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer
 from torch import nn
 from torch._dynamo.utils import counters
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, by_name, make_data, make_trainer
+from helpers import RecordingLogger, TinyModule, by_name, make_data, make_trainer
 
 from lightning_hookdiag import (
     LayerHealthCallback,
@@ -19,7 +19,7 @@ from lightning_hookdiag import (
     RuleConfig,
     SentinelConfig,
 )
-from lightning_hookdiag.sentinel import SpikeDetector
+from lightning_hookdiag._sentinel import SpikeDetector
 
 P = "layer_health"
 CHECKPOINT = Path(__file__).resolve().parent / "callback_before_config.ckpt"
@@ -239,7 +239,7 @@ def test_a_detector_passed_in_decides_the_trips_and_each_callback_uses_its_own_c
 # -------------------------------------------------------------------------------------------------- checkpoints
 def test_a_checkpoint_written_before_the_grouped_constructor_resumes_with_the_new_spelling():
     # Written by the flat constructor at 71a15f9 (every_n_steps=2, exclude=["model.1"], spike_window=10, warmup=3;
-    # a trip forced at step 3; 6 steps) with the TinyModule of tests/conftest.py.
+    # a trip forced at step 3; 6 steps) with the TinyModule of tests/helpers/fit.py.
     saved = torch.load(CHECKPOINT, weights_only=False)
     key = "LayerHealthCallback{'every_n_steps': 2, 'layers': None, 'exclude': ['model.1'], 'prefix': 'layer_health'}"
     assert list(saved["callbacks"]) == [key]

@@ -5,90 +5,20 @@ from __future__ import annotations
 import gc
 import os
 import warnings
-from contextlib import contextmanager
 
 import pytest
 import torch
-from conftest import TinyModule, by_name, count_hooks, load_benchmark, make_data, make_trainer
+from helpers import TinyModule, by_name, count_hooks, load_benchmark, make_data, make_trainer
+from helpers.cost import CountingCallback, SyncFreeModule, count_host_transfers, deep_mlp
+from helpers.observe import observed_outputs
+from helpers.package_code import HostDataWatch, package_code
 from lightning.pytorch import Callback
-from package_code import HostDataWatch, package_code
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.vocabulary import ALL_STATS, OPT_IN_STATS
+from lightning_hookdiag._vocabulary import ALL_STATS, OPT_IN_STATS
 
 pytestmark = pytest.mark.slow
-
-# Tensor methods that force a device-to-host copy (and so a sync on an accelerator).
-SYNCING = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
-
-
-@contextmanager
-def count_host_transfers(counter: dict[str, int]):
-    originals = {name: getattr(torch.Tensor, name) for name in SYNCING}
-
-    def wrap(name, original):
-        def counted(self, *args, **kwargs):
-            if counter["active"]:
-                counter["calls"] += 1
-                counter.setdefault(name, 0)
-                counter[name] += 1
-                counter.setdefault("devices", set()).add(self.device.type)
-            return original(self, *args, **kwargs)
-
-        return counted
-
-    for name, original in originals.items():
-        setattr(torch.Tensor, name, wrap(name, original))
-    try:
-        yield counter
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
-
-
-class CountingCallback(LayerHealthCallback):
-    """Counts host transfers made while any of the callback's hooks or its tensor hooks run."""
-
-    def __init__(self, counter, **kwargs):
-        super().__init__(**kwargs)
-        self.counter = counter
-        self.per_step: dict[int, int] = {}
-
-    def _counted(self, method, *args):
-        self.counter["active"] = True
-        try:
-            return method(*args)
-        finally:
-            self.counter["active"] = False
-
-    def on_train_batch_start(self, *args):
-        self._step = args[0].global_step
-        self.counter["calls"] = 0
-        self._counted(super().on_train_batch_start, *args)
-        self.counter["active"] = True  # forward and backward hooks of the package run during the batch
-
-    def on_before_optimizer_step(self, *args):
-        self._counted(super().on_before_optimizer_step, *args)
-
-    def on_train_batch_end(self, *args):
-        self._counted(super().on_train_batch_end, *args)
-        self.per_step[self._step] = self.counter["calls"]
-
-
-def deep_mlp(blocks: int) -> nn.Module:
-    layers: list[nn.Module] = []
-    for i in range(blocks):
-        layers += [nn.Linear(4 if i == 0 else 16, 16), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(16, 1))
-
-
-class SyncFreeModule(TinyModule):
-    """A module whose own training step makes no host transfer, so every counted transfer is the package's."""
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return self.loss(self(x), y)
 
 
 def transfers_per_step(blocks: int, sentinel: str | None = "loss") -> tuple[dict[int, int], set[str]]:
@@ -144,12 +74,8 @@ def test_memory_and_live_tensors_stay_flat_over_thousands_of_sampled_steps():
     assert probe.rss[2000] - probe.rss[200] < 8 * 2**20  # no per-step growth (1800 steps in between)
 
 
-def test_unsampled_steps_have_no_hooks_and_no_package_work(monkeypatch):
-    calls = []
-    import lightning_hookdiag.recorder as recorder
-
-    original = recorder.StepRecorder.on_tensor
-    monkeypatch.setattr(recorder.StepRecorder, "on_tensor", lambda *a: calls.append(1) or original(*a))
+def test_unsampled_steps_have_no_hooks_and_no_package_work():
+    calls: list[int] = []  # one layer index per output the callback observes
 
     class Check(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -160,7 +86,8 @@ def test_unsampled_steps_have_no_hooks_and_no_package_work(monkeypatch):
                 assert len(calls) == self.before  # unsampled: not a single observation
 
     module = TinyModule(data=make_data(n=128))
-    make_trainer([Check(), LayerHealthCallback(every_n_steps=5)], max_steps=12).fit(module)
+    callback = LayerHealthCallback(every_n_steps=5, extensions=[observed_outputs(calls)])
+    make_trainer([Check(), callback], max_steps=12).fit(module)
     assert len(calls) == 3 * 3  # steps 0, 5, 10 x three layers
     assert count_hooks(module) == 0
 

@@ -9,9 +9,9 @@ import warnings
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, make_data, make_trainer
+from helpers import RecordingLogger, TinyModule, make_data, make_trainer
+from helpers.cost import SyncFreeModule, deep_mlp
 from lightning.pytorch import Callback
-from test_callback_cost import SyncFreeModule, deep_mlp
 
 from lightning_hookdiag import LayerHealthCallback
 

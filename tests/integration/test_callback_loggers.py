@@ -13,20 +13,20 @@ import csv
 import json
 import math
 import re
-import struct
 import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
-from conftest import TinyModule, by_name, finish_wandb, make_data, make_trainer, offline_wandb_logger
+from helpers import TinyModule, by_name, finish_wandb, make_data, make_trainer, offline_wandb_logger
+from helpers.keys import parse_key
+from helpers.offline_wandb import read_wandb_records
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, Logger
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.keys import parse_key
 
 EVERY = 2
 MAX_STEPS = 5
@@ -181,44 +181,6 @@ def test_mlflow_logger_stores_every_sampled_step(tmp_path: Path, monkeypatch: py
         stored = {m.step: m.value for m in history}
         assert len(history) == len(stored), f"{key}: a step logged twice"
         assert stored == {s: m[key] for s, m in expected.items() if key in m}, key
-
-
-# ----------------------------------------------------------------------------------------------- W&B offline
-_WANDB_BLOCK = 32 * 1024
-_WANDB_HEADER = 7  # b":W&B", magic 0xBEE1 (2 bytes), version (1 byte)
-_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
-
-
-def read_wandb_records(path: Path) -> list[bytes]:
-    """The serialized ``Record`` protobufs of an offline ``run-<id>.wandb`` file.
-
-    The file is a LevelDB-style log: 32 KiB blocks of chunks, each with a 7-byte header (CRC32C, little-endian
-    length, type); a record too long for the rest of a block is split into FIRST/MIDDLE/LAST chunks.
-    """
-    data = path.read_bytes()
-    assert data[:4] == b":W&B", "not a W&B run file"
-    records: list[bytes] = []
-    pending = b""
-    pos = _WANDB_HEADER
-    while pos + 7 <= len(data):
-        left = _WANDB_BLOCK - pos % _WANDB_BLOCK
-        if left < 7:  # block trailer: zero padding
-            pos += left
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        chunk = data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind == _FULL:
-            records.append(chunk)
-        elif kind == _FIRST:
-            pending = chunk
-        elif kind == _MIDDLE:
-            pending += chunk
-        elif kind == _LAST:
-            records.append(pending + chunk)
-        else:  # zero-filled tail of a preallocated block
-            break
-    return records
 
 
 def test_wandb_offline_logger_stores_every_sampled_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

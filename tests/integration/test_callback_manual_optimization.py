@@ -5,7 +5,7 @@ import math
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import RecordingLogger, make_data, make_trainer
+from helpers import RecordingLogger, make_data, make_trainer
 from torch import nn
 from torch.utils.data import DataLoader
 

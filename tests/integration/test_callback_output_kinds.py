@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, count_hooks, make_trainer
-from reference import activation_stats, flat, l2
+from helpers import RecordingLogger, TinyModule, count_hooks, make_trainer
+from helpers.reference import activation_stats, flat, l2
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning, capture_activations
-from lightning_hookdiag.vocabulary import OPT_IN_STATS
+from lightning_hookdiag._vocabulary import OPT_IN_STATS
 
 P = "layer_health"
 

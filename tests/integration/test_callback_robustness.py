@@ -8,12 +8,12 @@ import re
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, by_name, count_hooks, force_trips, make_trainer
+from helpers import RecordingLogger, TinyModule, by_name, count_hooks, force_trips, make_trainer
+from helpers.stance import compiles, current_stance
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning, capture_activations
-from lightning_hookdiag.hooks import HookSet
+from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning
 
 P = "layer_health"
 
@@ -101,20 +101,6 @@ def test_finite_exploding_gradients_fire_exploding_not_nonfinite():
 
 
 # ------------------------------------------------------------------------------------------ compile stance
-def compiles() -> bool:
-    """Whether a fresh ``torch.compile``-d function reaches its backend (it does not under ``force_eager``)."""
-    calls = []
-
-    def backend(gm, example_inputs):
-        calls.append(1)
-        return gm.forward
-
-    torch.compile(lambda x: x * 2 + 1, backend=backend)(torch.ones(3))
-    return bool(calls)
-
-
-def current_stance() -> str:
-    return torch._dynamo.eval_frame._stance.stance  # test-only peek at the global stance
 
 
 @pytest.mark.slow
@@ -122,29 +108,6 @@ def test_two_callbacks_leave_the_compile_stance_as_it_was():
     module = TinyModule()
     callbacks = [LayerHealthCallback(every_n_steps=1, prefix="a"), LayerHealthCallback(every_n_steps=1, prefix="b")]
     make_trainer(callbacks, max_steps=3).fit(module)
-    assert current_stance() == "default"
-    assert compiles()
-
-
-@pytest.mark.parametrize("order", ["first_in_first_out", "nested"])
-def test_overlapping_hook_sets_restore_the_stance_in_any_order(order):
-    net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
-    a = HookSet(dict(net.named_children()), lambda i, out: None)
-    b = HookSet(dict(net.named_children()), lambda i, out: None)
-    with torch.compiler.set_stance("eager_on_recompile"):  # a user's own stance must come back too
-        a.attach()
-        b.attach()
-        assert current_stance() == "force_eager"
-        with capture_activations(net, "0"):
-            net(torch.zeros(1, 2))
-            assert current_stance() == "force_eager"
-        first, second = (a, b) if order == "first_in_first_out" else (b, a)
-        first.remove()
-        assert current_stance() == "force_eager"  # the other set still needs it
-        first.remove()  # idempotent: does not release the other set's claim
-        assert current_stance() == "force_eager"
-        second.remove()
-        assert current_stance() == "eager_on_recompile"
     assert current_stance() == "default"
     assert compiles()
 
@@ -375,13 +338,15 @@ def test_output_cut_off_from_the_gradient_is_named_once():
     assert f"{P}/act_mean/model.side" in metrics
 
 
-def test_output_that_runs_after_every_gradient_and_gets_none_is_a_note(caplog):
-    # side runs last: an output that does not reach the loss, like a pooler nothing reads; a note, no warning.
+def test_output_that_runs_after_every_gradient_and_gets_none_is_a_note_and_output_unused(caplog):
+    # side runs last: an output that does not reach the loss, like a pooler nothing reads: not a cut (no_gradient is
+    # silent), a note; its parameters are in the optimizer and never get a gradient, which output_unused names (issue
+    # 38, principle 2).
     module = TinyModule(model=DetachedSide(side_first=False))
     callback = LayerHealthCallback(every_n_steps=1)
-    with caplog.at_level("INFO"):
-        make_trainer([callback], max_steps=3).fit(module)  # a LayerHealthWarning would fail the test
-    assert callback.findings == []
+    with caplog.at_level("INFO"), pytest.warns(LayerHealthWarning, match=r"output_unused at step 0: model\.side ran"):
+        make_trainer([callback], max_steps=3).fit(module)
+    assert {(f.rule, f.layer) for f in callback.findings} == {("output_unused", "model.side")}
     note = "'model.side' required grad but received no gradient"
     assert len([r for r in caplog.records if note in r.getMessage()]) == 1
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TinyModule, make_trainer
-from package_code import ScratchMeter, package_code
+from helpers import TinyModule, make_trainer
+from helpers.package_code import ScratchMeter, package_code
 from torch import nn
 from torch.utils.data import TensorDataset
 

@@ -5,7 +5,7 @@ import re
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, count_hooks, depths, make_trainer
+from helpers import RecordingLogger, TinyModule, count_hooks, depths, make_trainer
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback

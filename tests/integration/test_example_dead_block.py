@@ -18,11 +18,11 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from conftest import csv_statistic
+from helpers import csv_statistic
+from helpers.keys import parse_key
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning
-from lightning_hookdiag.keys import parse_key
 
 pytestmark = pytest.mark.slow  # two 100-step fits of a 97-layer model, ~10-20 s each on 2 busy cores
 

@@ -20,11 +20,11 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from conftest import csv_statistic
+from helpers import csv_statistic
+from helpers.keys import parse_key
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthError, LayerHealthWarning, RuleConfig
-from lightning_hookdiag.keys import parse_key
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 PREFIX = "layer_health"

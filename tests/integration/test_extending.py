@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import pickle
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import TinyModule, by_name, count_hooks, make_data, make_trainer
+from helpers import TinyModule, by_name, count_hooks, make_data, make_trainer
 
 from lightning_hookdiag import LayerHealthCallback
+from lightning_hookdiag.components import Component, Setup, component
 from lightning_hookdiag.rules import BATCH
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "extending.md"
@@ -73,3 +75,22 @@ def test_the_pages_statistic_is_logged_with_the_outputs_own_values():
     assert logged.keys() == outputs.keys()
     for name, out in outputs.items():
         assert logged[name] == pytest.approx(float(out.double().abs().sum()), rel=1e-6), name
+
+
+class _Quiet(Component):
+    """A component that watches nothing: what is pickled here is the factory, not its work."""
+
+
+@component
+def quiet_part(setup: Setup) -> _Quiet:
+    return _Quiet()
+
+
+def test_a_callback_with_a_decorated_component_pickles_before_and_after_a_fit():
+    # The module attribute quiet_part is the ComponentFactory, not the function: pickle must find it by name.
+    callback = LayerHealthCallback(every_n_steps=1, output={"summary": False}, extensions=[quiet_part])
+    assert pickle.loads(pickle.dumps(callback)).extensions.components == (quiet_part,)
+    make_trainer([callback], max_steps=2).fit(TinyModule())
+    copy = pickle.loads(pickle.dumps(callback))
+    assert copy.extensions.components == (quiet_part,)
+    assert copy.last_metrics == callback.last_metrics

@@ -1,32 +1,22 @@
 """Histograms: fixed-edge counts pooled exactly, written to TensorBoard and read back, skipped elsewhere."""
 
-import bisect
 import logging
-import math
 
 import pytest
 import torch
-from conftest import TinyModule, by_name, make_data, make_trainer
+from helpers import TinyModule, by_name, make_data, make_trainer
+from helpers.reference import bin_counts, flat, histogram_counts, replay_sequential
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from reference import flat, histogram_counts, replay_sequential
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag import stats as S
-
-
-def reference_counts(values: list[float], edges: list[float]) -> list[float]:
-    counts = [0.0] * (len(edges) + 1)
-    for v in values:
-        if math.isfinite(v):
-            counts[bisect.bisect_left(edges, v)] += 1  # bin i holds edges[i-1] < v <= edges[i]
-    return counts
+from lightning_hookdiag import _stats as S
 
 
 def test_histogram_counts_match_reference_and_pool_exactly():
     edges = S.histogram_edges(16)
     a, b = torch.randn(50) * 3, torch.tensor([0.0, 1e-7, -2e5, float("inf"), float("nan"), 1e-6])
     pooled = histogram_counts(a, edges) + histogram_counts(b, edges)
-    expected = reference_counts(a.tolist() + b.tolist(), edges.tolist())
+    expected = bin_counts(a.tolist() + b.tolist(), edges.tolist())
     assert pooled.tolist() == expected
     assert sum(expected) == 50 + 4
 
@@ -52,11 +42,11 @@ def test_tensorboard_histograms_read_back(tmp_path, caplog):
     edges = S.histogram_edges(16).tolist()
     for event in events:
         outputs, grads, _, _ = replay_sequential(module, event.step, accumulate=2)
-        assert list(event.histogram_value.bucket) == reference_counts(flat(outputs[1]), edges)
+        assert list(event.histogram_value.bucket) == bin_counts(flat(outputs[1]), edges)
         grad_event = next(
             e for e in accumulator.Histograms("layer_health.act_grad_hist/1_model.1") if e.step == event.step
         )
-        assert list(grad_event.histogram_value.bucket) == reference_counts(flat(grads[1]), edges)
+        assert list(grad_event.histogram_value.bucket) == bin_counts(flat(grads[1]), edges)
     assert tag not in callback.last_metrics  # histograms are not scalars
     assert not [k for k in by_name(callback.last_metrics) if "_hist/" in k]
 

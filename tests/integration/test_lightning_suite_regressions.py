@@ -13,7 +13,7 @@ from unittest.mock import MagicMock, Mock
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import TinyModule, count_hooks, make_data, make_trainer
+from helpers import TinyModule, count_hooks, make_data, make_trainer
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback

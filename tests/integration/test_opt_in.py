@@ -7,15 +7,12 @@ import math
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, by_name, force_trips, make_data, make_trainer
+from helpers import RecordingLogger, TinyModule, by_name, force_trips, make_data, make_trainer
+from helpers.reference import flat, outlier_reference, precision_counts, replay_sequential
 from lightning.pytorch.loggers import CSVLogger
-from reference import flat, replay_sequential
-from test_fit_run import start
-from test_kurtosis import reference as outlier_reference
-from test_precision import reference_counts
 from torch import nn
 
-from lightning_hookdiag import ALL_STATS, OPT_IN_STATS, LayerHealthCallback
+from lightning_hookdiag import OPT_IN_STATS, LayerHealthCallback
 from lightning_hookdiag.report import read_health_log
 
 P = "layer_health"
@@ -56,7 +53,7 @@ def test_every_opt_in_statistic_read_back_from_csv_matches_float64(tmp_path):
                 assert logged(key) == pytest.approx(value, rel=1e-6), (step, layer, key)
             for kind, tensors in (("act", outputs[i]), ("act_grad", grads[i])):
                 for name, dtype in TARGETS.items():
-                    nonzero, under, over = reference_counts(flat(tensors), dtype)
+                    nonzero, under, over = precision_counts(flat(tensors), dtype)
                     assert logged(f"{kind}_underflow_frac_{name}") == pytest.approx(under / nonzero, abs=1e-12)
                     assert logged(f"{kind}_overflow_frac_{name}") == pytest.approx(over / nonzero, abs=1e-12)
             rows = [len(t) for t in outputs[i]]
@@ -121,14 +118,6 @@ def test_training_is_bit_identical_with_every_opt_in_statistic():
         assert torch.equal(final[0][key], final[1][key]), key
 
 
-def test_default_stats_build_no_opt_in_component_and_register_no_opt_in_state():
-    run = start(TinyModule(), stats=ALL_STATS)
-    components, states = {type(c).__name__ for c in run.components}, set(run.aggregator.reduce_of)
-    assert not {"PrecisionHeadroom", "Outliers", "SavedMemoryTracker"} & components
-    assert "PrecursorProbes" in components  # on by default
-    assert not {"act_precision", "grad_precision", "act_power", "act_saved"} & states
-
-
 def test_nan_parameter_gradients_are_still_logged_but_undefined_opt_in_values_are_not():
     module = TinyModule()
     with torch.no_grad():
@@ -144,7 +133,7 @@ def test_nan_parameter_gradients_are_still_logged_but_undefined_opt_in_values_ar
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_a_replayed_step_logs_the_opt_in_values_a_sampled_step_logs(monkeypatch, accumulate):
-    from test_sentinel import fit_dropping
+    from helpers.dropping import fit_dropping
 
     def opt_in(every: int, **kwargs) -> LayerHealthCallback:
         stats = list(OPT_IN_STATS)

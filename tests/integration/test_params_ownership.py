@@ -7,14 +7,14 @@ import logging
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, count_hooks, make_trainer
+from helpers import RecordingLogger, TinyModule, count_hooks, make_trainer
+from helpers.zoo import ViT
 from torch import nn
 from torch.utils.data import TensorDataset
-from zoo import ViT
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning
-from lightning_hookdiag.params import owned_parameters
-from lightning_hookdiag.selection import is_default_layer, resolve_layers
+from lightning_hookdiag._params import owned_parameters
+from lightning_hookdiag._selection import is_default_layer, resolve_layers
 
 P = "layer_health"
 

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer, run_rules
+from helpers import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer, run_rules
 from torch import nn
 
-from lightning_hookdiag import LayerHealthCallback, LayerHealthError, replay
-from lightning_hookdiag import sentinel as SN
-from lightning_hookdiag.provenance import NonFiniteTrace
+from lightning_hookdiag import LayerHealthCallback, LayerHealthError, Trip
 from lightning_hookdiag.rules import LOSS, ROOT
-from lightning_hookdiag.step_state import Trip
 
 BAD_STEP = 13
 
@@ -52,9 +49,24 @@ class Net(nn.Module):
         return self.out(self.scale(x))
 
 
-def wrapped_module() -> TinyModule:
+class OnceAStep(TinyModule):
+    """Runs ``training_step`` once per step: called again for a step (a replay's re-run), it returns ``None``, which
+    Lightning's contract reads as "nothing to back-propagate", so a re-run through the trace has no forward to trace."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.stepped: set[int] = set()
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step in self.stepped:
+            return None
+        self.stepped.add(self.global_step)
+        return super().training_step(batch, batch_idx)
+
+
+def wrapped_module(kind: type[TinyModule] = TinyModule) -> TinyModule:
     torch.manual_seed(0)  # the same initial weights for every instance
-    module = TinyModule(data=make_data(n=256), lr=0.01)
+    module = kind(data=make_data(n=256), lr=0.01)
     module.model = Net(clocked(module))
     module.record_enabled = False
     return module
@@ -83,15 +95,13 @@ def test_a_nan_made_inside_a_wrappers_forward_is_named_at_the_wrapper():
     assert count_hooks(module) == 0
 
 
-def test_a_nan_made_on_a_sampled_step_is_traced_by_a_re_run_that_adds_nothing_to_its_statistics(monkeypatch):
+def test_a_nan_made_on_a_sampled_step_is_traced_by_a_re_run_that_adds_nothing_to_its_statistics():
     # BAD_STEP is sampled (every step is): the hooks saw it as it happened, and a re-run through the trace alone
     # names the wrapper. Without the re-run the same step logs the same values: the re-run was not counted.
     logged = {}
     for traced in (True, False):
-        if not traced:
-            # The re-run through the trace runs no training_step.
-            monkeypatch.setattr(replay.LightningStep, "micro_batch_loss", lambda self, micro: None)
-        module = wrapped_module()
+        # Untraced: the module's training_step declines to run a step twice, so the re-run has no forward.
+        module = wrapped_module(TinyModule if traced else OnceAStep)
         logger = RecordingLogger()
         callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False})
         make_trainer([callback], max_steps=BAD_STEP + 1, logger=logger).fit(module)
@@ -211,74 +221,45 @@ def test_a_nan_made_by_a_selected_layer_itself_keeps_todays_message():
 
 
 # ------------------------------------------------------------------------------------------------------ cost
-def test_the_trace_runs_only_in_the_replay_of_a_nonfinite_trip(monkeypatch):
-    attached: list[int] = []
-    original = NonFiniteTrace.attach
+def global_hooks_per_call(module: TinyModule) -> list[tuple[int, int]]:
+    """``(step, global forward hooks installed)`` at each call of ``module``'s ``training_step``, replays included.
 
-    def counting(self):
-        attached.append(1)
-        original(self)
+    The trace is a global forward hook (``torch.nn.modules.module.register_module_forward_hook``): a call made through
+    it runs under one more global hook than the training call of the same step.
+    """
+    calls: list[tuple[int, int]] = []
+    before = module.on_step
 
-    monkeypatch.setattr(NonFiniteTrace, "attach", counting)
-    # a loss spike on step 4: replayed, not traced
+    def on_step(m: TinyModule, batch_idx: int) -> None:
+        if before is not None:
+            before(m, batch_idx)
+        calls.append((m.global_step, len(torch.nn.modules.module._global_forward_hooks)))
+
+    module.on_step = on_step
+    return calls
+
+
+def hooks_per_call(module: TinyModule, steps: int, every: int, sentinel: object) -> list[tuple[int, int]]:
+    calls = global_hooks_per_call(module)
     callback = LayerHealthCallback(
-        every_n_steps=3, on_anomaly="ignore", sentinel=force_trips({4}), output={"summary": False}
+        every_n_steps=every, on_anomaly="ignore", sentinel=sentinel, output={"summary": False}
     )
-    make_trainer([callback], max_steps=8).fit(TinyModule(data=make_data(n=256)))
-    assert [t.step for t in callback.trips if t.replayed] == [4]
-    assert attached == []  # sampled steps 0, 3, 6 and the spike's replay: no trace
-
-    callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", output={"summary": False})
-    make_trainer([callback], max_steps=BAD_STEP + 1).fit(wrapped_module())
-    assert attached == [1]
+    make_trainer([callback], max_steps=steps).fit(module)
+    assert all(t.replayed for t in callback.trips)
+    return calls
 
 
-def test_the_global_hook_is_removed_when_the_replay_raises():
-    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
-    hooks = SN.HookSet({"0": net[0]}, lambda i, out: None)
-    trace = NonFiniteTrace(net)
-    micro = SN.MicroBatch(torch.randn(5, 3), 0, SN.capture_rng(torch.device("cpu")))
+def test_the_trace_runs_only_in_the_replay_of_a_nonfinite_trip():
+    # Each fit against the same fit without the sentinel (no trip, no replay): the same calls, under the same hooks.
+    plain = hooks_per_call(TinyModule(data=make_data(n=256)), 8, 3, None)
+    spiked = hooks_per_call(TinyModule(data=make_data(n=256)), 8, 3, force_trips({4}))
+    # A loss spike on step 4: its replay runs training_step once more, under no hook of the trace; sampled steps 0,
+    # 3 and 6 run under the hooks a fit without the sentinel installs, and no more.
+    assert spiked == [*plain[:5], (4, plain[4][1]), *plain[5:]]
 
-    def run(m):
-        net(m.batch)
-        assert len(torch.nn.modules.module._global_forward_hooks) == 1
-        raise RuntimeError("boom")
-
-    with pytest.raises(RuntimeError, match="boom"):
-        SN.replay_step([micro], run, net, hooks, torch.device("cpu"), trace)
-    assert count_hooks(net) == 0
-    assert len(torch.nn.modules.module._global_forward_hooks) == 0
-
-
-def test_the_trace_prefers_a_nan_and_ignores_keyword_masks():
-    class Mask(nn.Module):  # builds a -inf mask from finite inputs, on purpose
-        def forward(self, x):
-            return torch.full_like(x, float("-inf")).triu(1)
-
-    class Attend(nn.Module):
-        def forward(self, x, mask=None):
-            return x + mask.nan_to_num(neginf=0.0)
-
-    class Sqrt(nn.Module):
-        def forward(self, x):
-            return torch.sqrt(x - 10.0)
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.mask, self.attend, self.sqrt, self.head = Mask(), Attend(), Sqrt(), nn.Linear(3, 3)
-
-        def forward(self, x):
-            return self.head(self.sqrt(self.attend(x, mask=self.mask(x))))
-
-    model = Model()
-    trace = NonFiniteTrace(model)
-    trace.attach()
-    model(torch.ones(3, 3))
-    trace.remove()
-    # attend got a -inf mask by keyword: its input counts as finite; mask's -inf is not the NaN sqrt made.
-    assert trace.origin(["attend", "head"]) == ("head", "sqrt")
-    assert trace.origin(["head"]) == (None, None)  # one read: the record is consumed
+    plain = hooks_per_call(wrapped_module(), BAD_STEP + 1, 10, None)
+    nan = hooks_per_call(wrapped_module(), BAD_STEP + 1, 10, "loss")
+    assert nan == [*plain, (BAD_STEP, plain[BAD_STEP][1] + 1)]  # the NaN's replay, traced once
 
 
 # ------------------------------------------------------------------------------------------------------ rule
@@ -315,26 +296,3 @@ def test_a_compiled_model_is_traced_like_eager():
     assert (callback.trips[0].nan_entry, callback.trips[0].nan_origin) == ("model.out", "model.scale")
     assert callback.findings[0].layer == "model.scale"
     assert count_hooks(module) == 0
-
-
-def test_the_trace_formats_no_path_for_a_module_call():
-    class Key(str):
-        formatted = 0
-
-        def __repr__(self) -> str:
-            Key.formatted += 1
-            return super().__repr__()
-
-    class Named(nn.Module):
-        def forward(self, x):
-            return {Key("y"): x * float("nan")}
-
-    model = nn.Sequential(Named())
-    trace = NonFiniteTrace(model)
-    trace.attach()
-    try:
-        model(torch.ones(2))
-    finally:
-        trace.remove()
-    assert trace.origin(["0"]) == (None, None)  # the layer made it itself
-    assert Key.formatted == 0  # the replay's hook runs on every module call: it builds no throw-away strings

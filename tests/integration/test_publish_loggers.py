@@ -19,16 +19,16 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import pytest
-from conftest import TinyModule, finish_wandb, make_data, make_trainer, offline_wandb_logger
+from helpers import TinyModule, finish_wandb, make_data, make_trainer, offline_wandb_logger
+from helpers.keys import parse_key
+from helpers.png import decode_png
 from lightning.pytorch.loggers import CSVLogger
-from test_heatmap_image import decode_png
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.heatmap_image import NONFINITE, render
-from lightning_hookdiag.keys import parse_key
+from lightning_hookdiag._heatmap_image import NONFINITE, render
 from lightning_hookdiag.report import read_health_log
-from lightning_hookdiag.report.findings_file import read_findings
+from lightning_hookdiag.report._findings_file import read_findings
 
 NAN_STEP = 5
 SICK = "model.3"  # Linear, ReLU, Linear, <sick>, ReLU, Linear

@@ -12,14 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, make_data, make_trainer
+from helpers import RecordingLogger, TinyModule, make_data, make_trainer
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.inplace import REPLAY_SAVE_BYTES, InPlaceGuard, ReplayWriteLimit
-from lightning_hookdiag.sentinel import MicroBatch, capture_rng, replay_step
-from lightning_hookdiag.torch_internals import DispatchMode, version, written_tensors
+from lightning_hookdiag._inplace import REPLAY_SAVE_BYTES
 
 SPIKE = 8
 SENTINEL = {"warmup": 5}
@@ -123,55 +121,6 @@ def test_a_teacher_too_large_to_copy_is_not_replayed_and_training_is_unchanged()
     # The step's parameter statistics are still logged, and the next step is sampled.
     logged = {step for step, metrics in logger.ours() if "layer_health/param_norm/model.0.weight" in metrics}
     assert {SPIKE, SPIKE + 1} <= logged
-
-
-def test_the_guard_copies_only_what_is_written_and_refuses_the_write_that_passes_the_budget():
-    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
-    net.register_buffer("unwritten", torch.zeros(1000))
-    before = {k: v.clone() for k, v in net.state_dict().items()}
-    batch = MicroBatch(torch.randn(6, 4), 0, capture_rng(torch.device("cpu")))
-
-    def run(micro: MicroBatch) -> torch.Tensor:
-        with torch.no_grad():
-            net[2].weight.mul_(0.5)
-        return net(micro.batch).sum()  # BatchNorm updates its running statistics: an op that does not declare it
-
-    assert replay_step([batch], run, net, _no_hooks(), torch.device("cpu")) == 1
-    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
-
-    # In write order: 2.weight (32 B), num_batches_tracked (8 B), then running_mean (16 B) would pass 40 B.
-    with pytest.raises(ReplayWriteLimit, match=r"into 1\.running_mean, .* to 56 B, over the limit of 40 B"):
-        replay_step([batch], run, net, _no_hooks(), torch.device("cpu"), budget=40)
-    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
-    guard = InPlaceGuard(net)
-    with guard:
-        net(batch.batch)
-    assert guard.saved_bytes == 8 + 16 + 16  # the buffer of 4000 B is never written, so never copied
-    assert guard.restore() == []
-
-
-def test_the_torch_internals_the_guard_reads_exist():
-    assert issubclass(DispatchMode, object)
-    t = torch.zeros(2)
-    assert version(t) == 0
-    t.add_(1)
-    assert version(t) == 1
-    out = torch.empty(2)
-    assert written_tensors(torch.ops.aten.add_.Tensor, (t, t), {}) == [t]
-    assert written_tensors(torch.ops.aten.add.out, (t, t), {"out": out}) == [out]
-    # A batch norm writes its running statistics in training only, and never in its backward.
-    x, mean, var = torch.randn(4, 2), torch.zeros(2), torch.ones(2)
-    norm = torch.ops.aten.native_batch_norm.default
-    assert written_tensors(norm, (x, None, None, mean, var, True, 0.1, 1e-5), {}) == [mean, var]
-    assert written_tensors(norm, (x, None, None, mean, var, False, 0.1, 1e-5), {}) == []
-    backward = torch.ops.aten.native_batch_norm_backward.default
-    assert written_tensors(backward, (x, x, None, mean, var, mean, var, True, 1e-5, [True] * 3), {}) == []
-
-
-def _no_hooks() -> Any:
-    from lightning_hookdiag.hooks import HookSet
-
-    return HookSet({}, None)
 
 
 # ------------------------------------------------------------------------------------------- dataloader_iter

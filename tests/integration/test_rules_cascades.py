@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import TinyModule, make_data, make_trainer
+from helpers import TinyModule, make_data, make_trainer
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback

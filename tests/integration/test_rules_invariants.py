@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from cases import BugModule, Case, Fit, _data, _mlp, run
-from conftest import make_trainer, run_rules
+from helpers import make_trainer, run_rules
 from lightning.pytorch.demos.transformer import LightningTransformer
 from torch import nn
 from torch.nn import functional as F

@@ -11,13 +11,13 @@ import re
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import TinyModule, by_name, count_hooks, make_trainer
+from helpers import TinyModule, by_name, count_hooks, make_trainer
+from helpers.zoo import zoo_module
 from torch import nn
 from torch.utils.data import TensorDataset
-from zoo import zoo_module
 
 from lightning_hookdiag import ALL_STATS, LayerHealthCallback
-from lightning_hookdiag.vocabulary import PRECURSOR_STATS
+from lightning_hookdiag._vocabulary import PRECURSOR_STATS
 
 pytestmark = pytest.mark.slow
 
@@ -213,7 +213,7 @@ def test_history_goes_into_the_checkpoint_state_and_comes_back():
 
 
 def test_a_replayed_step_is_probed_like_a_sampled_one(monkeypatch):
-    from conftest import RecordingLogger, force_trips
+    from helpers import RecordingLogger, force_trips
 
     def run(every: int, trips: set[int]) -> dict[str, float]:
         module = zoo_module("vit", n=8 * 4)

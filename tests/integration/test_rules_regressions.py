@@ -15,12 +15,12 @@ import warnings
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, by_name, make_data, make_trainer
+from helpers import RecordingLogger, TinyModule, by_name, make_data, make_trainer
+from helpers.zoo import ResNet18, ZooModule
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.demos.transformer import LightningTransformer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-from zoo import ResNet18, ZooModule
 
 from lightning_hookdiag import LayerHealthCallback
 

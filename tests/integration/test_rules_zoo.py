@@ -12,10 +12,8 @@ import warnings
 
 import pytest
 import torch
-from conftest import by_name, count_hooks, make_trainer
-from torch import nn
-from torch.utils.data import TensorDataset
-from zoo import (
+from helpers import by_name, count_hooks, make_trainer
+from helpers.zoo import (
     ZOO,
     ResNet18,
     ViT,
@@ -25,10 +23,12 @@ from zoo import (
     sigmoid_stack,
     zoo_module,
 )
+from torch import nn
+from torch.utils.data import TensorDataset
 
 from lightning_hookdiag import LayerHealthCallback
+from lightning_hookdiag._vocabulary import PRECURSOR_STATS
 from lightning_hookdiag.rules import RULES
-from lightning_hookdiag.vocabulary import PRECURSOR_STATS
 
 pytest.importorskip("transformers")
 
@@ -89,7 +89,7 @@ def test_vit_owns_its_class_token_and_position_embedding_directly():
 
 
 def _sick_module(net: nn.Module, width: int = 32):
-    from conftest import TinyModule
+    from helpers import TinyModule
 
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, width, generator=g), torch.randn(64, 1, generator=g))

@@ -7,18 +7,15 @@ import pickle
 import random
 import re
 
-import numpy as np
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer
+from helpers import RecordingLogger, TinyModule, count_hooks, force_trips, make_data, make_trainer
+from helpers.dropping import fit_dropping
 from lightning.pytorch import Callback
 from torch import nn
-from torchmetrics import MeanMetric
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthError, LayerHealthWarning
-from lightning_hookdiag import sentinel as SN
-from lightning_hookdiag.components import Component
-from lightning_hookdiag.sentinel import LossSentinel, SpikeDetector
+from lightning_hookdiag._sentinel import SpikeDetector
 
 P = "layer_health"
 
@@ -194,39 +191,6 @@ def test_stop_stops_after_the_tripped_step():
 
 
 # ------------------------------------------------------------------------------------------------ replay fidelity
-class Dropping(TinyModule):
-    """Dropout and BatchNorm in the model, a torchmetrics metric and self.log in training_step, Python RNG too."""
-
-    def __init__(self) -> None:
-        model = nn.Sequential(
-            nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 16), nn.ReLU(),
-            nn.Dropout(0.2), nn.Linear(16, 1),
-        )  # fmt: skip
-        super().__init__(model=model, data=make_data(n=64), optimizer="adam", lr=1e-2)
-        self.record_enabled = False
-        self.mean_out = MeanMetric()
-        self.steps_seen: list[int] = []
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        self.steps_seen.append(self.global_step)
-        out = self(x)
-        loss = self.loss(out, y)
-        self.mean_out(out.detach().mean())
-        self.log("user/loss", loss)
-        self.log("user/noise", torch.rand(()) + random.random())  # the RNG streams training continues with
-        self.log("user/mean_out", self.mean_out, on_step=False, on_epoch=True)
-        return loss
-
-
-def fit_dropping(callbacks, logger, max_steps=8, **kwargs) -> Dropping:
-    torch.manual_seed(0)
-    random.seed(0)
-    module = Dropping()
-    make_trainer(callbacks, max_steps=max_steps, logger=logger, **kwargs).fit(module)
-    return module
-
-
 @pytest.mark.parametrize(("precision", "accumulate"), [("32-true", 1), ("32-true", 2), ("bf16-mixed", 2)])
 def test_a_replay_logs_the_values_a_regular_sampled_step_logs(monkeypatch, precision, accumulate):
     regular_log = RecordingLogger()
@@ -442,16 +406,6 @@ def test_bad_sentinel_settings_are_rejected_naming_the_value(kwargs, facts):
     assert all(fact in str(error.value) for fact in facts), (facts, str(error.value))
 
 
-@pytest.mark.parametrize("mode", ["grads", None])
-def test_a_loss_sentinel_needs_one_of_its_modes(mode):
-    # None is the callback's "no sentinel", not a mode of the sentinel itself.
-    with pytest.raises(ValueError, match="sentinel") as error:
-        LossSentinel(mode)
-    message = str(error.value)
-    assert f"got {mode!r}" in message
-    assert "['loss', 'loss+grads']" in message  # the valid modes, None not among them
-
-
 def test_the_sentinel_state_survives_a_checkpoint_round_trip():
     callback = LayerHealthCallback(every_n_steps=10, on_anomaly="ignore", output={"summary": False})
     module, _ = mlp_with(lambda clock: NaNAt(clock, step=25))
@@ -467,73 +421,6 @@ def test_the_sentinel_state_survives_a_checkpoint_round_trip():
     assert sentinel["previous_trip"] == 26  # the NaN weights keep the loss NaN after step 25
 
 
-def test_replay_helper_restores_rng_buffers_and_gradients_even_when_the_step_raises():
-    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Dropout(0.5))
-    seen: list[int] = []
-    hooks = SN.HookSet({"0": net[0]}, lambda i, out: seen.append(i))
-    micro = SN.MicroBatch(torch.randn(5, 3), 0, SN.capture_rng(torch.device("cpu")))
-    before_rng, before_stats = torch.get_rng_state(), net[1].running_mean.clone()
-
-    def run(m):
-        net(m.batch).sum()
-        torch.rand(3)
-        raise RuntimeError("boom")
-
-    with pytest.raises(RuntimeError, match="boom"):
-        SN.replay_step([micro], run, net, hooks, torch.device("cpu"))
-    assert seen == [0]
-    assert not hooks.attached
-    assert count_hooks(net) == 0
-    assert torch.equal(before_rng, torch.get_rng_state())
-    assert torch.equal(before_stats, net[1].running_mean)
-    assert int(net[1].num_batches_tracked) == 0
-    assert all(p.grad is None for p in net.parameters())
-
-
-def test_the_replay_restores_the_training_state_even_when_a_companion_fails_to_remove():
-    class FailsToRemove(Component):
-        def remove(self) -> None:
-            super().remove()
-            raise RuntimeError("companion remove failed")
-
-    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Dropout(0.5))
-    hooks = SN.HookSet({"0": net[0], "1": net[1]}, lambda i, out: None, companions=[FailsToRemove()])
-    micro = SN.MicroBatch(torch.randn(5, 3), 0, SN.capture_rng(torch.device("cpu")))
-    before = torch.get_rng_state(), random.getstate(), net[1].running_mean.clone()
-
-    def run(m):
-        torch.rand(3), random.random()
-        return net(m.batch).sum()
-
-    with pytest.raises(RuntimeError, match="companion remove failed"):
-        SN.replay_step([micro], run, net, hooks, torch.device("cpu"))
-    assert count_hooks(net) == 0
-    assert torch.equal(before[0], torch.get_rng_state())
-    assert before[1] == random.getstate()
-    assert torch.equal(before[2], net[1].running_mean)
-    assert int(net[1].num_batches_tracked) == 0
-
-
-def test_the_random_streams_and_a_buffer_the_step_resized_are_put_back():
-    net = nn.Linear(3, 2)
-    net.register_buffer("seen", torch.tensor([1.0, 2.0]))
-    micro = SN.MicroBatch(torch.randn(5, 3), 0, SN.capture_rng(torch.device("cpu")))
-    before = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
-    buffer = net.seen
-
-    def run(m):
-        torch.rand(3), random.random(), np.random.rand()
-        net.seen.resize_(1000).fill_(7.0)  # a larger storage, then new contents
-        return net(m.batch).sum()
-
-    SN.replay_step([micro], run, net, SN.HookSet({}, None), torch.device("cpu"))
-    assert torch.equal(before[0], torch.get_rng_state())
-    assert before[1] == random.getstate()
-    assert (before[2] == np.random.get_state()[1]).all()
-    assert net.seen is buffer
-    assert net.seen.tolist() == [1.0, 2.0]
-
-
 def test_a_second_fit_starts_from_a_fresh_baseline():
     callback = LayerHealthCallback(
         every_n_steps=10, on_anomaly="raise", sentinel={"warmup": 3}, output={"summary": False}
@@ -547,35 +434,6 @@ def test_a_second_fit_starts_from_a_fresh_baseline():
     big.lr = 1e-9  # a loss level of its own, stable
     make_trainer([callback], max_steps=5).fit(big)
     assert callback.trips == []
-
-
-@pytest.mark.parametrize("processes", [1, 2])
-def test_the_packed_read_trips_on_the_right_steps(processes):
-    # With processes, the packed values go through a MAX all-reduce (here the identity, after the NaN/-Inf mapping).
-    reduce_max = None if processes == 1 else (lambda t: t.clone())
-    sentinel = LossSentinel("loss+grads", SpikeDetector(warmup=3), reduce_max=reduce_max)
-    healthy, bad = [torch.ones(3)], [torch.ones(2), torch.tensor([1.0, -math.inf])]
-    huge = [torch.tensor([3e38, 3e38, -1.0])]  # finite, although its float32 sum overflows
-    steps = [(1.0, healthy), (1.1, huge), (0.9, healthy), (1.0, bad), (math.nan, healthy), (1e8, healthy), (1, healthy)]
-    trips = []
-    for step, (loss, grads) in enumerate(steps):
-        sentinel.observe_loss(torch.tensor(loss))
-        trip = sentinel.check(step, grads, scale=torch.tensor(2.0))
-        trips.append(None if trip is None else (trip.kind, trip.loss if math.isfinite(trip.loss) else "nan"))
-    assert trips == [None, None, None, ("nonfinite_grad", 0.5), ("nonfinite_loss", "nan"), ("loss_spike", 5e7), None]
-
-
-def test_sparse_gradients_are_checked_by_their_stored_values():
-    # nn.Embedding(sparse=True) gradients: dense reductions fail on them; a NaN among their values must trip.
-    sentinel = LossSentinel("loss+grads", SpikeDetector(warmup=3))
-    healthy = torch.sparse_coo_tensor([[0, 4, 4]], [1.0, 2.0, 3.0], (6,))
-    bad = torch.sparse_coo_tensor([[1, 3]], [1.0, math.nan], (6,))
-    trips = []
-    for step, grad in enumerate([healthy, bad, healthy]):
-        sentinel.observe_loss(torch.tensor(1.0))
-        trip = sentinel.check(step, [grad, torch.ones(2)])
-        trips.append(None if trip is None else trip.kind)
-    assert trips == [None, "nonfinite_grad", None]
 
 
 def _reference_spike(window: list[float], loss: float, zscore: float, ratio: float, recent: int = 5) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TinyModule, make_trainer
+from helpers import TinyModule, make_trainer
 from lightning.pytorch import Callback
 from torch import nn
 from torch.utils.data import TensorDataset

@@ -13,7 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, count_hooks, make_data, make_trainer
+from helpers import RecordingLogger, TinyModule, count_hooks, make_data, make_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 

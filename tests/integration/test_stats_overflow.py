@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, make_data, make_trainer
+from helpers import RecordingLogger, TinyModule, make_data, make_trainer
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning

@@ -1,4 +1,5 @@
-"""The layout of tests/ that CONTRIBUTING.md describes: every folder importable, unique file names, ``slow`` marks.
+"""The layout of tests/ that CONTRIBUTING.md describes: helpers in one package, no test importing another, unique file
+names, ``slow`` marks.
 
 The mark checks read each module's own ``pytestmark``, so that a multi-process module added without it fails here
 instead of slowing down ``-m "not slow"``.
@@ -31,15 +32,43 @@ def test_marked_slow_reads_only_a_module_wide_slow_mark():
     assert not marked_slow("def f():\n    pytestmark = 1\n")
 
 
-def test_every_folder_of_tests_is_on_the_path(pytestconfig):
-    folders = {TESTS, *(p for p in TESTS.rglob("*") if p.is_dir() and p.name != "__pycache__")}
+def imported_modules(source: str) -> set[str]:
+    """The top-level names of every module that ``source`` imports, at any depth (``from a.b import c`` gives ``a``)."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out |= {alias.name.partition(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module.partition(".")[0])
+    return out
+
+
+def test_imported_modules_reads_every_import():
+    source = "import a.b as c\nfrom d.e import f\nfrom . import g\ndef h():\n    from conftest import i\n"
+    assert imported_modules(source) == {"a", "d", "conftest"}
+
+
+def test_tests_import_helpers_from_the_helpers_package_never_from_a_test_module_or_conftest():
+    """A shared helper lives in ``tests/helpers``: a test module imported by another runs its tests' module code twice
+    under two names, and ``conftest`` is pytest's, for fixtures and hooks only."""
+    test_modules = {p.stem for p in TESTS.rglob("test_*.py")}
+    offending = {}
+    for path in TESTS.rglob("*.py"):
+        wrong = imported_modules(path.read_text()) & (test_modules | {"conftest"})
+        if wrong:
+            offending[str(path.relative_to(TESTS))] = sorted(wrong)
+    assert not offending, offending
+
+
+def test_the_path_holds_the_helpers_root_and_the_bug_case_library_only(pytestconfig):
     on_path = {Path(p).resolve() for p in pytestconfig.getini("pythonpath")}
-    assert folders == on_path, f"pyproject.toml's pythonpath lacks {folders - on_path} and lists {on_path - folders}"
+    assert on_path == {TESTS, TESTS / "bugs"}, on_path
+    assert (TESTS / "helpers" / "__init__.py").is_file()
 
 
 def test_file_names_are_unique_across_tests():
     repeated = [name for name, n in Counter(p.name for p in TESTS.rglob("*.py")).items() if n > 1]
-    assert not repeated, f"imported by name from every folder, so these clash: {repeated}"
+    assert not repeated, f"pytest imports a test file by its name from its folder, so these clash: {repeated}"
 
 
 def test_every_multi_process_module_and_the_zoo_are_slow():

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from conftest import count_hooks
+from helpers import count_hooks
 from torch import nn
 
 from lightning_hookdiag import LayerHealthWarning, capture_activations

@@ -15,15 +15,15 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import TinyModule, by_name, count_hooks, make_trainer
+from helpers import TinyModule, by_name, count_hooks, make_trainer
 from torch import nn
 
 from lightning_hookdiag import ALL_STATS, LayerHealthCallback
+from lightning_hookdiag._fit_run import FitRun, StepCheck
+from lightning_hookdiag._logged_values import ObservedStep
+from lightning_hookdiag._sentinel import LossSentinel, MicroBatch, SpikeDetector, capture_rng
 from lightning_hookdiag.builtins import split_extensions
 from lightning_hookdiag.components import Component, FitConfig, Setup, component
-from lightning_hookdiag.fit_run import FitRun, StepCheck
-from lightning_hookdiag.logged_values import ObservedStep
-from lightning_hookdiag.sentinel import LossSentinel, MicroBatch, SpikeDetector, capture_rng
 
 
 def config(**changes: object) -> FitConfig:
@@ -216,7 +216,7 @@ class Watch(Component):
 
 @pytest.mark.parametrize("replays", [True, False])
 def test_a_component_is_attached_once_per_micro_batch_and_sees_a_replay_only_if_it_watches_replays(replays):
-    from conftest import force_trips
+    from helpers import force_trips
 
     trainer = make_trainer([], max_steps=5)
     watch = Watch(replays, lambda: trainer.global_step)
@@ -432,3 +432,11 @@ def test_a_blocked_trip_of_a_persisting_failure_is_only_recorded():
     assert third.trip.reason.startswith("the previous step tripped too")
     assert run.close_past(4, []) is None
     assert loop.replays == 0
+
+
+def test_default_stats_build_no_opt_in_component_and_register_no_opt_in_state():
+    run = start(TinyModule(), stats=ALL_STATS)
+    components, states = {type(c).__name__ for c in run.components}, set(run.aggregator.reduce_of)
+    assert not {"PrecisionHeadroom", "Outliers", "SavedMemoryTracker"} & components
+    assert "PrecursorProbes" in components  # on by default
+    assert not {"act_precision", "grad_precision", "act_power", "act_saved"} & states

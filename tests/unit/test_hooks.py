@@ -1,10 +1,12 @@
 import pytest
 import torch
-from conftest import count_hooks
+from helpers import count_hooks
+from helpers.stance import compiles, current_stance
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_hookdiag.hooks import HookSet, first_floating_tensor, tensors
+from lightning_hookdiag import capture_activations
+from lightning_hookdiag._hooks import HookSet, first_floating_tensor, tensors
 
 
 def mlp(inplace: bool = False) -> nn.Sequential:
@@ -221,10 +223,10 @@ def test_tensors_walks_every_dtype_with_its_path():
 def test_a_companion_that_raises_leaves_no_hook_behind(finished):
     from torch._dynamo import eval_frame
 
-    from lightning_hookdiag.aggregation import LayerStatsAggregator
+    from lightning_hookdiag._aggregation import LayerStatsAggregator
+    from lightning_hookdiag._saved_memory import SavedMemoryTracker
+    from lightning_hookdiag._unregistered import UnregisteredWatch
     from lightning_hookdiag.components import Component
-    from lightning_hookdiag.saved_memory import SavedMemoryTracker
-    from lightning_hookdiag.unregistered import UnregisteredWatch
 
     class Failing(Component):
         def end_micro_batch(self):
@@ -287,3 +289,26 @@ def test_a_sink_that_raises_leaves_the_grad_mode_as_it_was():
             net(torch.randn(2, 3))
         assert torch.is_inference_mode_enabled()
         assert torch.is_grad_enabled() == before
+
+
+@pytest.mark.parametrize("order", ["first_in_first_out", "nested"])
+def test_overlapping_hook_sets_restore_the_stance_in_any_order(order):
+    net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    a = HookSet(dict(net.named_children()), lambda i, out: None)
+    b = HookSet(dict(net.named_children()), lambda i, out: None)
+    with torch.compiler.set_stance("eager_on_recompile"):  # a user's own stance must come back too
+        a.attach()
+        b.attach()
+        assert current_stance() == "force_eager"
+        with capture_activations(net, "0"):
+            net(torch.zeros(1, 2))
+            assert current_stance() == "force_eager"
+        first, second = (a, b) if order == "first_in_first_out" else (b, a)
+        first.remove()
+        assert current_stance() == "force_eager"  # the other set still needs it
+        first.remove()  # idempotent: does not release the other set's claim
+        assert current_stance() == "force_eager"
+        second.remove()
+        assert current_stance() == "eager_on_recompile"
+    assert current_stance() == "default"
+    assert compiles()

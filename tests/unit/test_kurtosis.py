@@ -7,24 +7,13 @@ import pickle
 
 import pytest
 import torch
-from conftest import by_name
+from helpers import by_name
+from helpers.reference import outlier_reference
 
-from lightning_hookdiag import kurtosis as O
-from lightning_hookdiag.aggregation import LayerStatsAggregator
-from lightning_hookdiag.recorder import StepRecorder
-from lightning_hookdiag.vocabulary import ACTIVATION_STATS
-
-
-def reference(chunks: list[torch.Tensor]) -> dict[str, float]:
-    """Kurtosis and absmax/std of the finite elements of all chunks together, in float64, two-pass."""
-    values = torch.cat([c.reshape(-1).double() for c in chunks])
-    values = values[torch.isfinite(values)]
-    centred = values - values.mean()
-    m2 = (centred**2).mean()
-    return {
-        "act_kurtosis": ((centred**4).mean() / m2**2).item(),
-        "act_absmax_over_std": (values.abs().max() / m2.sqrt()).item(),
-    }
+from lightning_hookdiag import _kurtosis as O
+from lightning_hookdiag._aggregation import LayerStatsAggregator
+from lightning_hookdiag._recorder import StepRecorder
+from lightning_hookdiag._vocabulary import ACTIVATION_STATS
 
 
 def pooled(chunks: list[torch.Tensor]) -> dict[str, float]:
@@ -53,7 +42,7 @@ def test_kurtosis_of_heavy_tailed_micro_batches_matches_float64():
     chunks = [student_t((64, 33), df=3.0, seed=s) * (1 + s) + s for s in range(3)]
     chunks[1][0, 0] = math.nan  # left out, like act_std does
     chunks[2][5, 1] = -math.inf
-    expected = reference(chunks)
+    expected = outlier_reference(chunks)
     assert expected["act_kurtosis"] > 6  # genuinely heavy-tailed
     got = pooled(chunks)
     for key, value in expected.items():
@@ -66,9 +55,9 @@ def test_planted_massive_activation_channel_is_seen():
     massive = healthy.clone()
     massive[:, :, 7] = 100.0 + torch.randn(8, 16, generator=g)  # one channel two orders above the rest
     calm, spiky = pooled([healthy[:4], healthy[4:]]), pooled([massive[:4], massive[4:]])
-    assert calm["act_kurtosis"] == pytest.approx(reference([healthy])["act_kurtosis"], rel=1e-6)
+    assert calm["act_kurtosis"] == pytest.approx(outlier_reference([healthy])["act_kurtosis"], rel=1e-6)
     assert calm["act_kurtosis"] == pytest.approx(3.0, abs=0.2)  # normal data
-    for key, value in reference([massive]).items():
+    for key, value in outlier_reference([massive]).items():
         assert spiky[key] == pytest.approx(value, rel=1e-6), key
     assert spiky["act_kurtosis"] > 20 * calm["act_kurtosis"] / 3
     assert spiky["act_absmax_over_std"] > 7
@@ -79,7 +68,7 @@ def test_large_mean_against_the_spread_does_not_cancel(shift):
     # |mean| / std = 52 and 173: raw power sums in float32 would lose every digit.
     g = torch.Generator().manual_seed(2)
     chunks = [torch.rand(4096, generator=g) * 2 - 1 + shift for _ in range(2)]
-    expected = reference(chunks)["act_kurtosis"]
+    expected = outlier_reference(chunks)["act_kurtosis"]
     assert expected == pytest.approx(1.8, rel=0.05)  # uniform
     assert pooled(chunks)["act_kurtosis"] == pytest.approx(expected, rel=1e-6)
 
@@ -88,7 +77,7 @@ def test_a_shift_near_the_mean_keeps_every_digit_where_sums_about_zero_cancel():
     # |mean| / std = 1e4 / 0.58: sums about zero keep ~1e-3 of the kurtosis; about a shift near the mean, all of it.
     g = torch.Generator().manual_seed(3)
     chunks = [(torch.rand(4096, generator=g, dtype=torch.float64) * 2 - 1 + 1e4).float() for _ in range(3)]
-    expected = reference(chunks)["act_kurtosis"]
+    expected = outlier_reference(chunks)["act_kurtosis"]
     about_zero = O.finalize_kurtosis(torch.stack([O.power_sums(c) for c in chunks]).sum(0, keepdim=True)).item()
     shift = torch.tensor(1e4 + 0.37, dtype=torch.float64)  # a previous step's mean: close, not equal
     about_shift = O.finalize_kurtosis(torch.stack([O.power_sums(c, shift=shift) for c in chunks]).sum(0, keepdim=True))
@@ -97,7 +86,7 @@ def test_a_shift_near_the_mean_keeps_every_digit_where_sums_about_zero_cancel():
 
 
 def test_the_callback_takes_the_shift_from_the_last_pooled_mean(tmp_path):
-    from conftest import TinyModule, count_hooks, make_trainer
+    from helpers import TinyModule, count_hooks, make_trainer
     from lightning.pytorch import Callback
     from torch import nn
     from torch.utils.data import TensorDataset
@@ -121,7 +110,7 @@ def test_the_callback_takes_the_shift_from_the_last_pooled_mean(tmp_path):
 
     make_trainer([callback, Watch()], max_steps=3).fit(module)
     # The same batch every step, and Offset has no weights: every step's reference is the same.
-    expected = reference([data.tensors[0] * 1e-3 + 1e4])["act_kurtosis"]
+    expected = outlier_reference([data.tensors[0] * 1e-3 + 1e4])["act_kurtosis"]
     assert seen[1] == pytest.approx(expected, rel=1e-6)  # about step 0's pooled mean
     assert seen[2] == pytest.approx(expected, rel=1e-6)
     assert seen[0] != pytest.approx(expected, rel=1e-6)  # step 0: about zero (documented)

@@ -6,23 +6,12 @@ import math
 
 import pytest
 import torch
+from helpers.reference import precision_counts
 
-from lightning_hookdiag import precision as PR
-from lightning_hookdiag.opt_in import PRECISION_TARGETS, plan_opt_in, resolve_targets
+from lightning_hookdiag import _precision as PR
+from lightning_hookdiag._opt_in import PRECISION_TARGETS, plan_opt_in, resolve_targets
 
 TARGETS = list(PRECISION_TARGETS.items())
-
-
-def reference_counts(values: list[float], target: torch.dtype) -> tuple[int, int, int]:
-    """Non-zero (non-NaN), underflow and overflow-risk counts by float comparison in Python (float64)."""
-    info = torch.finfo(target)
-    tiny, half_max = float(info.tiny), float(info.max) / 2
-    nonzero = [v for v in values if v == v and v != 0]
-    return (
-        len(nonzero),
-        sum(1 for v in nonzero if abs(v) < tiny),
-        sum(1 for v in nonzero if abs(v) >= half_max),
-    )
 
 
 def edge_values(target: torch.dtype, dtype: torch.dtype) -> list[float]:
@@ -46,7 +35,7 @@ def edge_values(target: torch.dtype, dtype: torch.dtype) -> list[float]:
 def test_counts_on_both_sides_of_each_threshold(name, target, dtype):
     values = edge_values(target, dtype)
     x = torch.tensor(values, dtype=dtype)
-    expected = reference_counts(x.tolist(), target)
+    expected = precision_counts(x.tolist(), target)
     # Written out by hand, to guard the reference: tiny_below twice below; half, -half, half_above, inf, -inf
     # (and the two beyond max where they exist) at risk.
     beyond = 2 if float(torch.finfo(target).max) < float(torch.finfo(dtype).max) else 0
@@ -76,7 +65,7 @@ def test_low_precision_inputs_are_widened_exactly(dtype, target, values, expecte
     x = torch.tensor(values, dtype=dtype)
     assert x.tolist() == values  # every value is representable, so the case is what it says
     assert PR.precision_counts(x, [target]).tolist() == [float(c) for c in expected]
-    assert reference_counts(values, target) == expected
+    assert precision_counts(values, target) == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
@@ -89,9 +78,9 @@ def test_counts_match_float_comparisons_on_values_spanning_every_range(dtype):
     x[::101] = math.nan
     targets = [t for _, t in TARGETS]
     got = PR.precision_counts(x, targets).tolist()
-    expected = [float(reference_counts(x.tolist(), targets[0])[0])]
+    expected = [float(precision_counts(x.tolist(), targets[0])[0])]
     for target in targets:
-        _, under, over = reference_counts(x.tolist(), target)
+        _, under, over = precision_counts(x.tolist(), target)
         expected += [float(under), float(over)]
     assert got == expected
     assert 0 < expected[1] < expected[0]

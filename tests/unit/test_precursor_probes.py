@@ -9,23 +9,24 @@ import sys
 
 import pytest
 import torch
-from conftest import by_name, count_hooks, make_trainer
+from helpers import by_name, count_hooks, make_trainer
+from helpers.zoo import ZooModule, _tokens, hf_model, zoo_module
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
-from zoo import ZooModule, _tokens, hf_model, zoo_module
 
-from lightning_hookdiag import ALL_STATS, LayerHealthCallback, torch_internals
-from lightning_hookdiag.aggregation import LayerStatsAggregator
-from lightning_hookdiag.components import WindowStart
-from lightning_hookdiag.precursor_probes import (
+from lightning_hookdiag import ALL_STATS, LayerHealthCallback
+from lightning_hookdiag import _torch_internals as torch_internals
+from lightning_hookdiag._aggregation import LayerStatsAggregator
+from lightning_hookdiag._precursor_probes import (
     AttentionProbe,
     attention_scope,
     eager_logit_absmax,
     sdpa_logit_absmax,
 )
-from lightning_hookdiag.selection import named_modules
-from lightning_hookdiag.vocabulary import PRECURSOR_STATS
+from lightning_hookdiag._selection import named_modules
+from lightning_hookdiag._vocabulary import PRECURSOR_STATS
+from lightning_hookdiag.components import WindowStart
 
 STATS = [*ALL_STATS, *PRECURSOR_STATS]
 
@@ -321,7 +322,9 @@ def test_without_attention_modules_the_probe_watches_the_whole_sampled_forward()
     x = _tokens(8 * 2, 0, vocab=50)
     net = Inline()
     module = ZooModule(net, "classify", TensorDataset(x, x[:, 0] % 4))
-    callback = LayerHealthCallback(every_n_steps=1, stats=["attn_logit_max"], on_anomaly="ignore", summary=False)
+    callback = LayerHealthCallback(
+        every_n_steps=1, stats=["attn_logit_max"], on_anomaly="ignore", output={"summary": False}
+    )
     make_trainer([callback], max_steps=1).fit(module)
     values = {k: v for k, v in by_name(callback.last_metrics).items() if "attn_logit_max" in k}
     assert len(values) == 1
@@ -358,7 +361,7 @@ def test_a_compiled_model_gets_the_same_precursor_statistics_as_eager():
 
 
 def test_removing_the_probe_leaves_a_mode_entered_after_it_in_place():
-    from lightning_hookdiag.precursor_probes import PrecursorProbes
+    from lightning_hookdiag._precursor_probes import PrecursorProbes
 
     class Other(torch.overrides.TorchFunctionMode):
         pass
@@ -438,7 +441,7 @@ class _StudentTeacher(nn.Module):
 
 
 def test_the_output_layer_is_the_last_module_whose_output_can_be_logits():
-    from conftest import TinyModule
+    from helpers import TinyModule
 
     seen: list[torch.Tensor] = []
     net = _StudentTeacher()
@@ -462,7 +465,7 @@ def test_the_output_layer_is_the_last_module_whose_output_can_be_logits():
 
 
 def test_a_one_wide_output_gets_its_largest_logit_but_no_log_z():
-    from conftest import TinyModule
+    from helpers import TinyModule
 
     seen: list[torch.Tensor] = []
     module = TinyModule()  # Linear(4, 8), ReLU, Linear(8, 1): a regression head
@@ -477,7 +480,7 @@ def test_a_one_wide_output_gets_its_largest_logit_but_no_log_z():
 
 
 def test_a_model_without_attention_stops_paying_for_the_mode_after_its_first_sampled_step():
-    from conftest import TinyModule
+    from helpers import TinyModule
 
     def stack_sizes(module) -> list[int]:
         sizes: list[int] = []
@@ -521,7 +524,7 @@ def test_the_probes_copy_no_host_data_to_the_device_in_a_micro_batch():
     # on an accelerator is a host-to-device copy and a sync.
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lightning_hookdiag.precursor_probes import PrecursorProbes
+    from lightning_hookdiag._precursor_probes import PrecursorProbes
 
     class Fresh(TorchDispatchMode):
         def __init__(self) -> None:
@@ -569,7 +572,7 @@ TORCH_INTERNALS = (
     "torch.nn.modules.batchnorm._BatchNorm",
     "torch.nn.modules.dropout._DropoutNd",
 )
-"""Every internal that lightning_hookdiag/torch_internals.py reads."""
+"""Every internal that lightning_hookdiag/_torch_internals.py reads."""
 
 
 def missing_torch_internals() -> list[str]:

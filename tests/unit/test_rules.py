@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from conftest import TinyModule, make_trainer, run_rules
+from helpers import TinyModule, make_trainer, run_rules
 
 from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.rules import (
@@ -19,7 +19,7 @@ from lightning_hookdiag.rules import (
     moved_mass_bound,
     values_from_metrics,
 )
-from lightning_hookdiag.rules.registry import Found, rule
+from lightning_hookdiag.rules._registry import Found, rule
 
 BUILT_IN = {r.name: r for r in BUILTIN_RULES}
 
@@ -308,13 +308,25 @@ def test_exploding_gradient_spread_over_a_chain_says_how_little_one_layer_holds(
     norms = {name: 3.0**i * (1.25 if i == 5 else 1.0) for i, name in enumerate(names)}  # x3 per layer, x3.75 once
     (f,) = run_rules({"act_grad_norm": norms}, names[::-1], names, step=0)
     # net.5's norm over net.4's is the largest gain, but it holds a fifth of the growth: no layer is the amplifier,
-    # and the first layer past the threshold is named.
+    # and the input end of the side, where the growth starts, is named (here also the first layer past the threshold).
     assert f.layer == "net.7"
     assert "The growth is spread over the layers up to net.7, none holding most of it" in f.message
     assert f"is {3.75:.3g} times net.4's" in f.message
     total = norms["net.7"] / norms["net.0"]
-    assert f.message.endswith(f"{math.log(3.75) / math.log(total):.0%} of the orders of magnitude gained from the"
-                              " output end; the median of the other gains between consecutive layers is 3")  # fmt: skip
+    assert (f"{math.log(3.75) / math.log(total):.0%} of the orders of magnitude gained from the output end; the"
+            " median of the other gains between consecutive layers is 3)") in f.message  # fmt: skip
+    assert f.message.endswith("the growth starts at its input end, net.7, not where the threshold is first crossed")
+
+
+def test_exploding_gradient_spread_over_a_stack_names_the_input_end_not_where_the_threshold_is_crossed():
+    # Every layer multiplies the gradient by 3 on its way to the input: 3**7 = 2187 crosses exploding_ratio=1000 at
+    # net.1 (in forward order), and the growth starts at net.0, the input end, which is named (issue 38, principle 5).
+    names = [f"net.{i}" for i in range(9)]
+    norms = {name: 3.0 ** (8 - i) for i, name in enumerate(names)}
+    (f,) = run_rules({"act_grad_norm": norms}, names, names[::-1], step=0)
+    assert (f.rule, f.layer) == ("exploding_gradient", "net.0")
+    assert "every layer from net.1 to the input end (2 layers)" in f.message
+    assert f.value == pytest.approx(3.0**7)  # the smallest ratio on the side, at net.1
 
 
 def test_ratio_exactly_at_threshold_does_not_fire():
@@ -591,7 +603,8 @@ def test_alert_state_counts_every_finding_seen():
                             "zeroed_gradients": 0, "input_scale": 0, "not_updated": 0, "replica_divergence": 0,
                             "attention_logits": 0, "logit_drift": 0, "unbounded_loss": 0,
                             "update_jump": 0, "repeated_batch": 0, "unregistered_module": 0,
-                            "shared_parameters": 0, "scheduler_overstepped": 0}  # fmt: skip
+                            "shared_parameters": 0, "scheduler_overstepped": 0, "stopped_running": 0,
+                            "output_unused": 0, "idle_optimizer": 0, "shadowed_method": 0}  # fmt: skip
 
 
 def test_alert_state_round_trips_through_json_and_pickle():
@@ -880,9 +893,9 @@ def test_a_rule_says_nothing_without_the_context_it_reads():
     assert BUILT_IN["not_updated"].reads == ("param_facts",)
     assert run_rules(values, FORWARD, BACKWARD, step=3, config=RuleConfig(enabled=["not_updated"])) == []
     assert [BUILT_IN[name].check.__module__ for name in ("nonfinite", "loss_spike", "update_jump")] == [
-        "lightning_hookdiag.rules.nonfinite",
-        "lightning_hookdiag.rules.spike",
-        "lightning_hookdiag.rules.precursors",
+        "lightning_hookdiag.rules._nonfinite",
+        "lightning_hookdiag.rules._spike",
+        "lightning_hookdiag.rules._precursors",
     ]
 
 

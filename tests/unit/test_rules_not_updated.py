@@ -13,12 +13,12 @@ import re
 
 import pytest
 import torch
-from conftest import RecordingLogger, TinyModule, make_data, make_trainer, run_rules
+from helpers import RecordingLogger, TinyModule, make_data, make_trainer, run_rules
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.optimizer_watch import StepWatch, held_by_none
+from lightning_hookdiag._optimizer_watch import StepWatch, held_by_none
 from lightning_hookdiag.rules import ParamFacts, RuleConfig, moved_mass_bound
 
 P = "layer_health"
@@ -473,7 +473,7 @@ def test_output_gradients_are_unscaled_by_the_scale_they_were_made_with_not_the_
 
 
 def test_measuring_parameters_no_optimizer_holds_keeps_one_host_transfer_per_sampled_step(monkeypatch):
-    from test_callback_cost import CountingCallback, SyncFreeModule, count_host_transfers
+    from helpers.cost import CountingCallback, SyncFreeModule, count_host_transfers
 
     class SyncFreeHeadLeftOut(SyncFreeModule):
         def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -12,7 +12,7 @@ import math
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import by_name, make_data, make_trainer, run_rules
+from helpers import by_name, make_data, make_trainer, run_rules
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -223,7 +223,7 @@ def test_two_optimizers_are_not_checked():
 
 
 def test_automatic_optimization_with_accumulation_is_not_stale():
-    from conftest import TinyModule
+    from helpers import TinyModule
 
     assert _fit(TinyModule(), steps=3, accumulate_grad_batches=2).findings == []
 
