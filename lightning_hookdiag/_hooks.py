@@ -7,6 +7,7 @@ gradient w.r.t. the value the module produced, also when an in-place op (``nn.Re
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
