@@ -253,6 +253,44 @@ def test_a_companion_that_raises_leaves_no_hook_behind(finished):
     assert eval_frame._stance.stance == "default"
 
 
+def test_sinks_run_without_grad_or_inference_mode_and_leave_both_as_they_were():
+    seen = []
+
+    def sink(index, tensor):
+        seen.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+        seen.append(torch.ones(1).is_inference())  # scratch made in a sink is never an inference tensor
+
+    net = mlp()
+    with HookSet({"0": net[0]}, None, on_tensor=sink):
+        net(torch.randn(2, 3))
+        assert torch.is_grad_enabled()
+        with torch.inference_mode():
+            net(torch.randn(2, 3))
+            assert torch.is_inference_mode_enabled()
+        with torch.no_grad():
+            net(torch.randn(2, 3))
+            assert not torch.is_grad_enabled()
+    assert seen == [(False, False), False] * 3
+    assert torch.is_grad_enabled()
+    assert not torch.is_inference_mode_enabled()
+
+
+def test_a_sink_that_raises_leaves_the_grad_mode_as_it_was():
+    def sink(index, tensor):
+        raise RuntimeError("sink failed")
+
+    net = mlp()
+    with HookSet({"0": net[0]}, None, on_tensor=sink), pytest.raises(RuntimeError, match="sink failed"):
+        net(torch.randn(2, 3))
+    assert torch.is_grad_enabled()
+    with torch.inference_mode():
+        before = torch.is_grad_enabled()  # inference mode turns grad off too
+        with HookSet({"0": net[0]}, None, on_tensor=sink), pytest.raises(RuntimeError, match="sink failed"):
+            net(torch.randn(2, 3))
+        assert torch.is_inference_mode_enabled()
+        assert torch.is_grad_enabled() == before
+
+
 @pytest.mark.parametrize("order", ["first_in_first_out", "nested"])
 def test_overlapping_hook_sets_restore_the_stance_in_any_order(order):
     net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())

@@ -45,3 +45,22 @@ def test_owning_layer_prefers_the_longest_known_layer():
     assert owning_layer("enc.block.0.weight") == "enc.block.0"
     assert owning_layer("enc._orig_mod.weight", ["enc"]) == "enc"
     assert owning_layer("bias") == "bias"
+
+
+def test_owning_layer_matches_the_prefix_definition_on_odd_names():
+    # Independently: the longest dotted prefix (whole segments, shorter than the name) that is a known layer.
+    def expected(name: str, layers: set[str]) -> str:
+        parts = name.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            if ".".join(parts[:cut]) in layers:
+                return ".".join(parts[:cut])
+        return name.rpartition(".")[0] or name
+
+    layers = {"", "a", "a.", "a.b", "enc.block"}
+    names = ["weight", ".weight", "a..b", "a.b.c.weight", "ab.weight", "enc.block.weight", "enc.blockx.weight"]
+    for name in names:
+        assert owning_layer(name, layers) == expected(name, layers), name
+        assert owning_layer(name) == expected(name, set()), name
+    # A repeated call (cached names) answers the same, and the layers of the call decide, not those of an earlier one.
+    assert owning_layer("enc.block.weight", {"enc"}) == "enc"
+    assert owning_layer("enc.block.weight", {"enc", "enc.block"}) == "enc.block"
