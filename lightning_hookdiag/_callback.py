@@ -7,16 +7,13 @@ the Trainer can do), and log what comes back.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
+from functools import partial
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
-from lightning.fabric.utilities.logger import _add_prefix
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import Logger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_deprecation, rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
@@ -32,18 +29,16 @@ from lightning_hookdiag._config import (
 )
 from lightning_hookdiag._diagnosis import Diagnosis
 from lightning_hookdiag._distributed import all_reduce_max
-from lightning_hookdiag._errors import LayerHealthError, LayerHealthWarning, MissingExtraError
+from lightning_hookdiag._errors import LayerHealthError, LayerHealthWarning
 from lightning_hookdiag._fit_run import FitRun
-from lightning_hookdiag._heatmap_image import render
 from lightning_hookdiag._keys import ALERTS_ACTIVE, step_key
 from lightning_hookdiag._logged_values import (
     Note,
     ObservedStep,
-    histogram_note,
     no_logger_note,
 )
 from lightning_hookdiag._opt_in import resolve_targets
-from lightning_hookdiag._publish import FindingsWriter, write_all_clear, write_image
+from lightning_hookdiag._publish import FindingsWriter, HeatmapColumns, write_all_clear, write_histograms
 from lightning_hookdiag._replay import LightningStep, sharded
 from lightning_hookdiag._selection import import_types
 from lightning_hookdiag._sentinel import LossSentinel, NoSentinel, Sentinel
@@ -59,49 +54,6 @@ from lightning_hookdiag.rules import Finding, Rule, RuleConfig, format_error, va
 __all__ = ["LayerHealthCallback"]
 
 ON_ANOMALY = ("warn", "raise", "stop", "ignore")
-
-# The heatmap's columns: the latest sampled steps kept for it (a bound on what the callback holds, whatever the run's
-# length; 256 columns of 8 pixels are wider than any dashboard shows).
-HEATMAP_COLUMNS = 256
-
-
-HistogramWriter = Callable[[str, list[float], list[float], list[float], int], None]
-
-
-def _histogram_writer(logger: Logger) -> HistogramWriter | None:
-    """A function writing one histogram to ``logger``, or ``None`` if the logger cannot store histograms.
-
-    The logger's ``prefix`` applies as to scalars (TensorBoard: with the function its scalar-only ``log_metrics`` uses).
-    """
-    if isinstance(logger, TensorBoardLogger):
-
-        def tensorboard(tag: str, counts: list[float], left: list[float], right: list[float], step: int) -> None:
-            filled = [i for i, c in enumerate(counts) if c > 0]
-            centres = [(left[i] + right[i]) / 2 for i in range(len(counts))]
-            (key,) = _add_prefix({tag: 0.0}, getattr(logger, "_prefix", ""), logger.LOGGER_JOIN_CHAR)
-            logger.experiment.add_histogram_raw(
-                key,
-                min=left[filled[0]],
-                max=right[filled[-1]],
-                num=sum(counts),
-                sum=sum(c * m for c, m in zip(counts, centres, strict=True)),
-                sum_squares=sum(c * m * m for c, m in zip(counts, centres, strict=True)),
-                bucket_limits=right,
-                bucket_counts=counts,
-                global_step=step,
-            )
-
-        return tensorboard
-    if isinstance(logger, WandbLogger):
-
-        def wandb_histogram(tag: str, counts: list[float], left: list[float], right: list[float], step: int) -> None:
-            import wandb
-
-            histogram = wandb.Histogram(np_histogram=(np.asarray(counts), np.asarray([left[0], *right])))
-            logger.log_metrics({tag: histogram}, step=step)  # type: ignore[dict-item]
-
-        return wandb_histogram
-    return None
 
 
 def _stepping_optimizers(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[torch.optim.Optimizer]:
@@ -255,7 +207,7 @@ class LayerHealthCallback(Callback):
     _warned: set[str]
     _diagnosis: Diagnosis
     _writer: FindingsWriter
-    _heatmap: dict[str, deque[tuple[int, dict[str, float]]]]
+    _heatmaps: HeatmapColumns
 
     def __init__(
         self,
@@ -581,9 +533,7 @@ class LayerHealthCallback(Callback):
         # The rules' memory between sampled steps; checkpointed.
         self._diagnosis = Diagnosis(self.rule_config, every_rule(self.extensions))
         self._writer = FindingsWriter(self.prefix)  # findings and trips into the loggers, once each
-        # The heatmaps' columns, per statistic: (step, {layer: value}); not checkpointed (a resumed fit draws from
-        # the steps it sampled).
-        self._heatmap = {}
+        self._heatmaps = HeatmapColumns()  # not checkpointed: a resumed fit draws from the steps it sampled
         self._sentinel.load_state_dict({})  # no baseline, no trip (on_fit_start forgets what was observed)
 
     def _close_past(self, trainer: pl.Trainer, run: FitRun) -> None:
@@ -625,7 +575,7 @@ class LayerHealthCallback(Callback):
             errors += self._log_histograms(trainer, observed, run)
         trips = [observed.trip] if observed.trip is not None else []  # with the findings of its window
         errors += self._writer.write(trainer.loggers, observed.step, new, trips)
-        self._remember_heatmap_column(observed.step, seen.values)
+        self._heatmaps.remember(observed.step, seen.values, self.output_config.heatmap_stats)
         every = self.output_config.heatmap_every_n_steps
         if every is not None and observed.step % every == 0:
             errors += self._draw_heatmaps(trainer)
@@ -646,36 +596,12 @@ class LayerHealthCallback(Callback):
         if errors:
             raise errors[0]
 
-    def _remember_heatmap_column(self, step: int, values: Mapping[str, Mapping[str, float]]) -> None:
-        """Keep the step's values of the heatmap statistics (the latest ``HEATMAP_COLUMNS`` sampled steps)."""
-        for stat in self.output_config.heatmap_stats:
-            if stat in values:
-                column = self._heatmap.setdefault(stat, deque(maxlen=HEATMAP_COLUMNS))
-                column.append((step, dict(values[stat])))
-
     def _draw_heatmaps(self, trainer: pl.Trainer) -> list[BaseException]:
-        """Draw each kept statistic as layers (forward order) by sampled steps into the loggers that store images.
-
-        Layers that ran on none of the drawn steps are left out; a layer without a value on a step is a missing cell.
-        """
-        errors: list[BaseException] = []
-        for stat, columns in self._heatmap.items():
-            seen = {layer for _, by_layer in columns for layer in by_layer}
-            rows = [layer for layer in self.execution_order if layer in seen]
-            rows += sorted(seen - set(rows))  # parameters and layers not in the last forward order
-            matrix = [[by_layer.get(layer) for _, by_layer in columns] for layer in rows]
-            signed = any(v is not None and v < 0 for row in matrix for v in row)  # NaN is neither: drawn red
-            scale: Literal["log", "linear"] = "linear" if signed else "log"
-            # Cells of 4 to 32 pixels, so that a few layers or steps still make an image a person can read.
-            cell = max(4, min(32, 384 // max(len(rows), len(columns))))
-            image = render(matrix, scale=scale, cell=cell)
-            step = columns[-1][0]
-            errors += write_image(trainer.loggers, f"{self.prefix}_heatmap/{stat}", image, step)
-        # A logger whose images need a package that is missing (W&B without Pillow) is said once, not raised: the
-        # rest of its logs are whole, and the fit must not fail at its end for want of a picture.
-        for missing in [e for e in errors if isinstance(e, MissingExtraError)]:
-            self._note(Note(f"image:{missing}", f"LayerHealthCallback: the heatmap is not drawn there: {missing}"))
-        return [e for e in errors if not isinstance(e, MissingExtraError)]
+        """Draw the kept heatmap columns into the loggers that store images; returns the loggers' errors."""
+        errors, notes = self._heatmaps.draw(trainer.loggers, self.prefix, self.execution_order)
+        for note in notes:
+            self._note(note)
+        return errors
 
     def _log(self, trainer: pl.Trainer, step: int, metrics: dict[str, float]) -> list[BaseException]:
         """Send the step's metrics to every logger; returns the loggers' errors, raised later."""
@@ -689,17 +615,6 @@ class LayerHealthCallback(Callback):
 
     def _log_histograms(self, trainer: pl.Trainer, observed: ObservedStep, run: FitRun) -> list[BaseException]:
         """Send the step's histograms to the loggers that store them; returns the loggers' errors."""
-        writers = [(logger, _histogram_writer(logger)) for logger in trainer.loggers]
-        writes = [write for _, write in writers if write is not None]
-        skipped = [type(logger).__name__ for logger, write in writers if write is None]
-        errors: list[BaseException] = []
-        if writes:  # cut into series only for a logger that stores them
-            histograms = run.histograms(observed)
-            for write in writes:
-                try:
-                    for key, counts in histograms.series:
-                        write(key, counts, histograms.left, histograms.right, observed.step)
-                except Exception as error:  # as in _log: the other loggers and the rules first
-                    errors.append(error)
-        self._note(histogram_note(skipped))
+        errors, note = write_histograms(trainer.loggers, partial(run.histograms, observed), observed.step)
+        self._note(note)  # the loggers that cannot store them, said once
         return errors

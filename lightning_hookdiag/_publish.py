@@ -3,20 +3,22 @@
 The callback's logging half for everything that is not a scalar statistic: findings and sentinel trips as
 TensorBoard text, MLflow tags and an artifact, a W&B table, or JSON lines in ``<log_dir>/findings.jsonl`` (CSV and
 any logger with a ``log_dir``); the count of active alerts as a scalar (``<prefix>/alerts_active``, in the summary
-group) to every logger; the heatmap as an image. Nothing here computes or decides: the caller passes each finding
-once, on the step it is made. Every logger gets its share even when another one fails: the errors come back, one per
-failing logger, for the caller to raise after the step. Only rank 0 writes (as Lightning's own ``log_metrics``), and
-each logger's ``prefix`` applies as Lightning applies it to scalars. What each logger receives, and how to read it
-back: ``docs/loggers.md``.
+group) to every logger; the histograms to the loggers that store them (TensorBoard, W&B); the heatmap as an image,
+drawn from the sampled steps' columns that :class:`HeatmapColumns` keeps. Nothing here decides: the caller passes
+each finding once, on the step it is made. Every logger gets its share even when another one fails: the errors come
+back, one per failing logger, for the caller to raise after the step. Only rank 0 writes (as Lightning's own
+``log_metrics``), and each logger's ``prefix`` applies as Lightning applies it to scalars. What each logger receives,
+and how to read it back: ``docs/loggers.md``.
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from lightning.fabric.utilities.logger import _add_prefix
@@ -26,8 +28,9 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 
 from lightning_hookdiag._errors import MissingExtraError
-from lightning_hookdiag._heatmap_image import as_rgb, png_bytes
+from lightning_hookdiag._heatmap_image import as_rgb, png_bytes, render
 from lightning_hookdiag._keys import ALERTS_ACTIVE, step_key
+from lightning_hookdiag._logged_values import Histograms, Note, histogram_note
 from lightning_hookdiag._step_state import Trip
 from lightning_hookdiag._table import format_value
 from lightning_hookdiag.report._findings_file import FINDINGS_FILE
@@ -36,11 +39,14 @@ from lightning_hookdiag.rules._findings import Finding
 __all__ = [
     "COLUMNS",
     "FINDINGS_FILE",
+    "HEATMAP_COLUMNS",
     "FindingsWriter",
+    "HeatmapColumns",
     "finding_record",
     "trip_message",
     "trip_record",
     "write_all_clear",
+    "write_histograms",
     "write_image",
 ]
 
@@ -345,3 +351,134 @@ def write_image(loggers: Sequence[Logger], tag: str, image: Any, step: int) -> l
         except Exception as error:  # as in FindingsWriter.write: the other loggers first
             errors.append(error)
     return errors
+
+
+# ------------------------------------------------------------------------------------------------------ histograms
+HistogramWriter = Callable[[str, list[float], list[float], list[float], int], None]
+
+
+def _histogram_writer(logger: Logger) -> HistogramWriter | None:
+    """A function writing one histogram to ``logger``, or ``None`` if the logger cannot store histograms.
+
+    The logger's ``prefix`` applies as to scalars (TensorBoard: with the function its scalar-only ``log_metrics`` uses).
+    """
+    if isinstance(logger, TensorBoardLogger):
+
+        def tensorboard(tag: str, counts: list[float], left: list[float], right: list[float], step: int) -> None:
+            filled = [i for i, c in enumerate(counts) if c > 0]
+            centres = [(left[i] + right[i]) / 2 for i in range(len(counts))]
+            (key,) = _add_prefix({tag: 0.0}, getattr(logger, "_prefix", ""), logger.LOGGER_JOIN_CHAR)
+            logger.experiment.add_histogram_raw(
+                key,
+                min=left[filled[0]],
+                max=right[filled[-1]],
+                num=sum(counts),
+                sum=sum(c * m for c, m in zip(counts, centres, strict=True)),
+                sum_squares=sum(c * m * m for c, m in zip(counts, centres, strict=True)),
+                bucket_limits=right,
+                bucket_counts=counts,
+                global_step=step,
+            )
+
+        return tensorboard
+    if isinstance(logger, WandbLogger):
+
+        def wandb_histogram(tag: str, counts: list[float], left: list[float], right: list[float], step: int) -> None:
+            import wandb
+
+            histogram = wandb.Histogram(np_histogram=(np.asarray(counts), np.asarray([left[0], *right])))
+            logger.log_metrics({tag: histogram}, step=step)  # type: ignore[dict-item]
+
+        return wandb_histogram
+    return None
+
+
+def write_histograms(
+    loggers: Sequence[Logger], histograms: Callable[[], Histograms], step: int
+) -> tuple[list[BaseException], Note | None]:
+    """Write the step's histograms to the loggers that store them (TensorBoard, W&B).
+
+    Args:
+        loggers: The Trainer's loggers.
+        histograms: Gives the step's histograms; called only when a logger stores them (cutting them into series
+            costs a pass over every layer's counts).
+        step: The step they are logged at.
+
+    Returns:
+        The error of each logger that failed, after every other logger got the histograms, and the one-time note
+        naming the loggers that cannot store histograms (``None``: every logger can).
+    """
+    writers = [(logger, _histogram_writer(logger)) for logger in loggers]
+    writes = [write for _, write in writers if write is not None]
+    skipped = [type(logger).__name__ for logger, write in writers if write is None]
+    errors: list[BaseException] = []
+    if writes:
+        series = histograms()
+        for write in writes:
+            try:
+                for key, counts in series.series:
+                    write(key, counts, series.left, series.right, step)
+            except Exception as error:  # as in FindingsWriter.write: the other loggers first
+                errors.append(error)
+    return errors, histogram_note(skipped)
+
+
+# -------------------------------------------------------------------------------------------------------- heatmaps
+# The heatmap's columns: the latest sampled steps kept for it (a bound on what the callback holds, whatever the run's
+# length; 256 columns of 8 pixels are wider than any dashboard shows).
+HEATMAP_COLUMNS = 256
+
+Column = tuple[int, dict[str, float]]
+"""One sampled step of a heatmap: the step and ``{layer: value}``."""
+
+
+class HeatmapColumns:
+    """The heatmaps' columns, per statistic, and their drawing into the loggers that store images.
+
+    Not checkpointed: a resumed fit draws from the steps it sampled.
+    """
+
+    def __init__(self) -> None:
+        self._columns: dict[str, deque[Column]] = {}
+
+    def remember(self, step: int, values: Mapping[str, Mapping[str, float]], stats: Sequence[str]) -> None:
+        """Keep the step's values of the heatmap statistics ``stats`` (the latest ``HEATMAP_COLUMNS`` sampled steps)."""
+        for stat in stats:
+            if stat in values:
+                column = self._columns.setdefault(stat, deque(maxlen=HEATMAP_COLUMNS))
+                column.append((step, dict(values[stat])))
+
+    def draw(
+        self, loggers: Sequence[Logger], prefix: str, order: Sequence[str]
+    ) -> tuple[list[BaseException], list[Note]]:
+        """Draw each kept statistic as layers by sampled steps, under ``<prefix>_heatmap/<stat>``.
+
+        The rows are the layers in ``order`` (the forward order), then the others (parameters, layers not in it)
+        sorted. Layers that ran on none of the drawn steps are left out; a layer without a value on a step is a
+        missing cell.
+
+        Returns:
+            The error of each logger that failed, and a one-time note per logger whose images need a package that
+            is missing (W&B without Pillow): said, not raised, as the rest of its logs are whole, and the fit must
+            not fail at its end for want of a picture.
+        """
+        errors: list[BaseException] = []
+        for stat, columns in self._columns.items():
+            image = _heatmap_image(columns, order)
+            errors += write_image(loggers, f"{prefix}_heatmap/{stat}", image, columns[-1][0])
+        missing = [e for e in errors if isinstance(e, MissingExtraError)]
+        notes = [Note(f"image:{e}", f"LayerHealthCallback: the heatmap is not drawn there: {e}") for e in missing]
+        return [e for e in errors if not isinstance(e, MissingExtraError)], notes
+
+
+def _heatmap_image(columns: Sequence[Column], order: Sequence[str]) -> np.ndarray:
+    """The image of one statistic's ``columns``, its rows the layers in ``order`` first (see HeatmapColumns.draw)."""
+    seen = {layer for _, by_layer in columns for layer in by_layer}
+    rows = [layer for layer in order if layer in seen]
+    rows += sorted(seen - set(rows))  # parameters and layers not in the last forward order
+    matrix = [[by_layer.get(layer) for _, by_layer in columns] for layer in rows]
+    signed = any(v is not None and v < 0 for row in matrix for v in row)  # NaN is neither: drawn red
+    scale: Literal["log", "linear"] = "linear" if signed else "log"
+    # Cells of 4 to 32 pixels, so that a few layers or steps still make an image a person can read.
+    cell = max(4, min(32, 384 // max(len(rows), len(columns))))
+    return render(matrix, scale=scale, cell=cell)
