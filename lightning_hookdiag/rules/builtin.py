@@ -15,6 +15,7 @@ from lightning_hookdiag.rules import (
     parameters,
     participation,
     precursors,
+    readings,
     spike,
 )
 from lightning_hookdiag.rules.registry import Rule, by_order
@@ -43,6 +44,9 @@ RULES: tuple[Rule, ...] = tuple(
             precursors.attention_logits,
             precursors.logit_drift,
             precursors.unbounded_loss,
+            readings.loss_below_floor,
+            readings.squashed_twice,
+            readings.wrong_softmax_dim,
             precursors.update_jump,
             activations.repeated_batch,
             parameters.unregistered_module,
