@@ -48,8 +48,7 @@ def _squash_message(ctx: Context, layer: str, code: float, size: int) -> str:
     """What a squash read twice costs: the loss's floor above 0, and the gradient its output layer gets."""
     loss = ctx.stat("step_loss").get(LOSS)
     now = f" (it is {loss:.4g} at step {ctx.step})" if finite(loss) else ""
-    grad = ctx.stat("act_grad_norm").get(layer)
-    sent = f" ({grad:.3g} at step {ctx.step})" if finite(grad) else ""
+    sent = _sent(ctx, layer)
     if code == SQUASHED_TWICE_SIGMOID:
         return (
             f"squashed_twice: the output of {layer} comes from a sigmoid and goes into"
@@ -69,6 +68,24 @@ def _squash_message(ctx: Context, layer: str, code: float, size: int) -> str:
         " layer below gets it through the softmax's Jacobian, at most 1/2 of it and less as the softmax saturates:"
         " drop the nn.Softmax, or use nll_loss on its log"
     )
+
+
+def _sent(ctx: Context, layer: str) -> str:
+    """The output-gradient norms of ``layer`` and of the layer run just before it, and their ratio; ``""`` if none.
+
+    In a chain the layer run just before the squash made its input: the ratio is what the squash passes down.
+    """
+    grads = ctx.stat("act_grad_norm")
+    grad = grads.get(layer)
+    if not finite(grad):
+        return ""
+    order = list(ctx.fact("forward_order", ()))
+    before = order[order.index(layer) - 1] if layer in order and order.index(layer) > 0 else None
+    below = grads.get(before) if before is not None else None
+    passed = ""
+    if finite(below) and grad > 0:
+        passed = f"; {before}, run just before it, got {below:.3g}, {below / grad:.3g} of it"
+    return f" (norm {grad:.3g} at step {ctx.step}{passed})"
 
 
 def _sigmoid(x: float) -> float:

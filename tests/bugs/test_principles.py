@@ -10,6 +10,7 @@ transformer with every rule over 24 steps, every step sampled.
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from typing import Any
 
@@ -275,6 +276,10 @@ def test_a_sigmoid_into_bce_with_logits_is_named_at_the_sigmoid_with_its_floor()
     (f,) = callback.findings
     assert (f.rule, f.layer, f.step) == ("squashed_twice", "model.5", 0)
     assert f"below {math.log1p(math.exp(-1.0)):.3f} per positive and {math.log(2.0):.3f} per negative" in f.message
+    # The gradient the sigmoid passes down, measured: at most 1/4 of the one it gets (p (1 - p) <= 1/4).
+    passed = re.search(r"model\.4, run just before it, got ([0-9.e-]+), ([0-9.e-]+) of it", f.message)
+    assert passed is not None
+    assert 0 < float(passed.group(2)) <= 0.25
 
 
 class _Gate(nn.Module):
