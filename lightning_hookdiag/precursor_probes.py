@@ -105,7 +105,10 @@ class Reading:
 
 def _dim(node: Any) -> int | None:
     """A (log-)softmax node's ``dim``, made non-negative (torch reports ``-1`` as ``2**64 - 1``), or ``None``."""
-    result = getattr(node, "_saved_result", None)
+    try:  # a graph already back-propagated has freed its saved tensors
+        result = getattr(node, "_saved_result", None)
+    except RuntimeError:
+        return None
     if not isinstance(result, Tensor) or result.dim() == 0:
         return None
     dim = int(node._saved_dim)
@@ -187,7 +190,10 @@ def nll_root(loss: Any) -> bool:
     """
     node = loss
     while node is not None and type(node).__name__ in _SCALINGS:
-        other = getattr(node, "_saved_other", None)
+        try:  # a graph already back-propagated has freed its saved tensors
+            other = getattr(node, "_saved_other", None)
+        except RuntimeError:
+            return False
         if not (isinstance(other, Tensor) and other.dim() == 0 and other.device.type == "cpu"):
             return False
         if not (float(other) > 0 and node.next_functions[1][0] is None):
