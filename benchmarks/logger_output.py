@@ -12,9 +12,9 @@ os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
 import numpy as np
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from lightning_hookdiag.heatmap_image import render
-from lightning_hookdiag.publish import FindingsWriter, write_image
-from lightning_hookdiag.rules.findings import Finding
+from lightning_hookdiag._heatmap_image import render
+from lightning_hookdiag._publish import FindingsWriter, write_image
+from lightning_hookdiag.rules._findings import Finding
 
 tmp = tempfile.mkdtemp()
 rng = np.random.default_rng(0)

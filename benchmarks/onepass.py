@@ -4,7 +4,7 @@ Method: one thread. ``onepass_path`` says which path ``OnePass`` took (gradients
 first run of this script, with both compiled, measured them slower, see benchmarks/README.md).
 For each size (64 K - 16 M elements), dtype (float32, bf16) and kind (an output, an output with per-unit maxima, a
 gradient), both paths reduce the same tensor into a row the way the recorder asks for it
-(``lightning_hookdiag.stats.reduce_tensor`` vs ``OnePass.reduce_tensor``), interleaved: each round times both, in
+(``lightning_hookdiag._stats.reduce_tensor`` vs ``OnePass.reduce_tensor``), interleaved: each round times both, in
 alternating order, as the best of ``--reps`` calls; the figure is the median over ``--rounds`` rounds.
 
 Also measured, each in a fresh process:
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from lightning_hookdiag import stats as S
-from lightning_hookdiag.onepass import OnePass
+from lightning_hookdiag import _stats as S
+from lightning_hookdiag._onepass import OnePass
 
 SIZES = [1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24]
 KINDS = {"output": (False, False), "output+units": (False, True), "gradient": (True, False)}

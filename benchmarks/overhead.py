@@ -91,9 +91,9 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.errors import LayerHealthWarning
-from lightning_hookdiag.step_state import Trip
-from lightning_hookdiag.vocabulary import (
+from lightning_hookdiag._errors import LayerHealthWarning
+from lightning_hookdiag._step_state import Trip
+from lightning_hookdiag._vocabulary import (
     ACTIVATION_STATS,
     ALL_STATS,
     GRADIENT_STATS,
@@ -439,7 +439,7 @@ class HookFloorCallback(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Build the hook set over every leaf module."""
-        from lightning_hookdiag.hooks import HookSet, first_floating_tensor
+        from lightning_hookdiag._hooks import HookSet, first_floating_tensor
 
         def read(index: int, output: Any) -> None:
             tensor = first_floating_tensor(output)
@@ -586,11 +586,11 @@ _VIEW_OPS = frozenset(
 def _sink_classes() -> tuple[Any, Any, Any]:
     # The recorder moved out of aggregation.py in issue 21: the counter also runs against the tree before it.
     try:
-        from lightning_hookdiag.recorder import StepRecorder
+        from lightning_hookdiag._recorder import StepRecorder
     except ImportError:  # pragma: no cover - the tree before the move
-        from lightning_hookdiag.aggregation import StepRecorder
-    from lightning_hookdiag.params import ParameterTracker
-    from lightning_hookdiag.sentinel import LossSentinel
+        from lightning_hookdiag._aggregation import StepRecorder
+    from lightning_hookdiag._params import ParameterTracker
+    from lightning_hookdiag._sentinel import LossSentinel
 
     return StepRecorder, ParameterTracker, LossSentinel
 
@@ -924,7 +924,13 @@ class _Timers:
 
 def profile_model(spec: ModelSpec, batches: list[tuple[Tensor, Tensor]], steps: int, seed: int) -> dict[str, Any]:
     """Break down the extra time of ``every_step`` sampled steps by component and by aten op."""
-    from lightning_hookdiag import aggregation, callback, diagnosis, hooks, params, recorder, stats
+    from lightning_hookdiag import _aggregation as aggregation
+    from lightning_hookdiag import _callback as callback
+    from lightning_hookdiag import _diagnosis as diagnosis
+    from lightning_hookdiag import _hooks as hooks
+    from lightning_hookdiag import _params as params
+    from lightning_hookdiag import _recorder as recorder
+    from lightning_hookdiag import _stats as stats
 
     timers = _Timers()
     targets = [

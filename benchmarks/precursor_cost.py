@@ -27,11 +27,11 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import overhead  # noqa: E402
 
-from lightning_hookdiag.aggregation import LayerStatsAggregator  # noqa: E402
+from lightning_hookdiag._aggregation import LayerStatsAggregator  # noqa: E402
+from lightning_hookdiag._precursor_probes import PrecursorProbes, attention_scope  # noqa: E402
+from lightning_hookdiag._selection import named_modules, resolve_layers  # noqa: E402
+from lightning_hookdiag._vocabulary import PRECURSOR_STATS  # noqa: E402
 from lightning_hookdiag.components import WindowStart  # noqa: E402
-from lightning_hookdiag.precursor_probes import PrecursorProbes, attention_scope  # noqa: E402
-from lightning_hookdiag.selection import named_modules, resolve_layers  # noqa: E402
-from lightning_hookdiag.vocabulary import PRECURSOR_STATS  # noqa: E402
 
 
 def measure(model_name: str, stats: list[str], pairs: int, every: int = 50, quick: bool = False) -> dict[str, float]:

@@ -8,7 +8,7 @@ statistics:
     1.9): a barrier, an all-gather of the state's shape, a host check that all shapes are equal (a device sync on an
     accelerator), and an all-gather of the data; then ``torch.stack`` of the gathered copies and the reduction.
 ``new``
-    The packed sync of :mod:`lightning_hookdiag.distributed`: every additive state in one float64 buffer, reduced
+    The packed sync of :mod:`lightning_hookdiag._distributed`: every additive state in one float64 buffer, reduced
     with one SUM ``all_reduce``, every maximum in one buffer reduced with one MAX ``all_reduce``.
 
 Per process and sampled step it prints bytes sent and received, the peak extra memory of the sync, the number of
@@ -26,8 +26,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from lightning_hookdiag import params as P
-from lightning_hookdiag import stats as S
+from lightning_hookdiag import _params as P
+from lightning_hookdiag import _stats as S
 
 WORLDS = (8, 64, 512, 1024, 8192)
 LAYERS = (100, 1000, 10000)

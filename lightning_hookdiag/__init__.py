@@ -14,21 +14,22 @@ __version__ = "0.1.0"
 # Exports load on first use: the ``hookdiag report`` command reads logs without torch or Lightning, and importing
 # the package for it should not cost the seconds those take to import.
 _EXPORTS = {
-    "ALL_STATS": "lightning_hookdiag.vocabulary",
+    "ALL_STATS": "lightning_hookdiag._vocabulary",
     "Finding": "lightning_hookdiag.rules",
-    "LayerHealthCallback": "lightning_hookdiag.callback",
-    "LayerHealthError": "lightning_hookdiag.errors",
-    "LayerHealthWarning": "lightning_hookdiag.errors",
-    "LayerInfo": "lightning_hookdiag.selection",
-    "OPT_IN_STATS": "lightning_hookdiag.vocabulary",
-    "PRECURSOR_STATS": "lightning_hookdiag.vocabulary",
+    "LayerHealthCallback": "lightning_hookdiag._callback",
+    "LayerHealthError": "lightning_hookdiag._errors",
+    "LayerHealthWarning": "lightning_hookdiag._errors",
+    "LayerInfo": "lightning_hookdiag._selection",
+    "OPT_IN_STATS": "lightning_hookdiag._vocabulary",
+    "PRECURSOR_STATS": "lightning_hookdiag._vocabulary",
     "RuleConfig": "lightning_hookdiag.rules",
-    "Trip": "lightning_hookdiag.step_state",
-    "capture_activations": "lightning_hookdiag.capture",
-    "list_layers": "lightning_hookdiag.selection",
-    "MeasureConfig": "lightning_hookdiag.config",
-    "OutputConfig": "lightning_hookdiag.config",
-    "SentinelConfig": "lightning_hookdiag.config",
+    "Trip": "lightning_hookdiag._step_state",
+    "capture_activations": "lightning_hookdiag._capture",
+    "list_layers": "lightning_hookdiag._selection",
+    "MeasureConfig": "lightning_hookdiag._config",
+    "OutputConfig": "lightning_hookdiag._config",
+    "SentinelConfig": "lightning_hookdiag._config",
+    "SpikeDetector": "lightning_hookdiag._sentinel",
 }
 
 # A literal list, so that linters and type checkers see the lazy exports.
@@ -45,6 +46,7 @@ __all__ = [
     "PRECURSOR_STATS",
     "RuleConfig",
     "SentinelConfig",
+    "SpikeDetector",
     "Trip",
     "__version__",
     "capture_activations",
@@ -52,14 +54,15 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from lightning_hookdiag.callback import LayerHealthCallback
-    from lightning_hookdiag.capture import capture_activations
-    from lightning_hookdiag.config import MeasureConfig, OutputConfig, SentinelConfig
-    from lightning_hookdiag.errors import LayerHealthError, LayerHealthWarning
+    from lightning_hookdiag._callback import LayerHealthCallback
+    from lightning_hookdiag._capture import capture_activations
+    from lightning_hookdiag._config import MeasureConfig, OutputConfig, SentinelConfig
+    from lightning_hookdiag._errors import LayerHealthError, LayerHealthWarning
+    from lightning_hookdiag._selection import LayerInfo, list_layers
+    from lightning_hookdiag._sentinel import SpikeDetector
+    from lightning_hookdiag._step_state import Trip
+    from lightning_hookdiag._vocabulary import ALL_STATS, OPT_IN_STATS, PRECURSOR_STATS
     from lightning_hookdiag.rules import Finding, RuleConfig
-    from lightning_hookdiag.selection import LayerInfo, list_layers
-    from lightning_hookdiag.step_state import Trip
-    from lightning_hookdiag.vocabulary import ALL_STATS, OPT_IN_STATS, PRECURSOR_STATS
 
 
 def __getattr__(name: str) -> Any:

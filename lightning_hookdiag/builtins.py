@@ -1,7 +1,7 @@
 """What a fit runs besides a user's extensions: the built-in components and rules, listed in one place.
 
 A fit builds the components of :data:`COMPONENTS`, then those of the callback's ``extensions=``, in that order; its
-rules are :data:`RULES` (:mod:`lightning_hookdiag.rules.builtin`: the rules stay torch-free, so they are listed
+rules are :data:`RULES` (:mod:`lightning_hookdiag.rules._builtin`: the rules stay torch-free, so they are listed
 there), then the extension rules. Nothing is registered by importing a module.
 """
 
@@ -10,17 +10,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from lightning_hookdiag.batches import batch_rows
+from lightning_hookdiag._batches import batch_rows
+from lightning_hookdiag._eval_mode import eval_mode_watch
+from lightning_hookdiag._kurtosis import outliers
+from lightning_hookdiag._participation import participation_watch
+from lightning_hookdiag._precision import precision_headroom
+from lightning_hookdiag._precursor_probes import probes
+from lightning_hookdiag._saved_memory import saved_bytes
+from lightning_hookdiag._unregistered import unregistered_watch
 from lightning_hookdiag.components import ComponentFactory
-from lightning_hookdiag.eval_mode import eval_mode_watch
-from lightning_hookdiag.kurtosis import outliers
-from lightning_hookdiag.participation import participation_watch
-from lightning_hookdiag.precision import precision_headroom
-from lightning_hookdiag.precursor_probes import probes
-from lightning_hookdiag.rules.builtin import RULES
-from lightning_hookdiag.rules.registry import Rule
-from lightning_hookdiag.saved_memory import saved_bytes
-from lightning_hookdiag.unregistered import unregistered_watch
+from lightning_hookdiag.rules._builtin import RULES
+from lightning_hookdiag.rules._registry import Rule
 
 __all__ = ["COMPONENTS", "NO_EXTENSIONS", "RULES", "Extensions", "every_rule", "split_extensions"]
 

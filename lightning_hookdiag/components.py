@@ -1,6 +1,6 @@
 """The one extension interface of a fit: every optional part is a :class:`Component`.
 
-:class:`~lightning_hookdiag.fit_run.FitRun` builds each from a factory marked with :func:`component` (``None``: not
+:class:`~lightning_hookdiag._fit_run.FitRun` builds each from a factory marked with :func:`component` (``None``: not
 configured): the built-in ones listed in :mod:`lightning_hookdiag.builtins`, then those passed in the callback's
 ``extensions=``. One :class:`Parts` drives every one through the same calls, in training and in a replay alike, in
 this order within a window:
@@ -11,13 +11,12 @@ tensor), ``end_forward``, ``end_micro_batch``, ``remove`` → ``fold`` (pool int
 name: :class:`~lightning_hookdiag.rules.Observed`).
 
 A component that pools declares its states in its factory
-(:meth:`~lightning_hookdiag.aggregation.LayerStatsAggregator.add_state`) and adds into them with
-:meth:`~lightning_hookdiag.aggregation.LayerStatsAggregator.pool`; they ride in the core states' two packed
+(:meth:`~lightning_hookdiag._aggregation.LayerStatsAggregator.add_state`) and adds into them with
+:meth:`~lightning_hookdiag._aggregation.LayerStatsAggregator.pool`; they ride in the core states' two packed
 all-reduces. Every method defaults to doing nothing, and the recorder hands tensors only to components that define
 ``on_output`` / ``on_grad``: the default path pays nothing.
 
 Example:
-    >>> from lightning_hookdiag.hooks import module_hook  # a plain function: deepcopy(module) shares it
     >>> class Calls(Component):  # counts a module's forward calls in sampled micro-batches
     ...     def __init__(self, module): self.module, self.n = module, 0
     ...     def attach(self):
@@ -43,9 +42,19 @@ import torch
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    from lightning_hookdiag.aggregation import LayerStatsAggregator
+    from lightning_hookdiag._aggregation import LayerStatsAggregator
 
-__all__ = ["Component", "ComponentFactory", "FitConfig", "Parts", "Setup", "WindowStart", "call_all", "component"]
+__all__ = [
+    "Component",
+    "ComponentFactory",
+    "FitConfig",
+    "Parts",
+    "Setup",
+    "WindowStart",
+    "call_all",
+    "component",
+    "module_hook",
+]
 
 TensorSink = Callable[[int, Tensor], None]
 
@@ -87,7 +96,7 @@ class Setup:
         config: The callback's configuration (:class:`FitConfig`).
         model: The LightningModule.
         modules: The selected ``{name: module}``; layer indices refer to this order.
-        plan: The :class:`~lightning_hookdiag.opt_in.OptInPlan` of the fit (``Any``: ``opt_in`` imports this module).
+        plan: The :class:`~lightning_hookdiag._opt_in.OptInPlan` of the fit (``Any``: ``opt_in`` imports this module).
         aggregator: The aggregator to register states on.
     """
 
@@ -312,6 +321,32 @@ def component(factory: Factory) -> ComponentFactory:
     if not callable(factory):
         raise TypeError(f"component: expected a factory (a callable taking a Setup), got {factory!r}")
     return ComponentFactory(factory)
+
+
+def module_hook(method: Callable[..., Any], *args: Any) -> Callable[..., Any]:
+    """``method`` with ``args`` first, as a plain function to register on a user's module.
+
+    A module's hooks live in its ``__dict__``, so ``copy.deepcopy(module)`` (a user's EMA copy or snapshot in
+    ``training_step``, during a sampled step) copies them: a bound method or a ``functools.partial`` would be
+    deep-copied with the object behind it, and with any tensor that object holds (an output with its autograd graph,
+    which cannot be copied). A function is copied by reference.
+
+    Example:
+        >>> import copy
+        >>> from torch import nn
+        >>> seen = []
+        >>> net = nn.Linear(2, 2)
+        >>> _ = net.register_forward_hook(module_hook(lambda tag, module, args, out: seen.append(tag), "fc"))
+        >>> _ = copy.deepcopy(net)(torch.ones(2))
+        >>> seen
+        ['fc']
+    """
+
+    def hook(*hook_args: Any) -> Any:
+        return method(*args, *hook_args)
+
+    hook.__wrapped__ = method  # type: ignore[attr-defined]  # as functools.wraps sets it: what the hook calls
+    return hook
 
 
 def call_all(calls: Iterable[Callable[[], object]]) -> None:

@@ -4,10 +4,10 @@ No torch or Lightning import, so a run can be inspected wherever its logs are; m
 imported only when needed. The command's use and output: ``docs/report.md``.
 """
 
-from lightning_hookdiag.errors import MissingExtraError, ReportError, ReportWarning
-from lightning_hookdiag.report.health_log import HealthLog, Scalar, build_health_log, depth_order, detect_prefix
-from lightning_hookdiag.report.reading import read_health_log
-from lightning_hookdiag.report.summary import format_summary
+from lightning_hookdiag._errors import MissingExtraError, ReportError, ReportWarning
+from lightning_hookdiag.report._health_log import HealthLog, Scalar, build_health_log, depth_order, detect_prefix
+from lightning_hookdiag.report._reading import read_health_log
+from lightning_hookdiag.report._summary import format_summary
 
 __all__ = [
     "HealthLog",

@@ -5,7 +5,7 @@ of any logger. Every rule reads only the statistics it needs and does nothing wh
 subset) or not finite where a finite value is required.
 
 Import from ``lightning_hookdiag.rules``. Each rule is one function made a rule where it is written
-(:func:`~lightning_hookdiag.rules.registry.rule`), in one module per family, and listed in ``builtin``; ``context`` is
+(:func:`~lightning_hookdiag.rules._registry.rule`), in one module per family, and listed in ``builtin``; ``context`` is
 what a rule reads (the step's facts by name), ``evaluation`` runs the enabled rules and sorts their findings,
 ``alerts`` decides which are new.
 
@@ -19,17 +19,17 @@ Example:
     ['nonfinite: 12 NaN/Inf output elements in mid at step 7 (the first non-finite layer in forward order; 1 more layer after it is also non-finite: head)']
 """  # noqa: E501
 
-from lightning_hookdiag.names import BATCH, LOSS, ROOT
-from lightning_hookdiag.rules.activations import SATURATING_TYPES
-from lightning_hookdiag.rules.alerts import AlertState
-from lightning_hookdiag.rules.builtin import RULES as BUILTIN_RULES
-from lightning_hookdiag.rules.config import RuleConfig
-from lightning_hookdiag.rules.context import Baseline, Memory, Observed, ParamFacts
-from lightning_hookdiag.rules.evaluation import evaluate, format_error, values_from_metrics
-from lightning_hookdiag.rules.findings import Finding
-from lightning_hookdiag.rules.gradients import cut_off
-from lightning_hookdiag.rules.parameters import moved_mass_bound
-from lightning_hookdiag.rules.registry import Found, Rule, rule
+from lightning_hookdiag._names import BATCH, LOSS, ROOT
+from lightning_hookdiag.rules._activations import SATURATING_TYPES
+from lightning_hookdiag.rules._alerts import AlertState
+from lightning_hookdiag.rules._builtin import RULES as BUILTIN_RULES
+from lightning_hookdiag.rules._config import RuleConfig
+from lightning_hookdiag.rules._context import Baseline, Memory, Observed, ParamFacts
+from lightning_hookdiag.rules._evaluation import evaluate, format_error, values_from_metrics
+from lightning_hookdiag.rules._findings import Finding
+from lightning_hookdiag.rules._gradients import cut_off
+from lightning_hookdiag.rules._parameters import moved_mass_bound
+from lightning_hookdiag.rules._registry import Found, Rule, rule
 
 RULES: tuple[str, ...] = tuple(r.name for r in BUILTIN_RULES)
 """Names of the built-in rules, in the order findings of the same layer are listed."""

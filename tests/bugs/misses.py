@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
-from lightning_hookdiag.vocabulary import ALL_STATS, OUTPUT_LAYER_STATS
+from lightning_hookdiag._vocabulary import ALL_STATS, OUTPUT_LAYER_STATS
 
 __all__ = ["MISSES"]
 

@@ -23,11 +23,11 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.provenance import nonfinite_in_batch
+from lightning_hookdiag._provenance import nonfinite_in_batch
+from lightning_hookdiag._sentinel import LossSentinel, SpikeDetector
+from lightning_hookdiag._trends import History
+from lightning_hookdiag._vocabulary import ALL_STATS, OUTPUT_LAYER_STATS
 from lightning_hookdiag.rules import BATCH, RuleConfig
-from lightning_hookdiag.sentinel import LossSentinel, SpikeDetector
-from lightning_hookdiag.trends import History
-from lightning_hookdiag.vocabulary import ALL_STATS, OUTPUT_LAYER_STATS
 
 pytestmark = pytest.mark.slow
 

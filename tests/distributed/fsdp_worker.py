@@ -5,8 +5,8 @@ Two modes, each saving one file per rank under ``OUT``:
 ``python fsdp_worker.py OUT torch``
     Spawns 2 CPU processes (gloo). On each, the same small MLP (layer sizes that do not divide by 2, so shards are
     uneven and some are empty) is sharded, trained for ``STEPS`` steps on very different per-rank data, and
-    measured with :class:`~lightning_hookdiag.params.ParameterTracker` and
-    :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator` exactly as the callback does. An unsharded deep
+    measured with :class:`~lightning_hookdiag._params.ParameterTracker` and
+    :class:`~lightning_hookdiag._aggregation.LayerStatsAggregator` exactly as the callback does. An unsharded deep
     copy replays both ranks' batches (FSDP averages gradients over ranks) and gives the expected values. Also saved:
     two deliberately wrong variants (the local shard's norm as is; shards reduced with ``max`` as for replicated
     parameters) and the number of ``torch.distributed`` collectives issued by ``compute()``. Cases (layout, depth):
@@ -153,9 +153,9 @@ def torch_case(rank: int, depth: int, layout: str) -> dict[str, Any]:
     """Train a sharded model and its unsharded reference for ``STEPS`` steps and measure every step."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_hookdiag import params as P
-    from lightning_hookdiag.aggregation import LayerStatsAggregator
-    from lightning_hookdiag.params import ParameterTracker, local_tensor, named_parameters_of
+    from lightning_hookdiag import _params as P
+    from lightning_hookdiag._aggregation import LayerStatsAggregator
+    from lightning_hookdiag._params import ParameterTracker, local_tensor, named_parameters_of
 
     model = make_model(depth)
     ref = copy.deepcopy(model)
@@ -279,7 +279,7 @@ def run_lightning(out_dir: str, strategy: str, accelerator: str, devices: int) -
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_hookdiag import LayerHealthCallback
-    from lightning_hookdiag.replay import sharded
+    from lightning_hookdiag._replay import sharded
 
     count_collectives()
 

@@ -4,7 +4,7 @@ Every rank saves ``OUT/rank{r}.pt`` with:
 
 ``"pooled"``
     For each case ``(n_layers, sharded_params)`` and sampled step, what
-    :class:`~lightning_hookdiag.aggregation.LayerStatsAggregator` computed from this rank's observations (see
+    :class:`~lightning_hookdiag._aggregation.LayerStatsAggregator` computed from this rank's observations (see
     :func:`observations`; the test regenerates every rank's and pools them in float64), and what ``compute()`` did:
     collectives by name, the bytes each ``all_reduce`` carried, and the values read back to the host.
 ``"divergence"``
@@ -122,8 +122,8 @@ def param_values(rank: int, n_params: int, step: int, sharded: bool) -> Tensor:
 
 def pooled_case(rank: int, world: int, n_layers: int, sharded: bool) -> list[dict[str, Any]]:
     """Feed ``STEPS`` sampled steps of observations through the package, as the callback does, and compute."""
-    from lightning_hookdiag.aggregation import LayerStatsAggregator
-    from lightning_hookdiag.recorder import StepRecorder
+    from lightning_hookdiag._aggregation import LayerStatsAggregator
+    from lightning_hookdiag._recorder import StepRecorder
 
     units = frozenset(range(1, n_layers, 2))
     agg = LayerStatsAggregator(
@@ -157,8 +157,8 @@ def mismatch_case(rank: int, world: int) -> list[dict[str, Any]]:
 
     Layer 2 is healthy. Returns, per step, the pooled ``act_dead_frac`` and this rank's ``unit_mismatch``.
     """
-    from lightning_hookdiag.aggregation import LayerStatsAggregator
-    from lightning_hookdiag.recorder import StepRecorder
+    from lightning_hookdiag._aggregation import LayerStatsAggregator
+    from lightning_hookdiag._recorder import StepRecorder
 
     agg = LayerStatsAggregator(3, unit_layers={0, 1, 2})
     rec = StepRecorder(3, moments=False, unit_layers=frozenset({0, 1, 2}))
@@ -180,7 +180,7 @@ def divergence_case(rank: int, world: int) -> dict[str, Any]:
     Parameter 0 is the same everywhere, parameter 1's weight sum of squares is ``4 + rank``, parameter 2 is measured
     on the last rank only (``9``), parameter 3 nowhere. Returns the pooled norms and what the sync issued.
     """
-    from lightning_hookdiag.aggregation import LayerStatsAggregator
+    from lightning_hookdiag._aggregation import LayerStatsAggregator
 
     out: dict[str, Any] = {}
     for sharded in (False, True):
@@ -208,9 +208,9 @@ def replica_cases(rank: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-    from lightning_hookdiag import params as P
-    from lightning_hookdiag.aggregation import LayerStatsAggregator
-    from lightning_hookdiag.params import ParameterTracker
+    from lightning_hookdiag import _params as P
+    from lightning_hookdiag._aggregation import LayerStatsAggregator
+    from lightning_hookdiag._params import ParameterTracker
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     layouts: dict[str, tuple[Any, tuple]] = {
@@ -324,10 +324,10 @@ def wrapped_variants() -> dict[str, nn.Module]:
 
 def name_cases() -> dict[str, Any]:
     """What each consumer calls each module and parameter, per wrapper."""
-    from lightning_hookdiag.params import named_parameters_of
-    from lightning_hookdiag.report.health_log import Scalar, build_health_log
+    from lightning_hookdiag._params import named_parameters_of
+    from lightning_hookdiag._selection import resolve_layers
+    from lightning_hookdiag.report._health_log import Scalar, build_health_log
     from lightning_hookdiag.rules import Observed, RuleConfig, evaluate
-    from lightning_hookdiag.selection import resolve_layers
 
     out = {}
     for variant, model in wrapped_variants().items():

@@ -19,7 +19,7 @@ import sync_worker as W
 import torch
 from helpers.reference import activation_stats, bin_counts, dead_fraction, flat, l2
 
-from lightning_hookdiag import stats as S
+from lightning_hookdiag import _stats as S
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from helpers import by_name
 
-from lightning_hookdiag import params as package_params
+from lightning_hookdiag import _params as package_params
 
 pytestmark = pytest.mark.slow  # multi-process: left out of the fast loop, pytest -m "not slow"
 
@@ -111,7 +111,7 @@ def test_sharded_statistics_equal_the_unsharded_model(torch_ranks, case, rank):
 @pytest.mark.xfail(
     not REPLICAS_HANDLED,
     reason="a DTensor shard held by several processes (HSDP replicas, a replicated tensor-parallel dimension) is"
-    " summed once per holder; fixed by lightning_hookdiag.params.replicas",
+    " summed once per holder; fixed by lightning_hookdiag._params.replicas",
     strict=True,
 )
 def test_a_shard_held_by_several_processes_is_counted_once(torch_ranks, case):

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hookdiag import SentinelConfig
-from lightning_hookdiag.sentinel import SpikeDetector
+from lightning_hookdiag._sentinel import SpikeDetector
 
 from .keys import by_name
 

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-from lightning_hookdiag.vocabulary import PER_PARAMETER_STATS
+from lightning_hookdiag._vocabulary import PER_PARAMETER_STATS
 
 # One value per layer or parameter: ``<prefix>.<stat>/<depth>_<name>``, the depth zero-padded digits, or ``x`` in
 # place of each digit for a parameter whose module has no place in the forward order.

@@ -110,7 +110,7 @@ def package_code(callback: Any, scope: Scope) -> Iterator[None]:
         saved_init(self, pack, unpack)
 
     patch(torch.autograd.graph.saved_tensors_hooks, "__init__", saved_hooks_init)
-    from lightning_hookdiag import precursor_probes as attention
+    from lightning_hookdiag import _precursor_probes as attention
 
     probe = getattr(attention, "AttentionProbe", None)
     if probe is not None and hasattr(probe, "_observe"):

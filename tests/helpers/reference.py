@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_hookdiag.hooks import first_floating_tensor
-from lightning_hookdiag.stats import (
+from lightning_hookdiag._hooks import first_floating_tensor
+from lightning_hookdiag._stats import (
     ACT_ROW,
     GRAD_ROW,
     Workspace,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lightning_hookdiag._trends import History
 from lightning_hookdiag.rules import (
     BUILTIN_RULES,
     Baseline,
@@ -15,7 +16,6 @@ from lightning_hookdiag.rules import (
     RuleConfig,
     evaluate,
 )
-from lightning_hookdiag.trends import History
 
 
 def run_rules(

@@ -19,7 +19,7 @@ from lightning_hookdiag import (
     RuleConfig,
     SentinelConfig,
 )
-from lightning_hookdiag.sentinel import SpikeDetector
+from lightning_hookdiag._sentinel import SpikeDetector
 
 P = "layer_health"
 CHECKPOINT = Path(__file__).resolve().parent / "callback_before_config.ckpt"

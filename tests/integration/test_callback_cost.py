@@ -16,7 +16,7 @@ from lightning.pytorch import Callback
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.vocabulary import ALL_STATS, OPT_IN_STATS
+from lightning_hookdiag._vocabulary import ALL_STATS, OPT_IN_STATS
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from lightning_hookdiag.vocabulary import SUMMARIES
+from lightning_hookdiag._vocabulary import SUMMARIES
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning, capture_activations
-from lightning_hookdiag.vocabulary import OPT_IN_STATS
+from lightning_hookdiag._vocabulary import OPT_IN_STATS
 
 P = "layer_health"
 

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_hookdiag
 from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning, RuleConfig
-from lightning_hookdiag.vocabulary import SUMMARIES
+from lightning_hookdiag._vocabulary import SUMMARIES
 
 P = "layer_health"
 

@@ -9,7 +9,7 @@ from helpers.reference import bin_counts, flat, histogram_counts, replay_sequent
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag import stats as S
+from lightning_hookdiag import _stats as S
 
 
 def test_histogram_counts_match_reference_and_pool_exactly():

@@ -18,9 +18,9 @@ from helpers import RecordingLogger, TinyModule, make_data, make_trainer
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.keys import ALERTS_ACTIVE
+from lightning_hookdiag._keys import ALERTS_ACTIVE
+from lightning_hookdiag._vocabulary import SUMMARIES
 from lightning_hookdiag.report import read_health_log
-from lightning_hookdiag.vocabulary import SUMMARIES
 
 ea = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 mlflow_tracking = pytest.importorskip("mlflow.tracking")

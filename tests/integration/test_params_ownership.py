@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning
-from lightning_hookdiag.params import owned_parameters
-from lightning_hookdiag.selection import is_default_layer, resolve_layers
+from lightning_hookdiag._params import owned_parameters
+from lightning_hookdiag._selection import is_default_layer, resolve_layers
 
 P = "layer_health"
 

@@ -26,9 +26,9 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.heatmap_image import NONFINITE, render
+from lightning_hookdiag._heatmap_image import NONFINITE, render
 from lightning_hookdiag.report import read_health_log
-from lightning_hookdiag.report.findings_file import read_findings
+from lightning_hookdiag.report._findings_file import read_findings
 
 NAN_STEP = 5
 SICK = "model.3"  # Linear, ReLU, Linear, <sick>, ReLU, Linear

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.inplace import REPLAY_SAVE_BYTES
+from lightning_hookdiag._inplace import REPLAY_SAVE_BYTES
 
 SPIKE = 8
 SENTINEL = {"warmup": 5}

@@ -17,10 +17,10 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 import lightning_hookdiag
 from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.report import ReportError, ReportWarning, Scalar, build_health_log, read_health_log
-from lightning_hookdiag.report.cli import build_parser, main
-from lightning_hookdiag.report.health_log import stat_order_key
-from lightning_hookdiag.report.plot import draw_heatmap, heatmap_figure, load_matplotlib
-from lightning_hookdiag.report.reading import read_csv_scalars
+from lightning_hookdiag.report._cli import build_parser, main
+from lightning_hookdiag.report._health_log import stat_order_key
+from lightning_hookdiag.report._plot import draw_heatmap, heatmap_figure, load_matplotlib
+from lightning_hookdiag.report._reading import read_csv_scalars
 
 REPO = Path(lightning_hookdiag.__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -400,7 +400,7 @@ def test_report_runs_without_importing_torch_or_lightning(csv_run: Path, tb_run:
         parent = types.ModuleType("lightning_hookdiag")
         parent.__path__ = [{str(REPO / "lightning_hookdiag")!r}]
         sys.modules["lightning_hookdiag"] = parent
-        from lightning_hookdiag.report.cli import build_parser, main
+        from lightning_hookdiag.report._cli import build_parser, main
         codes = [main(["report", {str(csv_run)!r}, "--out", {str(tmp_path / "a.png")!r}]),
                  main(["report", {str(tb_run)!r}, "--out", {str(tmp_path / "b.png")!r}])]
         heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "lightning", "lightning_fabric"))

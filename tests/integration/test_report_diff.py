@@ -13,8 +13,8 @@ from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.report import Scalar, build_health_log, read_health_log
-from lightning_hookdiag.report.cli import main
-from lightning_hookdiag.report.diff import align, find_differences, format_diff, is_backward, ratio_figure
+from lightning_hookdiag.report._cli import main
+from lightning_hookdiag.report._diff import align, find_differences, format_diff, is_backward, ratio_figure
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -16,8 +16,8 @@ from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
 from lightning_hookdiag.report import build_health_log, read_health_log
-from lightning_hookdiag.report.cli import main as report_main
-from lightning_hookdiag.report.mlflow_run import read_mlflow_scalars
+from lightning_hookdiag.report._cli import main as report_main
+from lightning_hookdiag.report._mlflow_run import read_mlflow_scalars
 
 pytest.importorskip("mlflow")
 

@@ -1,7 +1,7 @@
 """``hookdiag report --out``: which file is written, what is printed, and a bad suffix as a usage error.
 
 Every test reads a CSVLogger run written by a real ``Trainer.fit`` and runs the command as a user does: the console
-script in a subprocess, or :func:`~lightning_hookdiag.report.cli.main` with the output captured.
+script in a subprocess, or :func:`~lightning_hookdiag.report._cli.main` with the output captured.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from matplotlib.backend_bases import FigureCanvasBase
 
 import lightning_hookdiag
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.report.cli import main
+from lightning_hookdiag.report._cli import main
 
 REPO = Path(lightning_hookdiag.__file__).resolve().parent.parent
 # The console script of the environment running the tests (``pip install -e .`` put it beside the interpreter).

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from lightning_hookdiag import ALL_STATS, LayerHealthCallback
-from lightning_hookdiag.vocabulary import PRECURSOR_STATS
+from lightning_hookdiag._vocabulary import PRECURSOR_STATS
 
 pytestmark = pytest.mark.slow
 

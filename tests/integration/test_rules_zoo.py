@@ -27,8 +27,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from lightning_hookdiag import LayerHealthCallback
+from lightning_hookdiag._vocabulary import PRECURSOR_STATS
 from lightning_hookdiag.rules import RULES
-from lightning_hookdiag.vocabulary import PRECURSOR_STATS
 
 pytest.importorskip("transformers")
 

@@ -15,7 +15,7 @@ from lightning.pytorch import Callback
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthError, LayerHealthWarning
-from lightning_hookdiag.sentinel import SpikeDetector
+from lightning_hookdiag._sentinel import SpikeDetector
 
 P = "layer_health"
 

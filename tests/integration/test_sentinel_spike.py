@@ -18,8 +18,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning
+from lightning_hookdiag._sentinel import SpikeDetector
 from lightning_hookdiag.rules import LOSS
-from lightning_hookdiag.sentinel import SpikeDetector
 
 pytestmark = pytest.mark.slow
 

@@ -31,9 +31,9 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path, monkeypatch):
 
 def test_sync_cost_models_the_buffers_the_aggregator_really_packs():
 
-    from lightning_hookdiag.aggregation import LayerStatsAggregator
-    from lightning_hookdiag.distributed import pack
-    from lightning_hookdiag.recorder import StepRecorder
+    from lightning_hookdiag._aggregation import LayerStatsAggregator
+    from lightning_hookdiag._distributed import pack
+    from lightning_hookdiag._recorder import StepRecorder
 
     cost = load_benchmark("sync_cost")
     model = cost.Model(units=16, dead_unit_share=0.5)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import lightning_hookdiag
-from lightning_hookdiag import vocabulary
+from lightning_hookdiag import _vocabulary as vocabulary
 from lightning_hookdiag.rules import RULES, RuleConfig
 
 pytestmark = pytest.mark.slow
@@ -149,7 +149,7 @@ def undocumented(statistics: Iterable[str], table: str) -> list[str]:
 
 
 def vocabulary_statistics() -> list[str]:
-    """Every statistic name in every public tuple of :mod:`lightning_hookdiag.vocabulary`, first seen first.
+    """Every statistic name in every public tuple of :mod:`lightning_hookdiag._vocabulary`, first seen first.
 
     Read from the module's ``__all__`` rather than from a list written here, so that a statistic (or a new group of
     statistics) added to the vocabulary later is checked without touching this test.

@@ -5,9 +5,9 @@ import torch
 from helpers.reference import record
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_hookdiag import stats as S
-from lightning_hookdiag.aggregation import LayerStatsAggregator, host_values
-from lightning_hookdiag.recorder import StepRecorder
+from lightning_hookdiag import _stats as S
+from lightning_hookdiag._aggregation import LayerStatsAggregator, host_values
+from lightning_hookdiag._recorder import StepRecorder
 
 
 def pool(agg: LayerStatsAggregator, rec: StepRecorder) -> dict[str, torch.Tensor]:
@@ -228,7 +228,7 @@ def test_host_values_become_a_1d_tensor_of_the_dtype_on_the_device():
 
 
 def test_orders_agreed_by_their_maxima_keep_a_one_rank_layer_where_it_ran_and_every_missed_gradient():
-    from lightning_hookdiag.aggregation import LayerOrders, agreed_orders, order_positions
+    from lightning_hookdiag._aggregation import LayerOrders, agreed_orders, order_positions
 
     # Layers 0 trunk, 1 head, 2 rare (selected after head); rare runs on rank 1 only, between trunk and head, and
     # misses its gradient there; head misses it on rank 0.
@@ -247,7 +247,7 @@ def test_orders_agreed_by_their_maxima_keep_a_one_rank_layer_where_it_ran_and_ev
 def test_rows_built_by_hand_pool_to_their_statistics_over_two_steps_of_rows():
     # The pooled state receives finished per-layer tensors, whoever made them: here written by hand for layer 0's
     # outputs [1, -2, 0, 4] then [3] (two updates, as two processes' rows would add), gradient [3, 4], units [1, -1].
-    from lightning_hookdiag.stats import LayerRows
+    from lightning_hookdiag._stats import LayerRows
 
     def rows(act: list[float], absmax: float, units: dict[int, torch.Tensor]) -> LayerRows:
         moments = torch.zeros(2, S.ACT_SLOTS, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""repeated_rows (lightning_hookdiag.batches) against hand-built batches, and rule repeated_batch on real fits."""
+"""repeated_rows (lightning_hookdiag._batches) against hand-built batches, and rule repeated_batch on real fits."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from helpers import TinyModule, make_trainer, run_rules
 from torch.utils.data import TensorDataset
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.batches import MIN_ROWS, ROW_SAMPLE, repeated_rows
+from lightning_hookdiag._batches import MIN_ROWS, ROW_SAMPLE, repeated_rows
 from lightning_hookdiag.rules import BATCH, RULES
 
 

@@ -18,9 +18,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback, LayerHealthError, LayerHealthWarning
-from lightning_hookdiag.diagnosis import Diagnosis
+from lightning_hookdiag._diagnosis import Diagnosis
+from lightning_hookdiag._step_state import Trip
 from lightning_hookdiag.rules import LOSS, Observed, RuleConfig
-from lightning_hookdiag.step_state import Trip
 
 # ------------------------------------------------------------------------------------ the Diagnosis, by hand
 REPO = Path(__file__).resolve().parents[2]
@@ -169,7 +169,7 @@ def test_the_diagnosis_runs_without_importing_torch_or_lightning(tmp_path):
         parent = types.ModuleType("lightning_hookdiag")
         parent.__path__ = [{str(REPO / "lightning_hookdiag")!r}]
         sys.modules["lightning_hookdiag"] = parent
-        from lightning_hookdiag.diagnosis import Diagnosis
+        from lightning_hookdiag._diagnosis import Diagnosis
         from lightning_hookdiag.rules import Observed, RuleConfig
         step = Observed(0, {{"act_dead_frac": {{"relu": 1.0}}}}, {{"forward_order": ["relu"]}})
         found = Diagnosis(RuleConfig()).step(step)

@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from lightning_hookdiag.distributed import all_reduce_max, all_reduce_packed, pack, unpack
+from lightning_hookdiag._distributed import all_reduce_max, all_reduce_packed, pack, unpack
 
 
 def test_pack_round_trips_shapes_and_dtypes_exactly():

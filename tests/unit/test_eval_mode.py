@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from lightning_hookdiag.eval_mode import EvalModeWatch, eval_mode_modules, mode_dependent_modules
+from lightning_hookdiag._eval_mode import EvalModeWatch, eval_mode_modules, mode_dependent_modules
 
 
 def _net() -> nn.Module:

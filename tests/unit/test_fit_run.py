@@ -19,11 +19,11 @@ from helpers import TinyModule, by_name, count_hooks, make_trainer
 from torch import nn
 
 from lightning_hookdiag import ALL_STATS, LayerHealthCallback
+from lightning_hookdiag._fit_run import FitRun, StepCheck
+from lightning_hookdiag._logged_values import ObservedStep
+from lightning_hookdiag._sentinel import LossSentinel, MicroBatch, SpikeDetector, capture_rng
 from lightning_hookdiag.builtins import split_extensions
 from lightning_hookdiag.components import Component, FitConfig, Setup, component
-from lightning_hookdiag.fit_run import FitRun, StepCheck
-from lightning_hookdiag.logged_values import ObservedStep
-from lightning_hookdiag.sentinel import LossSentinel, MicroBatch, SpikeDetector, capture_rng
 
 
 def config(**changes: object) -> FitConfig:

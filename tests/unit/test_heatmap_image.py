@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers.png import decode_png
 
-from lightning_hookdiag.heatmap_image import MISSING, NONFINITE, VIRIDIS, ZERO, png_bytes, render
+from lightning_hookdiag._heatmap_image import MISSING, NONFINITE, VIRIDIS, ZERO, png_bytes, render
 
 
 def cells(image: np.ndarray, cell: int) -> list[list[tuple[int, ...]]]:

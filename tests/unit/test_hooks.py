@@ -6,7 +6,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_hookdiag import capture_activations
-from lightning_hookdiag.hooks import HookSet, first_floating_tensor, tensors
+from lightning_hookdiag._hooks import HookSet, first_floating_tensor, tensors
 
 
 def mlp(inplace: bool = False) -> nn.Sequential:
@@ -223,10 +223,10 @@ def test_tensors_walks_every_dtype_with_its_path():
 def test_a_companion_that_raises_leaves_no_hook_behind(finished):
     from torch._dynamo import eval_frame
 
-    from lightning_hookdiag.aggregation import LayerStatsAggregator
+    from lightning_hookdiag._aggregation import LayerStatsAggregator
+    from lightning_hookdiag._saved_memory import SavedMemoryTracker
+    from lightning_hookdiag._unregistered import UnregisteredWatch
     from lightning_hookdiag.components import Component
-    from lightning_hookdiag.saved_memory import SavedMemoryTracker
-    from lightning_hookdiag.unregistered import UnregisteredWatch
 
     class Failing(Component):
         def end_micro_batch(self):

@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_hookdiag.hooks import HookSet
-from lightning_hookdiag.inplace import InPlaceGuard, ReplayWriteLimit
-from lightning_hookdiag.sentinel import MicroBatch, capture_rng, replay_step
-from lightning_hookdiag.torch_internals import DispatchMode, version, written_tensors
+from lightning_hookdiag._hooks import HookSet
+from lightning_hookdiag._inplace import InPlaceGuard, ReplayWriteLimit
+from lightning_hookdiag._sentinel import MicroBatch, capture_rng, replay_step
+from lightning_hookdiag._torch_internals import DispatchMode, version, written_tensors
 
 
 def test_the_guard_copies_only_what_is_written_and_refuses_the_write_that_passes_the_budget():

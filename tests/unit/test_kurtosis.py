@@ -10,10 +10,10 @@ import torch
 from helpers import by_name
 from helpers.reference import outlier_reference
 
-from lightning_hookdiag import kurtosis as O
-from lightning_hookdiag.aggregation import LayerStatsAggregator
-from lightning_hookdiag.recorder import StepRecorder
-from lightning_hookdiag.vocabulary import ACTIVATION_STATS
+from lightning_hookdiag import _kurtosis as O
+from lightning_hookdiag._aggregation import LayerStatsAggregator
+from lightning_hookdiag._recorder import StepRecorder
+from lightning_hookdiag._vocabulary import ACTIVATION_STATS
 
 
 def pooled(chunks: list[torch.Tensor]) -> dict[str, float]:

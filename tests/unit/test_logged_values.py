@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from lightning_hookdiag.keys import parse_key
-from lightning_hookdiag.logged_values import (
+from lightning_hookdiag._keys import parse_key
+from lightning_hookdiag._logged_values import (
     KeyCache,
     Note,
     ObservedStep,
@@ -21,7 +21,7 @@ from lightning_hookdiag.logged_values import (
     step_notes,
     step_values,
 )
-from lightning_hookdiag.vocabulary import counted_by_gradient
+from lightning_hookdiag._vocabulary import counted_by_gradient
 
 NAN = float("nan")
 INF = float("inf")

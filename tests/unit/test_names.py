@@ -3,9 +3,9 @@
 import torch
 from torch import nn
 
-from lightning_hookdiag.names import logged_name, owning_layer
-from lightning_hookdiag.params import named_parameters_of
-from lightning_hookdiag.selection import named_modules
+from lightning_hookdiag._names import logged_name, owning_layer
+from lightning_hookdiag._params import named_parameters_of
+from lightning_hookdiag._selection import named_modules
 
 
 class UserModule(nn.Module):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_hookdiag.provenance import NonFiniteTrace
+from lightning_hookdiag._provenance import NonFiniteTrace
 
 
 def test_the_trace_prefers_a_nan_and_ignores_keyword_masks():

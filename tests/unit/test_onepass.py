@@ -1,4 +1,4 @@
-"""The one-pass fast path (:class:`~lightning_hookdiag.onepass.OnePass`): same rows as today's path, the numeric
+"""The one-pass fast path (:class:`~lightning_hookdiag._onepass.OnePass`): same rows as today's path, the numeric
 contract, and every fallback with exactly one note and today's values.
 
 Compiling is slow (15-30 s on 2 loaded cores), so one instance is warmed per module; other instances warm from
@@ -14,8 +14,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_hookdiag import stats as S
-from lightning_hookdiag.onepass import FAST_MIN_ELEMENTS, OnePass
+from lightning_hookdiag import _stats as S
+from lightning_hookdiag._onepass import FAST_MIN_ELEMENTS, OnePass
 
 pytestmark = pytest.mark.slow  # compile tests (pyproject's marker)
 

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_hookdiag.precursor_probes import output_link
-from lightning_hookdiag.rules.precursors import SIGMOID_LINK, SOFTMAX_LINK
+from lightning_hookdiag._precursor_probes import output_link
+from lightning_hookdiag.rules._precursors import SIGMOID_LINK, SOFTMAX_LINK
 
 
 def _head() -> tuple[torch.Tensor, torch.Tensor]:

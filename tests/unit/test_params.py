@@ -7,8 +7,8 @@ import torch
 from helpers.reference import tracker_held
 from torch import nn
 
-from lightning_hookdiag import params as P
-from lightning_hookdiag.stats import CHUNK_ELEMENTS
+from lightning_hookdiag import _params as P
+from lightning_hookdiag._stats import CHUNK_ELEMENTS
 
 
 def sq(t: torch.Tensor) -> float:

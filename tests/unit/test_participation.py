@@ -7,7 +7,7 @@ import random
 import pytest
 from torch import nn
 
-from lightning_hookdiag.participation import RunRecord, model_picture, shadowed_attributes
+from lightning_hookdiag._participation import RunRecord, model_picture, shadowed_attributes
 
 
 def _record(pattern: str) -> RunRecord:

@@ -8,8 +8,8 @@ import pytest
 import torch
 from helpers.reference import precision_counts
 
-from lightning_hookdiag import precision as PR
-from lightning_hookdiag.opt_in import PRECISION_TARGETS, plan_opt_in, resolve_targets
+from lightning_hookdiag import _precision as PR
+from lightning_hookdiag._opt_in import PRECISION_TARGETS, plan_opt_in, resolve_targets
 
 TARGETS = list(PRECISION_TARGETS.items())
 

@@ -15,17 +15,18 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
-from lightning_hookdiag import ALL_STATS, LayerHealthCallback, torch_internals
-from lightning_hookdiag.aggregation import LayerStatsAggregator
-from lightning_hookdiag.components import WindowStart
-from lightning_hookdiag.precursor_probes import (
+from lightning_hookdiag import ALL_STATS, LayerHealthCallback
+from lightning_hookdiag import _torch_internals as torch_internals
+from lightning_hookdiag._aggregation import LayerStatsAggregator
+from lightning_hookdiag._precursor_probes import (
     AttentionProbe,
     attention_scope,
     eager_logit_absmax,
     sdpa_logit_absmax,
 )
-from lightning_hookdiag.selection import named_modules
-from lightning_hookdiag.vocabulary import PRECURSOR_STATS
+from lightning_hookdiag._selection import named_modules
+from lightning_hookdiag._vocabulary import PRECURSOR_STATS
+from lightning_hookdiag.components import WindowStart
 
 STATS = [*ALL_STATS, *PRECURSOR_STATS]
 
@@ -360,7 +361,7 @@ def test_a_compiled_model_gets_the_same_precursor_statistics_as_eager():
 
 
 def test_removing_the_probe_leaves_a_mode_entered_after_it_in_place():
-    from lightning_hookdiag.precursor_probes import PrecursorProbes
+    from lightning_hookdiag._precursor_probes import PrecursorProbes
 
     class Other(torch.overrides.TorchFunctionMode):
         pass
@@ -523,7 +524,7 @@ def test_the_probes_copy_no_host_data_to_the_device_in_a_micro_batch():
     # on an accelerator is a host-to-device copy and a sync.
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lightning_hookdiag.precursor_probes import PrecursorProbes
+    from lightning_hookdiag._precursor_probes import PrecursorProbes
 
     class Fresh(TorchDispatchMode):
         def __init__(self) -> None:
@@ -571,7 +572,7 @@ TORCH_INTERNALS = (
     "torch.nn.modules.batchnorm._BatchNorm",
     "torch.nn.modules.dropout._DropoutNd",
 )
-"""Every internal that lightning_hookdiag/torch_internals.py reads."""
+"""Every internal that lightning_hookdiag/_torch_internals.py reads."""
 
 
 def missing_torch_internals() -> list[str]:

@@ -25,12 +25,12 @@ from helpers.png import decode_png
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lightning_hookdiag.heatmap_image import render
-from lightning_hookdiag.publish import FindingsWriter, trip_message, write_image
+from lightning_hookdiag._heatmap_image import render
+from lightning_hookdiag._publish import FindingsWriter, trip_message, write_image
+from lightning_hookdiag._step_state import Trip
 from lightning_hookdiag.report import ReportError, ReportWarning
-from lightning_hookdiag.report.findings_file import format_findings, read_findings
-from lightning_hookdiag.rules.findings import Finding
-from lightning_hookdiag.step_state import Trip
+from lightning_hookdiag.report._findings_file import format_findings, read_findings
+from lightning_hookdiag.rules._findings import Finding
 
 DEAD = Finding("dead_units", "net.0", 3, 0.97, 0.9, "net.0: 97% of units | never fire", "forward", "act_dead_frac")
 EXPLODING = Finding("exploding_gradient", "net.2", 3, math.inf, 1e3, "net.2: gradient norm inf", "backward", "grad")

@@ -9,9 +9,9 @@ import pytest
 import torch
 from helpers.reference import activation_stats_float64, pending_rows, record, recorder_held, workspace_held
 
-from lightning_hookdiag import stats as S
-from lightning_hookdiag.aggregation import LayerStatsAggregator
-from lightning_hookdiag.recorder import StepRecorder
+from lightning_hookdiag import _stats as S
+from lightning_hookdiag._aggregation import LayerStatsAggregator
+from lightning_hookdiag._recorder import StepRecorder
 
 
 def reference(outputs: list[torch.Tensor]) -> dict[str, float]:
@@ -211,7 +211,7 @@ def _stack_sizes(recorder: StepRecorder) -> list[int]:
 
 
 def test_a_full_stack_is_reduced_at_once_and_the_copies_stay_bounded(monkeypatch):
-    from lightning_hookdiag import stats as S
+    from lightning_hookdiag import _stats as S
 
     monkeypatch.setattr(S, "CHUNK_ELEMENTS", 64)  # a stack of 16-element outputs holds 4 of them
     outputs = {i: [torch.randn(4, 4) + i] for i in range(10)}

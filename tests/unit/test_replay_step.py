@@ -16,10 +16,10 @@ import torch
 from helpers import count_hooks
 from torch import nn
 
-from lightning_hookdiag import sentinel as SN
+from lightning_hookdiag import _sentinel as SN
+from lightning_hookdiag._provenance import NonFiniteTrace
+from lightning_hookdiag._sentinel import LossSentinel, SpikeDetector
 from lightning_hookdiag.components import Component
-from lightning_hookdiag.provenance import NonFiniteTrace
-from lightning_hookdiag.sentinel import LossSentinel, SpikeDetector
 
 
 @pytest.mark.parametrize("mode", ["grads", None])

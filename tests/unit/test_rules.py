@@ -19,7 +19,7 @@ from lightning_hookdiag.rules import (
     moved_mass_bound,
     values_from_metrics,
 )
-from lightning_hookdiag.rules.registry import Found, rule
+from lightning_hookdiag.rules._registry import Found, rule
 
 BUILT_IN = {r.name: r for r in BUILTIN_RULES}
 
@@ -894,9 +894,9 @@ def test_a_rule_says_nothing_without_the_context_it_reads():
     assert BUILT_IN["not_updated"].reads == ("param_facts",)
     assert run_rules(values, FORWARD, BACKWARD, step=3, config=RuleConfig(enabled=["not_updated"])) == []
     assert [BUILT_IN[name].check.__module__ for name in ("nonfinite", "loss_spike", "update_jump")] == [
-        "lightning_hookdiag.rules.nonfinite",
-        "lightning_hookdiag.rules.spike",
-        "lightning_hookdiag.rules.precursors",
+        "lightning_hookdiag.rules._nonfinite",
+        "lightning_hookdiag.rules._spike",
+        "lightning_hookdiag.rules._precursors",
     ]
 
 

@@ -18,7 +18,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.optimizer_watch import StepWatch, held_by_none
+from lightning_hookdiag._optimizer_watch import StepWatch, held_by_none
 from lightning_hookdiag.rules import ParamFacts, RuleConfig, moved_mass_bound
 
 P = "layer_health"

@@ -82,7 +82,7 @@ def test_silent_without_the_smallest_norm():
 def test_one_process_has_no_smallest_norm_to_compare():
     import torch
 
-    from lightning_hookdiag.aggregation import LayerStatsAggregator
+    from lightning_hookdiag._aggregation import LayerStatsAggregator
 
     agg = LayerStatsAggregator(0, n_params=2)
     agg.update(params=(torch.arange(2), torch.ones(2, 4, dtype=torch.float64), slice(None)))

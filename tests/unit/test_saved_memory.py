@@ -10,8 +10,8 @@ from helpers import RecordingLogger, TinyModule, by_name, count_hooks, make_data
 from torch import nn
 
 from lightning_hookdiag import LayerHealthCallback
-from lightning_hookdiag.aggregation import LayerStatsAggregator
-from lightning_hookdiag.saved_memory import SavedMemoryTracker
+from lightning_hookdiag._aggregation import LayerStatsAggregator
+from lightning_hookdiag._saved_memory import SavedMemoryTracker
 
 F32 = 4  # bytes per float32 element
 P = "layer_health"

@@ -4,7 +4,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_hookdiag import list_layers
-from lightning_hookdiag.selection import import_types, named_modules, resolve_layers
+from lightning_hookdiag._selection import import_types, named_modules, resolve_layers
 
 
 class Block(nn.Module):
@@ -157,7 +157,7 @@ class _Perceptual(nn.modules.loss._Loss):
 
 def test_losses_and_metrics_are_not_default_layers_but_stay_selectable_by_name():
     torchmetrics = pytest.importorskip("torchmetrics")
-    from lightning_hookdiag.selection import is_measurement
+    from lightning_hookdiag._selection import is_measurement
 
     net = nn.Module()
     net.body = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
@@ -186,6 +186,6 @@ def test_selection_does_not_import_torchmetrics():
     import subprocess
     import sys
 
-    code = "import sys, lightning_hookdiag.selection; print('torchmetrics' in sys.modules)"
+    code = "import sys, lightning_hookdiag._selection; print('torchmetrics' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

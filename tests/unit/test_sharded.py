@@ -11,7 +11,7 @@ from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
-from lightning_hookdiag.replay import sharded
+from lightning_hookdiag._replay import sharded
 
 
 class FSDPStrategy2(FSDPStrategy):

@@ -5,8 +5,8 @@ import torch
 from helpers import reference as R
 from helpers.reference import activation_stats, activation_stats_float64
 
-from lightning_hookdiag import stats as S
-from lightning_hookdiag.vocabulary import ALL_STATS
+from lightning_hookdiag import _stats as S
+from lightning_hookdiag._vocabulary import ALL_STATS
 
 
 def finalize_one(*tensors: torch.Tensor) -> dict[str, float]:

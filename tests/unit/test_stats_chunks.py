@@ -1,6 +1,6 @@
 """Bounded scratch memory: every reduction reads a tensor piece by piece, and the pieces pool exactly.
 
-The pieces are :data:`~lightning_hookdiag.stats.CHUNK_ELEMENTS` (256 K) elements in production; these tests shrink
+The pieces are :data:`~lightning_hookdiag._stats.CHUNK_ELEMENTS` (256 K) elements in production; these tests shrink
 the limit so that small tensors are cut into many pieces, and compare with hand-written float64 references and with
 the statistics of the tensor in one piece.
 """
@@ -12,12 +12,12 @@ import torch
 from helpers.reference import activation_stats_float64, histogram_counts, pending_rows, tracker_held, workspace_held
 from torch import nn
 
-from lightning_hookdiag import kurtosis as O
-from lightning_hookdiag import params as P
-from lightning_hookdiag import precision as PR
-from lightning_hookdiag import stats as S
-from lightning_hookdiag.aggregation import LayerStatsAggregator
-from lightning_hookdiag.recorder import StepRecorder
+from lightning_hookdiag import _kurtosis as O
+from lightning_hookdiag import _params as P
+from lightning_hookdiag import _precision as PR
+from lightning_hookdiag import _stats as S
+from lightning_hookdiag._aggregation import LayerStatsAggregator
+from lightning_hookdiag._recorder import StepRecorder
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_hookdiag.step_state import StepMicroBatches, StepState, Trip, Window, plan_trip
+from lightning_hookdiag._step_state import StepMicroBatches, StepState, Trip, Window, plan_trip
 
 
 def test_a_sampled_step_opens_one_window_that_closes_once():

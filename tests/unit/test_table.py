@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_hookdiag.table import format_bytes, format_step_table, format_value, table_lines
+from lightning_hookdiag._table import format_bytes, format_step_table, format_value, table_lines
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The trend history (lightning_hookdiag.trends) and the three precursor rules on hand-made values."""
+"""The trend history (lightning_hookdiag._trends) and the three precursor rules on hand-made values."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pickle
 import pytest
 from helpers import run_rules
 
+from lightning_hookdiag._trends import History, crossing_step, log_slope, rising_share
 from lightning_hookdiag.rules import RuleConfig
-from lightning_hookdiag.trends import History, crossing_step, log_slope, rising_share
 
 
 def _history(points: dict[str, dict[str, list[tuple[int, float]]]], window: int = 32) -> History:

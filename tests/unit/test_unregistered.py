@@ -1,4 +1,4 @@
-"""UnregisteredWatch (lightning_hookdiag.unregistered) and rule unregistered_module: who counts, who stays silent."""
+"""UnregisteredWatch (lightning_hookdiag._unregistered) and rule unregistered_module: who counts, who stays silent."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_hookdiag import LayerHealthCallback
+from lightning_hookdiag._unregistered import UnregisteredWatch, where_held
 from lightning_hookdiag.rules import ROOT
-from lightning_hookdiag.unregistered import UnregisteredWatch, where_held
 
 
 class _Net(nn.Module):

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from lightning_hookdiag.validation import boolean, check, choice, integer, module_names, names, number
+from lightning_hookdiag._validation import boolean, check, choice, integer, module_names, names, number
 
 ABOVE_1 = ("a finite number > 1", lambda v: 1 < v < math.inf)
 
