@@ -45,15 +45,13 @@ def _shape(n: int, units: bool) -> tuple[int, ...]:
 
 
 class _Rows:
-    """A row per call, reused: what the aggregator's call table hands out."""
+    """Rows per call, reused: what the recorder's call table hands out."""
 
     def __init__(self, width: int = S.ACT_ROW) -> None:
         self.table = torch.empty(128, width, dtype=torch.float64)
-        self.i = 0
 
-    def __call__(self, n: int) -> torch.Tensor:
-        self.i = (self.i + 1) % self.table.shape[0]
-        return self.table[self.i]
+    def __call__(self, sizes: list[int]) -> torch.Tensor:
+        return self.table[: len(sizes)]
 
 
 def _best(fn, reps: int) -> float:
@@ -77,7 +75,7 @@ def speed(rounds: int, reps: int) -> list[dict]:
                 rows = _Rows(S.GRAD_ROW if grad else S.ACT_ROW)
 
                 def today(x=x, grad=grad, units=units, rows=rows):
-                    S.reduce_tensor(x, rows, workspace, grad, units)
+                    S.reduce_tensor(x, rows(S.piece_sizes(x)), workspace, grad, units)
 
                 def one_pass(x=x, grad=grad, units=units, rows=rows):
                     fast.reduce_tensor(x, rows, workspace, grad, units, shift=3.0)
@@ -128,9 +126,9 @@ def _child(mode: str, rounds: int, reps: int) -> dict:
         fast.reduce_tensor(x.view(-1, 512), rows, workspace, units=True, shift=0.0)
         fast.reduce_tensor(x, grad_rows, workspace, grad=True)  # today's path (gradients stay there)
     else:
-        S.reduce_tensor(x, rows, workspace)
-        S.reduce_tensor(x.view(-1, 512), rows, workspace, units=True)
-        S.reduce_tensor(x, grad_rows, workspace, grad=True)
+        S.reduce_tensor(x, rows(S.piece_sizes(x)), workspace)
+        S.reduce_tensor(x.view(-1, 512), rows(S.piece_sizes(x)), workspace, units=True)
+        S.reduce_tensor(x, grad_rows(S.piece_sizes(x)), workspace, grad=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"peak_extra_mib": round((peak - before) / 1024, 2), "input_mib": 64}
 
@@ -152,7 +150,7 @@ def contract_without_shift() -> dict:
     for label, shift in (("shift=0", 0.0), ("shift=pooled mean", 1e4 + 0.37)):
         rows = _Rows()
         fast.reduce_tensor(x, rows, S.Workspace(), shift=shift)
-        row = rows.table[rows.i]
+        row = rows.table[0]
         moments, absmax = S.moments_from_rows(row[None], torch.tensor([float(x.numel())], dtype=torch.float64))
         std = S.finalize_activations(moments, absmax)["act_std"].item()
         errors[label] = abs(std - reference) / reference

@@ -28,7 +28,10 @@ Optional extra variants (``--variants``) split ``every_step`` by statistic famil
 and output gradient (:class:`HookFloorCallback`); ``opt_in`` is ``every_step`` plus every opt-in statistic
 (``OPT_IN_STATS``) with two precision targets; ``precursors`` is ``every_step`` plus the attention-logit and
 output-logit statistics (``PRECURSOR_STATS``), whose cost at the default interval is ``(precursors - every_step) /
-50``.
+50``. ``fast_off`` and ``fast_on`` are ``every_step`` with ``MeasureConfig(fast_path="off")`` and ``"on"``: the two
+paths of a sampled step side by side (``"auto"``, ``every_step``'s, is off on the CPU and on on CUDA); each fit of
+``fast_on`` warms the compiled reduction after its first step (dropped with ``--warmup``), from dynamo's cache after
+the first fit of the run.
 
 Timing: a :class:`StepTimer` callback, listed first, records ``time.perf_counter_ns()`` in ``on_train_batch_start``.
 The interval between two consecutive starts is one whole training step: data fetch, forward, backward, optimizer
@@ -121,6 +124,8 @@ EXTRA_VARIANTS = (
     "opt_in",
     "precursors",
     "tutorial_stats",
+    "fast_off",
+    "fast_on",
 )
 TUTORIAL_STATS = ("act_mean", "act_std", "act_grad_norm", "param_grad_norm")
 """What :class:`TutorialCallback` computes (its ``std`` needs the mean), as ``LayerHealthCallback`` statistics."""
@@ -505,6 +510,8 @@ def make_callback(variant: str, every_n_steps: int = 1) -> Callback | None:
         return LayerHealthCallback(
             every_n_steps=1, stats=stats, measure={"precision_targets": ["float16", "float8_e4m3fn"]}
         )
+    if variant in ("fast_off", "fast_on"):  # every_step with the one-pass fast path off / on: both paths side by side
+        return LayerHealthCallback(every_n_steps=1, measure={"fast_path": variant.removeprefix("fast_")})
     if variant == "precursors":  # every_step plus the attention and output-logit probes
         return LayerHealthCallback(every_n_steps=1, stats=[*ALL_STATS, *PRECURSOR_STATS])
     families = {"acts_only": ACTIVATION_STATS, "grads_only": GRADIENT_STATS, "params_only": PARAMETER_STATS}

@@ -563,6 +563,7 @@ class LayerHealthCallback(Callback):
             sentinel_grads=self.sentinel_config.mode == "loss+grads",
             rules=frozenset(r.name for r in self._diagnosis.enabled),  # extension rules included
             charts=self.output_config.charts,
+            fast_path=measure.fast_path,
         )
 
     def _start_fresh(self) -> None:

@@ -55,6 +55,11 @@ class MeasureConfig:
         histogram_bins: Number of fixed, symmetric log-spaced bins (``±1e-6`` to ``±1e4`` and 0), computed on the
             device; fixed edges make histograms pool exactly over micro-batches and processes. An even integer
             ``>= 4``.
+        fast_path: Reduce each output of at least 256 K elements in one compiled pass
+            (:class:`~lightning_hookdiag._onepass.OnePass`; ``docs/statistics.md``, "Which path ran and why").
+            ``"auto"``: on for CUDA devices when Triton is installed, off on the CPU (compiling costs 3-76 s there, a
+            sampled step gains milliseconds); ``"on"``: also on the CPU (needs a C++ compiler), and where it cannot
+            run, today's path with one note; ``"off"``: never.
 
     Raises:
         ValueError: For an invalid field; the message names ``MeasureConfig.<field>``, the value and what is valid.
@@ -77,6 +82,7 @@ class MeasureConfig:
     output_layer: str | None = None
     histogram_every_n_steps: int | None = None
     histogram_bins: int = 64
+    fast_path: Literal["auto", "on", "off"] = "auto"
 
     def __post_init__(self) -> None:
         # Frozen: normalised through object.__setattr__ into hashable, plain values, so that equal configurations
@@ -107,6 +113,7 @@ class MeasureConfig:
             "histogram_bins": integer(
                 name + "histogram_bins", self.histogram_bins, "an even integer >= 4", lambda v: v >= 4 and v % 2 == 0
             ),
+            "fast_path": choice(name + "fast_path", self.fast_path, FAST_PATH_CHOICES),
         }
         for key, value in resolved.items():
             object.__setattr__(self, key, value)
@@ -119,6 +126,10 @@ def _targets(name: str, value: Any) -> tuple[str, ...] | None:
     except ValueError as error:
         # Its message starts with the old argument's name; the field's replaces it.
         raise ValueError(name + str(error).removeprefix("precision_targets")) from None
+
+
+FAST_PATH_CHOICES = ("auto", "on", "off")
+"""The values of :attr:`MeasureConfig.fast_path`."""
 
 
 @dataclass(frozen=True)

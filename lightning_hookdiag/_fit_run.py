@@ -20,6 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_hookdiag._aggregation import LayerOrders, LayerStatsAggregator, agreed_orders
 from lightning_hookdiag._distributed import all_reduce_max
+from lightning_hookdiag._fast_path import FastPath
 from lightning_hookdiag._hooks import HookSet
 from lightning_hookdiag._inplace import ReplayWriteLimit
 from lightning_hookdiag._logged_values import (
@@ -173,6 +174,8 @@ class FitRun:
         _check_reads(self.rules, self.parts.provides)
         self.logged = (*self.plan.logged, *(s for s in self.parts.logged if s not in self.plan.logged))
         """Per-layer statistics beyond the default ones: the plan's, then those components declare."""
+        self.fast = FastPath(config.fast_path, device, trainer_precision)
+        """The one-pass reduction of large outputs, when ``MeasureConfig.fast_path`` has the fit use it."""
         self.recorder = StepRecorder(
             len(modules),
             moments=bool(wanted & set(MOMENT_STATS)),
@@ -184,6 +187,7 @@ class FitRun:
             histogram_bins=config.histogram_bins if config.histogram_every_n_steps else 0,
             dtype=self.aggregator.acc_dtype,
             device=device,
+            fast=self.fast.onepass,
         )
         grads = wanted & set(GRADIENT_STATS) or self.parts.wants_grads
         on_grad = self.recorder.on_grad if grads else None
@@ -553,7 +557,7 @@ class FitRun:
         return (
             metrics,
             Observed(observed.step, values, facts),
-            [*notes, *([undefined] if undefined is not None else [])],
+            [*notes, *([undefined] if undefined is not None else []), *self.fast.notes()],
         )
 
     def collect(self, last_order: Sequence[str] = (), before_update: bool = False) -> ObservedStep:
@@ -596,6 +600,8 @@ class FitRun:
         flat = iter(torch.cat(parts).tolist())  # the one host transfer
         host = {name: list(itertools.islice(flat, part.numel())) for name, part in zip(names, parts, strict=True)}
         orders = agreed_orders(host.pop("layer_orders"), len(self.layer_names)) if "layer_orders" in host else own
+        if window.layers and "act_mean" in values:  # the next windows' shifts; the first pooled one warms
+            self.fast.pooled(recorder, values["act_mean"], host["count"], self.device())
         param_facts = self.watch.facts(self.param_names, self.tracker.params) if self.tracker is not None else {}
         observed = ObservedStep(
             step=window.step,

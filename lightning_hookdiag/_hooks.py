@@ -19,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_hookdiag._torch_internals import in_backward
 from lightning_hookdiag.components import call_all
 
-__all__ = ["Companion", "HookSet", "first_floating_tensor", "tensors"]
+__all__ = ["Companion", "HookSet", "compiled_stance", "first_floating_tensor", "tensors"]
 
 
 def tensors(value: Any, path: str | None = None) -> Iterator[tuple[str | None, Tensor]]:
@@ -79,6 +79,19 @@ def _exit_eager() -> None:
         if _stance_users == 0:  # the last one removed
             restore, _stance_restore = _stance_restore, None
             restore.__exit__(None, None, None)
+
+
+def compiled_stance() -> contextlib.AbstractContextManager[Any]:
+    """The compiler's default stance for a block, while hook sets hold ``force_eager``; else nothing changes.
+
+    For the package's own compiled reduction (:mod:`lightning_hookdiag._onepass`), whose function has no hooks to lose:
+    under the hooks' ``force_eager`` it would run its own body op by op. Only the stance the hooks set is lifted: with
+    no hook set attached, a caller's own ``force_eager`` stays.
+    """
+    if _stance_users == 0:
+        return contextlib.nullcontext()
+    stance: contextlib.AbstractContextManager[Any] = torch.compiler.set_stance("default")
+    return stance
 
 
 class Companion(Protocol):

@@ -27,26 +27,35 @@ or a compiled function
 that would run eagerly (``torch.compiler.set_stance("force_eager")``, dynamo disabled) takes today's path too, with
 one note per reason in :attr:`OnePass.notes` for the caller to log. The compiled function's eager body is never run:
 its first statement raises when it is not being compiled.
+
+The callback builds one per fit where ``MeasureConfig.fast_path`` says so (:mod:`lightning_hookdiag._fast_path`), and
+the recorder calls it in place of :func:`~lightning_hookdiag._stats.reduce_tensor`.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import importlib.util
 import math
 import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from lightning_hookdiag import _stats as stats
 from lightning_hookdiag._stats import Workspace
+from lightning_hookdiag._torch_internals import function_modes, in_dispatch_mode, recompile_limit_error
 
-__all__ = ["FAST_DTYPES", "FAST_MIN_ELEMENTS", "OnePass", "has_cxx_compiler"]
+__all__ = ["FAST_DTYPES", "FAST_MIN_ELEMENTS", "OnePass", "Reserve", "has_compiler", "has_cxx_compiler"]
+
+Reserve = Callable[[list[int]], Tensor]
+"""The caller's rows: given the element counts of the pieces a tensor is reduced in, one row per piece to write."""
 
 FAST_MIN_ELEMENTS = 1 << 18
 """Tensors below this many elements stay on today's (stacked or per-piece) path.
@@ -97,7 +106,13 @@ def _act_row(parts: tuple[Tensor, ...], numel: int, shift: Tensor) -> Tensor:
 
 
 def _safe_shift(shift: Tensor) -> Tensor:
-    # A NaN/Inf pooled mean would poison every sum: read it as 0 (accuracy as without a shift, never a wrong NaN).
+    """The ``[1]`` shift as a 0-d tensor, a NaN/Inf pooled mean read as 0 (it would poison every sum).
+
+    Read as 0, the accuracy is that of no shift, never a wrong NaN. A ``[1]`` tensor, not a 0-d one: dynamo reads a
+    0-d CPU tensor as a scalar, guarded by ``not isnan(shift.item())`` (a host read on every call, and a recompile
+    for a NaN mean).
+    """
+    shift = shift.reshape(())
     return torch.where(torch.isfinite(shift), shift, 0.0)
 
 
@@ -128,16 +143,19 @@ def _act_units(x: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
 _BODIES: dict[str, Callable[..., Any]] = {"act": _act_flat, "units": _act_units}
 
 
-def _function_modes() -> list[Any]:
-    # Private, and no public API tells whether a torch-function mode is active (torch.overrides has none).
-    modes: list[Any] = torch.overrides._get_current_function_mode_stack()
-    return modes
-
-
 def has_cxx_compiler() -> bool:
     """Whether inductor finds a C++ compiler for CPU kernels (``$CXX``, else ``g++``, ``c++`` or ``clang++``)."""
     candidates = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
     return any(shutil.which(c) for c in candidates if c)
+
+
+def has_compiler(device: torch.device) -> bool:
+    """Whether inductor can generate kernels for ``device``: a C++ compiler on the CPU, Triton on CUDA (and XPU)."""
+    if device.type == "cpu":
+        return has_cxx_compiler()
+    if device.type in ("cuda", "xpu"):
+        return importlib.util.find_spec("triton") is not None
+    return False  # MPS and others: not measured here
 
 
 def _unit_view(x: Tensor, unit_dim: int | None) -> Tensor:
@@ -161,6 +179,9 @@ class OnePass:
             (:func:`has_cxx_compiler`). ``False`` sends every CPU tensor to today's path with one note.
         backend: The ``torch.compile`` backend (``"inductor"``; a backend callable is passed through as is).
         min_elements: Tensors with fewer elements take today's path (:data:`FAST_MIN_ELEMENTS`).
+        lift: A context entered around each fast-path candidate's mode checks and compiled call: the caller's way to
+            leave what it holds itself and the compiled call must not see (the hooks' ``force_eager`` stance, the
+            package's own torch-function and dispatch modes). ``None``: nothing is left.
 
     Example:
         >>> fast = OnePass(has_compiler=False)
@@ -173,11 +194,13 @@ class OnePass:
         has_compiler: bool | None = None,
         backend: str | Callable[..., Any] = "inductor",
         min_elements: int = FAST_MIN_ELEMENTS,
+        lift: Callable[[], AbstractContextManager[Any]] | None = None,
     ) -> None:
         if not isinstance(min_elements, int) or min_elements < 2:
             raise ValueError(f"min_elements: expected an int >= 2, got {min_elements!r}")
         self._has_compiler = has_compiler
         self.min_elements = min_elements
+        self._lift = lift if lift is not None else contextlib.nullcontext
         self._compiled = {
             kind: torch.compile(body, fullgraph=True, dynamic=True, backend=backend) for kind, body in _BODIES.items()
         }
@@ -198,9 +221,7 @@ class OnePass:
             self.notes.append(f"onepass: {text}")
 
     def _compiler_missing(self, device: torch.device) -> bool:
-        if device.type != "cpu":
-            return False  # CUDA kernels come from Triton, which ships with torch
-        available = has_cxx_compiler() if self._has_compiler is None else self._has_compiler
+        available = has_compiler(device) if self._has_compiler is None else self._has_compiler
         return not available
 
     def warm(
@@ -210,17 +231,29 @@ class OnePass:
 
         Compiles the flat output reduction and the per-unit one for the two common unit layouts (units last:
         ``[batch, units]``; units between: ``[batch, channels, pixels]``). Returns the seconds spent
-        (and notes them once), ``None`` when the fast path is off (no compiler, a failed compile: noted), ``0.0`` when
-        everything asked for was already warm.
+        (and notes them once), ``None`` when the fast path is off (no compiler, a failed compile: noted) or cannot be
+        compiled now (an active mode that is not the caller's ``lift`` to leave: noted; warm again later), ``0.0``
+        when everything asked for was already warm.
         """
         device = torch.device(device)
         unsupported = [d for d in dtypes if d not in FAST_DTYPES]
         if unsupported:
             raise ValueError(f"dtypes: {unsupported} are not read by the fast path; expected some of {FAST_DTYPES}")
         if self._compiler_missing(device):
-            self._disable("no_compiler", "no C++ compiler found for CPU kernels: every tensor takes the per-piece path")
+            self._disable("no_compiler", _NO_COMPILER[device.type == "cpu"])
         if self._disabled is not None:
             return None
+        with self._lift():
+            if self._why_not_now() is not None:
+                return None
+            return self._compile(dtypes, device)
+
+    @property
+    def disabled(self) -> str | None:
+        """Why the fast path is off for good (``"no_compiler"``, ``"compile_failed"``, ``"recompile_limit"``)."""
+        return self._disabled
+
+    def _compile(self, dtypes: Sequence[torch.dtype], device: torch.device) -> float | None:
         start = time.perf_counter()
         compiled = 0
         for dtype in dtypes:
@@ -236,7 +269,7 @@ class OnePass:
                 key = self._key(kind, example)
                 if key in self._warmed:
                     continue
-                if self._call(kind, example, torch.zeros((), dtype=torch.float64, device=device)) is None:
+                if self._call(kind, example, torch.zeros(1, dtype=torch.float64, device=device)) is None:
                     return None
                 self._warmed.add(key)
                 compiled += 1
@@ -270,14 +303,17 @@ class OnePass:
                 "the compiled reduction would run eagerly (torch.compiler.set_stance('force_eager') or dynamo"
                 " disabled): today's path instead",
             )
-        except torch._dynamo.exc.FailOnRecompileLimitHit:
+        except recompile_limit_error():
             self._disable("recompile_limit", "torch._dynamo's recompile limit was reached: today's path from now on")
         except Exception as error:  # a compile failure of any kind: the run goes on, on today's path
             self._disable("compile_failed", f"compiling the reduction failed ({type(error).__name__}: {error})"[:300])
         return None
 
-    def _why_not(self, x: Tensor, grad: bool, units: bool, shift: float | Tensor | None) -> str | None:
-        """Why ``x`` takes today's path (with its note where it is not a routine choice), ``None`` for the fast one."""
+    def _why_not(self, x: Tensor, grad: bool, shift: float | Tensor | None) -> str | None:
+        """Why ``x`` takes today's path (with its note where it is not a routine choice), ``None`` for a candidate.
+
+        Everything but the active modes, which :meth:`_why_not_now` reads inside the caller's ``lift``.
+        """
         if grad:
             return "gradient"  # today's 6 ops with a BLAS dot were 1.7-3.7x faster than a compiled pass (CPU)
         if self._disabled is not None:
@@ -293,10 +329,14 @@ class OnePass:
             return "not_contiguous"
         if torch.compiler.is_compiling():
             return "inside_compile"
-        if is_in_torch_dispatch_mode():
+        return None
+
+    def _why_not_now(self) -> str | None:
+        """Why the compiled call cannot run under the modes active now (noted), ``None`` when it can."""
+        if in_dispatch_mode():
             self._note("dispatch_mode", "a TorchDispatchMode is active: today's path while it is")
             return "dispatch_mode"
-        if _function_modes():  # dynamo guards on the mode stack: the call would compile again, mid-step (3 s)
+        if function_modes():  # dynamo guards on the mode stack: the call would compile again, mid-step (3 s)
             self._note("function_mode", "a TorchFunctionMode is active: today's path while it is")
             return "function_mode"
         return None
@@ -304,7 +344,7 @@ class OnePass:
     def reduce_tensor(
         self,
         x: Tensor,
-        row: Callable[[int], Tensor] | None,
+        reserve: Reserve | None,
         workspace: Workspace,
         grad: bool = False,
         units: bool = False,
@@ -314,12 +354,13 @@ class OnePass:
     ) -> tuple[Tensor | None, Tensor | None]:
         """:func:`~lightning_hookdiag._stats.reduce_tensor`'s inputs and outputs, on the fast path where it applies.
 
-        On the fast path ``row`` is asked once, for ``x.numel()`` elements (today's path asks once per piece: the
-        pooled moments are the same). Histogram counts (``edges``) stay on today's code, as a pass of their own.
+        The rows come from ``reserve``, asked once with the element counts of the pieces: one piece of ``x.numel()``
+        on the fast path, :func:`~lightning_hookdiag._stats.piece_sizes` on today's (the pooled moments are the same).
+        Histogram counts (``edges``) stay on today's code, as a pass of their own.
 
         Args:
             x: The output or output gradient.
-            row: The caller's row for ``n`` elements; ``None``: no row.
+            reserve: The caller's rows for pieces of these counts; ``None``: no rows.
             workspace: Today's path's scratch buffers.
             grad: ``x`` is a gradient.
             units: Also return the per-unit maxima along ``unit_dim``.
@@ -328,19 +369,22 @@ class OnePass:
             shift: The layer's last pooled mean (a float or a 0-d tensor, read on the device), which the output's
                 sums are taken around; ``None`` (nothing pooled yet) takes today's path. Gradients ignore it.
         """
-        view = None
-        why = self._why_not(x, grad, units, shift)
+        why = self._why_not(x, grad, shift)
+        maxima = None
         if why is None:
             view = self._view(x, units, unit_dim)
             if self._key(self._kind(units), view) not in self._warmed:
                 why = "not_warmed"
-        maxima = None
-        if why is None and view is not None:
-            done, maxima = self._fast(view, row, units, shift)
-            why = None if done else self._failure
+            else:
+                with self._lift():
+                    why = self._why_not_now()
+                    if why is None:
+                        done, maxima = self._fast(view, reserve, units, shift)
+                        why = None if done else self._failure
         if why is not None:
             self.paths[f"today: {why}"] += 1
-            return stats.reduce_tensor(x, row, workspace, grad, units, unit_dim, edges)
+            out = reserve(stats.piece_sizes(x)) if reserve is not None else None
+            return stats.reduce_tensor(x, out, workspace, grad, units, unit_dim, edges)
         self.paths["fast"] += 1
         counts = None
         if edges is not None:
@@ -356,18 +400,24 @@ class OnePass:
         return _unit_view(x, unit_dim) if units else x.view(-1)
 
     def _fast(
-        self, view: Tensor, row: Callable[[int], Tensor] | None, units: bool, shift: float | Tensor | None
+        self, view: Tensor, reserve: Reserve | None, units: bool, shift: float | Tensor | None
     ) -> tuple[bool, Tensor | None]:
         """Write the row; ``(done, per-unit maxima with units)``, ``done`` false when it fell back (noted)."""
         if isinstance(shift, Tensor):
-            shift_tensor = shift.detach().to(device=view.device, dtype=torch.float64).reshape(())
+            shift_tensor = shift.detach().to(device=view.device, dtype=torch.float64).reshape(1)  # see _safe_shift
         else:
-            shift_tensor = torch.tensor(0.0 if shift is None else shift, dtype=torch.float64, device=view.device)
+            shift_tensor = torch.tensor([0.0 if shift is None else shift], dtype=torch.float64, device=view.device)
         kind = self._kind(units)
         out = self._call(kind, view, shift_tensor)
         if out is None:
             return False, None
         values, maxima = out if kind == "units" else (out, None)
-        if row is not None:
-            row(view.numel()).copy_(values)
+        if reserve is not None:
+            reserve([view.numel()])[0].copy_(values)
         return True, maxima
+
+
+_NO_COMPILER = {
+    True: "no C++ compiler found for CPU kernels: every tensor takes the per-piece path",
+    False: "no kernel compiler (Triton) for this device: every tensor takes the per-piece path",
+}

@@ -1,15 +1,18 @@
 """The sinks a :class:`~lightning_hookdiag._hooks.HookSet` writes into: outputs and gradients to one step's rows.
 
 The recorder owns everything it fills. Each observed tensor goes once to
-:func:`~lightning_hookdiag._stats.reduce_tensor`, which writes its rows into the recorder's own call table and returns
-its per-unit maxima and histogram counts, which the recorder keeps too. At the step's end :meth:`StepRecorder.take`
-folds them into finished per-layer tensors, a :class:`~lightning_hookdiag._stats.LayerRows`, which the owner hands to
-the pooled state: nothing is written into the pooled state from a hook, and nothing in it calls back here.
+:func:`~lightning_hookdiag._stats.reduce_tensor` (with a fast path, to
+:meth:`~lightning_hookdiag._onepass.OnePass.reduce_tensor`, the same inputs and outputs), which writes its rows into
+the recorder's own call table and returns its per-unit maxima and histogram counts, which the recorder keeps too.
+At the step's end :meth:`StepRecorder.take` folds them into finished per-layer tensors, a
+:class:`~lightning_hookdiag._stats.LayerRows`, which the owner hands to the pooled state: nothing is written into the
+pooled state from a hook, and nothing in it calls back here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -32,6 +35,9 @@ from lightning_hookdiag._stats import (
     reduce_tensor,
 )
 from lightning_hookdiag.components import Component
+
+if TYPE_CHECKING:  # a type only: the owner builds the reduction and hands it in
+    from lightning_hookdiag._onepass import OnePass
 
 __all__ = ["SMALL_ELEMENTS", "StepRecorder"]
 
@@ -179,6 +185,8 @@ class StepRecorder:
             0 for none. A step bins only while :attr:`histograms` is set.
         dtype: Dtype of the rows and of the additive per-layer sums (float64 keeps variance pooled from sums exact).
         device: Where the rows and per-layer tensors live: the pooled state's device.
+        fast: The one-pass reduction of large outputs (:class:`~lightning_hookdiag._onepass.OnePass`), given the shifts
+            of :meth:`set_shifts`; ``None``: every tensor on :func:`~lightning_hookdiag._stats.reduce_tensor`.
 
     Example:
         >>> rec = StepRecorder(2)
@@ -201,6 +209,7 @@ class StepRecorder:
         histogram_bins: int = 0,
         dtype: torch.dtype = torch.float64,
         device: torch.device | None = None,
+        fast: OnePass | None = None,
     ) -> None:
         if bad := sorted(i for i in unit_layers if not 0 <= i < n_layers):
             raise ValueError(f"unit_layers: expected layer indices in [0, {n_layers}), got {bad}")
@@ -244,6 +253,16 @@ class StepRecorder:
         """Layers whose output (or its gradient) held no values to read (meta, ``DTensor``), with what it was."""
         self.workspace = Workspace()
         """Scratch memory of the reductions; the owner releases it at the end of each sampled step."""
+        self.fast = fast
+        self._shifts: list[Tensor | None] = [None] * n_layers  # each layer's last pooled mean, a [1] device view
+
+    def set_shifts(self, means: Tensor, pooled: Sequence[bool]) -> None:
+        """The layers' last pooled ``act_mean`` (``[n_layers]``, on the device), for the layers where ``pooled``.
+
+        The fast path takes each output's sums around its layer's shift; a layer with none yet takes today's path.
+        """
+        views = means.detach().to(torch.float64).view(-1, 1).unbind()  # [1] views (OnePass reads them), in one call
+        self._shifts = [view if seen else None for view, seen in zip(views, pooled, strict=True)]
 
     def _check_unit_dim(self, layer: int, tensor: Tensor) -> None:
         unit_dim = self.unit_dim
@@ -259,20 +278,49 @@ class StepRecorder:
         if units:
             self._check_unit_dim(layer, tensor)
         stacks = self._stacks.get(kind)
-        out = None
+        rows = False  # this call's rows come from the call table
         if kind == "act" and not self.moments:
             self._counts.reserve([layer], [tensor.numel()], self.device)
         elif stacks is not None and _stackable(tensor):
             stacks.add(layer, tensor, self.workspace)
         else:
-            sizes = piece_sizes(tensor)
-            out = self._tables[kind].reserve([layer] * len(sizes), sizes, self.device)
+            rows = True
         edges = self._edges if self.histograms else None
-        maxima, hist = reduce_tensor(tensor, out, self.workspace, kind == "grad", units, self.unit_dim, edges)
+        maxima, hist = self._reduce_tensor(kind, layer, tensor, rows, units, edges)
         if maxima is not None:
             self._keep_units(layer, maxima)
         if hist is not None:
             self._histogram(kind)[layer].add_(hist)
+
+    def _reduce_tensor(
+        self, kind: str, layer: int, tensor: Tensor, rows: bool, units: bool, edges: Tensor | None
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """Every reduction of one tensor, on the fast path where it applies: ``(unit maxima, histogram counts)``.
+
+        Args:
+            kind: ``"act"`` or ``"grad"``.
+            layer: The layer's index.
+            tensor: The output or gradient.
+            rows: Its rows go to the call table (it is neither stacked nor only counted).
+            units: Also its per-unit maxima.
+            edges: The histogram's inner edges, ``None``: no histogram.
+        """
+        grad = kind == "grad"
+        table = self._tables[kind]
+        if self.fast is None:
+            out = None
+            if rows:
+                sizes = piece_sizes(tensor)
+                out = table.reserve([layer] * len(sizes), sizes, self.device)
+            return reduce_tensor(tensor, out, self.workspace, grad, units, self.unit_dim, edges)
+
+        def reserve(sizes: list[int]) -> Tensor:  # asked once, with the pieces of the path taken
+            return table.reserve([layer] * len(sizes), sizes, self.device)
+
+        shift = None if grad else self._shifts[layer]
+        return self.fast.reduce_tensor(
+            tensor, reserve if rows else None, self.workspace, grad, units, self.unit_dim, edges, shift=shift
+        )
 
     def _histogram(self, kind: str) -> Tensor:
         hist = self._hist.get(kind)

@@ -18,21 +18,38 @@
   writes (:mod:`lightning_hookdiag._inplace`), which only the dispatcher sees (a torch-function mode misses the writes
   of ``out=`` arguments and of ops called from C++), and the version counter is the witness of a write it missed.
 
+* :func:`in_dispatch_mode`, :func:`function_modes`, :func:`left_modes`: whether a ``TorchDispatchMode`` or a
+  ``TorchFunctionMode`` is active (``torch.utils._python_dispatch.any_torch_dispatch_mode_on_stack``, what dynamo
+  reads to run a compiled function eagerly: the stack, not the flag ``is_in_torch_dispatch_mode`` that a mode sets
+  on entry and that stays set while it is left;
+  ``torch.overrides._get_current_function_mode_stack``), and leaving the package's own for one call
+  (``torch.utils._python_dispatch._get_current_dispatch_mode_stack``, ``_pop_mode``, ``_push_mode``, and for
+  function modes the stack calls of :func:`exit_mode`): no public API lists the active modes, and a compiled
+  function runs eagerly under a dispatch mode and compiles again under a function mode (dynamo guards on the mode
+  stack), so the one-pass reduction (:mod:`lightning_hookdiag._onepass`) must know, and leave the attention probe
+  and the in-place guard for its call.
+* :func:`recompile_limit_error`: ``torch._dynamo.exc.FailOnRecompileLimitHit``, what a compiled function with
+  ``fail_on_recompile_limit_hit`` raises at dynamo's recompile limit; no public exception names it. Imported on first
+  use (``torch._dynamo`` takes ~2 s to import).
+
+:func:`check` lists those of :data:`CHECKED` that this torch lacks (``tests/unit/test_fast_path.py`` runs it);
 ``tests/unit/test_precursor_probes.py`` checks that each exists, so that a torch release that moves one fails loudly
 there, naming it, instead of silently mis-attributing calls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils import _python_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
@@ -40,9 +57,15 @@ __all__ = [
     "LOSS_BASE",
     "MODE_DEPENDENT",
     "DispatchMode",
+    "CHECKED",
     "calling_modules",
+    "check",
     "exit_mode",
+    "function_modes",
     "in_backward",
+    "in_dispatch_mode",
+    "left_modes",
+    "recompile_limit_error",
     "version",
     "written_tensors",
 ]
@@ -128,3 +151,73 @@ def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 def version(tensor: torch.Tensor) -> int:
     """``tensor``'s version counter: how many in-place writes autograd has counted on it (and its views)."""
     return tensor._version
+
+
+def in_dispatch_mode() -> bool:
+    """Whether a ``TorchDispatchMode`` on this thread's stack would make dynamo run a compiled function eagerly."""
+    return bool(_python_dispatch.any_torch_dispatch_mode_on_stack())
+
+
+def function_modes() -> list[Any]:
+    """The active torch-function modes, innermost last."""
+    modes: list[Any] = torch.overrides._get_current_function_mode_stack()
+    return modes
+
+
+@contextlib.contextmanager
+def left_modes(own: Callable[[Any], bool]) -> Iterator[None]:
+    """Leave the modes on top of both mode stacks that ``own`` claims, for the block; they are entered again after.
+
+    Only from the top: a mode entered after ours (a user's ``FlopCounterMode`` inside the step) stays, and so does
+    every mode below it, so the block still sees that a mode is active.
+    """
+    functions: list[Any] = []
+    while function_modes() and own(function_modes()[-1]):
+        functions.append(torch._C._pop_torch_function_stack())
+    dispatches: list[Any] = []
+    while True:
+        stack = _python_dispatch._get_current_dispatch_mode_stack()
+        if not stack or not own(stack[-1]):
+            break
+        dispatches.append(_python_dispatch._pop_mode())
+    try:
+        yield
+    finally:
+        for mode in reversed(dispatches):
+            _python_dispatch._push_mode(mode)
+        for mode in reversed(functions):
+            torch._C._push_on_torch_function_stack(mode)
+
+
+def recompile_limit_error() -> type[Exception]:
+    """The exception a compiled function raises at dynamo's recompile limit (``fail_on_recompile_limit_hit``)."""
+    import torch._dynamo.exc  # noqa: PLC0415 - ~2 s; only a process that compiles pays it
+
+    error: type[Exception] = torch._dynamo.exc.FailOnRecompileLimitHit
+    return error
+
+
+CHECKED = (
+    "torch.utils._python_dispatch.any_torch_dispatch_mode_on_stack",
+    "torch.utils._python_dispatch._get_current_dispatch_mode_stack",
+    "torch.utils._python_dispatch._pop_mode",
+    "torch.utils._python_dispatch._push_mode",
+    "torch._dynamo.exc.FailOnRecompileLimitHit",
+)
+"""The internals of the fast path's modes and compile errors, by their dotted paths (:func:`check`)."""
+
+
+def check() -> list[str]:
+    """The names of :data:`CHECKED` this torch lacks (imports ``torch._dynamo``): empty when all are there."""
+    import importlib  # noqa: PLC0415
+
+    missing = []
+    for path in CHECKED:
+        module_name, _, name = path.rpartition(".")
+        try:
+            found = getattr(importlib.import_module(module_name), name, None)
+        except ImportError:
+            found = None
+        if found is None:
+            missing.append(path)
+    return missing

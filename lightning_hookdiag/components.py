@@ -69,6 +69,7 @@ class FitConfig:
     Attributes:
         sentinel_grads: The sentinel also checks the selected parameters' gradients (``"loss+grads"``).
         rules: The enabled rules; a component that feeds one rule only is built when that rule is enabled.
+        fast_path: ``MeasureConfig.fast_path``.
     """
 
     every_n_steps: int
@@ -86,6 +87,7 @@ class FitConfig:
     sentinel_grads: bool
     rules: frozenset[str]
     charts: str = "default"
+    fast_path: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -487,7 +487,7 @@ def test_only_the_callback_the_replay_and_the_logger_writer_import_lightning():
                 importers.add(path.relative_to(package).as_posix())
     # The statistics, the step state, the sentinel and the rules are tested without a Trainer; publish.py is the
     # last stage, writing findings and images into Lightning's loggers.
-    assert importers == {"callback.py", "replay.py", "publish.py"}
+    assert importers == {"_callback.py", "_replay.py", "_publish.py"}
 
 
 # ------------------------------------------------------------------------------------------ settings and loggers

@@ -47,15 +47,16 @@ def _warmed(**kwargs) -> OnePass:
 def _rows(reduce, x: torch.Tensor, grad: bool = False, units: bool = False, **kwargs):
     """``(pooled row, per-unit maxima, histogram)``: the rows a reduction wrote, pooled as the aggregator pools them."""
     width = S.GRAD_ROW if grad else S.ACT_ROW
-    written: list[tuple[int, torch.Tensor]] = []
+    written: list[tuple[list[int], torch.Tensor]] = []
 
-    def row(n: int) -> torch.Tensor:
-        written.append((n, torch.full((width,), float("nan"), dtype=torch.float64)))
+    def reserve(sizes: list[int]) -> torch.Tensor:
+        written.append((sizes, torch.full((len(sizes), width), float("nan"), dtype=torch.float64)))
         return written[-1][1]
 
-    maxima, hist = reduce(x, row, S.Workspace(), grad, units, **kwargs)
-    assert sum(n for n, _ in written) == x.numel()
-    rows = torch.stack([r for _, r in written])
+    maxima, hist = reduce(x, reserve, S.Workspace(), grad, units, **kwargs)
+    assert len(written) == 1  # the rows are asked for once
+    assert sum(written[0][0]) == x.numel()
+    rows = written[0][1]
     pooled = rows.sum(0)
     if not grad:
         pooled[S.ROW_MIN], pooled[S.ROW_MAX] = rows[:, S.ROW_MIN].min(), rows[:, S.ROW_MAX].max()
@@ -64,7 +65,11 @@ def _rows(reduce, x: torch.Tensor, grad: bool = False, units: bool = False, **kw
 
 def _today(x, grad=False, units=False, **kwargs):
     kwargs.pop("shift", None)
-    return _rows(S.reduce_tensor, x, grad, units, **kwargs)
+
+    def reduce(x, reserve, *args, **kw):
+        return S.reduce_tensor(x, reserve(S.piece_sizes(x)), *args, **kw)
+
+    return _rows(reduce, x, grad, units, **kwargs)
 
 
 def _with_specials(x: torch.Tensor) -> torch.Tensor:
