@@ -30,15 +30,20 @@ from lightning_hookdiag._torch_internals import calling_modules, exit_mode, in_b
 from lightning_hookdiag._vocabulary import OUTPUT_LAYER_STATS, PRECURSOR_STATS
 from lightning_hookdiag.components import Component, Setup, WindowStart, component, module_hook
 from lightning_hookdiag.rules._precursors import SIGMOID_LINK, SOFTMAX_LINK
+from lightning_hookdiag.rules._readings import NORMALISED_OVER_WRONG_DIM, SQUASHED_TWICE_SIGMOID, SQUASHED_TWICE_SOFTMAX
 
 __all__ = [
     "AttentionProbe",
+    "READING_FACTS",
     "PrecursorProbes",
+    "Reading",
     "attention_modules",
     "attention_scope",
     "eager_logit_absmax",
     "output_link",
+    "nll_sign",
     "probes",
+    "read_output",
     "sdpa_logit_absmax",
 ]
 
@@ -56,37 +61,149 @@ _LINKS = dict.fromkeys(
 _LINKS |= dict.fromkeys(
     ("BinaryCrossEntropyWithLogitsBackward0", "SigmoidBackward0", "LogSigmoidBackward0"), SIGMOID_LINK
 )
+READING_FACTS = ("loss_misread", "loss_misread_size", "nll_below_zero")
+"""What :class:`PrecursorProbes` pools of :func:`read_output` (for the rules, not logged; NaN where none): the
+largest misread code, the size of the dim it normalised, and the largest ``-loss`` of an ``nll_loss`` that read the
+output layer (positive: the loss was below its floor of 0)."""
 MAX_GRAPH_NODES = 1024
 """Autograd nodes :func:`output_link` visits at most, from the loss towards the output."""
+
+# Nodes that move no value between a squash and the loss that reads it: the squash's output reaches the loss as it is.
+_PASS_THROUGH = frozenset(
+    {
+        "ViewBackward0",
+        "ReshapeAliasBackward0",
+        "UnsafeViewBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "SqueezeBackward2",
+        "UnsqueezeBackward0",
+        "CloneBackward0",
+        "ToCopyBackward0",
+        "AliasBackward0",
+    }
+)
+# A loss node, or a log_softmax that a loss reads: the consumer whose input a squash below it must not be.
+_CONSUMERS = frozenset({"BinaryCrossEntropyWithLogitsBackward0", "LogSoftmaxBackward0", "NllLossBackward0"})
+_NLL = frozenset({"NllLossBackward0", "NllLoss2DBackward0"})
+_SCALINGS = frozenset({"DivBackward0", "MulBackward0"})
+
+
+class Reading:
+    """How a loss's autograd graph reads the output layer's output: what :func:`read_output` found on its walk."""
+
+    def __init__(self) -> None:
+        self.link = 0
+        """``SOFTMAX_LINK``, ``SIGMOID_LINK`` or 0, as :func:`output_link` returns it."""
+        self.reached = False
+        """Whether the walk reached the output node."""
+        self.misread = 0.0
+        """One of the codes of :mod:`lightning_hookdiag.rules._readings` (the largest found), 0 where none."""
+        self.size = 0
+        """For a squash read twice or over the wrong dim: the size of the dim it normalised (1 for a sigmoid)."""
+
+
+def _dim(node: Any) -> int | None:
+    """A (log-)softmax node's ``dim``, made non-negative (torch reports ``-1`` as ``2**64 - 1``), or ``None``."""
+    try:  # a graph already back-propagated has freed its saved tensors
+        result = getattr(node, "_saved_result", None)
+    except RuntimeError:
+        return None
+    if not isinstance(result, Tensor) or result.dim() == 0:
+        return None
+    dim = int(node._saved_dim)
+    if dim >= 1 << 63:
+        dim -= 1 << 64
+    return dim % result.dim()
+
+
+def _judge(reading: Reading, name: str, node: Any, consumer: tuple[str, Any] | None) -> None:
+    """Note a squash read twice, or normalised over another dim than the ``nll_loss`` reading it takes as classes."""
+    if consumer is None:
+        return
+    kind, reader = consumer
+    if name == "SigmoidBackward0" and kind == "BinaryCrossEntropyWithLogitsBackward0":
+        reading.misread, reading.size = max(reading.misread, SQUASHED_TWICE_SIGMOID), max(reading.size, 1)
+    elif name == "SoftmaxBackward0" and kind == "LogSoftmaxBackward0":
+        dim = _dim(node)
+        if dim is not None and reading.misread < SQUASHED_TWICE_SOFTMAX:
+            reading.misread, reading.size = SQUASHED_TWICE_SOFTMAX, int(node._saved_result.shape[dim])
+    elif name == "LogSoftmaxBackward0" and kind in _NLL and reader is not None:
+        dim = _dim(node)
+        shape = node._saved_result.shape if dim is not None else ()
+        classes = 1 if len(shape) > 1 else 0  # nll_loss reads dim 1 (dim 0 unbatched) as the classes
+        if dim is not None and dim != classes and shape[dim] > 1:
+            reading.misread, reading.size = NORMALISED_OVER_WRONG_DIM, int(shape[dim])
+
+
+def read_output(loss: Any, output: Any, limit: int = MAX_GRAPH_NODES) -> Reading:
+    """How the loss's autograd graph reads the ``output`` node: one breadth-first walk from ``loss`` (its ``grad_fn``).
+
+    The walk does not go below ``output`` (the output tensor's ``grad_fn``): the nodes between a loss and the head
+    are few (a cross entropy: two, and a reshape), so the model below the head is not walked. Host-only work on the
+    autograd graph (a node's saved ``dim`` and its result's shape, no value): no kernel, no sync. Besides the link
+    (:func:`output_link`), it notes each squash whose output a logits-taking consumer reads as it is (through views
+    and copies only), and a ``log_softmax`` that ``nll_loss`` reads directly over another dim than its classes.
+    """
+    reading = Reading()
+    queue: deque[tuple[Any, int, tuple[str, Any] | None]] = deque([(loss, 0, None)])
+    seen: set[tuple[int, int]] = set()
+    while queue and len(seen) < limit:
+        node, link, consumer = queue.popleft()
+        if node is None or (id(node), link) in seen:
+            continue
+        seen.add((id(node), link))
+        name = type(node).__name__
+        _judge(reading, name, node, consumer)
+        if node is output:
+            reading.reached = True
+            reading.link = max(reading.link, link)
+            continue
+        link = max(link, _LINKS.get(name, 0))
+        if name in _CONSUMERS or name in _NLL:
+            below: tuple[str, Any] | None = (name, node)
+        elif name in _PASS_THROUGH and consumer is not None:
+            below = (consumer[0], None)  # the same consumer, no longer a direct one
+        else:
+            below = None
+        queue.extend((child, link, below) for child, _ in node.next_functions)
+    return reading
 
 
 def output_link(loss: Any, output: Any, limit: int = MAX_GRAPH_NODES) -> int:
     """Whether the loss's autograd graph reaches the ``output`` node through a softmax- or sigmoid-family node.
 
-    A breadth-first walk from ``loss`` (the loss tensor's ``grad_fn``) that does not go below ``output`` (the output
-    tensor's ``grad_fn``): the nodes between a loss and the head are few (a cross entropy: two, and a reshape), so
-    the model below the head is not walked. Host-only work on the autograd graph: no kernel, no sync.
-
     Returns:
         ``SOFTMAX_LINK`` or ``SIGMOID_LINK`` (:mod:`lightning_hookdiag.rules._precursors`; the largest on any path), or
-        0 where no path has one or the output is not reached within ``limit`` nodes.
+        0 where no path has one or the output is not reached within ``limit`` nodes (:func:`read_output`).
     """
-    queue: deque[tuple[Any, int]] = deque([(loss, 0)])
-    seen: set[tuple[int, int]] = set()
-    best = 0
-    while queue and len(seen) < limit:
-        node, link = queue.popleft()
-        if node is None or (id(node), link) in seen:
-            continue
-        seen.add((id(node), link))
-        if node is output:
-            best = max(best, link)
-            if best == SOFTMAX_LINK:
-                return best
-            continue
-        link = max(link, _LINKS.get(type(node).__name__, 0))
-        queue.extend((child, link) for child, _ in node.next_functions)
-    return best
+    return read_output(loss, output, limit).link
+
+
+def nll_sign(loss: Any) -> Tensor | float | None:
+    """The sign the loss's scalings give an ``nll_loss`` at its root, or ``None`` where its root is none.
+
+    An ``nll_loss`` (``cross_entropy`` included) of log-probabilities is never negative (``-log p`` with ``p <= 1``,
+    weights ``>= 0``): a negative one proves that its input is not log-probabilities. The loss may be that
+    ``nll_loss`` divided or multiplied by Python numbers (Lightning divides it by ``accumulate_grad_batches``): their
+    signs' product (a CPU scalar, never read on the host; ``1.0`` with no scaling) times the loss has the
+    ``nll_loss``'s sign. A scaling by a tensor that requires grad, or by anything but a CPU scalar, is not followed.
+    """
+    node, sign = loss, None
+    while node is not None and type(node).__name__ in _SCALINGS:
+        try:  # a graph already back-propagated has freed its saved tensors
+            other = getattr(node, "_saved_other", None)
+        except RuntimeError:
+            return None
+        if not (isinstance(other, Tensor) and other.dim() == 0 and other.device.type == "cpu"):
+            return None
+        if node.next_functions[1][0] is not None:  # a factor that requires grad
+            return None
+        sign = torch.sign(other) if sign is None else sign * torch.sign(other)  # a CPU op: no device, no read
+        node = node.next_functions[0][0]
+    if node is None or type(node).__name__ not in _NLL:
+        return None
+    return 1.0 if sign is None else sign
 
 
 def _bounds(shape: Sequence[int], per_row: int, budget: int) -> tuple[int, slice]:
@@ -269,6 +386,9 @@ class PrecursorProbes(Component):
         self._node: Any = None  # the autograd node of the output measured last, until the forward ends
         self.link = 0
         """The largest :func:`output_link` of a loss to the output layer since :meth:`reset`."""
+        self.misread = (0.0, 0)
+        """The largest :attr:`Reading.misread` code since :meth:`reset`, and its :attr:`Reading.size`."""
+        self._nll_below: Tensor | None = None  # the largest -loss of an nll_loss root that read the output
         self._zero(None)
         self.attention_on = self.attention is not None
         """Whether the mode is entered on sampled forwards: off once a sampled step's forward made no attention call
@@ -284,6 +404,7 @@ class PrecursorProbes(Component):
         n = len(self.attention.names) if self.attention is not None else 0
         aggregator.add_state("precursor_sums", aggregator.new_state(4, dtype=torch.float64), "sum")
         aggregator.add_state("precursor_maxima", aggregator.new_state(3 + n, fill=-1.0, dtype=torch.float64), "max")
+        aggregator.add_state("loss_reading", aggregator.new_state(3, fill=-math.inf, dtype=torch.float64), "max")
 
     def _zero(self, device: torch.device | None) -> None:
         self.sums = torch.zeros(2, dtype=torch.float64, device=device)
@@ -351,13 +472,22 @@ class PrecursorProbes(Component):
         self._measure_last()
         if loss is not None and self._node is not None:
             # Host work on the graph the forward built, once per sampled micro-batch: no handler on any torch call.
-            self.link = max(self.link, output_link(loss.grad_fn, self._node))
+            self._read(loss, read_output(loss.grad_fn, self._node))
         if loss is not None and self.attached:
             if self.attention_on:  # the mode is entered
                 self._forwards += 1  # a forward that reached its loss under the mode
             value = loss.detach().double().reshape(())
             self._loss = value if self._loss is None else self._loss + value
         self.remove()
+
+    def _read(self, loss: Tensor, reading: Reading) -> None:
+        """Keep what the walk found; for an ``nll_loss`` that read the output, its value (on the device, no sync)."""
+        self.link = max(self.link, reading.link)
+        self.misread = max(self.misread, (reading.misread, reading.size))
+        sign = nll_sign(loss.grad_fn) if reading.reached else None
+        if sign is not None:
+            below = -(loss.detach().double() * sign).reshape(())
+            self._nll_below = below if self._nll_below is None else torch.maximum(self._nll_below, below)
 
     @override
     def end_micro_batch(self) -> None:  # also without a backward (a replay, a training_step that returned no loss)
@@ -399,6 +529,7 @@ class PrecursorProbes(Component):
         if self.output_stats:
             self._zero(window.device)
         self._loss, self._forwards, self.link = None, 0, 0
+        self.misread, self._nll_below = (0.0, 0), None
 
     def fold(self) -> None:
         """Pool this process's step; stop entering the mode where forwards reaching a loss made no attention call."""
@@ -417,7 +548,14 @@ class PrecursorProbes(Component):
             sums[3] = 1.0
         if self.attention is not None:
             maxima.append(self.attention.maxima.to(device, torch.float64))
+        reading = torch.full((3,), -math.inf, dtype=torch.float64, device=device)
+        if self.misread[0] > 0:
+            # Fills, not copies: a Python scalar is a kernel argument.
+            reading[0], reading[1] = self.misread[0], float(self.misread[1])
+        if self._nll_below is not None:
+            reading[2] = self._nll_below.to(device)
         agg.pool("precursor_sums", sums)
+        agg.pool("loss_reading", reading)
         agg.pool("precursor_maxima", torch.cat(maxima))
         probe = self.attention
         if probe is not None and self.attention_on and self._forwards and not any(probe.calls.values()):
@@ -438,6 +576,9 @@ class PrecursorProbes(Component):
                 values[stat], self._owners[stat] = found[stat], []
         values["output_layer"], self._owners["output_layer"] = maxima[1].reshape(1), [""]
         values["output_link"], self._owners["output_link"] = maxima[2].reshape(1), [""]
+        reading = torch.where(pooled["loss_reading"] > -math.inf, pooled["loss_reading"], math.nan)
+        for i, name in enumerate(READING_FACTS):
+            values[name], self._owners[name] = reading[i].reshape(1), [""]
         if self.attention is not None:
             attention = maxima[3:]
             values["attn_logit_max"] = torch.where(attention >= 0, attention, math.nan)
@@ -455,7 +596,7 @@ class PrecursorProbes(Component):
         if self.output_stats:
             index = int(host["output_layer"][0])
             name = list(self._outputs)[index] if 0 <= index < len(self._outputs) else ""
-            owners.update((stat, [name]) for stat in (*self.output_stats, "output_link"))
+            owners.update((stat, [name]) for stat in (*self.output_stats, "output_link", *READING_FACTS))
         return {"precursors": owners}
 
 

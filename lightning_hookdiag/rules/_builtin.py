@@ -29,6 +29,9 @@ from lightning_hookdiag.rules import (
     _precursors as precursors,
 )
 from lightning_hookdiag.rules import (
+    _readings as readings,
+)
+from lightning_hookdiag.rules import (
     _spike as spike,
 )
 from lightning_hookdiag.rules._registry import Rule, by_order
@@ -57,6 +60,9 @@ RULES: tuple[Rule, ...] = tuple(
             precursors.attention_logits,
             precursors.logit_drift,
             precursors.unbounded_loss,
+            readings.loss_below_floor,
+            readings.squashed_twice,
+            readings.wrong_softmax_dim,
             precursors.update_jump,
             activations.repeated_batch,
             parameters.unregistered_module,

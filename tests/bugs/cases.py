@@ -597,10 +597,6 @@ BLIND_NOTES: dict[str, str] = {
     " about outputs that require grad) and its parameters get none (.grad stays None), which is exactly how a"
     " backbone frozen on purpose with torch.no_grad() looks in linear-probe code; the head trains normally (after 60"
     " steps: output gradient 1.02, update ratio 0.14), so a rule would fire on intentional freezing",
-    "sigmoid_into_bce_with_logits": "a second sigmoid squeezes the logits into (0, 1), which only flattens the loss"
-    " (0.85 -> 0.69 = ln 2 after 60 steps, its floor): the Sigmoid's outputs stay at 0.07 +- 0.05, far from"
-    " saturation (|2y - 1| > 0.9), it passes back 1/14 of its output gradient (0.18 -> 0.013, vanishing_ratio=1e-3),"
-    " and the output's largest |logit| is 0.15: no statistic is out of range",
 }
 
 CASES: tuple[Case, ...] = (
@@ -737,12 +733,11 @@ CASES: tuple[Case, ...] = (
         "double_softmax",
         "the model ends in nn.Softmax and CrossEntropyLoss applies log_softmax again",
         _double_softmax,
-        None,
-        None,
+        "squashed_twice",
+        "model.5",  # the nn.Softmax appended to _mlp(8, 32, d_out=4)
         max_steps=8,
-        blind="softmax outputs in [0, 1] into a second log_softmax only compress the loss's range: after 60 steps"
-        " the Softmax passes back 1/5.6 of its output gradient (0.26 -> 0.046), far from vanishing_ratio=1e-3, and"
-        " no other statistic is out of range",
+        step=0,
+        default_step=0,
         principle=P4,
     ),
     Case(
@@ -918,10 +913,11 @@ CASES: tuple[Case, ...] = (
         "sigmoid_into_bce_with_logits",
         "the model ends in nn.Sigmoid and BCEWithLogitsLoss applies the sigmoid again",
         _sigmoid_into_bce_with_logits,
-        None,
-        None,
+        "squashed_twice",
+        "model.5",  # the nn.Sigmoid appended to _mlp(8, 32, d_out=1)
         max_steps=8,
-        blind=BLIND_NOTES["sigmoid_into_bce_with_logits"],
+        step=0,
+        default_step=0,
         principle=P4,
     ),
 )

@@ -502,17 +502,12 @@ PRINCIPLE_CASES: tuple[Case, ...] = (
         "nll_on_raw_logits",
         "`NLLLoss` on the raw logits (the `log_softmax` forgotten): the loss -logit[y] has no minimum",
         _nll_on_raw_logits,
-        None,
+        "loss_below_floor",
         "model.4",  # the output layer of _mlp(8, 16, d_out=4)
         max_steps=60,
+        step=21,  # the first step its loss is below 0 (0.23 at step 0)
+        default_step=50,
         principle=P3,
-        blind="nothing in 60 steps: the loss falls slowly through 0 (0.23 at step 0, mean -0.14 over the last 10"
-        " steps; the twin's 1.47 -> 1.35), about 1.7 per unit of growth of the output's largest |logit|, far below"
-        " the 10 unbounded_loss needs. A check of the shape alone (a negative loss whose fall over 16 sampled steps"
-        " does not slow while the output grows) named it at model.4 on step 55 (falls of 0.045 then 0.108), but"
-        " also named the healthy Gaussian likelihood of test_misses.py at step 29 (its loss falls steadily through"
-        " 0 to its floor near -2.5 while its log-variance output grows): kept out, a rule that cries wolf is worse"
-        " than none",
     ),
     # --- 4. a symptom judged by its consequence
     Case(
@@ -520,23 +515,23 @@ PRINCIPLE_CASES: tuple[Case, ...] = (
         "a confident binary classifier ending in nn.Sigmoid feeds BCEWithLogitsLoss (a second sigmoid); the twin"
         " feeds the same saturated Sigmoid to BCELoss, whose derivative cancels it",
         _probabilities_into_bce_with_logits,
-        "saturation",
+        "squashed_twice",
         "model.prob",
         max_steps=8,
-        default_step=50,
+        step=0,
+        default_step=0,
         principle=P4,
     ),
     Case(
         "softmax_over_the_batch",
         "`log_softmax(logits, dim=0)`: each class normalised over the batch instead of over the classes",
         _softmax_over_the_batch,
-        None,
+        "wrong_softmax_dim",
         "model.4",  # the output layer of _mlp(8, 16, d_out=4): model.2 is the hidden Linear
         max_steps=8,
+        step=0,
+        default_step=0,
         principle=P4,
-        blind="nothing: every statistic is in range; the loss barely falls (2.06 -> 2.02 over 60 steps, the"
-        " twin 1.47 -> 1.24); the gradient that reaches the output layer is a batch-coupled one, which no rule"
-        " reads",
     ),
     # --- 5. the origin of growth
     Case(

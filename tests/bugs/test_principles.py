@@ -9,6 +9,8 @@ transformer with every rule over 24 steps, every step sampled.
 
 from __future__ import annotations
 
+import math
+import re
 import warnings
 from typing import Any
 
@@ -28,7 +30,15 @@ from lightning_hookdiag.rules import RULES
 
 pytestmark = pytest.mark.slow
 
-NEW_RULES = ("stopped_running", "output_unused", "idle_optimizer", "shadowed_method")
+NEW_RULES = (
+    "stopped_running",
+    "output_unused",
+    "idle_optimizer",
+    "shadowed_method",
+    "loss_below_floor",
+    "squashed_twice",
+    "wrong_softmax_dim",
+)
 
 
 def _only(callback: LayerHealthCallback, rule: str) -> list:
@@ -187,6 +197,150 @@ def test_a_head_replaced_in_on_fit_start_is_not_misread_as_unregistered():
     callback = run(BY_NAME["head_replaced_in_on_fit_start"], sick=True)
     assert [(f.rule, f.layer, f.step) for f in callback.findings] == [("not_updated", "model.head", 0)]
     assert "model.head" in callback.layer_names
+
+
+# --- principle 3: a loss below its floor ----------------------------------------------------------------------------
+def _recorded(loss_fn: Any, losses: list[float]) -> Any:
+    """``loss_fn`` that also keeps each value it returns (a host read: the fit is the same)."""
+
+    def loss(module: BugModule, batch: Any) -> Tensor:
+        value = loss_fn(module, batch)
+        losses.append(float(value))
+        return value
+
+    return loss
+
+
+def _raw_nll(module: BugModule, batch: Any) -> Tensor:
+    return F.nll_loss(module(batch[0]), batch[1])
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_an_nll_loss_below_zero_is_named_at_the_output_layer_on_its_first_step_there(accumulate):
+    # Lightning divides the loss by accumulate_grad_batches: a division by a positive number keeps the sign.
+    losses: list[float] = []
+    torch.manual_seed(0)
+    module = BugModule(_mlp(8, 16, d_out=4), _classes(64, 8, 4), loss=_recorded(_raw_nll, losses), lr=0.01)
+    callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer([callback], max_steps=60 // accumulate, accumulate_grad_batches=accumulate).fit(module)
+    # A step's micro-batches, each divided as Lightning divides it; the finding reports the lowest.
+    steps = [[v / accumulate for v in losses[i : i + accumulate]] for i in range(0, len(losses), accumulate)]
+    first = next(step for step, values in enumerate(steps) if min(values) < 0)
+    f = _only(callback, "loss_below_floor")[0]
+    assert (f.layer, f.step) == ("model.4", first)
+    assert f.value == pytest.approx(min(steps[first]), rel=1e-5)
+    assert "is not log-probabilities" in f.message
+    assert "apply log_softmax first" in f.message
+    assert {g.rule for g in callback.findings} == {"loss_below_floor"}
+
+
+@pytest.mark.parametrize("how", ["log_of_softmax", "label_smoothing", "entropy_bonus"])
+def test_a_loss_that_reads_probabilities_or_goes_below_zero_on_purpose_is_silent(how):
+    # nll_loss of log(softmax) and cross_entropy with label smoothing are >= 0; an entropy bonus (an RL habit)
+    # takes the total below 0 on purpose: its root is a subtraction, not an nll_loss, and is not judged.
+    losses: list[float] = []
+
+    def loss(module: BugModule, batch: Any) -> Tensor:
+        x, y = batch
+        logits = module(x)
+        if how == "log_of_softmax":
+            return F.nll_loss(torch.log(F.softmax(logits, dim=-1)), y)
+        if how == "label_smoothing":
+            return F.cross_entropy(logits, y, label_smoothing=0.1)
+        p = F.softmax(logits, dim=-1)
+        return F.cross_entropy(logits, y) - 2.0 * -(p * torch.log(p)).sum(-1).mean()
+
+    callback = _fit(BugModule(_mlp(8, 16, d_out=4), _classes(64, 8, 4), loss=_recorded(loss, losses), lr=0.05), 24)
+    assert callback.findings == []
+    assert how != "entropy_bonus" or max(losses) < 0  # below 0 on every step, and silent
+
+
+# --- principle 4: a logits-taking loss fed probabilities, a softmax over the wrong dim ------------------------------
+def test_a_double_softmax_is_named_at_the_softmax_with_the_floor_it_puts_under_the_loss():
+    losses: list[float] = []
+    model = _mlp(8, 32, d_out=4).append(nn.Softmax(dim=-1))
+    ce = _recorded(lambda module, batch: F.cross_entropy(module(batch[0]), batch[1]), losses)
+    callback = _fit(BugModule(model, _classes(64, 8, 4), loss=ce, lr=0.5), 40)
+    f = _only(callback, "squashed_twice")[0]
+    assert (f.layer, f.step, f.value) == ("model.5", 0, 4.0)
+    floor = math.log(math.e + 3) - 1  # the loss when the true class's probability is 1 and the others 0
+    assert f"never falls below {floor:.3f}" in f.message
+    assert min(losses) > floor  # what the message says, on the fit itself
+    assert {g.rule for g in callback.findings} == {"squashed_twice"}
+
+
+def test_a_sigmoid_into_bce_with_logits_is_named_at_the_sigmoid_with_its_floor():
+    callback = run(BY_NAME["sigmoid_into_bce_with_logits"], sick=True)
+    (f,) = callback.findings
+    assert (f.rule, f.layer, f.step) == ("squashed_twice", "model.5", 0)
+    assert f"below {math.log1p(math.exp(-1.0)):.3f} per positive and {math.log(2.0):.3f} per negative" in f.message
+    # The gradient the sigmoid passes down, measured: at most 1/4 of the one it gets (p (1 - p) <= 1/4).
+    passed = re.search(r"model\.4, run just before it, got ([0-9.e-]+), ([0-9.e-]+) of it", f.message)
+    assert passed is not None
+    assert 0 < float(passed.group(2)) <= 0.25
+
+
+class _Gate(nn.Module):
+    """Logits gated by a sigmoid (a mixture-of-experts habit), and a softmax pooling over the instances of a bag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.head, self.gate, self.attend = nn.Linear(16, 4), nn.Linear(16, 4), nn.Linear(16, 1)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        h = self.body(x)
+        pooled = (F.softmax(self.attend(h), dim=0) * h).sum(0, keepdim=True)  # over the batch, on purpose
+        return self.head(h) * torch.sigmoid(self.gate(h)), self.head(pooled)
+
+
+@pytest.mark.parametrize("how", ["bce_after_sigmoid", "gated_logits", "distillation", "classes_in_dim_1"])
+def test_healthy_squashes_before_a_loss_are_silent(how):
+    # Each beside a softmax over dim 0 inside the model (attention pooling over a bag's instances), then a layer:
+    # not what the loss normalises.
+    model = _Gate()
+
+    def variant(logits: Tensor, y: Tensor) -> Tensor:
+        if how == "bce_after_sigmoid":  # BCELoss cancels the sigmoid's derivative
+            return F.binary_cross_entropy(torch.sigmoid(logits), F.one_hot(y, 4).float())
+        if how == "gated_logits":  # a product of a sigmoid and logits is not a sigmoid's output
+            return F.binary_cross_entropy_with_logits(logits, F.one_hot(y, 4).float())
+        if how == "distillation":  # a teacher's softmax as the target, the student's log_softmax as the input
+            teacher = F.softmax(logits.detach() * 2.0, dim=-1)
+            return F.kl_div(F.log_softmax(logits, -1), teacher, reduction="batchmean") + F.cross_entropy(logits, y)
+        # [batch, classes, height, width]: nll_loss reads dim 1 as the classes, and the log_softmax normalises dim 1
+        image = logits[:, :, None, None].expand(-1, -1, 2, 2)
+        return F.nll_loss(F.log_softmax(image, dim=1), y[:, None, None].expand(-1, 2, 2))
+
+    def loss(module: BugModule, batch: Any) -> Tensor:
+        x, y = batch
+        logits, pooled = module(x)
+        return variant(logits, y) + F.cross_entropy(pooled, y[:1])
+
+    callback = _fit(BugModule(model, _classes(64, 8, 4), loss=loss, lr=0.05), steps=12)
+    assert callback.findings == []
+
+
+def test_a_softmax_over_the_batch_is_named_at_the_output_layer_with_the_dim_s_size():
+    callback = run(BY_NAME["softmax_over_the_batch"], sick=True)
+    (f,) = callback.findings
+    assert (f.rule, f.layer, f.step, f.value) == ("wrong_softmax_dim", "model.4", 0, 8.0)  # a batch of 8
+    assert "over the batch, when it is dim 0" in f.message
+
+
+def test_a_segmentation_map_normalised_over_its_width_is_named_too():
+    # [batch, classes, height, width] with log_softmax(dim=-1): each class normalised over the 3 columns.
+    def loss(module: BugModule, batch: Any) -> Tensor:
+        x, y = batch
+        image = module(x)[:, :, None, None].expand(-1, -1, 2, 3)
+        return F.nll_loss(F.log_softmax(image, dim=-1), y[:, None, None].expand(-1, 2, 3))
+
+    callback = _fit(BugModule(_mlp(8, 16, d_out=4), _classes(64, 8, 4), loss=loss, lr=0.05), steps=4)
+    assert [(f.rule, f.layer, f.step, f.value) for f in callback.findings][:1] == [
+        ("wrong_softmax_dim", "model.4", 0, 3.0)
+    ]
 
 
 # --- Lightning's demo transformer ---------------------------------------------------------------------------------

@@ -6,8 +6,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_hookdiag._precursor_probes import output_link
+from lightning_hookdiag._precursor_probes import nll_sign, output_link, read_output
 from lightning_hookdiag.rules._precursors import SIGMOID_LINK, SOFTMAX_LINK
+from lightning_hookdiag.rules._readings import NORMALISED_OVER_WRONG_DIM, SQUASHED_TWICE_SIGMOID, SQUASHED_TWICE_SOFTMAX
 
 
 def _head() -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,3 +50,36 @@ def test_the_walk_stops_after_its_limit_and_on_a_loss_without_graph():
     assert output_link(loss.grad_fn, out.grad_fn, limit=20) == 0
     assert output_link(loss.grad_fn, out.grad_fn) == SOFTMAX_LINK
     assert output_link(None, out.grad_fn) == 0
+
+
+def test_the_walk_notes_a_squash_read_twice_and_a_softmax_over_another_dim_than_the_classes():
+    out, labels = _head()
+    target = torch.ones(5, 3)
+    sigmoid = read_output(F.binary_cross_entropy_with_logits(out.sigmoid().view(5, 3), target).grad_fn, out.grad_fn)
+    assert (sigmoid.misread, sigmoid.size, sigmoid.reached) == (SQUASHED_TWICE_SIGMOID, 1, True)
+    softmax = read_output(F.cross_entropy(out.softmax(-1), labels).grad_fn, out.grad_fn)
+    assert (softmax.misread, softmax.size) == (SQUASHED_TWICE_SOFTMAX, 3)  # the 3 classes it normalised
+    batch = read_output(F.nll_loss(out.log_softmax(0), labels).grad_fn, out.grad_fn)
+    assert (batch.misread, batch.size) == (NORMALISED_OVER_WRONG_DIM, 5)  # the batch of 5
+    # The healthy pairs, and a reshape between log_softmax and nll_loss (the dims no longer line up): nothing.
+    healthy = [
+        F.binary_cross_entropy(out.sigmoid(), target),
+        F.nll_loss(out.log_softmax(-1), labels),
+        F.nll_loss(out.log_softmax(1), labels),
+        F.cross_entropy(out, labels),
+        F.binary_cross_entropy_with_logits(out * out.sigmoid(), target),
+        F.nll_loss(out.log_softmax(0).reshape(5, 3), labels),
+    ]
+    assert [read_output(loss.grad_fn, out.grad_fn).misread for loss in healthy] == [0.0] * len(healthy)
+
+
+def test_the_sign_of_an_nll_loss_at_the_root_through_constant_scalings():
+    out, labels = _head()
+    nll = F.nll_loss(out, labels)
+    assert nll_sign(nll.grad_fn) == 1.0
+    assert float(nll_sign((nll / 2.0).grad_fn)) == 1.0  # Lightning's division under gradient accumulation
+    assert float(nll_sign((nll * -3.0).grad_fn)) == -1.0
+    # Not an nll_loss at the root, or a factor that requires grad: not judged.
+    assert nll_sign((nll + 1.0).grad_fn) is None
+    assert nll_sign(F.mse_loss(out, torch.ones(5, 3)).grad_fn) is None
+    assert nll_sign((nll * torch.tensor(2.0, requires_grad=True)).grad_fn) is None

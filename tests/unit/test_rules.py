@@ -601,8 +601,9 @@ def test_alert_state_counts_every_finding_seen():
                             "vanishing_gradient": 0, "exploding_gradient": 0, "saturation": 0,
                             "precision_headroom": 0, "update_ratio": 0, "warmup_stuck": 0, "stale_gradients": 0,
                             "zeroed_gradients": 0, "input_scale": 0, "not_updated": 0, "replica_divergence": 0,
-                            "attention_logits": 0, "logit_drift": 0, "unbounded_loss": 0,
-                            "update_jump": 0, "repeated_batch": 0, "unregistered_module": 0,
+                            "attention_logits": 0, "logit_drift": 0, "unbounded_loss": 0, "loss_below_floor": 0,
+                            "squashed_twice": 0, "wrong_softmax_dim": 0, "update_jump": 0, "repeated_batch": 0,
+                            "unregistered_module": 0,
                             "shared_parameters": 0, "scheduler_overstepped": 0, "stopped_running": 0,
                             "output_unused": 0, "idle_optimizer": 0, "shadowed_method": 0}  # fmt: skip
 
