@@ -199,7 +199,10 @@ def nll_sign(loss: Any) -> Tensor | float | None:
             return None
         if node.next_functions[1][0] is not None:  # a factor that requires grad
             return None
-        sign = torch.sign(other) if sign is None else sign * torch.sign(other)  # a CPU op: no device, no read
+        # A CPU op: no device, no read. A Python number's saved tensor is a "wrapped number", which a dispatch mode
+        # (a profiler's op counter) hands to aten as the bare number; a copy first makes it a plain tensor.
+        factor = torch.sign(other.to(torch.float64, copy=True))
+        sign = factor if sign is None else sign * factor
         node = node.next_functions[0][0]
     if node is None or type(node).__name__ not in _NLL:
         return None

@@ -83,3 +83,19 @@ def test_the_sign_of_an_nll_loss_at_the_root_through_constant_scalings():
     assert nll_sign((nll + 1.0).grad_fn) is None
     assert nll_sign(F.mse_loss(out, torch.ones(5, 3)).grad_fn) is None
     assert nll_sign((nll * torch.tensor(2.0, requires_grad=True)).grad_fn) is None
+
+
+def test_the_sign_is_read_under_a_dispatch_mode_of_the_users():
+    # A Python number's saved tensor reached aten as the bare number under a dispatch mode (a profiler's op counter,
+    # FlopCounterMode): the sign's op raised inside training.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    out, labels = _head()
+    nll = F.nll_loss(out, labels)
+    with Passthrough():
+        assert float(nll_sign((nll / 2.0).grad_fn)) == 1.0
+        assert float(nll_sign((nll * -3.0).grad_fn)) == -1.0
