@@ -49,8 +49,9 @@ from lightning_hookdiag._params import (
 from lightning_hookdiag._participation import model_picture
 from lightning_hookdiag._provenance import NonFiniteTrace, nonfinite_in_batch
 from lightning_hookdiag._recorder import StepRecorder
+from lightning_hookdiag._rerun import MicroBatch, capture_rng, replay_step
 from lightning_hookdiag._selection import excluded_names, resolve_layers
-from lightning_hookdiag._sentinel import MicroBatch, NoSentinel, Sentinel, capture_rng, replay_step
+from lightning_hookdiag._sentinel import NoSentinel, Sentinel
 from lightning_hookdiag._stats import accumulation_dtype
 from lightning_hookdiag._step_state import StepState, Trip, plan_trip
 from lightning_hookdiag._vocabulary import (

@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch import Tensor, nn
 
 from lightning_hookdiag._optimizer_watch import Schedule
-from lightning_hookdiag._sentinel import MicroBatch
+from lightning_hookdiag._rerun import MicroBatch
 
 __all__ = ["LightningStep", "sharded"]
 

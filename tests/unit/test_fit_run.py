@@ -21,7 +21,8 @@ from torch import nn
 from lightning_hookdiag import ALL_STATS, LayerHealthCallback
 from lightning_hookdiag._fit_run import FitRun, StepCheck
 from lightning_hookdiag._logged_values import ObservedStep
-from lightning_hookdiag._sentinel import LossSentinel, MicroBatch, SpikeDetector, capture_rng
+from lightning_hookdiag._rerun import MicroBatch, capture_rng
+from lightning_hookdiag._sentinel import LossSentinel, SpikeDetector
 from lightning_hookdiag.builtins import split_extensions
 from lightning_hookdiag.components import Component, FitConfig, Setup, component
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_hookdiag._hooks import HookSet
 from lightning_hookdiag._inplace import InPlaceGuard, ReplayWriteLimit
-from lightning_hookdiag._sentinel import MicroBatch, capture_rng, replay_step
+from lightning_hookdiag._rerun import MicroBatch, capture_rng, replay_step
 from lightning_hookdiag._torch_internals import DispatchMode, version, written_tensors
 
 
