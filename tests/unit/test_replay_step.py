@@ -16,7 +16,8 @@ import torch
 from helpers import count_hooks
 from torch import nn
 
-from lightning_hookdiag import _sentinel as SN
+from lightning_hookdiag import _rerun as SN
+from lightning_hookdiag._hooks import HookSet
 from lightning_hookdiag._provenance import NonFiniteTrace
 from lightning_hookdiag._sentinel import LossSentinel, SpikeDetector
 from lightning_hookdiag.components import Component
@@ -64,7 +65,7 @@ def test_sparse_gradients_are_checked_by_their_stored_values():
 def test_replay_helper_restores_rng_buffers_and_gradients_even_when_the_step_raises():
     net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Dropout(0.5))
     seen: list[int] = []
-    hooks = SN.HookSet({"0": net[0]}, lambda i, out: seen.append(i))
+    hooks = HookSet({"0": net[0]}, lambda i, out: seen.append(i))
     micro = SN.MicroBatch(torch.randn(5, 3), 0, SN.capture_rng(torch.device("cpu")))
     before_rng, before_stats = torch.get_rng_state(), net[1].running_mean.clone()
 
@@ -91,7 +92,7 @@ def test_the_replay_restores_the_training_state_even_when_a_companion_fails_to_r
             raise RuntimeError("companion remove failed")
 
     net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Dropout(0.5))
-    hooks = SN.HookSet({"0": net[0], "1": net[1]}, lambda i, out: None, companions=[FailsToRemove()])
+    hooks = HookSet({"0": net[0], "1": net[1]}, lambda i, out: None, companions=[FailsToRemove()])
     micro = SN.MicroBatch(torch.randn(5, 3), 0, SN.capture_rng(torch.device("cpu")))
     before = torch.get_rng_state(), random.getstate(), net[1].running_mean.clone()
 
@@ -120,7 +121,7 @@ def test_the_random_streams_and_a_buffer_the_step_resized_are_put_back():
         net.seen.resize_(1000).fill_(7.0)  # a larger storage, then new contents
         return net(m.batch).sum()
 
-    SN.replay_step([micro], run, net, SN.HookSet({}, None), torch.device("cpu"))
+    SN.replay_step([micro], run, net, HookSet({}, None), torch.device("cpu"))
     assert torch.equal(before[0], torch.get_rng_state())
     assert before[1] == random.getstate()
     assert (before[2] == np.random.get_state()[1]).all()
@@ -130,7 +131,7 @@ def test_the_random_streams_and_a_buffer_the_step_resized_are_put_back():
 
 def test_the_global_hook_is_removed_when_the_replay_raises():
     net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
-    hooks = SN.HookSet({"0": net[0]}, lambda i, out: None)
+    hooks = HookSet({"0": net[0]}, lambda i, out: None)
     trace = NonFiniteTrace(net)
     micro = SN.MicroBatch(torch.randn(5, 3), 0, SN.capture_rng(torch.device("cpu")))
 
