@@ -293,9 +293,10 @@ class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_later_sampled_steps_reuse_the_snapshot_and_scratch(dtype):
-    # Issue 39: the update snapshot and the float64 scratch are allocated (page-faulted) on the first sampled step
-    # only; every later one writes into the same buffers, and its values still equal the float64 reference.
+def test_later_sampled_steps_reuse_the_scratch_and_free_the_snapshot(dtype):
+    # Issue 39: the float64 scratch is allocated (page-faulted) on the first sampled step only; the update snapshot is
+    # taken anew each step and freed after it (kept, it sat under every later step's peak: +25 MiB on the 329 M model
+    # against the +16 MiB bound). The values still equal the float64 reference.
     g = torch.Generator().manual_seed(3)
     ps = [
         nn.Parameter(torch.randn(300, 200, generator=g).to(dtype)),
@@ -311,8 +312,10 @@ def test_later_sampled_steps_reuse_the_snapshot_and_scratch(dtype):
             index, values = tracker.before_step(opt.param_groups)
             opt.step()
             update_index, update_sq = tracker.after_step()
-        big = [n for n in allocations.sizes if n >= 7 * 300]  # a snapshot (60_007 entries) or scratch-sized buffer
-        assert (big != []) == (step == 0), (step, big)
+        scratch = [n for n in allocations.sizes if n >= 2 * CHUNK_ELEMENTS]
+        assert (scratch != []) == (step == 0), (step, allocations.sizes)
+        assert 300 * 200 + 7 in allocations.sizes  # the snapshot, every step
+        assert tracker.after_step() is None  # measured and released
         expected = [((p.detach().double() - b) ** 2).sum().item() for p, b in zip(ps, before, strict=True)]
         got = dict(zip(update_index.tolist(), update_sq.tolist(), strict=True))
         for i, value in enumerate(expected):
