@@ -168,10 +168,10 @@ class _Workspace:
         return found
 
     def drop_snapshots(self) -> None:
-        """Free the update snapshots (up to 16 MiB): kept between sampled steps they sat under every later step's peak.
+        """Free the update snapshots (up to 16 MiB of float32): kept, they would stay resident under every later step.
 
-        Measured on the 329 M-parameter model (``benchmarks/memory.py``): +25 MiB over a plain step with them kept, +6
-        to +9 MiB released, against the bound of +16. The 4 MiB scratch stays.
+        The whole sampled step's bound is +16 MiB over a plain step; a snapshot resident between sampled steps would
+        take all of it before the step starts. The 4 MiB scratch stays.
         """
         self._snapshots = {}
         self._views = {}

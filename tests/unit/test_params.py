@@ -295,8 +295,8 @@ class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_later_sampled_steps_reuse_the_scratch_and_free_the_snapshot(dtype):
     # Issue 39: the float64 scratch is allocated (page-faulted) on the first sampled step only; the update snapshot is
-    # taken anew each step and freed after it (kept, it sat under every later step's peak: +25 MiB on the 329 M model
-    # against the +16 MiB bound). The values still equal the float64 reference.
+    # taken anew each step and freed after it (kept, its 16 MiB would stay resident under every later step, against a
+    # +16 MiB bound for the whole sampled step). The values still equal the float64 reference.
     g = torch.Generator().manual_seed(3)
     ps = [
         nn.Parameter(torch.randn(300, 200, generator=g).to(dtype)),
