@@ -32,7 +32,6 @@ Example:
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -40,6 +39,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, SupportsIndex
 
 import torch
 from torch import Tensor, nn
+
+from lightning_hookdiag.rules._registry import named_object
 
 if TYPE_CHECKING:
     from lightning_hookdiag._aggregation import LayerStatsAggregator
@@ -301,17 +302,9 @@ class ComponentFactory:
         callback holding such an extension (a deep copy, a checkpointed Trainer, DDP spawn) could not be pickled.
         """
         module, qualname = getattr(self.make, "__module__", None), getattr(self.make, "__qualname__", None)
-        if module is not None and qualname is not None and _lookup(module, qualname) is self:
-            return (_lookup, (module, qualname))
+        if module is not None and qualname is not None and named_object(module, qualname) is self:
+            return (named_object, (module, qualname))
         return super().__reduce_ex__(protocol)
-
-
-def _lookup(module: str, qualname: str) -> Any:
-    """The object ``qualname`` of ``module`` (``None`` if there is none): what a pickled factory is loaded from."""
-    found: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        found = getattr(found, part, None)
-    return found
 
 
 def component(factory: Factory) -> ComponentFactory:

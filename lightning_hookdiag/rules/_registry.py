@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, SupportsIndex
 
 from lightning_hookdiag.rules._findings import Finding
 
-__all__ = ["Found", "Rule", "by_order", "rule"]
+__all__ = ["Found", "Rule", "by_order", "named_object", "rule"]
 
 
 class Found(NamedTuple):
@@ -47,8 +47,8 @@ class Rule:
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
         """Pickle a rule made with ``@rule`` by where it lives: its module attribute is the rule, not the function."""
-        if _named(self.check.__module__, self.check.__qualname__) is self:
-            return (_named, (self.check.__module__, self.check.__qualname__))
+        if named_object(self.check.__module__, self.check.__qualname__) is self:
+            return (named_object, (self.check.__module__, self.check.__qualname__))
         return super().__reduce_ex__(protocol)
 
     def run(self, ctx: Any) -> list[Finding]:
@@ -62,8 +62,8 @@ class Rule:
         ]
 
 
-def _named(module: str, qualname: str) -> Any:
-    """The object ``qualname`` of ``module`` (``None`` if there is none): what a pickled rule is loaded from."""
+def named_object(module: str, qualname: str) -> Any:
+    """The object ``qualname`` of ``module`` (``None`` if none): what a pickled rule or component factory loads from."""
     found: Any = importlib.import_module(module)
     for part in qualname.split("."):
         found = getattr(found, part, None)
