@@ -112,7 +112,7 @@ class FastPath:
         return notes
 
     def _first_window(self) -> list[Note]:
-        """The first window with an output on the fast path: which path each tensor of it took, and why (once)."""
+        """The first window with a tensor on the fast path: which path each tensor of it took, and why (once)."""
         assert self.onepass is not None
         window = self.onepass.paths - self._seen
         self._seen = Counter(self.onepass.paths)
@@ -120,5 +120,5 @@ class FastPath:
             return []
         self._ran = True
         others = ", ".join(f"{why.removeprefix('today: ')} {n}" for why, n in sorted(window.items()) if why != "fast")
-        text = f"{window['fast']} outputs reduced in one pass on this step; today's path for: {others or 'none'}"
+        text = f"{window['fast']} tensors reduced in one pass on this step; today's path for: {others or 'none'}"
         return [Note("fast_path:ran", f"LayerHealthCallback: fast path: {text}", info=True)]

@@ -1,4 +1,4 @@
-"""The one-pass fast path for one tensor's statistics: an output's row and per-unit maxima from one compiled reduction.
+"""The one-pass fast path for one tensor's statistics: a row (and an output's per-unit maxima) from one compiled pass.
 
 :func:`~lightning_hookdiag._stats.reduce_tensor` reduces an output in 9 tensor ops per piece of
 :data:`~lightning_hookdiag._stats.CHUNK_ELEMENTS`, plus 2 for the per-unit maxima. :class:`OnePass` writes the same
@@ -8,9 +8,10 @@ accumulator in registers, so nothing is allocated in proportion to the tensor. P
 loop: the tensor is viewed as ``[before, units, after]`` and every statistic is reduced over the outer axes into
 per-unit partials, which a second, unit-sized reduction adds up.
 
-Gradients stay on today's path (:func:`~lightning_hookdiag._stats.gradient_row`: 6 ops ending in a BLAS ``dot``): a
-compiled pass was measured no faster for float32 (0.98-1.15x) and slower for bf16 (1.2-1.8x; 1.7-3.7x for a first
-version that counted ``-0.0`` by ``signbit``), see ``benchmarks/README.md``.
+A gradient's row (:func:`~lightning_hookdiag._stats.gradient_row`) comes from one compiled pass too, off the CPU: there
+each of today's 6 ops per piece is a kernel launch. On the CPU gradients stay on today's path, whose sum of squares is
+a BLAS ``dot``: the compiled pass was measured slower there (1.04-1.44x for float32, 1.47-1.69x for bf16), see
+``benchmarks/README.md``.
 
 **The numeric contract** (``docs/statistics.md#the-numeric-contract``): inductor's float64 sums accumulate
 sequentially per vector lane, not in cascade as torch's own sums do, so a plain sum of squares of values of mean
@@ -57,11 +58,12 @@ __all__ = ["FAST_DTYPES", "FAST_MIN_ELEMENTS", "OnePass", "Reserve", "has_compil
 Reserve = Callable[[list[int]], Tensor]
 """The caller's rows: given the element counts of the pieces a tensor is reduced in, one row per piece to write."""
 
-FAST_MIN_ELEMENTS = 1 << 18
-"""Tensors below this many elements stay on today's (stacked or per-piece) path.
+FAST_MIN_ELEMENTS = 1 << 16
+"""Tensors below this many elements stay on today's path; the recorder stacks those up to exactly this many.
 
-A compiled call has a fixed cost of ~20-40 µs (guards, the wrapper, the row copy); at 64 K elements the two paths cost
-the same on this CPU (``benchmarks/onepass.py``), from 256 K on the compiled one is faster.
+A compiled call has a fixed cost of ~20-40 µs (guards, the wrapper, the row copy). On the CPU an output of 64 K
+elements costs the same on both paths, from 128 K on the compiled one is faster (``benchmarks/onepass.py``); on an
+accelerator every op of today's path is a kernel launch, so everything the stacks do not take is one pass.
 """
 
 FAST_DTYPES = (torch.float32, torch.bfloat16)
@@ -140,7 +142,27 @@ def _act_units(x: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
     return _act_row(parts, x.shape[0] * x.shape[1] * x.shape[2], shift), maxima
 
 
-_BODIES: dict[str, Callable[..., Any]] = {"act": _act_flat, "units": _act_units}
+# The integer dtype of each float dtype the fast path reads: a float's bit pattern is zero exactly when it is +0.0.
+_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+
+
+def _grad_flat(g: Tensor, shift: Tensor) -> Tensor:
+    """One gradient, flat: the ``[GRAD_ROW]`` float64 row; ``shift`` is unused (squares of a gradient do not cancel).
+
+    ``-0.0`` counts as non-zero, as :func:`~lightning_hookdiag._stats.gradient_row` counts: by the bit pattern (a
+    ``signbit`` test is not vectorised by inductor, and made a first version 1.7-3.7x slower than today's path).
+    """
+    _require_compiled()
+    del shift  # one signature for every body: the caller passes the same arguments
+    nonzero = g.view(_BITS[g.dtype]) != 0
+    finite = torch.isfinite(g)
+    wide = torch.where(finite, _widen(g).to(torch.float64), 0.0)
+    return torch.stack(
+        [nonzero.sum().to(torch.float64), (nonzero & finite).sum().to(torch.float64), (wide * wide).sum()]
+    )
+
+
+_BODIES: dict[str, Callable[..., Any]] = {"act": _act_flat, "units": _act_units, "grad": _grad_flat}
 
 
 def has_cxx_compiler() -> bool:
@@ -172,13 +194,16 @@ def _variant(view: Tensor) -> tuple[bool, ...]:
 
 
 class OnePass:
-    """The one-pass reduction of an output, with today's path for gradients and as the fallback for everything else.
+    """The one-pass reduction of an output or a gradient, with today's path as the fallback for everything else.
 
     Args:
         has_compiler: Whether a C++ compiler is available for CPU kernels; ``None``: look for one
             (:func:`has_cxx_compiler`). ``False`` sends every CPU tensor to today's path with one note.
         backend: The ``torch.compile`` backend (``"inductor"``; a backend callable is passed through as is).
         min_elements: Tensors with fewer elements take today's path (:data:`FAST_MIN_ELEMENTS`).
+        gradients: Gradients on the fast path too; ``None``: off the CPU only, where each of today's 6 ops per piece
+            is a kernel launch (on the CPU the compiled pass was measured 1.04-1.44x today's time for float32,
+            1.47-1.69x for bf16: today's sum of squares is a BLAS ``dot``).
         lift: A context entered around each fast-path candidate's mode checks and compiled call: the caller's way to
             leave what it holds itself and the compiled call must not see (the hooks' ``force_eager`` stance, the
             package's own torch-function and dispatch modes). ``None``: nothing is left.
@@ -195,12 +220,14 @@ class OnePass:
         backend: str | Callable[..., Any] = "inductor",
         min_elements: int = FAST_MIN_ELEMENTS,
         lift: Callable[[], AbstractContextManager[Any]] | None = None,
+        gradients: bool | None = None,
     ) -> None:
         if not isinstance(min_elements, int) or min_elements < 2:
             raise ValueError(f"min_elements: expected an int >= 2, got {min_elements!r}")
         self._has_compiler = has_compiler
         self.min_elements = min_elements
         self._lift = lift if lift is not None else contextlib.nullcontext
+        self._gradients = gradients
         self._compiled = {
             kind: torch.compile(body, fullgraph=True, dynamic=True, backend=backend) for kind, body in _BODIES.items()
         }
@@ -262,12 +289,13 @@ class OnePass:
             # distinct ones, as dynamo gives equal sizes one symbol and the graph would hold for equal ones only.
             examples = [
                 ("act", torch.ones(self.min_elements, dtype=dtype, device=device)),
+                ("grad", torch.ones(self.min_elements, dtype=dtype, device=device)),
                 ("units", torch.ones(1021, 256, 1, dtype=dtype, device=device)),
                 ("units", torch.ones(16, 64, 257, dtype=dtype, device=device)),
             ]
             for kind, example in examples:
                 key = self._key(kind, example)
-                if key in self._warmed:
+                if key in self._warmed or (kind == "grad" and not self._reads_gradients(device)):
                     continue
                 if self._call(kind, example, torch.zeros(1, dtype=torch.float64, device=device)) is None:
                     return None
@@ -314,13 +342,13 @@ class OnePass:
 
         Everything but the active modes, which :meth:`_why_not_now` reads inside the caller's ``lift``.
         """
-        if grad:
-            return "gradient"  # today's 6 ops with a BLAS dot were 1.7-3.7x faster than a compiled pass (CPU)
+        if grad and not self._reads_gradients(x.device):
+            return "gradient"  # the CPU's: today's 6 ops, ending in a BLAS dot, were faster (see gradients=)
         if self._disabled is not None:
             return self._disabled
         if x.numel() < self.min_elements:
             return "small"
-        if shift is None:
+        if shift is None and not grad:  # a gradient's sum of squares needs no shift
             return "no_shift"
         if x.dtype not in FAST_DTYPES:
             self._note(f"dtype:{x.dtype}", f"{x.dtype} is not read by the fast path: today's path for it")
@@ -330,6 +358,9 @@ class OnePass:
         if torch.compiler.is_compiling():
             return "inside_compile"
         return None
+
+    def _reads_gradients(self, device: torch.device) -> bool:
+        return device.type != "cpu" if self._gradients is None else self._gradients
 
     def _why_not_now(self) -> str | None:
         """Why the compiled call cannot run under the modes active now (noted), ``None`` when it can."""
@@ -373,13 +404,13 @@ class OnePass:
         maxima = None
         if why is None:
             view = self._view(x, units, unit_dim)
-            if self._key(self._kind(units), view) not in self._warmed:
+            if self._key(self._kind(grad, units), view) not in self._warmed:
                 why = "not_warmed"
             else:
                 with self._lift():
                     why = self._why_not_now()
                     if why is None:
-                        done, maxima = self._fast(view, reserve, units, shift)
+                        done, maxima = self._fast(view, reserve, self._kind(grad, units), shift)
                         why = None if done else self._failure
         if why is not None:
             self.paths[f"today: {why}"] += 1
@@ -392,22 +423,21 @@ class OnePass:
         return maxima, counts
 
     @staticmethod
-    def _kind(units: bool) -> str:
-        return "units" if units else "act"
+    def _kind(grad: bool, units: bool) -> str:
+        return "grad" if grad else "units" if units else "act"
 
     def _view(self, x: Tensor, units: bool, unit_dim: int | None) -> Tensor:
         x = x.detach()
         return _unit_view(x, unit_dim) if units else x.view(-1)
 
     def _fast(
-        self, view: Tensor, reserve: Reserve | None, units: bool, shift: float | Tensor | None
+        self, view: Tensor, reserve: Reserve | None, kind: str, shift: float | Tensor | None
     ) -> tuple[bool, Tensor | None]:
         """Write the row; ``(done, per-unit maxima with units)``, ``done`` false when it fell back (noted)."""
         if isinstance(shift, Tensor):
             shift_tensor = shift.detach().to(device=view.device, dtype=torch.float64).reshape(1)  # see _safe_shift
         else:
             shift_tensor = torch.tensor([0.0 if shift is None else shift], dtype=torch.float64, device=view.device)
-        kind = self._kind(units)
         out = self._call(kind, view, shift_tensor)
         if out is None:
             return False, None

@@ -162,7 +162,7 @@ def test_on_says_once_what_warming_cost_and_which_path_ran(on):
     # Step 1, the first on the fast path: the two wide outputs (Linear, ReLU) in one pass; the last layer's output is
     # small, and every gradient stays on today's path.
     assert ran == (
-        "LayerHealthCallback: fast path: 2 outputs reduced in one pass on this step; today's path for: gradient 3,"
+        "LayerHealthCallback: fast path: 2 tensors reduced in one pass on this step; today's path for: gradient 3,"
         " small 1"
     )
 
@@ -216,7 +216,7 @@ def test_the_attention_probe_and_a_replays_in_place_guard_are_left_for_the_compi
     off_values, _, _ = _fit("off", **kwargs)
     on_values, _, notes = _fit("on", **kwargs)
     assert [kind for kind, _ in notes] == ["info", "info"], notes
-    assert "3 outputs reduced in one pass on this step; today's path for: gradient 4, small 1" in notes[1][1]
+    assert "3 tensors reduced in one pass on this step; today's path for: gradient 4, small 1" in notes[1][1]
     _assert_within_contract(on_values, off_values)
 
 
@@ -229,7 +229,7 @@ def test_a_compiled_model_runs_its_sampled_steps_eagerly_and_the_reduction_compi
     off_values, _, _ = _fit("off", model=compiled, every_n_steps=2)
     on_values, _, notes = _fit("on", model=compiled, every_n_steps=2)
     assert [kind for kind, _ in notes] == ["info", "info"], notes
-    assert "2 outputs reduced in one pass on this step" in notes[1][1]
+    assert "2 tensors reduced in one pass on this step" in notes[1][1]
     assert [step for step, _ in on_values] == [0, 2]
     _assert_within_contract(on_values, off_values)
 
@@ -240,7 +240,7 @@ def test_bf16_mixed_warms_bf16_too_and_logs_todays_values():
     on_values, _, notes = _fit("on", precision="bf16-mixed")
     assert [kind for kind, _ in notes] == ["info", "info"], notes
     assert notes[0][1].startswith("LayerHealthCallback: fast path: compiled 6 reductions in ")
-    assert "2 outputs reduced in one pass on this step" in notes[1][1]
+    assert "2 tensors reduced in one pass on this step" in notes[1][1]
     _assert_within_contract(on_values, off_values)
 
 

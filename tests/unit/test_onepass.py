@@ -26,11 +26,11 @@ DTYPES = (torch.float32, torch.bfloat16)
 @pytest.fixture(scope="module")
 def fast():
     torch.manual_seed(0)
-    fast = OnePass(min_elements=SMALL)
+    fast = OnePass(min_elements=SMALL, gradients=True)  # the CPU's gradients stay on today's path by default
     seconds = fast.warm(DTYPES)
     assert seconds is not None, fast.notes
     assert seconds > 0
-    assert fast.notes == [f"onepass: compiled 6 reductions in {seconds:.1f} s"]
+    assert fast.notes == [f"onepass: compiled 8 reductions in {seconds:.1f} s"]
     assert fast.warm(DTYPES) == 0.0
     assert len(fast.notes) == 1
     return fast
@@ -38,7 +38,7 @@ def fast():
 
 def _warmed(**kwargs) -> OnePass:
     """A fresh instance whose warm-up is served by dynamo's cache of the module's compiled functions."""
-    instance = OnePass(min_elements=SMALL, **kwargs)
+    instance = OnePass(min_elements=SMALL, **{"gradients": True, **kwargs})
     assert instance.warm(DTYPES) is not None, instance.notes
     instance.notes.clear()
     return instance
@@ -106,9 +106,8 @@ def test_fast_path_writes_todays_row_and_unit_maxima(fast, name, dtype, kind):
     with torch.compiler.set_stance("fail_on_recompile"):  # what warm() compiled serves every shape
         got, got_units, _ = _rows(fast.reduce_tensor, x, grad, units, shift=1.5)
     expected, expected_units, _ = _today(x, grad, units)
-    # Today's path by design: gradients (today's BLAS dot is as fast) and [1, n, 1] (one unit per element: a layout
-    # warm() does not compile).
-    todays = grad or (units and x.ndim == 1)
+    # Today's path by design: [1, n, 1] (one unit per element: a layout warm() does not compile).
+    todays = units and x.ndim == 1
     assert fast.paths["fast"] == before + (not todays), fast.paths
     _assert_same_row(got, expected, grad)
     if units:
@@ -155,6 +154,20 @@ def test_numeric_contract_against_float64(fast, name, first_zero):
     got = _finalized(_rows(fast.reduce_tensor, x, shift=shift)[0], x.numel())
     for stat, value in reference.items():
         assert math.isclose(got[stat], value, rel_tol=1e-5, abs_tol=1e-300 if value == 0 else 0), (stat, got, value)
+
+
+@pytest.mark.parametrize("scale", [1e-20, 1.0, 1e18], ids=["1e-20", "1", "1e18"])
+def test_a_gradient_is_reduced_in_one_pass_against_float64(fast, scale):
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(1 << 21, dtype=torch.float64, generator=g) * scale).float()
+    x[0], x[1], x[2] = -0.0, 0.0, float("nan")
+    before = fast.paths["fast"]
+    row = _rows(fast.reduce_tensor, x, grad=True)[0]  # no shift: a gradient's squares do not cancel
+    assert fast.paths["fast"] == before + 1
+    finite = [v for v in x.double().tolist() if math.isfinite(v)]
+    assert math.isclose(row[S.GROW_SUMSQ].item(), math.fsum(v * v for v in finite), rel_tol=1e-12)
+    nonzero = sum(v != 0 for v in finite) + 2  # -0.0 and NaN count as non-zero, as today's path counts them
+    assert row[[S.GROW_NONZERO, S.GROW_NONZERO_FINITE]].tolist() == [nonzero, nonzero - 1]
 
 
 def test_shift_as_a_device_tensor_and_a_non_finite_shift(fast):
@@ -297,7 +310,18 @@ def test_routine_choices_take_todays_path_without_a_note(fast, x, shift, units, 
     assert instance.notes == []
 
 
+def test_the_cpus_gradients_take_todays_path_by_default(fast):
+    instance = OnePass(min_elements=SMALL)
+    assert instance.warm(DTYPES) is not None, instance.notes
+    instance.notes.clear()
+    x = torch.randn(64, 200)
+    got, _, _ = _rows(instance.reduce_tensor, x, grad=True)
+    assert torch.equal(got, _today(x, grad=True)[0])
+    assert instance.paths == {"today: gradient": 1}
+    assert instance.notes == []
+
+
 def test_bad_min_elements_is_a_clear_error():
     with pytest.raises(ValueError, match=r"min_elements: expected an int >= 2, got 0"):
         OnePass(min_elements=0)
-    assert FAST_MIN_ELEMENTS == 1 << 18
+    assert FAST_MIN_ELEMENTS == 1 << 16
