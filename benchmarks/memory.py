@@ -2,12 +2,14 @@
 
 Method
 ------
-Each (model, variant) pair runs in a fresh Python process, so that no allocator state, cached buffer or page one
-run touched is seen by the next. The process builds the model, then trains exactly one step with a real
-``lightning.pytorch.Trainer`` (``max_steps=1``, ``limit_train_batches=1``, ``logger=False``, no checkpointing, no
-progress bar). Two probe callbacks bracket the step: the first in the callback list marks its start in
-``on_train_batch_start``, the last in the list marks its end in ``on_train_batch_end`` (after the optimizer step and
-after the measured callback's own logging, pooling and host transfer). The number reported is the increase of the
+Each run of a (model, variant) pair is a fresh Python process, so that no allocator state, cached buffer or page
+one run touched is seen by the next; each pair runs ``--repeats`` times (default 3), the variants interleaved, and
+the median of each number is reported, with every run's peak (a fresh process's peak moves by several MiB). The
+process builds the model, then trains exactly one step with a real ``lightning.pytorch.Trainer`` (``max_steps=1``,
+``limit_train_batches=1``, ``logger=False``, no checkpointing, no progress bar). Two probe callbacks bracket the
+step: the first in the callback list marks its start in ``on_train_batch_start``, the last in the list marks its end
+in ``on_train_batch_end`` (after the optimizer step and after the measured callback's own logging, pooling and host
+transfer). The number reported is the increase of the
 step's peak over the state right before it:
 
 * CPU: peak resident memory. At the start the kernel's high-water mark is reset (``echo 5 >
@@ -44,6 +46,7 @@ Usage::
     python benchmarks/memory.py --quick              # tiny models: checks that the script works (seconds)
     python benchmarks/memory.py --models lm_head --precision bf16-mixed --device cuda
     python benchmarks/memory.py --step 1             # a later sampled step: the reused buffers are held before it
+    python benchmarks/memory.py --repeats 5          # 5 processes per variant (default 3), medians reported
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ import logging
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -289,6 +293,21 @@ def run_worker(
     return json.loads(lines[-1])
 
 
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One variant's runs as one result: the median of each number, with every run's peak kept (``peaks``).
+
+    A process's peak resident memory moves by several MiB from one fresh process to the next (glibc's heap, the
+    kernel's pages), so one run per variant can put a plain step's noise into the callback's extra; the median of
+    a few interleaved runs does not.
+    """
+    errors = [r for r in runs if "error" in r]
+    if errors:
+        return errors[0]
+    merged: dict[str, Any] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    merged["peaks"] = [r["peak"] for r in runs]
+    return merged
+
+
 def _row(spec: Spec, model: str, per_variant: dict[str, dict[str, Any]]) -> dict[str, Any]:
     plain = per_variant.get("plain", {}).get("peak")
     out: dict[str, Any] = {"model": spec.describe(), "params": spec.params, "logits_bytes": spec.logits_bytes}
@@ -358,7 +377,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per worker process")
     p.add_argument("--worker", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     p.add_argument("--step", type=int, default=0, help="measure this step (earlier ones sampled too): 1 = a later one")
+    p.add_argument("--repeats", type=int, default=3, help="fresh processes per variant, interleaved; medians reported")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats: at least 1 process per variant; got {args.repeats}")
     if args.step < 0:
         p.error(f"--step: the step to measure, 0 or later; got {args.step}")
     for name, valid in (("models", MODELS), ("variants", VARIANTS)):
@@ -379,12 +401,14 @@ def main(argv: list[str] | None = None, run: Callable[..., dict[str, Any]] = run
         return {}
     results: dict[str, dict[str, Any]] = {}
     for model in args.models:
-        per_variant = {}
-        for variant in args.variants:
-            later = {"step": args.step} if args.step else {}
-            per_variant[variant] = run(model, variant, args.device, args.precision, args.quick, args.timeout, **later)
-            print(f"  {model} {variant}: {per_variant[variant]}", file=sys.stderr, flush=True)
-        results[model] = _row(specs[model], model, per_variant)
+        runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in args.variants}
+        for _ in range(args.repeats):  # interleaved: drift in the machine's state hits every variant alike
+            for variant in args.variants:
+                later = {"step": args.step} if args.step else {}
+                result = run(model, variant, args.device, args.precision, args.quick, args.timeout, **later)
+                runs[variant].append(result)
+                print(f"  {model} {variant}: {result}", file=sys.stderr, flush=True)
+        results[model] = _row(specs[model], model, {v: _median(r) for v, r in runs.items()})
     table = format_table(results, args.device)
     print(table)
     written = {
@@ -393,7 +417,9 @@ def main(argv: list[str] | None = None, run: Callable[..., dict[str, Any]] = run
         "step": args.step,
         "quick": args.quick,
         "unit": "bytes",
-        "method": "fresh process per variant; one Trainer step; peak over the state right before the step",
+        "method": "fresh process per run, variants interleaved, medians over --repeats runs; one Trainer step; peak"
+        " over the state right before the step",
+        "repeats": args.repeats,
         "optimizer": "SGD, no momentum (no optimizer state)",
         "machine": machine_info(),
         "results": results,

@@ -1,15 +1,14 @@
 """The one-pass fast path (issue 39 item 1) against today's per-piece path, per tensor, side by side.
 
-Method: one thread. ``onepass_path`` says which path ``OnePass`` took (gradients stay on today's path: the
-first run of this script, with both compiled, measured them slower, see benchmarks/README.md).
-For each size (64 K - 16 M elements), dtype (float32, bf16) and kind (an output, an output with per-unit maxima, a
+Method: one thread. ``onepass_path`` says which path ``OnePass`` took. For each size (64 K - 16 M elements, or
+``--sizes``), dtype (float32, bf16) and kind (an output, an output with per-unit maxima, a
 gradient), both paths reduce the same tensor into a row the way the recorder asks for it
 (``lightning_hookdiag._stats.reduce_tensor`` vs ``OnePass.reduce_tensor``), interleaved: each round times both, in
 alternating order, as the best of ``--reps`` calls; the figure is the median over ``--rounds`` rounds.
 
 Also measured, each in a fresh process:
 
-* compile time of ``OnePass.warm`` (float32 and bf16: 6 graphs): cold (empty inductor cache) and warm (cache filled);
+* compile time of ``OnePass.warm`` (float32 and bf16: 8 graphs): cold (empty inductor cache) and warm (cache filled);
 * peak extra resident memory of one call on a 16 M-element float32 tensor (64 MiB), per path (``ru_maxrss``);
 * the numeric contract without a shift: the error of ``act_std`` at a mean 1e4 times the spread with ``shift=0``.
 
@@ -63,12 +62,12 @@ def _best(fn, reps: int) -> float:
     return min(times)
 
 
-def speed(rounds: int, reps: int) -> list[dict]:
-    fast = OnePass(min_elements=1 << 16)  # every size on the fast path, to price it at 64 K too
+def speed(rounds: int, reps: int, sizes: list[int]) -> list[dict]:
+    fast = OnePass(min_elements=min(sizes))  # every size on the fast path, to price it at the smallest too
     fast.warm()
     workspace = S.Workspace()
     results = []
-    for n in SIZES:
+    for n in sizes:
         for dtype in (torch.float32, torch.bfloat16):
             for kind, (grad, units) in KINDS.items():
                 x = (torch.randn(_shape(n, units)) * 2 + 3).to(dtype)
@@ -109,11 +108,11 @@ def speed(rounds: int, reps: int) -> list[dict]:
     return results
 
 
-def _child(mode: str, rounds: int, reps: int) -> dict:
+def _child(mode: str, rounds: int, reps: int, sizes: list[int]) -> dict:
     """One measurement in this (fresh) process: ``warm``, ``memory-fast`` or ``memory-today``."""  # noqa: D401
     torch.set_num_threads(1)
     if mode == "speed":
-        return {"contract_without_shift": contract_without_shift(), "speed": speed(rounds, reps)}
+        return {"contract_without_shift": contract_without_shift(), "speed": speed(rounds, reps, sizes)}
     fast = OnePass()
     if mode == "warm":
         return {"warm_s": fast.warm()}
@@ -124,7 +123,7 @@ def _child(mode: str, rounds: int, reps: int) -> dict:
     if mode == "memory-fast":
         fast.reduce_tensor(x, rows, workspace, units=False, shift=0.0)
         fast.reduce_tensor(x.view(-1, 512), rows, workspace, units=True, shift=0.0)
-        fast.reduce_tensor(x, grad_rows, workspace, grad=True)  # today's path (gradients stay there)
+        fast.reduce_tensor(x, grad_rows, workspace, grad=True)
     else:
         S.reduce_tensor(x, rows(S.piece_sizes(x)), workspace)
         S.reduce_tensor(x.view(-1, 512), rows(S.piece_sizes(x)), workspace, units=True)
@@ -162,10 +161,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("results_onepass.json"))
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="comma-separated element counts")
     parser.add_argument("--child", choices=["warm", "memory-fast", "memory-today", "speed"])
     args = parser.parse_args()
+    sizes = [int(n) for n in args.sizes.split(",")]
     if args.child:
-        print(json.dumps(_child(args.child, args.rounds, args.reps)))
+        print(json.dumps(_child(args.child, args.rounds, args.reps, sizes)))
         return
     torch.set_num_threads(1)
     result: dict = {"threads": 1, "torch": torch.__version__}
@@ -177,7 +178,8 @@ def main() -> None:
         print(json.dumps(result), flush=True)
         # In the fresh cache that warm() filled: inductor's cache serves code generated for the sizes of whichever
         # compile came first, and the loop order it picked for other sizes can be several times slower.
-        result.update(_run_child("speed", cache, "--rounds", str(args.rounds), "--reps", str(args.reps)))
+        timing = ["--rounds", str(args.rounds), "--reps", str(args.reps), "--sizes", args.sizes]
+        result.update(_run_child("speed", cache, *timing))
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 
 

@@ -934,6 +934,7 @@ def profile_model(spec: ModelSpec, batches: list[tuple[Tensor, Tensor]], steps: 
     from lightning_hookdiag import _aggregation as aggregation
     from lightning_hookdiag import _callback as callback
     from lightning_hookdiag import _diagnosis as diagnosis
+    from lightning_hookdiag import _fit_run as fit_run
     from lightning_hookdiag import _hooks as hooks
     from lightning_hookdiag import _params as params
     from lightning_hookdiag import _recorder as recorder
@@ -955,7 +956,8 @@ def profile_model(spec: ModelSpec, batches: list[tuple[Tensor, Tensor]], steps: 
         (hooks.HookSet, "remove", "HookSet.remove"),
         (params.ParameterTracker, "before_step", "ParameterTracker.before_step"),
         (params.ParameterTracker, "after_step", "ParameterTracker.after_step"),
-        (callback.LayerHealthCallback, "_finish_window", "callback._finish_window (compute+transfer+log)"),
+        (callback.LayerHealthCallback, "_finish", "callback._finish (rules, logging, heatmaps)"),
+        (fit_run.FitRun, "collect", "FitRun.collect (pool, transfer, values)"),
         (aggregation.LayerStatsAggregator, "compute", "  LayerStatsAggregator.compute body (no torchmetrics wrapper)"),
         (callback.LayerHealthCallback, "_log", "  callback._log"),
         (diagnosis.Diagnosis, "step", "  Diagnosis.step (rules)"),

@@ -29,6 +29,23 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path, monkeypatch):
     assert written["machine"]["torch"]
 
 
+@pytest.mark.slow
+def test_profile_breaks_a_sampled_step_down_by_the_librarys_own_functions(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("overhead", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "overhead", module)
+    spec.loader.exec_module(module)
+    out = tmp_path / "results.json"
+    module.main(["--quick", "--models", "mlp", "--variants", "plain,every_step", "--profile", "--json", str(out)])
+    profile = json.loads(out.read_text())["profile"]["mlp"]
+    calls = profile["calls_per_step"]
+    # Every step is sampled: the rules, the pooling and the parameter statistics ran once a step, the sinks per layer.
+    for once in ("callback._finish (rules, logging, heatmaps)", "FitRun.collect (pool, transfer, values)"):
+        assert calls[once] >= 1, calls
+    assert calls["recorder.on_tensor (forward sink, total)"] > 1
+    assert all(ms >= 0 for ms in profile["components_ms_per_step"].values())
+
+
 def test_sync_cost_models_the_buffers_the_aggregator_really_packs():
 
     from lightning_hookdiag._aggregation import LayerStatsAggregator
@@ -76,15 +93,26 @@ def test_precursor_cost_benchmark_prices_the_probes_of_one_model():
 def test_memory_benchmark_measures_one_step_per_fresh_process(tmp_path):
     memory = load_benchmark("memory")
     out = tmp_path / "memory.json"
-    memory.main(["--quick", "--models", "lm_head", "--json", str(out)])
+    memory.main(["--quick", "--models", "lm_head", "--repeats", "2", "--json", str(out)])
     written = json.loads(out.read_text())
     row = written["results"]["lm_head"]
     assert {"plain", "callback", "tutorial"} <= set(row), row
+    for variant in ("plain", "callback", "tutorial"):  # two fresh processes each, their median reported
+        peaks = row[variant]["peaks"]
+        assert len(peaks) == 2
+        assert row[variant]["peak"] == (peaks[0] + peaks[1]) / 2
     # A plain step holds the logits, their log-softmax and the gradient of the logits at once.
     assert row["plain"]["peak"] >= 2 * row["logits_bytes"]
     assert row["callback"]["extra"] == row["callback"]["peak"] - row["plain"]["peak"]
     assert row["tutorial"]["extra"] == row["tutorial"]["peak"] - row["plain"]["peak"]
     assert written["table"].count("\n| lm_head") == 1
+
+
+def test_memory_benchmark_refuses_fewer_than_one_run_per_variant(capsys):
+    memory = load_benchmark("memory")
+    with pytest.raises(SystemExit):
+        memory.main(["--quick", "--repeats", "0"])
+    assert "--repeats: at least 1 process per variant; got 0" in capsys.readouterr().err
 
 
 @pytest.mark.slow
