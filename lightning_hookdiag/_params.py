@@ -8,7 +8,6 @@ made to entries kept across the step (:func:`update_samples`), whichever optimiz
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 from collections.abc import Iterable, Sequence
@@ -24,6 +23,7 @@ from lightning_hookdiag._stats import chunks
 
 __all__ = [
     "SNAPSHOT_ELEMENTS",
+    "stride",
     "ParameterTracker",
     "finalize_parameters",
     "local_tensor",
@@ -103,37 +103,6 @@ def squared_norms(tensors: Sequence[Tensor], dtype: torch.dtype = torch.float64)
     return _sum_squares([[(piece,) for piece in chunks(t)] for t in local], dtype)  # an empty tensor: one piece
 
 
-@functools.cache
-def _malloc_trim() -> Any:
-    """The C library's ``malloc_trim`` (glibc), or ``None`` where the C library has none (macOS, musl)."""
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError):
-        return None
-
-
-TRIM_MIN_ELEMENTS = 1 << 20
-"""The smallest update snapshot (entries) before which the CPU's heap is trimmed (:func:`_trim_heap`).
-
-A trim costs ~0.7 ms (measured on a model of 98 parameters, a step of 4.5 ms); a snapshot of under 4 MiB of float32
-cannot take much of the +16 MiB bound, whatever the heap retains under it, so smaller ones skip it.
-"""
-
-
-def _trim_heap() -> None:
-    """Give the heap pages glibc holds free back to the kernel (CPU, right before the update snapshot is taken).
-
-    The model's own backward temporaries (the ``[tokens, vocab]`` gradients of ``log_softmax``, 2 x 7.8 MiB on the
-    329 M-parameter model of ``benchmarks/memory.py``) come from glibc's heap once its dynamic mmap threshold has
-    risen; freed, they stay resident whenever a small allocation above them pins the heap's top, in some processes
-    and not others. The snapshot then came on top of them: +24 MiB over a plain step in about 2 runs of 3, +9 in
-    the others. Trimmed here, +9 in every run. No effect on memory the allocator uses.
-    """
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
 def real_view(t: Tensor) -> Tensor:
     """``t``, or a complex ``t`` as its real view (a trailing dimension of 2): the same sum of squares, ``|z|**2``."""
     return torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
@@ -164,12 +133,11 @@ def _sum_squares(
 
 
 class _Workspace:
-    """Buffers of a :class:`ParameterTracker`: the scratch is kept across sampled steps, the snapshot for one step.
+    """Buffers a :class:`ParameterTracker` keeps across sampled steps, so that none is allocated (page-faulted) again.
 
     The float64 scratch :func:`_norms` casts pieces into (``[2, CHUNK_ELEMENTS]`` per device, 4 MiB) with its views
-    per batch of piece shapes is allocated (page-faulted) once; the update snapshot (at most ``snapshot_elements``
-    entries per optimizer stepped in one window, in the weights' own dtype: 16 MiB of float32) is freed after the
-    step it measures (:meth:`drop_snapshots`), so that it never adds to another step's peak.
+    per batch of piece shapes, and the update snapshot (at most ``snapshot_elements`` entries per optimizer stepped in
+    one window, in the weights' own dtype: 4 MiB of float32). They go with the tracker, at the fit's end.
     """
 
     def __init__(self) -> None:
@@ -200,18 +168,8 @@ class _Workspace:
             self._views[key] = found
         return found
 
-    def drop_snapshots(self) -> None:
-        """Free the update snapshots (up to 16 MiB of float32): kept, they would stay resident under every later step.
-
-        The whole sampled step's bound is +16 MiB over a plain step; a snapshot resident between sampled steps would
-        take all of it before the step starts. The 4 MiB scratch stays.
-        """
-        self._forget_views(self._snapshots.values())
-        self._snapshots = {}
-
     def _forget_views(self, buffers: Iterable[Tensor | None]) -> None:
-        # The views of these buffers only: a cached view keeps its buffer alive, and the scratch's views stay valid
-        # (rebuilding them on every sampled step was ~500 view calls a step on a model of 98 parameters).
+        # The views of these buffers only (a cached view keeps its buffer alive); the others' views stay valid.
         gone = {id(buffer) for buffer in buffers if buffer is not None}
         self._views = {key: views for key, views in self._views.items() if key[0] not in gone}
 
@@ -290,8 +248,13 @@ def _norms(
     return norms
 
 
-SNAPSHOT_ELEMENTS = 1 << 22
-"""The most parameter entries :class:`ParameterTracker` keeps across an optimizer step (16 MiB of float32)."""
+SNAPSHOT_ELEMENTS = 1 << 20
+"""The most parameter entries :class:`ParameterTracker` keeps across an optimizer step (4 MiB of float32).
+
+The buffer is kept across sampled steps (allocated once: afresh, its page faults cost ~5 ms a sampled step on a
+12 MiB snapshot), so it is resident under every step's peak, next to the 4 MiB scratch: 8 MiB of the +16 MiB bound
+for float32 weights (``docs/statistics.md#memory-bounded-scratch``).
+"""
 
 
 def update_samples(numels: Sequence[int], budget: int = SNAPSHOT_ELEMENTS) -> list[int]:
@@ -318,17 +281,37 @@ def update_samples(numels: Sequence[int], budget: int = SNAPSHOT_ELEMENTS) -> li
 def _sample_view(t: Tensor, size: int, phase: int) -> Tensor:
     # At most size entries of t as a view: every k-th entry of its flat form, from phase % k on; as many whatever the
     # phase, so a scale computed once holds on every step. A tensor that is not contiguous is sampled along its
-    # leading dimensions in turn, down to at most size entries (or one row).
+    # leading dimensions in turn, down to at most size entries (or one row). k is a prime that divides none of t's
+    # sizes (stride): a stride of 9 on a [512, 512, 3, 3] conv weight read one kernel tap per step, the centre tap
+    # (the only one with a gradient at 1 x 1 resolution) every 9th step, so the ratio swung 1000x between steps.
     if t.numel() <= size:
         return t
     if t.is_contiguous():
-        return _every(t.view(-1), math.ceil(t.numel() / size), phase)
+        return _every(t.view(-1), stride(math.ceil(t.numel() / size), tuple(t.shape)), phase)
     view = t
     while view.numel() > size and view.ndim:
-        view = _every(view, min(view.shape[0], math.ceil(view.numel() / size)), phase)
+        step = stride(math.ceil(view.numel() / size), tuple(view.shape))
+        view = _every(view, min(view.shape[0], step), phase)
         if view.numel() > size and view.shape[0] == 1:
             view = view[0]
     return view
+
+
+@functools.lru_cache(maxsize=1024)
+def stride(least: int, sizes: tuple[int, ...]) -> int:
+    """The smallest prime of at least ``least`` that divides none of ``sizes``: a sampling stride that cannot alias.
+
+    Every k-th entry of a tensor whose rows, heads or kernel taps repeat with a period sharing a factor with k reads
+    the same few positions of each period; a prime dividing no size (so no product of sizes) reads every position.
+
+    Example:
+        >>> stride(9, (512, 512, 3, 3)), stride(2, (64, 3)), stride(1, (4,))
+        (11, 5, 3)
+    """
+    k = max(least, 2)
+    while any(k % d == 0 for d in range(2, math.isqrt(k) + 1)) or any(n % k == 0 for n in sizes if n > 1):
+        k += 1
+    return k
 
 
 def _every(t: Tensor, step: int, phase: int) -> Tensor:
@@ -525,8 +508,6 @@ class ParameterTracker:
             weight_sq, grad_sq = weight_sq * pattern.share, grad_sq * pattern.share
         values = torch.stack([weight_sq, grad_sq, pattern.zeros, pattern.ones], dim=1)
         if self._snapshot_enabled:
-            if squares.device.type == "cpu" and sum(pattern.sizes) >= TRIM_MIN_ELEMENTS:
-                _trim_heap()  # before the snapshot comes on top of the gradients: the step's peak
             phase, self._phase = self._phase, self._phase + 1
             kept = [_sample_view(t, size, phase) for t, size in zip(local, pattern.sizes, strict=True)]
             current = [list(chunks(t)) for t in kept]  # copied in pieces: each pairs with its view after the step
@@ -573,13 +554,11 @@ class ParameterTracker:
             pairs = [[(next(copies), piece) for piece in part] for part in current]
             update_sq = _sum_squares(pairs, self.dtype, self._workspace).to(pattern.index.device)
             updates.append(update_sq if pattern.snapshot_share is None else update_sq * pattern.snapshot_share)
-        self._snapshots = []
-        self._workspace.drop_snapshots()
+        self._snapshots = []  # measured; the buffers stay for the next sampled step
         if len(indices) == 1:
             return indices[0], updates[0]
         return torch.cat(indices), torch.cat(updates)
 
     def release(self) -> None:
-        """Drop any pending snapshot without measuring it."""
+        """Drop any pending snapshot without measuring it (its buffer stays, for the next sampled step)."""
         self._snapshots = []
-        self._workspace.drop_snapshots()

@@ -234,6 +234,29 @@ def test_the_snapshot_is_bounded_whatever_the_model():
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_a_sampled_conv_weight_reads_every_kernel_tap(layout):
+    # A [64, 64, 3, 3] weight whose centre taps alone move (a 3 x 3 conv at 1 x 1 resolution: the 8 others read the
+    # zero padding), kept at about 1 entry in 9. A stride of 9 read one tap per step: 9x the update on every 9th
+    # step, 0 on the others. Each step's estimate must follow the exact update.
+    g = torch.Generator().manual_seed(0)
+    w = nn.Parameter(torch.randn(64, 64, 3, 3, generator=g))
+    if layout == "transposed":  # not contiguous: sampled along its leading dimension
+        w = nn.Parameter(torch.randn(64, 64, 3, 3, generator=g).transpose(0, 1))
+    w.grad = torch.zeros_like(w)
+    tracker = P.ParameterTracker({"w": w}, snapshot_elements=4096)  # 36_864 entries: a stride of at least 9
+    centre = torch.zeros(3, 3)
+    centre[1, 1] = 1.0
+    for _ in range(9):  # the sample's start moves every step: every phase of a period of 9
+        before = w.detach().double().clone()
+        tracker.before_step([{"params": [w]}])
+        with torch.no_grad():
+            w.add_(centre * torch.randn(64, 64, 1, 1, generator=g))
+        _, update_sq = tracker.after_step()
+        exact = (w.detach().double() - before).square().sum().item()
+        assert update_sq[0].item() == pytest.approx(exact, rel=0.25)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_a_sampled_parameter_keeps_as_many_entries_at_every_phase(layout):
     # The numel / kept scale is computed once per parameter set; the strided sample must hold that many entries
     # whatever the step's starting phase (10_007 entries, a share of 1_000: every 11th, 909 of them).
