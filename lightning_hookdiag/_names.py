@@ -40,7 +40,7 @@ def logged_name(path: str, root: Any = None) -> str:
     With ``root``, a ``module`` segment is dropped where its parent is a DDP-style wrapper (see
     :data:`MODULE_ATTR_WRAPPERS`); without it, ``module`` segments are kept.
     """
-    if root is None:
+    if root is None or "module" not in path.split("."):  # the walk below only decides what a "module" segment is
         return _plain_logged_name(path)
     kept = []
     parent = root
