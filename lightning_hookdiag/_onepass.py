@@ -228,6 +228,7 @@ class OnePass:
         self.min_elements = min_elements
         self._lift = lift if lift is not None else contextlib.nullcontext
         self._gradients = gradients
+        self._zeros: dict[torch.device, Tensor] = {}  # a gradient's (unused) shift, made on each device once
         self._compiled = {
             kind: torch.compile(body, fullgraph=True, dynamic=True, backend=backend) for kind, body in _BODIES.items()
         }
@@ -437,7 +438,7 @@ class OnePass:
         if isinstance(shift, Tensor):
             shift_tensor = shift.detach().to(device=view.device, dtype=torch.float64).reshape(1)  # see _safe_shift
         else:
-            shift_tensor = torch.tensor([0.0 if shift is None else shift], dtype=torch.float64, device=view.device)
+            shift_tensor = self._host_shift(0.0 if shift is None else shift, view.device)
         out = self._call(kind, view, shift_tensor)
         if out is None:
             return False, None
@@ -445,6 +446,20 @@ class OnePass:
         if reserve is not None:
             reserve([view.numel()])[0].copy_(values)
         return True, maxima
+
+    def _host_shift(self, shift: float, device: torch.device) -> Tensor:
+        """A host number as the ``[1]`` float64 shift on ``device``; zero (every gradient's) is made there once.
+
+        A tensor made from a host number on an accelerator is a copy from pageable memory, which waits for the
+        device's queue: a synchronisation in every gradient's hook.
+        """
+        if shift != 0.0:
+            return torch.tensor([shift], dtype=torch.float64, device=device)
+        zero = self._zeros.get(device)
+        if zero is None:
+            with torch.inference_mode(False):  # usable outside the inference mode a hook may run under
+                zero = self._zeros[device] = torch.zeros(1, dtype=torch.float64, device=device)
+        return zero
 
 
 _NO_COMPILER = {

@@ -26,7 +26,7 @@ from lightning_hookdiag import LayerHealthCallback, LayerHealthWarning, MeasureC
 from lightning_hookdiag import _torch_internals as torch_internals
 from lightning_hookdiag._fast_path import fast_dtypes, uses_fast_path
 from lightning_hookdiag._onepass import FAST_MIN_ELEMENTS, OnePass, has_compiler
-from lightning_hookdiag._stats import ACT_ROW, Workspace
+from lightning_hookdiag._stats import ACT_ROW, GRAD_ROW, GROW_SUMSQ, Workspace
 
 pytestmark = pytest.mark.slow  # compile tests (pyproject's marker)
 
@@ -258,6 +258,22 @@ def test_a_fast_call_reads_nothing_back_to_the_host():
         names = {event.name for event in prof.events()}
         assert not names & {"aten::item", "aten::_local_scalar_dense"}, names
     assert fast.paths == {"fast": 2}
+
+
+def test_a_fast_gradient_makes_no_tensor_from_host_data():
+    # A gradient has no shift; one made from the host number 0 in every hook is a copy from pageable memory on a GPU,
+    # which waits for the device. It is made once (on the first call), never in later calls.
+    fast = OnePass(gradients=True)  # on the CPU gradients take today's path unless asked
+    assert fast.warm([torch.float32]) is not None, fast.notes
+    g = torch.randn(FAST_MIN_ELEMENTS) * 1e-3
+    table = torch.empty(1, GRAD_ROW, dtype=torch.float64)
+    fast.reduce_tensor(g, lambda sizes: table[: len(sizes)], Workspace(), grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fast.reduce_tensor(g, lambda sizes: table[: len(sizes)], Workspace(), grad=True)
+    names = {event.name for event in prof.events()}
+    assert not names & {"aten::lift_fresh", "aten::item", "aten::_local_scalar_dense"}, names
+    assert fast.paths == {"fast": 2}
+    assert table[0, GROW_SUMSQ].item() == pytest.approx(g.double().square().sum().item(), rel=1e-12)
 
 
 def test_where_each_setting_uses_the_fast_path():
