@@ -29,11 +29,11 @@ scale=1
 if [ $dry = 1 ]; then
     scale=4  # a small CPU runs the tiny models slower than an H200 host runs the real ones
     kernels_args=(--dry-run --quick --models mlp,mlp48 --steps 2)
-    memory_args=(--device cpu --quick --models lm_head)
+    memory_args=(--device cpu --quick --models lm_head --repeats 1)
     overhead_args=(--accelerator cpu --quick --rounds 1 --steps 4 --period-steps 50 --models mlp)
 else
     kernels_args=(--models mlp,cnn,transformer,mlp48 --steps 4)
-    memory_args=(--device cuda)
+    memory_args=(--device cuda --repeats 1)  # max_memory_allocated does not move between processes as RSS does
     overhead_args=(--accelerator gpu --rounds 2 --steps 20 --models mlp,transformer,cnn,mlp48)
 fi
 

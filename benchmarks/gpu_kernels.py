@@ -96,8 +96,16 @@ def _top_level_aten(event: Any) -> int:
     return count
 
 
-def count_kernels(spec: Any, device: str, steps: int, observed: bool) -> dict[str, Any]:
-    """Kernels (CUDA) or top-level aten ops (CPU) per range kind, per call, over ``steps`` steps from step 2."""
+def _callback(fast_path: str) -> LayerHealthCallback:
+    measure = {"fast_path": fast_path}
+    return LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", output={"summary": False}, measure=measure)
+
+
+def count_kernels(spec: Any, device: str, steps: int, observed: bool, fast_path: str = "auto") -> dict[str, Any]:
+    """Kernels (CUDA) or top-level aten ops (CPU) per range kind, per call, over ``steps`` steps from step 2.
+
+    The fast path (``MeasureConfig.fast_path``) compiles at step 0's end and runs from step 2 on, the recorded steps.
+    """
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
@@ -106,9 +114,7 @@ def count_kernels(spec: Any, device: str, steps: int, observed: bool) -> dict[st
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     prof = profile(activities=activities)
     window = _Window(prof, 2, 2 + steps)
-    callback = (
-        LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", output={"summary": False}) if observed else None
-    )
+    callback = _callback(fast_path) if observed else None
     callbacks = [window] + ([callback] if callback is not None else [])
     scoped = package_code(callback, _scope) if callback is not None else contextlib.nullcontext()
     with overhead.quiet(), scoped:
@@ -197,7 +203,7 @@ def _host_reads_as_warnings() -> Iterator[None]:
             setattr(torch.Tensor, name, original)
 
 
-def count_syncs(spec: Any, device: str, steps: int, observed: bool) -> _Syncs:
+def count_syncs(spec: Any, device: str, steps: int, observed: bool, fast_path: str = "auto") -> _Syncs:
     """Sync warnings (or host reads) per step over ``2 + steps`` steps, sampled every other step."""
     torch.manual_seed(0)
     batch = overhead.batches_for(spec, 0, count=1)[0]
@@ -208,9 +214,7 @@ def count_syncs(spec: Any, device: str, steps: int, observed: bool) -> _Syncs:
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, b: Any, batch_idx: int) -> None:
             watch.end()
 
-    callback = (
-        LayerHealthCallback(every_n_steps=2, on_anomaly="ignore", output={"summary": False}) if observed else None
-    )
+    callback = _callback(fast_path) if observed else None
     callbacks = [watch, *([callback] if callback is not None else []), Last()]
     reads = _host_reads_as_warnings() if device == "cpu" else contextlib.nullcontext()
     with overhead.quiet(), reads:
@@ -218,7 +222,7 @@ def count_syncs(spec: Any, device: str, steps: int, observed: bool) -> _Syncs:
     return watch
 
 
-def run(models: list[str], device: str, steps: int, quick: bool) -> dict[str, Any]:
+def run(models: list[str], device: str, steps: int, quick: bool, fast_path: str = "auto") -> dict[str, Any]:
     """Kernels and syncs of every model in ``models``; prints one line per model."""
     specs = overhead.model_specs(quick)
     overhead.TRAINER_DEVICE.update(accelerator="gpu" if device == "cuda" else "cpu", precision="32-true")
@@ -226,9 +230,9 @@ def run(models: list[str], device: str, steps: int, quick: bool) -> dict[str, An
     results: dict[str, Any] = {}
     for model in models:
         spec = specs[model]
-        kernels = count_kernels(spec, device, steps, observed=True)
+        kernels = count_kernels(spec, device, steps, observed=True, fast_path=fast_path)
         plain = count_kernels(spec, device, steps, observed=False)
-        syncs = count_syncs(spec, device, steps, observed=True)
+        syncs = count_syncs(spec, device, steps, observed=True, fast_path=fast_path)
         plain_syncs = count_syncs(spec, device, steps, observed=False)
         added = {s: syncs.per_step[s] - plain_syncs.per_step.get(s, 0) for s in syncs.per_step}
         results[model] = {
@@ -260,6 +264,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--dry-run", action="store_true", help="on the CPU: aten ops for kernels, host reads for syncs")
     p.add_argument("--quick", action="store_true", help="the tiny models of overhead.py --quick")
     p.add_argument("--json", default=None, help="where to write the results")
+    p.add_argument("--fast-path", choices=("auto", "on", "off"), default="auto", help="MeasureConfig.fast_path")
     args = p.parse_args(argv)
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -271,7 +276,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = {
         "device": device,
         "machine": overhead.machine_info(),
-        "results": run(models, device, args.steps, args.quick),
+        "fast_path": args.fast_path,
+        "results": run(models, device, args.steps, args.quick, args.fast_path),
     }
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str) + "\n")
