@@ -1,6 +1,6 @@
 """The one-pass fast path for one tensor's statistics: a row (and an output's per-unit maxima) from one compiled pass.
 
-:func:`~lightning_hookdiag._stats.reduce_tensor` reduces an output in 9 tensor ops per piece of
+:func:`~lightning_hookdiag._stats.reduce_tensor` reduces an output in 10 tensor ops per piece of
 :data:`~lightning_hookdiag._stats.CHUNK_ELEMENTS`, plus 2 for the per-unit maxima. :class:`OnePass` writes the same
 row (:func:`~lightning_hookdiag._stats.activation_row`, one row for the whole tensor) and the same per-unit maxima from
 one ``torch.compile``'d function that reads the tensor once: one generated loop (inductor) that keeps every
@@ -9,7 +9,7 @@ loop: the tensor is viewed as ``[before, units, after]`` and every statistic is 
 per-unit partials, which a second, unit-sized reduction adds up.
 
 A gradient's row (:func:`~lightning_hookdiag._stats.gradient_row`) comes from one compiled pass too, off the CPU: there
-each of today's 6 ops per piece is a kernel launch. On the CPU gradients stay on today's path, whose sum of squares is
+each of today's 8 ops per piece is a kernel launch. On the CPU gradients stay on today's path, whose sum of squares is
 a BLAS ``dot``: the compiled pass was measured slower there (1.04-1.44x for float32, 1.47-1.69x for bf16), see
 ``benchmarks/README.md``.
 
@@ -142,19 +142,11 @@ def _act_units(x: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
     return _act_row(parts, x.shape[0] * x.shape[1] * x.shape[2], shift), maxima
 
 
-# The integer dtype of each float dtype the fast path reads: a float's bit pattern is zero exactly when it is +0.0.
-_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
-
-
 def _grad_flat(g: Tensor, shift: Tensor) -> Tensor:
-    """One gradient, flat: the ``[GRAD_ROW]`` float64 row; ``shift`` is unused (squares of a gradient do not cancel).
-
-    ``-0.0`` counts as non-zero, as :func:`~lightning_hookdiag._stats.gradient_row` counts: by the bit pattern (a
-    ``signbit`` test is not vectorised by inductor, and made a first version 1.7-3.7x slower than today's path).
-    """
+    """One gradient, flat: the ``[GRAD_ROW]`` float64 row; ``shift`` is unused (squares of a gradient do not cancel)."""
     _require_compiled()
     del shift  # one signature for every body: the caller passes the same arguments
-    nonzero = g.view(_BITS[g.dtype]) != 0
+    nonzero = g != 0  # NaN and Inf are non-zero, -0.0 is zero (as gradient_row counts)
     finite = torch.isfinite(g)
     wide = torch.where(finite, _widen(g).to(torch.float64), 0.0)
     return torch.stack(
@@ -201,7 +193,7 @@ class OnePass:
             (:func:`has_cxx_compiler`). ``False`` sends every CPU tensor to today's path with one note.
         backend: The ``torch.compile`` backend (``"inductor"``; a backend callable is passed through as is).
         min_elements: Tensors with fewer elements take today's path (:data:`FAST_MIN_ELEMENTS`).
-        gradients: Gradients on the fast path too; ``None``: off the CPU only, where each of today's 6 ops per piece
+        gradients: Gradients on the fast path too; ``None``: off the CPU only, where each of today's 8 ops per piece
             is a kernel launch (on the CPU the compiled pass was measured 1.04-1.44x today's time for float32,
             1.47-1.69x for bf16: today's sum of squares is a BLAS ``dot``).
         lift: A context entered around each fast-path candidate's mode checks and compiled call: the caller's way to
@@ -344,7 +336,7 @@ class OnePass:
         Everything but the active modes, which :meth:`_why_not_now` reads inside the caller's ``lift``.
         """
         if grad and not self._reads_gradients(x.device):
-            return "gradient"  # the CPU's: today's 6 ops, ending in a BLAS dot, were faster (see gradients=)
+            return "gradient"  # the CPU's: today's 8 ops, ending in a BLAS dot, were faster (see gradients=)
         if self._disabled is not None:
             return self._disabled
         if x.numel() < self.min_elements:

@@ -178,7 +178,7 @@ class StepRecorder:
         unit_dim: Override of the unit axis, see :func:`~lightning_hookdiag._stats.unit_maxima`.
         names: Layer names, for error messages (``unit_dim`` out of range for a layer's output).
         stack_small: Stack outputs and gradients of at most :data:`SMALL_ELEMENTS` elements and reduce them a stack
-            at a time (one copy per tensor instead of 9 or 6 ops); :meth:`take` reduces what is still stacked.
+            at a time (one copy per tensor instead of 10 or 8 ops); :meth:`take` reduces what is still stacked.
         components: Their ``on_output`` / ``on_grad`` sinks receive every observed output and gradient after the
             default statistics, while they are attached.
         histogram_bins: Bins of the output and gradient histograms (:func:`~lightning_hookdiag._stats.histogram_edges`);
