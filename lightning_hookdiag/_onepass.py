@@ -58,8 +58,8 @@ __all__ = ["FAST_DTYPES", "FAST_MIN_ELEMENTS", "OnePass", "Reserve", "has_compil
 Reserve = Callable[[list[int]], Tensor]
 """The caller's rows: given the element counts of the pieces a tensor is reduced in, one row per piece to write."""
 
-FAST_MIN_ELEMENTS = 1 << 16
-"""Tensors below this many elements stay on today's path; the recorder stacks those up to exactly this many.
+FAST_MIN_ELEMENTS = (1 << 16) + 1
+"""Tensors below this many elements stay on today's path: the recorder stacks those of up to 64 K elements.
 
 A compiled call has a fixed cost of ~20-40 µs (guards, the wrapper, the row copy). On the CPU an output of 64 K
 elements costs the same on both paths, from 128 K on the compiled one is faster (``benchmarks/onepass.py``); on an
@@ -393,7 +393,8 @@ class OnePass:
             shift: The layer's last pooled mean (a float or a 0-d tensor, read on the device), which the output's
                 sums are taken around; ``None`` (nothing pooled yet) takes today's path. Gradients ignore it.
         """
-        why = self._why_not(x, grad, shift)
+        # Nothing for one pass to write: no rows (a stacked tensor, or one only counted) and no per-unit maxima.
+        why = "stacked" if reserve is None and not units else self._why_not(x, grad, shift)
         maxima = None
         if why is None:
             view = self._view(x, units, unit_dim)

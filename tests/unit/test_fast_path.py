@@ -159,11 +159,11 @@ def test_on_says_once_what_warming_cost_and_which_path_ran(on):
     assert kinds == ["info", "info"], notes
     warm, ran = (text for _, text in notes)
     assert warm.startswith("LayerHealthCallback: fast path: compiled 3 reductions in ")
-    # Step 1, the first on the fast path: the two wide outputs (Linear, ReLU) in one pass; the last layer's output is
-    # small, and every gradient stays on today's path.
+    # Step 1, the first on the fast path: the two wide outputs (Linear, ReLU) in one pass; the last layer's output and
+    # its gradient are stacked, and the CPU's two wide gradients stay on today's path.
     assert ran == (
-        "LayerHealthCallback: fast path: 2 tensors reduced in one pass on this step; today's path for: gradient 3,"
-        " small 1"
+        "LayerHealthCallback: fast path: 2 tensors reduced in one pass on this step; today's path for: gradient 2,"
+        " stacked 2"
     )
 
 
@@ -216,7 +216,7 @@ def test_the_attention_probe_and_a_replays_in_place_guard_are_left_for_the_compi
     off_values, _, _ = _fit("off", **kwargs)
     on_values, _, notes = _fit("on", **kwargs)
     assert [kind for kind, _ in notes] == ["info", "info"], notes
-    assert "3 tensors reduced in one pass on this step; today's path for: gradient 4, small 1" in notes[1][1]
+    assert "3 tensors reduced in one pass on this step; today's path for: gradient 3, stacked 2" in notes[1][1]
     _assert_within_contract(on_values, off_values)
 
 

@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_hookdiag import _stats as S
 from lightning_hookdiag._onepass import FAST_MIN_ELEMENTS, OnePass
+from lightning_hookdiag._recorder import SMALL_ELEMENTS
 
 pytestmark = pytest.mark.slow  # compile tests (pyproject's marker)
 
@@ -310,6 +311,16 @@ def test_routine_choices_take_todays_path_without_a_note(fast, x, shift, units, 
     assert instance.notes == []
 
 
+def test_a_tensor_without_rows_or_units_makes_no_compiled_call(fast):
+    # A stacked tensor (its rows come from the stack) or one only counted: a compiled pass would be thrown away.
+    instance = _warmed()
+    x = torch.randn(64, 200)
+    maxima, hist = instance.reduce_tensor(x, None, S.Workspace(), shift=0.0)
+    assert (maxima, hist) == (None, None)
+    assert instance.paths == {"today: stacked": 1}
+    assert instance.notes == []
+
+
 def test_the_cpus_gradients_take_todays_path_by_default(fast):
     instance = OnePass(min_elements=SMALL)
     assert instance.warm(DTYPES) is not None, instance.notes
@@ -324,4 +335,4 @@ def test_the_cpus_gradients_take_todays_path_by_default(fast):
 def test_bad_min_elements_is_a_clear_error():
     with pytest.raises(ValueError, match=r"min_elements: expected an int >= 2, got 0"):
         OnePass(min_elements=0)
-    assert FAST_MIN_ELEMENTS == 1 << 16
+    assert FAST_MIN_ELEMENTS == SMALL_ELEMENTS + 1  # just above what the recorder stacks: no tensor takes both
