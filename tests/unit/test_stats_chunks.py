@@ -163,7 +163,11 @@ def test_on_the_cpu_parameter_norms_read_pieces_already_cast_into_one_buffer(sma
 def test_update_samples_share_the_budget_smallest_first():
     assert P.update_samples([10, 20], budget=100) == [10, 20]
     assert P.update_samples([10, 5000, 100, 8000], budget=4000) == [10, 1945, 100, 1945]
-    assert sum(P.update_samples([10**8] * 4, budget=4000)) == 4 * 1024  # at least 1024 entries each
+    assert P.update_samples([10**8] * 4, budget=4000) == [1000] * 4  # the budget shared: never more
+    # Many large parameters: the snapshot is kept between sampled steps, so the budget holds (a floor of 1024 entries
+    # each used to keep 2 M entries here), down to one entry each when there are more parameters than entries.
+    assert sum(P.update_samples([4096] * 2000, budget=1 << 20)) <= 1 << 20
+    assert P.update_samples([50] * 8, budget=4) == [1] * 8
     assert sum(P.update_samples([10**6, 10**7, 5], budget=P.SNAPSHOT_ELEMENTS)) <= P.SNAPSHOT_ELEMENTS
 
 
