@@ -97,8 +97,8 @@ def _first_step(case: Case, findings: list[Finding]) -> int | None:
 
 
 def _zoo_false_alarms() -> tuple[int, int, list[str]]:
-    import lightning.pytorch as pl
     import transformers
+    from helpers import make_trainer
     from helpers.zoo import ZOO, zoo_module
 
     transformers.logging.set_verbosity_error()
@@ -107,15 +107,7 @@ def _zoo_false_alarms() -> tuple[int, int, list[str]]:
         torch.manual_seed(0)
         module = zoo_module(name, n=8 * ZOO_STEPS)
         callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False})
-        trainer = pl.Trainer(
-            callbacks=[callback],
-            max_steps=ZOO_STEPS,
-            accelerator="cpu",
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-        )
+        trainer = make_trainer([callback], ZOO_STEPS)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # transformers' and Lightning's notes on tiny runs
             trainer.fit(module)

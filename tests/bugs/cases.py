@@ -23,13 +23,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from helpers import make_trainer
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hookdiag import LayerHealthCallback
 
-__all__ = ["CASES", "PRINCIPLES", "BugModule", "Case", "Fit", "run"]
+__all__ = ["CASES", "PRINCIPLES", "BugModule", "Case", "Fit", "ManualBug", "run"]
 
 # The class of principle each case belongs to: issue 38's six principles, then the field's other classes.
 P1 = "1. parameter life accounted for"
@@ -139,6 +140,14 @@ class BugModule(pl.LightningModule):
         return DataLoader(self.data, batch_size=self.batch_size, shuffle=False)
 
 
+class ManualBug(BugModule):
+    """Manual optimization: ``training_step`` steps the optimizers itself, with the bug (``sick``) or its fix."""
+
+    def __init__(self, sick: bool, **kwargs: Any) -> None:
+        super().__init__(manual=True, **kwargs)
+        self.sick = sick
+
+
 # ------------------------------------------------------------------------------------------------ the library
 @dataclass(frozen=True)
 class Fit:
@@ -205,18 +214,7 @@ def run(case: Case, sick: bool, max_steps: int | None = None, **callback: Any) -
     settings.update(case.callback)
     settings.update(callback)
     cb = LayerHealthCallback(**settings)
-    trainer = pl.Trainer(
-        callbacks=[cb],
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
-        max_steps=case.max_steps if max_steps is None else max_steps,
-        **fit.trainer,
-    )
+    trainer = make_trainer([cb], case.max_steps if max_steps is None else max_steps, **fit.trainer)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's notes on NaN losses and tiny runs; findings are read below
         trainer.fit(fit.module)

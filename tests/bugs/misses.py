@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from cases import BOOKKEEPING, DATA, NUMERICAL, P3, P6, BugModule, Case, Fit, _data, _mlp
+from cases import BOOKKEEPING, DATA, NUMERICAL, P3, P6, BugModule, Case, Fit, ManualBug, _data, _mlp
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
@@ -41,12 +41,8 @@ def _warmup_per_epoch(sick: bool) -> Fit:
 
 
 # --- 2. gradients zeroed between backward and step ----------------------------------------------------------------
-class _ZeroAfterBackward(BugModule):
+class _ZeroAfterBackward(ManualBug):
     """Manual optimization; ``sick``: ``zero_grad()`` between ``manual_backward`` and ``step`` (a reordering slip)."""
-
-    def __init__(self, sick: bool, **kwargs: Any) -> None:
-        super().__init__(manual=True, **kwargs)
-        self.sick = sick
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         opt = self.optimizers()

@@ -12,7 +12,24 @@ import copy
 from typing import Any
 
 import torch
-from cases import BOOKKEEPING, DATA, P1, P2, P3, P4, P5, P6, UPDATES, BugModule, Case, Fit, _body_head, _data, _mlp
+from cases import (
+    BOOKKEEPING,
+    DATA,
+    P1,
+    P2,
+    P3,
+    P4,
+    P5,
+    P6,
+    UPDATES,
+    BugModule,
+    Case,
+    Fit,
+    ManualBug,
+    _body_head,
+    _data,
+    _mlp,
+)
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
@@ -70,12 +87,8 @@ def _optimizer_over_ema_copy(sick: bool) -> Fit:
     return Fit(_WithEma(sick, model=_mlp(), data=_data(64, 8)))
 
 
-class _StepBeforeBackward(BugModule):
+class _StepBeforeBackward(ManualBug):
     """Manual optimization; ``sick``: ``zero_grad(); step(); manual_backward(loss)`` (the step moved up a line)."""
-
-    def __init__(self, sick: bool, **kwargs: Any) -> None:
-        super().__init__(manual=True, **kwargs)
-        self.sick = sick
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         opt = self.optimizers()
@@ -259,12 +272,8 @@ def _unscaled_init_stack(sick: bool) -> Fit:
 
 
 # --- 6. the optimizers as a whole ---------------------------------------------------------------------------------
-class _TwoOptimizers(BugModule):
+class _TwoOptimizers(ManualBug):
     """Manual optimization with a body and a head optimizer; ``sick``: the head's built from ``self.parameters()``."""
-
-    def __init__(self, sick: bool, **kwargs: Any) -> None:
-        super().__init__(manual=True, **kwargs)
-        self.sick = sick
 
     def configure_optimizers(self) -> Any:
         head = self.parameters() if self.sick else self.model.head.parameters()
@@ -285,12 +294,11 @@ def _parameters_in_two_optimizers(sick: bool) -> Fit:
     return Fit(_TwoOptimizers(sick, model=_body_head(), data=_data(64, 8)))
 
 
-class _Gan(BugModule):
+class _Gan(ManualBug):
     """A small GAN in manual optimization; ``sick``: the generator's optimizer is built from ``self.parameters()``."""
 
     def __init__(self, sick: bool, **kwargs: Any) -> None:
-        super().__init__(manual=True, **kwargs)
-        self.sick = sick
+        super().__init__(sick, **kwargs)
         self.discriminator = nn.Sequential(nn.Linear(2, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
 
     def configure_optimizers(self) -> Any:
@@ -375,12 +383,8 @@ def _weight_decay_typo(sick: bool) -> Fit:
     return Fit(_WeightDecay(5e-1 if sick else 5e-4, model=_mlp(8, 32, depth=3), data=_data(64, 8), lr=0.1))
 
 
-class _TwiceBackward(BugModule):
+class _TwiceBackward(ManualBug):
     """Manual optimization; ``sick``: a debugging ``manual_backward(loss, retain_graph=True)`` left in: .grad is 2x."""
-
-    def __init__(self, sick: bool, **kwargs: Any) -> None:
-        super().__init__(manual=True, **kwargs)
-        self.sick = sick
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         opt = self.optimizers()

@@ -246,15 +246,7 @@ def test_a_bounded_negative_likelihood_that_falls_through_zero_is_silent():
     torch.manual_seed(0)
     fit = build(False)
     callback = LayerHealthCallback(every_n_steps=1, on_anomaly="ignore", output={"summary": False}, **PRECURSORS)
-    trainer = pl.Trainer(
-        callbacks=[callback, Losses()],
-        max_steps=case.max_steps,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+    trainer = make_trainer([callback, Losses()], case.max_steps)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(fit.module)

@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from cases import BY_NAME, CASES
+from helpers import make_trainer
 from traincheck import NOT_PORTED, PORTS
 
 pytestmark = pytest.mark.slow
@@ -29,16 +30,7 @@ PUBLISHED = {
 def _fit(module: pl.LightningModule, steps: int, **trainer: object) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pl.Trainer(
-            max_steps=steps,
-            accelerator="cpu",
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-            num_sanity_val_steps=0,
-            **trainer,
-        ).fit(module)
+        make_trainer([], steps, **trainer).fit(module)
 
 
 def test_every_published_bug_is_ported_or_on_record_with_why_not():
