@@ -290,7 +290,7 @@ class OnePass:
                 key = self._key(kind, example)
                 if key in self._warmed or (kind == "grad" and not self._reads_gradients(device)):
                     continue
-                if self._call(kind, example, torch.zeros(1, dtype=torch.float64, device=device)) is None:
+                if self._call(kind, example, self._host_shift(0.0, device)) is None:
                     return None
                 self._warmed.add(key)
                 compiled += 1
@@ -397,14 +397,14 @@ class OnePass:
         why = "stacked" if reserve is None and not units else self._why_not(x, grad, shift)
         maxima = None
         if why is None:
-            view = self._view(x, units, unit_dim)
-            if self._key(self._kind(grad, units), view) not in self._warmed:
+            view, kind = self._view(x, units, unit_dim), self._kind(grad, units)
+            if self._key(kind, view) not in self._warmed:
                 why = "not_warmed"
             else:
                 with self._lift():
                     why = self._why_not_now()
                     if why is None:
-                        done, maxima = self._fast(view, reserve, self._kind(grad, units), shift)
+                        done, maxima = self._fast(view, reserve, kind, shift)
                         why = None if done else self._failure
         if why is not None:
             self.paths[f"today: {why}"] += 1
