@@ -149,10 +149,10 @@ class _Workspace:
         """The ``[2, CHUNK_ELEMENTS]`` scratch of ``dtype`` on ``device`` (allocated again if the limit changed)."""
         buffer = self._scratch.get((device, dtype))
         if buffer is None or buffer.shape[1] != stats.CHUNK_ELEMENTS:
+            self._forget_views([buffer])
             with torch.inference_mode(False):  # a buffer made in inference mode could not be written outside it
                 buffer = torch.empty(2, stats.CHUNK_ELEMENTS, dtype=dtype, device=device)
             self._scratch[(device, dtype)] = buffer
-            self._views = {}
         return buffer
 
     def views(self, buffer: Tensor, row: int, shapes: tuple[torch.Size, ...]) -> list[Tensor]:
